@@ -1,0 +1,20 @@
+"""GPipe pipeline parallelism as a PyTorch Lightning strategy.
+
+Importing this package registers the strategy names ``"gpipe"`` and ``"gpipe_spawn"``
+(Lightning 2.6 has no entry point for third-party strategies)::
+
+    import lightning_gpipe
+    trainer = L.Trainer(strategy="gpipe", accelerator="cpu", devices=2)
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_gpipe.balance import solve
+from lightning_gpipe.failure import PipelineFailure
+from lightning_gpipe.strategy import GPipeStrategy
+
+__all__ = ["GPipeStrategy", "PipelineFailure", "solve"]
+__version__ = "0.1.0"
+
+if "gpipe" not in StrategyRegistry:
+    GPipeStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,79 @@
+"""Make what user code logs on the last stage known to every stage.
+
+Only the last stage runs the part of a step after the backbone call, so only its
+``self.log`` calls record values. Loggers write on global rank 0 (the first
+stage), the progress bar shows there, and callbacks such as ``ModelCheckpoint``
+and ``EarlyStopping`` read ``trainer.callback_metrics`` on every rank and must
+decide alike. So after every step, and after the user's epoch-end hooks, the last
+stage broadcasts its logged results (Lightning's ``_ResultCollection`` entries,
+with their accumulated epoch state) and every other stage takes them as its own.
+"""
+
+import io
+import pickle
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+
+EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
+
+
+class LogRelay:
+    """Copies the last stage's logged results to every stage.
+
+    Args:
+        strategy: the running strategy; values logged with ``sync_dist=True`` keep a reference
+            to its ``reduce``, which is resolved to each receiver's own strategy.
+        src: global rank of the last stage, whose results are broadcast.
+    """
+
+    def __init__(self, strategy: "pl.strategies.Strategy", src: int) -> None:
+        self.strategy, self.src = strategy, src
+
+    def __call__(self, trainer: "pl.Trainer") -> None:
+        """Broadcast the last stage's current ``trainer._results`` entries; a collective call on all ranks."""
+        results = trainer._results
+        if results is None or not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        payload = [self._dumps(dict(results)) if dist.get_rank() == self.src else None]
+        dist.broadcast_object_list(payload, self.src)
+        if dist.get_rank() != self.src:
+            results.clear()
+            results.update(self._loads(payload[0]))
+            results.to(self.strategy.root_device)
+
+    def after_epoch_end_hooks(self, module: "pl.LightningModule") -> None:
+        """Relay after each of the module's epoch-end hooks, which may log (e.g. ``metric.compute()``).
+
+        They run before Lightning reads the epoch's metrics and before ``ModelCheckpoint`` and
+        ``EarlyStopping`` act. Undone by :meth:`detach`.
+        """
+        for name in EPOCH_END_HOOKS:
+            setattr(module, name, _then(getattr(module, name), lambda: self(module.trainer)))
+
+    @staticmethod
+    def detach(module: "pl.LightningModule") -> None:
+        """Remove the hooks set by :meth:`after_epoch_end_hooks`."""
+        for name in EPOCH_END_HOOKS:
+            module.__dict__.pop(name, None)
+
+    def _dumps(self, obj: Any) -> bytes:
+        buffer = io.BytesIO()
+        pickler = pickle.Pickler(buffer)
+        pickler.persistent_id = lambda o: "strategy" if o is self.strategy else None
+        pickler.dump(obj)
+        return buffer.getvalue()
+
+    def _loads(self, data: bytes) -> Any:
+        unpickler = pickle.Unpickler(io.BytesIO(data))
+        unpickler.persistent_load = lambda pid: self.strategy
+        return unpickler.load()
+
+
+def _then(hook: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:
+    def hook_then_relay() -> None:
+        hook()
+        after()
+
+    return hook_then_relay

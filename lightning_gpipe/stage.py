@@ -1,0 +1,199 @@
+"""One stage of the GPipe schedule: the fill (forward) and the drain (backward).
+
+Fill: the first stage splits the backbone input into M micro-batches; every
+stage runs each micro-batch through its partition and sends it on. The last
+stage returns the concatenation of its outputs as detached boundary tensors
+that require grad, so the user's loss runs once on the whole mini-batch.
+
+Drain: micro-batches go backwards in reverse order. A stage receives the
+gradient of its outputs (on the last stage: the boundary tensors' ``.grad``),
+backpropagates through its partition, and sends its inputs' gradients back.
+Parameter gradients accumulate over micro-batches, so the result equals
+mini-batch training (GPipe, Huang et al. 2019, section 2.2).
+
+Re-materialization (section 2.2, "activation checkpointing"): a checkpointed
+micro-batch runs forward without autograd, keeping only its input; its forward
+is recomputed in the drain *before* waiting for its gradient, so the recompute
+overlaps with the next stage's backward of the same micro-batch.
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Union
+
+import torch
+from torch import Tensor
+
+from lightning_gpipe import microbatch
+from lightning_gpipe.partition import Partition
+from lightning_gpipe.transfer import Link
+
+Value = Union[Tensor, tuple]
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+class Handoff(BaseException):
+    """Raised by the backbone call on a stage that is not the last, ending the user's step there.
+
+    The rest of the step (head, loss, logging) belongs to the last stage. It derives from
+    ``BaseException`` so that a user's ``except Exception`` cannot swallow it.
+    """
+
+
+@dataclass
+class _Record:
+    """What the drain needs of one micro-batch."""
+
+    input: Value
+    output: Optional[Value]  # None when checkpointed: recomputed in the drain
+    rng: Optional["_RngState"] = None
+    boundary: list[Tensor] = field(default_factory=list)  # last stage: the leaves handed to the user's loss
+
+
+class Stage:
+    """Executes one stage's part of every step.
+
+    Args:
+        partition: this stage's layers.
+        link: transfers to the neighbouring stages.
+        index: pipeline rank of this stage (0-based).
+        num_stages: K.
+        chunks: M, micro-batches per mini-batch (fewer when the batch has fewer rows).
+        checkpoint: ``"always"``, ``"except_last"`` (all micro-batches but the last) or ``"never"``.
+    """
+
+    def __init__(self, partition: Partition, link: Link, index: int, num_stages: int, chunks: int, checkpoint: str):
+        self.partition, self.link = partition, link
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        self.chunks, self.checkpoint = chunks, checkpoint
+        self._records: list[_Record] = []
+        self._calls = 0
+        partition.run_with(self.forward)
+
+    @contextmanager
+    def step(self, hook: str) -> Iterator[None]:
+        """Wrap one call of the user's ``hook`` (``"training_step"``...): checks that it called the backbone once."""
+        self._calls = 0
+        yield
+        if self._calls != 1:
+            raise RuntimeError(
+                f"`{hook}` called the pipelined backbone {self._calls} times; it must call it exactly once per step"
+                " (GPipeStrategy splits that one call into micro-batches)."
+            )
+
+    def forward(self, value: Value) -> Value:
+        """The fill: run every micro-batch of the backbone input ``value`` through this stage.
+
+        On stages after the first, ``value`` is ignored: the input arrives from the previous stage.
+
+        Returns:
+            On the last stage, the backbone output for the whole mini-batch.
+
+        Raises:
+            Handoff: on every stage but the last, once its micro-batches are sent.
+        """
+        self._calls += 1
+        training = torch.is_grad_enabled()
+        self._records = []
+        micro = microbatch.split(value, self.chunks) if self.is_first else None
+        count = len(micro) if micro is not None else None
+        outputs = []
+        i = 0
+        while count is None or i < count:
+            if micro is not None:
+                x = micro[i]
+            else:
+                x, count = self.link.recv_activation()
+                if training:
+                    x = _leaves(x)
+            y = self._forward_one(x, i, count, training)
+            if self.is_last:
+                outputs.append(self._boundary(y, training))
+            else:
+                self.link.send_activation(y, count)
+            i += 1
+        if not training:
+            self.link.flush()
+        if not self.is_last:
+            raise Handoff
+        return microbatch.join(outputs)
+
+    def _forward_one(self, x: Value, i: int, count: int, training: bool) -> Value:
+        remat = training and self._checkpointed(i, count)
+        rng = _RngState.capture(self.link.device) if remat else None
+        with torch.set_grad_enabled(training and not remat):
+            y = self.partition.run(x)
+        if training:
+            self._records.append(_Record(x, None if remat else y, rng))
+        return y
+
+    def _checkpointed(self, i: int, count: int) -> bool:
+        return self.checkpoint == "always" or (self.checkpoint == "except_last" and i < count - 1)
+
+    def _boundary(self, y: Value, training: bool) -> Value:
+        if not training:
+            return y
+        leaves = _leaves(y)
+        self._records[-1].boundary = _floats(leaves)
+        return leaves
+
+    def backward(self) -> None:
+        """The drain: backpropagate every micro-batch of the last fill, in reverse order.
+
+        On the last stage, the user's loss must have been backpropagated to the
+        boundary tensors first.
+        """
+        records, self._records = self._records, []
+        while records:
+            record = records.pop()
+            output = record.output if record.output is not None else self._recompute(record)
+            outs = _floats(output)
+            grads = [b.grad for b in record.boundary] if self.is_last else self.link.recv_grads(outs)
+            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            if not self.is_first:
+                self.link.send_grads([x.grad if x.grad is not None else torch.zeros_like(x) for x in _floats(record.input)])
+        self.link.flush()
+
+    def _recompute(self, record: _Record) -> Value:
+        with record.rng.restored(), torch.enable_grad():
+            return self.partition.run(record.input)
+
+
+class _RngState:
+    """The random number generator state a checkpointed forward started from, so the recompute draws the same."""
+
+    def __init__(self, device: torch.device, cpu: Tensor, accelerator: Optional[Tensor]) -> None:
+        self.device, self.cpu, self.accelerator = device, cpu, accelerator
+
+    @classmethod
+    def capture(cls, device: torch.device) -> "_RngState":
+        accelerator = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        return cls(device, torch.get_rng_state(), accelerator)
+
+    @contextmanager
+    def restored(self) -> Iterator[None]:
+        devices = [self.device] if self.accelerator is not None else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self.cpu)
+            if self.accelerator is not None:
+                torch.cuda.set_rng_state(self.accelerator, self.device)
+            yield
+
+
+def _floats(value: Value) -> list[Tensor]:
+    tensors = [value] if isinstance(value, Tensor) else value
+    return [t for t in tensors if isinstance(t, Tensor) and t.is_floating_point()]
+
+
+def _leaves(value: Value) -> Value:
+    """Detached copies of ``value``'s tensors; floating-point ones require grad (they receive gradients)."""
+
+    def leaf(t):
+        if not isinstance(t, Tensor):
+            return t
+        return t.detach().requires_grad_(t.is_floating_point())
+
+    return leaf(value) if isinstance(value, Tensor) else tuple(leaf(t) for t in value)

@@ -1,0 +1,342 @@
+"""GPipeStrategy: GPipe pipeline parallelism behind Lightning's strategy hooks.
+
+How one step maps onto Lightning (see docs/design.md): ``training_step`` is the
+fill, ``backward`` is the drain, and the optimizer step, clipping, schedulers and
+gradient accumulation stay Lightning's. This module only wires the hooks; the
+work is done by :mod:`lightning_gpipe.partition`, :mod:`lightning_gpipe.stage`,
+:mod:`lightning_gpipe.transfer` and :mod:`lightning_gpipe.relay`.
+"""
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor
+
+from lightning_gpipe import failure
+from lightning_gpipe.partition import Split, find_backbone, resolve_balance
+from lightning_gpipe.relay import LogRelay
+from lightning_gpipe.stage import CHECKPOINT_MODES, Handoff, Stage
+from lightning_gpipe.topology import Topology
+from lightning_gpipe.transfer import Link
+
+
+class GPipeStrategy(ParallelStrategy):
+    """Train a LightningModule whose ``nn.Sequential`` backbone is split into one stage per device.
+
+    GPipe (Huang et al. 2019, arXiv:1811.06965): each mini-batch is split into
+    ``chunks`` micro-batches that flow through the stages (the fill), then flow
+    back in reverse order (the drain); gradients accumulate and one optimizer step
+    follows, so training is synchronous and equals single-device mini-batch
+    training. Argument names follow torchgpipe.
+
+    One OS process per stage, launched like DDP. Stage k is the process of global rank k.
+    The backbone is the only part that is split: code before the backbone call must hold
+    no parameters, and modules after it (heads, losses, metrics) run on the last stage.
+
+    Args:
+        balance: number of consecutive backbone layers of each stage, one entry per device, e.g.
+            ``[3, 5]``. ``None`` (default) chooses the contiguous split whose largest stage has the
+            fewest parameters.
+        chunks: M, the number of micro-batches per mini-batch. ``None`` (default) uses ``4 * K`` for K
+            stages, the point from which the paper finds the bubble negligible. A batch with fewer rows
+            than ``chunks`` runs as one micro-batch per row; a batch that does not divide evenly gives
+            uneven micro-batches (as :func:`torch.tensor_split`).
+        checkpoint: re-materialization: ``"always"`` recomputes every micro-batch's forward in the
+            drain, ``"except_last"`` (default) all but the last micro-batch, ``"never"`` keeps all
+            activations.
+        backbone: name of the ``nn.Sequential`` attribute to pipeline; ``None`` finds the only one.
+        start_method: ``"popen"`` (default) re-runs the user's script once per extra stage, like
+            ``torchrun``; ``"spawn"`` starts worker processes from the main one and loads every
+            stage's trained weights back into the main process's module.
+        timeout: how long a collective or transfer may wait before torch.distributed gives up.
+        process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
+            Lightning's other parallel strategies; the Trainer fills them in.
+
+    Raises:
+        ValueError: for ``chunks < 1``, an unknown ``checkpoint`` mode or ``start_method``, or a
+            ``balance`` holding anything but positive integers. Whether ``balance`` fits the backbone
+            and the number of devices is checked when training starts, before the first step.
+    """
+
+    strategy_name = "gpipe"
+
+    def __init__(
+        self,
+        balance: Optional[Sequence[int]] = None,
+        chunks: Optional[int] = None,
+        checkpoint: Literal["always", "except_last", "never"] = "except_last",
+        backbone: Optional[str] = None,
+        start_method: Literal["popen", "spawn"] = "popen",
+        timeout: Optional[timedelta] = default_pg_timeout,
+        process_group_backend: Optional[str] = None,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        _check_arguments(balance, chunks, checkpoint, start_method)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.balance = list(balance) if balance is not None else None
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.backbone = backbone
+        self._start_method = start_method
+        self._timeout = timeout
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        self._split: Optional[Split] = None
+        self._stage: Optional[Stage] = None
+        self._relay: Optional[LogRelay] = None
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes the job spans."""
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Number of stage processes on this node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def root_device(self) -> torch.device:
+        """The device of this process's stage."""
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def topology(self) -> Topology:
+        """The data-parallel x pipeline mesh: one pipeline of ``world_size`` stages."""
+        return Topology(world_size=self.world_size, num_stages=self.world_size)
+
+    @property
+    def stage_index(self) -> int:
+        """Pipeline rank of this process (0 is the first stage)."""
+        return self.topology.stage_of(self.global_rank)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """All stages of one pipeline read the same batches: the sampler sees the data-parallel world only."""
+        return {"num_replicas": self.topology.data_parallel_size, "rank": self.topology.replica_of(self.global_rank)}
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def setup_environment(self) -> None:
+        """Select the device, then join the process group and the failure board."""
+        super().setup_environment()
+        reset_seed()
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        failure.attach(dist.distributed_c10d._get_default_store(), self.stage_index)
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        """Split the module into this process's stage, then set up precision and the local optimizers.
+
+        Raises:
+            ValueError: if the backbone or ``balance`` does not fit (see :func:`~lightning_gpipe.partition.find_backbone`
+                and :func:`~lightning_gpipe.partition.resolve_balance`).
+        """
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        if self._split is None:
+            self._split_module(module)
+        self._relay.after_epoch_end_hooks(module)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _split_module(self, module: "pl.LightningModule") -> None:
+        topology, stage = self.topology, self.stage_index
+        name = find_backbone(module, self.backbone)
+        balance = resolve_balance(self.balance, getattr(module, name), topology.num_stages)
+        self._split = Split(module, name, balance, stage)
+        replica = topology.replica_of(self.global_rank)
+        link = Link(
+            prev_rank=topology.rank_of(stage - 1, replica) if stage > 0 else None,
+            next_rank=topology.rank_of(stage + 1, replica) if stage < topology.num_stages - 1 else None,
+            device=self.root_device,
+        )
+        chunks = self.chunks if self.chunks is not None else 4 * topology.num_stages
+        self._stage = Stage(self._split.partition, link, stage, topology.num_stages, chunks, self.checkpoint)
+        self._relay = LogRelay(self, src=topology.rank_of(topology.num_stages - 1, replica))
+
+    def model_to_device(self) -> None:
+        """Move this stage's part of the module to its device."""
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """The fill. The last stage returns the user's loss; the others a stand-in for it.
+
+        Raises:
+            RuntimeError: if the user's step does not call the backbone exactly once, or returns no
+                loss on the last stage.
+        """
+        output = self._user_step("training_step", self.precision_plugin.train_step_context, args, kwargs)
+        if not self._stage.is_last:
+            # Lightning runs `backward` (the drain) only for a step that returned a loss
+            return torch.zeros((), device=self.root_device, requires_grad=True)
+        if output is None:
+            raise RuntimeError(
+                "`training_step` returned None on the last stage; under GPipeStrategy every step must return its"
+                " loss, since all stages take part in the drain."
+            )
+        return output
+
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
+        """The drain: the last stage backpropagates the loss to its boundary, then every stage its micro-batches.
+
+        The loss goes through the precision plugin (so loss scaling applies to the whole pipeline);
+        ``on_after_backward`` runs once all of this stage's gradients are accumulated.
+        """
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        if self._stage.is_last:
+            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        self._stage.backward()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        self._relay(module.trainer)
+        return closure_loss
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """A pipelined forward; returns the user's output on the last stage, ``None`` on the others."""
+        output = self._user_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+        self._relay(self.lightning_module.trainer)
+        return output
+
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """A pipelined forward; returns the user's output on the last stage, ``None`` on the others."""
+        output = self._user_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
+        self._relay(self.lightning_module.trainer)
+        return output
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """A pipelined forward; returns the prediction on the last stage, ``None`` on the others."""
+        return self._user_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+
+    def _user_step(self, hook: str, context: Callable, args: tuple, kwargs: dict) -> Any:
+        with context(), self._stage.step(hook):
+            try:
+                return getattr(self.lightning_module, hook)(*args, **kwargs)
+            except Handoff:
+                return None
+
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[str] = "mean") -> Any:
+        """Reduce over the data-parallel replicas (``self.log(..., sync_dist=True)``).
+
+        Stages of one pipeline hold different parts of one step, not copies, so they never
+        average with each other. With one replica, the value is returned as is.
+        """
+        return tensor
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        """Wait until every process reaches this point."""
+        if dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Send the picklable ``obj`` from global rank ``src`` to every process."""
+        if not dist.is_initialized():
+            return obj
+        payload = [obj]
+        dist.broadcast_object_list(payload, src)
+        return payload[0]
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole model's state dict on global rank 0 (union of the stages'); this stage's elsewhere.
+
+        A collective call: every stage sends its part to rank 0, so a checkpoint holds the full
+        model under the original names and loads into the module without the strategy.
+        """
+        local = {key: value.cpu() for key, value in self.lightning_module.state_dict().items()}
+        if not dist.is_initialized():
+            return local
+        parts = [None] * dist.get_world_size() if self.is_global_zero else None
+        dist.gather_object(local, parts, dst=0)
+        if not self.is_global_zero:
+            return local
+        return {key: value for part in parts for key, value in part.items()}
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Publish the exception so that the other stages exit naming it instead of hanging."""
+        failure.report(exception)
+
+    def teardown(self) -> None:
+        """Undo the split; after a completed run, global rank 0's module gets every stage's weights back."""
+        module = self.lightning_module
+        full = None
+        if self._split is not None and module is not None:
+            if module.trainer.state.status != TrainerStatus.INTERRUPTED:
+                full = self.lightning_module_state_dict()
+            LogRelay.detach(module)
+        super().teardown()
+        if self._split is not None:
+            self._split.undo(full if self.is_global_zero else None)
+            self._split = self._stage = self._relay = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"gpipe"`` (popen launcher) and ``"gpipe_spawn"`` (spawn launcher)."""
+        strategy_registry.register("gpipe", cls, description="GPipe pipeline parallelism")
+        strategy_registry.register(
+            "gpipe_spawn", cls, description="GPipe pipeline parallelism, spawn launcher", start_method="spawn"
+        )
+
+
+def _check_arguments(balance: Any, chunks: Any, checkpoint: Any, start_method: Any) -> None:
+    if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
+        raise ValueError(f"GPipeStrategy(chunks={chunks!r}): chunks is the number of micro-batches, an integer >= 1.")
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"GPipeStrategy(checkpoint={checkpoint!r}): choose one of {', '.join(CHECKPOINT_MODES)}.")
+    if start_method not in ("popen", "spawn"):
+        raise ValueError(f"GPipeStrategy(start_method={start_method!r}): choose 'popen' or 'spawn'.")
+    if balance is not None and (
+        isinstance(balance, (str, bytes)) or not all(isinstance(n, int) and not isinstance(n, bool) for n in balance)
+    ):
+        raise ValueError(
+            f"GPipeStrategy(balance={balance!r}): give the number of backbone layers of each stage as a list of"
+            " integers, e.g. balance=[3, 5], or None for an even split by parameter count."
+        )
