@@ -10,6 +10,8 @@ exiting non-zero with the original cause named.
 """
 
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Optional
 
@@ -49,12 +51,22 @@ def report(exception: BaseException) -> None:
         pass
 
 
-def peer_failure(error: BaseException) -> PipelineFailure:
-    """Build the error to raise when a transfer with a neighbour failed with ``error``."""
-    cause = _published_cause()
-    if cause is None:
-        return PipelineFailure(f"stage {_Board.stage}: a neighbouring stage stopped responding ({error})")
-    return PipelineFailure(f"stage {_Board.stage} stopped because {cause}")
+@contextmanager
+def naming_the_cause() -> Iterator[None]:
+    """Turn a failed transfer or collective inside the block into a :class:`PipelineFailure` naming the cause.
+
+    Raises:
+        PipelineFailure: with the published cause, or the transport's error when none was published.
+    """
+    try:
+        yield
+    except RuntimeError as error:
+        if isinstance(error, PipelineFailure):
+            raise
+        cause = _published_cause()
+        if cause is None:
+            raise PipelineFailure(f"stage {_Board.stage}: another stage stopped responding ({error})") from error
+        raise PipelineFailure(f"stage {_Board.stage} stopped because {cause}") from error
 
 
 def _published_cause() -> Optional[str]:

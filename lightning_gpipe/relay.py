@@ -16,6 +16,8 @@ from typing import Any, Callable
 import lightning.pytorch as pl
 import torch.distributed as dist
 
+from lightning_gpipe.failure import naming_the_cause
+
 EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
 
 
@@ -37,7 +39,8 @@ class LogRelay:
         if results is None or not dist.is_initialized() or dist.get_world_size() == 1:
             return
         payload = [self._dumps(dict(results)) if dist.get_rank() == self.src else None]
-        dist.broadcast_object_list(payload, self.src)
+        with naming_the_cause():
+            dist.broadcast_object_list(payload, self.src)
         if dist.get_rank() != self.src:
             results.clear()
             results.update(self._loads(payload[0]))

@@ -295,7 +295,8 @@ class GPipeStrategy(ParallelStrategy):
         if not dist.is_initialized():
             return local
         parts = [None] * dist.get_world_size() if self.is_global_zero else None
-        dist.gather_object(local, parts, dst=0)
+        with failure.naming_the_cause():
+            dist.gather_object(local, parts, dst=0)
         if not self.is_global_zero:
             return local
         return {key: value for part in parts for key, value in part.items()}

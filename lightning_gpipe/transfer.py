@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gpipe.failure import peer_failure
+from lightning_gpipe.failure import naming_the_cause
 
 Value = Union[Tensor, tuple]
 
@@ -112,7 +112,5 @@ def _wire(tensor: Tensor) -> Tensor:
 
 
 def _wait(work: dist.Work) -> None:
-    try:
+    with naming_the_cause():
         work.wait()
-    except RuntimeError as error:
-        raise peer_failure(error) from error

@@ -1,0 +1,76 @@
+"""Tests for the AmoebaNet-D example (examples/amoebanet): sizes, layer contract, data.
+
+Parameter counts are checked against GPipe (Huang et al. 2019,
+arXiv:1811.06965) Table 1, building the ImageNet models on the meta device.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from amoebanet.data import CIFAR10DataModule  # noqa: E402
+from amoebanet.model import amoebanetd  # noqa: E402
+
+TABLE_1_PARAMETERS = {(18, 208): 82e6, (18, 416): 318e6, (18, 544): 542e6}
+"""GPipe Table 1: AmoebaNet-D (L, D) parameter counts for ImageNet."""
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of scalar parameters of ``model``."""
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def is_tensor_or_tuple_of_tensors(value: object) -> bool:
+    """True for a Tensor or a non-empty tuple of Tensors, each with the batch on dim 0."""
+    if isinstance(value, Tensor):
+        return True
+    return isinstance(value, tuple) and len(value) > 0 and all(isinstance(item, Tensor) for item in value)
+
+
+@pytest.mark.parametrize(("num_layers", "num_filters"), list(TABLE_1_PARAMETERS))
+def test_imagenet_parameter_counts_match_gpipe_table_1(num_layers: int, num_filters: int) -> None:
+    """The ImageNet models are within 5% of the sizes GPipe reports."""
+    with torch.device("meta"):
+        model = amoebanetd(num_classes=1000, num_layers=num_layers, num_filters=num_filters, image_size=224)
+    expected = TABLE_1_PARAMETERS[(num_layers, num_filters)]
+    assert count_parameters(model) == pytest.approx(expected, rel=0.05)
+
+
+def test_layers_pass_tensors_or_tuples_and_return_logits() -> None:
+    """Layer by layer, a real CIFAR batch flows as Tensors/tuples and ends as (N, 10) logits."""
+    torch.manual_seed(0)
+    model = amoebanetd(num_classes=10, num_layers=3, num_filters=8, image_size=32)
+    datamodule = CIFAR10DataModule(batch_size=4)
+    datamodule.setup("fit")
+    images, labels = next(iter(datamodule.train_dataloader()))
+    assert images.shape == (4, 3, 32, 32) and images.dtype == torch.float32
+    assert labels.shape == (4,) and labels.dtype == torch.long
+    activation = images
+    for name, layer in model.named_children():
+        activation = layer(activation)
+        assert is_tensor_or_tuple_of_tensors(activation), name
+        items = activation if isinstance(activation, tuple) else (activation,)
+        assert all(item.shape[0] == 4 for item in items), name
+    assert isinstance(activation, Tensor) and activation.shape == (4, 10)
+    assert torch.isfinite(activation).all()
+
+
+def test_imagenet_stem_reaches_seven_by_seven() -> None:
+    """At 224x224 the ImageNet stem (32x overall with the two reductions) leaves 7x7 maps."""
+    with torch.device("meta"):
+        model = amoebanetd(num_classes=1000, num_layers=3, num_filters=16, image_size=224)
+        _, last = model[:-1](torch.empty(2, 3, 224, 224))
+        logits = model(torch.empty(2, 3, 224, 224))
+    assert last.shape == (2, 4 * 4 * 16, 7, 7)
+    assert logits.shape == (2, 1000)
+
+
+def test_num_layers_must_be_a_multiple_of_three() -> None:
+    """L is split evenly over three stacks of normal cells."""
+    with pytest.raises(ValueError, match="multiple of 3"):
+        amoebanetd(num_layers=4)

@@ -1,0 +1,32 @@
+"""Distributed worker: pipelined training of TupleNet for every (chunks, checkpoint) on K stages.
+
+Usage: python equivalence.py OUT_DIR  (run with Lightning's launcher: K = --devices)
+Writes OUT_DIR/M{chunks}_{checkpoint}.pt (full state dict, from global rank 0) and
+OUT_DIR/threads_rank{r}.txt (torch threads of each stage process).
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+import lightning_gpipe  # noqa: E402
+from models import fit  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--devices", type=int, required=True)
+parser.add_argument("--chunks", type=int, nargs="+", default=[1, 3, 8])
+args = parser.parse_args()
+
+for chunks in args.chunks:
+    for checkpoint in ("always", "except_last", "never"):
+        strategy = lightning_gpipe.GPipeStrategy(chunks=chunks, checkpoint=checkpoint)
+        module = fit(strategy=strategy, devices=args.devices)
+        if strategy.global_rank == 0:
+            torch.save(module.state_dict(), os.path.join(args.out, f"M{chunks}_{checkpoint}.pt"))
+with open(os.path.join(args.out, f"threads_rank{strategy.global_rank}.txt"), "w") as f:
+    f.write(str(torch.get_num_threads()))
