@@ -1,0 +1,183 @@
+"""In-process checks of micro-batching, balance, partitioning, argument errors and the one-stage engine."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gpipe import GPipeStrategy, microbatch, solve
+from lightning_gpipe.partition import Split, find_backbone, resolve_balance
+from lightning_gpipe.stage import Stage
+from lightning_gpipe.transfer import Link
+from models import TupleNet  # noqa: E402
+
+
+def test_split_is_uneven_like_tensor_split_and_repeats_non_tensors():
+    x, mask = torch.arange(10).reshape(10, 1), torch.ones(10, 2, dtype=torch.bool)
+    parts = microbatch.split((x, mask, "keep"), 4)
+    assert [p[0].shape[0] for p in parts] == [3, 3, 2, 2]
+    assert all(p[2] == "keep" for p in parts)
+    joined = microbatch.join(parts)
+    assert torch.equal(joined[0], x) and torch.equal(joined[1], mask) and joined[2] == "keep"
+
+
+def test_split_never_makes_empty_micro_batches():
+    assert [p.shape[0] for p in microbatch.split(torch.zeros(3, 5), 8)] == [1, 1, 1]
+
+
+def test_split_rejects_mismatched_batch_sizes_and_tensorless_values():
+    with pytest.raises(ValueError, match="same batch size in dim 0"):
+        microbatch.split((torch.zeros(4, 2), torch.zeros(3, 2)), 2)
+    with pytest.raises(TypeError, match="Expected a Tensor or a tuple holding tensors"):
+        microbatch.split(("a", 1), 2)
+
+
+@pytest.mark.parametrize(
+    "costs, stages, expected",
+    [([1] * 8, 2, [4, 4]), ([1, 1, 1, 10], 2, [3, 1]), ([5, 1, 1, 1, 1, 1], 2, [1, 5]), ([1, 2, 3], 3, [1, 1, 1])],
+)
+def test_solver_minimises_the_costliest_stage(costs, stages, expected):
+    assert solve(costs, stages) == expected
+
+
+def test_solver_is_optimal_against_brute_force():
+    from itertools import combinations
+
+    costs = [3, 1, 4, 1, 5, 9, 2, 6]
+    best = min(
+        max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, len(costs))))
+        for cuts in combinations(range(1, len(costs)), 2)
+    )
+    balance = solve(costs, 3)
+    bounds = [sum(balance[:i]) for i in range(4)]
+    assert max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])) == best
+
+
+def test_solver_rejects_more_stages_than_layers():
+    with pytest.raises(ValueError, match="Cannot split 2 layers into 3 non-empty stages"):
+        solve([1, 1], 3)
+
+
+class TwoSequentials(TupleNet):
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.Sequential(nn.Linear(2, 2))
+
+
+def test_backbone_is_found_or_the_error_names_the_fix():
+    assert find_backbone(TupleNet()) == "backbone"
+    with pytest.raises(ValueError, match=r"several nn.Sequential attributes \(backbone, extra\).*GPipeStrategy\(backbone="):
+        find_backbone(TwoSequentials())
+    with pytest.raises(ValueError, match="has no nn.Sequential attribute"):
+        find_backbone(nn.Module())
+    with pytest.raises(ValueError, match=r"`TupleNet.head` is Linear, not an nn.Sequential"):
+        find_backbone(TupleNet(), "head")
+
+
+@pytest.mark.parametrize(
+    "balance, message",
+    [
+        ([2, 2, 4], r"has 3 stages but the pipeline has 2 devices"),
+        ([0, 8], r"leaves a stage empty"),
+        ([3, 4], r"sums to 7 but the backbone has 8 layers"),
+    ],
+)
+def test_bad_balance_is_refused(balance, message):
+    backbone = TupleNet().backbone
+    assert resolve_balance([3, 5], backbone, 2) == [3, 5]
+    with pytest.raises(ValueError, match=message):
+        resolve_balance(balance, backbone, 2)
+
+
+def test_default_balance_evens_out_parameters_and_needs_enough_layers():
+    backbone = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 10), nn.Linear(10, 10))
+    assert resolve_balance(None, backbone, 2) == [2, 3]
+    with pytest.raises(ValueError, match="fewer than the 6 stages"):
+        resolve_balance(None, backbone, 6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(chunks=0), "chunks is the number of micro-batches, an integer >= 1"),
+        (dict(chunks=2.5), "chunks is the number of micro-batches"),
+        (dict(checkpoint="sometimes"), "choose one of always, except_last, never"),
+        (dict(balance="3,5"), "as a list of integers"),
+        (dict(start_method="fork"), "choose 'popen' or 'spawn'"),
+    ],
+)
+def test_bad_strategy_arguments_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GPipeStrategy(**kwargs)
+
+
+def test_split_keeps_names_frees_other_stages_and_undoes():
+    module = TupleNet()
+    full = {k: v.clone() for k, v in module.state_dict().items()}
+    split = Split(module, "backbone", [3, 5], stage=0)
+    assert list(module.state_dict()) == [f"backbone.{i}.linear.{p}" for i in range(3) for p in ("weight", "bias")]
+    assert all(p.is_meta for p in split.sequential[5].parameters())
+    with pytest.raises(RuntimeError, match="`self.head` was called on stage 0, before the backbone call"):
+        module.head(torch.zeros(1, 16))
+    split.undo(full)
+    assert module.backbone is split.sequential
+    for key, value in module.state_dict().items():
+        assert torch.equal(value, full[key])
+
+
+def test_last_stage_keeps_modules_outside_the_backbone():
+    module = TupleNet()
+    Split(module, "backbone", [3, 5], stage=1)
+    assert set(module.state_dict()) == {
+        *(f"backbone.{i}.linear.{p}" for i in range(3, 7) for p in ("weight", "bias")),
+        "head.weight",
+        "head.bias",
+    }
+
+
+class Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return nn.functional.dropout(torch.tanh(self.linear(x)), 0.5)
+
+
+def _one_stage_grads(checkpoint: str, chunks: int):
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[Noisy() for _ in range(3)])
+    module = nn.Module()
+    module.backbone = layers
+    split = Split(module, "backbone", [3], stage=0)
+    stage = Stage(split.partition, Link(None, None, torch.device("cpu")), 0, 1, chunks, checkpoint)
+    torch.manual_seed(1)
+    x = torch.randn(10, 8)
+    out = module.backbone(x)
+    out.pow(2).sum().backward()
+    stage.backward()
+    return out.detach(), [p.grad for p in layers.parameters()]
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_recompute_replays_dropout_and_gives_the_same_gradients(checkpoint):
+    expected_out, expected_grads = _one_stage_grads("never", 4)
+    out, grads = _one_stage_grads(checkpoint, 4)
+    assert torch.equal(out, expected_out)
+    for got, expected in zip(grads, expected_grads):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_one_stage_equals_plain_backward():
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    x = torch.randn(9, 8)
+    layers(x).pow(2).sum().backward()
+    expected = [p.grad.clone() for p in layers.parameters()]
+    layers.zero_grad()
+    module = nn.Module()
+    module.backbone = layers
+    stage = Stage(Split(module, "backbone", [3], 0).partition, Link(None, None, torch.device("cpu")), 0, 1, 4, "always")
+    module.backbone(x).pow(2).sum().backward()
+    stage.backward()
+    for p, g in zip(layers.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=1e-5)
