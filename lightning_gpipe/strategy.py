@@ -254,8 +254,10 @@ class GPipeStrategy(ParallelStrategy):
         return output
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """A pipelined forward; returns the prediction on the last stage, ``None`` on the others."""
-        return self._user_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+        """A pipelined forward; the last stage's prediction is returned on every stage (a collective call)."""
+        output = self._user_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+        with failure.naming_the_cause():
+            return self.broadcast(output, src=self._relay.src)
 
     def _user_step(self, hook: str, context: Callable, args: tuple, kwargs: dict) -> Any:
         with context(), self._stage.step(hook):

@@ -67,6 +67,10 @@ class TupleNet(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", self._loss(batch))
 
+    def predict_step(self, batch, batch_idx):
+        x, _ = batch
+        return self.head(self.backbone((x, x > -1.0)))
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
@@ -95,11 +99,16 @@ def trainer_kwargs(**overrides) -> dict:
 
 def fit(strategy="auto", devices=1, max_steps=6, seed=1, module=None, **overrides) -> L.LightningModule:
     """Train a freshly seeded TupleNet (or ``module``) on :func:`loader` data and return it."""
+    return fit_trainer(strategy, devices, max_steps, seed, module, **overrides).lightning_module
+
+
+def fit_trainer(strategy="auto", devices=1, max_steps=6, seed=1, module=None, **overrides) -> L.Trainer:
+    """Like :func:`fit`, returning the Trainer."""
     L.seed_everything(seed, verbose=False)
     module = module or TupleNet()
     trainer = L.Trainer(strategy=strategy, devices=devices, max_steps=max_steps, **trainer_kwargs(**overrides))
     trainer.fit(module, loader(), loader(seed=1))
-    return module
+    return trainer
 
 
 class LoggedNet(TupleNet):

@@ -1,8 +1,9 @@
 """Distributed worker: pipelined training of TupleNet for every (chunks, checkpoint) on K stages.
 
 Usage: python equivalence.py OUT_DIR  (run with Lightning's launcher: K = --devices)
-Writes OUT_DIR/M{chunks}_{checkpoint}.pt (full state dict, from global rank 0) and
-OUT_DIR/threads_rank{r}.txt (torch threads of each stage process).
+Writes OUT_DIR/M{chunks}_{checkpoint}.pt (rank 0's module after fit: the full state dict),
+OUT_DIR/threads_rank{r}.txt (torch threads of each stage process) and OUT_DIR/predictions_rank{r}.pt
+(what `trainer.predict` returns on each rank with the last trained module).
 """
 
 import argparse
@@ -14,7 +15,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
-from models import fit  # noqa: E402
+import lightning as L  # noqa: E402
+from models import fit, loader, trainer_kwargs  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -28,5 +30,8 @@ for chunks in args.chunks:
         module = fit(strategy=strategy, devices=args.devices)
         if strategy.global_rank == 0:
             torch.save(module.state_dict(), os.path.join(args.out, f"M{chunks}_{checkpoint}.pt"))
-with open(os.path.join(args.out, f"threads_rank{strategy.global_rank}.txt"), "w") as f:
+rank = strategy.global_rank
+with open(os.path.join(args.out, f"threads_rank{rank}.txt"), "w") as f:
     f.write(str(torch.get_num_threads()))
+trainer = L.Trainer(strategy=lightning_gpipe.GPipeStrategy(chunks=3), devices=args.devices, **trainer_kwargs())
+torch.save(trainer.predict(module, loader()), os.path.join(args.out, f"predictions_rank{rank}.pt"))

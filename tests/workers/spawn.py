@@ -1,4 +1,4 @@
-"""Distributed worker: the spawn launcher loads every stage's trained weights into the main process.
+"""Distributed worker: the spawn launcher gives the main process every stage's weights.
 
 Usage: python spawn.py OUT_FILE — saves the main process's module state dict after fit.
 """
