@@ -13,8 +13,8 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from amoebanet.data import CIFAR10DataModule  # noqa: E402
-from amoebanet.model import amoebanetd  # noqa: E402
+from amoebanet.data import CIFAR10DataModule
+from amoebanet.model import amoebanetd
 
 TABLE_1_PARAMETERS = {(18, 208): 82e6, (18, 416): 318e6, (18, 544): 542e6}
 """GPipe Table 1: AmoebaNet-D (L, D) parameter counts for ImageNet."""
@@ -26,7 +26,7 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def is_tensor_or_tuple_of_tensors(value: object) -> bool:
-    """True for a Tensor or a non-empty tuple of Tensors, each with the batch on dim 0."""
+    """True for a Tensor or a non-empty tuple of Tensors."""
     if isinstance(value, Tensor):
         return True
     return isinstance(value, tuple) and len(value) > 0 and all(isinstance(item, Tensor) for item in value)
@@ -44,7 +44,7 @@ def test_imagenet_parameter_counts_match_gpipe_table_1(num_layers: int, num_filt
 def test_layers_pass_tensors_or_tuples_and_return_logits() -> None:
     """Layer by layer, a real CIFAR batch flows as Tensors/tuples and ends as (N, 10) logits."""
     torch.manual_seed(0)
-    model = amoebanetd(num_classes=10, num_layers=3, num_filters=8, image_size=32)
+    model = amoebanetd(num_classes=10, num_layers=6, num_filters=16, image_size=32)
     datamodule = CIFAR10DataModule(batch_size=4)
     datamodule.setup("fit")
     images, labels = next(iter(datamodule.train_dataloader()))
@@ -74,3 +74,24 @@ def test_num_layers_must_be_a_multiple_of_three() -> None:
     """L is split evenly over three stacks of normal cells."""
     with pytest.raises(ValueError, match="multiple of 3"):
         amoebanetd(num_layers=4)
+
+
+def test_example_trains_on_two_stages_and_logs_through_a_lightning_logger(tmp_path) -> None:
+    """`train.py fit` from another directory: 2 stage processes, shipped images, CSV metrics."""
+    import csv
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "amoebanet" / "train.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "fit", "--trainer.max_steps=6", "--trainer.devices=2",
+         "--trainer.val_check_interval=3", "--trainer.limit_val_batches=2", "--trainer.log_every_n_steps=1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in result.stderr
+    (metrics,) = tmp_path.glob("lightning_logs/amoebanet/version_*/metrics.csv")
+    with open(metrics) as f:
+        rows = list(csv.DictReader(f))
+    losses = [float(row["train_loss"]) for row in rows if row.get("train_loss")]
+    assert len(losses) == 6 and all(loss > 0 for loss in losses)
+    assert any(row.get("val_acc") for row in rows)

@@ -1,0 +1,150 @@
+"""CIFAR-10 (or any Hugging Face image-classification dataset) as a LightningDataModule.
+
+Data: "Learning Multiple Layers of Features from Tiny Images", A. Krizhevsky,
+2009. By default the small class-balanced subset shipped in ``data/`` is used
+(see ``data/README.md``), so the example runs offline from a fresh clone.
+"""
+
+from pathlib import Path
+
+import datasets
+import torch
+from lightning.pytorch import LightningDataModule
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from amoebanet.transforms import CIFAR10_MEAN, CIFAR10_STD, ImageTransform
+
+DEFAULT_DATA_DIR = Path(__file__).resolve().parent / "data"
+"""The shipped subset: ``train.parquet`` (2,000 images) and ``test.parquet`` (500)."""
+
+
+class ImageClassificationDataset(Dataset):
+    """Map-style dataset of ``(image (3, S, S) float, label int)`` over a Hugging Face split.
+
+    The image column is the split's first ``datasets.Image`` feature (``image``
+    in the shipped parquet files, ``img`` in ``uoft-cs/cifar10``); the label
+    column is its first ``datasets.ClassLabel`` feature, else ``label``.
+
+    Args:
+        split: a Hugging Face ``datasets.Dataset``.
+        transform: turns a PIL image into a tensor.
+    """
+
+    def __init__(self, split: datasets.Dataset, transform: ImageTransform) -> None:
+        self.split = split
+        self.transform = transform
+        self.image_column = _column_of_type(split.features, datasets.Image, None)
+        self.label_column = _column_of_type(split.features, datasets.ClassLabel, "label")
+
+    def __len__(self) -> int:
+        """Number of images."""
+        return len(self.split)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+        """Return the transformed image and the label of row ``index``."""
+        row = self.split[index]
+        return self.transform(row[self.image_column]), int(row[self.label_column])
+
+
+def _column_of_type(features: datasets.Features, feature_type: type, default: str | None) -> str:
+    """Name of the first column whose feature is a ``feature_type``, else ``default``."""
+    for name, feature in features.items():
+        if isinstance(feature, feature_type):
+            return name
+    if default is None:
+        raise ValueError(f"no {feature_type.__name__} column in {list(features)}")
+    return default
+
+
+def collate(samples: list[tuple[Tensor, int]]) -> tuple[Tensor, Tensor]:
+    """Stack samples into ``(images (N, 3, S, S) float, labels (N,) long)``."""
+    images, labels = zip(*samples, strict=True)
+    return torch.stack(images), torch.tensor(labels, dtype=torch.long)
+
+
+class CIFAR10DataModule(LightningDataModule):
+    """CIFAR-10 batches ``(images (N, 3, S, S) float, labels (N,) long)``, normalised.
+
+    Training images are augmented (random crop with padding, horizontal flip)
+    and the last incomplete training batch is dropped. No sampler is set:
+    Lightning's strategy adds a distributed one when it needs it.
+
+    Args:
+        data_dir: directory holding ``<train_split>.parquet`` and
+            ``<val_split>.parquet`` (Hugging Face ``datasets`` parquet with an
+            Image and a ClassLabel column). Default: the subset shipped next to
+            this file.
+        dataset_name: a Hugging Face Hub dataset, e.g. ``"uoft-cs/cifar10"``,
+            loaded with ``datasets.load_dataset(dataset_name)`` instead of
+            ``data_dir`` (needs network access).
+        batch_size: images per batch (per pipeline, all micro-batches). Default 32.
+        num_workers: DataLoader worker processes. Default 0.
+        image_size: side S that images are resized to. Default 32.
+        mean: per-channel normalisation mean. Default: CIFAR-10's.
+        std: per-channel normalisation standard deviation. Default: CIFAR-10's.
+        train_split: name of the training split. Default ``"train"``.
+        val_split: name of the validation split. Default ``"test"``.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | None = None,
+        dataset_name: str | None = None,
+        batch_size: int = 32,
+        num_workers: int = 0,
+        image_size: int = 32,
+        mean: tuple[float, float, float] = CIFAR10_MEAN,
+        std: tuple[float, float, float] = CIFAR10_STD,
+        train_split: str = "train",
+        val_split: str = "test",
+    ) -> None:
+        super().__init__()
+        if data_dir is not None and dataset_name is not None:
+            raise ValueError("give data_dir or dataset_name, not both")
+        self.save_hyperparameters()
+        self.train_set: ImageClassificationDataset | None = None
+        self.val_set: ImageClassificationDataset | None = None
+
+    def prepare_data(self) -> None:
+        """Download (hub) or convert (parquet) the dataset once, into the ``datasets`` cache."""
+        self._load()
+
+    def setup(self, stage: str) -> None:
+        """Build the training and validation datasets from the cached splits."""
+        splits = self._load()
+        hp = self.hparams
+        self.train_set = ImageClassificationDataset(
+            splits[hp.train_split], ImageTransform(hp.image_size, hp.mean, hp.std, augment=True)
+        )
+        self.val_set = ImageClassificationDataset(
+            splits[hp.val_split], ImageTransform(hp.image_size, hp.mean, hp.std, augment=False)
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled training batches; the last incomplete batch is dropped."""
+        return self._loader(self.train_set, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation batches in order, the last one possibly smaller."""
+        return self._loader(self.val_set, train=False)
+
+    def _loader(self, dataset: ImageClassificationDataset | None, train: bool) -> DataLoader:
+        """A DataLoader over ``dataset`` with this module's batch size and workers."""
+        return DataLoader(
+            dataset,
+            batch_size=self.hparams.batch_size,
+            shuffle=train,
+            drop_last=train,
+            num_workers=self.hparams.num_workers,
+            collate_fn=collate,
+        )
+
+    def _load(self) -> datasets.DatasetDict:
+        """Load the hub dataset, or the two parquet splits of ``data_dir``."""
+        hp = self.hparams
+        if hp.dataset_name is not None:
+            return datasets.load_dataset(hp.dataset_name)
+        directory = Path(hp.data_dir) if hp.data_dir is not None else DEFAULT_DATA_DIR
+        files = {split: str(directory / f"{split}.parquet") for split in (hp.train_split, hp.val_split)}
+        return datasets.load_dataset("parquet", data_files=files)
