@@ -26,7 +26,7 @@ from torch import Tensor
 
 from lightning_gpipe import microbatch
 from lightning_gpipe.partition import Partition
-from lightning_gpipe.transfer import Link
+from lightning_gpipe.transfer import Link, Meta
 
 Value = Union[Tensor, tuple]
 
@@ -47,6 +47,7 @@ class _Record:
 
     input: Value
     output: Optional[Value]  # None when checkpointed: recomputed in the drain
+    metas: list[Meta]  # shapes and dtypes of the floating-point outputs, whose gradients come back
     rng: Optional["_RngState"] = None
     boundary: list[Tensor] = field(default_factory=list)  # last stage: the leaves handed to the user's loss
 
@@ -111,7 +112,7 @@ class Stage:
             if self.is_last:
                 outputs.append(self._boundary(y, training))
             else:
-                self.link.send_activation(y, count)
+                self.link.send_activation(y, i, count)
             i += 1
         if not training:
             self.link.flush()
@@ -125,7 +126,8 @@ class Stage:
         with torch.set_grad_enabled(training and not remat):
             y = self.partition.run(x)
         if training:
-            self._records.append(_Record(x, None if remat else y, rng))
+            metas = [(t.shape, t.dtype) for t in _floats(y)]
+            self._records.append(_Record(x, None if remat else y, metas, rng))
         return y
 
     def _checkpointed(self, i: int, count: int) -> bool:
@@ -145,11 +147,15 @@ class Stage:
         boundary tensors first.
         """
         records, self._records = self._records, []
+        if records and not self.is_last:
+            self.link.post_grads(records[-1].metas)
         while records:
             record = records.pop()
             output = record.output if record.output is not None else self._recompute(record)
+            if records and not self.is_last:
+                self.link.post_grads(records[-1].metas)  # one ahead, so it lands while this one computes
             outs = _floats(output)
-            grads = [b.grad for b in record.boundary] if self.is_last else self.link.recv_grads(outs)
+            grads = [b.grad for b in record.boundary] if self.is_last else self.link.recv_grads()
             pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])

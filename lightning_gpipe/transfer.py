@@ -5,16 +5,23 @@ step to step and between micro-batches (variable-length text, uneven last
 micro-batch). Gradients need no header: the receiver of a gradient is the stage
 that sent the activation, so it already knows the shapes.
 
-Wire format of one activation (all int64, then the tensors in order)::
+Wire format of one micro-batch's activation (a fixed-size int64 header, then the tensors)::
 
-    [header length]  [count, is_tuple, n, (dtype, ndim, *shape) * n]  tensor_0 ... tensor_{n-1}
+    [count, index, is_tuple, n, (dtype, ndim, *shape) * n, 0 ...]   tensor_0 ... tensor_{n-1}
 
 ``count`` is the number of micro-batches of the current mini-batch, so that stages
-after the first learn it from the first message. Sends are asynchronous and
-overlap the next micro-batch's compute; receives block. Works with any
-torch.distributed backend that has ``isend``/``irecv`` (gloo on CPU, NCCL on GPU).
+after the first learn it from the first message, and ``index`` says which one this is.
+
+Latency matters as much as bandwidth: a blocked receive costs a wake-up (up to a
+scheduler tick on a busy CPU), and gloo moves a payload only once its receive is
+posted. So receives are posted ahead: the next micro-batch's header while this
+one computes, all payload tensors of a micro-batch at once, and a gradient before
+the drain needs it. Sends are asynchronous and overlap compute. Works with any
+torch.distributed backend that has ``isend``/``irecv`` (gloo on CPU, NCCL on GPU);
+receives are posted in the order the matching sends are issued, as NCCL needs.
 """
 
+from collections.abc import Sequence
 from typing import Optional, Union
 
 import torch
@@ -24,6 +31,10 @@ from torch import Tensor
 from lightning_gpipe.failure import naming_the_cause
 
 Value = Union[Tensor, tuple]
+Meta = tuple[torch.Size, torch.dtype]
+
+HEADER_SLOTS = 128
+"""int64 slots of an activation header: room for 20 four-dimensional tensors per activation."""
 
 _DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -44,41 +55,57 @@ class Link:
         self.prev_rank = prev_rank
         self.next_rank = next_rank
         self.device = device
-        self._pending: list[tuple[dist.Work, Tensor]] = []
+        self._pending_sends: list[tuple[dist.Work, Tensor]] = []
+        self._next_header: Optional[tuple[dist.Work, Tensor]] = None
+        self._grads: list[tuple[list[dist.Work], list[Tensor]]] = []
 
-    def send_activation(self, value: Value, count: int) -> None:
-        """Send one micro-batch's output (a Tensor or tuple of tensors) to the next stage, asynchronously.
+    def send_activation(self, value: Value, index: int, count: int) -> None:
+        """Send micro-batch ``index`` of ``count`` (a Tensor or tuple of tensors) to the next stage, asynchronously.
 
-        Args:
-            value: the micro-batch activation; tensors keep dtype and shape.
-            count: M, the number of micro-batches in this mini-batch.
+        Raises:
+            ValueError: if the activation's shapes do not fit in :data:`HEADER_SLOTS`, or a dtype cannot be sent.
         """
         tensors = [value] if isinstance(value, Tensor) else list(value)
-        header = [count, int(not isinstance(value, Tensor)), len(tensors)]
+        header = [count, index, int(not isinstance(value, Tensor)), len(tensors)]
         for tensor in tensors:
+            if tensor.dtype not in _DTYPES:
+                raise ValueError(f"Cannot send a {tensor.dtype} tensor between stages; use one of {_DTYPES}.")
             header += [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
-        header_tensor = torch.tensor(header, dtype=torch.int64, device=self.device)
-        self._isend(torch.tensor([len(header)], dtype=torch.int64, device=self.device), self.next_rank)
-        self._isend(header_tensor, self.next_rank)
+        if len(header) > HEADER_SLOTS:
+            raise ValueError(
+                f"An activation of {len(tensors)} tensors is too large to describe in {HEADER_SLOTS} header slots;"
+                " pass fewer tensors between layers (e.g. stack them)."
+            )
+        header += [0] * (HEADER_SLOTS - len(header))
+        self._isend(torch.tensor(header, dtype=torch.int64, device=self.device), self.next_rank)
         for tensor in tensors:
             self._isend(_wire(tensor.detach()), self.next_rank)
 
     def recv_activation(self) -> tuple[Value, int]:
-        """Receive one micro-batch's input from the previous stage.
+        """Receive the next micro-batch's input from the previous stage.
 
         Returns:
             ``(value, count)``: the activation (Tensor or tuple, as sent) and M.
         """
-        length = self._recv(torch.empty(1, dtype=torch.int64, device=self.device), self.prev_rank)
-        header = self._recv(torch.empty(int(length), dtype=torch.int64, device=self.device), self.prev_rank).tolist()
-        count, is_tuple, n = header[:3]
-        tensors, pos = [], 3
+        if self._next_header is None:
+            self._next_header = self._irecv(torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device), self.prev_rank)
+        work, header_tensor = self._next_header
+        _wait([work])
+        header = header_tensor.tolist()
+        count, index, is_tuple, n = header[:4]
+        buffers, pos = [], 4
         for _ in range(n):
             dtype, ndim = _DTYPES[header[pos]], header[pos + 1]
             shape = header[pos + 2 : pos + 2 + ndim]
             pos += 2 + ndim
-            buffer = torch.empty(shape, dtype=torch.uint8 if dtype is torch.bool else dtype, device=self.device)
-            tensors.append(self._recv(buffer, self.prev_rank).view(dtype))
+            wire_dtype = torch.uint8 if dtype is torch.bool else dtype
+            buffers.append((torch.empty(shape, dtype=wire_dtype, device=self.device), dtype))
+        works = [self._irecv(buffer, self.prev_rank)[0] for buffer, _ in buffers]
+        # posted after this micro-batch's payload, so it matches the next header on any backend
+        more = index + 1 < count
+        self._next_header = self._irecv(torch.empty_like(header_tensor), self.prev_rank) if more else None
+        _wait(works)
+        tensors = [buffer.view(dtype) for buffer, dtype in buffers]
         return (tuple(tensors) if is_tuple else tensors[0]), count
 
     def send_grads(self, grads: list[Tensor]) -> None:
@@ -86,24 +113,32 @@ class Link:
         for grad in grads:
             self._isend(grad.contiguous(), self.prev_rank)
 
-    def recv_grads(self, outputs: list[Tensor]) -> list[Tensor]:
-        """Receive the gradients of ``outputs`` (this stage's floating-point outputs) from the next stage."""
-        return [self._recv(torch.empty_like(out, memory_format=torch.contiguous_format), self.next_rank) for out in outputs]
+    def post_grads(self, metas: Sequence[Meta]) -> None:
+        """Post the receive of the gradients of one micro-batch's floating-point outputs (shapes and dtypes).
+
+        Receives are matched in posting order: post them in the order the next stage sends them.
+        """
+        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in metas]
+        self._grads.append(([self._irecv(buffer, self.next_rank)[0] for buffer in buffers], buffers))
+
+    def recv_grads(self) -> list[Tensor]:
+        """Wait for the gradients posted first by :meth:`post_grads` and return them."""
+        works, buffers = self._grads.pop(0)
+        _wait(works)
+        return buffers
 
     def flush(self) -> None:
         """Wait until every pending send has completed."""
-        pending, self._pending = self._pending, []
-        for work, _ in pending:
-            _wait(work)
+        pending, self._pending_sends = self._pending_sends, []
+        _wait([work for work, _ in pending])
 
     def _isend(self, tensor: Tensor, dst: Optional[int]) -> None:
         # the tensor is kept alive with its work until the send completes
-        self._pending.append((dist.isend(tensor, dst), tensor))
+        self._pending_sends.append((dist.isend(tensor, dst), tensor))
 
     @staticmethod
-    def _recv(buffer: Tensor, src: Optional[int]) -> Tensor:
-        _wait(dist.irecv(buffer, src))
-        return buffer
+    def _irecv(buffer: Tensor, src: Optional[int]) -> tuple[dist.Work, Tensor]:
+        return dist.irecv(buffer, src), buffer
 
 
 def _wire(tensor: Tensor) -> Tensor:
@@ -111,6 +146,7 @@ def _wire(tensor: Tensor) -> Tensor:
     return tensor.view(torch.uint8) if tensor.dtype is torch.bool else tensor
 
 
-def _wait(work: dist.Work) -> None:
+def _wait(works: list[dist.Work]) -> None:
     with naming_the_cause():
-        work.wait()
+        for work in works:
+            work.wait()
