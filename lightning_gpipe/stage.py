@@ -97,28 +97,30 @@ class Stage:
         self._calls += 1
         training = torch.is_grad_enabled()
         self._records = []
-        micro = microbatch.split(value, self.chunks) if self.is_first else None
-        count = len(micro) if micro is not None else None
         outputs = []
-        i = 0
-        while count is None or i < count:
-            if micro is not None:
-                x = micro[i]
-            else:
-                x, count = self.link.recv_activation()
-                if training:
-                    x = _leaves(x)
+        for i, (x, count) in enumerate(self._micro_batches(value, training)):
             y = self._forward_one(x, i, count, training)
             if self.is_last:
                 outputs.append(self._boundary(y, training))
             else:
                 self.link.send_activation(y, i, count)
-            i += 1
         if not training:
             self.link.flush()
         if not self.is_last:
             raise Handoff
         return microbatch.join(outputs)
+
+    def _micro_batches(self, value: Value, training: bool) -> Iterator[tuple[Value, int]]:
+        """This stage's inputs with the micro-batch count: split from ``value``, or received."""
+        if self.is_first:
+            micro = microbatch.split(value, self.chunks)
+            yield from ((x, len(micro)) for x in micro)
+            return
+        received, count = 0, 1
+        while received < count:
+            x, count = self.link.recv_activation()
+            received += 1
+            yield (_leaves(x) if training else x), count
 
     def _forward_one(self, x: Value, i: int, count: int, training: bool) -> Value:
         remat = training and self._checkpointed(i, count)

@@ -175,8 +175,7 @@ class GPipeStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        if self._split is None:
-            self._split_module(module)
+        self._split_module(module)
         self._relay.after_epoch_end_hooks(module)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
