@@ -23,11 +23,15 @@ def batch_size(value: Value) -> int:
     """
     tensors = [value] if isinstance(value, Tensor) else [x for x in value if isinstance(x, Tensor)]
     if not tensors:
-        raise TypeError(f"Expected a Tensor or a tuple holding tensors to split into micro-batches, got {_kind(value)}.")
+        raise TypeError(
+            f"Expected a Tensor or a tuple holding tensors to split into micro-batches, got {_kind(value)}."
+        )
     sizes = {t.shape[0] if t.dim() else None for t in tensors}
     if None in sizes or len(sizes) != 1:
         shapes = [tuple(t.shape) for t in tensors]
-        raise ValueError(f"Every tensor passed to the backbone needs the same batch size in dim 0; got shapes {shapes}.")
+        raise ValueError(
+            f"Every tensor passed to the backbone needs the same batch size in dim 0; got shapes {shapes}."
+        )
     return sizes.pop()
 
 

@@ -71,7 +71,8 @@ class _Freed(nn.Module):
         raise RuntimeError(
             f"`self.{self.name}` was called on stage {self.stage}, before the backbone call. Modules outside the"
             " backbone live on the last stage only, so code before the backbone call must hold no parameters (data"
-            f" preparation only). Move `{self.name}` into the backbone as its first layer, or call it after the backbone."
+            f" preparation only). Move `{self.name}` into the backbone as its first layer, or call it after the"
+            " backbone."
         )
 
 

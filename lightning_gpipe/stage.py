@@ -162,7 +162,9 @@ class Stage:
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             if not self.is_first:
-                self.link.send_grads([x.grad if x.grad is not None else torch.zeros_like(x) for x in _floats(record.input)])
+                self.link.send_grads(
+                    [x.grad if x.grad is not None else torch.zeros_like(x) for x in _floats(record.input)]
+                )
         self.link.flush()
 
     def _recompute(self, record: _Record) -> Value:

@@ -169,8 +169,9 @@ class GPipeStrategy(ParallelStrategy):
         """Split the module into this process's stage, then set up precision and the local optimizers.
 
         Raises:
-            ValueError: if the backbone or ``balance`` does not fit (see :func:`~lightning_gpipe.partition.find_backbone`
-                and :func:`~lightning_gpipe.partition.resolve_balance`).
+            ValueError: if the backbone or ``balance`` does not fit (see
+                :func:`~lightning_gpipe.partition.find_backbone` and
+                :func:`~lightning_gpipe.partition.resolve_balance`).
         """
         assert self.accelerator is not None
         self.accelerator.setup(trainer)

@@ -88,7 +88,9 @@ class Link:
             ``(value, count)``: the activation (Tensor or tuple, as sent) and M.
         """
         if self._next_header is None:
-            self._next_header = self._irecv(torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device), self.prev_rank)
+            self._next_header = self._irecv(
+                torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device), self.prev_rank
+            )
         work, header_tensor = self._next_header
         _wait([work])
         header = header_tensor.tolist()

@@ -12,7 +12,9 @@ WORKERS = Path(__file__).parent / "workers"
 
 def run_worker(script: str, *args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``tests/workers/<script>``; Lightning's launcher starts the other stage processes from it."""
-    environment = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    environment = {
+        k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")
+    }
     environment.update(env or {})
     return subprocess.run(
         [sys.executable, str(WORKERS / script), *args],

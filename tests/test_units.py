@@ -65,7 +65,9 @@ class TwoSequentials(TupleNet):
 
 def test_backbone_is_found_or_the_error_names_the_fix():
     assert find_backbone(TupleNet()) == "backbone"
-    with pytest.raises(ValueError, match=r"several nn.Sequential attributes \(backbone, extra\).*GPipeStrategy\(backbone="):
+    with pytest.raises(
+        ValueError, match=r"several nn.Sequential attributes \(backbone, extra\).*GPipeStrategy\(backbone="
+    ):
         find_backbone(TwoSequentials())
     with pytest.raises(ValueError, match="has no nn.Sequential attribute"):
         find_backbone(nn.Module())
