@@ -88,9 +88,7 @@ class Link:
             ``(value, count)``: the activation (Tensor or tuple, as sent) and M.
         """
         if self._next_header is None:
-            self._next_header = self._irecv(
-                torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device), self.prev_rank
-            )
+            self._next_header = self._post_header()
         work, header_tensor = self._next_header
         _wait([work])
         header = header_tensor.tolist()
@@ -102,10 +100,9 @@ class Link:
             pos += 2 + ndim
             wire_dtype = torch.uint8 if dtype is torch.bool else dtype
             buffers.append((torch.empty(shape, dtype=wire_dtype, device=self.device), dtype))
-        works = [self._irecv(buffer, self.prev_rank)[0] for buffer, _ in buffers]
+        works = [dist.irecv(buffer, self.prev_rank) for buffer, _ in buffers]
         # posted after this micro-batch's payload, so it matches the next header on any backend
-        more = index + 1 < count
-        self._next_header = self._irecv(torch.empty_like(header_tensor), self.prev_rank) if more else None
+        self._next_header = self._post_header() if index + 1 < count else None
         _wait(works)
         tensors = [buffer.view(dtype) for buffer, dtype in buffers]
         return (tuple(tensors) if is_tuple else tensors[0]), count
@@ -121,7 +118,7 @@ class Link:
         Receives are matched in posting order: post them in the order the next stage sends them.
         """
         buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in metas]
-        self._grads.append(([self._irecv(buffer, self.next_rank)[0] for buffer in buffers], buffers))
+        self._grads.append(([dist.irecv(buffer, self.next_rank) for buffer in buffers], buffers))
 
     def recv_grads(self) -> list[Tensor]:
         """Wait for the gradients posted first by :meth:`post_grads` and return them."""
@@ -138,9 +135,9 @@ class Link:
         # the tensor is kept alive with its work until the send completes
         self._pending_sends.append((dist.isend(tensor, dst), tensor))
 
-    @staticmethod
-    def _irecv(buffer: Tensor, src: Optional[int]) -> tuple[dist.Work, Tensor]:
-        return dist.irecv(buffer, src), buffer
+    def _post_header(self) -> tuple[dist.Work, Tensor]:
+        header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
+        return dist.irecv(header, self.prev_rank), header
 
 
 def _wire(tensor: Tensor) -> Tensor:
