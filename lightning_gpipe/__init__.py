@@ -11,9 +11,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_gpipe.balance import solve
 from lightning_gpipe.failure import PipelineFailure
+from lightning_gpipe.stage import forward_and_share
 from lightning_gpipe.strategy import GPipeStrategy
 
-__all__ = ["GPipeStrategy", "PipelineFailure", "solve"]
+__all__ = ["GPipeStrategy", "PipelineFailure", "forward_and_share", "solve"]
 __version__ = "0.1.0"
 
 if "gpipe" not in StrategyRegistry:

@@ -23,8 +23,8 @@ Value = Union[Tensor, tuple]
 class Partition(nn.Module):
     """The backbone layers of one stage, under their original names.
 
-    Calling it runs the pipeline (set by :meth:`run_with`); :meth:`run` applies the
-    local layers to one micro-batch.
+    Calling it runs the pipeline through the attached :class:`~lightning_gpipe.stage.Stage`
+    (see :meth:`attach`); :meth:`run` applies the local layers to one micro-batch.
 
     Args:
         layers: ordered mapping of original names (``"7"``) to layers.
@@ -34,15 +34,15 @@ class Partition(nn.Module):
         super().__init__()
         for name, layer in layers.items():
             self.add_module(name, layer)
-        self._forward = self.run
+        self.stage = None
 
-    def run_with(self, forward) -> None:
-        """Make ``forward`` (a callable taking the backbone input) what calling this module does."""
-        self._forward = forward
+    def attach(self, stage) -> None:
+        """Make calling this module run ``stage.forward`` (the pipeline) instead of the local layers alone."""
+        self.stage = stage
 
     def forward(self, value: Value) -> Value:
         """Run the pipeline on the backbone input ``value``; see :class:`lightning_gpipe.stage.Stage`."""
-        return self._forward(value)
+        return self.stage.forward(value) if self.stage is not None else self.run(value)
 
     def run(self, value: Value) -> Value:
         """Apply the local layers in order to one micro-batch.

@@ -19,7 +19,7 @@ overlaps with the next stage's backward of the same micro-batch.
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch import Tensor
@@ -62,26 +62,63 @@ class Stage:
         num_stages: K.
         chunks: M, micro-batches per mini-batch (fewer when the batch has fewer rows).
         checkpoint: ``"always"``, ``"except_last"`` (all micro-batches but the last) or ``"never"``.
+        share: sends a picklable object from the last stage to every stage of the pipeline and returns it
+            (a collective call); the identity by default, for a single process.
     """
 
-    def __init__(self, partition: Partition, link: Link, index: int, num_stages: int, chunks: int, checkpoint: str):
-        self.partition, self.link = partition, link
+    def __init__(
+        self,
+        partition: Partition,
+        link: Link,
+        index: int,
+        num_stages: int,
+        chunks: int,
+        checkpoint: str,
+        share: Callable[[Any], Any] = lambda obj: obj,
+    ):
+        self.partition, self.link, self.share = partition, link, share
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.chunks, self.checkpoint = chunks, checkpoint
         self._records: list[_Record] = []
-        self._calls = 0
-        partition.run_with(self.forward)
+        self._calls = self._shared_calls = 0
+        partition.attach(self)
 
     @contextmanager
     def step(self, hook: str) -> Iterator[None]:
         """Wrap one call of the user's ``hook`` (``"training_step"``...): checks that it called the backbone once."""
-        self._calls = 0
+        self._calls = self._shared_calls = 0
         yield
-        if self._calls != 1:
+        if self._calls > 1 or (self._calls == 0 and self._shared_calls == 0):
             raise RuntimeError(
                 f"`{hook}` called the pipelined backbone {self._calls} times; it must call it exactly once per step"
-                " (GPipeStrategy splits that one call into micro-batches)."
+                " (GPipeStrategy splits that one call into micro-batches). To call it several times in evaluation,"
+                " e.g. for autoregressive decoding, use `lightning_gpipe.forward_and_share`."
             )
+
+    def forward_and_share(self, value: Value, fn: Callable[[Value], Any]) -> Any:
+        """Run the backbone on ``value`` without gradients, apply ``fn`` to its output on the last stage,
+        and return ``fn``'s result on every stage. See :func:`forward_and_share`.
+
+        Raises:
+            RuntimeError: with gradients enabled, or after this step's plain backbone call.
+        """
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "`forward_and_share` runs the backbone without gradients, for evaluation and decoding; call it"
+                " under `torch.no_grad()` or from `validation_step`, `test_step` or `predict_step`."
+            )
+        if self._calls:
+            raise RuntimeError(
+                "`forward_and_share` was called after this step's plain backbone call, which ends the step on"
+                " every stage but the last; call the backbone plainly last, or only through `forward_and_share`."
+            )
+        self._shared_calls += 1
+        try:
+            result = fn(self.forward(value))
+        except Handoff:
+            result = None
+        self._calls -= 1  # `forward` counted this call as the plain one
+        return self.share(result)
 
     def forward(self, value: Value) -> Value:
         """The fill: run every micro-batch of the backbone input ``value`` through this stage.
@@ -170,6 +207,31 @@ class Stage:
     def _recompute(self, record: _Record) -> Value:
         with record.rng.restored(), torch.enable_grad():
             return self.partition.run(record.input)
+
+
+def forward_and_share(backbone: torch.nn.Module, value: Value, fn: Callable[[Value], Any]) -> Any:
+    """Call ``backbone(value)``, apply ``fn`` to its output, and return the result on every stage.
+
+    A pipelined backbone's output exists on the last stage only, and a plain backbone call ends
+    the user's step on the other stages. Loops that feed an output back into the backbone, such as
+    greedy or beam decoding, need that output everywhere: this runs the pipelined forward
+    (micro-batched, no gradients), applies ``fn`` on the last stage and sends its result (keep it
+    small, e.g. the next token ids) to every stage, so all stages go round the loop together. The
+    same approach as Megatron-LM's text generation, which broadcasts new tokens from the last stage.
+    Without a pipeline (one device, other strategies) it is ``fn(backbone(value))``.
+
+    Args:
+        backbone: the module's backbone attribute (``self.backbone``).
+        value: the backbone input, as for a plain call.
+        fn: maps the backbone output of the whole batch to a picklable result.
+
+    Raises:
+        RuntimeError: with gradients enabled, or when called after the step's plain backbone call.
+    """
+    stage = backbone.stage if isinstance(backbone, Partition) else None
+    if stage is None:
+        return fn(backbone(value))
+    return stage.forward_and_share(value, fn)
 
 
 class _RngState:

@@ -198,8 +198,18 @@ class GPipeStrategy(ParallelStrategy):
             device=self.root_device,
         )
         chunks = self.chunks if self.chunks is not None else 4 * topology.num_stages
-        self._stage = Stage(self._split.partition, link, stage, topology.num_stages, chunks, self.checkpoint)
-        self._relay = LogRelay(self, src=topology.rank_of(topology.num_stages - 1, replica))
+        last = topology.rank_of(topology.num_stages - 1, replica)
+        self._stage = Stage(
+            self._split.partition, link, stage, topology.num_stages, chunks, self.checkpoint, self._from_rank(last)
+        )
+        self._relay = LogRelay(self, src=last)
+
+    def _from_rank(self, src: int) -> Callable[[Any], Any]:
+        def share(obj: Any) -> Any:
+            with failure.naming_the_cause():
+                return self.broadcast(obj, src=src)
+
+        return share
 
     def model_to_device(self) -> None:
         """Move this stage's part of the module to its device."""
@@ -256,8 +266,7 @@ class GPipeStrategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """A pipelined forward; the last stage's prediction is returned on every stage (a collective call)."""
         output = self._user_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
-        with failure.naming_the_cause():
-            return self.broadcast(output, src=self._relay.src)
+        return self._stage.share(output)
 
     def _user_step(self, hook: str, context: Callable, args: tuple, kwargs: dict) -> Any:
         with context(), self._stage.step(hook):

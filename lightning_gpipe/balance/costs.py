@@ -1,0 +1,22 @@
+"""What one backbone layer costs, as measured by profiling or given by the user."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Cost of one backbone layer for one micro-batch.
+
+    Args:
+        forward: forward time in seconds.
+        backward: backward time in seconds (without the forward a re-materialized micro-batch recomputes).
+        activation_bytes: bytes autograd saves for the backward of this layer (what re-materialization frees).
+        output_bytes: bytes of the layer's output (what a stage boundary here would send and keep).
+        parameter_bytes: bytes of the layer's parameters and buffers.
+    """
+
+    forward: float
+    backward: float
+    activation_bytes: int = 0
+    output_bytes: int = 0
+    parameter_bytes: int = 0
