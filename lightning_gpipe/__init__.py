@@ -9,12 +9,24 @@ Importing this package registers the strategy names ``"gpipe"`` and ``"gpipe_spa
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_gpipe.balance import solve
+from lightning_gpipe.balance import LayerCost, balance_by, profile_layers, solve
+from lightning_gpipe.callbacks import PipelineBalance, PipelineThroughput, PipelineTimeline
 from lightning_gpipe.failure import PipelineFailure
 from lightning_gpipe.stage import forward_and_share
 from lightning_gpipe.strategy import GPipeStrategy
 
-__all__ = ["GPipeStrategy", "PipelineFailure", "forward_and_share", "solve"]
+__all__ = [
+    "GPipeStrategy",
+    "LayerCost",
+    "PipelineBalance",
+    "PipelineFailure",
+    "PipelineThroughput",
+    "PipelineTimeline",
+    "balance_by",
+    "forward_and_share",
+    "profile_layers",
+    "solve",
+]
 __version__ = "0.1.0"
 
 if "gpipe" not in StrategyRegistry:

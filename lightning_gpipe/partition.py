@@ -10,12 +10,13 @@ placeholder that names the contract if user code calls it.
 """
 
 from collections.abc import Sequence
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe.balance import solve
+if TYPE_CHECKING:
+    from lightning_gpipe.balance import LayerCost
 
 Value = Union[Tensor, tuple]
 
@@ -109,25 +110,48 @@ def find_backbone(module: nn.Module, name: Optional[str] = None) -> str:
     )
 
 
-def resolve_balance(balance: Optional[Sequence[int]], layers: nn.Sequential, num_stages: int) -> list[int]:
-    """Check a user's ``balance`` against the backbone, or choose one that evens out parameter counts.
+def resolve_balance(
+    balance: Union[None, str, Sequence[int]],
+    layers: nn.Sequential,
+    num_stages: int,
+    costs: Optional[Sequence["LayerCost"]] = None,
+    memory_limit: Optional[int] = None,
+) -> list[int]:
+    """Check a user's ``balance`` against the backbone, or choose the split that evens out a cost.
 
     Args:
-        balance: layers per stage, or ``None`` for the split with the smallest largest stage by parameter count.
+        balance: layers per stage; or ``"params"``, ``"time"`` or ``"memory"`` for the contiguous split
+            whose costliest stage is cheapest by that measure (see :func:`~lightning_gpipe.balance.balance_by`);
+            ``None`` means ``"params"``.
         layers: the backbone.
         num_stages: K, the number of stages (devices of one pipeline).
+        costs: the profiled :class:`~lightning_gpipe.balance.LayerCost` of each layer; needed for
+            ``"time"``, ``"memory"`` and ``memory_limit``. Without it ``"params"`` counts parameters.
+        memory_limit: bytes one stage may hold (see :func:`~lightning_gpipe.balance.balance_by`), or ``None``.
 
     Raises:
-        ValueError: if the lengths or the sum do not match, a stage is empty, or there are fewer layers than stages.
+        ValueError: if the lengths or the sum do not match, a stage is empty, there are fewer layers than
+            stages, ``costs`` are missing or of another length, or no split fits ``memory_limit``.
     """
+    # imported here: the balance package runs layers through Partition, so it imports this module
+    from lightning_gpipe.balance import balance_by, solve
+
     count = len(layers)
-    if balance is None:
+    if balance is None or isinstance(balance, str):
         if count < num_stages:
             raise ValueError(
                 f"The backbone has {count} layers, fewer than the {num_stages} stages (devices); use fewer devices"
                 " or split the backbone into more layers."
             )
-        return solve([sum(p.numel() for p in layer.parameters()) for layer in layers], num_stages)
+        mode = balance or "params"
+        if costs is None and mode == "params" and memory_limit is None:
+            return solve([sum(p.numel() for p in layer.parameters()) for layer in layers], num_stages)
+        if costs is None or len(costs) != count:
+            raise ValueError(
+                f"balance={mode!r} needs the profiled cost of each of the {count} backbone layers, got"
+                f" {'none' if costs is None else len(costs)}; measure them with `lightning_gpipe.profile_layers`."
+            )
+        return balance_by(mode, costs, num_stages, memory_limit)
     balance = list(balance)
     if len(balance) != num_stages:
         raise ValueError(
@@ -188,6 +212,58 @@ class Split:
                 if any(t.is_meta for t in [*child.parameters(), *child.buffers()]):
                     child.to_empty(device=torch.device("cpu"))
             self.module.load_state_dict(full_state)
+
+
+_RESETS = ("reset_parameters", "_reset_parameters")  # torch's names; nn.MultiheadAttention has the second
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Allocate ``module``'s meta-device parameters and buffers on ``device`` and initialise them.
+
+    Modules created on the meta device (in ``configure_model``, or under
+    ``Trainer.init_module(empty_init=True)``) hold no memory; after the split each stage calls
+    this on its own part, so no process ever holds the whole model. Every module whose
+    tensors were on the meta device is initialised with its ``reset_parameters()`` (or
+    ``_reset_parameters()``), children before parents as in construction, so a parent's
+    reset (e.g. ``nn.MultiheadAttention``'s) has the last word.
+
+    Raises:
+        ValueError: if a meta tensor belongs to a module with no reset method, directly or
+            through an ancestor (its values could not be initialised).
+    """
+    meta = [sub for sub in module.modules() if any(t.is_meta for t in _own_tensors(sub))]
+    if not meta:
+        return
+    covered = _covered_by_reset(module)
+    uncovered = [sub for sub in meta if sub not in covered]
+    if uncovered:
+        names = {sub: name for name, sub in module.named_modules()}
+        raise ValueError(
+            f"`{names[uncovered[0]] or type(module).__name__}` ({type(uncovered[0]).__name__}) was created on the"
+            " meta device but has no `reset_parameters()` to initialise it on its stage. Give the module a"
+            " `reset_parameters()` that fills its parameters and buffers, or create it outside `configure_model`."
+        )
+    resets = [sub for sub in module.modules() if any(t.is_meta for t in [*sub.parameters(), *sub.buffers()])]
+    for sub in meta:
+        sub.to_empty(device=device, recurse=False)
+    for sub in reversed(resets):
+        reset = next((getattr(sub, name) for name in _RESETS if hasattr(sub, name)), None)
+        if reset is not None:
+            with torch.no_grad():
+                reset()
+
+
+def _own_tensors(module: nn.Module) -> list[Tensor]:
+    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+
+
+def _covered_by_reset(module: nn.Module) -> set[nn.Module]:
+    """Modules that have a reset method or lie below one that has."""
+    covered: set[nn.Module] = set()
+    for sub in module.modules():
+        if sub not in covered and any(hasattr(sub, name) for name in _RESETS):
+            covered.update(sub.modules())
+    return covered
 
 
 def _holds_state(module: nn.Module) -> bool:

@@ -17,14 +17,17 @@ is recomputed in the drain *before* waiting for its gradient, so the recompute
 overlaps with the next stage's backward of the same micro-batch.
 """
 
+import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch import Tensor
 
 from lightning_gpipe import microbatch
+from lightning_gpipe.events import Recorder
 from lightning_gpipe.partition import Partition
 from lightning_gpipe.transfer import Link, Meta
 
@@ -41,6 +44,42 @@ class Handoff(BaseException):
     """
 
 
+@dataclass(frozen=True)
+class MicroBatch:
+    """The micro-batch a stage's layers are running on; see :func:`current_micro_batch`.
+
+    Attributes:
+        index: its position in the mini-batch, from 0.
+        count: M, the micro-batches of this mini-batch (fewer than ``chunks`` for a batch with fewer rows).
+        recompute: ``True`` for the drain's re-materialization of a forward that already ran in the fill.
+    """
+
+    index: int
+    count: int
+    recompute: bool = False
+
+
+_current: ContextVar[Optional[MicroBatch]] = ContextVar("lightning_gpipe_micro_batch", default=None)
+
+
+def current_micro_batch() -> Optional[MicroBatch]:
+    """The micro-batch the calling layer runs on inside a stage, or ``None`` outside a pipelined forward.
+
+    For layers whose forward has effects beyond its output, such as batch norm's running statistics
+    (:class:`lightning_gpipe.batchnorm.DeferredBatchNorm`), which must happen once per mini-batch.
+    """
+    return _current.get()
+
+
+@contextmanager
+def _running(micro: MicroBatch) -> Iterator[None]:
+    token = _current.set(micro)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
 @dataclass
 class _Record:
     """What the drain needs of one micro-batch."""
@@ -50,6 +89,7 @@ class _Record:
     metas: list[Meta]  # shapes and dtypes of the floating-point outputs, whose gradients come back
     rng: Optional["_RngState"] = None
     boundary: list[Tensor] = field(default_factory=list)  # last stage: the leaves handed to the user's loss
+    micro: MicroBatch = MicroBatch(0, 1)
 
 
 class Stage:
@@ -81,6 +121,8 @@ class Stage:
         self.chunks, self.checkpoint = chunks, checkpoint
         self._records: list[_Record] = []
         self._calls = self._shared_calls = 0
+        self.events = Recorder()  # off unless a callback enables it; see lightning_gpipe.events
+        self._filled = 0.0  # when the last stage's fill ended: its "loss" span runs from there to the drain
         partition.attach(self)
 
     @contextmanager
@@ -140,11 +182,14 @@ class Stage:
             if self.is_last:
                 outputs.append(self._boundary(y, training))
             else:
-                self.link.send_activation(y, i, count)
+                with self.events.span("send", i):
+                    self.link.send_activation(y, i, count)
         if not training:
-            self.link.flush()
+            with self.events.span("send"):
+                self.link.flush()
         if not self.is_last:
             raise Handoff
+        self._filled = time.perf_counter()
         return microbatch.join(outputs)
 
     def _micro_batches(self, value: Value, training: bool) -> Iterator[tuple[Value, int]]:
@@ -155,18 +200,21 @@ class Stage:
             return
         received, count = 0, 1
         while received < count:
-            x, count = self.link.recv_activation()
+            with self.events.span("recv", received):
+                x, count = self.link.recv_activation()
             received += 1
             yield (_leaves(x) if training else x), count
 
     def _forward_one(self, x: Value, i: int, count: int, training: bool) -> Value:
         remat = training and self._checkpointed(i, count)
         rng = _RngState.capture(self.link.device) if remat else None
-        with torch.set_grad_enabled(training and not remat):
+        micro = MicroBatch(i, count)
+        memory_of = (self.partition, x) if training else None
+        with torch.set_grad_enabled(training and not remat), _running(micro), self.events.span("forward", i, memory_of):
             y = self.partition.run(x)
         if training:
             metas = [(t.shape, t.dtype) for t in _floats(y)]
-            self._records.append(_Record(x, None if remat else y, metas, rng))
+            self._records.append(_Record(x, None if remat else y, metas, rng, micro=micro))
         return y
 
     def _checkpointed(self, i: int, count: int) -> bool:
@@ -186,26 +234,39 @@ class Stage:
         boundary tensors first.
         """
         records, self._records = self._records, []
+        if records and self.is_last:
+            self.events.add("loss", None, self._filled, time.perf_counter())
         if records and not self.is_last:
             self.link.post_grads(records[-1].metas)
         while records:
             record = records.pop()
-            output = record.output if record.output is not None else self._recompute(record)
+            i = len(records)
+            output = record.output
+            if output is None:
+                with self.events.span("recompute", i, (self.partition, record.input)):
+                    output = self._recompute(record)
             if records and not self.is_last:
                 self.link.post_grads(records[-1].metas)  # one ahead, so it lands while this one computes
             outs = _floats(output)
-            grads = [b.grad for b in record.boundary] if self.is_last else self.link.recv_grads()
+            if self.is_last:
+                grads = [b.grad for b in record.boundary]
+            else:
+                with self.events.span("recv", i):
+                    grads = self.link.recv_grads()
             pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
             if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                with self.events.span("backward", i):
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             if not self.is_first:
-                self.link.send_grads(
-                    [x.grad if x.grad is not None else torch.zeros_like(x) for x in _floats(record.input)]
-                )
-        self.link.flush()
+                with self.events.span("send", i):
+                    self.link.send_grads(
+                        [x.grad if x.grad is not None else torch.zeros_like(x) for x in _floats(record.input)]
+                    )
+        with self.events.span("send"):
+            self.link.flush()
 
     def _recompute(self, record: _Record) -> Value:
-        with record.rng.restored(), torch.enable_grad():
+        with record.rng.restored(), torch.enable_grad(), _running(replace(record.micro, recompute=True)):
             return self.partition.run(record.input)
 
 

@@ -7,7 +7,8 @@ work is done by :mod:`lightning_gpipe.partition`, :mod:`lightning_gpipe.stage`,
 :mod:`lightning_gpipe.transfer` and :mod:`lightning_gpipe.relay`.
 """
 
-from collections.abc import Sequence
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -27,8 +28,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 
+from lightning_gpipe import checkpoint as checkpoints
 from lightning_gpipe import failure
-from lightning_gpipe.partition import Split, find_backbone, resolve_balance
+from lightning_gpipe.balance import MODES, LayerCost
+from lightning_gpipe.balance.backbone import profile_backbone
+from lightning_gpipe.batchnorm import convert_deferred_batch_norm, revert_deferred_batch_norm
+from lightning_gpipe.optimization import SharedGradScaler, clip_grad_norm_
+from lightning_gpipe.partition import Split, find_backbone, materialize, resolve_balance
 from lightning_gpipe.relay import LogRelay
 from lightning_gpipe.stage import CHECKPOINT_MODES, Handoff, Stage
 from lightning_gpipe.topology import Topology
@@ -49,9 +55,17 @@ class GPipeStrategy(ParallelStrategy):
     no parameters, and modules after it (heads, losses, metrics) run on the last stage.
 
     Args:
-        balance: number of consecutive backbone layers of each stage, one entry per device, e.g.
-            ``[3, 5]``. ``None`` (default) chooses the contiguous split whose largest stage has the
-            fewest parameters.
+        balance: how many consecutive backbone layers each stage holds. A list gives them, one entry per
+            device, e.g. ``[3, 5]``. A mode chooses the contiguous split whose costliest stage is cheapest
+            (exactly, see :func:`~lightning_gpipe.balance.solve`): ``"params"`` by parameter count,
+            ``"time"`` by forward + backward time, ``"memory"`` by saved activations + parameters. ``None``
+            (default) means ``"params"``. ``"time"`` and ``"memory"`` profile each layer, one at a time on
+            global rank 0's device, on the first micro-batch of the module's ``example_input_array`` (the
+            input of ``forward``) or else of the first training batch; the costs are kept in
+            :attr:`layer_costs` and reused by later runs of the same strategy. See docs/balance.md.
+        balance_memory_limit: bytes one stage may hold, counted as its layers' profiled saved activations
+            and parameters for one micro-batch (see :func:`~lightning_gpipe.balance.balance_by`); the
+            split is the best one within it. ``None`` (default) for no limit. Profiles like ``"time"``.
         chunks: M, the number of micro-batches per mini-batch. ``None`` (default) uses ``4 * K`` for K
             stages, the point from which the paper finds the bubble negligible. A batch with fewer rows
             than ``chunks`` runs as one micro-batch per row; a batch that does not divide evenly gives
@@ -59,17 +73,26 @@ class GPipeStrategy(ParallelStrategy):
         checkpoint: re-materialization: ``"always"`` recomputes every micro-batch's forward in the
             drain, ``"except_last"`` (default) all but the last micro-batch, ``"never"`` keeps all
             activations.
+        deferred_batch_norm: ``True`` makes the backbone's ``nn.BatchNorm1d/2d/3d`` layers normalise with
+            micro-batch statistics but update their running statistics once per mini-batch, equal to
+            single-device batch norm's (see :class:`~lightning_gpipe.batchnorm.DeferredBatchNorm`); the
+            plain layers are back in the module after the run. ``False`` (default) leaves batch norm as
+            it is: every micro-batch, and every recompute, updates the running statistics.
         backbone: name of the ``nn.Sequential`` attribute to pipeline; ``None`` finds the only one.
         start_method: ``"popen"`` (default) re-runs the user's script once per extra stage, like
             ``torchrun``; ``"spawn"`` starts worker processes from the main one and loads every
             stage's trained weights back into the main process's module.
+        state_dict_type: ``"full"`` (default) writes a checkpoint as one file holding every stage's weights and
+            optimizer state, gathered on global rank 0; it loads into the plain LightningModule without the
+            strategy. ``"sharded"`` writes a directory with torch.distributed.checkpoint, each stage its own
+            part, for models too large to gather. Both resume with any number of stages and any ``balance``.
         timeout: how long a collective or transfer may wait before torch.distributed gives up.
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
             Lightning's other parallel strategies; the Trainer fills them in.
 
     Raises:
-        ValueError: for ``chunks < 1``, an unknown ``checkpoint`` mode or ``start_method``, or a
+        ValueError: for ``chunks < 1``, an unknown ``checkpoint`` mode, ``start_method`` or ``state_dict_type``, or a
             ``balance`` holding anything but positive integers. Whether ``balance`` fits the backbone
             and the number of devices is checked when training starts, before the first step.
     """
@@ -81,8 +104,11 @@ class GPipeStrategy(ParallelStrategy):
         balance: Optional[Sequence[int]] = None,
         chunks: Optional[int] = None,
         checkpoint: Literal["always", "except_last", "never"] = "except_last",
+        deferred_batch_norm: bool = False,
         backbone: Optional[str] = None,
+        balance_memory_limit: Optional[int] = None,
         start_method: Literal["popen", "spawn"] = "popen",
+        state_dict_type: Literal["full", "sharded"] = "full",
         timeout: Optional[timedelta] = default_pg_timeout,
         process_group_backend: Optional[str] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -91,7 +117,9 @@ class GPipeStrategy(ParallelStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        _check_arguments(balance, chunks, checkpoint, start_method)
+        _check_arguments(balance, balance_memory_limit, chunks, checkpoint, start_method)
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(f"GPipeStrategy(state_dict_type={state_dict_type!r}): choose 'full' or 'sharded'.")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -99,11 +127,15 @@ class GPipeStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.balance = list(balance) if balance is not None else None
+        self.balance = balance if balance is None or isinstance(balance, str) else list(balance)
+        self.balance_memory_limit = balance_memory_limit
+        self.layer_costs: Optional[list[LayerCost]] = None  # profiled per backbone layer, when a mode needs them
         self.chunks = chunks
         self.checkpoint = checkpoint
+        self.deferred_batch_norm = deferred_batch_norm
         self.backbone = backbone
         self._start_method = start_method
+        self.state_dict_type = state_dict_type
         self._timeout = timeout
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
@@ -165,31 +197,90 @@ class GPipeStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         failure.attach(dist.distributed_c10d._get_default_store(), self.stage_index)
 
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Create the modules of ``configure_model`` on the meta device: each stage materialises only its own part.
+
+        After the split, every module of this stage whose tensors are on the meta device is
+        allocated on the stage's device and initialised with its ``reset_parameters()``
+        (see :func:`~lightning_gpipe.partition.materialize`), so no process holds the whole model.
+        """
+        with torch.device("meta"):
+            yield
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """Like other strategies; with ``empty_init=True`` (``Trainer.init_module(empty_init=True)``) modules are
+        created on the meta device and each stage materialises only its own part, as in ``configure_model``."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
     def setup(self, trainer: "pl.Trainer") -> None:
         """Split the module into this process's stage, then set up precision and the local optimizers.
 
         Raises:
             ValueError: if the backbone or ``balance`` does not fit (see
                 :func:`~lightning_gpipe.partition.find_backbone` and
-                :func:`~lightning_gpipe.partition.resolve_balance`).
+                :func:`~lightning_gpipe.partition.resolve_balance`), or if a module created on the meta
+                device cannot be initialised (see :func:`~lightning_gpipe.partition.materialize`).
+            RuntimeError: for a module with manual optimization.
         """
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
+        if not module.automatic_optimization:
+            raise RuntimeError(
+                "GPipeStrategy supports automatic optimization only: with `automatic_optimization = False` the"
+                " user's step would have to run backward and the optimizer on every stage, but it stops at the"
+                " backbone call on all stages but the last. Remove `self.automatic_optimization = False` and return"
+                " the loss from `training_step`."
+            )
         self._split_module(module)
+        materialize(module, self.root_device)
         self._relay.after_epoch_end_hooks(module)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        self._agree_on_optimizer_steps()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _agree_on_optimizer_steps(self) -> None:
+        """Clip by the norm of all stages' gradients and share the scaler's found-inf decision.
+
+        Lightning asks the precision plugin to clip; its ``clip_grad_by_norm`` is replaced on this
+        instance by the global version (:func:`~lightning_gpipe.optimization.clip_grad_norm_`).
+        """
+        precision = self.precision_plugin
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: Union[int, float]) -> None:
+            clip_grad_norm_(precision.main_params(optimizer), clip_val)
+
+        precision.clip_grad_by_norm = clip_grad_by_norm
+        scaler = getattr(precision, "scaler", None)
+        if scaler is not None and not isinstance(scaler, SharedGradScaler):
+            precision.scaler = SharedGradScaler.replacing(scaler)
 
     def _split_module(self, module: "pl.LightningModule") -> None:
         topology, stage = self.topology, self.stage_index
         name = find_backbone(module, self.backbone)
-        balance = resolve_balance(self.balance, getattr(module, name), topology.num_stages)
+        layers, chunks = getattr(module, name), self.chunks if self.chunks is not None else 4 * topology.num_stages
+        profiled = self.balance in ("time", "memory") or self.balance_memory_limit is not None
+        if profiled and (self.layer_costs is None or len(self.layer_costs) != len(layers)):
+            with self.precision_plugin.train_step_context():  # rank 0 measures, every stage splits alike
+                costs = profile_backbone(module, name, chunks, self.root_device) if self.is_global_zero else None
+            self.layer_costs = self._from_rank(0)(costs)
+        balance = resolve_balance(
+            self.balance, layers, topology.num_stages, self.layer_costs if profiled else None, self.balance_memory_limit
+        )
+        if self.deferred_batch_norm:
+            convert_deferred_batch_norm(getattr(module, name))  # the whole backbone, so that `Split.undo` puts it back
         self._split = Split(module, name, balance, stage)
         replica = topology.replica_of(self.global_rank)
         link = Link(
@@ -197,7 +288,6 @@ class GPipeStrategy(ParallelStrategy):
             next_rank=topology.rank_of(stage + 1, replica) if stage < topology.num_stages - 1 else None,
             device=self.root_device,
         )
-        chunks = self.chunks if self.chunks is not None else 4 * topology.num_stages
         last = topology.rank_of(topology.num_stages - 1, replica)
         self._stage = Stage(
             self._split.partition, link, stage, topology.num_stages, chunks, self.checkpoint, self._from_rank(last)
@@ -245,7 +335,8 @@ class GPipeStrategy(ParallelStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         if self._stage.is_last:
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        self._stage.backward()
+        with self.precision_plugin.train_step_context():  # re-materialization recomputes as the fill computed
+            self._stage.backward()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         self._relay(module.trainer)
@@ -296,21 +387,74 @@ class GPipeStrategy(ParallelStrategy):
         dist.broadcast_object_list(payload, src)
         return payload[0]
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's state dict on global rank 0 (union of the stages'); this stage's elsewhere.
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints are restored after the split, so each stage loads the entries of its own layers."""
+        return True
 
-        A collective call: every stage sends its part to rank 0, so a checkpoint holds the full
-        model under the original names and loads into the module without the strategy.
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state dict for a checkpoint (a collective call with ``state_dict_type="full"``).
+
+        ``"full"``: the whole model's on global rank 0 (the union of the stages', under the original
+        names, so it loads into the module without the strategy); ``{}`` elsewhere, where nothing is
+        written. ``"sharded"``: this stage's part.
         """
-        local = {key: value.cpu() for key, value in self.lightning_module.state_dict().items()}
-        if not dist.is_initialized():
+        local = self.lightning_module.state_dict()
+        if self.state_dict_type == "sharded":
             return local
-        parts = [None] * dist.get_world_size() if self.is_global_zero else None
-        with failure.naming_the_cause():
-            dist.gather_object(local, parts, dst=0)
-        if not self.is_global_zero:
+        return checkpoints.gather_union(local, self.global_rank) or {}
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter name, like the model's state dict (a collective call).
+
+        ``"full"``: every stage's entries on global rank 0 (see :mod:`lightning_gpipe.checkpoint`);
+        ``"sharded"``: this stage's.
+        """
+        local = checkpoints.optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
+        if self.state_dict_type == "sharded":
             return local
-        return {key: value for part in parts for key, value in part.items()}
+        return checkpoints.gather_union(local, self.global_rank) or {}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write a checkpoint: one file from global rank 0 (``"full"``), or a directory from all stages (``"sharded"``).
+
+        Both replace an existing checkpoint at ``filepath`` only once the new one is complete.
+        """
+        if self.state_dict_type == "sharded":
+            checkpoints.save_sharded(checkpoint, filepath, self.global_rank)
+        else:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Read a full checkpoint file on every stage, or this stage's part of a sharded checkpoint directory."""
+        if not checkpoints.is_sharded(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        module = self.lightning_module
+        template: dict[str, Any] = {"state_dict": module.state_dict()}
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            template["optimizer_states"] = [self.optimizer_state(optimizer) for optimizer in self.optimizers]
+        return checkpoints.load_sharded(checkpoint_path, template)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load this stage's entries of the checkpoint's (whole or sharded) model state."""
+        module = self.lightning_module
+        module.load_state_dict(checkpoints.local_entries(checkpoint["state_dict"], module), strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load this stage's entries of every optimizer's name-keyed state, whatever the split it was saved with.
+
+        Raises:
+            ValueError: for a checkpoint whose optimizer state is keyed by index (written without this strategy).
+        """
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if "param_groups" in state:
+                raise ValueError(
+                    "This checkpoint's optimizer state was written without GPipeStrategy (keyed by parameter"
+                    " index, not name), so it cannot be split between stages. Resume it with the strategy it was"
+                    " written with, or load only the weights: `Module.load_from_checkpoint(path)`."
+                )
+            checkpoints.load_optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer), state)
+        _optimizers_to_device(self.optimizers, self.root_device)
 
     def on_exception(self, exception: BaseException) -> None:
         """Publish the exception so that the other stages exit naming it instead of hanging."""
@@ -322,11 +466,12 @@ class GPipeStrategy(ParallelStrategy):
         full = None
         if self._split is not None and module is not None:
             if module.trainer.state.status != TrainerStatus.INTERRUPTED:
-                full = self.lightning_module_state_dict()
+                full = checkpoints.gather_union(module.state_dict(), self.global_rank)
             LogRelay.detach(module)
         super().teardown()
         if self._split is not None:
-            self._split.undo(full if self.is_global_zero else None)
+            self._split.undo(full)
+            revert_deferred_batch_norm(self._split.sequential)
             self._split = self._stage = self._relay = None
 
     @classmethod
@@ -338,17 +483,30 @@ class GPipeStrategy(ParallelStrategy):
         )
 
 
-def _check_arguments(balance: Any, chunks: Any, checkpoint: Any, start_method: Any) -> None:
+def _check_arguments(balance: Any, balance_memory_limit: Any, chunks: Any, checkpoint: Any, start_method: Any) -> None:
     if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
         raise ValueError(f"GPipeStrategy(chunks={chunks!r}): chunks is the number of micro-batches, an integer >= 1.")
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"GPipeStrategy(checkpoint={checkpoint!r}): choose one of {', '.join(CHECKPOINT_MODES)}.")
     if start_method not in ("popen", "spawn"):
         raise ValueError(f"GPipeStrategy(start_method={start_method!r}): choose 'popen' or 'spawn'.")
-    if balance is not None and (
+    automatic = balance is None or balance in MODES
+    if not automatic and (
         isinstance(balance, (str, bytes)) or not all(isinstance(n, int) and not isinstance(n, bool) for n in balance)
     ):
         raise ValueError(
-            f"GPipeStrategy(balance={balance!r}): give the number of backbone layers of each stage as a list of"
-            " integers, e.g. balance=[3, 5], or None for an even split by parameter count."
+            f"GPipeStrategy(balance={balance!r}): choose 'params', 'time' or 'memory', or give the number of"
+            " backbone layers of each stage as a list of integers, e.g. balance=[3, 5]."
+        )
+    if balance_memory_limit is not None and (
+        not isinstance(balance_memory_limit, int) or isinstance(balance_memory_limit, bool) or balance_memory_limit < 1
+    ):
+        raise ValueError(
+            f"GPipeStrategy(balance_memory_limit={balance_memory_limit!r}): give the bytes one stage may hold, an"
+            " integer >= 1, or None for no limit."
+        )
+    if balance_memory_limit is not None and not automatic:
+        raise ValueError(
+            f"GPipeStrategy(balance={balance!r}, balance_memory_limit=...): the memory limit steers an automatic"
+            " balance; use balance='time' (or 'params', 'memory') with it, or drop the limit."
         )

@@ -75,6 +75,20 @@ class TupleNet(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+class LazyNet(TupleNet):
+    """TupleNet whose layers are created in ``configure_model`` (on the meta device under GPipeStrategy)."""
+
+    def __init__(self, blocks: int = 6, lr: float = 0.1) -> None:
+        L.LightningModule.__init__(self)
+        self.blocks, self.lr = blocks, lr
+        self.backbone = None
+
+    def configure_model(self):
+        if self.backbone is None:
+            self.backbone = nn.Sequential(Fork(), *[Block() for _ in range(self.blocks)], Merge())
+            self.head = nn.Linear(FEATURES, CLASSES)
+
+
 def loader(rows: int = 52, batch_size: int = 20, seed: int = 0) -> DataLoader:
     """Random classification data; 52 rows in batches of 20 give batches of 20, 20 and 12 rows."""
     generator = torch.Generator().manual_seed(seed)
@@ -102,12 +116,14 @@ def fit(strategy="auto", devices=1, max_steps=6, seed=1, module=None, **override
     return fit_trainer(strategy, devices, max_steps, seed, module, **overrides).lightning_module
 
 
-def fit_trainer(strategy="auto", devices=1, max_steps=6, seed=1, module=None, **overrides) -> L.Trainer:
-    """Like :func:`fit`, returning the Trainer."""
+def fit_trainer(
+    strategy="auto", devices=1, max_steps=6, seed=1, module=None, ckpt_path=None, **overrides
+) -> L.Trainer:
+    """Like :func:`fit`, returning the Trainer; ``ckpt_path`` resumes from a checkpoint."""
     L.seed_everything(seed, verbose=False)
     module = module or TupleNet()
     trainer = L.Trainer(strategy=strategy, devices=devices, max_steps=max_steps, **trainer_kwargs(**overrides))
-    trainer.fit(module, loader(), loader(seed=1))
+    trainer.fit(module, loader(), loader(seed=1), ckpt_path=ckpt_path)
     return trainer
 
 

@@ -1,5 +1,13 @@
-"""Choosing ``balance``: how many consecutive backbone layers each stage holds."""
+"""Choosing ``balance``: how many consecutive backbone layers each stage holds.
 
-from lightning_gpipe.balance.solver import solve
+:func:`profile_layers` measures each layer (time, activation and parameter memory), and
+:func:`balance_by` or the plain :func:`solve` turns per-layer costs into the contiguous split
+whose costliest stage is as cheap as possible. See docs/balance.md.
+"""
 
-__all__ = ["solve"]
+from lightning_gpipe.balance.choose import MODES, balance_by, layer_memory, layer_weights
+from lightning_gpipe.balance.costs import LayerCost
+from lightning_gpipe.balance.profile import profile_layers
+from lightning_gpipe.balance.solver import solve, stage_sums
+
+__all__ = ["MODES", "LayerCost", "balance_by", "layer_memory", "layer_weights", "profile_layers", "solve", "stage_sums"]

@@ -2,32 +2,48 @@
 
 from collections.abc import Sequence
 from itertools import accumulate
+from typing import Optional
 
 
-def solve(costs: Sequence[float], num_stages: int) -> list[int]:
+def solve(
+    costs: Sequence[float],
+    num_stages: int,
+    memory: Optional[Sequence[float]] = None,
+    memory_limit: Optional[float] = None,
+) -> list[int]:
     """Split a chain of layers into ``num_stages`` contiguous, non-empty stages minimising the costliest stage.
 
     A pipeline runs at the pace of its slowest stage, so this is the split that
     GPipe (Huang et al. 2019, section 2.2) and PipeDream (Narayanan et al. 2019,
-    section 3.1) aim for. Solved exactly by dynamic programming in
-    O(num_stages * len(costs)^2) time.
+    section 3.1, profiler-driven partitioning under memory constraints) aim for.
+    Solved exactly by dynamic programming in O(num_stages * len(costs)^2) time.
 
     Args:
         costs: non-negative cost of each layer in order (seconds, bytes, parameter counts...).
         num_stages: K, the number of stages (>= 1).
+        memory: non-negative memory of each layer in order (bytes), used with ``memory_limit``.
+        memory_limit: the most memory one stage may hold (the sum of its layers' ``memory``);
+            ``None`` (default) for no limit. The split is then the best one among those that fit.
 
     Returns:
         ``balance``: the number of layers of each stage, summing to ``len(costs)``.
         Among optimal splits, the one whose earlier stages are as short as possible.
 
     Raises:
-        ValueError: if there are fewer layers than stages, or a cost is negative.
+        ValueError: if there are fewer layers than stages, a cost or memory is negative, only one of
+            ``memory`` and ``memory_limit`` is given or their lengths differ, or no split keeps every stage
+            within ``memory_limit`` (the message gives the smallest limit that fits).
     """
     layers = len(costs)
     if num_stages < 1 or layers < num_stages:
         raise ValueError(f"Cannot split {layers} layers into {num_stages} non-empty stages.")
     if any(cost < 0 for cost in costs):
         raise ValueError("Layer costs must be non-negative.")
+    if (memory is None) != (memory_limit is None):
+        raise ValueError("Give both `memory` (bytes per layer) and `memory_limit` (bytes per stage), or neither.")
+    if memory is not None and (len(memory) != layers or any(size < 0 for size in memory)):
+        raise ValueError(f"`memory` needs one non-negative size per layer ({layers}), got {len(memory)} values.")
+    fits = _fits(memory, memory_limit)
     prefix = [0.0, *accumulate(costs)]
     # best[k][i]: lowest possible costliest stage when the first i layers form k stages
     best = [[float("inf")] * (layers + 1) for _ in range(num_stages + 1)]
@@ -37,10 +53,41 @@ def solve(costs: Sequence[float], num_stages: int) -> list[int]:
         for i in range(k, layers - (num_stages - k) + 1):
             for j in range(k - 1, i):
                 candidate = max(best[k - 1][j], prefix[i] - prefix[j])
-                if candidate < best[k][i]:
+                if candidate < best[k][i] and fits(j, i):
                     best[k][i], cut[k][i] = candidate, j
+    if best[num_stages][layers] == float("inf"):
+        smallest = max(stage_sums(memory, solve(memory, num_stages)))
+        raise ValueError(
+            f"No split into {num_stages} stages keeps every stage within memory_limit={memory_limit:g} bytes; the"
+            f" smallest limit that fits is {smallest:g} bytes. Raise the limit, use more devices, or split the"
+            " largest layers."
+        )
     balance, end = [], layers
     for k in range(num_stages, 0, -1):
         balance.append(end - cut[k][end])
         end = cut[k][end]
     return balance[::-1]
+
+
+def _fits(memory: Optional[Sequence[float]], limit: Optional[float]):
+    """Whether the stage of layers ``j`` to ``i - 1`` fits in ``limit``."""
+    if memory is None:
+        return lambda j, i: True
+    prefix = [0.0, *accumulate(memory)]
+    return lambda j, i: prefix[i] - prefix[j] <= limit
+
+
+def stage_sums(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
+    """The total cost of each stage of ``balance``, e.g. its time or memory.
+
+    Args:
+        costs: cost of each layer in order.
+        balance: layers per stage, summing to ``len(costs)``.
+
+    Raises:
+        ValueError: if ``balance`` does not sum to the number of layers.
+    """
+    if sum(balance) != len(costs):
+        raise ValueError(f"balance={list(balance)} sums to {sum(balance)} but there are {len(costs)} layer costs.")
+    bounds = [0, *accumulate(balance)]
+    return [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]

@@ -1,0 +1,113 @@
+"""Profiling a LightningModule's backbone in place: finding a sample micro-batch, then measuring each layer.
+
+The backbone input is not the batch: ``training_step`` prepares it first (data preparation
+only, see the user contract). To get it without running anything that holds parameters,
+the backbone is swapped for a stand-in that records its input and stops the step there.
+"""
+
+from typing import Any, Callable
+
+import torch
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch import LightningModule
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.combined_loader import CombinedLoader
+from torch import nn
+
+from lightning_gpipe import microbatch
+from lightning_gpipe.balance.costs import LayerCost
+from lightning_gpipe.balance.profile import Value, profile_layers
+
+
+class _Reached(BaseException):
+    """Ends the user's step at the backbone call (a ``BaseException``, so ``except Exception`` cannot swallow it)."""
+
+
+class _Recorder(nn.Module):
+    """Stands for the backbone: keeps its input, then stops the step."""
+
+    def forward(self, value: Value) -> None:
+        self.value = value
+        raise _Reached
+
+
+def profile_backbone(module: LightningModule, backbone: str, chunks: int, device: torch.device) -> list[LayerCost]:
+    """Measure each backbone layer on the first micro-batch of a sample batch (see :func:`sample_micro_batch`).
+
+    Random number generators (torch, CUDA, NumPy, Python) are left as they were, so profiling
+    changes neither the data order nor the training.
+
+    Args:
+        module: the LightningModule, attached to a Trainer, before the backbone is split.
+        backbone: attribute name of its ``nn.Sequential`` backbone.
+        chunks: M, the number of micro-batches per mini-batch.
+        device: where to run the layers, one at a time.
+
+    Raises:
+        ValueError: if there is no sample, RuntimeError if the sample call does not reach the backbone
+            (see :func:`sample_micro_batch`); TypeError or ValueError from :func:`profile_layers`.
+    """
+    states = _collect_rng_states()
+    try:
+        sample = sample_micro_batch(module, backbone, chunks)
+        return profile_layers(getattr(module, backbone), sample, device)
+    finally:
+        _set_rng_states(states)
+
+
+def sample_micro_batch(module: LightningModule, backbone: str, chunks: int) -> Value:
+    """The first of ``chunks`` micro-batches of a backbone input the module really produces.
+
+    The input comes from calling the module on its ``example_input_array`` (Lightning's
+    convention: the input of ``forward``, passed as ``forward(*x)`` for a tuple and ``forward(**x)``
+    for a dict) if it is set, else from calling ``training_step`` on the first batch of the
+    training data (moved to the device with the user's transfer hooks) when fitting. Either call
+    stops at the backbone, under ``torch.no_grad()``.
+
+    Raises:
+        ValueError: if the module has no ``example_input_array`` and the Trainer is not fitting.
+        RuntimeError: if the call returns without calling the backbone.
+    """
+    example = module.example_input_array
+    if example is not None:
+        value = _backbone_input(module, backbone, lambda: _call_forward(module, example), "forward")
+    else:
+        value = _backbone_input(module, backbone, _first_training_step(module), "training_step")
+    return microbatch.split(value, chunks)[0]
+
+
+def _first_training_step(module: LightningModule) -> Callable[[], Any]:
+    trainer = module.trainer
+    if trainer.state.fn != TrainerFn.FITTING:
+        raise ValueError(
+            "Profiling the backbone to choose `balance` needs a sample: outside `trainer.fit` it takes the module's"
+            " `example_input_array` (the input of `forward`); set it, or give `balance` as a list of layer counts."
+        )
+    batch, _, _ = next(iter(CombinedLoader(trainer.fit_loop._data_source.dataloader(), "max_size_cycle")))
+    batch = trainer.strategy.batch_to_device(batch)
+    return lambda: module.training_step(batch, 0)
+
+
+def _backbone_input(module: LightningModule, backbone: str, call: Callable[[], Any], name: str) -> Value:
+    original = getattr(module, backbone)
+    recorder = _Recorder()
+    setattr(module, backbone, recorder)
+    try:
+        with torch.no_grad():
+            call()
+    except _Reached:
+        return recorder.value
+    finally:
+        setattr(module, backbone, original)
+    raise RuntimeError(
+        f"`{name}` returned without calling `self.{backbone}`, so there is no sample to profile the backbone on;"
+        f" call the backbone from `{name}` or give `balance` as a list of layer counts."
+    )
+
+
+def _call_forward(module: LightningModule, example: Any) -> Any:
+    if isinstance(example, tuple):
+        return module(*example)
+    if isinstance(example, dict):
+        return module(**example)
+    return module(example)

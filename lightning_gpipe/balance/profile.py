@@ -1,0 +1,167 @@
+"""Measuring what each backbone layer costs on one sample micro-batch, one layer at a time.
+
+PipeDream (Narayanan et al. 2019, section 3.1) partitions from a profile of each layer's
+compute time, activation and parameter sizes; torchgpipe's ``balance`` module profiles
+time and CUDA memory layer by layer. Here each layer is copied onto the device on its own
+(so the whole model never has to fit one device), run forward and backward on the
+previous layer's output, and dropped again. Activation memory is counted exactly from
+what autograd saves, so it works on every device, the CPU included.
+"""
+
+import copy
+import statistics
+import time
+from collections.abc import Iterator
+from itertools import chain
+from typing import Callable, Union
+
+import torch
+from torch import Tensor, nn
+
+from lightning_gpipe.balance.costs import LayerCost
+from lightning_gpipe.partition import Partition, materialize
+
+Value = Union[Tensor, tuple]
+
+
+def profile_layers(
+    layers: nn.Sequential,
+    sample: Value,
+    device: Union[torch.device, str] = "cpu",
+    repeats: int = 5,
+    warmup: int = 2,
+) -> list[LayerCost]:
+    """Measure the cost of each layer of ``layers`` for the micro-batch ``sample``.
+
+    Each layer is copied onto ``device`` (materialised with :func:`~lightning_gpipe.partition.materialize`
+    if it is on the meta device), put in training mode, run ``warmup`` times untimed, then ``repeats``
+    times timed: forward, then backward with a gradient of ones on its outputs that require grad. Times
+    are the medians. The copy is dropped before the next layer, whose input is this layer's output
+    (detached; it requires grad where the output did), so only one layer is ever on the device. The
+    given layers, their gradients and the random number generators are left unchanged.
+
+    Args:
+        layers: the backbone; each layer takes and returns a Tensor or a tuple of Tensors.
+        sample: the backbone input for one micro-batch (profile at the micro-batch size: small
+            matrix products cost more per row). Non-tensor items of a tuple are passed unchanged.
+        device: where to run the layers: ``"cpu"`` or a CUDA device. On the CPU times are the CPU time of
+            the calling thread (which takes part in every parallel operator, so this is the wall time without
+            the moments the OS gives the core to other processes: robust on a shared machine); on CUDA the
+            wall time, after synchronising the device.
+        repeats: timed runs per layer (>= 1); the median is kept.
+        warmup: untimed runs per layer before the timed ones (>= 0). One more forward, untimed,
+            counts the saved activations.
+
+    Returns:
+        One :class:`LayerCost` per layer, in order: ``forward`` and ``backward`` in seconds,
+        ``activation_bytes`` (tensors autograd saves for the backward, excluding the layer's own
+        parameters and buffers, each storage counted once), ``output_bytes`` and
+        ``parameter_bytes`` (parameters and buffers).
+
+    Raises:
+        ValueError: if ``repeats`` is below 1 or ``warmup`` below 0, or a meta-device layer cannot be
+            initialised.
+        TypeError: if a layer returns anything but a Tensor or a tuple of Tensors.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"profile_layers needs repeats >= 1 and warmup >= 0, got {repeats} and {warmup}.")
+    device = torch.device(device)
+    value = _leaf(sample, device, requires_grad=False)
+    costs = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for name, layer in layers.named_children():
+            replica = copy.deepcopy(layer)
+            materialize(replica, device)
+            cost, output = _profile(Partition({name: replica.to(device).train()}), value, device, repeats, warmup)
+            costs.append(cost)
+            value = _leaf(output, device, requires_grad=None)
+            del replica
+    return costs
+
+
+def _profile(layer: Partition, value: Value, device: torch.device, repeats: int, warmup: int) -> tuple:
+    activation_bytes, output = _saved_bytes(layer, value)
+    grads = [torch.ones_like(t) for t in _differentiable(output)]
+    runs = [_run(layer, value, grads, device) for _ in range(warmup + repeats)][warmup:]
+    cost = LayerCost(
+        forward=statistics.median(forward for forward, _ in runs),
+        backward=statistics.median(backward for _, backward in runs),
+        activation_bytes=activation_bytes,
+        output_bytes=sum(_nbytes(t) for t in _tensors(output)),
+        parameter_bytes=sum(_nbytes(t) for t in _state(layer)),
+    )
+    return cost, output
+
+
+def _run(layer: Partition, value: Value, grads: list[Tensor], device: torch.device) -> tuple[float, float]:
+    """One timed forward and backward; returns (forward seconds, backward seconds)."""
+    clock = _clock(device)
+    start = clock()
+    output = layer.run(value)
+    middle = clock()
+    if grads:
+        torch.autograd.backward(_differentiable(output), grads)
+    end = clock()
+    for t in _tensors(value):
+        t.grad = None
+    return middle - start, end - middle
+
+
+def _saved_bytes(layer: Partition, value: Value) -> tuple[int, Value]:
+    """Bytes of the storages autograd saves in one forward (not the layer's own state), and the output."""
+    own = {t.untyped_storage().data_ptr() for t in _state(layer)}
+    saved: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        output = layer.run(value)
+    return sum(saved.values()), output
+
+
+def _leaf(value: Value, device: torch.device, requires_grad) -> Value:
+    """``value`` as fresh tensors on ``device`` with no history.
+
+    ``requires_grad=None`` keeps each tensor's flag (only floating-point tensors can carry one).
+    """
+
+    def fresh(t: Tensor) -> Tensor:
+        flag = t.requires_grad if requires_grad is None else requires_grad
+        return t.detach().to(device, copy=True).requires_grad_(flag and t.is_floating_point())
+
+    if isinstance(value, Tensor):
+        return fresh(value)
+    return tuple(fresh(x) if isinstance(x, Tensor) else x for x in value)
+
+
+def _tensors(value: Value) -> list[Tensor]:
+    return [value] if isinstance(value, Tensor) else [x for x in value if isinstance(x, Tensor)]
+
+
+def _differentiable(value: Value) -> list[Tensor]:
+    return [t for t in _tensors(value) if t.requires_grad]
+
+
+def _state(layer: nn.Module) -> Iterator[Tensor]:
+    return chain(layer.parameters(), layer.buffers())
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _clock(device: torch.device) -> Callable[[], float]:
+    """Seconds: this thread's CPU time on the CPU, else wall time (after the queued work, on CUDA)."""
+    if device.type == "cpu":
+        return time.thread_time
+
+    def wall() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return wall

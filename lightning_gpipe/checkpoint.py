@@ -1,0 +1,137 @@
+"""Checkpoints of a pipelined module: every stage's weights and optimizer state, under the original names.
+
+Stages hold disjoint parts of the model under their original parameter names, so the
+whole model's state is the union of the stages'. Optimizer state is keyed the same
+way, in torch.distributed.checkpoint's flattened form (``state.<parameter>.<key>`` and
+``param_groups.<parameter>.<key>``). A checkpoint therefore does not depend on the
+number of stages or the ``balance`` it was written with: each stage loads the entries
+of its own parameters, whatever the split.
+
+Two layouts, chosen with ``GPipeStrategy(state_dict_type=...)`` as for Lightning's FSDP:
+
+- ``"full"``: one file, gathered on global rank 0 and written by the strategy's
+  CheckpointIO. Lightning's ``TorchCheckpointIO`` writes to a temporary file and renames
+  it, so a crash while saving leaves the previous file intact.
+- ``"sharded"``: a directory written by :mod:`torch.distributed.checkpoint`, each stage
+  writing its own tensors, plus ``meta.pt`` with the trainer state (loops, callbacks,
+  schedulers). It is written under a temporary name and renamed once complete.
+"""
+
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+
+from lightning_gpipe.failure import naming_the_cause
+
+METADATA = "meta.pt"
+"""File of a sharded checkpoint directory holding everything but the model and optimizer state."""
+
+SHARDED = ("state_dict", "optimizer_states")
+"""Entries of a Lightning checkpoint that each stage holds its own part of."""
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This stage's optimizer state, keyed by parameter name (flattened, as torch.distributed.checkpoint does).
+
+    Args:
+        module: the stage's LightningModule (its parameters under their original names).
+        optimizer: an optimizer over (some of) ``module``'s parameters.
+    """
+    return get_optimizer_state_dict(module, optimizer, options=_FLAT)
+
+
+def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load the entries of ``optimizer``'s parameters from a name-keyed ``state`` of the whole model.
+
+    Raises:
+        KeyError: if ``state`` lacks an entry of one of this stage's parameters.
+    """
+    set_optimizer_state_dict(module, optimizer, state, options=_FLAT)
+
+
+def local_entries(state_dict: dict[str, Tensor], module: nn.Module) -> dict[str, Tensor]:
+    """The entries of the whole model's ``state_dict`` that belong to this stage's ``module``.
+
+    Entries of other stages are dropped; missing local entries are left for
+    ``load_state_dict(strict=True)`` to report.
+    """
+    local = module.state_dict().keys()
+    return {key: value for key, value in state_dict.items() if key in local}
+
+
+def gather_union(local: dict[str, Any], rank: int) -> Optional[dict[str, Any]]:
+    """The union of every process's ``local`` dict on global rank 0, ``None`` elsewhere (a collective call).
+
+    Tensors are moved to the CPU first, so the result is device-independent.
+    """
+    local = {key: value.cpu() if isinstance(value, Tensor) else value for key, value in local.items()}
+    if not dist.is_initialized():
+        return local
+    parts = [None] * dist.get_world_size() if rank == 0 else None
+    with naming_the_cause():
+        dist.gather_object(local, parts, dst=0)
+    if rank != 0:
+        return None
+    return {key: value for part in parts for key, value in part.items()}
+
+
+def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int) -> None:
+    """Write ``checkpoint`` as a sharded directory at ``path`` (a collective call), replacing it atomically.
+
+    Args:
+        checkpoint: a Lightning checkpoint whose :data:`SHARDED` entries hold this stage's part.
+        path: the checkpoint directory.
+        rank: this process's global rank; rank 0 writes the metadata and renames the directory.
+    """
+    path = Path(path)
+    staging = path.with_name(f".{path.name}.partial")
+    if rank == 0 and staging.exists():
+        shutil.rmtree(staging)
+    with naming_the_cause():
+        dist.barrier()
+        dcp.save({key: checkpoint[key] for key in SHARDED if key in checkpoint}, checkpoint_id=staging)
+    if rank == 0:
+        torch.save({key: value for key, value in checkpoint.items() if key not in SHARDED}, staging / METADATA)
+        _replace(staging, path)
+    with naming_the_cause():
+        dist.barrier()
+
+
+def load_sharded(path: Path, template: dict[str, Any]) -> dict[str, Any]:
+    """Read a sharded checkpoint directory: this stage's entries of ``template`` plus the trainer state.
+
+    Args:
+        path: the checkpoint directory.
+        template: ``{"state_dict": ..., "optimizer_states": [...]}`` of this stage, filled in place.
+
+    Raises:
+        FileNotFoundError: if ``path`` has no :data:`METADATA` file (not a sharded checkpoint).
+    """
+    path = Path(path)
+    if not (path / METADATA).is_file():
+        raise FileNotFoundError(f"{path} is not a sharded GPipe checkpoint: it has no {METADATA}.")
+    with naming_the_cause():
+        dcp.load(template, checkpoint_id=path)
+    return {**torch.load(path / METADATA, weights_only=False), **template}
+
+
+def is_sharded(path: Any) -> bool:
+    """Whether ``path`` is a sharded checkpoint directory."""
+    return Path(path).is_dir() and (Path(path) / METADATA).is_file()
+
+
+def _replace(staging: Path, path: Path) -> None:
+    previous = path.with_name(f".{path.name}.previous")
+    if path.exists():
+        path.rename(previous)
+    staging.rename(path)
+    if previous.exists():
+        shutil.rmtree(previous)

@@ -1,0 +1,152 @@
+"""What one stage does during a step, as timestamped spans: the raw material of the pipeline callbacks.
+
+A :class:`Stage` owns a :class:`Recorder`. While it is disabled, a span costs one method call that
+returns a shared no-op context. Once enabled (the callbacks in :mod:`lightning_gpipe.callbacks` enable it
+for the training steps), every micro-batch's forward, recompute and backward, the last stage's loss, and every wait on a
+transfer is recorded as a :class:`Span` of ``time.perf_counter()`` timestamps.
+
+``perf_counter`` is ``CLOCK_MONOTONIC`` on Linux: the same clock for every process of one machine, so the
+stages' spans line up on one time axis. Across machines the clocks are unrelated; multi-node timelines
+would need a per-node offset.
+"""
+
+import time
+from collections.abc import Iterable
+from contextlib import nullcontext
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+WORK = ("forward", "recompute", "backward", "loss", "optimizer")
+"""Span kinds during which a stage computes (its busy time)."""
+
+TRANSFER = ("send", "recv")
+"""Span kinds during which a stage posts sends (``send``) or is blocked on a transfer (``recv``, and ``send``
+for the final flush of pending sends)."""
+
+_OFF = nullcontext()
+
+
+class Span(NamedTuple):
+    """One interval of a stage's step.
+
+    Args:
+        kind: one of :data:`WORK` or :data:`TRANSFER`; ``"loss"`` is the last stage's time between its
+            backbone output and the drain (the user's head and loss, and their backward to the boundary);
+            ``"optimizer"`` the optimizer step.
+        micro_batch: index of the micro-batch (0-based), ``None`` for whole-step spans.
+        start: ``time.perf_counter()`` seconds at the start.
+        end: ``time.perf_counter()`` seconds at the end.
+        input_bytes: forward and recompute spans that count memory: bytes of the micro-batch's input tensors,
+            which the stage keeps until the micro-batch's backward.
+        saved_bytes: the same spans: bytes autograd saved for the backward (activations), not counting
+            parameters or the input; 0 for a checkpointed micro-batch's forward, which keeps none.
+    """
+
+    kind: str
+    micro_batch: int | None
+    start: float
+    end: float
+    input_bytes: int = 0
+    saved_bytes: int = 0
+
+
+class Recorder:
+    """Collects the :class:`Span` list of one stage while :attr:`enabled` (default ``False``).
+
+    Memory is counted only while :attr:`memory` is also set (default ``False``): a Python hook per saved
+    tensor costs a few percent of a step.
+    """
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self.enabled = False
+        self.memory = False
+
+    def span(self, kind: str, micro_batch: int | None = None, memory_of: tuple | None = None):
+        """A context manager that records a span of ``kind`` around its body, when enabled.
+
+        Args:
+            kind: the span's kind (see :class:`Span`).
+            micro_batch: the micro-batch index, or ``None``.
+            memory_of: ``(module, input)``: when :attr:`memory` is set, also count the input's bytes and the bytes
+                autograd saves in the body, except ``module``'s parameters and the input (with
+                ``torch.autograd.graph.saved_tensors_hooks``).
+        """
+        if not self.enabled:
+            return _OFF
+        return _Timing(self, kind, micro_batch, memory_of if self.memory else None)
+
+    def add(self, kind: str, micro_batch: int | None, start: float, end: float) -> None:
+        """Record a span measured by the caller, when enabled."""
+        if self.enabled:
+            self.spans.append(Span(kind, micro_batch, start, end))
+
+    def take(self) -> list[Span]:
+        """Return the spans recorded so far and start a new list."""
+        spans, self.spans = self.spans, []
+        return spans
+
+
+class _Timing:
+    """An enabled span: times its body and, given ``memory_of``, counts the bytes kept and saved in it."""
+
+    def __init__(self, recorder: Recorder, kind: str, micro_batch: int | None, memory_of: tuple | None):
+        self.recorder, self.kind, self.micro_batch, self.memory_of = recorder, kind, micro_batch, memory_of
+        self.input_bytes = self.saved_bytes = 0
+        self.hooks = None
+
+    def __enter__(self) -> None:
+        if self.memory_of is not None:
+            module, value = self.memory_of
+            inputs = _tensors(value)
+            self.input_bytes = sum(t.nbytes for t in inputs)
+            seen = {t.untyped_storage().data_ptr() for t in (*inputs, *module.parameters(), *module.buffers())}
+            self.hooks = torch.autograd.graph.saved_tensors_hooks(self._counter(seen), lambda t: t)
+            self.hooks.__enter__()
+        self.start = time.perf_counter()
+
+    def _counter(self, seen: set[int]):
+        def pack(tensor: Tensor) -> Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                self.saved_bytes += storage.nbytes()
+            return tensor
+
+        return pack
+
+    def __exit__(self, *exc) -> None:
+        end = time.perf_counter()
+        if self.hooks is not None:
+            self.hooks.__exit__(*exc)
+        span = Span(self.kind, self.micro_batch, self.start, end, self.input_bytes, self.saved_bytes)
+        self.recorder.spans.append(span)
+
+
+def _tensors(value: Tensor | tuple) -> list[Tensor]:
+    return [value] if isinstance(value, Tensor) else [t for t in value if isinstance(t, Tensor)]
+
+
+def peak_activation_bytes(spans: Iterable[Span]) -> int:
+    """Peak activation memory of one stage over one step, from its spans (bytes).
+
+    A micro-batch's input is held from its forward to the end of its backward; the activations autograd
+    saves are held from the forward (or, when checkpointed, the recompute) to the end of the backward.
+    Spans without byte counts add nothing. The same accounting serves measured and simulated steps.
+    """
+    held: dict[int | None, int] = {}
+    changes = []
+    for span in sorted(spans, key=lambda s: s.start):
+        if span.kind in ("forward", "recompute"):
+            grow = span.saved_bytes + (span.input_bytes if span.kind == "forward" else 0)
+            held[span.micro_batch] = held.get(span.micro_batch, 0) + grow
+            changes.append((span.start, grow))
+        elif span.kind == "backward" and span.micro_batch in held:
+            changes.append((span.end, -held.pop(span.micro_batch)))
+    peak = level = 0
+    for _, change in sorted(changes):  # at equal times, frees (negative) come first
+        level += change
+        peak = max(peak, level)
+    return peak

@@ -1,0 +1,89 @@
+"""One optimizer step, agreed by every stage: the global gradient norm and the shared found-inf decision.
+
+Each stage steps its own optimizer over its own parameters. Two decisions of a
+step depend on all the gradients of the model, not one stage's part:
+
+- clipping by norm scales every gradient by ``max_norm / total_norm``, where
+  ``total_norm`` is the norm over all stages' gradients (what single-device
+  ``torch.nn.utils.clip_grad_norm_`` computes over the whole model);
+- with a gradient scaler (``precision="16-mixed"``), a non-finite gradient on
+  any stage must make every stage skip the step and back off the scale together,
+  or the stages' weights and scales drift apart.
+
+Clipping by value needs nothing: it is element-wise.
+"""
+
+from collections.abc import Iterable
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_gpipe.failure import naming_the_cause
+
+
+def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """Clip this stage's gradients by the 2-norm of the gradients of every stage in ``group``.
+
+    Equals ``torch.nn.utils.clip_grad_norm_`` over the whole model: the squared norms of
+    the stages are summed (an all-reduce; every stage must call this), then each stage
+    scales its gradients with ``torch.nn.utils.clip_grads_with_norm_``.
+
+    Args:
+        parameters: this stage's parameters (their ``.grad`` is scaled in place).
+        max_norm: the largest allowed 2-norm of all gradients together.
+        group: the stages of one pipeline; ``None`` is the default (whole-world) group.
+
+    Returns:
+        The total 2-norm before clipping (a scalar tensor on this stage's device).
+    """
+    parameters = list(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
+    squared = local.double() ** 2
+    if dist.is_initialized():
+        with naming_the_cause():
+            dist.all_reduce(squared, group=group)
+    total = squared.sqrt().to(local.dtype)
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
+
+
+class SharedGradScaler(torch.amp.GradScaler):
+    """A gradient scaler whose found-inf decision is shared by every stage of the pipeline.
+
+    After unscaling, each stage's "found a non-finite gradient" flag is all-reduced with
+    ``MAX``, so the optimizer steps of all stages are skipped together and the scale backs
+    off on every stage alike, as with one scaler over the whole model. Build it with
+    :meth:`replacing` from the precision plugin's scaler.
+
+    Args:
+        group: the stages of one pipeline; ``None`` is the default (whole-world) group.
+        *args, **kwargs: as for :class:`torch.amp.GradScaler`.
+    """
+
+    def __init__(self, *args, group: Optional[dist.ProcessGroup] = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.group = group
+
+    @classmethod
+    def replacing(cls, scaler: torch.amp.GradScaler, group: Optional[dist.ProcessGroup] = None) -> "SharedGradScaler":
+        """A shared scaler with the device, settings and current state (scale, growth tracker) of ``scaler``."""
+        shared = cls(scaler._device, enabled=scaler.is_enabled(), group=group)
+        shared.load_state_dict(scaler.state_dict())
+        return shared
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale ``optimizer``'s gradients, then agree with the other stages on whether any was non-finite."""
+        super().unscale_(optimizer)
+        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        if not found or not dist.is_initialized():
+            return
+        flags = list(found.values())
+        any_found = torch.stack([flag.to(flags[0].device) for flag in flags]).amax()
+        with naming_the_cause():
+            dist.all_reduce(any_found, op=dist.ReduceOp.MAX, group=self.group)
+        for flag in flags:
+            flag.copy_(any_found)

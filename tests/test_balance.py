@@ -1,0 +1,240 @@
+"""Automatic balance: the memory-limited solver, the layer profiler, the modes, and the strategy's choice end to end."""
+
+import json
+import statistics
+import time
+from itertools import combinations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gpipe import GPipeStrategy, balance_by, profile_layers, solve
+from lightning_gpipe.balance import LayerCost, layer_weights, stage_sums
+from lightning_gpipe.balance.backbone import sample_micro_batch
+from lightning_gpipe.partition import resolve_balance
+from models import TupleNet
+
+from conftest import run_worker
+
+
+def _splits(layers: int, stages: int):
+    for cuts in combinations(range(1, layers), stages - 1):
+        bounds = (0, *cuts, layers)
+        yield [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def test_memory_limited_solver_is_optimal_against_brute_force():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        costs = torch.randint(1, 20, (9,), generator=generator).tolist()
+        memory = torch.randint(1, 20, (9,), generator=generator).tolist()
+        limit = int(torch.randint(25, 60, (), generator=generator))
+        fitting = [b for b in _splits(9, 3) if max(stage_sums(memory, b)) <= limit]
+        if not fitting:
+            with pytest.raises(ValueError, match="No split into 3 stages keeps every stage within"):
+                solve(costs, 3, memory=memory, memory_limit=limit)
+            continue
+        balance = solve(costs, 3, memory=memory, memory_limit=limit)
+        assert max(stage_sums(memory, balance)) <= limit
+        assert max(stage_sums(costs, balance)) == min(max(stage_sums(costs, b)) for b in fitting)
+
+
+def test_memory_limit_error_names_the_smallest_limit_that_fits():
+    costs, memory = [1, 1, 1, 1], [4, 1, 1, 4]
+    assert solve(costs, 2, memory=memory, memory_limit=6) == [2, 2]
+    with pytest.raises(ValueError, match="the smallest limit that fits is 5 bytes. Raise the limit, use more devices"):
+        solve(costs, 2, memory=memory, memory_limit=4)
+    with pytest.raises(ValueError, match="Give both `memory`"):
+        solve(costs, 2, memory=memory)
+
+
+def test_modes_weigh_time_memory_or_parameters():
+    costs = [
+        LayerCost(forward=1.0, backward=2.0, activation_bytes=10, parameter_bytes=100),
+        LayerCost(forward=1.0, backward=1.0, activation_bytes=200, parameter_bytes=0),
+        LayerCost(forward=5.0, backward=5.0, activation_bytes=10, parameter_bytes=10),
+    ]
+    assert layer_weights("time", costs) == [3.0, 2.0, 10.0]
+    assert layer_weights("memory", costs) == [110, 200, 20]
+    assert layer_weights("params", costs) == [100, 0, 10]
+    assert balance_by("time", costs, 2) == [2, 1]
+    assert balance_by("memory", costs, 2) == [1, 2]
+    assert balance_by("time", costs, 2, memory_limit=220) == [1, 2]
+    with pytest.raises(ValueError, match="choose one of params, time, memory"):
+        balance_by("speed", costs, 2)
+
+
+def test_resolve_balance_uses_profiled_costs_for_time_and_memory():
+    backbone = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])
+    costs = [LayerCost(forward=t, backward=t) for t in (1.0, 1.0, 5.0)]
+    assert resolve_balance("time", backbone, 2, costs) == [2, 1]
+    assert resolve_balance(None, backbone, 2) == resolve_balance("params", backbone, 2) == [1, 2]
+    with pytest.raises(ValueError, match="balance='time' needs the profiled cost of each of the 3 backbone layers"):
+        resolve_balance("time", backbone, 2)
+    with pytest.raises(ValueError, match="fewer than the 4 stages"):
+        resolve_balance("time", backbone, 4, costs)
+
+
+def test_profiler_counts_saved_activations_outputs_and_parameters_exactly():
+    rows, width = 6, 8
+    backbone = nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, width))
+    costs = profile_layers(backbone, torch.randn(rows, width), repeats=1, warmup=0)
+    floats = 4
+    # Linear saves its input for the weight's gradient (the weight itself is a parameter, not an activation);
+    # ReLU saves its output
+    assert [c.activation_bytes for c in costs] == [rows * width * floats] + [rows * 2 * width * floats] * 2
+    assert [c.output_bytes for c in costs] == [rows * 2 * width * floats] * 2 + [rows * width * floats]
+    assert [c.parameter_bytes for c in costs] == [(width * 2 * width + 2 * width) * floats, 0] + [
+        (2 * width * width + width) * floats
+    ]
+    assert all(c.forward > 0 and c.backward > 0 for c in costs)
+
+
+def test_profiler_leaves_the_layers_and_random_state_untouched():
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
+    before = {k: v.clone() for k, v in backbone.state_dict().items()}
+    sample, rng = torch.randn(8, 4), torch.get_rng_state()
+    profile_layers(backbone, sample, repeats=2)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(before[k], v) for k, v in backbone.state_dict().items())
+    assert all(p.grad is None for p in backbone.parameters())
+
+
+def test_profiler_handles_tuple_activations_with_masks_and_meta_layers():
+    backbone = TupleNet(blocks=2).backbone
+    x = torch.randn(5, 16)
+    costs = profile_layers(backbone, (x, x > 0), repeats=1)
+    assert len(costs) == 4 and costs[1].output_bytes == 2 * 5 * 16 * 4 + 5 * 16  # (h, skip) floats + bool mask
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+    assert profile_layers(meta, x, repeats=1)[0].parameter_bytes == (16 * 16 + 16) * 4
+    assert meta[0].weight.is_meta
+
+
+def test_profiler_names_a_layer_that_returns_no_activation():
+    class Listing(nn.Module):
+        def forward(self, x):
+            return [x]
+
+    with pytest.raises(TypeError, match=r"Backbone layer 1 \(Listing\) returned a list"):
+        profile_layers(nn.Sequential(nn.Linear(2, 2), Listing()), torch.randn(3, 2), repeats=1)
+
+
+class ForwardNet(TupleNet):
+    """TupleNet whose ``forward`` prepares the mask, with an ``example_input_array`` for it."""
+
+    def __init__(self):
+        super().__init__(blocks=2)
+        self.example_input_array = torch.randn(12, 16)
+
+    def forward(self, x):
+        return self.head(self.backbone((x * 2, x > 0)))
+
+
+def test_sample_is_the_first_micro_batch_of_what_forward_passes_to_the_backbone():
+    module = ForwardNet()
+    x, mask = sample_micro_batch(module, "backbone", chunks=4)
+    assert torch.equal(x, module.example_input_array[:3] * 2) and torch.equal(mask, module.example_input_array[:3] > 0)
+    assert isinstance(module.backbone, nn.Sequential) and len(module.backbone) == 4
+
+
+def test_sample_outside_fit_needs_example_input_array():
+    import lightning as L
+
+    module = TupleNet()
+    module.trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    with pytest.raises(ValueError, match="outside `trainer.fit` it takes the module's `example_input_array`"):
+        sample_micro_batch(module, "backbone", chunks=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(balance="fast"), "choose 'params', 'time' or 'memory', or give"),
+        (dict(balance_memory_limit=0), "an integer >= 1, or None"),
+        (dict(balance=[2, 2], balance_memory_limit=10**9), "the memory limit steers an automatic balance"),
+    ],
+)
+def test_bad_balance_arguments_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GPipeStrategy(**kwargs)
+    assert GPipeStrategy(balance="memory", balance_memory_limit=10**9).balance == "memory"
+
+
+class Repeated(nn.Module):
+    """``times`` applications of one ``Linear(width, width)`` and tanh: its time grows with ``times``, not its size."""
+
+    def __init__(self, width: int, times: int) -> None:
+        super().__init__()
+        self.linear, self.times = nn.Linear(width, width), times
+
+    def forward(self, x):
+        for _ in range(self.times):
+            x = torch.tanh(self.linear(x))
+        return x
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread: on a shared 2-core machine two threads make every timing a scheduling lottery."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _stage_seconds(stage: nn.Sequential, x: torch.Tensor) -> float:
+    """CPU time of one forward and backward of ``stage``: its own work, whatever else the machine runs."""
+    start = time.thread_time()
+    out = stage(x)
+    out.backward(torch.ones_like(out))
+    return time.thread_time() - start
+
+
+def test_time_balance_is_within_ten_percent_of_the_best_split(one_thread):
+    """Layers whose work differs tenfold; the best split is found by timing every possible stage independently.
+
+    The stages are re-timed here as whole stages, in interleaved rounds, by their CPU time (one thread): the
+    time a dedicated core would take, since wall time on a shared machine also counts the moments other
+    processes hold the core.
+    """
+    torch.manual_seed(0)
+    backbone = nn.Sequential(*[Repeated(256, times) for times in (1, 1, 1, 10, 10, 10, 1, 1, 1)])
+    sample, layers, stages = torch.randn(32, 256), len(backbone), 3
+    chosen = balance_by("time", profile_layers(backbone, sample, repeats=5), stages)
+
+    inputs = [sample]  # the input of every possible stage start; later stages receive one that requires grad
+    with torch.no_grad():
+        for layer in backbone[:-1]:
+            inputs.append(layer(inputs[-1]).requires_grad_())
+    spans = [(a, b) for a in range(layers) for b in range(a + 1, layers + 1)]
+    rounds = {span: [] for span in spans}
+    for _ in range(7):  # interleaved rounds, so a burst of load on the machine hits every stage alike
+        for a, b in spans:
+            rounds[(a, b)].append(_stage_seconds(backbone[a:b], inputs[a]))
+    seconds = {span: statistics.median(times) for span, times in rounds.items()}
+
+    def slowest(balance):
+        bounds = [sum(balance[:i]) for i in range(len(balance) + 1)]
+        return max(seconds[(a, b)] for a, b in zip(bounds, bounds[1:]))
+
+    best = min(_splits(layers, stages), key=slowest)
+    by_params = resolve_balance("params", backbone, stages)
+    print(
+        f"\ntenfold backbone, {stages} stages: time split {chosen} slowest stage {slowest(chosen) * 1e3:.2f} ms;"
+        f" best split {best} {slowest(best) * 1e3:.2f} ms; params split {by_params} {slowest(by_params) * 1e3:.2f} ms"
+    )
+    assert slowest(chosen) <= 1.10 * slowest(best)
+
+
+def test_strategy_profiles_on_rank_zero_and_every_stage_splits_alike(tmp_path):
+    result = run_worker("balance.py", str(tmp_path), "--devices", "2", timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["costs"] == ranks[1]["costs"] and len(ranks[0]["costs"]) == 8  # broadcast from rank 0
+    assert ranks[0]["local"] + ranks[1]["local"] == [str(i) for i in range(8)]
+    assert [len(r["local"]) for r in ranks] == ranks[0]["expected"] != [4, 4]  # the time split, not the params one
+    assert ranks[0]["micro_batch_rows"] == 5  # batches of 20 rows in 4 micro-batches
+    assert ranks[0]["same_as_given_split"]  # profiling changed neither the data nor the random state
