@@ -92,16 +92,17 @@ class GPipeStrategy(ParallelStrategy):
             Lightning's other parallel strategies; the Trainer fills them in.
 
     Raises:
-        ValueError: for ``chunks < 1``, an unknown ``checkpoint`` mode, ``start_method`` or ``state_dict_type``, or a
-            ``balance`` holding anything but positive integers. Whether ``balance`` fits the backbone
-            and the number of devices is checked when training starts, before the first step.
+        ValueError: for ``chunks < 1``, an unknown ``checkpoint`` mode, ``start_method`` or ``state_dict_type``, a
+            ``balance`` that is neither a mode nor a list of integers, or a ``balance_memory_limit`` that is not
+            a positive integer or comes with a list ``balance``. Whether ``balance`` fits the backbone and the
+            number of devices is checked when training starts, before the first step.
     """
 
     strategy_name = "gpipe"
 
     def __init__(
         self,
-        balance: Optional[Sequence[int]] = None,
+        balance: Union[None, Literal["params", "time", "memory"], Sequence[int]] = None,
         chunks: Optional[int] = None,
         checkpoint: Literal["always", "except_last", "never"] = "except_last",
         deferred_batch_norm: bool = False,
@@ -117,9 +118,7 @@ class GPipeStrategy(ParallelStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        _check_arguments(balance, balance_memory_limit, chunks, checkpoint, start_method)
-        if state_dict_type not in ("full", "sharded"):
-            raise ValueError(f"GPipeStrategy(state_dict_type={state_dict_type!r}): choose 'full' or 'sharded'.")
+        _check_arguments(balance, balance_memory_limit, chunks, checkpoint, start_method, state_dict_type)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -483,13 +482,17 @@ class GPipeStrategy(ParallelStrategy):
         )
 
 
-def _check_arguments(balance: Any, balance_memory_limit: Any, chunks: Any, checkpoint: Any, start_method: Any) -> None:
+def _check_arguments(
+    balance: Any, balance_memory_limit: Any, chunks: Any, checkpoint: Any, start_method: Any, state_dict_type: Any
+) -> None:
     if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
         raise ValueError(f"GPipeStrategy(chunks={chunks!r}): chunks is the number of micro-batches, an integer >= 1.")
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"GPipeStrategy(checkpoint={checkpoint!r}): choose one of {', '.join(CHECKPOINT_MODES)}.")
     if start_method not in ("popen", "spawn"):
         raise ValueError(f"GPipeStrategy(start_method={start_method!r}): choose 'popen' or 'spawn'.")
+    if state_dict_type not in ("full", "sharded"):
+        raise ValueError(f"GPipeStrategy(state_dict_type={state_dict_type!r}): choose 'full' or 'sharded'.")
     automatic = balance is None or balance in MODES
     if not automatic and (
         isinstance(balance, (str, bytes)) or not all(isinstance(n, int) and not isinstance(n, bool) for n in balance)

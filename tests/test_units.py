@@ -105,6 +105,7 @@ def test_default_balance_evens_out_parameters_and_needs_enough_layers():
         (dict(checkpoint="sometimes"), "choose one of always, except_last, never"),
         (dict(balance="3,5"), "as a list of integers"),
         (dict(start_method="fork"), "choose 'popen' or 'spawn'"),
+        (dict(state_dict_type="deepspeed"), "choose 'full' or 'sharded'"),
     ],
 )
 def test_bad_strategy_arguments_are_refused(kwargs, message):
