@@ -89,40 +89,64 @@ class Recorder:
         return spans
 
 
+class SavedBytes:
+    """Counts the bytes autograd saves for the backward inside a ``with`` block: each storage once, not ``exclude``'s.
+
+    Uses ``torch.autograd.graph.saved_tensors_hooks``, so it sees exactly what the backward will need.
+
+    Args:
+        exclude: tensors whose storages are not counted (parameters, buffers, the block's input).
+
+    Attributes:
+        bytes: the count so far.
+    """
+
+    def __init__(self, exclude: Iterable[Tensor]) -> None:
+        self.bytes = 0
+        self._seen = {t.untyped_storage().data_ptr() for t in exclude}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _same)
+
+    def __enter__(self) -> "SavedBytes":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, tensor: Tensor) -> Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self._seen:
+            self._seen.add(storage.data_ptr())
+            self.bytes += storage.nbytes()
+        return tensor
+
+
+def _same(tensor: Tensor) -> Tensor:
+    return tensor
+
+
 class _Timing:
     """An enabled span: times its body and, given ``memory_of``, counts the bytes kept and saved in it."""
 
     def __init__(self, recorder: Recorder, kind: str, micro_batch: int | None, memory_of: tuple | None):
         self.recorder, self.kind, self.micro_batch, self.memory_of = recorder, kind, micro_batch, memory_of
-        self.input_bytes = self.saved_bytes = 0
-        self.hooks = None
+        self.input_bytes = 0
+        self.saved: SavedBytes | None = None
 
     def __enter__(self) -> None:
         if self.memory_of is not None:
             module, value = self.memory_of
             inputs = _tensors(value)
             self.input_bytes = sum(t.nbytes for t in inputs)
-            seen = {t.untyped_storage().data_ptr() for t in (*inputs, *module.parameters(), *module.buffers())}
-            self.hooks = torch.autograd.graph.saved_tensors_hooks(self._counter(seen), lambda t: t)
-            self.hooks.__enter__()
+            self.saved = SavedBytes([*inputs, *module.parameters(), *module.buffers()]).__enter__()
         self.start = time.perf_counter()
-
-    def _counter(self, seen: set[int]):
-        def pack(tensor: Tensor) -> Tensor:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                self.saved_bytes += storage.nbytes()
-            return tensor
-
-        return pack
 
     def __exit__(self, *exc) -> None:
         end = time.perf_counter()
-        if self.hooks is not None:
-            self.hooks.__exit__(*exc)
-        span = Span(self.kind, self.micro_batch, self.start, end, self.input_bytes, self.saved_bytes)
-        self.recorder.spans.append(span)
+        if self.saved is not None:
+            self.saved.__exit__(*exc)
+        saved = self.saved.bytes if self.saved is not None else 0
+        self.recorder.spans.append(Span(self.kind, self.micro_batch, self.start, end, self.input_bytes, saved))
 
 
 def _tensors(value: Tensor | tuple) -> list[Tensor]:

@@ -90,6 +90,11 @@ class Prediction:
 def stage_costs(costs: Sequence[LayerCost], balance: Sequence[int], input_bytes: int = 0) -> list[StageCost]:
     """Sum per-layer costs into per-stage costs.
 
+    Profiled costs (:mod:`lightning_gpipe.balance.profile`) come from each layer run alone, so a tensor two
+    neighbouring layers both save (one layer's saved output, the next one's saved input, as ReLU then
+    Linear) is in both layers' ``activation_bytes`` and counted twice here; the callbacks' measurement
+    counts each storage once.
+
     Args:
         costs: one :class:`~lightning_gpipe.balance.costs.LayerCost` per backbone layer, for one micro-batch.
         balance: layers per stage, summing to ``len(costs)``.

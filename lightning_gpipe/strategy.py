@@ -173,6 +173,12 @@ class GPipeStrategy(ParallelStrategy):
         return self.topology.stage_of(self.global_rank)
 
     @property
+    def stage(self) -> Optional[Stage]:
+        """This process's :class:`~lightning_gpipe.stage.Stage` while a model is split (``None`` before setup
+        and after teardown); its ``events`` recorder is what the pipeline callbacks read."""
+        return self._stage
+
+    @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         """All stages of one pipeline read the same batches: the sampler sees the data-parallel world only."""
         return {"num_replicas": self.topology.data_parallel_size, "rank": self.topology.replica_of(self.global_rank)}

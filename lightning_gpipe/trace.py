@@ -89,7 +89,7 @@ class StepTrace:
 
     @property
     def bubble(self) -> float:
-        """The mean idle share of the stages, ``1 - mean(efficiency)``."""
+        """The mean share of the step the stages are not busy (idle or waiting), ``1 - mean(efficiency)``."""
         efficiency = self.efficiency
         return 1.0 - sum(efficiency) / len(efficiency)
 
@@ -125,15 +125,9 @@ class StepTrace:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def _event(self, pid: int, name: str, category: str, tid: int, start: float, end: float) -> dict:
-        return {
-            "name": name,
-            "cat": category,
-            "ph": "X",
-            "pid": pid,
-            "tid": tid,
-            "ts": round((start - self.start) * 1e6, 1),
-            "dur": round((end - start) * 1e6, 1),
-        }
+        # rounding both ends (not the duration) keeps back-to-back events on one lane from overlapping
+        ts, te = (round((t - self.start) * 1e6, 1) for t in (start, end))
+        return {"name": name, "cat": category, "ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": round(te - ts, 1)}
 
 
 LANES = ("compute", "transfer", "idle")

@@ -26,7 +26,7 @@ class _Collector:
     """Records the training steps of one stage and gathers them; shared by all pipeline callbacks of a run."""
 
     def __init__(self, strategy: GPipeStrategy) -> None:
-        self.strategy, self.stage = strategy, strategy._stage
+        self.strategy, self.stage = strategy, strategy.stage
         self.batch: int | None = None
         self.start = 0.0
         self.optimizer_start: float | None = None
@@ -93,11 +93,11 @@ class PipelineCallback(pl.Callback):
 
     def _collector(self, trainer: "pl.Trainer") -> _Collector | None:
         strategy = trainer.strategy
-        if not isinstance(strategy, GPipeStrategy) or strategy._stage is None:
+        if not isinstance(strategy, GPipeStrategy) or strategy.stage is None:
             return None
-        if strategy._stage not in _collectors:
-            _collectors[strategy._stage] = _Collector(strategy)
-        return _collectors[strategy._stage]
+        if strategy.stage not in _collectors:
+            _collectors[strategy.stage] = _Collector(strategy)
+        return _collectors[strategy.stage]
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, *_: Any) -> None:
         """Start recording this batch (once per batch, whichever pipeline callback comes first)."""

@@ -39,14 +39,14 @@ class PipelineThroughput(PipelineCallback):
     ``device/`` metrics here mean one pipeline, not one process), and every stage's spans are gathered each
     step (one small collective per step) to measure:
 
-    - ``pipeline/bubble``: the stages' mean idle share of the step time (see :mod:`lightning_gpipe.trace`);
+    - ``pipeline/bubble``: the mean share of the step the stages are not busy (see :mod:`lightning_gpipe.trace`);
     - ``pipeline/efficiency/stage{k}``: stage k's busy time (forward, recompute, backward, loss, optimizer)
       over the step's wall time.
 
     Both are averaged over the last ``window_size`` steps. Logged on global rank 0 every
     ``trainer.log_every_n_steps`` training batches, with Lightning's throughput metrics under ``throughput/``
     (``throughput/device/samples_per_sec``, ``throughput/device/items_per_sec`` with ``length_fn``...), which
-    appear once ``window_size`` steps have run.
+    appear once ``window_size`` steps have run. Validation inside ``fit`` is left out of the time.
 
     Args:
         batch_size_fn: samples in a batch; default :func:`batch_rows` (dim 0 of the batch's first tensor).
@@ -68,6 +68,7 @@ class PipelineThroughput(PipelineCallback):
         self.throughput: Throughput | None = None
         self.metrics: dict[str, float] = {}
         self._t0 = 0.0
+        self._paused: float | None = None  # when validation inside `fit` started
         self._totals = {"batches": 0, "samples": 0, "lengths": 0}
         self._shares: deque[tuple[float, list[float]]] = deque(maxlen=window_size)  # (wall, busy per stage)
 
@@ -78,6 +79,16 @@ class PipelineThroughput(PipelineCallback):
         self._totals = dict.fromkeys(self._totals, 0)
         self._shares.clear()
         self._t0 = time.perf_counter()
+
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Pause the clock: validation inside ``fit`` is not training time (as in ``ThroughputMonitor``)."""
+        self._paused = time.perf_counter()
+
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Resume the clock."""
+        if self._paused is not None:
+            self._t0 += time.perf_counter() - self._paused
+            self._paused = None
 
     def wants(self, batch: int) -> bool:
         """Every step."""

@@ -1,0 +1,130 @@
+"""The pipeline callbacks on a real 2-stage run (one worker run for all three), and the simulator against it."""
+
+import csv
+import json
+import pickle
+import statistics
+import warnings
+
+import lightning as L
+import pytest
+from conftest import run_worker
+from models import fit_trainer
+
+from lightning_gpipe import PipelineBalance, PipelineThroughput, PipelineTimeline
+from lightning_gpipe.simulator import StageCost, simulate
+
+CONTENDED = 0.10
+"""Above this share of its time waiting for a CPU, a stage process's timings say more about the machine."""
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("callbacks")
+    result = run_worker("callbacks.py", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(out / "steps.pkl", "rb") as f:
+        steps = pickle.load(f)
+    return out, json.loads((out / "result.json").read_text()), steps, result.stderr + result.stdout
+
+
+def _metrics(out):
+    with open(out / "csv/version_0/metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_timeline_writes_a_chrome_trace_of_every_stage(run):
+    out, _, _, _ = run
+    trace = json.loads((out / "csv/version_0/pipeline_timeline_step3.json").read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in events} == {0, 1} and {e["tid"] for e in events} == {0, 1, 2}
+    assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in events)
+    for lane in {(e["pid"], e["tid"]) for e in events}:  # slices on one track must nest for Perfetto: no overlaps
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if (e["pid"], e["tid"]) == lane)
+        assert all(end <= start + 1e-6 for (_, end), (start, _) in zip(spans, spans[1:]))
+    for stage in (0, 1):
+        names = {e["name"] for e in events if e["pid"] == stage}
+        assert {f"F{i}" for i in range(8)} | {f"B{i}" for i in range(8)} | {f"R{i}" for i in range(7)} <= names
+        assert "R7" not in names and "optimizer" in names and "idle" in names
+    assert "loss" in {e["name"] for e in events if e["pid"] == 1}
+    names = {(e["pid"], e["args"]["name"]) for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == {(0, "stage 0"), (1, "stage 1")}
+    # the fill: stage 1's first forward starts after stage 0's
+    first = {stage: min(e["ts"] for e in events if e["pid"] == stage and e["name"] == "F0") for stage in (0, 1)}
+    assert first[1] > first[0]
+
+
+def test_timeline_chart_is_written_and_logged_to_tensorboard(run):
+    out, result, _, _ = run
+    png = out / "csv/version_0/pipeline_timeline_step3.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in result["written"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tb/version_0")).Reload()
+    assert "pipeline/timeline" in events.Tags()["images"]
+
+
+def test_balance_reports_each_stage_and_suggests_the_even_split(run):
+    out, result, _, output = run
+    report = result["balance"]
+    assert report == json.loads((out / "csv/version_0/pipeline_balance.json").read_text())
+    assert report["balance"] == [2, 6] and report["steps"] == [2, 3, 4, 5, 6]
+    linear = 1024 * 1024 + 1024
+    assert [s["parameters"] for s in report["stages"]] == [linear, 3 * linear]
+    for stage in report["stages"]:
+        assert stage["forward"] > 0 and stage["recompute"] > 0 and stage["backward"] > 0
+    assert report["stages"][0]["loss"] == 0 < report["stages"][1]["loss"]
+    # the inputs of 8 micro-batches of 128 x 1024 floats, plus one micro-batch's saved activations
+    assert all(s["activation_bytes"] > 8 * 128 * 1024 * 4 for s in report["stages"])
+    assert report["imbalance"] > 1.1 and report["suggested_balance"] == [4, 4]
+    assert report["suggested_step_s"] < report["predicted_step_s"]
+    assert "suggested balance=[4, 4] instead of [2, 6]" in output
+    imbalance = [row["pipeline/imbalance"] for row in _metrics(out) if row["pipeline/imbalance"]]
+    assert float(imbalance[0]) == pytest.approx(report["imbalance"])
+
+
+def test_throughput_logs_samples_per_second_bubble_and_efficiency(run):
+    out, result, _, _ = run
+    rows = [row for row in _metrics(out) if row["pipeline/bubble"]]
+    assert [int(row["step"]) for row in rows] == [2, 4, 6, 8]
+    assert float(rows[-1]["throughput/device/samples_per_sec"]) > 0 and rows[-1]["throughput/samples"] == str(8 * 1024)
+    for row in rows:
+        efficiency = [float(row[f"pipeline/efficiency/stage{k}"]) for k in (0, 1)]
+        assert 0 < min(efficiency) and max(efficiency) <= 1
+        assert float(row["pipeline/bubble"]) == pytest.approx(1 - sum(efficiency) / 2)
+    assert result["throughput"]["pipeline/bubble"] == pytest.approx(float(rows[-1]["pipeline/bubble"]))
+
+
+def test_simulator_predicts_the_measured_step_within_10_percent(run):
+    """Costs: each stage's measured forward, recompute and backward per micro-batch, loss and optimizer time."""
+    out, _, steps, _ = run
+    chunks, stages = 8, range(2)
+
+    def median(kind, stage):
+        return statistics.median(step.stages[stage].total(kind) for step in steps)
+
+    costs = [
+        StageCost(median("forward", k) / chunks, median("backward", k) / chunks, median("recompute", k) / (chunks - 1))
+        for k in stages
+    ]
+    optimizer = [median("optimizer", k) for k in stages]
+    prediction = simulate(costs, chunks, "except_last", loss=median("loss", 1), optimizer=optimizer)
+    measured = statistics.median(step.wall for step in steps)
+    contention = max(json.loads((out / f"contention_rank{k}.json").read_text()) for k in stages)
+    figures = f"predicted {prediction.step_time:.3f} s, measured {measured:.3f} s"
+    if contention > CONTENDED:
+        pytest.skip(f"the machine was busy (a stage waited for a CPU {contention:.0%} of the time); {figures}")
+    assert prediction.step_time == pytest.approx(measured, rel=0.10), figures
+    assert prediction.bubble == pytest.approx(statistics.median(step.bubble for step in steps), abs=0.10)
+
+
+def test_callbacks_warn_and_do_nothing_without_gpipe(tmp_path):
+    callbacks = [PipelineBalance(warmup=0, steps=1), PipelineThroughput(), PipelineTimeline(steps=(0,))]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit_trainer(max_steps=2, callbacks=callbacks, default_root_dir=str(tmp_path))
+    messages = " ".join(str(w.message) for w in caught)
+    for name in ("PipelineBalance", "PipelineThroughput", "PipelineTimeline"):
+        assert f"{name} measures the stages of GPipeStrategy; under SingleDeviceStrategy it does nothing" in messages
+    assert list(tmp_path.iterdir()) == [] and callbacks[0].report is None and callbacks[2].written == []
+    assert isinstance(callbacks[1], L.Callback)

@@ -1,0 +1,102 @@
+"""Distributed worker: an MLP on 2 stages with PipelineBalance, PipelineThroughput and PipelineTimeline at once.
+
+Usage: python callbacks.py OUT_DIR
+The backbone is 4 x (Linear(1024, 1024), ReLU) split unevenly, balance=[2, 6] (one Linear against three), so that
+PipelineBalance has something to suggest. Logs with a CSVLogger (first, so files go to its log_dir) and a
+TensorBoardLogger (which takes the timeline image). Rank 0 writes OUT_DIR/steps.pkl (the StepTraces
+PipelineBalance measured) and OUT_DIR/result.json (the balance report, the throughput metrics, written files);
+every rank writes OUT_DIR/contention_rank{r}.json: the share of the measured steps its main thread waited for a CPU.
+"""
+
+import json
+import os
+import pickle
+import sys
+import threading
+import time
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from torch import nn
+
+import lightning_gpipe
+
+WIDTH, ROWS, STEPS = 1024, 1024, 8
+
+
+class MLP(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(WIDTH, WIDTH), nn.ReLU())])
+        self.head = nn.Linear(WIDTH, 10)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.head(self.backbone(x)), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class Contention(L.Callback):
+    """The share of the wall time between two batch indices that this process's main thread waited for a CPU."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last, self.marks = first, last, {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.first:
+            self.marks["start"] = (time.perf_counter(), run_queue_wait())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.last:
+            (t0, w0), (t1, w1) = self.marks["start"], (time.perf_counter(), run_queue_wait())
+            self.share = (w1 - w0) / (t1 - t0)
+
+
+def run_queue_wait() -> float:
+    """Seconds the calling thread has waited on a run queue, from /proc (0 where unavailable)."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def main(out: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(ROWS * STEPS, WIDTH, generator=generator), torch.randint(0, 10, (ROWS * STEPS,))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=ROWS)
+    balance = lightning_gpipe.PipelineBalance(warmup=2, steps=5)
+    throughput = lightning_gpipe.PipelineThroughput(window_size=4)
+    timeline = lightning_gpipe.PipelineTimeline(steps=(3,))
+    contention = Contention(2, 6)
+    trainer = L.Trainer(
+        strategy=lightning_gpipe.GPipeStrategy(balance=[2, 6], chunks=8, checkpoint="except_last"),
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        log_every_n_steps=2,
+        logger=[CSVLogger(out, name="csv", version=0), TensorBoardLogger(out, name="tb", version=0)],
+        callbacks=[balance, throughput, timeline, contention],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    torch.manual_seed(0)
+    trainer.fit(MLP(), data)
+    with open(os.path.join(out, f"contention_rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(contention.share, f)
+    if trainer.global_rank == 0:
+        with open(os.path.join(out, "steps.pkl"), "wb") as f:
+            pickle.dump(balance.measured, f)
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump({"balance": balance.report, "throughput": throughput.metrics, "written": timeline.written}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
