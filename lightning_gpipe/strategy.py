@@ -139,6 +139,7 @@ class GPipeStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self._split: Optional[Split] = None
+        self._whole_before_split = True
         self._stage: Optional[Stage] = None
         self._relay: Optional[LogRelay] = None
 
@@ -244,6 +245,7 @@ class GPipeStrategy(ParallelStrategy):
                 " backbone call on all stages but the last. Remove `self.automatic_optimization = False` and return"
                 " the loss from `training_step`."
             )
+        self._whole_before_split = not any(t.is_meta for t in [*module.parameters(), *module.buffers()])
         self._split_module(module)
         materialize(module, self.root_device)
         self._relay.after_epoch_end_hooks(module)
@@ -466,11 +468,16 @@ class GPipeStrategy(ParallelStrategy):
         failure.report(exception)
 
     def teardown(self) -> None:
-        """Undo the split; after a completed run, global rank 0's module gets every stage's weights back."""
+        """Undo the split; after a completed run, global rank 0's module gets every stage's weights back.
+
+        Only a module that was whole before the split is made whole again: one created on the meta
+        device (``configure_model``, ``empty_init=True``) may not fit one process, so its other stages'
+        layers stay on the meta device; load a checkpoint to get them.
+        """
         module = self.lightning_module
         full = None
         if self._split is not None and module is not None:
-            if module.trainer.state.status != TrainerStatus.INTERRUPTED:
+            if module.trainer.state.status != TrainerStatus.INTERRUPTED and self._whole_before_split:
                 full = checkpoints.gather_union(module.state_dict(), self.global_rank)
             LogRelay.detach(module)
         super().teardown()

@@ -116,9 +116,7 @@ def fit(strategy="auto", devices=1, max_steps=6, seed=1, module=None, **override
     return fit_trainer(strategy, devices, max_steps, seed, module, **overrides).lightning_module
 
 
-def fit_trainer(
-    strategy="auto", devices=1, max_steps=6, seed=1, module=None, ckpt_path=None, **overrides
-) -> L.Trainer:
+def fit_trainer(strategy="auto", devices=1, max_steps=6, seed=1, module=None, ckpt_path=None, **overrides) -> L.Trainer:
     """Like :func:`fit`, returning the Trainer; ``ckpt_path`` resumes from a checkpoint."""
     L.seed_everything(seed, verbose=False)
     module = module or TupleNet()

@@ -12,7 +12,6 @@ import json
 import os
 import pickle
 import sys
-import threading
 import time
 
 import lightning as L
@@ -22,6 +21,9 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
 
 import lightning_gpipe
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from benchmarks._harness import run_queue_wait  # noqa: E402
 
 WIDTH, ROWS, STEPS = 1024, 1024, 8
 
@@ -56,15 +58,6 @@ class Contention(L.Callback):
         if batch_idx == self.last:
             (t0, w0), (t1, w1) = self.marks["start"], (time.perf_counter(), run_queue_wait())
             self.share = (w1 - w0) / (t1 - t0)
-
-
-def run_queue_wait() -> float:
-    """Seconds the calling thread has waited on a run queue, from /proc (0 where unavailable)."""
-    try:
-        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 def main(out: str) -> None:

@@ -1,0 +1,94 @@
+"""Throughput of our GPipe engine against torch.distributed.pipelining's ScheduleGPipe and torchgpipe, on CPU.
+
+The same balanced MLP (benchmarks/models.py: backbone split evenly by parameters, head on the last stage),
+the same mini-batch, the same M, the same initial weights, SGD, ``checkpoint="never"`` everywhere
+(ScheduleGPipe has no re-materialization of its own). For each M:
+
+  ours/L   GPipeStrategy through Lightning's Trainer: K processes x 1 thread (the user-facing cost)
+  ours/E   our engine alone (Stage, Partition, Link) in K torch.distributed processes x 1 thread, no Trainer
+  tp       PipelineStage + ScheduleGPipe in K torch.distributed processes x 1 thread
+  tgp      torchgpipe GPipe(devices=["cpu"] * K) in ONE process: a worker thread per partition, one torch
+           intra-op thread, so the partitions share one Python interpreter (and its GIL)
+
+The figure is rank 0's steady-state time per optimizer step; throughput ratios are time ratios, e.g.
+median(tp) / median(ours/L) > 1 means we train faster than ScheduleGPipe. Runs are interleaved fresh processes.
+
+Usage::
+
+    python benchmarks/compare.py                       # K=2, batch 1024, M in {8, 32}
+    python benchmarks/compare.py --chunks 8 64 --width 256
+"""
+
+import argparse
+
+import _harness as harness
+
+KINDS = {
+    "ours/L": ("lightning", 1, "GPipeStrategy through the Trainer, {k} processes x 1 thread"),
+    "ours/E": ("bare", None, "our Stage/Partition/Link without the Trainer, {k} processes x 1 thread"),
+    "tp": ("tp", None, "torch.distributed.pipelining ScheduleGPipe, {k} processes x 1 thread"),
+    "tgp": ("torchgpipe", 1, "torchgpipe GPipe, 1 process, {k} partition threads, 1 intra-op thread"),
+}
+"""label -> (kind of benchmarks/_runs.py, processes the driver starts (None: K), description)."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--devices", type=int, default=2, help="K, stages (default 2)")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[8, 32], help="values of M (default 8 32)")
+    parser.add_argument("--batch-size", type=int, default=1024, help="rows per mini-batch (default 1024)")
+    parser.add_argument("--width", type=int, default=1024, help="features per Linear layer (default 1024)")
+    parser.add_argument("--depth", type=int, default=8, help="(Linear, ReLU) pairs (default 8)")
+    parser.add_argument("--only", nargs="+", choices=tuple(KINDS), default=list(KINDS), help="pipelines to run")
+    harness.add_timing_args(parser)
+    args = parser.parse_args(argv)
+    harness.check_positive(parser, args, ("devices", "chunks", "batch_size", "width", "depth", "repeats"))
+    return args
+
+
+def configs(args: argparse.Namespace) -> list[harness.Config]:
+    """One configuration per (M, pipeline)."""
+    common = ["--devices", str(args.devices), "--batch-size", str(args.batch_size), "--width", str(args.width)]
+    common += ["--depth", str(args.depth), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    result = []
+    for m in args.chunks:
+        for label in args.only:
+            kind, nprocs, describe = KINDS[label]
+            result.append(
+                harness.Config(
+                    f"{label}/M{m}",
+                    [kind, *common, "--chunks", str(m), "--checkpoint", "never"],
+                    nprocs=nprocs or args.devices,
+                    describe=describe.format(k=args.devices) + f", M={m} (~{-(-args.batch_size // m)} rows)",
+                )
+            )
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the interleaved measurements and print the ratios."""
+    args = parse_args(argv)
+    grid = configs(args)
+    settings = (
+        f"{args.depth} x (Linear({args.width}, {args.width}), ReLU) + Linear({args.width}, 10), cross-entropy,"
+        f" batch {args.batch_size}, SGD, K={args.devices}, checkpoint never; {args.warmup} warm-up +"
+        f" {args.steps} measured steps per run; {args.repeats} interleaved repeats"
+    )
+    harness.drive(settings, grid, args, lambda results: summarise(args, results))
+
+
+def summarise(args: argparse.Namespace, results: dict[str, harness.Series]) -> None:
+    """For each M: each peer's time over ours (> 1: we are faster), and Lightning's cost over the bare engine."""
+    ours = [label for label in ("ours/L", "ours/E") if label in args.only]
+    peers = [label for label in ("tp", "tgp") if label in args.only]
+    for m in args.chunks:
+        for a, b in [(f"{p}/M{m}", f"{o}/M{m}") for p in peers for o in ours]:
+            harness.print_ratio(f"{b} vs {a}", results[a], results[b], a, b)
+        if len(ours) == 2:
+            a, b = f"ours/L/M{m}", f"ours/E/M{m}"
+            harness.print_ratio(f"Lightning's cost, M={m}", results[a], results[b], a, b)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Multilingual Transformer translation (Multi30k en<->de, en<->fr, en<->cs) with GPipe pipeline parallelism."""

@@ -1,0 +1,269 @@
+"""Multi30k (or any aligned multilingual text) as token-bucketed multilingual translation batches.
+
+Data: Multi30k task 1 (Elliott et al. 2016, 2017; Barrault et al. 2018), one
+English, German, French and Czech sentence per row. Every row gives one pair
+per direction (``en-de``, ``de-en``, ...); the source is prefixed with the
+target-language token (``<2de> A man ...``), so one model learns all
+directions (GPipe, Huang et al. 2019, section 5). By default the small subset
+shipped in ``data/`` is used (see ``data/README.md``), so the example runs
+offline from a fresh clone.
+
+Batches hold pairs of similar length and at most ``max_tokens`` padded tokens
+per side, and are padded to their own longest sequence, so batch shapes change
+from step to step.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import torch
+from lightning.pytorch import LightningDataModule
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from translation.vocabulary import language_token, load_tokenizer
+
+DEFAULT_DATA_DIR = Path(__file__).resolve().parent / "data"
+"""The shipped subset: ``train.jsonl`` (3,000 rows) and ``validation.jsonl`` (200 rows)."""
+
+DIRECTIONS = ("en-de", "de-en", "en-fr", "fr-en", "en-cs", "cs-en")
+"""The six directions of the multilingual model, ``source-target``."""
+
+
+@dataclass
+class Pair:
+    """One tokenized sentence pair.
+
+    Attributes:
+        source: source ids with the target-language token first and ``</s>`` last.
+        target: target ids, without begin or end token.
+        direction: ``"en-de"`` style.
+        reference: the raw target sentence (for BLEU).
+    """
+
+    source: list[int]
+    target: list[int]
+    direction: str
+    reference: str
+
+
+def make_pairs(rows: datasets.Dataset, directions: list[str], tokenizer, max_length: int | None = None) -> list[Pair]:
+    """Tokenize every row of ``rows`` once per direction.
+
+    Args:
+        rows: a split with one text column per language.
+        directions: ``"src-tgt"`` names; a direction listed twice yields its pairs twice (oversampling).
+        tokenizer: the shared ``PreTrainedTokenizerFast``.
+        max_length: drop pairs whose source (with its two special tokens) or target (with one) is longer,
+            in tokens; ``None`` keeps all.
+
+    Raises:
+        ValueError: for a direction whose languages are not in ``vocabulary.LANGUAGES``.
+    """
+    languages = sorted({language for direction in directions for language in _split_direction(direction)})
+    texts = {language: list(rows[language]) for language in languages}
+    ids = {language: tokenizer(texts[language], add_special_tokens=False)["input_ids"] for language in languages}
+    eos = tokenizer.eos_token_id
+    pairs = []
+    for direction in directions:
+        source, target = _split_direction(direction)
+        tag = tokenizer.convert_tokens_to_ids(language_token(target))
+        for src, tgt, reference in zip(ids[source], ids[target], texts[target], strict=True):
+            if max_length is None or (len(src) + 2 <= max_length and len(tgt) + 1 <= max_length):
+                pairs.append(Pair([tag, *src, eos], tgt, direction, reference))
+    return pairs
+
+
+def _split_direction(direction: str) -> tuple[str, str]:
+    """``"en-de"`` -> ``("en", "de")``, checking both languages."""
+    source, _, target = direction.partition("-")
+    for language in (source, target):
+        language_token(language)  # raises ValueError for an unknown language
+    return source, target
+
+
+def bucket(pairs: list[Pair], max_tokens: int, seed: int) -> list[list[Pair]]:
+    """Group pairs of similar length into batches of at most ``max_tokens`` padded tokens per side.
+
+    Pairs are sorted by (source length, target length), ties broken in a random
+    order drawn from ``seed`` (the same on every stage process), then cut
+    greedily: a batch of N pairs padded to lengths (S, T) keeps N * max(S, T) <= max_tokens.
+
+    Args:
+        pairs: the pairs to group.
+        max_tokens: padded tokens per side of a batch (a single longer pair gets a batch of its own).
+        seed: seed of the tie-breaking order.
+    """
+    order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed)).tolist()
+    order.sort(key=lambda i: (len(pairs[i].source), len(pairs[i].target)))
+    batches, current, longest = [], [], 0
+    for i in order:
+        length = max(len(pairs[i].source), len(pairs[i].target) + 1)
+        if current and (len(current) + 1) * max(longest, length) > max_tokens:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(pairs[i])
+        longest = max(longest, length)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def collate(pairs: list[Pair], bos_id: int, eos_id: int, pad_id: int) -> dict:
+    """Pad a batch to its longest sequences.
+
+    Returns:
+        ``{"src": (N, S) long, "tgt_in": (N, T) long, "tgt_out": (N, T) long, "directions": [str] * N,
+        "references": [str] * N}``: ``tgt_in`` is ``<s>`` + target (decoder input), ``tgt_out`` is
+        target + ``</s>`` (what the decoder must predict); padding is ``pad_id``.
+    """
+    src = _pad([pair.source for pair in pairs], pad_id)
+    tgt_in = _pad([[bos_id, *pair.target] for pair in pairs], pad_id)
+    tgt_out = _pad([[*pair.target, eos_id] for pair in pairs], pad_id)
+    return {
+        "src": src,
+        "tgt_in": tgt_in,
+        "tgt_out": tgt_out,
+        "directions": [pair.direction for pair in pairs],
+        "references": [pair.reference for pair in pairs],
+    }
+
+
+def _pad(sequences: list[list[int]], pad_id: int) -> Tensor:
+    """``(N, longest)`` long tensor of the sequences, right-padded with ``pad_id``."""
+    out = torch.full((len(sequences), max(map(len, sequences))), pad_id, dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        out[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+    return out
+
+
+class BatchDataset(Dataset):
+    """Map-style dataset whose items are whole, collated batches (see :func:`collate`).
+
+    Args:
+        batches: pairs grouped by :func:`bucket`.
+        tokenizer: gives the begin, end and padding ids.
+    """
+
+    def __init__(self, batches: list[list[Pair]], tokenizer) -> None:
+        self.batches = batches
+        self.ids = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+
+    def __len__(self) -> int:
+        """Number of batches."""
+        return len(self.batches)
+
+    def __getitem__(self, index: int) -> dict:
+        """The padded batch ``index``."""
+        return collate(self.batches[index], *self.ids)
+
+
+class TranslationDataModule(LightningDataModule):
+    """Multilingual translation batches from Multi30k-style aligned text (see :func:`collate`).
+
+    The order of training batches is shuffled each epoch by a ``DistributedSampler``
+    over one replica seeded with ``seed``: it is the same on every stage of the
+    pipeline and on a single device (Lightning keeps a ``DistributedSampler`` as it
+    is), so pipelined and single-device runs see the same batches.
+
+    Args:
+        data_dir: directory holding ``<train_split>.jsonl`` and ``<val_split>.jsonl`` (columns ``en``, ``de``,
+            ``fr``, ``cs``). Default: the subset shipped next to this file. Full data:
+            ``../shared/data/multi30k``.
+        dataset_name: a Hugging Face Hub dataset with the same columns, loaded with
+            ``datasets.load_dataset(dataset_name)`` instead of ``data_dir`` (needs network access).
+        tokenizer_file: the shared vocabulary (``tokenizer.json``). Default: the shipped one.
+        train_directions: directions to train on; a direction listed twice is seen twice per epoch.
+            Default (``None``): the six of :data:`DIRECTIONS`.
+        val_directions: directions to validate on. Default (``None``): all six.
+        max_tokens: padded tokens per side of a training batch. Default 4096.
+        val_max_tokens: the same for validation and predict batches. Default 4096.
+        val_rows: validate on the first ``val_rows`` rows of the validation split only; ``None``: all.
+            Default 50 (times the directions: 300 pairs, each decoded for BLEU).
+        max_length: drop training pairs longer than this, in tokens. Default 128.
+        predict_sentences: sentences to translate with ``predict``, 32 per batch. Default: none.
+        predict_target: language to translate them into. Default ``"de"``.
+        seed: seed of the bucketing and of the batch order. Default 0.
+        num_workers: DataLoader worker processes. Default 0.
+        train_split: name of the training split. Default ``"train"``.
+        val_split: name of the validation split. Default ``"validation"``.
+
+    Raises:
+        ValueError: when both ``data_dir`` and ``dataset_name`` are given.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | None = None,
+        dataset_name: str | None = None,
+        tokenizer_file: str | None = None,
+        train_directions: list[str] | None = None,
+        val_directions: list[str] | None = None,
+        max_tokens: int = 4096,
+        val_max_tokens: int = 4096,
+        val_rows: int | None = 50,
+        max_length: int = 128,
+        predict_sentences: list[str] | None = None,
+        predict_target: str = "de",
+        seed: int = 0,
+        num_workers: int = 0,
+        train_split: str = "train",
+        val_split: str = "validation",
+    ) -> None:
+        super().__init__()
+        if data_dir is not None and dataset_name is not None:
+            raise ValueError("give data_dir or dataset_name, not both")
+        self.save_hyperparameters()
+        self.tokenizer = load_tokenizer(tokenizer_file)
+        self.train_set: BatchDataset | None = None
+        self.val_set: BatchDataset | None = None
+
+    def prepare_data(self) -> None:
+        """Download (hub) or convert (JSON Lines) the dataset once, into the ``datasets`` cache."""
+        self._load()
+
+    def setup(self, stage: str) -> None:
+        """Tokenize and bucket the splits that ``stage`` needs."""
+        hp = self.hparams
+        if stage in ("fit", "validate"):
+            splits = self._load()
+            if stage == "fit":
+                directions = hp.train_directions or DIRECTIONS
+                pairs = make_pairs(splits[hp.train_split], directions, self.tokenizer, hp.max_length)
+                self.train_set = BatchDataset(bucket(pairs, hp.max_tokens, hp.seed), self.tokenizer)
+            rows = splits[hp.val_split]
+            if hp.val_rows is not None:
+                rows = rows.select(range(min(hp.val_rows, len(rows))))
+            pairs = make_pairs(rows, hp.val_directions or DIRECTIONS, self.tokenizer)
+            self.val_set = BatchDataset(bucket(pairs, hp.val_max_tokens, hp.seed), self.tokenizer)
+
+    def train_dataloader(self) -> DataLoader:
+        """Training batches in a seeded order, reshuffled each epoch."""
+        sampler = DistributedSampler(self.train_set, num_replicas=1, rank=0, shuffle=True, seed=self.hparams.seed)
+        return DataLoader(self.train_set, batch_size=None, sampler=sampler, num_workers=self.hparams.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation batches, shortest first."""
+        return DataLoader(self.val_set, batch_size=None, num_workers=self.hparams.num_workers)
+
+    def predict_dataloader(self) -> DataLoader:
+        """``predict_sentences`` in their order, as batches ``{"src": (N, S) long}`` to translate into
+        ``predict_target``."""
+        hp = self.hparams
+        tag = self.tokenizer.convert_tokens_to_ids(language_token(hp.predict_target))
+        ids = self.tokenizer(list(hp.predict_sentences or []), add_special_tokens=False)["input_ids"]
+        sources = [[tag, *sentence, self.tokenizer.eos_token_id] for sentence in ids]
+        pad = self.tokenizer.pad_token_id
+        return DataLoader(
+            [{"src": _pad(sources[i : i + 32], pad)} for i in range(0, len(sources), 32)], batch_size=None
+        )
+
+    def _load(self) -> datasets.DatasetDict:
+        """Load the hub dataset, or the two JSON Lines splits of ``data_dir``."""
+        hp = self.hparams
+        if hp.dataset_name is not None:
+            return datasets.load_dataset(hp.dataset_name)
+        directory = Path(hp.data_dir) if hp.data_dir is not None else DEFAULT_DATA_DIR
+        files = {split: str(directory / f"{split}.jsonl") for split in (hp.train_split, hp.val_split)}
+        return datasets.load_dataset("json", data_files=files)

@@ -1,0 +1,188 @@
+"""LightningModule training the multilingual Transformer: label-smoothed loss, inverse-sqrt schedule, greedy decoding.
+
+Written for the GPipe strategy (Huang et al. 2019, arXiv:1811.06965): the
+whole encoder-decoder is the single ``nn.Sequential`` attribute ``backbone``
+(see ``model.py``). Code before the backbone call only picks tensors out of
+the batch; the loss and metrics only read the logits. Greedy decoding calls
+the backbone once per generated token through
+``lightning_gpipe.forward_and_share``, which runs the pipelined forward and
+hands the next token ids to every stage, so all stages loop in lockstep.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from torchmetrics.text import Perplexity, SacreBLEUScore
+
+from lightning_gpipe import forward_and_share
+from translation.data import DIRECTIONS
+from translation.model import transformer
+from translation.vocabulary import load_tokenizer
+
+
+def inverse_sqrt(warmup_steps: int):
+    """Learning-rate factor of step s: linear warmup to 1 at ``warmup_steps``, then ``sqrt(warmup_steps / s)``.
+
+    The schedule of Vaswani et al. 2017, section 5.3, normalised to peak at 1.
+
+    Args:
+        warmup_steps: steps of linear warmup (at least 1).
+    """
+
+    def factor(step: int) -> float:
+        step = step + 1
+        return min(step / warmup_steps, math.sqrt(warmup_steps / step))
+
+    return factor
+
+
+def next_tokens(logits: Tensor) -> Tensor:
+    """Greedy choice: ``(N, T, vocab)`` logits to the ``(N,)`` most likely ids after the last position, on CPU."""
+    return logits[:, -1].argmax(-1).cpu()
+
+
+class TranslationModule(LightningModule):
+    """One encoder-decoder Transformer for every translation direction, selected by a ``<2xx>`` source token.
+
+    Args:
+        tokenizer_file: the shared vocabulary (``tokenizer.json``). Default: the shipped one.
+        d_model: model width. Default 256.
+        nhead: attention heads. Default 4.
+        num_encoder_layers: encoder layers. Default 3.
+        num_decoder_layers: decoder layers. Default 3.
+        dim_feedforward: feed-forward hidden width. Default 1024.
+        dropout: dropout probability. Default 0.1.
+        label_smoothing: label smoothing of the training loss (Szegedy et al. 2016). Default 0.1.
+        lr: peak learning rate of AdamW. Default 1e-3.
+        warmup_steps: linear warmup steps, then inverse square root decay. Default 500.
+        betas: AdamW betas. Default (0.9, 0.98).
+        weight_decay: AdamW (decoupled) weight decay. Default 0.
+        decode: translate the validation batches greedily and log SacreBLEU per direction. Default True.
+        max_new_tokens: decoding stops after ``S + max_new_tokens`` tokens for sources of S tokens. Default 16.
+
+    Raises:
+        ValueError: when ``d_model`` is odd or not divisible by ``nhead`` (see ``model.transformer``).
+
+    Training batches are those of ``TranslationDataModule``; ``predict`` batches need only ``src``.
+    Logged: ``train_loss`` (label-smoothed, per target token), ``val_loss`` (cross-entropy per target
+    token), ``val_ppl``, ``val_bleu_<src>_<tgt>`` (SacreBLEU, 0-100, 13a tokenization), ``lr``.
+    """
+
+    def __init__(
+        self,
+        tokenizer_file: str | None = None,
+        d_model: int = 256,
+        nhead: int = 4,
+        num_encoder_layers: int = 3,
+        num_decoder_layers: int = 3,
+        dim_feedforward: int = 1024,
+        dropout: float = 0.1,
+        label_smoothing: float = 0.1,
+        lr: float = 1e-3,
+        warmup_steps: int = 500,
+        betas: tuple[float, float] = (0.9, 0.98),
+        weight_decay: float = 0.0,
+        decode: bool = True,
+        max_new_tokens: int = 16,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.tokenizer = load_tokenizer(tokenizer_file)
+        self.pad_id = self.tokenizer.pad_token_id
+        self.backbone = transformer(
+            len(self.tokenizer),
+            self.pad_id,
+            d_model=d_model,
+            nhead=nhead,
+            num_encoder_layers=num_encoder_layers,
+            num_decoder_layers=num_decoder_layers,
+            dim_feedforward=dim_feedforward,
+            dropout=dropout,
+        )
+        self.val_ppl = Perplexity(ignore_index=self.pad_id)
+        self.val_bleu = nn.ModuleDict({_key(direction): SacreBLEUScore() for direction in DIRECTIONS})
+
+    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        """Run the backbone on source and shifted target; log and return the label-smoothed loss per token."""
+        logits = self.backbone((batch["src"], batch["tgt_in"]))
+        loss = self._cross_entropy(logits, batch["tgt_out"], self.hparams.label_smoothing)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        """Translate the batch (if ``decode``) and score BLEU per direction, then log loss and perplexity."""
+        if self.hparams.decode:
+            hypotheses = self.translate(batch["src"])
+            for direction in set(batch["directions"]):
+                rows = [i for i, d in enumerate(batch["directions"]) if d == direction]
+                self.val_bleu[_key(direction)].update(
+                    [hypotheses[i] for i in rows], [[batch["references"][i]] for i in rows]
+                )
+        logits = self.backbone((batch["src"], batch["tgt_in"]))
+        tokens = int((batch["tgt_out"] != self.pad_id).sum())
+        self.log("val_loss", self._cross_entropy(logits, batch["tgt_out"], 0.0), prog_bar=True, batch_size=tokens)
+        self.val_ppl(logits, batch["tgt_out"])
+        self.log("val_ppl", self.val_ppl)
+
+    def on_validation_epoch_end(self) -> None:
+        """Log the corpus SacreBLEU of every direction that was decoded, then reset the scores."""
+        for key, bleu in self.val_bleu.items():
+            if bleu.update_count:
+                self.log(f"val_bleu_{key}", bleu.compute() * 100, prog_bar=key in ("en_de", "de_en"))
+            bleu.reset()
+
+    def predict_step(self, batch: dict, batch_idx: int) -> list[str]:
+        """Translate ``batch["src"]`` (ids with the target-language token first) greedily, through the pipeline."""
+        return self.translate(batch["src"])
+
+    @torch.no_grad()
+    def translate(self, src: Tensor) -> list[str]:
+        """Greedy decoding of a batch of sources; every step is one pipelined backbone call.
+
+        Each step feeds the tokens chosen so far and appends the most likely next
+        token of every row (:func:`next_tokens`, shared by the last stage with every
+        stage). A row is finished at ``</s>``; the loop stops when all rows are
+        finished or after ``S + max_new_tokens`` steps, decisions every stage takes
+        from the shared ids alone.
+
+        Args:
+            src: ``(N, S)`` long source ids, target-language token first, padded with the padding id.
+
+        Returns:
+            N detokenized translations (special tokens dropped).
+        """
+        bos, eos = self.tokenizer.bos_token_id, self.tokenizer.eos_token_id
+        tgt = torch.full((src.shape[0], 1), bos, dtype=torch.long, device=src.device)
+        finished = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
+        for _ in range(src.shape[1] + self.hparams.max_new_tokens):
+            chosen = forward_and_share(self.backbone, (src, tgt), next_tokens).to(src.device)
+            chosen = chosen.masked_fill(finished, self.pad_id)
+            tgt = torch.cat([tgt, chosen[:, None]], dim=1)
+            finished |= chosen == eos
+            if finished.all():
+                break
+        return self.tokenizer.batch_decode(tgt[:, 1:].tolist(), skip_special_tokens=True)
+
+    def configure_optimizers(self) -> dict:
+        """AdamW over this stage's parameters with warmup then inverse-square-root decay, stepped every step."""
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(
+            self.parameters(), lr=hp.lr, betas=tuple(hp.betas), eps=1e-9, weight_decay=hp.weight_decay
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt(hp.warmup_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _cross_entropy(self, logits: Tensor, targets: Tensor, label_smoothing: float) -> Tensor:
+        """Mean cross-entropy over the non-padding target tokens of ``(N, T, vocab)`` logits."""
+        return F.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), ignore_index=self.pad_id, label_smoothing=label_smoothing
+        )
+
+
+def _key(direction: str) -> str:
+    """``"en-de"`` -> ``"en_de"`` (module and metric names cannot hold ``-``)."""
+    return direction.replace("-", "_")

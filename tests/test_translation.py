@@ -1,0 +1,280 @@
+"""Tests for the translation example (examples/translation): sizes, layer contract, tokenizer, data, decoding.
+
+The headline test trains the example's Transformer (tiny, dropout 0) for 20 steps of variable-length,
+token-bucketed batches on 2 and 3 pipeline stages and checks that the loss curve equals single-device
+training, then that greedy decoding through the pipeline (``forward_and_share``) gives the same
+translations as decoding the same weights on one device. Parameter counts are checked against GPipe
+(Huang et al. 2019, arXiv:1811.06965) section 5 on the meta device.
+"""
+
+import csv
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import yaml
+from conftest import run_worker
+from torch import Tensor
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "translation"
+sys.path.insert(0, str(EXAMPLE.parent))
+
+from translation.data import DIRECTIONS, TranslationDataModule  # noqa: E402
+from translation.model import transformer  # noqa: E402
+from translation.module import TranslationModule  # noqa: E402
+from translation.vocabulary import LANGUAGES, SPECIAL_TOKENS, load_tokenizer  # noqa: E402
+
+TINY = dict(
+    d_model=32, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=64, dropout=0.0, lr=3e-3,
+    warmup_steps=5, decode=False,
+)  # fmt: skip
+"""The example's Transformer, small enough for a test: 7 backbone layers, dropout 0 (deterministic)."""
+
+STEPS = 20
+"""Training steps compared between the pipeline and one device."""
+
+
+def tiny_datamodule(**overrides) -> TranslationDataModule:
+    """The shipped subset in small token-bucketed batches (at most 600 padded tokens per side)."""
+    return TranslationDataModule(**{"max_tokens": 600, "val_rows": 4, **overrides})
+
+
+def tiny_trainer(strategy="auto", devices: int = 1, **overrides) -> L.Trainer:
+    """A quiet CPU Trainer running :data:`STEPS` steps without validation, clipping gradients at norm 1."""
+    kwargs = dict(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, max_steps=STEPS,
+        gradient_clip_val=1.0,
+    )  # fmt: skip
+    return L.Trainer(strategy=strategy, devices=devices, **{**kwargs, **overrides})
+
+
+class LossCurve(L.Callback):
+    """Records ``train_loss`` after every training step (on every rank; relayed from the last stage)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def fit_tiny(strategy="auto", devices: int = 1) -> tuple[TranslationModule, list[float]]:
+    """Train a freshly seeded tiny model for :data:`STEPS` steps; return it and its loss curve."""
+    L.seed_everything(0, verbose=False)
+    module = TranslationModule(**TINY)
+    curve = LossCurve()
+    tiny_trainer(strategy, devices, callbacks=[curve]).fit(module, tiny_datamodule())
+    return module, curve.losses
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch on one thread (as each stage process does), which is faster for tiny models on a busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def validation_sentences(language: str, count: int) -> list[str]:
+    """The first ``count`` sentences of ``language`` in the shipped validation subset."""
+    with open(EXAMPLE / "data" / "validation.jsonl", encoding="utf-8") as f:
+        return [json.loads(line)[language] for line, _ in zip(f, range(count))]
+
+
+def predict_data(target: str = "de", count: int = 6):
+    """Batches of the first ``count`` English validation sentences to translate into ``target``."""
+    datamodule = TranslationDataModule(predict_sentences=validation_sentences("en", count), predict_target=target)
+    return datamodule.predict_dataloader()
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[TranslationModule, list[float]]:
+    """The tiny model and its loss curve after single-device training (the ground truth)."""
+    with one_thread():
+        return fit_tiny()
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_pipeline_loss_curve_and_decoding_equal_single_device(stages, reference, tmp_path) -> None:
+    """K stages: same 20-step loss curve (relative 1e-4), same greedy translations of the trained weights."""
+    result = run_worker("translation.py", str(tmp_path), f"--devices={stages}", timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, expected = reference
+    losses = torch.load(tmp_path / "losses.pt")
+    assert len(losses) == len(expected) == STEPS
+    assert losses[-1] < losses[0]
+    for step, (got, want) in enumerate(zip(losses, expected)):
+        assert abs(got - want) <= 1e-4 * abs(want), f"step {step}: pipelined {got}, single device {want}"
+    module = TranslationModule(**TINY)
+    module.load_state_dict(torch.load(tmp_path / "state.pt"))
+    module.eval()
+    translations = [sentence for i, batch in enumerate(predict_data()) for sentence in module.predict_step(batch, i)]
+    assert len(translations) == 6 and all(isinstance(sentence, str) for sentence in translations)
+    for rank in range(stages):
+        got = [sentence for batch in torch.load(tmp_path / f"translations_rank{rank}.pt") for sentence in batch]
+        assert got == translations, f"rank {rank}"
+
+
+def expected_parameters(vocab: int, d: int, ff: int, encoder_layers: int, decoder_layers: int) -> int:
+    """Closed-form parameter count of the backbone (weights and biases of every Linear/LayerNorm/attention)."""
+    attention = 4 * d * d + 4 * d  # query, key, value and output projections
+    feed_forward = 2 * d * ff + ff + d
+    encoder_layer = attention + feed_forward + 2 * 2 * d  # two LayerNorms
+    decoder_layer = 2 * attention + feed_forward + 3 * 2 * d  # three LayerNorms
+    embedding, output = vocab * d, 2 * d + d * vocab + vocab
+    return embedding + encoder_layers * encoder_layer + 2 * d + decoder_layers * decoder_layer + output
+
+
+@pytest.mark.parametrize(("layers", "hidden", "heads", "paper"), [(6, 8192, 16, 400e6), (24, 8192, 16, 1.3e9)])
+def test_paper_sizes_match_gpipe_section_5(layers, hidden, heads, paper) -> None:
+    """T(L, H, A) with d_model 1024 and GPipe's 64k vocabulary is within 5% of the size the paper reports."""
+    with torch.device("meta"):
+        model = transformer(64000, 0, 1024, heads, layers, layers, hidden)
+    count = sum(parameter.numel() for parameter in model.parameters())
+    assert count == expected_parameters(64000, 1024, hidden, layers, layers)
+    assert count == pytest.approx(paper, rel=0.05)
+
+
+CONFIG_PARAMETERS = {
+    "cpu.yaml": (2e6, 12e6),
+    "multi30k_30min.yaml": (2e6, 4e6),
+    "t6_8192_16.yaml": (0.28e9, 0.30e9),
+    "t24_8192_16.yaml": (1.1e9, 1.2e9),
+    "t12_16384_32.yaml": (0.95e9, 1.0e9),
+    "t64_16384_32.yaml": (5.1e9, 5.2e9),
+}
+"""Parameter range of each shipped config with the shipped 8,000-entry vocabulary."""
+
+
+@pytest.mark.parametrize("config", list(CONFIG_PARAMETERS))
+def test_config_parameter_counts_on_the_meta_device(config) -> None:
+    """Every config builds on the meta device with the closed-form parameter count, in its documented range."""
+    model_args = yaml.safe_load((EXAMPLE / "configs" / config).read_text())["model"]
+    with torch.device("meta"):
+        module = TranslationModule(**model_args)
+    count = sum(parameter.numel() for parameter in module.parameters())
+    hp = module.hparams
+    assert count == expected_parameters(
+        len(module.tokenizer), hp.d_model, hp.dim_feedforward, hp.num_encoder_layers, hp.num_decoder_layers
+    )
+    low, high = CONFIG_PARAMETERS[config]
+    assert low <= count <= high
+
+
+def test_layers_carry_tuples_and_masks() -> None:
+    """Layer by layer a real batch flows as tuples with the batch in dim 0; decoding is causal; padding is masked."""
+    torch.manual_seed(0)
+    datamodule = tiny_datamodule()
+    datamodule.setup("fit")
+    batch = datamodule.train_set[5]
+    model = transformer(8000, 0, d_model=32, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=64)
+    model.eval()
+    activation = (batch["src"], batch["tgt_in"])
+    rows = batch["src"].shape[0]
+    for name, layer in model.named_children():
+        activation = layer(activation)
+        items = activation if isinstance(activation, tuple) else (activation,)
+        assert all(isinstance(item, Tensor) and item.shape[0] == rows for item in items), name
+    assert activation.shape == (*batch["tgt_in"].shape, 8000)
+    src, tgt = batch["src"][:2], batch["tgt_in"][:2, :6]
+    changed_future = tgt.clone()
+    changed_future[:, 4:] = 7
+    padded = torch.cat([src, torch.zeros(2, 3, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        logits = model((src, tgt))
+        torch.testing.assert_close(model((src, changed_future))[:, :4], logits[:, :4])
+        torch.testing.assert_close(model((padded, tgt)), logits, atol=1e-5, rtol=1e-5)
+
+
+def test_tokenizer_round_trip_and_special_tokens() -> None:
+    """The shipped vocabulary decodes what it encodes, in all four languages, with its special tokens in place."""
+    tokenizer = load_tokenizer()
+    assert len(tokenizer) == 8000
+    assert tokenizer.convert_ids_to_tokens(list(range(len(SPECIAL_TOKENS)))) == list(SPECIAL_TOKENS)
+    assert tokenizer.pad_token_id == 0
+    for language in LANGUAGES:
+        for sentence in validation_sentences(language, 50):
+            ids = tokenizer(sentence, add_special_tokens=False)["input_ids"]
+            assert tokenizer.decode(ids) == sentence
+            assert tokenizer.unk_token_id not in ids or language == "cs"
+        tag = tokenizer(f"<2{language}> a", add_special_tokens=False)["input_ids"][0]
+        assert tokenizer.convert_ids_to_tokens(tag) == f"<2{language}>"
+
+
+def test_batches_are_bucketed_and_padded_to_their_longest_pair() -> None:
+    """Training batches change shape, stay within max_tokens, and carry the target-language token first."""
+    datamodule = tiny_datamodule()
+    datamodule.setup("fit")
+    tokenizer = datamodule.tokenizer
+    shapes = set()
+    for batch in datamodule.train_dataloader():
+        src, tgt_in, tgt_out = batch["src"], batch["tgt_in"], batch["tgt_out"]
+        shapes.add((tuple(src.shape), tuple(tgt_in.shape)))
+        assert src.shape[0] * max(src.shape[1], tgt_in.shape[1]) <= 600 or src.shape[0] == 1
+        assert (src[:, -1] != 0).any() and (tgt_out[:, -1] != 0).any()  # padded to the longest, no further
+        assert (tgt_in[:, 0] == tokenizer.bos_token_id).all()
+        real = tgt_out != 0
+        assert torch.equal(tgt_in != 0, real)  # <s> + target and target + </s>: same lengths
+        assert torch.equal(tgt_in[:, 1:][real[:, 1:]], tgt_out[:, :-1][real[:, 1:]])  # shifted by one
+        assert (tgt_out[torch.arange(len(real)), real.sum(1) - 1] == tokenizer.eos_token_id).all()
+        targets = [direction.split("-")[1] for direction in batch["directions"]]
+        assert tokenizer.convert_ids_to_tokens(src[:, 0].tolist()) == [f"<2{target}>" for target in targets]
+    assert len(shapes) > 20
+    assert {d for batch in datamodule.val_dataloader() for d in batch["directions"]} == set(DIRECTIONS)
+
+
+def word_set(language: str) -> set[str]:
+    """Words (lowercased, split on spaces) of ``language`` in the shipped training subset."""
+    with open(EXAMPLE / "data" / "train.jsonl", encoding="utf-8") as f:
+        return {word for line in f for word in json.loads(line)[language].lower().split()}
+
+
+def test_greedy_decode_writes_the_target_language() -> None:
+    """After 60 single-device steps on en->de and en->fr, ``<2de>`` gives mostly German words, ``<2fr>`` French."""
+    L.seed_everything(0, verbose=False)
+    module = TranslationModule(**{**TINY, "lr": 1e-2})
+    datamodule = tiny_datamodule(train_directions=["en-de", "en-fr"], max_tokens=800)
+    with one_thread():
+        tiny_trainer(max_steps=60).fit(module, datamodule)
+    module.eval()
+    german, french = word_set("de"), word_set("fr")
+    german, french = german - french, french - german
+    for target, own, other in (("de", german, french), ("fr", french, german)):
+        words = [word for batch in predict_data(target, 16) for line in module.translate(batch["src"])
+                 for word in line.lower().split()]  # fmt: skip
+        own_words, other_words = sum(word in own for word in words), sum(word in other for word in words)
+        assert own_words >= 20 and own_words > 4 * other_words, (target, words)
+
+
+def test_example_trains_on_two_stages_and_logs_bleu_and_throughput(tmp_path) -> None:
+    """`train.py fit` from a directory with no shared data beside it: 2 stages, shipped subset, CSV metrics."""
+    script = EXAMPLE / "train.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "fit", "--trainer.max_steps=3", "--trainer.devices=2",
+         "--trainer.val_check_interval=3", "--trainer.log_every_n_steps=1", "--data.max_tokens=400",
+         "--data.val_rows=2", "--model.max_new_tokens=2"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in result.stderr
+    (metrics,) = tmp_path.glob("lightning_logs/translation/version_*/metrics.csv")
+    with open(metrics) as f:
+        rows = list(csv.DictReader(f))
+    losses = [float(row["train_loss"]) for row in rows if row.get("train_loss")]
+    assert len(losses) == 3 and all(loss > 0 for loss in losses)
+    (validation,) = [row for row in rows if row.get("val_loss")]
+    assert float(validation["val_ppl"]) > 1
+    assert all(0 <= float(validation[f"val_bleu_{d.replace('-', '_')}"]) <= 100 for d in DIRECTIONS)
+    tokens = [float(row["throughput/lengths"]) for row in rows if row.get("throughput/lengths")]  # tokens so far
+    assert len(tokens) == 3 and 0 < tokens[0] < tokens[1] < tokens[2]
+    assert all(0 <= float(row["pipeline/bubble"]) < 1 for row in rows if row.get("pipeline/bubble"))
