@@ -245,7 +245,8 @@ class GPipeStrategy(ParallelStrategy):
                 " backbone call on all stages but the last. Remove `self.automatic_optimization = False` and return"
                 " the loss from `training_step`."
             )
-        self._whole_before_split = not any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+        whole = not any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+        self._whole_before_split = self._from_rank(0)(whole)  # rank 0's module, the user's, decides for all
         self._split_module(module)
         materialize(module, self.root_device)
         self._relay.after_epoch_end_hooks(module)
