@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gpipe.balance.costs import LayerCost
+from lightning_gpipe.events import SavedBytes
 from lightning_gpipe.partition import Partition, materialize
 
 Value = Union[Tensor, tuple]
@@ -109,18 +110,9 @@ def _run(layer: Partition, value: Value, grads: list[Tensor], device: torch.devi
 
 def _saved_bytes(layer: Partition, value: Value) -> tuple[int, Value]:
     """Bytes of the storages autograd saves in one forward (not the layer's own state), and the output."""
-    own = {t.untyped_storage().data_ptr() for t in _state(layer)}
-    saved: dict[int, int] = {}
-
-    def pack(t: Tensor) -> Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in own:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytes(exclude=_state(layer)) as saved:
         output = layer.run(value)
-    return sum(saved.values()), output
+    return saved.bytes, output
 
 
 def _leaf(value: Value, device: torch.device, requires_grad) -> Value:
