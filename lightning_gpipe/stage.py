@@ -156,10 +156,9 @@ class Stage:
             )
         self._shared_calls += 1
         try:
-            result = fn(self.forward(value))
+            result = fn(self._fill(value))
         except Handoff:
             result = None
-        self._calls -= 1  # `forward` counted this call as the plain one
         return self.share(result)
 
     def forward(self, value: Value) -> Value:
@@ -174,6 +173,9 @@ class Stage:
             Handoff: on every stage but the last, once its micro-batches are sent.
         """
         self._calls += 1
+        return self._fill(value)
+
+    def _fill(self, value: Value) -> Value:
         training = torch.is_grad_enabled()
         self._records = []
         outputs = []

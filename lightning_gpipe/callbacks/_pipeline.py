@@ -8,6 +8,7 @@ number of callbacks asking). Under a strategy other than ``GPipeStrategy`` the c
 """
 
 import os
+from abc import ABC, abstractmethod
 import time
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -74,7 +75,7 @@ class _Collector:
 _collectors: "WeakKeyDictionary[Stage, _Collector]" = WeakKeyDictionary()
 
 
-class PipelineCallback(pl.Callback):
+class PipelineCallback(pl.Callback, ABC):
     """Base of the pipeline callbacks: records the training steps and hands gathered steps to :meth:`on_step`.
 
     Subclasses say which steps they want (:meth:`wants`) and receive them on global rank 0; with
@@ -123,13 +124,13 @@ class PipelineCallback(pl.Callback):
             if step is not None:
                 self.on_step(trainer, step)
 
+    @abstractmethod
     def wants(self, batch: int) -> bool:
         """Whether to gather training batch ``batch`` (``trainer.fit_loop.total_batch_idx``); the same on every rank."""
-        raise NotImplementedError
 
+    @abstractmethod
     def on_step(self, trainer: "pl.Trainer", step: StepTrace) -> None:
         """Called on global rank 0 with each gathered step."""
-        raise NotImplementedError
 
 
 def log_dir(trainer: "pl.Trainer") -> str:
