@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 
 from benchmarks import models  # noqa: E402
 from benchmarks._harness import StepClock, emit, peak_rss_mib  # noqa: E402
+from lightning_gpipe.microbatch import tensors  # noqa: E402
 
 KINDS = ("lightning", "bare", "tp", "torchgpipe")
 
@@ -100,9 +101,9 @@ class SavedBytes:
         """Bytes of the micro-batch inputs ``stage`` (a ``lightning_gpipe.stage.Stage``, or ``None``) keeps for
         re-computation now, in storages autograd does not already hold (read from its records, not changed)."""
         storages = {}
-        for record in stage._records if stage is not None else []:
+        for record in stage._records.values() if stage is not None else []:
             if record.output is None:
-                for t in [record.input] if isinstance(record.input, torch.Tensor) else record.input:
+                for t in tensors(record.input):
                     storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(size for key, size in storages.items() if key not in self.refs)
 
@@ -141,7 +142,7 @@ def run_lightning(args: argparse.Namespace) -> None:
 
         def on_before_backward(self, trainer, pl_module, loss) -> None:
             if counter is not None and counter.counter is not None:
-                self.kept.append(counter.counter.kept_inputs(getattr(trainer.strategy, "_stage", None)))
+                self.kept.append(counter.counter.kept_inputs(trainer.strategy.stage))
 
     torch.manual_seed(0)
     if args.model == "amoebanet":
@@ -224,12 +225,14 @@ def _train(step, params, args: argparse.Namespace, rank: int) -> None:
 
 
 def run_bare(args: argparse.Namespace) -> None:
-    """Our Stage/Partition/Link in torch.distributed processes, no Trainer: the engine's own cost."""
+    """Our GPipe schedule over Stage/Partition/Link in torch.distributed processes, no Trainer: the engine's own
+    cost."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
     from lightning_gpipe.partition import Partition
-    from lightning_gpipe.stage import Handoff, Stage
+    from lightning_gpipe.schedule import GPipe
+    from lightning_gpipe.stage import Stage
     from lightning_gpipe.transfer import Link
 
     dist.init_process_group("gloo")
@@ -238,15 +241,14 @@ def run_bare(args: argparse.Namespace) -> None:
     partition = Partition(layers)
     link = Link(rank - 1 if rank > 0 else None, rank + 1 if rank < world - 1 else None, torch.device("cpu"))
     stage = Stage(partition, link, rank, world, args.chunks, args.checkpoint)
+    schedule = GPipe(stage)
     x, y = _batch(args)
 
     def step() -> None:
-        try:
-            out = stage.forward(x)
+        out = schedule.forward(x)
+        if stage.is_last:
             F.cross_entropy(head(out), y).backward()
-        except Handoff:
-            pass
-        stage.backward()
+        schedule.backward()
 
     params = [*partition.parameters(), *(head.parameters() if stage.is_last else [])]
     _train(step, params, args, rank)

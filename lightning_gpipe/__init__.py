@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_gpipe.balance import LayerCost, balance_by, profile_layers, solve
 from lightning_gpipe.callbacks import PipelineBalance, PipelineThroughput, PipelineTimeline
 from lightning_gpipe.failure import PipelineFailure
-from lightning_gpipe.stage import forward_and_share
+from lightning_gpipe.contract import forward_and_share
 from lightning_gpipe.strategy import GPipeStrategy
 
 __all__ = [

@@ -7,7 +7,7 @@ layer cannot see the others), and its moments are merged into those of the mini-
 last micro-batch commits one running-statistics update, the one a single device makes for the whole
 mini-batch. A re-materialized micro-batch's recompute in the drain is not tracked again.
 
-The layers learn which micro-batch is running from :func:`lightning_gpipe.stage.current_micro_batch`;
+The layers learn which micro-batch is running from :func:`lightning_gpipe.microbatch.current_micro_batch`;
 outside a pipeline every call is a mini-batch of one micro-batch, so a deferred layer behaves exactly
 like the ``nn.BatchNorm`` it replaces.
 """
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_gpipe.stage import MicroBatch, current_micro_batch
+from lightning_gpipe.microbatch import MicroBatch, current_micro_batch
 
 _PLAIN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _OUTSIDE_A_PIPELINE = MicroBatch(index=0, count=1)

@@ -1,6 +1,7 @@
 """What one stage does during a step, as timestamped spans: the raw material of the pipeline callbacks.
 
-A :class:`Stage` owns a :class:`Recorder`. While it is disabled, a span costs one method call that
+A stage (:class:`lightning_gpipe.stage.Stage`) and its transfers (:class:`lightning_gpipe.transfer.Link`)
+share a :class:`Recorder`. While it is disabled, a span costs one method call that
 returns a shared no-op context. Once enabled (the callbacks in :mod:`lightning_gpipe.callbacks` enable it
 for the training steps), every micro-batch's forward, recompute and backward, the last stage's loss, and every wait on a
 transfer is recorded as a :class:`Span` of ``time.perf_counter()`` timestamps.
@@ -17,6 +18,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from lightning_gpipe.microbatch import tensors
 
 WORK = ("forward", "recompute", "backward", "loss", "optimizer")
 """Span kinds during which a stage computes (its busy time)."""
@@ -136,7 +139,7 @@ class _Timing:
     def __enter__(self) -> None:
         if self.memory_of is not None:
             module, value = self.memory_of
-            inputs = _tensors(value)
+            inputs = tensors(value)
             self.input_bytes = sum(t.nbytes for t in inputs)
             self.saved = SavedBytes([*inputs, *module.parameters(), *module.buffers()]).__enter__()
         self.start = time.perf_counter()
@@ -147,10 +150,6 @@ class _Timing:
             self.saved.__exit__(*exc)
         saved = self.saved.bytes if self.saved is not None else 0
         self.recorder.spans.append(Span(self.kind, self.micro_batch, self.start, end, self.input_bytes, saved))
-
-
-def _tensors(value: Tensor | tuple) -> list[Tensor]:
-    return [value] if isinstance(value, Tensor) else [t for t in value if isinstance(t, Tensor)]
 
 
 def peak_activation_bytes(spans: Iterable[Span]) -> int:

@@ -27,12 +27,12 @@ class PipelineFailure(RuntimeError):
 
 class _Board:
     store: Optional[dist.Store] = None
-    stage: int = 0
+    stage_index: int = 0
 
 
-def attach(store: dist.Store, stage: int) -> None:
-    """Use ``store`` (shared by all processes of the job) to publish failures of stage ``stage``."""
-    _Board.store, _Board.stage = store, stage
+def attach(store: dist.Store, stage_index: int) -> None:
+    """Use ``store`` (shared by all processes of the job) to publish failures of stage ``stage_index``."""
+    _Board.store, _Board.stage_index = store, stage_index
 
 
 def report(exception: BaseException) -> None:
@@ -44,7 +44,7 @@ def report(exception: BaseException) -> None:
         return
     last = traceback.extract_tb(exception.__traceback__)[-1:] if exception.__traceback__ else []
     where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
-    cause = f"stage {_Board.stage} failed with {type(exception).__name__}: {exception}{where}"
+    cause = f"stage {_Board.stage_index} failed with {type(exception).__name__}: {exception}{where}"
     try:
         _Board.store.compare_set(_KEY, "", cause)
     except RuntimeError:  # the store lives in rank 0's process, which may be gone already
@@ -52,7 +52,7 @@ def report(exception: BaseException) -> None:
 
 
 @contextmanager
-def naming_the_cause() -> Iterator[None]:
+def as_pipeline_failure() -> Iterator[None]:
     """Turn a failed transfer or collective inside the block into a :class:`PipelineFailure` naming the cause.
 
     Raises:
@@ -65,8 +65,8 @@ def naming_the_cause() -> Iterator[None]:
             raise
         cause = _published_cause()
         if cause is None:
-            raise PipelineFailure(f"stage {_Board.stage}: another stage stopped responding ({error})") from error
-        raise PipelineFailure(f"stage {_Board.stage} stopped because {cause}") from error
+            raise PipelineFailure(f"stage {_Board.stage_index}: another stage stopped responding ({error})") from error
+        raise PipelineFailure(f"stage {_Board.stage_index} stopped because {cause}") from error
 
 
 def _published_cause() -> Optional[str]:

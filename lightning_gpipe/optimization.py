@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gpipe.failure import naming_the_cause
+from lightning_gpipe.failure import as_pipeline_failure
 
 
 def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, group: Optional[dist.ProcessGroup] = None) -> Tensor:
@@ -37,6 +37,9 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, group: Option
 
     Returns:
         The total 2-norm before clipping (a scalar tensor on this stage's device).
+
+    Raises:
+        PipelineFailure: if another stage failed while this one waited for it.
     """
     parameters = list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -44,7 +47,7 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, group: Option
     local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
     squared = local.double() ** 2
     if dist.is_initialized():
-        with naming_the_cause():
+        with as_pipeline_failure():
             dist.all_reduce(squared, group=group)
     total = squared.sqrt().to(local.dtype)
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
@@ -57,7 +60,7 @@ class SharedGradScaler(torch.amp.GradScaler):
     After unscaling, each stage's "found a non-finite gradient" flag is all-reduced with
     ``MAX``, so the optimizer steps of all stages are skipped together and the scale backs
     off on every stage alike, as with one scaler over the whole model. Build it with
-    :meth:`replacing` from the precision plugin's scaler.
+    :meth:`from_scaler` from the precision plugin's scaler.
 
     Args:
         group: the stages of one pipeline; ``None`` is the default (whole-world) group.
@@ -69,21 +72,25 @@ class SharedGradScaler(torch.amp.GradScaler):
         self.group = group
 
     @classmethod
-    def replacing(cls, scaler: torch.amp.GradScaler, group: Optional[dist.ProcessGroup] = None) -> "SharedGradScaler":
+    def from_scaler(cls, scaler: torch.amp.GradScaler, group: Optional[dist.ProcessGroup] = None) -> "SharedGradScaler":
         """A shared scaler with the device, settings and current state (scale, growth tracker) of ``scaler``."""
         shared = cls(scaler._device, enabled=scaler.is_enabled(), group=group)
         shared.load_state_dict(scaler.state_dict())
         return shared
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Unscale ``optimizer``'s gradients, then agree with the other stages on whether any was non-finite."""
+        """Unscale ``optimizer``'s gradients, then agree with the other stages on whether any was non-finite.
+
+        Raises:
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
         super().unscale_(optimizer)
         found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         if not found or not dist.is_initialized():
             return
         flags = list(found.values())
         any_found = torch.stack([flag.to(flags[0].device) for flag in flags]).amax()
-        with naming_the_cause():
+        with as_pipeline_failure():
             dist.all_reduce(any_found, op=dist.ReduceOp.MAX, group=self.group)
         for flag in flags:
             flag.copy_(any_found)

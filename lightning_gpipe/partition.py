@@ -10,40 +10,50 @@ placeholder that names the contract if user code calls it.
 """
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from lightning_gpipe.balance import LayerCost
+from lightning_gpipe.microbatch import Value
 
-Value = Union[Tensor, tuple]
+
+class PipelinedCall(Protocol):
+    """What a call of a pipelined backbone goes through: the whole pipeline, not only this stage's layers.
+
+    Installed in a :class:`Partition` as :attr:`Partition.pipeline` by the strategy
+    (:class:`lightning_gpipe.contract.BackboneCall`); the partition knows nothing else of the engine.
+    """
+
+    def __call__(self, value: Value) -> Optional[Value]:
+        """Run the pipeline on the backbone input ``value``; the backbone output on the last stage."""
+
+    def forward_and_share(self, value: Value, fn: Callable[[Value], Any]) -> Any:
+        """Run the pipeline without gradients and return ``fn`` of its output on every stage."""
 
 
 class Partition(nn.Module):
     """The backbone layers of one stage, under their original names.
 
-    Calling it runs the pipeline through the attached :class:`~lightning_gpipe.stage.Stage`
-    (see :meth:`attach`); :meth:`run` applies the local layers to one micro-batch.
+    :meth:`run` applies the local layers to one micro-batch. Calling the module (the user's
+    ``self.backbone(x)``) goes through :attr:`pipeline` when one is installed, else it is :meth:`run`.
 
     Args:
         layers: ordered mapping of original names (``"7"``) to layers.
+
+    Attributes:
+        pipeline: the :class:`PipelinedCall` a call of the module goes through, or ``None`` (default).
     """
 
     def __init__(self, layers: dict[str, nn.Module]) -> None:
         super().__init__()
         for name, layer in layers.items():
             self.add_module(name, layer)
-        self.stage = None
+        self.pipeline: Optional[PipelinedCall] = None
 
-    def attach(self, stage) -> None:
-        """Make calling this module run ``stage.forward`` (the pipeline) instead of the local layers alone."""
-        self.stage = stage
-
-    def forward(self, value: Value) -> Value:
-        """Run the pipeline on the backbone input ``value``; see :class:`lightning_gpipe.stage.Stage`."""
-        return self.stage.forward(value) if self.stage is not None else self.run(value)
+    def forward(self, value: Value) -> Optional[Value]:
+        """Run the pipeline on the backbone input ``value`` if one is installed, else the local layers."""
+        return self.pipeline(value) if self.pipeline is not None else self.run(value)
 
     def run(self, value: Value) -> Value:
         """Apply the local layers in order to one micro-batch.
@@ -61,16 +71,16 @@ class Partition(nn.Module):
         return value
 
 
-class _Freed(nn.Module):
-    """Stands for a module that lives on the last stage only."""
+class _LastStageOnly(nn.Module):
+    """Stands, on an earlier stage, for a module outside the backbone that lives on the last stage only."""
 
-    def __init__(self, name: str, stage: int) -> None:
+    def __init__(self, name: str, stage_index: int) -> None:
         super().__init__()
-        self.name, self.stage = name, stage
+        self.name, self.stage_index = name, stage_index
 
     def forward(self, *args, **kwargs):
         raise RuntimeError(
-            f"`self.{self.name}` was called on stage {self.stage}, before the backbone call. Modules outside the"
+            f"`self.{self.name}` was called on stage {self.stage_index}, before the backbone call. Modules outside the"
             " backbone live on the last stage only, so code before the backbone call must hold no parameters (data"
             f" preparation only). Move `{self.name}` into the backbone as its first layer, or call it after the"
             " backbone."
@@ -110,91 +120,36 @@ def find_backbone(module: nn.Module, name: Optional[str] = None) -> str:
     )
 
 
-def resolve_balance(
-    balance: Union[None, str, Sequence[int]],
-    layers: nn.Sequential,
-    num_stages: int,
-    costs: Optional[Sequence["LayerCost"]] = None,
-    memory_limit: Optional[int] = None,
-) -> list[int]:
-    """Check a user's ``balance`` against the backbone, or choose the split that evens out a cost.
-
-    Args:
-        balance: layers per stage; or ``"params"``, ``"time"`` or ``"memory"`` for the contiguous split
-            whose costliest stage is cheapest by that measure (see :func:`~lightning_gpipe.balance.balance_by`);
-            ``None`` means ``"params"``.
-        layers: the backbone.
-        num_stages: K, the number of stages (devices of one pipeline).
-        costs: the profiled :class:`~lightning_gpipe.balance.LayerCost` of each layer; needed for
-            ``"time"``, ``"memory"`` and ``memory_limit``. Without it ``"params"`` counts parameters.
-        memory_limit: bytes one stage may hold (see :func:`~lightning_gpipe.balance.balance_by`), or ``None``.
-
-    Raises:
-        ValueError: if the lengths or the sum do not match, a stage is empty, there are fewer layers than
-            stages, ``costs`` are missing or of another length, or no split fits ``memory_limit``.
-    """
-    # imported here: the balance package runs layers through Partition, so it imports this module
-    from lightning_gpipe.balance import balance_by, solve
-
-    count = len(layers)
-    if balance is None or isinstance(balance, str):
-        if count < num_stages:
-            raise ValueError(
-                f"The backbone has {count} layers, fewer than the {num_stages} stages (devices); use fewer devices"
-                " or split the backbone into more layers."
-            )
-        mode = balance or "params"
-        if costs is None and mode == "params" and memory_limit is None:
-            return solve([sum(p.numel() for p in layer.parameters()) for layer in layers], num_stages)
-        if costs is None or len(costs) != count:
-            raise ValueError(
-                f"balance={mode!r} needs the profiled cost of each of the {count} backbone layers, got"
-                f" {'none' if costs is None else len(costs)}; measure them with `lightning_gpipe.profile_layers`."
-            )
-        return balance_by(mode, costs, num_stages, memory_limit)
-    balance = list(balance)
-    if len(balance) != num_stages:
-        raise ValueError(
-            f"balance={balance} has {len(balance)} stages but the pipeline has {num_stages} devices; give one"
-            " layer count per device."
-        )
-    if any(size < 1 for size in balance):
-        raise ValueError(f"balance={balance} leaves a stage empty; every stage needs at least one layer.")
-    if sum(balance) != count:
-        raise ValueError(f"balance={balance} sums to {sum(balance)} but the backbone has {count} layers.")
-    return balance
-
-
 class Split:
     """A LightningModule split for one stage, and how to undo it.
 
     Args:
         module: the LightningModule; changed in place.
         backbone: attribute name of its ``nn.Sequential`` backbone.
-        balance: layers per stage (validated).
-        stage: this process's pipeline rank.
+        balance: layers per stage (validated, see :func:`lightning_gpipe.balance.resolve_balance`).
+        stage_index: this process's pipeline rank.
     """
 
-    def __init__(self, module: nn.Module, backbone: str, balance: Sequence[int], stage: int) -> None:
-        self.module, self.backbone, self.stage = module, backbone, stage
+    def __init__(self, module: nn.Module, backbone: str, balance: Sequence[int], stage_index: int) -> None:
+        self.module, self.backbone, self.stage_index = module, backbone, stage_index
         self.sequential: nn.Sequential = getattr(module, backbone)
         names = list(self.sequential._modules)
-        start = sum(balance[:stage])
-        local = names[start : start + balance[stage]]
+        start = sum(balance[:stage_index])
+        local = names[start : start + balance[stage_index]]
         for name in names:
             if name not in local:
                 self.sequential._modules[name].to("meta")
         self.partition = Partition({name: self.sequential._modules[name] for name in local})
         setattr(module, backbone, self.partition)
         self.freed: dict[str, nn.Module] = {}
-        if stage < len(balance) - 1:
+        if stage_index < len(balance) - 1:
             self._free_modules_outside_backbone()
 
     def _free_modules_outside_backbone(self) -> None:
         for name, child in list(self.module.named_children()):
             if name != self.backbone and _holds_state(child):
                 self.freed[name] = child.to("meta")
-                setattr(self.module, name, _Freed(name, self.stage))
+                setattr(self.module, name, _LastStageOnly(name, self.stage_index))
 
     def undo(self, full_state: Optional[dict[str, Tensor]] = None) -> None:
         """Put the original backbone and modules back in place.

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import lightning.pytorch as pl
 import torch.distributed as dist
 
-from lightning_gpipe.failure import naming_the_cause
+from lightning_gpipe.failure import as_pipeline_failure
 
 EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
 
@@ -34,30 +34,34 @@ class LogRelay:
         self.strategy, self.src = strategy, src
 
     def __call__(self, trainer: "pl.Trainer") -> None:
-        """Broadcast the last stage's current ``trainer._results`` entries; a collective call on all ranks."""
+        """Broadcast the last stage's current ``trainer._results`` entries; a collective call on all ranks.
+
+        Raises:
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
         results = trainer._results
         if results is None or not dist.is_initialized() or dist.get_world_size() == 1:
             return
         payload = [self._dumps(dict(results)) if dist.get_rank() == self.src else None]
-        with naming_the_cause():
+        with as_pipeline_failure():
             dist.broadcast_object_list(payload, self.src)
         if dist.get_rank() != self.src:
             results.clear()
             results.update(self._loads(payload[0]))
             results.to(self.strategy.root_device)
 
-    def after_epoch_end_hooks(self, module: "pl.LightningModule") -> None:
+    def relay_after_epoch_end_hooks(self, module: "pl.LightningModule") -> None:
         """Relay after each of the module's epoch-end hooks, which may log (e.g. ``metric.compute()``).
 
         They run before Lightning reads the epoch's metrics and before ``ModelCheckpoint`` and
-        ``EarlyStopping`` act. Undone by :meth:`detach`.
+        ``EarlyStopping`` act. The hooks are wrapped on the instance; undone by :meth:`unwrap_epoch_end_hooks`.
         """
         for name in EPOCH_END_HOOKS:
-            setattr(module, name, _then(getattr(module, name), lambda: self(module.trainer)))
+            setattr(module, name, _hook_then_relay(getattr(module, name), lambda: self(module.trainer)))
 
     @staticmethod
-    def detach(module: "pl.LightningModule") -> None:
-        """Remove the hooks set by :meth:`after_epoch_end_hooks`."""
+    def unwrap_epoch_end_hooks(module: "pl.LightningModule") -> None:
+        """Remove the wrappers set by :meth:`relay_after_epoch_end_hooks`."""
         for name in EPOCH_END_HOOKS:
             module.__dict__.pop(name, None)
 
@@ -74,9 +78,9 @@ class LogRelay:
         return unpickler.load()
 
 
-def _then(hook: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:
+def _hook_then_relay(hook: Callable[[], None], relay: Callable[[], None]) -> Callable[[], None]:
     def hook_then_relay() -> None:
         hook()
-        after()
+        relay()
 
     return hook_then_relay

@@ -1,7 +1,7 @@
 """Predict one GPipe training step from per-layer costs: step time, bubble and peak activation memory per stage.
 
 The schedule is GPipe's fill-drain (Huang et al. 2019, section 2.2 and Figure 2), as
-:class:`lightning_gpipe.stage.Stage` runs it:
+:class:`lightning_gpipe.schedule.GPipe` runs it:
 
 - Fill: stage k runs the forward of micro-batches 0 .. M-1 in order; micro-batch i starts once stage k is
   free and its input has arrived from stage k-1 (the forward's end there plus the transfer time).
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from lightning_gpipe.balance.costs import LayerCost
 from lightning_gpipe.events import Span
-from lightning_gpipe.stage import CHECKPOINT_MODES
+from lightning_gpipe.rematerialization import CHECKPOINT_MODES, checkpointed
 from lightning_gpipe.trace import StageTrace, StepTrace
 
 
@@ -151,7 +151,7 @@ def simulate(
     arrivals = [0.0] * chunks  # when micro-batch i's input reaches the current stage
     for k, cost in enumerate(stages):  # the fill
         for i in range(chunks):
-            kept = 0 if _checkpointed(checkpoint, i, chunks) else cost.activation_bytes
+            kept = 0 if checkpointed(checkpoint, i, chunks) else cost.activation_bytes
             free[k] = _run(spans[k], free[k], arrivals[i], cost.forward, "forward", i, cost.input_bytes, kept)
             arrivals[i] = free[k] + transfer.time(cost.output_bytes)
     last = num_stages - 1
@@ -161,7 +161,7 @@ def simulate(
     for k in range(last, -1, -1):  # the drain
         cost = stages[k]
         for i in range(chunks - 1, -1, -1):
-            if _checkpointed(checkpoint, i, chunks):
+            if checkpointed(checkpoint, i, chunks):
                 recompute = cost.forward if cost.recompute is None else cost.recompute
                 free[k] = _run(spans[k], free[k], free[k], recompute, "recompute", i, 0, cost.activation_bytes)
             free[k] = _run(spans[k], free[k], arrivals[i], cost.backward, "backward", i)
@@ -171,10 +171,6 @@ def simulate(
         free[k] += optimizers[k]
     trace = StepTrace(0, [StageTrace(k, spans[k], 0.0, free[k]) for k in range(num_stages)])
     return Prediction(trace.wall, trace.bubble, [s.peak_activation_bytes for s in trace.stages], trace)
-
-
-def _checkpointed(checkpoint: str, i: int, chunks: int) -> bool:
-    return checkpoint == "always" or (checkpoint == "except_last" and i < chunks - 1)
 
 
 def _run(

@@ -1,334 +1,197 @@
-"""One stage of the GPipe schedule: the fill (forward) and the drain (backward).
+"""One stage's primitives: take the micro-batches, forward one, send it, receive a gradient, backward one.
 
-Fill: the first stage splits the backbone input into M micro-batches; every
-stage runs each micro-batch through its partition and sends it on. The last
-stage returns the concatenation of its outputs as detached boundary tensors
-that require grad, so the user's loss runs once on the whole mini-batch.
+A schedule (:mod:`lightning_gpipe.schedule`) decides the order of these calls; the stage does each
+one and keeps what a micro-batch's backward needs: its input, its output (or, when re-materialized,
+the random state to recompute it from), and the shapes of the gradients that will come back.
+Parameter gradients accumulate over the micro-batches, so a mini-batch's micro-batches together
+give the gradients of mini-batch training (GPipe, Huang et al. 2019, section 2.2).
 
-Drain: micro-batches go backwards in reverse order. A stage receives the
-gradient of its outputs (on the last stage: the boundary tensors' ``.grad``),
-backpropagates through its partition, and sends its inputs' gradients back.
-Parameter gradients accumulate over micro-batches, so the result equals
-mini-batch training (GPipe, Huang et al. 2019, section 2.2).
+On the last stage, a training forward returns the micro-batch's output as detached leaves that
+require grad (the boundary): the user's loss runs on their concatenation, and its backward leaves
+each micro-batch's output gradient in the leaves' ``.grad``, where the micro-batch's backward takes it.
 
-Re-materialization (section 2.2, "activation checkpointing"): a checkpointed
-micro-batch runs forward without autograd, keeping only its input; its forward
-is recomputed in the drain *before* waiting for its gradient, so the recompute
-overlaps with the next stage's backward of the same micro-batch.
+Re-materialization (section 2.2, :mod:`lightning_gpipe.rematerialization`): a checkpointed
+micro-batch runs forward without autograd, keeping only its input; :meth:`Stage.recompute` runs it
+again with autograd before its backward. Timing spans (:mod:`lightning_gpipe.events`) of forwards,
+recomputes and backwards are taken here; those of transfers in :class:`~lightning_gpipe.transfer.Link`.
 """
 
 import time
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from lightning_gpipe import microbatch
-from lightning_gpipe.events import Recorder
+from lightning_gpipe.microbatch import MicroBatch, Value
 from lightning_gpipe.partition import Partition
+from lightning_gpipe.rematerialization import RngState, checkpointed
 from lightning_gpipe.transfer import Link, Meta
-
-Value = Union[Tensor, tuple]
-
-CHECKPOINT_MODES = ("always", "except_last", "never")
-
-
-class Handoff(BaseException):
-    """Raised by the backbone call on a stage that is not the last, ending the user's step there.
-
-    The rest of the step (head, loss, logging) belongs to the last stage. It derives from
-    ``BaseException`` so that a user's ``except Exception`` cannot swallow it.
-    """
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """The micro-batch a stage's layers are running on; see :func:`current_micro_batch`.
-
-    Attributes:
-        index: its position in the mini-batch, from 0.
-        count: M, the micro-batches of this mini-batch (fewer than ``chunks`` for a batch with fewer rows).
-        recompute: ``True`` for the drain's re-materialization of a forward that already ran in the fill.
-    """
-
-    index: int
-    count: int
-    recompute: bool = False
-
-
-_current: ContextVar[Optional[MicroBatch]] = ContextVar("lightning_gpipe_micro_batch", default=None)
-
-
-def current_micro_batch() -> Optional[MicroBatch]:
-    """The micro-batch the calling layer runs on inside a stage, or ``None`` outside a pipelined forward.
-
-    For layers whose forward has effects beyond its output, such as batch norm's running statistics
-    (:class:`lightning_gpipe.batchnorm.DeferredBatchNorm`), which must happen once per mini-batch.
-    """
-    return _current.get()
-
-
-@contextmanager
-def _running(micro: MicroBatch) -> Iterator[None]:
-    token = _current.set(micro)
-    try:
-        yield
-    finally:
-        _current.reset(token)
 
 
 @dataclass
 class _Record:
-    """What the drain needs of one micro-batch."""
+    """What the backward of one micro-batch needs."""
 
     input: Value
-    output: Optional[Value]  # None when checkpointed: recomputed in the drain
+    output: Optional[Value]  # None while checkpointed: recomputed before the backward
     metas: list[Meta]  # shapes and dtypes of the floating-point outputs, whose gradients come back
-    rng: Optional["_RngState"] = None
+    micro: MicroBatch
+    rng: Optional[RngState] = None
     boundary: list[Tensor] = field(default_factory=list)  # last stage: the leaves handed to the user's loss
-    micro: MicroBatch = MicroBatch(0, 1)
 
 
 class Stage:
-    """Executes one stage's part of every step.
+    """Executes the work of one stage, one micro-batch at a time, in the order a schedule calls it.
 
     Args:
         partition: this stage's layers.
-        link: transfers to the neighbouring stages.
-        index: pipeline rank of this stage (0-based).
+        link: transfers to the neighbouring stages; its ``events`` recorder is the stage's.
+        stage_index: pipeline rank of this stage (0-based).
         num_stages: K.
         chunks: M, micro-batches per mini-batch (fewer when the batch has fewer rows).
         checkpoint: ``"always"``, ``"except_last"`` (all micro-batches but the last) or ``"never"``.
-        share: sends a picklable object from the last stage to every stage of the pipeline and returns it
-            (a collective call); the identity by default, for a single process.
+
+    Attributes:
+        events: the :class:`~lightning_gpipe.events.Recorder` the pipeline callbacks read.
+        training: whether the current forward keeps what a backward needs (gradients were enabled when
+            :meth:`micro_batches` started).
     """
 
     def __init__(
-        self,
-        partition: Partition,
-        link: Link,
-        index: int,
-        num_stages: int,
-        chunks: int,
-        checkpoint: str,
-        share: Callable[[Any], Any] = lambda obj: obj,
-    ):
-        self.partition, self.link, self.share = partition, link, share
-        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        self, partition: Partition, link: Link, stage_index: int, num_stages: int, chunks: int, checkpoint: str
+    ) -> None:
+        self.partition, self.link = partition, link
+        self.stage_index = stage_index
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.chunks, self.checkpoint = chunks, checkpoint
-        self._records: list[_Record] = []
-        self._calls = self._shared_calls = 0
-        self.events = Recorder()  # off unless a callback enables it; see lightning_gpipe.events
-        self._filled = 0.0  # when the last stage's fill ended: its "loss" span runs from there to the drain
-        partition.attach(self)
+        self.events = link.events
+        self.training = False
+        self._records: dict[int, _Record] = {}
+        self._filled = 0.0  # when the last stage's forward ended: its "loss" span runs from there to the backward
 
-    @contextmanager
-    def step(self, hook: str) -> Iterator[None]:
-        """Wrap one call of the user's ``hook`` (``"training_step"``...): checks that it called the backbone once."""
-        self._calls = self._shared_calls = 0
-        yield
-        if self._calls > 1 or (self._calls == 0 and self._shared_calls == 0):
-            raise RuntimeError(
-                f"`{hook}` called the pipelined backbone {self._calls} times; it must call it exactly once per step"
-                " (GPipeStrategy splits that one call into micro-batches). To call it several times in evaluation,"
-                " e.g. for autoregressive decoding, use `lightning_gpipe.forward_and_share`."
-            )
+    def micro_batches(self, value: Value) -> Iterator[tuple[int, Value, int]]:
+        """This stage's inputs of one mini-batch as ``(index, input, count)``, count being M.
 
-    def forward_and_share(self, value: Value, fn: Callable[[Value], Any]) -> Any:
-        """Run the backbone on ``value`` without gradients, apply ``fn`` to its output on the last stage,
-        and return ``fn``'s result on every stage. See :func:`forward_and_share`.
+        The first stage scatters ``value`` (the backbone input); the others receive their inputs from the
+        previous stage and ignore ``value``. Starting it starts a new forward: what the last one kept is dropped.
 
         Raises:
-            RuntimeError: with gradients enabled, or after this step's plain backbone call.
+            TypeError, ValueError: for a backbone input that cannot be split (see
+                :func:`lightning_gpipe.microbatch.scatter`).
+            PipelineFailure: if the previous stage failed while this one waited for it.
         """
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "`forward_and_share` runs the backbone without gradients, for evaluation and decoding; call it"
-                " under `torch.no_grad()` or from `validation_step`, `test_step` or `predict_step`."
-            )
-        if self._calls:
-            raise RuntimeError(
-                "`forward_and_share` was called after this step's plain backbone call, which ends the step on"
-                " every stage but the last; call the backbone plainly last, or only through `forward_and_share`."
-            )
-        self._shared_calls += 1
-        try:
-            result = fn(self._fill(value))
-        except Handoff:
-            result = None
-        return self.share(result)
-
-    def forward(self, value: Value) -> Value:
-        """The fill: run every micro-batch of the backbone input ``value`` through this stage.
-
-        On stages after the first, ``value`` is ignored: the input arrives from the previous stage.
-
-        Returns:
-            On the last stage, the backbone output for the whole mini-batch.
-
-        Raises:
-            Handoff: on every stage but the last, once its micro-batches are sent.
-        """
-        self._calls += 1
-        return self._fill(value)
-
-    def _fill(self, value: Value) -> Value:
-        training = torch.is_grad_enabled()
-        self._records = []
-        outputs = []
-        for i, (x, count) in enumerate(self._micro_batches(value, training)):
-            y = self._forward_one(x, i, count, training)
-            if self.is_last:
-                outputs.append(self._boundary(y, training))
-            else:
-                with self.events.span("send", i):
-                    self.link.send_activation(y, i, count)
-        if not training:
-            with self.events.span("send"):
-                self.link.flush()
-        if not self.is_last:
-            raise Handoff
-        self._filled = time.perf_counter()
-        return microbatch.join(outputs)
-
-    def _micro_batches(self, value: Value, training: bool) -> Iterator[tuple[Value, int]]:
-        """This stage's inputs with the micro-batch count: split from ``value``, or received."""
+        self.training, self._records = torch.is_grad_enabled(), {}
         if self.is_first:
-            micro = microbatch.split(value, self.chunks)
-            yield from ((x, len(micro)) for x in micro)
+            parts = microbatch.scatter(value, self.chunks)
+            yield from ((i, x, len(parts)) for i, x in enumerate(parts))
             return
-        received, count = 0, 1
-        while received < count:
-            with self.events.span("recv", received):
-                x, count = self.link.recv_activation()
-            received += 1
-            yield (_leaves(x) if training else x), count
+        index, count = 0, 1
+        while index < count:
+            x, count = self.link.recv_activation()
+            yield index, (microbatch.leaves(x) if self.training else x), count
+            index += 1
 
-    def _forward_one(self, x: Value, i: int, count: int, training: bool) -> Value:
-        remat = training and self._checkpointed(i, count)
-        rng = _RngState.capture(self.link.device) if remat else None
-        micro = MicroBatch(i, count)
+    def forward(self, index: int, x: Value, count: int) -> Value:
+        """Run micro-batch ``index`` of ``count`` through this stage's layers and return its output.
+
+        In training, keeps what its backward needs; a checkpointed micro-batch runs without autograd.
+        On the last stage in training, the output is returned as boundary leaves (see the module docstring).
+
+        Raises:
+            TypeError: if a layer returns anything but a Tensor or a tuple of Tensors.
+        """
+        training = self.training
+        remat = training and checkpointed(self.checkpoint, index, count)
+        rng = RngState.capture(self.link.device) if remat else None
+        micro = MicroBatch(index, count)
         memory_of = (self.partition, x) if training else None
-        with torch.set_grad_enabled(training and not remat), _running(micro), self.events.span("forward", i, memory_of):
+        with (
+            torch.set_grad_enabled(training and not remat),
+            microbatch.running(micro),
+            self.events.span("forward", index, memory_of),
+        ):
             y = self.partition.run(x)
-        if training:
-            metas = [(t.shape, t.dtype) for t in _floats(y)]
-            self._records.append(_Record(x, None if remat else y, metas, rng, micro=micro))
-        return y
-
-    def _checkpointed(self, i: int, count: int) -> bool:
-        return self.checkpoint == "always" or (self.checkpoint == "except_last" and i < count - 1)
-
-    def _boundary(self, y: Value, training: bool) -> Value:
         if not training:
             return y
-        leaves = _leaves(y)
-        self._records[-1].boundary = _floats(leaves)
-        return leaves
+        metas = [(t.shape, t.dtype) for t in microbatch.floats(y)]
+        record = self._records[index] = _Record(x, None if remat else y, metas, micro, rng)
+        if self.is_last:
+            y = microbatch.leaves(y)
+            record.boundary = microbatch.floats(y)
+        return y
 
-    def backward(self) -> None:
-        """The drain: backpropagate every micro-batch of the last fill, in reverse order.
+    def send(self, y: Value, index: int, count: int) -> None:
+        """Send micro-batch ``index`` of ``count``'s output to the next stage, asynchronously."""
+        self.link.send_activation(y, index, count)
 
-        On the last stage, the user's loss must have been backpropagated to the
-        boundary tensors first.
+    def output(self, parts: list[Value]) -> Value:
+        """The last stage's backbone output of the whole mini-batch, from its micro-batch outputs in order."""
+        self._filled = time.perf_counter()
+        return microbatch.gather(parts)
+
+    def flush(self) -> None:
+        """Wait until every send of this stage has completed.
+
+        Raises:
+            PipelineFailure: if a neighbour failed while this one waited for it.
         """
-        records, self._records = self._records, []
-        if records and self.is_last:
+        self.link.flush()
+
+    def begin_backward(self) -> int:
+        """Start the backward of the last forward; returns its number of micro-batches, M.
+
+        On the last stage, the user's loss must have been backpropagated to the boundary first.
+        """
+        if self._records and self.is_last:
             self.events.add("loss", None, self._filled, time.perf_counter())
-        if records and not self.is_last:
-            self.link.post_grads(records[-1].metas)
-        while records:
-            record = records.pop()
-            i = len(records)
-            output = record.output
-            if output is None:
-                with self.events.span("recompute", i, (self.partition, record.input)):
-                    output = self._recompute(record)
-            if records and not self.is_last:
-                self.link.post_grads(records[-1].metas)  # one ahead, so it lands while this one computes
-            outs = _floats(output)
-            if self.is_last:
-                grads = [b.grad for b in record.boundary]
-            else:
-                with self.events.span("recv", i):
-                    grads = self.link.recv_grads()
-            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
-            if pairs:
-                with self.events.span("backward", i):
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            if not self.is_first:
-                with self.events.span("send", i):
-                    self.link.send_grads(
-                        [x.grad if x.grad is not None else torch.zeros_like(x) for x in _floats(record.input)]
-                    )
-        with self.events.span("send"):
-            self.link.flush()
+        return len(self._records)
 
-    def _recompute(self, record: _Record) -> Value:
-        with record.rng.restored(), torch.enable_grad(), _running(replace(record.micro, recompute=True)):
-            return self.partition.run(record.input)
+    def expect_grad(self, index: int) -> None:
+        """Post the receive of micro-batch ``index``'s output gradients (nothing on the last stage).
 
+        Receives are matched in posting order: post them in the order the next stage sends them.
+        """
+        if not self.is_last:
+            self.link.post_grads(self._records[index].metas)
 
-def forward_and_share(backbone: torch.nn.Module, value: Value, fn: Callable[[Value], Any]) -> Any:
-    """Call ``backbone(value)``, apply ``fn`` to its output, and return the result on every stage.
+    def recompute(self, index: int) -> None:
+        """Re-materialize micro-batch ``index``'s forward with autograd, if it was checkpointed.
 
-    A pipelined backbone's output exists on the last stage only, and a plain backbone call ends
-    the user's step on the other stages. Loops that feed an output back into the backbone, such as
-    greedy or beam decoding, need that output everywhere: this runs the pipelined forward
-    (micro-batched, no gradients), applies ``fn`` on the last stage and sends its result (keep it
-    small, e.g. the next token ids) to every stage, so all stages go round the loop together. The
-    same approach as Megatron-LM's text generation, which broadcasts new tokens from the last stage.
-    Without a pipeline (one device, other strategies) it is ``fn(backbone(value))``.
+        Replays the random state of its first forward, so dropout draws the same masks, and runs under
+        :func:`~lightning_gpipe.microbatch.current_micro_batch` with ``recompute=True``.
+        """
+        record = self._records[index]
+        if record.output is not None:
+            return
+        micro = replace(record.micro, recompute=True)
+        with (
+            self.events.span("recompute", index, (self.partition, record.input)),
+            record.rng.restored(),
+            torch.enable_grad(),
+            microbatch.running(micro),
+        ):
+            record.output = self.partition.run(record.input)
 
-    Args:
-        backbone: the module's backbone attribute (``self.backbone``).
-        value: the backbone input, as for a plain call.
-        fn: maps the backbone output of the whole batch to a picklable result.
+    def backward(self, index: int) -> None:
+        """Backpropagate micro-batch ``index`` (recomputed first, if checkpointed) and send its input gradients.
 
-    Raises:
-        RuntimeError: with gradients enabled, or when called after the step's plain backbone call.
-    """
-    stage = backbone.stage if isinstance(backbone, Partition) else None
-    if stage is None:
-        return fn(backbone(value))
-    return stage.forward_and_share(value, fn)
+        The output gradients come from the boundary on the last stage, else from the next stage (posted with
+        :meth:`expect_grad`). What the micro-batch kept is freed afterwards.
 
-
-class _RngState:
-    """The random number generator state a checkpointed forward started from, so the recompute draws the same."""
-
-    def __init__(self, device: torch.device, cpu: Tensor, accelerator: Optional[Tensor]) -> None:
-        self.device, self.cpu, self.accelerator = device, cpu, accelerator
-
-    @classmethod
-    def capture(cls, device: torch.device) -> "_RngState":
-        accelerator = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        return cls(device, torch.get_rng_state(), accelerator)
-
-    @contextmanager
-    def restored(self) -> Iterator[None]:
-        devices = [self.device] if self.accelerator is not None else []
-        with torch.random.fork_rng(devices=devices):
-            torch.set_rng_state(self.cpu)
-            if self.accelerator is not None:
-                torch.cuda.set_rng_state(self.accelerator, self.device)
-            yield
-
-
-def _floats(value: Value) -> list[Tensor]:
-    tensors = [value] if isinstance(value, Tensor) else value
-    return [t for t in tensors if isinstance(t, Tensor) and t.is_floating_point()]
-
-
-def _leaves(value: Value) -> Value:
-    """Detached copies of ``value``'s tensors; floating-point ones require grad (they receive gradients)."""
-
-    def leaf(t):
-        if not isinstance(t, Tensor):
-            return t
-        return t.detach().requires_grad_(t.is_floating_point())
-
-    return leaf(value) if isinstance(value, Tensor) else tuple(leaf(t) for t in value)
+        Raises:
+            PipelineFailure: if the next stage failed while this one waited for it.
+        """
+        self.recompute(index)
+        record = self._records.pop(index)
+        outputs = microbatch.floats(record.output)
+        grads = [b.grad for b in record.boundary] if self.is_last else self.link.recv_grads(index)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
+        if pairs:
+            with self.events.span("backward", index):
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if not self.is_first:
+            inputs = microbatch.floats(record.input)
+            self.link.send_grads([x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs], index)

@@ -1,10 +1,11 @@
 """GPipeStrategy: GPipe pipeline parallelism behind Lightning's strategy hooks.
 
-How one step maps onto Lightning (see docs/design.md): ``training_step`` is the
+How one step maps onto Lightning (see docs/how-it-works.md): ``training_step`` is the
 fill, ``backward`` is the drain, and the optimizer step, clipping, schedulers and
 gradient accumulation stay Lightning's. This module only wires the hooks; the
-work is done by :mod:`lightning_gpipe.partition`, :mod:`lightning_gpipe.stage`,
-:mod:`lightning_gpipe.transfer` and :mod:`lightning_gpipe.relay`.
+work is done by :mod:`lightning_gpipe.partition`, :mod:`lightning_gpipe.contract`,
+:mod:`lightning_gpipe.schedule`, :mod:`lightning_gpipe.stage`, :mod:`lightning_gpipe.transfer`
+and :mod:`lightning_gpipe.relay`.
 """
 
 from collections.abc import Generator, Mapping, Sequence
@@ -27,16 +28,19 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
+from typing_extensions import override
 
-from lightning_gpipe import checkpoint as checkpoints
-from lightning_gpipe import failure
-from lightning_gpipe.balance import MODES, LayerCost
+from lightning_gpipe import failure, state_dict
+from lightning_gpipe.balance import MODES, LayerCost, resolve_balance
 from lightning_gpipe.balance.backbone import profile_backbone
 from lightning_gpipe.batchnorm import convert_deferred_batch_norm, revert_deferred_batch_norm
+from lightning_gpipe.contract import BackboneCall
 from lightning_gpipe.optimization import SharedGradScaler, clip_grad_norm_
-from lightning_gpipe.partition import Split, find_backbone, materialize, resolve_balance
+from lightning_gpipe.partition import Split, find_backbone, materialize
+from lightning_gpipe.rematerialization import CHECKPOINT_MODES
 from lightning_gpipe.relay import LogRelay
-from lightning_gpipe.stage import CHECKPOINT_MODES, Handoff, Stage
+from lightning_gpipe.schedule import GPipe
+from lightning_gpipe.stage import Stage
 from lightning_gpipe.topology import Topology
 from lightning_gpipe.transfer import Link
 
@@ -141,23 +145,29 @@ class GPipeStrategy(ParallelStrategy):
         self._split: Optional[Split] = None
         self._whole_before_split = True
         self._stage: Optional[Stage] = None
+        self._schedule: Optional[GPipe] = None
+        self._backbone_call: Optional[BackboneCall] = None
         self._relay: Optional[LogRelay] = None
 
     @property
+    @override
     def num_nodes(self) -> int:
         """Number of nodes the job spans."""
         return self._num_nodes
 
     @num_nodes.setter
+    @override
     def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
 
     @property
+    @override
     def num_processes(self) -> int:
         """Number of stage processes on this node."""
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
+    @override
     def root_device(self) -> torch.device:
         """The device of this process's stage."""
         assert self.parallel_devices is not None
@@ -180,10 +190,12 @@ class GPipeStrategy(ParallelStrategy):
         return self._stage
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         """All stages of one pipeline read the same batches: the sampler sees the data-parallel world only."""
         return {"num_replicas": self.topology.data_parallel_size, "rank": self.topology.replica_of(self.global_rank)}
 
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
@@ -191,6 +203,7 @@ class GPipeStrategy(ParallelStrategy):
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
 
+    @override
     def setup_environment(self) -> None:
         """Select the device, then join the process group and the failure board."""
         super().setup_environment()
@@ -204,6 +217,7 @@ class GPipeStrategy(ParallelStrategy):
         failure.attach(dist.distributed_c10d._get_default_store(), self.stage_index)
 
     @contextmanager
+    @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Create the modules of ``configure_model`` on the meta device: each stage materialises only its own part.
 
@@ -215,6 +229,7 @@ class GPipeStrategy(ParallelStrategy):
             yield
 
     @contextmanager
+    @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         """Like other strategies; with ``empty_init=True`` (``Trainer.init_module(empty_init=True)``) modules are
         created on the meta device and each stage materialises only its own part, as in ``configure_model``."""
@@ -225,6 +240,7 @@ class GPipeStrategy(ParallelStrategy):
         with torch.device("meta"), self.precision_plugin.tensor_init_context():
             yield
 
+    @override
     def setup(self, trainer: "pl.Trainer") -> None:
         """Split the module into this process's stage, then set up precision and the local optimizers.
 
@@ -234,6 +250,7 @@ class GPipeStrategy(ParallelStrategy):
                 :func:`~lightning_gpipe.partition.resolve_balance`), or if a module created on the meta
                 device cannot be initialised (see :func:`~lightning_gpipe.partition.materialize`).
             RuntimeError: for a module with manual optimization.
+            PipelineFailure: if another stage failed while this one waited for it.
         """
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -246,10 +263,10 @@ class GPipeStrategy(ParallelStrategy):
                 " the loss from `training_step`."
             )
         whole = not any(t.is_meta for t in [*module.parameters(), *module.buffers()])
-        self._whole_before_split = self._from_rank(0)(whole)  # rank 0's module, the user's, decides for all
+        self._whole_before_split = self.broadcast(whole, src=0)  # rank 0's module, the user's, decides for all
         self._split_module(module)
         materialize(module, self.root_device)
-        self._relay.after_epoch_end_hooks(module)
+        self._relay.relay_after_epoch_end_hooks(module)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -273,53 +290,56 @@ class GPipeStrategy(ParallelStrategy):
         precision.clip_grad_by_norm = clip_grad_by_norm
         scaler = getattr(precision, "scaler", None)
         if scaler is not None and not isinstance(scaler, SharedGradScaler):
-            precision.scaler = SharedGradScaler.replacing(scaler)
+            precision.scaler = SharedGradScaler.from_scaler(scaler)
 
     def _split_module(self, module: "pl.LightningModule") -> None:
-        topology, stage = self.topology, self.stage_index
+        topology, stage_index = self.topology, self.stage_index
         name = find_backbone(module, self.backbone)
         layers, chunks = getattr(module, name), self.chunks if self.chunks is not None else 4 * topology.num_stages
         profiled = self.balance in ("time", "memory") or self.balance_memory_limit is not None
         if profiled and (self.layer_costs is None or len(self.layer_costs) != len(layers)):
             with self.precision_plugin.train_step_context():  # rank 0 measures, every stage splits alike
                 costs = profile_backbone(module, name, chunks, self.root_device) if self.is_global_zero else None
-            self.layer_costs = self._from_rank(0)(costs)
+            self.layer_costs = self.broadcast(costs, src=0)
         balance = resolve_balance(
             self.balance, layers, topology.num_stages, self.layer_costs if profiled else None, self.balance_memory_limit
         )
         if self.deferred_batch_norm:
             convert_deferred_batch_norm(getattr(module, name))  # the whole backbone, so that `Split.undo` puts it back
-        self._split = Split(module, name, balance, stage)
-        replica = topology.replica_of(self.global_rank)
+        self._split = Split(module, name, balance, stage_index)
+        replica, num_stages = topology.replica_of(self.global_rank), topology.num_stages
         link = Link(
-            prev_rank=topology.rank_of(stage - 1, replica) if stage > 0 else None,
-            next_rank=topology.rank_of(stage + 1, replica) if stage < topology.num_stages - 1 else None,
+            prev_rank=topology.rank_of(stage_index - 1, replica) if stage_index > 0 else None,
+            next_rank=topology.rank_of(stage_index + 1, replica) if stage_index < num_stages - 1 else None,
             device=self.root_device,
         )
-        last = topology.rank_of(topology.num_stages - 1, replica)
-        self._stage = Stage(
-            self._split.partition, link, stage, topology.num_stages, chunks, self.checkpoint, self._from_rank(last)
-        )
-        self._relay = LogRelay(self, src=last)
+        self._stage = Stage(self._split.partition, link, stage_index, num_stages, chunks, self.checkpoint)
+        self._schedule = GPipe(self._stage)
+        self._backbone_call = BackboneCall(self._schedule, self._stage.is_last, share=self._share_from_last_stage)
+        self._split.partition.pipeline = self._backbone_call
+        self._relay = LogRelay(self, src=self._last_stage_rank)
 
-    def _from_rank(self, src: int) -> Callable[[Any], Any]:
-        def share(obj: Any) -> Any:
-            with failure.naming_the_cause():
-                return self.broadcast(obj, src=src)
+    @property
+    def _last_stage_rank(self) -> int:
+        return self.topology.rank_of(self.topology.num_stages - 1, self.topology.replica_of(self.global_rank))
 
-        return share
+    def _share_from_last_stage(self, obj: Any) -> Any:
+        return self.broadcast(obj, src=self._last_stage_rank)
 
+    @override
     def model_to_device(self) -> None:
         """Move this stage's part of the module to its device."""
         assert self.model is not None
         self.model.to(self.root_device)
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """The fill. The last stage returns the user's loss; the others a stand-in for it.
 
         Raises:
             RuntimeError: if the user's step does not call the backbone exactly once, or returns no
                 loss on the last stage.
+            PipelineFailure: if another stage failed while this one waited for it.
         """
         output = self._user_step("training_step", self.precision_plugin.train_step_context, args, kwargs)
         if not self._stage.is_last:
@@ -332,11 +352,15 @@ class GPipeStrategy(ParallelStrategy):
             )
         return output
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
         """The drain: the last stage backpropagates the loss to its boundary, then every stage its micro-batches.
 
         The loss goes through the precision plugin (so loss scaling applies to the whole pipeline);
         ``on_after_backward`` runs once all of this stage's gradients are accumulated.
+
+        Raises:
+            PipelineFailure: if another stage failed while this one waited for it.
         """
         module = self.lightning_module
         self.pre_backward(closure_loss)
@@ -344,62 +368,93 @@ class GPipeStrategy(ParallelStrategy):
         if self._stage.is_last:
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         with self.precision_plugin.train_step_context():  # re-materialization recomputes as the fill computed
-            self._stage.backward()
+            self._schedule.backward()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         self._relay(module.trainer)
         return closure_loss
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        """A pipelined forward; returns the user's output on the last stage, ``None`` on the others."""
+        """A pipelined forward; returns the user's output on the last stage, ``None`` on the others.
+
+        Raises:
+            RuntimeError: if the user's step does not call the backbone exactly once (plainly or through
+                :func:`~lightning_gpipe.forward_and_share`).
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
         output = self._user_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
         self._relay(self.lightning_module.trainer)
         return output
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        """A pipelined forward; returns the user's output on the last stage, ``None`` on the others."""
+        """A pipelined forward; returns the user's output on the last stage, ``None`` on the others.
+
+        Raises:
+            RuntimeError: if the user's step does not call the backbone exactly once (plainly or through
+                :func:`~lightning_gpipe.forward_and_share`).
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
         output = self._user_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
         self._relay(self.lightning_module.trainer)
         return output
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """A pipelined forward; the last stage's prediction is returned on every stage (a collective call)."""
+        """A pipelined forward; the last stage's prediction is returned on every stage (a collective call).
+
+        Raises:
+            RuntimeError: if the user's step does not call the backbone exactly once (plainly or through
+                :func:`~lightning_gpipe.forward_and_share`).
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
         output = self._user_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
-        return self._stage.share(output)
+        return self._share_from_last_stage(output)
 
     def _user_step(self, hook: str, context: Callable, args: tuple, kwargs: dict) -> Any:
-        with context(), self._stage.step(hook):
-            try:
-                return getattr(self.lightning_module, hook)(*args, **kwargs)
-            except Handoff:
-                return None
+        step = getattr(self.lightning_module, hook)
+        with context():
+            return self._backbone_call.user_step(hook, lambda: step(*args, **kwargs))
 
+    @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[str] = "mean") -> Any:
-        """Reduce over the data-parallel replicas (``self.log(..., sync_dist=True)``).
+        """Return ``tensor`` unchanged (``self.log(..., sync_dist=True)`` calls this).
 
-        Stages of one pipeline hold different parts of one step, not copies, so they never
-        average with each other. With one replica, the value is returned as is.
+        The values to synchronise are logged on the last stage only, and the logging relay
+        (:mod:`lightning_gpipe.relay`) copies them to the other stages; stages of one pipeline hold
+        different parts of one step, not copies, so they never average with each other. With one
+        pipeline there is nothing else to reduce over.
         """
         return tensor
 
+    @override
     def barrier(self, name: Optional[str] = None) -> None:
         """Wait until every process reaches this point."""
         if dist.is_initialized():
             dist.barrier()
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Send the picklable ``obj`` from global rank ``src`` to every process."""
+        """Send the picklable ``obj`` from global rank ``src`` to every process.
+
+        Raises:
+            PipelineFailure: if another process failed while this one waited for it.
+        """
         if not dist.is_initialized():
             return obj
         payload = [obj]
-        dist.broadcast_object_list(payload, src)
+        with failure.as_pipeline_failure():
+            dist.broadcast_object_list(payload, src)
         return payload[0]
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         """Checkpoints are restored after the split, so each stage loads the entries of its own layers."""
         return True
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's state dict for a checkpoint (a collective call with ``state_dict_type="full"``).
 
@@ -410,44 +465,49 @@ class GPipeStrategy(ParallelStrategy):
         local = self.lightning_module.state_dict()
         if self.state_dict_type == "sharded":
             return local
-        return checkpoints.gather_union(local, self.global_rank) or {}
+        return state_dict.gather_union(local, self.global_rank) or {}
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The optimizer's state keyed by parameter name, like the model's state dict (a collective call).
 
-        ``"full"``: every stage's entries on global rank 0 (see :mod:`lightning_gpipe.checkpoint`);
+        ``"full"``: every stage's entries on global rank 0 (see :mod:`lightning_gpipe.state_dict`);
         ``"sharded"``: this stage's.
         """
-        local = checkpoints.optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
+        local = state_dict.optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
         if self.state_dict_type == "sharded":
             return local
-        return checkpoints.gather_union(local, self.global_rank) or {}
+        return state_dict.gather_union(local, self.global_rank) or {}
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write a checkpoint: one file from global rank 0 (``"full"``), or a directory from all stages (``"sharded"``).
 
         Both replace an existing checkpoint at ``filepath`` only once the new one is complete.
         """
         if self.state_dict_type == "sharded":
-            checkpoints.save_sharded(checkpoint, filepath, self.global_rank)
+            state_dict.save_sharded(checkpoint, filepath, self.global_rank)
         else:
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Read a full checkpoint file on every stage, or this stage's part of a sharded checkpoint directory."""
-        if not checkpoints.is_sharded(checkpoint_path):
+        if not state_dict.is_sharded(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         module = self.lightning_module
         template: dict[str, Any] = {"state_dict": module.state_dict()}
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             template["optimizer_states"] = [self.optimizer_state(optimizer) for optimizer in self.optimizers]
-        return checkpoints.load_sharded(checkpoint_path, template)
+        return state_dict.load_sharded(checkpoint_path, template)
 
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load this stage's entries of the checkpoint's (whole or sharded) model state."""
         module = self.lightning_module
-        module.load_state_dict(checkpoints.local_entries(checkpoint["state_dict"], module), strict=strict)
+        module.load_state_dict(state_dict.local_entries(checkpoint["state_dict"], module), strict=strict)
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load this stage's entries of every optimizer's name-keyed state, whatever the split it was saved with.
 
@@ -461,13 +521,15 @@ class GPipeStrategy(ParallelStrategy):
                     " index, not name), so it cannot be split between stages. Resume it with the strategy it was"
                     " written with, or load only the weights: `Module.load_from_checkpoint(path)`."
                 )
-            checkpoints.load_optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer), state)
+            state_dict.load_optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer), state)
         _optimizers_to_device(self.optimizers, self.root_device)
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         """Publish the exception so that the other stages exit naming it instead of hanging."""
         failure.report(exception)
 
+    @override
     def teardown(self) -> None:
         """Undo the split; after a completed run, global rank 0's module gets every stage's weights back.
 
@@ -479,15 +541,16 @@ class GPipeStrategy(ParallelStrategy):
         full = None
         if self._split is not None and module is not None:
             if module.trainer.state.status != TrainerStatus.INTERRUPTED and self._whole_before_split:
-                full = checkpoints.gather_union(module.state_dict(), self.global_rank)
-            LogRelay.detach(module)
+                full = state_dict.gather_union(module.state_dict(), self.global_rank)
+            LogRelay.unwrap_epoch_end_hooks(module)
         super().teardown()
         if self._split is not None:
             self._split.undo(full)
             revert_deferred_batch_norm(self._split.sequential)
-            self._split = self._stage = self._relay = None
+            self._split = self._stage = self._schedule = self._backbone_call = self._relay = None
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register ``"gpipe"`` (popen launcher) and ``"gpipe_spawn"`` (spawn launcher)."""
         strategy_registry.register("gpipe", cls, description="GPipe pipeline parallelism")

@@ -40,13 +40,13 @@ class Topology:
         return self.world_size // self.num_stages
 
     def stage_of(self, rank: int) -> int:
-        """Pipeline rank (stage index, 0-based) of global rank ``rank``."""
+        """Pipeline rank (the stage index, 0-based) of global rank ``rank``."""
         return rank % self.num_stages
 
     def replica_of(self, rank: int) -> int:
         """Data-parallel rank of global rank ``rank``."""
         return rank // self.num_stages
 
-    def rank_of(self, stage: int, replica: int) -> int:
-        """Global rank holding stage ``stage`` of data-parallel replica ``replica``."""
-        return replica * self.num_stages + stage
+    def rank_of(self, stage_index: int, replica: int) -> int:
+        """Global rank holding stage ``stage_index`` of data-parallel replica ``replica``."""
+        return replica * self.num_stages + stage_index

@@ -19,19 +19,26 @@ one computes, all payload tensors of a micro-batch at once, and a gradient befor
 the drain needs it. Sends are asynchronous and overlap compute. Works with any
 torch.distributed backend that has ``isend``/``irecv`` (gloo on CPU, NCCL on GPU);
 receives are posted in the order the matching sends are issued, as NCCL needs.
+
+Every send and every wait is recorded as a ``send`` or ``recv`` span of the link's
+:class:`~lightning_gpipe.events.Recorder` (shared with its stage), for the pipeline callbacks.
 """
 
+import time
 from collections.abc import Sequence
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gpipe.failure import naming_the_cause
+from lightning_gpipe import microbatch
+from lightning_gpipe.events import Recorder
+from lightning_gpipe.failure import as_pipeline_failure
+from lightning_gpipe.microbatch import Value
 
-Value = Union[Tensor, tuple]
 Meta = tuple[torch.Size, torch.dtype]
+"""Shape and dtype of a tensor whose gradient will arrive."""
 
 HEADER_SLOTS = 128
 """int64 slots of an activation header: room for 20 four-dimensional tensors per activation."""
@@ -49,12 +56,20 @@ class Link:
         prev_rank: global rank of the previous stage, ``None`` on the first stage.
         next_rank: global rank of the next stage, ``None`` on the last stage.
         device: device of this stage; headers and received tensors are put there.
+        events: where sends and waits are recorded as spans; a new (disabled) recorder by default.
     """
 
-    def __init__(self, prev_rank: Optional[int], next_rank: Optional[int], device: torch.device) -> None:
+    def __init__(
+        self,
+        prev_rank: Optional[int],
+        next_rank: Optional[int],
+        device: torch.device,
+        events: Optional[Recorder] = None,
+    ) -> None:
         self.prev_rank = prev_rank
         self.next_rank = next_rank
         self.device = device
+        self.events = events if events is not None else Recorder()
         self._pending_sends: list[tuple[dist.Work, Tensor]] = []
         self._next_header: Optional[tuple[dist.Work, Tensor]] = None
         self._grads: list[tuple[list[dist.Work], list[Tensor]]] = []
@@ -65,7 +80,11 @@ class Link:
         Raises:
             ValueError: if the activation's shapes do not fit in :data:`HEADER_SLOTS`, or a dtype cannot be sent.
         """
-        tensors = [value] if isinstance(value, Tensor) else list(value)
+        with self.events.span("send", index):
+            self._send_activation(value, index, count)
+
+    def _send_activation(self, value: Value, index: int, count: int) -> None:
+        tensors = microbatch.tensors(value)
         header = [count, index, int(not isinstance(value, Tensor)), len(tensors)]
         for tensor in tensors:
             if tensor.dtype not in _DTYPES:
@@ -86,7 +105,11 @@ class Link:
 
         Returns:
             ``(value, count)``: the activation (Tensor or tuple, as sent) and M.
+
+        Raises:
+            PipelineFailure: if the previous stage failed while this one waited for it.
         """
+        start = time.perf_counter()
         if self._next_header is None:
             self._next_header = self._post_header()
         work, header_tensor = self._next_header
@@ -104,13 +127,16 @@ class Link:
         # posted after this micro-batch's payload, so it matches the next header on any backend
         self._next_header = self._post_header() if index + 1 < count else None
         _wait(works)
+        self.events.add("recv", index, start, time.perf_counter())
         tensors = [buffer.view(dtype) for buffer, dtype in buffers]
         return (tuple(tensors) if is_tuple else tensors[0]), count
 
-    def send_grads(self, grads: list[Tensor]) -> None:
-        """Send the gradients of the received floating-point inputs back to the previous stage, asynchronously."""
-        for grad in grads:
-            self._isend(grad.contiguous(), self.prev_rank)
+    def send_grads(self, grads: list[Tensor], index: int) -> None:
+        """Send the gradients of micro-batch ``index``'s floating-point inputs back to the previous stage,
+        asynchronously."""
+        with self.events.span("send", index):
+            for grad in grads:
+                self._isend(grad.contiguous(), self.prev_rank)
 
     def post_grads(self, metas: Sequence[Meta]) -> None:
         """Post the receive of the gradients of one micro-batch's floating-point outputs (shapes and dtypes).
@@ -120,16 +146,26 @@ class Link:
         buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in metas]
         self._grads.append(([dist.irecv(buffer, self.next_rank) for buffer in buffers], buffers))
 
-    def recv_grads(self) -> list[Tensor]:
-        """Wait for the gradients posted first by :meth:`post_grads` and return them."""
+    def recv_grads(self, index: int) -> list[Tensor]:
+        """Wait for the gradients posted first by :meth:`post_grads` (those of micro-batch ``index``) and return them.
+
+        Raises:
+            PipelineFailure: if the next stage failed while this one waited for it.
+        """
         works, buffers = self._grads.pop(0)
-        _wait(works)
+        with self.events.span("recv", index):
+            _wait(works)
         return buffers
 
     def flush(self) -> None:
-        """Wait until every pending send has completed."""
+        """Wait until every pending send has completed.
+
+        Raises:
+            PipelineFailure: if a neighbour failed while this one waited for it.
+        """
         pending, self._pending_sends = self._pending_sends, []
-        _wait([work for work, _ in pending])
+        with self.events.span("send"):
+            _wait([work for work, _ in pending])
 
     def _isend(self, tensor: Tensor, dst: Optional[int]) -> None:
         # the tensor is kept alive with its work until the send completes
@@ -146,6 +182,6 @@ def _wire(tensor: Tensor) -> Tensor:
 
 
 def _wait(works: list[dist.Work]) -> None:
-    with naming_the_cause():
+    with as_pipeline_failure():
         for work in works:
             work.wait()

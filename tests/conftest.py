@@ -31,3 +31,24 @@ def reference_state():
     from models import fit
 
     return fit().state_dict()
+
+
+def one_stage_pipeline(module, chunks: int, checkpoint: str):
+    """Split ``module.backbone`` into a one-stage pipeline in this process.
+
+    Calling ``module.backbone`` then runs the fill; the returned :class:`~lightning_gpipe.schedule.GPipe`
+    schedule's ``backward()`` runs the drain, and its ``stage.events`` records the spans.
+    """
+    import torch
+
+    from lightning_gpipe.contract import BackboneCall
+    from lightning_gpipe.partition import Split
+    from lightning_gpipe.schedule import GPipe
+    from lightning_gpipe.stage import Stage
+    from lightning_gpipe.transfer import Link
+
+    split = Split(module, "backbone", [len(module.backbone)], stage_index=0)
+    stage = Stage(split.partition, Link(None, None, torch.device("cpu")), 0, 1, chunks, checkpoint)
+    schedule = GPipe(stage)
+    split.partition.pipeline = BackboneCall(schedule, is_last=True)
+    return schedule

@@ -12,7 +12,7 @@ from torch import nn
 from lightning_gpipe import GPipeStrategy, balance_by, profile_layers, solve
 from lightning_gpipe.balance import LayerCost, layer_weights, stage_sums
 from lightning_gpipe.balance.backbone import sample_micro_batch
-from lightning_gpipe.partition import resolve_balance
+from lightning_gpipe.balance import resolve_balance
 from models import TupleNet
 
 from conftest import run_worker

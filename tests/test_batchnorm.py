@@ -8,24 +8,22 @@ import copy
 
 import pytest
 import torch
-from conftest import run_worker
+from conftest import one_stage_pipeline, run_worker
 from torch import nn
 
 from lightning_gpipe.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm, revert_deferred_batch_norm
-from lightning_gpipe.partition import Split
-from lightning_gpipe.stage import Stage
-from lightning_gpipe.transfer import Link
+from lightning_gpipe.schedule import GPipe
 
 SHAPES = {nn.BatchNorm1d: (4,), nn.BatchNorm2d: (4, 3, 3), nn.BatchNorm3d: (4, 2, 2, 2)}
 STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
-def _pipeline(layers: nn.Sequential, chunks: int, checkpoint: str) -> tuple[nn.Module, Stage]:
+def _pipeline(layers: nn.Sequential, chunks: int, checkpoint: str) -> tuple[nn.Module, GPipe]:
     """``layers`` as the backbone of a one-stage pipeline; calling the returned backbone runs the fill."""
     module = nn.Module()
     module.backbone = layers
-    split = Split(module, "backbone", [len(layers)], stage=0)
-    return module.backbone, Stage(split.partition, Link(None, None, torch.device("cpu")), 0, 1, chunks, checkpoint)
+    schedule = one_stage_pipeline(module, chunks, checkpoint)
+    return module.backbone, schedule
 
 
 def _batches(kind, sizes=(20, 20, 12), seed=0) -> list[torch.Tensor]:

@@ -6,10 +6,9 @@ from torch import nn
 
 from lightning_gpipe.balance.costs import LayerCost
 from lightning_gpipe.events import peak_activation_bytes
-from lightning_gpipe.partition import Split
 from lightning_gpipe.simulator import StageCost, Transfer, simulate, stage_costs
+from conftest import one_stage_pipeline
 from lightning_gpipe.stage import Stage
-from lightning_gpipe.transfer import Link
 
 
 @pytest.mark.parametrize("stages, chunks", [(2, 8), (4, 4), (3, 1), (4, 16)])
@@ -72,13 +71,11 @@ def _one_stage(checkpoint: str, enabled: bool) -> Stage:
     """Run one training step of Linear + ReLU through a one-stage engine, recording when ``enabled``."""
     module = nn.Module()
     module.backbone = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU())
-    stage = Stage(
-        Split(module, "backbone", [2], 0).partition, Link(None, None, torch.device("cpu")), 0, 1, CHUNKS, checkpoint
-    )
-    stage.events.enabled = stage.events.memory = enabled
+    schedule = one_stage_pipeline(module, CHUNKS, checkpoint)
+    schedule.stage.events.enabled = schedule.stage.events.memory = enabled
     module.backbone(torch.randn(ROWS, WIDTH)).sum().backward()
-    stage.backward()
-    return stage
+    schedule.backward()
+    return schedule.stage
 
 
 @pytest.mark.parametrize("checkpoint", ["never", "always", "except_last"])

@@ -5,30 +5,30 @@ import torch
 from torch import nn
 
 from lightning_gpipe import GPipeStrategy, microbatch, solve
-from lightning_gpipe.partition import Split, find_backbone, resolve_balance
-from lightning_gpipe.stage import Stage
-from lightning_gpipe.transfer import Link
+from lightning_gpipe.balance import resolve_balance
+from lightning_gpipe.partition import Split, find_backbone
+from conftest import one_stage_pipeline
 from models import TupleNet  # noqa: E402
 
 
 def test_split_is_uneven_like_tensor_split_and_repeats_non_tensors():
     x, mask = torch.arange(10).reshape(10, 1), torch.ones(10, 2, dtype=torch.bool)
-    parts = microbatch.split((x, mask, "keep"), 4)
+    parts = microbatch.scatter((x, mask, "keep"), 4)
     assert [p[0].shape[0] for p in parts] == [3, 3, 2, 2]
     assert all(p[2] == "keep" for p in parts)
-    joined = microbatch.join(parts)
+    joined = microbatch.gather(parts)
     assert torch.equal(joined[0], x) and torch.equal(joined[1], mask) and joined[2] == "keep"
 
 
 def test_split_never_makes_empty_micro_batches():
-    assert [p.shape[0] for p in microbatch.split(torch.zeros(3, 5), 8)] == [1, 1, 1]
+    assert [p.shape[0] for p in microbatch.scatter(torch.zeros(3, 5), 8)] == [1, 1, 1]
 
 
 def test_split_rejects_mismatched_batch_sizes_and_tensorless_values():
     with pytest.raises(ValueError, match="same batch size in dim 0"):
-        microbatch.split((torch.zeros(4, 2), torch.zeros(3, 2)), 2)
+        microbatch.scatter((torch.zeros(4, 2), torch.zeros(3, 2)), 2)
     with pytest.raises(TypeError, match="Expected a Tensor or a tuple holding tensors"):
-        microbatch.split(("a", 1), 2)
+        microbatch.scatter(("a", 1), 2)
 
 
 @pytest.mark.parametrize(
@@ -116,7 +116,7 @@ def test_bad_strategy_arguments_are_refused(kwargs, message):
 def test_split_keeps_names_frees_other_stages_and_undoes():
     module = TupleNet()
     full = {k: v.clone() for k, v in module.state_dict().items()}
-    split = Split(module, "backbone", [3, 5], stage=0)
+    split = Split(module, "backbone", [3, 5], stage_index=0)
     assert list(module.state_dict()) == [f"backbone.{i}.linear.{p}" for i in range(3) for p in ("weight", "bias")]
     assert all(p.is_meta for p in split.sequential[5].parameters())
     with pytest.raises(RuntimeError, match="`self.head` was called on stage 0, before the backbone call"):
@@ -129,7 +129,7 @@ def test_split_keeps_names_frees_other_stages_and_undoes():
 
 def test_last_stage_keeps_modules_outside_the_backbone():
     module = TupleNet()
-    Split(module, "backbone", [3, 5], stage=1)
+    Split(module, "backbone", [3, 5], stage_index=1)
     assert set(module.state_dict()) == {
         *(f"backbone.{i}.linear.{p}" for i in range(3, 7) for p in ("weight", "bias")),
         "head.weight",
@@ -151,13 +151,12 @@ def _one_stage_grads(checkpoint: str, chunks: int):
     layers = nn.Sequential(*[Noisy() for _ in range(3)])
     module = nn.Module()
     module.backbone = layers
-    split = Split(module, "backbone", [3], stage=0)
-    stage = Stage(split.partition, Link(None, None, torch.device("cpu")), 0, 1, chunks, checkpoint)
+    schedule = one_stage_pipeline(module, chunks, checkpoint)
     torch.manual_seed(1)
     x = torch.randn(10, 8)
     out = module.backbone(x)
     out.pow(2).sum().backward()
-    stage.backward()
+    schedule.backward()
     return out.detach(), [p.grad for p in layers.parameters()]
 
 
@@ -179,8 +178,8 @@ def test_one_stage_equals_plain_backward():
     layers.zero_grad()
     module = nn.Module()
     module.backbone = layers
-    stage = Stage(Split(module, "backbone", [3], 0).partition, Link(None, None, torch.device("cpu")), 0, 1, 4, "always")
+    schedule = one_stage_pipeline(module, 4, "always")
     module.backbone(x).pow(2).sum().backward()
-    stage.backward()
+    schedule.backward()
     for p, g in zip(layers.parameters(), expected):
         torch.testing.assert_close(p.grad, g, rtol=0, atol=1e-5)

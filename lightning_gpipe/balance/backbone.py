@@ -16,19 +16,17 @@ from torch import nn
 
 from lightning_gpipe import microbatch
 from lightning_gpipe.balance.costs import LayerCost
-from lightning_gpipe.balance.profile import Value, profile_layers
+from lightning_gpipe.balance.profile import profile_layers
+from lightning_gpipe.contract import BackboneReached
+from lightning_gpipe.microbatch import Value
 
 
-class _Reached(BaseException):
-    """Ends the user's step at the backbone call (a ``BaseException``, so ``except Exception`` cannot swallow it)."""
-
-
-class _Recorder(nn.Module):
-    """Stands for the backbone: keeps its input, then stops the step."""
+class _InputRecorder(nn.Module):
+    """Stands for the backbone: keeps its input, then ends the step."""
 
     def forward(self, value: Value) -> None:
         self.value = value
-        raise _Reached
+        raise BackboneReached
 
 
 def profile_backbone(module: LightningModule, backbone: str, chunks: int, device: torch.device) -> list[LayerCost]:
@@ -73,7 +71,7 @@ def sample_micro_batch(module: LightningModule, backbone: str, chunks: int) -> V
         value = _backbone_input(module, backbone, lambda: _call_forward(module, example), "forward")
     else:
         value = _backbone_input(module, backbone, _first_training_step(module), "training_step")
-    return microbatch.split(value, chunks)[0]
+    return microbatch.scatter(value, chunks)[0]
 
 
 def _first_training_step(module: LightningModule) -> Callable[[], Any]:
@@ -90,12 +88,12 @@ def _first_training_step(module: LightningModule) -> Callable[[], Any]:
 
 def _backbone_input(module: LightningModule, backbone: str, call: Callable[[], Any], name: str) -> Value:
     original = getattr(module, backbone)
-    recorder = _Recorder()
+    recorder = _InputRecorder()
     setattr(module, backbone, recorder)
     try:
         with torch.no_grad():
             call()
-    except _Reached:
+    except BackboneReached:
         return recorder.value
     finally:
         setattr(module, backbone, original)

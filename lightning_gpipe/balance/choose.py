@@ -1,7 +1,10 @@
-"""Choosing ``balance`` from per-layer costs by what a stage should even out: parameters, time or memory."""
+"""Choosing ``balance`` from per-layer costs by what a stage should even out: parameters, time or memory;
+and checking a ``balance`` the user gave."""
 
 from collections.abc import Sequence
-from typing import Optional
+from typing import Optional, Union
+
+from torch import nn
 
 from lightning_gpipe.balance.costs import LayerCost
 from lightning_gpipe.balance.solver import solve
@@ -61,3 +64,55 @@ def balance_by(mode: str, costs: Sequence[LayerCost], num_stages: int, memory_li
     if memory_limit is None:
         return solve(weights, num_stages)
     return solve(weights, num_stages, memory=layer_memory(costs), memory_limit=memory_limit)
+
+
+def resolve_balance(
+    balance: Union[None, str, Sequence[int]],
+    layers: nn.Sequential,
+    num_stages: int,
+    costs: Optional[Sequence[LayerCost]] = None,
+    memory_limit: Optional[int] = None,
+) -> list[int]:
+    """Check a user's ``balance`` against the backbone, or choose the split that evens out a cost.
+
+    Args:
+        balance: layers per stage; or ``"params"``, ``"time"`` or ``"memory"`` for the contiguous split
+            whose costliest stage is cheapest by that measure (see :func:`balance_by`);
+            ``None`` means ``"params"``.
+        layers: the backbone.
+        num_stages: K, the number of stages (devices of one pipeline).
+        costs: the profiled :class:`LayerCost` of each layer; needed for
+            ``"time"``, ``"memory"`` and ``memory_limit``. Without it ``"params"`` counts parameters.
+        memory_limit: bytes one stage may hold (see :func:`balance_by`), or ``None``.
+
+    Raises:
+        ValueError: if the lengths or the sum do not match, a stage is empty, there are fewer layers than
+            stages, ``costs`` are missing or of another length, or no split fits ``memory_limit``.
+    """
+    count = len(layers)
+    if balance is None or isinstance(balance, str):
+        if count < num_stages:
+            raise ValueError(
+                f"The backbone has {count} layers, fewer than the {num_stages} stages (devices); use fewer devices"
+                " or split the backbone into more layers."
+            )
+        mode = balance or "params"
+        if costs is None and mode == "params" and memory_limit is None:
+            return solve([sum(p.numel() for p in layer.parameters()) for layer in layers], num_stages)
+        if costs is None or len(costs) != count:
+            raise ValueError(
+                f"balance={mode!r} needs the profiled cost of each of the {count} backbone layers, got"
+                f" {'none' if costs is None else len(costs)}; measure them with `lightning_gpipe.profile_layers`."
+            )
+        return balance_by(mode, costs, num_stages, memory_limit)
+    balance = list(balance)
+    if len(balance) != num_stages:
+        raise ValueError(
+            f"balance={balance} has {len(balance)} stages but the pipeline has {num_stages} devices; give one"
+            " layer count per device."
+        )
+    if any(size < 1 for size in balance):
+        raise ValueError(f"balance={balance} leaves a stage empty; every stage needs at least one layer.")
+    if sum(balance) != count:
+        raise ValueError(f"balance={balance} sums to {sum(balance)} but the backbone has {count} layers.")
+    return balance

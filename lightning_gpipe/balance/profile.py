@@ -20,9 +20,8 @@ from torch import Tensor, nn
 
 from lightning_gpipe.balance.costs import LayerCost
 from lightning_gpipe.events import SavedBytes
+from lightning_gpipe.microbatch import Value, leaves, tensors
 from lightning_gpipe.partition import Partition, materialize
-
-Value = Union[Tensor, tuple]
 
 
 def profile_layers(
@@ -67,7 +66,7 @@ def profile_layers(
     if repeats < 1 or warmup < 0:
         raise ValueError(f"profile_layers needs repeats >= 1 and warmup >= 0, got {repeats} and {warmup}.")
     device = torch.device(device)
-    value = _leaf(sample, device, requires_grad=False)
+    value = leaves(sample, requires_grad=False, device=device)
     costs = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for name, layer in layers.named_children():
@@ -75,7 +74,7 @@ def profile_layers(
             materialize(replica, device)
             cost, output = _profile(Partition({name: replica.to(device).train()}), value, device, repeats, warmup)
             costs.append(cost)
-            value = _leaf(output, device, requires_grad=None)
+            value = leaves(output, requires_grad=None, device=device)
             del replica
     return costs
 
@@ -88,7 +87,7 @@ def _profile(layer: Partition, value: Value, device: torch.device, repeats: int,
         forward=statistics.median(forward for forward, _ in runs),
         backward=statistics.median(backward for _, backward in runs),
         activation_bytes=activation_bytes,
-        output_bytes=sum(_nbytes(t) for t in _tensors(output)),
+        output_bytes=sum(_nbytes(t) for t in tensors(output)),
         parameter_bytes=sum(_nbytes(t) for t in _state(layer)),
     )
     return cost, output
@@ -103,7 +102,7 @@ def _run(layer: Partition, value: Value, grads: list[Tensor], device: torch.devi
     if grads:
         torch.autograd.backward(_differentiable(output), grads)
     end = clock()
-    for t in _tensors(value):
+    for t in tensors(value):
         t.grad = None
     return middle - start, end - middle
 
@@ -115,27 +114,8 @@ def _saved_bytes(layer: Partition, value: Value) -> tuple[int, Value]:
     return saved.bytes, output
 
 
-def _leaf(value: Value, device: torch.device, requires_grad) -> Value:
-    """``value`` as fresh tensors on ``device`` with no history.
-
-    ``requires_grad=None`` keeps each tensor's flag (only floating-point tensors can carry one).
-    """
-
-    def fresh(t: Tensor) -> Tensor:
-        flag = t.requires_grad if requires_grad is None else requires_grad
-        return t.detach().to(device, copy=True).requires_grad_(flag and t.is_floating_point())
-
-    if isinstance(value, Tensor):
-        return fresh(value)
-    return tuple(fresh(x) if isinstance(x, Tensor) else x for x in value)
-
-
-def _tensors(value: Value) -> list[Tensor]:
-    return [value] if isinstance(value, Tensor) else [x for x in value if isinstance(x, Tensor)]
-
-
 def _differentiable(value: Value) -> list[Tensor]:
-    return [t for t in _tensors(value) if t.requires_grad]
+    return [t for t in tensors(value) if t.requires_grad]
 
 
 def _state(layer: nn.Module) -> Iterator[Tensor]:

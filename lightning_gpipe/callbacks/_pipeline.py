@@ -16,6 +16,7 @@ from weakref import WeakKeyDictionary
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
 
 from lightning_gpipe import failure
 from lightning_gpipe.stage import Stage
@@ -61,11 +62,15 @@ class _Collector:
         return self.local
 
     def gather(self) -> StepTrace | None:
-        """The whole pipeline's trace of this batch on global rank 0, ``None`` elsewhere (a collective call)."""
+        """The whole pipeline's trace of this batch on global rank 0, ``None`` elsewhere (a collective call).
+
+        Raises:
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
         if self.gathered[0] != self.batch:
             local = self.batch_end()
             parts = [None] * dist.get_world_size() if self.strategy.is_global_zero else None
-            with failure.naming_the_cause():
+            with failure.as_pipeline_failure():
                 dist.gather_object(local, parts, dst=0)
             step = StepTrace(self.batch, sorted(parts, key=lambda s: s.stage)) if parts is not None else None
             self.gathered = (self.batch, step)
@@ -84,6 +89,7 @@ class PipelineCallback(pl.Callback, ABC):
 
     counts_memory = False
 
+    @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         """Warn once when the strategy is not ``GPipeStrategy``: the callback then does nothing."""
         if not isinstance(trainer.strategy, GPipeStrategy):
@@ -100,6 +106,7 @@ class PipelineCallback(pl.Callback, ABC):
             _collectors[strategy.stage] = _Collector(strategy)
         return _collectors[strategy.stage]
 
+    @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, *_: Any) -> None:
         """Start recording this batch (once per batch, whichever pipeline callback comes first)."""
         collector = self._collector(trainer)
@@ -107,12 +114,14 @@ class PipelineCallback(pl.Callback, ABC):
             batch = trainer.fit_loop.total_batch_idx
             collector.batch_start(batch, memory=self.counts_memory and self.wants(batch))
 
+    @override
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer) -> None:
         """Mark the start of the optimizer step."""
         collector = self._collector(trainer)
         if collector is not None:
             collector.before_optimizer_step()
 
+    @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
         """Close this batch's trace; gather the pipeline's if :meth:`wants` it, and pass it to :meth:`on_step`."""
         collector = self._collector(trainer)

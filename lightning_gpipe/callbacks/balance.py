@@ -7,11 +7,13 @@ from dataclasses import asdict, dataclass
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 from lightning_gpipe.balance import solve
 from lightning_gpipe.balance.costs import LayerCost
 from lightning_gpipe.events import TRANSFER, WORK
 from lightning_gpipe.callbacks._pipeline import PipelineCallback, log_dir, log_metrics
+from lightning_gpipe.rematerialization import recomputed_share
 from lightning_gpipe.simulator import simulate, stage_costs
 from lightning_gpipe.trace import StepTrace
 
@@ -98,7 +100,7 @@ def suggest_balance(
         chunks: M.
         loss: seconds per step of the head and loss, which always run with the last layer.
     """
-    recomputed = {"always": 1.0, "except_last": (chunks - 1) / chunks, "never": 0.0}[checkpoint]
+    recomputed = recomputed_share(checkpoint, chunks)
     times = [c.forward * (1 + recomputed) + c.backward for c in costs]
     times[-1] += loss / chunks
     return solve(times, num_stages)
@@ -140,10 +142,12 @@ class PipelineBalance(PipelineCallback):
         self.measured: list[StepTrace] = []
         self.report: dict | None = None
 
+    @override
     def wants(self, batch: int) -> bool:
         """The measured steps."""
         return self.warmup <= batch < self.warmup + self.steps
 
+    @override
     def on_step(self, trainer: "pl.Trainer", step: StepTrace) -> None:
         """Keep the step; after the last measured one, report."""
         self.measured.append(step)

@@ -8,6 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.throughput import Throughput
+from typing_extensions import override
 
 from lightning_gpipe.callbacks._pipeline import PipelineCallback, log_metrics
 from lightning_gpipe.trace import StepTrace
@@ -72,6 +73,7 @@ class PipelineThroughput(PipelineCallback):
         self._totals = {"batches": 0, "samples": 0, "lengths": 0}
         self._shares: deque[tuple[float, list[float]]] = deque(maxlen=window_size)  # (wall, busy per stage)
 
+    @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Start counting."""
         replicas = trainer.strategy.topology.data_parallel_size if hasattr(trainer.strategy, "topology") else 1
@@ -80,21 +82,25 @@ class PipelineThroughput(PipelineCallback):
         self._shares.clear()
         self._t0 = time.perf_counter()
 
+    @override
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Pause the clock: validation inside ``fit`` is not training time (as in ``ThroughputMonitor``)."""
         self._paused = time.perf_counter()
 
+    @override
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Resume the clock."""
         if self._paused is not None:
             self._t0 += time.perf_counter() - self._paused
             self._paused = None
 
+    @override
     def wants(self, batch: int) -> bool:
         """Every step."""
         return True
 
     @torch.inference_mode()
+    @override
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -105,6 +111,7 @@ class PipelineThroughput(PipelineCallback):
             self._totals["lengths"] += self.length_fn(batch)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
+    @override
     def on_step(self, trainer: "pl.Trainer", step: StepTrace) -> None:
         """Update the throughput and the shares; log them every ``log_every_n_steps`` batches."""
         self.throughput.update(

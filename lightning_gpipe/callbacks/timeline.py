@@ -5,6 +5,7 @@ import os
 from collections.abc import Sequence
 
 import lightning.pytorch as pl
+from typing_extensions import override
 
 from lightning_gpipe.callbacks._pipeline import PipelineCallback, log_dir
 from lightning_gpipe.trace import StepTrace
@@ -103,10 +104,12 @@ class PipelineTimeline(PipelineCallback):
         self.steps = set(steps)
         self.written: list[str] = []
 
+    @override
     def wants(self, batch: int) -> bool:
         """The chosen steps."""
         return batch in self.steps
 
+    @override
     def on_step(self, trainer: "pl.Trainer", step: StepTrace) -> None:
         """Write and log the step's timeline."""
         base = os.path.join(log_dir(trainer), f"pipeline_timeline_step{step.step}")

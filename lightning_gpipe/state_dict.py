@@ -1,4 +1,4 @@
-"""Checkpoints of a pipelined module: every stage's weights and optimizer state, under the original names.
+"""State dicts of a pipelined module for checkpoints: every stage's weights and optimizer state, original names.
 
 Stages hold disjoint parts of the model under their original parameter names, so the
 whole model's state is the union of the stages'. Optimizer state is keyed the same
@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
-from lightning_gpipe.failure import naming_the_cause
+from lightning_gpipe.failure import as_pipeline_failure
 
 METADATA = "meta.pt"
 """File of a sharded checkpoint directory holding everything but the model and optimizer state."""
@@ -71,12 +71,15 @@ def gather_union(local: dict[str, Any], rank: int) -> Optional[dict[str, Any]]:
     """The union of every process's ``local`` dict on global rank 0, ``None`` elsewhere (a collective call).
 
     Tensors are moved to the CPU first, so the result is device-independent.
+
+    Raises:
+        PipelineFailure: if another stage failed while this one waited for it.
     """
     local = {key: value.cpu() if isinstance(value, Tensor) else value for key, value in local.items()}
     if not dist.is_initialized():
         return local
     parts = [None] * dist.get_world_size() if rank == 0 else None
-    with naming_the_cause():
+    with as_pipeline_failure():
         dist.gather_object(local, parts, dst=0)
     if rank != 0:
         return None
@@ -90,18 +93,21 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int) -> None:
         checkpoint: a Lightning checkpoint whose :data:`SHARDED` entries hold this stage's part.
         path: the checkpoint directory.
         rank: this process's global rank; rank 0 writes the metadata and renames the directory.
+
+    Raises:
+        PipelineFailure: if another stage failed while this one waited for it.
     """
     path = Path(path)
     staging = path.with_name(f".{path.name}.partial")
     if rank == 0 and staging.exists():
         shutil.rmtree(staging)
-    with naming_the_cause():
+    with as_pipeline_failure():
         dist.barrier()
         dcp.save({key: checkpoint[key] for key in SHARDED if key in checkpoint}, checkpoint_id=staging)
     if rank == 0:
         torch.save({key: value for key, value in checkpoint.items() if key not in SHARDED}, staging / METADATA)
         _replace(staging, path)
-    with naming_the_cause():
+    with as_pipeline_failure():
         dist.barrier()
 
 
@@ -114,11 +120,12 @@ def load_sharded(path: Path, template: dict[str, Any]) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: if ``path`` has no :data:`METADATA` file (not a sharded checkpoint).
+        PipelineFailure: if another stage failed while this one waited for it.
     """
     path = Path(path)
     if not (path / METADATA).is_file():
         raise FileNotFoundError(f"{path} is not a sharded GPipe checkpoint: it has no {METADATA}.")
-    with naming_the_cause():
+    with as_pipeline_failure():
         dcp.load(template, checkpoint_id=path)
     return {**torch.load(path / METADATA, weights_only=False), **template}
 
