@@ -5,10 +5,16 @@ Kinds (every process prints one JSON line through :func:`_harness.emit` at the e
 
 - ``lightning``: ``Trainer.fit`` of the MLP or AmoebaNet module, plain (``--strategy plain``, one process) or
   under ``GPipeStrategy`` (``--strategy gpipe``; Lightning's launcher re-runs this script for the other stages).
-  ``--count-saved`` also counts the bytes autograd saves (see :class:`SavedBytes`).
+  ``--count-saved`` also counts the bytes autograd saves (see :class:`SavedBytes`), and every stage process reports
+  ``rss_growth_mib``, its peak resident set during ``fit`` over the resident set at ``on_train_start``; such a
+  process gives every allocation of 64 KiB or more its own mapping, returned to the system when freed
+  (glibc's ``mallopt(M_MMAP_THRESHOLD)``), so that its resident set follows its live tensors, not the allocator's
+  cache.
+  ``--schedule 1f1b`` (also for ``bare``) runs ``GPipeStrategy(schedule="1f1b")``.
 - ``bare``: our engine (``Stage``, ``Partition``, ``Link``) driven directly, without the Trainer; one process per
   stage, started by the driver with torch.distributed's environment variables.
 - ``tp``: torch.distributed.pipelining's ``PipelineStage`` + ``ScheduleGPipe``; one process per stage, likewise.
+  ``tp-1f1b``: the same with ``Schedule1F1B``.
 - ``torchgpipe``: torchgpipe's ``GPipe`` in one process, one partition per ``"cpu"`` device.
 
 Every process uses one torch thread (``torch.set_num_threads(1)``; the driver sets ``OMP_NUM_THREADS=1``).
@@ -27,7 +33,7 @@ from benchmarks import models  # noqa: E402
 from benchmarks._harness import StepClock, emit, peak_rss_mib  # noqa: E402
 from lightning_gpipe.microbatch import tensors  # noqa: E402
 
-KINDS = ("lightning", "bare", "tp", "torchgpipe")
+KINDS = ("lightning", "bare", "tp", "tp-1f1b", "tp-zb", "tp-zbv", "torchgpipe")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,6 +53,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8, help="measured steps")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--count-saved", action="store_true", help="lightning only: count autograd-saved bytes")
+    parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe", help="lightning gpipe and bare")
+    parser.add_argument(
+        "--defer-weight-grad",
+        action="store_true",
+        help="lightning gpipe and bare: GPipeStrategy(defer_weight_grad=True)",
+    )
+    parser.add_argument(
+        "--breakdown", action="store_true", help="lightning gpipe only: where each stage's step time goes (spans)"
+    )
     return parser.parse_args(argv)
 
 
@@ -127,30 +142,37 @@ def run_lightning(args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
 
     class Clock(pl.Callback):
-        """Marks step ends; reports when training ends; reads the stage's kept inputs after each fill."""
+        """Marks step ends; reports when training ends; samples the stage's kept inputs after each fill; measures
+        the growth of the resident set during fit."""
 
         def __init__(self) -> None:
             self.clock = StepClock(args.warmup)
-            self.kept: list[int] = []  # bytes of micro-batch inputs kept for re-computation, after each fill
+            self.rss_start = self.rss_growth = None
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.rss_start = _reset_peak_rss()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.clock.mark()
 
         def on_train_end(self, trainer, pl_module) -> None:
             # before the strategy's teardown, which may gather the whole model on rank 0
+            if self.rss_start is not None:
+                self.rss_growth = _status_mib("VmHWM") - self.rss_start
             emit(trainer.global_rank, event="trained", steps=len(self.clock.ends), peak_rss_mib=peak_rss_mib())
 
         def on_before_backward(self, trainer, pl_module, loss) -> None:
-            if counter is not None and counter.counter is not None:
-                self.kept.append(counter.counter.kept_inputs(trainer.strategy.stage))
+            if counter is not None:
+                counter.sample()  # the end of a fill
 
     torch.manual_seed(0)
     if args.model == "amoebanet":
         module = models.amoebanet_classifier()
     else:
         module = models.MLPClassifier(args.width, args.depth, momentum=args.momentum)
-    counter = _Deferred(module) if args.count_saved else None
+    counter = _Deferred(module, lambda: getattr(trainer.strategy, "stage", None)) if args.count_saved else None
     callback = Clock()
+    breakdown = step_breakdown(args.warmup) if args.breakdown else None
     trainer_kwargs = {
         "accelerator": "cpu",
         "max_steps": args.warmup + args.steps,
@@ -160,14 +182,20 @@ def run_lightning(args: argparse.Namespace) -> None:
         "enable_progress_bar": False,
         "enable_model_summary": False,
         "use_distributed_sampler": False,
-        "callbacks": [callback],
+        "callbacks": [callback, *([breakdown] if breakdown is not None else [])],
     }
     if args.strategy == "plain":
         trainer = pl.Trainer(devices=1, **trainer_kwargs)
     else:
         from lightning_gpipe import GPipeStrategy
 
-        strategy = GPipeStrategy(balance=args.balance, chunks=args.chunks, checkpoint=args.checkpoint)
+        strategy = GPipeStrategy(
+            balance=args.balance,
+            chunks=args.chunks,
+            checkpoint=args.checkpoint,
+            defer_weight_grad=args.defer_weight_grad,
+            schedule=args.schedule,
+        )
         trainer = pl.Trainer(strategy=strategy, devices=args.devices, **trainer_kwargs)
     loader = models.repeat_loader(_batch(args), args.warmup + args.steps)
     if counter is not None:
@@ -177,23 +205,127 @@ def run_lightning(args: argparse.Namespace) -> None:
         trainer.fit(module, loader)
     record = {**callback.clock.summary(), "threads": torch.get_num_threads(), "world_size": trainer.world_size}
     if counter is not None:
-        record.update(saved_peak=counter.counter.peak, kept_inputs=max(callback.kept, default=0))
+        record.update(saved_peak=counter.counter.peak, kept_inputs=counter.kept, peak=counter.peak)
+    if callback.rss_growth is not None:
+        record.update(rss_growth_mib=callback.rss_growth)
+    if breakdown is not None:
+        record.update(breakdown=breakdown.mean_ms(), stage=trainer.strategy.stage_index)
     emit(trainer.global_rank, **record)
 
 
-class _Deferred:
-    """A :class:`SavedBytes` made at the first saved tensor, once the module's layers are built and split."""
+def step_breakdown(warmup: int):
+    """A callback recording where one stage's training steps go, from the stage's own spans.
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module, self.counter = module, None
+    Each measured step is the period from one ``on_train_batch_start`` to the next (so the parts add up to
+    the measured period): the stage's spans (``forward``, ``recompute``, ``backward``, ``loss``, ``send``,
+    ``recv``, ``relay``), ``optimizer`` (from ``on_before_optimizer_step`` to ``on_train_batch_end``: the step
+    and Lightning's hooks after it), ``lightning in step`` (the rest of the batch hooks' interval: the user's
+    step before the backbone call, zero_grad, Lightning's hooks) and ``between steps`` (from
+    ``on_train_batch_end`` to the next ``on_train_batch_start``: the data loader and the loop's bookkeeping).
+    Its ``mean_ms()`` gives the mean milliseconds per measured step of each part and of the whole ``period``.
+
+    Args:
+        warmup: steps not measured at the start.
+    """
+    import time
+
+    import lightning.pytorch as pl
+
+    class StepBreakdown(pl.Callback):
+        def __init__(self) -> None:
+            self.batch, self.steps = -1, []
+            self.start = self.optimizer = self.end = 0.0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            now = time.perf_counter()
+            if self.batch >= warmup:
+                self.steps[-1].update({"between steps": now - self.end, "period": now - self.start})
+            self.batch, self.start = self.batch + 1, now
+            events = trainer.strategy.stage.events
+            events.take()
+            events.enabled = True
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            self.optimizer = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.end = time.perf_counter()
+            events = trainer.strategy.stage.events
+            spans, events.enabled = events.take(), False
+            if self.batch < warmup:
+                return
+            parts: dict[str, float] = {}
+            for span in spans:
+                parts[span.kind] = parts.get(span.kind, 0.0) + span.end - span.start
+            parts["optimizer"] = self.end - self.optimizer
+            parts["lightning in step"] = self.end - self.start - sum(parts.values())
+            self.steps.append(parts)
+
+        def mean_ms(self) -> dict[str, float]:
+            complete = [step for step in self.steps if "period" in step]
+            kinds = sorted({kind for step in complete for kind in step})
+            return {kind: 1e3 * sum(step.get(kind, 0.0) for step in complete) / len(complete) for kind in kinds}
+
+    return StepBreakdown()
+
+
+class _Deferred:
+    """A :class:`SavedBytes` made at the first saved tensor, once the module's layers are built and split.
+
+    At every saved tensor (and at each :meth:`sample`) it also samples the stage's kept inputs: ``kept`` is their
+    largest count, ``peak`` the largest sum of the live saved bytes and the kept inputs (bytes).
+
+    Args:
+        module: the LightningModule.
+        stage: returns the strategy's current ``Stage`` (``None`` without one).
+    """
+
+    def __init__(self, module: torch.nn.Module, stage) -> None:
+        self.module, self.stage, self.counter = module, stage, None
+        self.kept = self.peak = 0
 
     def pack(self, tensor: torch.Tensor) -> object:
-        """:meth:`SavedBytes.pack`, making the counter first if needed."""
+        """:meth:`SavedBytes.pack`, making the counter first if needed; then :meth:`sample`."""
         if self.counter is None:
             self.counter = SavedBytes(self.module.parameters())
-        return self.counter.pack(tensor)
+        handle = self.counter.pack(tensor)
+        self.sample()
+        return handle
+
+    def sample(self) -> None:
+        """Update ``kept`` and ``peak`` with the bytes held now."""
+        if self.counter is not None:
+            kept = self.counter.kept_inputs(self.stage())
+            self.kept, self.peak = max(self.kept, kept), max(self.peak, self.counter.live + kept)
 
     unpack = staticmethod(SavedBytes.unpack)
+
+
+def _map_large_allocations() -> None:
+    """Give every allocation of 64 KiB or more its own mapping, unmapped when freed (glibc; elsewhere nothing)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "mallopt"):
+        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD; a fixed one also stops glibc from raising it
+
+
+def _status_mib(field: str) -> float:
+    """A memory field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``: kB) in MiB."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+
+
+def _reset_peak_rss():
+    """Reset this process's peak resident set (``VmHWM``) to the current one; return the current one (MiB), or
+    ``None`` where Linux's ``/proc/self/clear_refs`` is not available."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_mib("VmRSS")
+    except OSError:
+        return None
 
 
 # --------------------------------------------------------------------------- without Lightning
@@ -201,15 +333,23 @@ class _Deferred:
 
 def _local_layers(args: argparse.Namespace, rank: int, world: int) -> tuple[dict, torch.nn.Module]:
     """This stage's backbone layers (by original name, split as GPipeStrategy splits them) and the head."""
-    from lightning_gpipe.partition import resolve_balance
+    parts, head = _parts(args, world)
+    return parts[rank], head
+
+
+def _parts(args: argparse.Namespace, count: int) -> tuple[list[dict], torch.nn.Module]:
+    """The backbone split into ``count`` parts by parameters as GPipeStrategy splits it (layers by original
+    name), and the head; the same initial weights for every ``count``."""
+    from lightning_gpipe.balance import resolve_balance
 
     torch.manual_seed(0)
     backbone = models.mlp_backbone(args.width, args.depth)
     head = torch.nn.Linear(args.width, models.NUM_CLASSES)
-    balance = resolve_balance(None, backbone, world)
-    start = sum(balance[:rank])
-    names = list(backbone._modules)[start : start + balance[rank]]
-    return {name: backbone._modules[name] for name in names}, head
+    names, parts, start = list(backbone._modules), [], 0
+    for size in resolve_balance(None, backbone, count):
+        parts.append({name: backbone._modules[name] for name in names[start : start + size]})
+        start += size
+    return parts, head
 
 
 def _train(step, params, args: argparse.Namespace, rank: int) -> None:
@@ -231,7 +371,7 @@ def run_bare(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     from lightning_gpipe.partition import Partition
-    from lightning_gpipe.schedule import GPipe
+    from lightning_gpipe.schedule import GPipe, OneForwardOneBackward
     from lightning_gpipe.stage import Stage
     from lightning_gpipe.transfer import Link
 
@@ -240,11 +380,18 @@ def run_bare(args: argparse.Namespace) -> None:
     layers, head = _local_layers(args, rank, world)
     partition = Partition(layers)
     link = Link(rank - 1 if rank > 0 else None, rank + 1 if rank < world - 1 else None, torch.device("cpu"))
-    stage = Stage(partition, link, rank, world, args.chunks, args.checkpoint)
-    schedule = GPipe(stage)
+    stage = Stage(partition, link, rank, world, args.chunks, args.checkpoint, args.defer_weight_grad)
+    schedule, one_f_one_b = GPipe(stage), OneForwardOneBackward(stage, world)
     x, y = _batch(args)
 
+    def micro_batch_loss(i: int, count: int, out: torch.Tensor) -> None:  # 1F1B: the loss of rows i, row-weighted
+        target = torch.tensor_split(y, count)[i]
+        (F.cross_entropy(head(out), target) * (len(target) / len(y))).backward()
+
     def step() -> None:
+        if args.schedule == "1f1b":
+            one_f_one_b.step(x, micro_batch_loss)
+            return
         out = schedule.forward(x)
         if stage.is_last:
             F.cross_entropy(head(out), y).backward()
@@ -256,17 +403,18 @@ def run_bare(args: argparse.Namespace) -> None:
 
 
 def run_tp(args: argparse.Namespace) -> None:
-    """torch.distributed.pipelining: ``PipelineStage`` of this rank's layers (+ head on the last), ``ScheduleGPipe``."""
+    """torch.distributed.pipelining: ``PipelineStage`` of this rank's layers (+ head on the last), ``ScheduleGPipe``
+    (``tp``) or ``Schedule1F1B`` (``tp-1f1b``)."""
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     layers, head = _local_layers(args, rank, world)
     module = torch.nn.Sequential(*layers.values(), *([head] if rank == world - 1 else []))
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    schedule = ScheduleGPipe(stage, args.chunks, loss_fn=F.cross_entropy)
+    schedule = (Schedule1F1B if args.kind == "tp-1f1b" else ScheduleGPipe)(stage, args.chunks, loss_fn=F.cross_entropy)
     x, y = _batch(args)
 
     def step() -> None:
@@ -281,6 +429,33 @@ def run_tp(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def run_tp_zero_bubble(args: argparse.Namespace) -> None:
+    """torch.distributed.pipelining's zero-bubble schedules, which need 2 stages per rank: ``tp-zb``
+    (ScheduleInterleavedZeroBubble: rank r holds stages r and r + K) and ``tp-zbv`` (ScheduleZBVZeroBubble: the V
+    shape, rank r holds stages r and 2K - 1 - r). The backbone is split into 2K parts by parameters."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = 2 * world
+    parts, head = _parts(args, total)
+    ids = [rank, rank + world] if args.kind == "tp-zb" else [rank, total - 1 - rank]
+    modules = [torch.nn.Sequential(*parts[i].values(), *([head] if i == total - 1 else [])) for i in ids]
+    stages = [PipelineStage(m, i, total, torch.device("cpu")) for m, i in zip(modules, ids)]
+    kind = ScheduleInterleavedZeroBubble if args.kind == "tp-zb" else ScheduleZBVZeroBubble
+    schedule = kind(stages, args.chunks, loss_fn=F.cross_entropy)
+    x, y = _batch(args)
+    first, last = 0 in ids, total - 1 in ids
+
+    def step() -> None:
+        schedule.step(*([x] if first else []), **({"target": y} if last else {}))
+
+    _train(step, [p for m in modules for p in m.parameters()], args, rank)
+    dist.destroy_process_group()
+
+
 def run_torchgpipe(args: argparse.Namespace) -> None:
     """torchgpipe's ``GPipe`` over ``devices`` CPU partitions in this one process (a worker thread per partition)."""
     import torch.nn.functional as F
@@ -288,7 +463,7 @@ def run_torchgpipe(args: argparse.Namespace) -> None:
 
     layers, head = _local_layers(args, 0, 1)
     sequential = torch.nn.Sequential(*layers.values(), head)
-    from lightning_gpipe.partition import resolve_balance
+    from lightning_gpipe.balance import resolve_balance
 
     balance = resolve_balance(None, torch.nn.Sequential(*layers.values()), args.devices)
     balance[-1] += 1  # the head, on the last partition as in the other pipelines
@@ -301,7 +476,11 @@ def main(argv: list[str] | None = None) -> None:
     """Make the measurement the arguments describe."""
     args = parse_args(argv)
     torch.set_num_threads(1)
-    {"lightning": run_lightning, "bare": run_bare, "tp": run_tp, "torchgpipe": run_torchgpipe}[args.kind](args)
+    if args.count_saved:
+        _map_large_allocations()
+    runs = {"lightning": run_lightning, "bare": run_bare, "tp": run_tp, "torchgpipe": run_torchgpipe}
+    runs.update({"tp-zb": run_tp_zero_bubble, "tp-zbv": run_tp_zero_bubble, "tp-1f1b": run_tp})
+    runs[args.kind](args)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,15 @@ the same mini-batch, the same M, the same initial weights, SGD, ``checkpoint="ne
 
   ours/L   GPipeStrategy through Lightning's Trainer: K processes x 1 thread (the user-facing cost)
   ours/E   our engine alone (Stage, Partition, Link) in K torch.distributed processes x 1 thread, no Trainer
+  ours/LW, ours/EW   the same with deferred weight gradients (``defer_weight_grad=True``, the B/W split)
   tp       PipelineStage + ScheduleGPipe in K torch.distributed processes x 1 thread
+  tp/ZB, tp/ZBV      torch's ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble: 2 stages per process
+           (the backbone split into 2K parts), K processes x 1 thread
   tgp      torchgpipe GPipe(devices=["cpu"] * K) in ONE process: a worker thread per partition, one torch
            intra-op thread, so the partitions share one Python interpreter (and its GIL)
+  ours/L-1f1b, ours/E-1f1b, tp/1F1B   1F1B (PipeDream-Flush, Narayanan et al. 2021): GPipeStrategy(schedule="1f1b"),
+           our engine's OneForwardOneBackward, torch's Schedule1F1B; "1F1B over fill-drain" lines compare each
+           with its fill-drain twin (the same bubble: about 1.00 expected)
 
 The figure is rank 0's steady-state time per optimizer step; throughput ratios are time ratios, e.g.
 median(tp) / median(ours/L) > 1 means we train faster than ScheduleGPipe. Runs are interleaved fresh processes.
@@ -24,12 +30,19 @@ import argparse
 import _harness as harness
 
 KINDS = {
-    "ours/L": ("lightning", 1, "GPipeStrategy through the Trainer, {k} processes x 1 thread"),
-    "ours/E": ("bare", None, "our Stage/Partition/Link without the Trainer, {k} processes x 1 thread"),
-    "tp": ("tp", None, "torch.distributed.pipelining ScheduleGPipe, {k} processes x 1 thread"),
-    "tgp": ("torchgpipe", 1, "torchgpipe GPipe, 1 process, {k} partition threads, 1 intra-op thread"),
+    "ours/L": ("lightning", 1, [], "GPipeStrategy through the Trainer, {k} processes x 1 thread"),
+    "ours/E": ("bare", None, [], "our Stage/Partition/Link without the Trainer, {k} processes x 1 thread"),
+    "ours/LW": ("lightning", 1, ["--defer-weight-grad"], "ours/L with defer_weight_grad=True (B/W split)"),
+    "ours/EW": ("bare", None, ["--defer-weight-grad"], "ours/E with deferred weight gradients (B/W split)"),
+    "tp": ("tp", None, [], "torch.distributed.pipelining ScheduleGPipe, {k} processes x 1 thread"),
+    "tp/ZB": ("tp-zb", None, [], "torch's ScheduleInterleavedZeroBubble, {k} processes x 2 stages x 1 thread"),
+    "tp/ZBV": ("tp-zbv", None, [], "torch's ScheduleZBVZeroBubble (V shape), {k} processes x 2 stages x 1 thread"),
+    "tgp": ("torchgpipe", 1, [], "torchgpipe GPipe, 1 process, {k} partition threads, 1 intra-op thread"),
+    "ours/L-1f1b": ("lightning", 1, ["--schedule", "1f1b"], "ours/L with schedule='1f1b'"),
+    "ours/E-1f1b": ("bare", None, ["--schedule", "1f1b"], "ours/E running OneForwardOneBackward (1F1B)"),
+    "tp/1F1B": ("tp-1f1b", None, [], "torch.distributed.pipelining Schedule1F1B, {k} processes x 1 thread"),
 }
-"""label -> (kind of benchmarks/_runs.py, processes the driver starts (None: K), description)."""
+"""label -> (kind of benchmarks/_runs.py, processes the driver starts (None: K), its extra arguments, description)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,11 +67,11 @@ def configs(args: argparse.Namespace) -> list[harness.Config]:
     result = []
     for m in args.chunks:
         for label in args.only:
-            kind, nprocs, describe = KINDS[label]
+            kind, nprocs, extra, describe = KINDS[label]
             result.append(
                 harness.Config(
                     f"{label}/M{m}",
-                    [kind, *common, "--chunks", str(m), "--checkpoint", "never"],
+                    [kind, *common, "--chunks", str(m), "--checkpoint", "never", *extra],
                     nprocs=nprocs or args.devices,
                     describe=describe.format(k=args.devices) + f", M={m} (~{-(-args.batch_size // m)} rows)",
                 )
@@ -80,14 +93,19 @@ def main(argv: list[str] | None = None) -> None:
 
 def summarise(args: argparse.Namespace, results: dict[str, harness.Series]) -> None:
     """For each M: each peer's time over ours (> 1: we are faster), and Lightning's cost over the bare engine."""
-    ours = [label for label in ("ours/L", "ours/E") if label in args.only]
-    peers = [label for label in ("tp", "tgp") if label in args.only]
+    ours = [label for label in args.only if label.startswith("ours/")]
+    peers = [label for label in args.only if not label.startswith("ours/")]
     for m in args.chunks:
         for a, b in [(f"{p}/M{m}", f"{o}/M{m}") for p in peers for o in ours]:
             harness.print_ratio(f"{b} vs {a}", results[a], results[b], a, b)
-        if len(ours) == 2:
-            a, b = f"ours/L/M{m}", f"ours/E/M{m}"
-            harness.print_ratio(f"Lightning's cost, M={m}", results[a], results[b], a, b)
+        for lightning, bare in (("ours/L", "ours/E"), ("ours/LW", "ours/EW")):
+            if lightning in ours and bare in ours:
+                a, b = f"{lightning}/M{m}", f"{bare}/M{m}"
+                harness.print_ratio(f"Lightning's cost, M={m}", results[a], results[b], a, b)
+        for one, fill in (("ours/L-1f1b", "ours/L"), ("ours/E-1f1b", "ours/E"), ("tp/1F1B", "tp")):
+            if one in args.only and fill in args.only:
+                a, b = f"{one}/M{m}", f"{fill}/M{m}"
+                harness.print_ratio(f"1F1B over fill-drain, M={m}", results[a], results[b], a, b)
 
 
 if __name__ == "__main__":

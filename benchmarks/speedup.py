@@ -5,6 +5,8 @@ Configurations, each a fresh ``Trainer.fit`` with one torch thread per process:
   A      plain Lightning, ``Trainer(accelerator="cpu", devices=1)``: 1 process
   KK/MM  ``Trainer(strategy=GPipeStrategy(chunks=M, checkpoint=...), devices=K)``: K processes; K = 1 is
          micro-batching and re-materialization alone, in one process
+  KK/MM/1f1b  the same with ``schedule="1f1b"`` (PipeDream-Flush, Narayanan et al. 2021): the same bubble, so the
+         same time is expected; ``1f1b over fill-drain`` lines give median(KK/MM/1f1b) / median(KK/MM)
 
 Models (``--model``): the balanced MLP of benchmarks/models.py (8 x (Linear(1024, 1024), ReLU), batch 1024) or
 the AmoebaNet-D (6, 16) example on 32 x 32 images (batch 32, as in its CPU config). Every stage gets the plain
@@ -18,6 +20,7 @@ Usage::
     python benchmarks/speedup.py --model amoebanet        # AmoebaNet-D (6, 16), batch 32
     python benchmarks/speedup.py --model amoebanet --devices 2 --balance time   # split by profiled time
     python benchmarks/speedup.py --devices 2 --chunks 8 --checkpoint except_last --repeats 5
+    python benchmarks/speedup.py --devices 2 --chunks 16 --schedule gpipe 1f1b   # 1F1B against fill-drain
 """
 
 import argparse
@@ -36,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="values of M")
     parser.add_argument("--checkpoint", choices=("never", "except_last", "always"), default="never")
     parser.add_argument("--balance", choices=("params", "time", "memory"), default="params", help="GPipe balance")
+    parser.add_argument(
+        "--schedule", nargs="+", choices=("gpipe", "1f1b"), default=["gpipe", "1f1b"], help="default both"
+    )
     parser.add_argument("--batch-size", type=int, help="rows per mini-batch (default 1024 MLP, 32 AmoebaNet)")
     harness.add_timing_args(parser)
     args = parser.parse_args(argv)
@@ -53,17 +59,22 @@ def configs(args: argparse.Namespace) -> list[harness.Config]:
     result = [harness.Config("A", [*common, "--strategy", "plain"], describe="plain Lightning, 1 process x 1 thread")]
     for k in args.devices:
         for m in args.chunks:
-            result.append(
-                harness.Config(
-                    f"K{k}/M{m}",
-                    [*common, "--devices", str(k), "--chunks", str(m), "--checkpoint", args.checkpoint]
-                    + ["--balance", args.balance],
-                    describe=f"GPipeStrategy(balance={args.balance!r}, chunks={m}, checkpoint={args.checkpoint!r}),"
-                    f" devices={k}:"
-                    f" {k} process(es) x 1 thread, micro-batches of ~{-(-args.batch_size // m)}",
+            for schedule in args.schedule:
+                result.append(
+                    harness.Config(
+                        _name(k, m, schedule),
+                        [*common, "--devices", str(k), "--chunks", str(m), "--checkpoint", args.checkpoint]
+                        + ["--balance", args.balance, "--schedule", schedule],
+                        describe=f"GPipeStrategy(balance={args.balance!r}, chunks={m}, checkpoint={args.checkpoint!r},"
+                        f" schedule={schedule!r}), devices={k}:"
+                        f" {k} process(es) x 1 thread, micro-batches of ~{-(-args.batch_size // m)}",
+                    )
                 )
-            )
     return result
+
+
+def _name(k: int, m: int, schedule: str) -> str:
+    return f"K{k}/M{m}" + ("/1f1b" if schedule == "1f1b" else "")
 
 
 def summarise(args: argparse.Namespace, results: dict[str, harness.Series]) -> None:
@@ -72,15 +83,25 @@ def summarise(args: argparse.Namespace, results: dict[str, harness.Series]) -> N
     for name in results:
         if name != "A":
             harness.print_ratio(f"speedup {name}", plain, results[name], "A", name)
-    print()
-    print("speed-up over plain Lightning, median(A) / median(K/M); ideal K*M/(M+K-1) in brackets")
-    print(f"{'':<4}" + "".join(f"{'M=' + str(m):>14}" for m in args.chunks))
-    for k in args.devices:
-        cells = []
-        for m in args.chunks:
-            ratio = plain.median() / results[f"K{k}/M{m}"].median()
-            cells.append(f"{ratio:.2f}x ({k * m / (m + k - 1):.2f})")
-        print(f"K={k:<2}" + "".join(f"{c:>14}" for c in cells))
+    if set(args.schedule) == {"gpipe", "1f1b"}:
+        print()
+        for k in args.devices:
+            for m in args.chunks:
+                a, b = _name(k, m, "1f1b"), _name(k, m, "gpipe")
+                harness.print_ratio(f"1f1b over fill-drain K{k}/M{m}", results[a], results[b], a, b)
+    for schedule in args.schedule:
+        print()
+        print(
+            f"speed-up over plain Lightning, schedule={schedule!r}: median(A) / median(K/M); ideal K*M/(M+K-1) in"
+            " brackets"
+        )
+        print(f"{'':<4}" + "".join(f"{'M=' + str(m):>14}" for m in args.chunks))
+        for k in args.devices:
+            cells = []
+            for m in args.chunks:
+                ratio = plain.median() / results[_name(k, m, schedule)].median()
+                cells.append(f"{ratio:.2f}x ({k * m / (m + k - 1):.2f})")
+            print(f"K={k:<2}" + "".join(f"{c:>14}" for c in cells))
     busiest = {name: statistics.median(s.busiest_cpu) for name, s in results.items()}
     print()
     print("CPU s/step of the busiest process (median):", ", ".join(f"{n} {v:.3f}" for n, v in busiest.items()))
@@ -90,9 +111,10 @@ def summarise(args: argparse.Namespace, results: dict[str, harness.Series]) -> N
         " cpu(A) / (cpu(busiest stage) * (M+K-1)/M)"
     )
     print(f"{'':<4}" + "".join(f"{'M=' + str(m):>14}" for m in args.chunks))
-    for k in args.devices:
-        cells = [busiest["A"] / (busiest[f"K{k}/M{m}"] * (m + k - 1) / m) for m in args.chunks]
-        print(f"K={k:<2}" + "".join(f"{c:>13.2f}x" for c in cells))
+    for schedule in args.schedule:
+        for k in args.devices:
+            cells = [busiest["A"] / (busiest[_name(k, m, schedule)] * (m + k - 1) / m) for m in args.chunks]
+            print(f"K={k:<2}" + "".join(f"{c:>13.2f}x" for c in cells) + f"  {schedule}")
 
 
 def main(argv: list[str] | None = None) -> None:

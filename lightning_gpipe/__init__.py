@@ -10,7 +10,7 @@ Importing this package registers the strategy names ``"gpipe"`` and ``"gpipe_spa
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_gpipe.balance import LayerCost, balance_by, profile_layers, solve
-from lightning_gpipe.callbacks import PipelineBalance, PipelineThroughput, PipelineTimeline
+from lightning_gpipe.callbacks import PipelineBalance, PipelineModelSummary, PipelineThroughput, PipelineTimeline
 from lightning_gpipe.failure import PipelineFailure
 from lightning_gpipe.contract import forward_and_share
 from lightning_gpipe.strategy import GPipeStrategy
@@ -20,6 +20,7 @@ __all__ = [
     "LayerCost",
     "PipelineBalance",
     "PipelineFailure",
+    "PipelineModelSummary",
     "PipelineThroughput",
     "PipelineTimeline",
     "balance_by",

@@ -6,13 +6,21 @@ call. That call runs the pipeline (:class:`BackboneCall`, installed in the stage
 :class:`BackboneReached`, which ends the user's step there: the rest of the step (head, loss,
 logging) belongs to the last stage. :meth:`BackboneCall.user_step` runs one step of the user's
 under that contract and checks it called the backbone exactly once.
+
+Under 1F1B (:meth:`BackboneCall.micro_batch_steps`) the step on the whole batch ends at the backbone
+call on every stage, giving the backbone input; the schedule then runs the whole step, and the last
+stage runs the user's step once more per micro-batch, on its rows of the batch, the backbone call
+answering with that micro-batch's output (:mod:`lightning_gpipe.per_micro_batch`).
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable, Optional, Protocol
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from lightning_gpipe import per_micro_batch, watchdog
 from lightning_gpipe.microbatch import Value
 from lightning_gpipe.partition import Partition
 
@@ -33,6 +41,15 @@ class Schedule(Protocol):
         """Run the forward of every micro-batch of ``value``; the backbone output on the last stage, else ``None``."""
 
 
+class TrainingSchedule(Protocol):
+    """A schedule that runs a whole training step and needs each micro-batch's loss during it
+    (:class:`lightning_gpipe.schedule.OneForwardOneBackward`)."""
+
+    def step(self, value: Optional[Value], head: Callable[[int, int, Value], None]) -> None:
+        """Run every micro-batch's forward and backward of the backbone input ``value``; on the last stage,
+        ``head(index, count, output)`` backpropagates each micro-batch's loss to its output."""
+
+
 class BackboneCall:
     """The call a stage's :class:`~lightning_gpipe.partition.Partition` goes through, and the step guard around it.
 
@@ -46,6 +63,7 @@ class BackboneCall:
     def __init__(self, schedule: Schedule, is_last: bool, share: Callable[[Any], Any] = lambda obj: obj) -> None:
         self.schedule, self.is_last, self.share = schedule, is_last, share
         self._plain = self._shared = 0
+        self._hook = "training_step"
 
     def __call__(self, value: Value) -> Value:
         """The pipelined forward of the backbone input ``value`` (ignored on stages after the first).
@@ -55,12 +73,21 @@ class BackboneCall:
 
         Raises:
             BackboneReached: on every stage but the last, once its micro-batches are sent.
+            RuntimeError: at once, before any transfer, for a second plain call in one step.
             PipelineFailure: if another stage failed while this one waited for it.
         """
+        if self._plain:
+            raise RuntimeError(
+                f"`{self._hook}` called the pipelined backbone a second time in one step; it must call it exactly"
+                " once per step (GPipeStrategy splits that one call into micro-batches, and the call ends the step on"
+                " every stage but the last). Concatenate the inputs into one call, or, in evaluation, use"
+                " `lightning_gpipe.forward_and_share` for each call."
+            )
         self._plain += 1
         output = self.schedule.forward(value)
         if not self.is_last:
             raise BackboneReached
+        watchdog.at(f"`{self._hook}` after the backbone call")
         return output
 
     def forward_and_share(self, value: Value, fn: Callable[[Value], Any]) -> Any:
@@ -85,6 +112,71 @@ class BackboneCall:
         output = self.schedule.forward(value)
         return self.share(fn(output) if self.is_last else None)
 
+    def micro_batch_steps(
+        self,
+        module: Any,
+        hook: str,
+        args: tuple,
+        kwargs: dict,
+        schedule: TrainingSchedule,
+        backward: Callable[[Tensor], None],
+    ) -> Any:
+        """Run one training step whose schedule needs each micro-batch's loss before the next forwards (1F1B).
+
+        Every stage runs the user's step on the whole batch up to its backbone call, which ends it there and
+        gives the backbone input. ``schedule.step`` then runs the stage's forwards and backwards. On the last
+        stage, after each micro-batch's forward, the user's step runs again on that micro-batch's rows of the
+        batch (``args[0]``, split by :func:`~lightning_gpipe.per_micro_batch.split_batch`), its backbone call
+        returning the micro-batch's output; the loss it returns, times the micro-batch's share of the rows,
+        goes to ``backward``. What the steps log and return is combined by
+        :class:`~lightning_gpipe.per_micro_batch.RowWeighted` (row-weighted means).
+
+        Args:
+            module: the LightningModule, whose method ``hook`` is the step.
+            hook: ``"training_step"``.
+            args: the step's positional arguments; ``args[0]`` is the batch.
+            kwargs: the step's keyword arguments.
+            schedule: runs this stage's part of the step.
+            backward: backpropagates one weighted micro-batch loss to the micro-batch's output.
+
+        Returns:
+            On the last stage, the combined output (see :meth:`~lightning_gpipe.per_micro_batch.RowWeighted.finish`);
+            ``None`` on the others.
+
+        Raises:
+            TypeError, ValueError: on every stage alike before any micro-batch runs, for a batch whose tensors do
+                not share dim 0 or a backbone input without the batch's rows (see
+                :func:`~lightning_gpipe.per_micro_batch.batch_rows`).
+            RuntimeError: if a step does not call the backbone exactly once, or a micro-batch's step returns no loss.
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
+        step, (batch, *rest) = getattr(module, hook), args
+        rows = per_micro_batch.batch_rows(batch)
+        results, capture, parts = per_micro_batch.RowWeighted(module, rows), _Capture(), []
+        with self._answering(capture):
+            results.run(0, lambda: self.user_step(hook, lambda: step(*args, **kwargs)))
+        per_micro_batch.check_input_rows(capture.value, rows)
+
+        def head(index: int, count: int, output: Value) -> None:
+            if not parts:
+                parts.extend(per_micro_batch.split_batch(batch, count))
+            part, part_rows = parts[index], per_micro_batch.batch_rows(parts[index])
+            with self._answering(_Given(output)):
+                returned = results.run(part_rows, lambda: self.user_step(hook, lambda: step(part, *rest, **kwargs)))
+            backward(per_micro_batch.loss_of(returned, hook, index) * (part_rows / rows))
+
+        schedule.step(capture.value, head)
+        return results.finish() if self.is_last else None
+
+    @contextmanager
+    def _answering(self, schedule: Schedule) -> Iterator[None]:
+        """Let ``schedule`` answer the backbone calls inside the block."""
+        saved, self.schedule = self.schedule, schedule
+        try:
+            yield
+        finally:
+            self.schedule = saved
+
     def user_step(self, hook: str, step: Callable[[], Any]) -> Any:
         """Run one call of the user's ``hook`` (``"training_step"``...) as ``step()``, ending early stages at the
         backbone call.
@@ -93,21 +185,43 @@ class BackboneCall:
             The step's output on the last stage; ``None`` on the others.
 
         Raises:
-            RuntimeError: if the step called the backbone more than once, or never (plainly or through
-                :func:`forward_and_share`).
+            RuntimeError: if the step called the backbone more than once (at the second call), or never (plainly
+                or through :func:`forward_and_share`).
         """
         self._plain = self._shared = 0
+        self._hook = hook
+        watchdog.at(f"`{hook}` before the backbone call")
         try:
             output = step()
         except BackboneReached:
             output = None
-        if self._plain > 1 or (self._plain == 0 and self._shared == 0):
+        if self._plain == 0 and self._shared == 0:
             raise RuntimeError(
-                f"`{hook}` called the pipelined backbone {self._plain} times; it must call it exactly once per step"
-                " (GPipeStrategy splits that one call into micro-batches). To call it several times in evaluation,"
-                " e.g. for autoregressive decoding, use `lightning_gpipe.forward_and_share`."
+                f"`{hook}` did not call the pipelined backbone; it must call it exactly once per step, on every stage"
+                " alike (GPipeStrategy splits that one call into micro-batches, and the other stages wait for them)."
+                " Call `self.backbone(...)` unconditionally, or skip the batch in the data instead."
             )
         return output
+
+
+class _Capture:
+    """Answers the backbone call of a step on the whole batch: keeps the backbone input and ends the step there."""
+
+    value: Optional[Value] = None
+
+    def forward(self, value: Value) -> Optional[Value]:
+        self.value = value
+        raise BackboneReached
+
+
+class _Given:
+    """Answers the backbone call of a step on one micro-batch with the micro-batch's output, already computed."""
+
+    def __init__(self, output: Value) -> None:
+        self.output = output
+
+    def forward(self, value: Value) -> Value:
+        return self.output
 
 
 def forward_and_share(backbone: nn.Module, value: Value, fn: Callable[[Value], Any]) -> Any:

@@ -21,12 +21,12 @@ from torch import Tensor
 
 from lightning_gpipe.microbatch import tensors
 
-WORK = ("forward", "recompute", "backward", "loss", "optimizer")
+WORK = ("forward", "recompute", "backward", "weight", "loss", "optimizer")
 """Span kinds during which a stage computes (its busy time)."""
 
-TRANSFER = ("send", "recv")
+TRANSFER = ("send", "recv", "relay")
 """Span kinds during which a stage posts sends (``send``) or is blocked on a transfer (``recv``, and ``send``
-for the final flush of pending sends)."""
+for the final flush of pending sends), or shares the last stage's logged results (``relay``)."""
 
 _OFF = nullcontext()
 
@@ -34,10 +34,11 @@ _OFF = nullcontext()
 class Span(NamedTuple):
     """One interval of a stage's step.
 
-    Args:
-        kind: one of :data:`WORK` or :data:`TRANSFER`; ``"loss"`` is the last stage's time between its
-            backbone output and the drain (the user's head and loss, and their backward to the boundary);
-            ``"optimizer"`` the optimizer step.
+    Attributes:
+        kind: one of :data:`WORK` or :data:`TRANSFER`; ``"backward"`` is a micro-batch's backward, or only its
+            input gradient when its weight gradient is deferred to a ``"weight"`` span; ``"loss"`` is the last
+            stage's time between its backbone output and the drain (the user's head and loss, and their
+            backward to the boundary); ``"optimizer"`` the optimizer step.
         micro_batch: index of the micro-batch (0-based), ``None`` for whole-step spans.
         start: ``time.perf_counter()`` seconds at the start.
         end: ``time.perf_counter()`` seconds at the end.
@@ -156,18 +157,22 @@ def peak_activation_bytes(spans: Iterable[Span]) -> int:
     """Peak activation memory of one stage over one step, from its spans (bytes).
 
     A micro-batch's input is held from its forward to the end of its backward; the activations autograd
-    saves are held from the forward (or, when checkpointed, the recompute) to the end of the backward.
-    Spans without byte counts add nothing. The same accounting serves measured and simulated steps.
+    saves are held from the forward (or, when checkpointed, the recompute) to the end of the backward, or of
+    its deferred weight gradient (``weight``) when there is one. Spans without byte counts add nothing. The
+    same accounting serves measured and simulated steps.
     """
+    released: dict[int | None, float] = {}  # when each micro-batch's last backward or weight span ends
+    for span in spans:
+        if span.kind in ("backward", "weight"):
+            released[span.micro_batch] = max(span.end, released.get(span.micro_batch, span.end))
     held: dict[int | None, int] = {}
     changes = []
-    for span in sorted(spans, key=lambda s: s.start):
+    for span in spans:
         if span.kind in ("forward", "recompute"):
             grow = span.saved_bytes + (span.input_bytes if span.kind == "forward" else 0)
             held[span.micro_batch] = held.get(span.micro_batch, 0) + grow
             changes.append((span.start, grow))
-        elif span.kind == "backward" and span.micro_batch in held:
-            changes.append((span.end, -held.pop(span.micro_batch)))
+    changes += [(released[micro], -total) for micro, total in held.items() if micro in released]
     peak = level = 0
     for _, change in sorted(changes):  # at equal times, frees (negative) come first
         level += change

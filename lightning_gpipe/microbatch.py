@@ -97,9 +97,11 @@ def scatter(value: Value, chunks: int) -> list[Value]:
 def gather(parts: list[Value]) -> Value:
     """Concatenate micro-batches along dim 0; the inverse of :func:`scatter`.
 
-    Non-tensor items are taken from the first micro-batch.
+    Non-tensor items are taken from the first micro-batch; a single micro-batch is returned as it is (no copy).
     """
     first = parts[0]
+    if len(parts) == 1:
+        return first
     if isinstance(first, Tensor):
         return torch.cat(parts)
     return tuple(

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gpipe.failure import as_pipeline_failure
+from lightning_gpipe import collectives
 
 
 def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, group: Optional[dist.ProcessGroup] = None) -> Tensor:
@@ -47,8 +47,7 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, group: Option
     local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
     squared = local.double() ** 2
     if dist.is_initialized():
-        with as_pipeline_failure():
-            dist.all_reduce(squared, group=group)
+        collectives.all_reduce(squared, group=group)
     total = squared.sqrt().to(local.dtype)
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
     return total
@@ -64,7 +63,8 @@ class SharedGradScaler(torch.amp.GradScaler):
 
     Args:
         group: the stages of one pipeline; ``None`` is the default (whole-world) group.
-        *args, **kwargs: as for :class:`torch.amp.GradScaler`.
+        *args: as for :class:`torch.amp.GradScaler`.
+        **kwargs: as for :class:`torch.amp.GradScaler`.
     """
 
     def __init__(self, *args, group: Optional[dist.ProcessGroup] = None, **kwargs) -> None:
@@ -90,7 +90,6 @@ class SharedGradScaler(torch.amp.GradScaler):
             return
         flags = list(found.values())
         any_found = torch.stack([flag.to(flags[0].device) for flag in flags]).amax()
-        with as_pipeline_failure():
-            dist.all_reduce(any_found, op=dist.ReduceOp.MAX, group=self.group)
+        collectives.all_reduce(any_found, dist.ReduceOp.MAX, self.group)
         for flag in flags:
             flag.copy_(any_found)

@@ -60,6 +60,7 @@ class Partition(nn.Module):
 
         Raises:
             TypeError: if a layer returns anything but a Tensor or a tuple of Tensors.
+            ValueError: if a layer returns a 0-dimensional tensor (activations carry the batch in dim 0).
         """
         for name, layer in self._modules.items():
             value = layer(value)
@@ -67,6 +68,15 @@ class Partition(nn.Module):
                 raise TypeError(
                     f"Backbone layer {name} ({type(layer).__name__}) returned {_describe(value)}; layers of a"
                     " pipelined backbone must return a Tensor or a tuple of Tensors."
+                )
+            scalars = [i for i, t in enumerate(value if isinstance(value, tuple) else (value,)) if t.dim() == 0]
+            if scalars:
+                at = f" at position {scalars[0]} of its tuple" if isinstance(value, tuple) else ""
+                raise ValueError(
+                    f"Backbone layer {name} ({type(layer).__name__}) returned a 0-dimensional tensor{at}; activations"
+                    " carry the batch in dim 0, so every tensor a backbone layer returns needs one row per sample."
+                    " Keep the batch dimension (e.g. a per-sample value of shape (N,) or (N, 1)), or compute the"
+                    " scalar after the backbone, in the head or the loss."
                 )
         return value
 

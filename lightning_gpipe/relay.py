@@ -16,7 +16,7 @@ from typing import Any, Callable
 import lightning.pytorch as pl
 import torch.distributed as dist
 
-from lightning_gpipe.failure import as_pipeline_failure
+from lightning_gpipe import collectives
 
 EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
 
@@ -42,12 +42,11 @@ class LogRelay:
         results = trainer._results
         if results is None or not dist.is_initialized() or dist.get_world_size() == 1:
             return
-        payload = [self._dumps(dict(results)) if dist.get_rank() == self.src else None]
-        with as_pipeline_failure():
-            dist.broadcast_object_list(payload, self.src)
-        if dist.get_rank() != self.src:
+        mine = dist.get_rank() == self.src
+        payload = collectives.broadcast_object(self._dumps(dict(results)) if mine else None, self.src)
+        if not mine:
             results.clear()
-            results.update(self._loads(payload[0]))
+            results.update(self._loads(payload))
             results.to(self.strategy.root_device)
 
     def relay_after_epoch_end_hooks(self, module: "pl.LightningModule") -> None:

@@ -1,22 +1,34 @@
-"""Predict one GPipe training step from per-layer costs: step time, bubble and peak activation memory per stage.
+"""Predict one pipeline training step from per-layer costs: step time, bubble and peak activation memory per stage.
 
-The schedule is GPipe's fill-drain (Huang et al. 2019, section 2.2 and Figure 2), as
-:class:`lightning_gpipe.schedule.GPipe` runs it:
+Each stage runs its work in the order its schedule gives (:func:`work_order`); a piece of work starts once
+the stage is free and its input is there. ``schedule="gpipe"`` is GPipe's fill-drain (Huang et al. 2019,
+section 2.2 and Figure 2), as :class:`lightning_gpipe.schedule.GPipe` runs it:
 
 - Fill: stage k runs the forward of micro-batches 0 .. M-1 in order; micro-batch i starts once stage k is
   free and its input has arrived from stage k-1 (the forward's end there plus the transfer time).
 - The last stage then runs the user's head and loss and their backward to the boundary (``loss``).
 - Drain: every stage runs micro-batches M-1 .. 0. A checkpointed micro-batch's forward is recomputed
   first, *before* the stage waits for its gradient; its backward starts once the gradient has arrived
-  from stage k+1 (that stage's backward end plus the transfer time).
+  from stage k+1 (that stage's backward end plus the transfer time). With a deferred weight gradient
+  (``StageCost.weight``, zero-bubble's W), the input gradient is sent after the backward's B part and the
+  W part follows.
 - Each stage ends with its optimizer step (``optimizer``).
 
-With K equal stages, M micro-batches and only forward and backward, the step takes ``(M + K - 1)`` micro-batch
-forward-and-backward times and every stage idles ``(K - 1) / (M + K - 1)`` of it: the bubble.
+``schedule="1f1b"`` is PipeDream-Flush (Narayanan et al. 2021), as
+:class:`lightning_gpipe.schedule.OneForwardOneBackward` runs it: stage k runs ``min(K - k - 1, M)`` forwards,
+then alternates one forward and one backward, then the remaining backwards; on the last stage each
+micro-batch's forward is followed by its share of the head and loss (``loss / M``) and at once by its backward.
+Dependencies and recomputes are as above.
 
-Memory follows :func:`lightning_gpipe.events.peak_activation_bytes`: a stage keeps every micro-batch's input until
-its backward, and a micro-batch's saved activations from its forward (or recompute) to its backward, so
-``checkpoint="never"`` peaks at ``M * (input + activations)`` and the other modes at ``M * input + activations``.
+With K equal stages, M micro-batches and only forward and backward, the step takes ``(M + K - 1)`` micro-batch
+forward-and-backward times under both schedules, and every stage idles ``(K - 1) / (M + K - 1)`` of it: the bubble.
+
+Memory follows :func:`lightning_gpipe.events.peak_activation_bytes`: a stage keeps a micro-batch's input until
+its backward, and its saved activations from its forward (or recompute) to its backward. Under fill-drain a stage
+holds all M micro-batches: ``checkpoint="never"`` peaks at ``M * (input + activations)``, the other modes at
+``M * input + activations``. Under 1F1B stage k holds ``h = min(K - k, M)``: ``h * (input + activations)``,
+``h * input + activations`` (``"always"``), and ``h * input + min(h, 2) * activations`` (``"except_last"``,
+whose last micro-batch keeps its activations while the earlier ones are recomputed).
 
 The prediction is a :class:`lightning_gpipe.trace.StepTrace`, like a measured step, so it can be drawn and
 compared span by span.
@@ -25,11 +37,19 @@ compared span by span.
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Optional
 
 from lightning_gpipe.balance.costs import LayerCost
 from lightning_gpipe.events import Span
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES, checkpointed
 from lightning_gpipe.trace import StageTrace, StepTrace
+
+SCHEDULES = ("gpipe", "1f1b")
+"""The values of ``simulate(schedule=...)``, as of ``GPipeStrategy(schedule=...)``."""
+
+Work = tuple[str, Optional[int]]
+"""One piece of a stage's work: its kind (``"forward"``, ``"loss"``, ``"recompute"``, ``"backward"``) and the
+micro-batch index (``None`` for fill-drain's one ``"loss"``)."""
 
 
 @dataclass(frozen=True)
@@ -38,11 +58,13 @@ class StageCost:
 
     Args:
         forward: forward time in seconds.
-        backward: backward time in seconds (without recompute).
+        backward: backward time in seconds (without recompute), weight gradient included.
         recompute: time of a checkpointed micro-batch's recompute in seconds; ``None`` (default): ``forward``.
         input_bytes: bytes of the stage's input (kept until the backward).
         activation_bytes: bytes autograd saves for the backward.
         output_bytes: bytes sent to the next stage (and received back as its gradient).
+        weight: of ``backward``, the seconds of the weight gradient when it is deferred until the input gradient
+            is sent (``GPipeStrategy(defer_weight_grad=True)``); 0 (default): sent after the whole backward.
     """
 
     forward: float
@@ -51,6 +73,7 @@ class StageCost:
     input_bytes: int = 0
     activation_bytes: int = 0
     output_bytes: int = 0
+    weight: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -121,6 +144,39 @@ def stage_costs(costs: Sequence[LayerCost], balance: Sequence[int], input_bytes:
     return stages
 
 
+def work_order(schedule: str, stage: int, num_stages: int, chunks: int, checkpoint: str) -> list[Work]:
+    """The order in which ``stage`` of ``num_stages`` runs its work in one step (without the optimizer step).
+
+    A checkpointed micro-batch's ``"recompute"`` comes right before its ``"backward"``.
+
+    Args:
+        schedule: ``"gpipe"`` or ``"1f1b"`` (see the module docstring).
+        stage: k, from 0.
+        num_stages: K.
+        chunks: M.
+        checkpoint: the re-materialization mode (:data:`lightning_gpipe.rematerialization.CHECKPOINT_MODES`).
+    """
+    last = stage == num_stages - 1
+
+    def backward(i: int) -> list[Work]:
+        return [("recompute", i)] * checkpointed(checkpoint, i, chunks) + [("backward", i)]
+
+    order: list[Work] = []
+    if schedule == "gpipe":
+        order += [("forward", i) for i in range(chunks)] + [("loss", None)] * last
+        for i in reversed(range(chunks)):
+            order += backward(i)
+        return order
+    warmup = num_stages - 1 - stage
+    for i in range(chunks):
+        order += [("forward", i)] + [("loss", i)] * last
+        if i >= warmup:
+            order += backward(i - warmup)
+    for j in range(max(chunks - warmup, 0), chunks):
+        order += backward(j)
+    return order
+
+
 def simulate(
     stages: Sequence[StageCost],
     chunks: int,
@@ -128,45 +184,69 @@ def simulate(
     transfer: Transfer = Transfer(),
     loss: float = 0.0,
     optimizer: float | Sequence[float] = 0.0,
+    schedule: str = "gpipe",
 ) -> Prediction:
-    """Predict one GPipe step (see the module docstring for the schedule).
+    """Predict one step of the pipeline (see the module docstring for the schedules).
 
     Args:
         stages: one :class:`StageCost` per stage (K = ``len(stages)``); from per-layer costs use :func:`stage_costs`.
         chunks: M, micro-batches per mini-batch.
         checkpoint: ``"always"``, ``"except_last"`` (default) or ``"never"``, as for ``GPipeStrategy``.
         transfer: the time to move an activation or gradient between stages (default: free).
-        loss: seconds the last stage spends between its fill and its drain (head, loss and their backward).
+        loss: seconds of the last stage's head and loss and their backward to the boundary, for the whole
+            mini-batch (under 1F1B, ``loss / M`` after each micro-batch's forward).
         optimizer: seconds of the optimizer step, one number for every stage or one per stage.
+        schedule: ``"gpipe"`` (default, fill-drain) or ``"1f1b"``, as for ``GPipeStrategy``.
 
     Raises:
-        ValueError: for no stages, ``chunks < 1`` or an unknown ``checkpoint`` mode.
+        ValueError: for no stages, ``chunks < 1``, or an unknown ``checkpoint`` mode or ``schedule``.
     """
-    if not stages or chunks < 1 or checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"Cannot simulate {len(stages)} stages, chunks={chunks}, checkpoint={checkpoint!r}.")
+    if not stages or chunks < 1 or checkpoint not in CHECKPOINT_MODES or schedule not in SCHEDULES:
+        raise ValueError(
+            f"Cannot simulate {len(stages)} stages, chunks={chunks}, checkpoint={checkpoint!r}, schedule={schedule!r}."
+        )
     num_stages = len(stages)
     optimizers = [optimizer] * num_stages if isinstance(optimizer, (int, float)) else list(optimizer)
+    orders = [work_order(schedule, k, num_stages, chunks, checkpoint) for k in range(num_stages)]
     spans: list[list[Span]] = [[] for _ in stages]
     free = [0.0] * num_stages  # when each stage is next free
-    arrivals = [0.0] * chunks  # when micro-batch i's input reaches the current stage
-    for k, cost in enumerate(stages):  # the fill
-        for i in range(chunks):
-            kept = 0 if checkpointed(checkpoint, i, chunks) else cost.activation_bytes
-            free[k] = _run(spans[k], free[k], arrivals[i], cost.forward, "forward", i, cost.input_bytes, kept)
-            arrivals[i] = free[k] + transfer.time(cost.output_bytes)
-    last = num_stages - 1
-    spans[last].append(Span("loss", None, free[last], free[last] + loss))
-    free[last] += loss
-    arrivals = [free[last]] * chunks  # when micro-batch i's output gradient reaches the current stage
-    for k in range(last, -1, -1):  # the drain
-        cost = stages[k]
-        for i in range(chunks - 1, -1, -1):
-            if checkpointed(checkpoint, i, chunks):
-                recompute = cost.forward if cost.recompute is None else cost.recompute
-                free[k] = _run(spans[k], free[k], free[k], recompute, "recompute", i, 0, cost.activation_bytes)
-            free[k] = _run(spans[k], free[k], arrivals[i], cost.backward, "backward", i)
-            if k > 0:
-                arrivals[i] = free[k] + transfer.time(stages[k - 1].output_bytes)
+    done = [0] * num_stages  # how much of its order each stage has run
+    sent: dict[tuple[str, int, int], float] = {}  # ("forward" | "backward", stage, i) -> when it sent its result
+
+    def ready(k: int, kind: str, i: Optional[int]) -> Optional[float]:
+        """When the input of stage k's work is there; ``None`` while the stage that sends it has not run it."""
+        if kind == "forward" and k > 0:
+            end = sent.get(("forward", k - 1, i))
+            return None if end is None else end + transfer.time(stages[k - 1].output_bytes)
+        if kind == "backward" and k < num_stages - 1:
+            end = sent.get(("backward", k + 1, i))
+            return None if end is None else end + transfer.time(stages[k].output_bytes)
+        return free[k]
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for k, cost in enumerate(stages):
+            while done[k] < len(orders[k]) and (at := ready(k, *orders[k][done[k]])) is not None:
+                kind, i = orders[k][done[k]]
+                if kind == "forward":
+                    kept = 0 if checkpointed(checkpoint, i, chunks) else cost.activation_bytes
+                    free[k] = _run(spans[k], free[k], at, cost.forward, kind, i, cost.input_bytes, kept)
+                    sent[(kind, k, i)] = free[k]
+                elif kind == "loss":
+                    free[k] = _run(spans[k], free[k], at, loss if i is None else loss / chunks, kind, i)
+                elif kind == "recompute":
+                    seconds = cost.forward if cost.recompute is None else cost.recompute
+                    free[k] = _run(spans[k], free[k], at, seconds, kind, i, 0, cost.activation_bytes)
+                else:
+                    free[k] = _run(spans[k], free[k], at, cost.backward - cost.weight, kind, i)
+                    sent[(kind, k, i)] = free[k]  # the input gradient goes before a deferred weight gradient
+                    if cost.weight:
+                        free[k] = _run(spans[k], free[k], free[k], cost.weight, "weight", i)
+                done[k] += 1
+                progressed = True
+    assert done == [len(order) for order in orders], "a schedule whose stages wait for each other"
+    for k in range(num_stages):
         spans[k].append(Span("optimizer", None, free[k], free[k] + optimizers[k]))
         free[k] += optimizers[k]
     trace = StepTrace(0, [StageTrace(k, spans[k], 0.0, free[k]) for k in range(num_stages)])
@@ -174,7 +254,14 @@ def simulate(
 
 
 def _run(
-    spans: list[Span], free: float, ready: float, seconds: float, kind: str, i: int, kept: int = 0, saved: int = 0
+    spans: list[Span],
+    free: float,
+    ready: float,
+    seconds: float,
+    kind: str,
+    i: Optional[int],
+    kept: int = 0,
+    saved: int = 0,
 ) -> float:
     """Append a wait (``recv``) until ``ready`` if the stage is free before, then the work; return its end."""
     start = max(free, ready)

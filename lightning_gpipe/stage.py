@@ -14,9 +14,14 @@ Re-materialization (section 2.2, :mod:`lightning_gpipe.rematerialization`): a ch
 micro-batch runs forward without autograd, keeping only its input; :meth:`Stage.recompute` runs it
 again with autograd before its backward. Timing spans (:mod:`lightning_gpipe.events`) of forwards,
 recomputes and backwards are taken here; those of transfers in :class:`~lightning_gpipe.transfer.Link`.
+
+Deferred weight gradients (zero-bubble pipelines, Qi et al. 2023; :mod:`lightning_gpipe.weightgrad`): with
+``defer_weight_grad``, :meth:`Stage.backward` computes and sends the input gradient (B) and queues the weight
+gradient (W), which :meth:`Stage.backward_weights` runs later, where the schedule places it.
 """
 
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -29,6 +34,7 @@ from lightning_gpipe.microbatch import MicroBatch, Value
 from lightning_gpipe.partition import Partition
 from lightning_gpipe.rematerialization import RngState, checkpointed
 from lightning_gpipe.transfer import Link, Meta
+from lightning_gpipe.weightgrad import DeferredWeightGradient, backward_input
 
 
 @dataclass
@@ -53,6 +59,8 @@ class Stage:
         num_stages: K.
         chunks: M, micro-batches per mini-batch (fewer when the batch has fewer rows).
         checkpoint: ``"always"``, ``"except_last"`` (all micro-batches but the last) or ``"never"``.
+        defer_weight_grad: ``True`` splits each backward of a stage that sends input gradients into B (sent at
+            once) and W (queued for :meth:`backward_weights`); ``False`` (default) runs them together.
 
     Attributes:
         events: the :class:`~lightning_gpipe.events.Recorder` the pipeline callbacks read.
@@ -61,15 +69,23 @@ class Stage:
     """
 
     def __init__(
-        self, partition: Partition, link: Link, stage_index: int, num_stages: int, chunks: int, checkpoint: str
+        self,
+        partition: Partition,
+        link: Link,
+        stage_index: int,
+        num_stages: int,
+        chunks: int,
+        checkpoint: str,
+        defer_weight_grad: bool = False,
     ) -> None:
         self.partition, self.link = partition, link
         self.stage_index = stage_index
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
-        self.chunks, self.checkpoint = chunks, checkpoint
+        self.chunks, self.checkpoint, self.defer_weight_grad = chunks, checkpoint, defer_weight_grad
         self.events = link.events
         self.training = False
         self._records: dict[int, _Record] = {}
+        self._weights: deque[tuple[int, DeferredWeightGradient]] = deque()
         self._filled = 0.0  # when the last stage's forward ended: its "loss" span runs from there to the backward
 
     def micro_batches(self, value: Value) -> Iterator[tuple[int, Value, int]]:
@@ -98,7 +114,9 @@ class Stage:
         """Run micro-batch ``index`` of ``count`` through this stage's layers and return its output.
 
         In training, keeps what its backward needs; a checkpointed micro-batch runs without autograd.
-        On the last stage in training, the output is returned as boundary leaves (see the module docstring).
+        On the last stage in training, the output is returned as boundary leaves (see the module docstring),
+        except on a pipeline of one stage running one micro-batch without re-materialization: there is nothing
+        to schedule, so the output keeps its graph and the user's backward runs through the layers directly.
 
         Raises:
             TypeError: if a layer returns anything but a Tensor or a tuple of Tensors.
@@ -114,7 +132,7 @@ class Stage:
             self.events.span("forward", index, memory_of),
         ):
             y = self.partition.run(x)
-        if not training:
+        if not training or (self.is_first and self.is_last and count == 1 and not remat):
             return y
         metas = [(t.shape, t.dtype) for t in microbatch.floats(y)]
         record = self._records[index] = _Record(x, None if remat else y, metas, micro, rng)
@@ -179,7 +197,9 @@ class Stage:
         """Backpropagate micro-batch ``index`` (recomputed first, if checkpointed) and send its input gradients.
 
         The output gradients come from the boundary on the last stage, else from the next stage (posted with
-        :meth:`expect_grad`). What the micro-batch kept is freed afterwards.
+        :meth:`expect_grad`). With ``defer_weight_grad`` on a stage after the first, only the input gradient
+        is computed here and the weight gradient is queued (see :meth:`backward_weights`); the first stage
+        sends nothing back, so it has nothing to gain from the split.
 
         Raises:
             PipelineFailure: if the next stage failed while this one waited for it.
@@ -189,9 +209,20 @@ class Stage:
         outputs = microbatch.floats(record.output)
         grads = [b.grad for b in record.boundary] if self.is_last else self.link.recv_grads(index)
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
+        inputs = microbatch.floats(record.input)
+        needed = [x for x in inputs if x.requires_grad]
         if pairs:
             with self.events.span("backward", index):
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                if self.defer_weight_grad and needed:
+                    self._weights.append((index, backward_input(*zip(*pairs), needed)))
+                else:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if not self.is_first:
-            inputs = microbatch.floats(record.input)
             self.link.send_grads([x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs], index)
+
+    def backward_weights(self) -> None:
+        """W: add the queued weight gradients of earlier :meth:`backward` calls to the parameters' ``.grad``."""
+        while self._weights:
+            index, weight = self._weights.popleft()
+            with self.events.span("weight", index):
+                weight()

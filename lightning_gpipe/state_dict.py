@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
+from lightning_gpipe import collectives
 from lightning_gpipe.failure import as_pipeline_failure
 
 METADATA = "meta.pt"
@@ -67,7 +68,7 @@ def local_entries(state_dict: dict[str, Tensor], module: nn.Module) -> dict[str,
     return {key: value for key, value in state_dict.items() if key in local}
 
 
-def gather_union(local: dict[str, Any], rank: int) -> Optional[dict[str, Any]]:
+def gather_union(local: dict[str, Any]) -> Optional[dict[str, Any]]:
     """The union of every process's ``local`` dict on global rank 0, ``None`` elsewhere (a collective call).
 
     Tensors are moved to the CPU first, so the result is device-independent.
@@ -78,10 +79,8 @@ def gather_union(local: dict[str, Any], rank: int) -> Optional[dict[str, Any]]:
     local = {key: value.cpu() if isinstance(value, Tensor) else value for key, value in local.items()}
     if not dist.is_initialized():
         return local
-    parts = [None] * dist.get_world_size() if rank == 0 else None
-    with as_pipeline_failure():
-        dist.gather_object(local, parts, dst=0)
-    if rank != 0:
+    parts = collectives.gather_object(local, dst=0)
+    if parts is None:
         return None
     return {key: value for part in parts for key, value in part.items()}
 
@@ -101,14 +100,13 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int) -> None:
     staging = path.with_name(f".{path.name}.partial")
     if rank == 0 and staging.exists():
         shutil.rmtree(staging)
+    collectives.barrier()
     with as_pipeline_failure():
-        dist.barrier()
         dcp.save({key: checkpoint[key] for key in SHARDED if key in checkpoint}, checkpoint_id=staging)
     if rank == 0:
         torch.save({key: value for key, value in checkpoint.items() if key not in SHARDED}, staging / METADATA)
         _replace(staging, path)
-    with as_pipeline_failure():
-        dist.barrier()
+    collectives.barrier()
 
 
 def load_sharded(path: Path, template: dict[str, Any]) -> dict[str, Any]:

@@ -2,12 +2,15 @@
 
 How one step maps onto Lightning (see docs/how-it-works.md): ``training_step`` is the
 fill, ``backward`` is the drain, and the optimizer step, clipping, schedulers and
-gradient accumulation stay Lightning's. This module only wires the hooks; the
+gradient accumulation stay Lightning's. Under ``schedule="1f1b"``, ``training_step`` runs the
+whole step and ``backward`` hands its gradients over. This module only wires the hooks; the
 work is done by :mod:`lightning_gpipe.partition`, :mod:`lightning_gpipe.contract`,
 :mod:`lightning_gpipe.schedule`, :mod:`lightning_gpipe.stage`, :mod:`lightning_gpipe.transfer`
 and :mod:`lightning_gpipe.relay`.
 """
 
+import signal
+import threading
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -26,21 +29,24 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gpipe import failure, state_dict
+from lightning_gpipe import collectives, failure, state_dict, watchdog
 from lightning_gpipe.balance import MODES, LayerCost, resolve_balance
 from lightning_gpipe.balance.backbone import profile_backbone
 from lightning_gpipe.batchnorm import convert_deferred_batch_norm, revert_deferred_batch_norm
 from lightning_gpipe.contract import BackboneCall
+from lightning_gpipe.gradients import StepGradients
 from lightning_gpipe.optimization import SharedGradScaler, clip_grad_norm_
 from lightning_gpipe.partition import Split, find_backbone, materialize
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES
 from lightning_gpipe.relay import LogRelay
-from lightning_gpipe.schedule import GPipe
+from lightning_gpipe.schedule import GPipe, OneForwardOneBackward
 from lightning_gpipe.stage import Stage
+from lightning_gpipe.summary import replace_model_summary
 from lightning_gpipe.topology import Topology
 from lightning_gpipe.transfer import Link
 
@@ -70,18 +76,31 @@ class GPipeStrategy(ParallelStrategy):
         balance_memory_limit: bytes one stage may hold, counted as its layers' profiled saved activations
             and parameters for one micro-batch (see :func:`~lightning_gpipe.balance.balance_by`); the
             split is the best one within it. ``None`` (default) for no limit. Profiles like ``"time"``.
-        chunks: M, the number of micro-batches per mini-batch. ``None`` (default) uses ``4 * K`` for K
-            stages, the point from which the paper finds the bubble negligible. A batch with fewer rows
+        chunks: M, the number of micro-batches per mini-batch. ``None`` (default) uses ``4 * K`` for K > 1
+            stages, the point from which the paper finds the bubble negligible, and 1 for a single stage (no
+            bubble to hide, so micro-batches would only cost time; set ``chunks`` to trade time for
+            activation memory with re-materialization on one device). A batch with fewer rows
             than ``chunks`` runs as one micro-batch per row; a batch that does not divide evenly gives
             uneven micro-batches (as :func:`torch.tensor_split`).
         checkpoint: re-materialization: ``"always"`` recomputes every micro-batch's forward in the
             drain, ``"except_last"`` (default) all but the last micro-batch, ``"never"`` keeps all
             activations.
+        schedule: ``"gpipe"`` (default) is GPipe's fill-drain: all M forwards, then all M backwards, so a
+            stage holds M micro-batches. ``"1f1b"`` is PipeDream-Flush's one-forward-one-backward schedule
+            (Narayanan et al. 2021): each micro-batch's backward starts as soon as its loss exists, so stage k
+            of K holds at most ``K - k`` micro-batches; same gradients, same bubble. Under ``"1f1b"`` the last
+            stage runs ``training_step`` once per micro-batch on its rows of the batch, weighting each loss
+            by its share of the rows (see docs/contract.md, "1F1B"). Evaluation is the same forward for both.
         deferred_batch_norm: ``True`` makes the backbone's ``nn.BatchNorm1d/2d/3d`` layers normalise with
             micro-batch statistics but update their running statistics once per mini-batch, equal to
             single-device batch norm's (see :class:`~lightning_gpipe.batchnorm.DeferredBatchNorm`); the
             plain layers are back in the module after the run. ``False`` (default) leaves batch norm as
             it is: every micro-batch, and every recompute, updates the running statistics.
+        defer_weight_grad: ``True`` splits each micro-batch's backward on the stages after the first into the
+            input gradient, sent to the previous stage at once, and the weight gradient, computed after the send
+            (zero-bubble pipeline parallelism's B/W split, Qi et al. 2023), so the previous stage starts each
+            backward one weight gradient earlier. Same gradients; holds one micro-batch's graph no longer than
+            without it. ``False`` (default) computes both in one backward.
         backbone: name of the ``nn.Sequential`` attribute to pipeline; ``None`` finds the only one.
         start_method: ``"popen"`` (default) re-runs the user's script once per extra stage, like
             ``torchrun``; ``"spawn"`` starts worker processes from the main one and loads every
@@ -90,16 +109,28 @@ class GPipeStrategy(ParallelStrategy):
             optimizer state, gathered on global rank 0; it loads into the plain LightningModule without the
             strategy. ``"sharded"`` writes a directory with torch.distributed.checkpoint, each stage its own
             part, for models too large to gather. Both resume with any number of stages and any ``balance``.
-        timeout: how long a collective or transfer may wait before torch.distributed gives up.
+        timeout: the process group's timeout: how long a collective or transfer may wait before
+            torch.distributed gives up (30 minutes by default); it also caps ``stall_timeout``.
+        stall_timeout: how long a stage may wait for another (a transfer, or a collective of the package's)
+            before the job ends, naming the stage that stopped progressing and where it was, e.g. "stage 1 has
+            been in the forward of micro-batch 3 at step 17 for 300 s". 5 minutes by default, and at most 90% of
+            ``timeout`` (so that it speaks before torch.distributed gives up); ``None`` leaves only that. Writing
+            a checkpoint and profiling the backbone do not count as stalls. See docs/training.md, "Failures and
+            stalls".
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
-            Lightning's other parallel strategies; the Trainer fills them in.
+        accelerator: as for Lightning's other parallel strategies; the Trainer fills it in.
+        parallel_devices: the devices of this node, one per stage process; the Trainer fills them in.
+        cluster_environment: how ranks are found (Lightning's, e.g. ``TorchElasticEnvironment``); the Trainer
+            fills it in.
+        checkpoint_io: writes and reads full checkpoint files; Lightning's ``TorchCheckpointIO`` by default.
+        precision_plugin: as for Lightning's other strategies; the Trainer fills it in from ``precision=``.
 
     Raises:
-        ValueError: for ``chunks < 1``, an unknown ``checkpoint`` mode, ``start_method`` or ``state_dict_type``, a
-            ``balance`` that is neither a mode nor a list of integers, or a ``balance_memory_limit`` that is not
-            a positive integer or comes with a list ``balance``. Whether ``balance`` fits the backbone and the
-            number of devices is checked when training starts, before the first step.
+        ValueError: for ``chunks < 1``, an unknown ``checkpoint`` mode, ``schedule``, ``start_method`` or
+            ``state_dict_type``, a ``balance`` that is neither a mode nor a list of integers, or a
+            ``balance_memory_limit`` that is not a positive integer or comes with a list ``balance``, or a
+            ``stall_timeout`` that is not a positive ``timedelta``. Whether ``balance`` fits the backbone and
+            the number of devices is checked when training starts, before the first step.
     """
 
     strategy_name = "gpipe"
@@ -110,11 +141,14 @@ class GPipeStrategy(ParallelStrategy):
         chunks: Optional[int] = None,
         checkpoint: Literal["always", "except_last", "never"] = "except_last",
         deferred_batch_norm: bool = False,
+        defer_weight_grad: bool = False,
         backbone: Optional[str] = None,
         balance_memory_limit: Optional[int] = None,
         start_method: Literal["popen", "spawn"] = "popen",
         state_dict_type: Literal["full", "sharded"] = "full",
+        schedule: Literal["gpipe", "1f1b"] = "gpipe",
         timeout: Optional[timedelta] = default_pg_timeout,
+        stall_timeout: Optional[timedelta] = timedelta(minutes=5),
         process_group_backend: Optional[str] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -122,7 +156,7 @@ class GPipeStrategy(ParallelStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        _check_arguments(balance, balance_memory_limit, chunks, checkpoint, start_method, state_dict_type)
+        _check_arguments(balance, balance_memory_limit, chunks, checkpoint, start_method, state_dict_type, schedule)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -135,17 +169,22 @@ class GPipeStrategy(ParallelStrategy):
         self.layer_costs: Optional[list[LayerCost]] = None  # profiled per backbone layer, when a mode needs them
         self.chunks = chunks
         self.checkpoint = checkpoint
+        self.schedule = schedule
         self.deferred_batch_norm = deferred_batch_norm
+        self.defer_weight_grad = defer_weight_grad
         self.backbone = backbone
         self._start_method = start_method
         self.state_dict_type = state_dict_type
         self._timeout = timeout
+        self.stall_timeout = _checked_stall_timeout(stall_timeout)
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self._split: Optional[Split] = None
         self._whole_before_split = True
         self._stage: Optional[Stage] = None
         self._schedule: Optional[GPipe] = None
+        self._one_f_one_b: Optional[OneForwardOneBackward] = None
+        self._step_gradients = StepGradients()
         self._backbone_call: Optional[BackboneCall] = None
         self._relay: Optional[LogRelay] = None
 
@@ -205,7 +244,7 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Select the device, then join the process group and the failure board."""
+        """Select the device, then join the process group, the failure board and the stall watchdog."""
         super().setup_environment()
         reset_seed()
         assert self.cluster_environment is not None
@@ -214,7 +253,17 @@ class GPipeStrategy(ParallelStrategy):
         rank_zero_only.rank = self.global_rank
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        failure.attach(dist.distributed_c10d._get_default_store(), self.stage_index)
+        store, topology = dist.distributed_c10d._get_default_store(), self.topology
+        replica = topology.replica_of(self.global_rank)
+        names = {
+            topology.rank_of(stage, replica): watchdog.name(stage, replica, topology.data_parallel_size)
+            for stage in range(topology.num_stages)
+        }
+        failure.attach(store, names[self.global_rank], self.world_size)
+        # 90% of the process group's timeout at most, so that the watchdog names the stalled stage before gloo gives up
+        limits = [0.9 * self._timeout.total_seconds()] if self._timeout is not None else []
+        limits += [self.stall_timeout.total_seconds()] if self.stall_timeout is not None else []
+        watchdog.start(store, self.global_rank, names, min(limits, default=float("inf")))
 
     @contextmanager
     @override
@@ -254,6 +303,7 @@ class GPipeStrategy(ParallelStrategy):
         """
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        replace_model_summary(trainer)  # Lightning's would count this stage's part only
         module = self.lightning_module
         if not module.automatic_optimization:
             raise RuntimeError(
@@ -295,10 +345,11 @@ class GPipeStrategy(ParallelStrategy):
     def _split_module(self, module: "pl.LightningModule") -> None:
         topology, stage_index = self.topology, self.stage_index
         name = find_backbone(module, self.backbone)
-        layers, chunks = getattr(module, name), self.chunks if self.chunks is not None else 4 * topology.num_stages
+        layers, chunks = getattr(module, name), self._chunks(topology.num_stages)
         profiled = self.balance in ("time", "memory") or self.balance_memory_limit is not None
         if profiled and (self.layer_costs is None or len(self.layer_costs) != len(layers)):
-            with self.precision_plugin.train_step_context():  # rank 0 measures, every stage splits alike
+            with self.precision_plugin.train_step_context(), watchdog.unbounded("profiling the backbone"):
+                # rank 0 measures, every stage splits alike
                 costs = profile_backbone(module, name, chunks, self.root_device) if self.is_global_zero else None
             self.layer_costs = self.broadcast(costs, src=0)
         balance = resolve_balance(
@@ -312,12 +363,21 @@ class GPipeStrategy(ParallelStrategy):
             prev_rank=topology.rank_of(stage_index - 1, replica) if stage_index > 0 else None,
             next_rank=topology.rank_of(stage_index + 1, replica) if stage_index < num_stages - 1 else None,
             device=self.root_device,
+            events=watchdog.TrackingRecorder(),
         )
-        self._stage = Stage(self._split.partition, link, stage_index, num_stages, chunks, self.checkpoint)
+        self._stage = Stage(
+            self._split.partition, link, stage_index, num_stages, chunks, self.checkpoint, self.defer_weight_grad
+        )
         self._schedule = GPipe(self._stage)
+        self._one_f_one_b = OneForwardOneBackward(self._stage, num_stages) if self.schedule == "1f1b" else None
         self._backbone_call = BackboneCall(self._schedule, self._stage.is_last, share=self._share_from_last_stage)
         self._split.partition.pipeline = self._backbone_call
         self._relay = LogRelay(self, src=self._last_stage_rank)
+
+    def _chunks(self, num_stages: int) -> int:
+        if self.chunks is not None:
+            return self.chunks
+        return 4 * num_stages if num_stages > 1 else 1
 
     @property
     def _last_stage_rank(self) -> int:
@@ -327,6 +387,69 @@ class GPipeStrategy(ParallelStrategy):
         return self.broadcast(obj, src=self._last_stage_rank)
 
     @override
+    def on_train_start(self) -> None:
+        """Check that every stage has as many training batches per epoch (see :meth:`_agree_on_batches`), and let
+        SIGTERM stop the stages at a step boundary (see :meth:`_stop_at_a_step_boundary_on_sigterm`)."""
+        self._agree_on_batches("training", [self.lightning_module.trainer.num_training_batches])
+        self._stop_at_a_step_boundary_on_sigterm()
+
+    def _stop_at_a_step_boundary_on_sigterm(self) -> None:
+        """Replace Lightning's SIGTERM handler by one without its broadcast (only in the main thread).
+
+        Lightning's handler forwards the signal to the launched processes, broadcasts from rank 0 inside the
+        handler, and marks the trainer; its training loop then broadcasts rank 0's mark at the start of every
+        batch and all ranks stop there together. Stages run different collectives at a given moment, so the
+        broadcast inside the handler can pair with another collective of another stage. This handler keeps
+        the rest: forwarding, the mark (which the loop's broadcast shares), and a handler installed before fit.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return
+        connector = self.lightning_module.trainer._signal_connector
+        previous = connector._original_handlers.get(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            if not connector.received_sigterm and self.launcher is not None:
+                self.launcher.kill(signum)
+            connector.received_sigterm = True
+            if callable(previous):
+                previous(signum, frame)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    @override
+    def on_validation_start(self) -> None:
+        """Check that every stage has as many validation batches (see :meth:`_agree_on_batches`)."""
+        self._agree_on_batches("validation", self.lightning_module.trainer._evaluation_loop.max_batches)
+
+    @override
+    def on_test_start(self) -> None:
+        """Check that every stage has as many test batches (see :meth:`_agree_on_batches`)."""
+        self._agree_on_batches("test", self.lightning_module.trainer._evaluation_loop.max_batches)
+
+    @override
+    def on_predict_start(self) -> None:
+        """Check that every stage has as many prediction batches (see :meth:`_agree_on_batches`)."""
+        self._agree_on_batches("prediction", self.lightning_module.trainer.predict_loop.max_batches)
+
+    def _agree_on_batches(self, loop: str, counts: list) -> None:
+        """Raise on every stage alike when the stages' data loaders have different numbers of batches: a stage
+        with fewer would stop while the others wait for its micro-batches (a collective call).
+
+        Raises:
+            ValueError: naming each stage's number of batches.
+        """
+        if not dist.is_initialized():
+            return
+        every = collectives.all_gather_object(counts)
+        if any(other != every[0] for other in every):
+            per_stage = ", ".join(f"{watchdog.name_of(rank)}: {n}" for rank, n in enumerate(every))
+            raise ValueError(
+                f"The stages have different numbers of {loop} batches ({per_stage}); every stage runs every batch"
+                " of the pipeline, so all stages need the same data loaders: the same dataset length, batch size,"
+                " `drop_last` and sampler on every process."
+            )
+
+    @override
     def model_to_device(self) -> None:
         """Move this stage's part of the module to its device."""
         assert self.model is not None
@@ -334,14 +457,20 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        """The fill. The last stage returns the user's loss; the others a stand-in for it.
+        """The fill; under ``schedule="1f1b"`` the whole step. The last stage returns the user's loss (under 1F1B,
+        the row-weighted combination of the micro-batches' outputs); the others a stand-in for it.
 
         Raises:
+            TypeError, ValueError: under 1F1B, for a batch or backbone input that cannot be split by rows (see
+                :meth:`~lightning_gpipe.contract.BackboneCall.micro_batch_steps`).
             RuntimeError: if the user's step does not call the backbone exactly once, or returns no
                 loss on the last stage.
             PipelineFailure: if another stage failed while this one waited for it.
         """
-        output = self._user_step("training_step", self.precision_plugin.train_step_context, args, kwargs)
+        if self._one_f_one_b is not None:
+            output = self._one_f_one_b_step(args, kwargs)
+        else:
+            output = self._user_step("training_step", self.precision_plugin.train_step_context, args, kwargs)
         if not self._stage.is_last:
             # Lightning runs `backward` (the drain) only for a step that returned a loss
             return torch.zeros((), device=self.root_device, requires_grad=True)
@@ -352,12 +481,35 @@ class GPipeStrategy(ParallelStrategy):
             )
         return output
 
+    def _one_f_one_b_step(self, args: tuple, kwargs: dict) -> Any:
+        """The whole 1F1B step; its gradients are kept apart until :meth:`backward` (Lightning zeroes the
+        previous step's in between, on the first batch of an accumulation window: those are freed at once)."""
+        module = self.lightning_module
+        trainer = module.trainer
+        zeroed = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0  # as Lightning's loop
+        gradients = self._step_gradients.computing(list(module.parameters()), zeroed_after=zeroed)
+        watchdog.begin_step(f"step {trainer.global_step}")  # as _user_step
+        with self.precision_plugin.train_step_context(), failure.reporting(), gradients:
+            return self._backbone_call.micro_batch_steps(
+                module, "training_step", args, kwargs, self._one_f_one_b, self._backward_micro_batch
+            )
+
+    def _backward_micro_batch(self, loss: Tensor) -> None:
+        """Backpropagate one micro-batch's weighted loss (1F1B) as Lightning's backward does a step's: divided by
+        ``accumulate_grad_batches``, scaled by the precision plugin's gradient scaler if it has one, through
+        ``LightningModule.backward``; without the step's ``on_before_backward`` hooks, which :meth:`backward` runs."""
+        loss = loss / self.lightning_module.trainer.accumulate_grad_batches
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        self.precision_plugin.backward(scaler.scale(loss) if scaler is not None else loss, self.lightning_module, None)
+
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
         """The drain: the last stage backpropagates the loss to its boundary, then every stage its micro-batches.
 
         The loss goes through the precision plugin (so loss scaling applies to the whole pipeline);
-        ``on_after_backward`` runs once all of this stage's gradients are accumulated.
+        ``on_after_backward`` runs once all of this stage's gradients are accumulated. Under ``schedule="1f1b"``
+        the gradients were computed in :meth:`training_step`: they are added to ``.grad`` here, between
+        ``on_before_backward`` (which sees the step's loss) and ``on_after_backward``.
 
         Raises:
             PipelineFailure: if another stage failed while this one waited for it.
@@ -365,13 +517,17 @@ class GPipeStrategy(ParallelStrategy):
         module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        if self._stage.is_last:
-            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        with self.precision_plugin.train_step_context():  # re-materialization recomputes as the fill computed
-            self._schedule.backward()
+        if self._one_f_one_b is not None:
+            self._step_gradients.hand_over()
+        else:
+            if self._stage.is_last:
+                self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+            with self.precision_plugin.train_step_context(), failure.reporting():  # recompute as the fill did
+                self._schedule.backward()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
-        self._relay(module.trainer)
+        with self._stage.events.span("relay"):
+            self._relay(module.trainer)
         return closure_loss
 
     @override
@@ -414,7 +570,8 @@ class GPipeStrategy(ParallelStrategy):
 
     def _user_step(self, hook: str, context: Callable, args: tuple, kwargs: dict) -> Any:
         step = getattr(self.lightning_module, hook)
-        with context():
+        watchdog.begin_step(f"step {self.lightning_module.trainer.global_step}")
+        with context(), failure.reporting():
             return self._backbone_call.user_step(hook, lambda: step(*args, **kwargs))
 
     @override
@@ -430,23 +587,24 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        """Wait until every process reaches this point."""
+        """Wait until every process reaches this point.
+
+        Raises:
+            PipelineFailure: if another process failed or stalled while this one waited for it.
+        """
         if dist.is_initialized():
-            dist.barrier()
+            collectives.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Send the picklable ``obj`` from global rank ``src`` to every process.
 
         Raises:
-            PipelineFailure: if another process failed while this one waited for it.
+            PipelineFailure: if another process failed or stalled while this one waited for it.
         """
         if not dist.is_initialized():
             return obj
-        payload = [obj]
-        with failure.as_pipeline_failure():
-            dist.broadcast_object_list(payload, src)
-        return payload[0]
+        return collectives.broadcast_object(obj, src)
 
     @property
     @override
@@ -465,7 +623,7 @@ class GPipeStrategy(ParallelStrategy):
         local = self.lightning_module.state_dict()
         if self.state_dict_type == "sharded":
             return local
-        return state_dict.gather_union(local, self.global_rank) or {}
+        return state_dict.gather_union(local) or {}
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -477,29 +635,33 @@ class GPipeStrategy(ParallelStrategy):
         local = state_dict.optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
         if self.state_dict_type == "sharded":
             return local
-        return state_dict.gather_union(local, self.global_rank) or {}
+        return state_dict.gather_union(local) or {}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write a checkpoint: one file from global rank 0 (``"full"``), or a directory from all stages (``"sharded"``).
 
-        Both replace an existing checkpoint at ``filepath`` only once the new one is complete.
+        Both replace an existing checkpoint at ``filepath`` only once the new one is complete. Stages waiting for
+        the writers meanwhile do not count the wait as a stall.
         """
-        if self.state_dict_type == "sharded":
-            state_dict.save_sharded(checkpoint, filepath, self.global_rank)
-        else:
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        with watchdog.unbounded("writing a checkpoint"):
+            if self.state_dict_type == "sharded":
+                state_dict.save_sharded(checkpoint, filepath, self.global_rank)
+            else:
+                super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Read a full checkpoint file on every stage, or this stage's part of a sharded checkpoint directory."""
         if not state_dict.is_sharded(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            with watchdog.unbounded("reading a checkpoint"):
+                return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         module = self.lightning_module
         template: dict[str, Any] = {"state_dict": module.state_dict()}
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             template["optimizer_states"] = [self.optimizer_state(optimizer) for optimizer in self.optimizers]
-        return state_dict.load_sharded(checkpoint_path, template)
+        with watchdog.unbounded("reading a checkpoint"):
+            return state_dict.load_sharded(checkpoint_path, template)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -526,8 +688,15 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Publish the exception so that the other stages exit naming it instead of hanging."""
-        failure.report(exception)
+        """Publish the exception so that the other stages exit naming it instead of hanging.
+
+        Lightning's ``SIGTERMException`` is not published: every stage raises it at the same step, by agreement.
+        Then it waits (a few seconds at most) until every process has read the cause (see
+        :func:`~lightning_gpipe.failure.linger`).
+        """
+        if not isinstance(exception, SIGTERMException):
+            failure.report(exception)
+            failure.linger()
 
     @override
     def teardown(self) -> None:
@@ -541,13 +710,18 @@ class GPipeStrategy(ParallelStrategy):
         full = None
         if self._split is not None and module is not None:
             if module.trainer.state.status != TrainerStatus.INTERRUPTED and self._whole_before_split:
-                full = state_dict.gather_union(module.state_dict(), self.global_rank)
+                full = state_dict.gather_union(module.state_dict())
             LogRelay.unwrap_epoch_end_hooks(module)
+            if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+                module.to_empty(device="cpu")  # materialize failed; Lightning's teardown cannot move meta tensors
         super().teardown()
         if self._split is not None:
             self._split.undo(full)
             revert_deferred_batch_norm(self._split.sequential)
             self._split = self._stage = self._schedule = self._backbone_call = self._relay = None
+            self._one_f_one_b = None
+        watchdog.stop()
+        failure.detach()
 
     @classmethod
     @override
@@ -560,12 +734,22 @@ class GPipeStrategy(ParallelStrategy):
 
 
 def _check_arguments(
-    balance: Any, balance_memory_limit: Any, chunks: Any, checkpoint: Any, start_method: Any, state_dict_type: Any
+    balance: Any,
+    balance_memory_limit: Any,
+    chunks: Any,
+    checkpoint: Any,
+    start_method: Any,
+    state_dict_type: Any,
+    schedule: Any,
 ) -> None:
     if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
         raise ValueError(f"GPipeStrategy(chunks={chunks!r}): chunks is the number of micro-batches, an integer >= 1.")
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"GPipeStrategy(checkpoint={checkpoint!r}): choose one of {', '.join(CHECKPOINT_MODES)}.")
+    if schedule not in ("gpipe", "1f1b"):
+        raise ValueError(
+            f"GPipeStrategy(schedule={schedule!r}): choose 'gpipe' (fill-drain) or '1f1b' (one forward, one backward)."
+        )
     if start_method not in ("popen", "spawn"):
         raise ValueError(f"GPipeStrategy(start_method={start_method!r}): choose 'popen' or 'spawn'.")
     if state_dict_type not in ("full", "sharded"):
@@ -590,3 +774,12 @@ def _check_arguments(
             f"GPipeStrategy(balance={balance!r}, balance_memory_limit=...): the memory limit steers an automatic"
             " balance; use balance='time' (or 'params', 'memory') with it, or drop the limit."
         )
+
+
+def _checked_stall_timeout(stall_timeout: Any) -> Optional[timedelta]:
+    if stall_timeout is not None and (not isinstance(stall_timeout, timedelta) or stall_timeout <= timedelta(0)):
+        raise ValueError(
+            f"GPipeStrategy(stall_timeout={stall_timeout!r}): give how long a stage may wait for another as a positive"
+            " `datetime.timedelta`, e.g. timedelta(minutes=5), or None to leave only the process group's `timeout`."
+        )
+    return stall_timeout

@@ -135,8 +135,9 @@ LANES = ("compute", "transfer", "idle")
 
 
 def label(span: Span) -> str:
-    """Short name of a span as in the GPipe paper's Figure 2: ``F3``, ``R3``, ``B3``; else its kind."""
-    prefix = {"forward": "F", "recompute": "R", "backward": "B"}.get(span.kind)
+    """Short name of a span as in the GPipe paper's Figure 2: ``F3``, ``R3``, ``B3`` (and zero-bubble's ``W3``, the
+    deferred weight gradient); else its kind."""
+    prefix = {"forward": "F", "recompute": "R", "backward": "B", "weight": "W"}.get(span.kind)
     if prefix is None or span.micro_batch is None:
         return span.kind if span.micro_batch is None else f"{span.kind} {span.micro_batch}"
     return f"{prefix}{span.micro_batch}"

@@ -19,6 +19,8 @@ one computes, all payload tensors of a micro-batch at once, and a gradient befor
 the drain needs it. Sends are asynchronous and overlap compute. Works with any
 torch.distributed backend that has ``isend``/``irecv`` (gloo on CPU, NCCL on GPU);
 receives are posted in the order the matching sends are issued, as NCCL needs.
+Waits go through :func:`lightning_gpipe.waiting.wait`, so a stage waiting for a neighbour handles
+signals and names a failed or stalled neighbour.
 
 Every send and every wait is recorded as a ``send`` or ``recv`` span of the link's
 :class:`~lightning_gpipe.events.Recorder` (shared with its stage), for the pipeline callbacks.
@@ -32,9 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gpipe import microbatch
+from lightning_gpipe import microbatch, waiting, watchdog
 from lightning_gpipe.events import Recorder
-from lightning_gpipe.failure import as_pipeline_failure
 from lightning_gpipe.microbatch import Value
 
 Meta = tuple[torch.Size, torch.dtype]
@@ -113,7 +114,7 @@ class Link:
         if self._next_header is None:
             self._next_header = self._post_header()
         work, header_tensor = self._next_header
-        _wait([work])
+        _wait([work], self.prev_rank)
         header = header_tensor.tolist()
         count, index, is_tuple, n = header[:4]
         buffers, pos = [], 4
@@ -126,7 +127,7 @@ class Link:
         works = [dist.irecv(buffer, self.prev_rank) for buffer, _ in buffers]
         # posted after this micro-batch's payload, so it matches the next header on any backend
         self._next_header = self._post_header() if index + 1 < count else None
-        _wait(works)
+        _wait(works, self.prev_rank)
         self.events.add("recv", index, start, time.perf_counter())
         tensors = [buffer.view(dtype) for buffer, dtype in buffers]
         return (tuple(tensors) if is_tuple else tensors[0]), count
@@ -154,7 +155,7 @@ class Link:
         """
         works, buffers = self._grads.pop(0)
         with self.events.span("recv", index):
-            _wait(works)
+            _wait(works, self.next_rank)
         return buffers
 
     def flush(self) -> None:
@@ -165,7 +166,7 @@ class Link:
         """
         pending, self._pending_sends = self._pending_sends, []
         with self.events.span("send"):
-            _wait([work for work, _ in pending])
+            _wait([work for work, _ in pending], None)
 
     def _isend(self, tensor: Tensor, dst: Optional[int]) -> None:
         # the tensor is kept alive with its work until the send completes
@@ -181,7 +182,6 @@ def _wire(tensor: Tensor) -> Tensor:
     return tensor.view(torch.uint8) if tensor.dtype is torch.bool else tensor
 
 
-def _wait(works: list[dist.Work]) -> None:
-    with as_pipeline_failure():
-        for work in works:
-            work.wait()
+def _wait(works: list[dist.Work], peer: Optional[int]) -> None:
+    """Wait for ``works`` of transfers with global rank ``peer`` (``None``: both neighbours), interruptibly."""
+    waiting.wait(works, watchdog.name_of(peer))

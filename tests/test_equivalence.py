@@ -13,8 +13,16 @@ CHUNKS = (1, 3, 8)
 MODES = ("always", "except_last", "never")
 
 
+@pytest.fixture(scope="module")
+def reference_1f1b_state():
+    """Single-device TupleNet trained on the 1F1B runs' data: batches of 25, 25 and 2 rows."""
+    from rowwise import fit_batches
+
+    return fit_batches(batch_size=25).lightning_module.state_dict()
+
+
 @pytest.mark.parametrize("stages", [2, 3, 4])
-def test_pipeline_equals_single_device(stages, reference_state, tmp_path):
+def test_pipeline_equals_single_device(stages, reference_state, reference_1f1b_state, tmp_path):
     result = run_worker("equivalence.py", str(tmp_path), f"--devices={stages}", timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     for chunks in CHUNKS:
@@ -25,6 +33,10 @@ def test_pipeline_equals_single_device(stages, reference_state, tmp_path):
                 torch.testing.assert_close(state[key], expected, rtol=0, atol=1e-5, msg=f"{key}, M={chunks}, {mode}")
     threads = {int((tmp_path / f"threads_rank{r}.txt").read_text()) for r in range(stages)}
     assert threads == {max(1, (torch.multiprocessing.cpu_count() or 1) // stages)}
+    for mode in MODES:  # schedule="1f1b", M = 4 >= K (uneven: 7, 6, 6, 6 rows), then M = 2 < K when K > 2
+        state_1f1b = torch.load(tmp_path / f"1f1b_{mode}.pt")
+        for key, expected in reference_1f1b_state.items():
+            torch.testing.assert_close(state_1f1b[key], expected, rtol=0, atol=1e-5, msg=f"{key}, 1f1b, {mode}")
     module = TupleNet()
     module.load_state_dict(state)  # the last configuration trained
     expected = [module.predict_step(batch, i).detach() for i, batch in enumerate(loader())]

@@ -114,3 +114,14 @@ def test_a_prediction_exports_and_draws_like_a_measurement():
     )
     figure = draw_timeline(prediction.trace)
     assert [label.get_text() for label in figure.axes[0].get_yticklabels()] == ["stage 0", "stage 1"]
+
+
+def test_a_deferred_weight_gradient_shortens_the_step_by_one_weight_gradient():
+    """F=1, B+W=3 with W=1, M=4: stage 0 starts its drain after stage 1's B (2), not its whole backward (3)."""
+    plain = [StageCost(1.0, 3.0), StageCost(1.0, 3.0)]
+    deferred = [StageCost(1.0, 3.0), StageCost(1.0, 3.0, weight=1.0)]  # the first stage sends nothing back
+    assert simulate(plain, 4, "never").step_time == pytest.approx(20.0)  # (M + K - 1) (F + B + W)
+    prediction = simulate(deferred, 4, "never")
+    assert prediction.step_time == pytest.approx(19.0)
+    kinds = [(s.kind, s.micro_batch) for s in prediction.trace.stages[1].spans if s.kind in ("backward", "weight")]
+    assert kinds[:3] == [("backward", 3), ("weight", 3), ("backward", 2)]

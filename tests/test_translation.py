@@ -257,17 +257,21 @@ def test_greedy_decode_writes_the_target_language() -> None:
 
 
 def test_example_trains_on_two_stages_and_logs_bleu_and_throughput(tmp_path) -> None:
-    """`train.py fit` from a directory with no shared data beside it: 2 stages, shipped subset, CSV metrics."""
+    """`train.py fit` from a directory with no shared data beside it: 2 stages, shipped subset, CSV metrics under
+    ``--trainer.default_root_dir``, a model summary of the whole model and its split."""
     script = EXAMPLE / "train.py"
+    cwd, root = tmp_path / "cwd", tmp_path / "runs"
+    cwd.mkdir()
     result = subprocess.run(
         [sys.executable, str(script), "fit", "--trainer.max_steps=3", "--trainer.devices=2",
          "--trainer.val_check_interval=3", "--trainer.log_every_n_steps=1", "--data.max_tokens=400",
-         "--data.val_rows=2", "--model.max_new_tokens=2"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+         "--data.val_rows=2", "--model.max_new_tokens=2", f"--trainer.default_root_dir={root}"],
+        cwd=cwd, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in result.stderr
-    (metrics,) = tmp_path.glob("lightning_logs/translation/version_*/metrics.csv")
+    assert list(cwd.iterdir()) == []  # nothing in the working directory: logs follow default_root_dir
+    (metrics,) = root.glob("lightning_logs/translation/version_*/metrics.csv")
     with open(metrics) as f:
         rows = list(csv.DictReader(f))
     losses = [float(row["train_loss"]) for row in rows if row.get("train_loss")]
@@ -278,3 +282,47 @@ def test_example_trains_on_two_stages_and_logs_bleu_and_throughput(tmp_path) -> 
     tokens = [float(row["throughput/lengths"]) for row in rows if row.get("throughput/lengths")]  # tokens so far
     assert len(tokens) == 3 and 0 < tokens[0] < tokens[1] < tokens[2]
     assert all(0 <= float(row["pipeline/bubble"]) < 1 for row in rows if row.get("pipeline/bubble"))
+    # the summary at fit start: the whole model's parameters, then the 9 backbone layers split over the stages
+    with torch.device("meta"):
+        module = TranslationModule(**yaml.safe_load((EXAMPLE / "configs" / "cpu.yaml").read_text())["model"])
+    total = sum(parameter.numel() for parameter in module.parameters())
+    output = result.stderr + result.stdout
+    assert f"{total / 1e6:.1f} M     Total params" in output and output.count("Total params") == 1
+    lines = output.splitlines()
+    split = lines.index("Split into 2 pipeline stages (the last one also holds the modules after the backbone):")
+    stages = [[cell.strip() for cell in line.split("|")] for line in lines[split + 3 : split + 5]]
+    assert [stage[0] for stage in stages] == ["0", "1"] and stages[0][1].startswith("0-")
+    first_of_second = int(stages[1][1].split("-")[0]) if "-" in stages[1][1] else int(stages[1][1])
+    assert first_of_second == int(stages[0][2]) and int(stages[0][2]) + int(stages[1][2]) == 9
+
+
+def test_prepare_multi30k_turns_the_release_into_the_data_modules_files(tmp_path) -> None:
+    """The release's gzipped line-aligned text files (here written from the shipped subset) become JSON Lines rows
+    that ``--data.data_dir`` reads, equal to the rows they came from."""
+    import gzip
+
+    from translation.prepare_multi30k import convert
+
+    shipped = {name: [json.loads(line) for line in (EXAMPLE / "data" / f"{name}.jsonl").read_text().splitlines()]
+               for name in ("train", "validation")}  # fmt: skip
+    expected = {**shipped, "test_2016_flickr": shipped["validation"][:50]}
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for name, split in (("train", "train"), ("val", "validation"), ("test_2016_flickr", "test_2016_flickr")):
+        for language in LANGUAGES:
+            lines = "".join(f"{row[language]} \n" for row in expected[split])  # trailing space: stripped
+            if split == "validation" and language == "en":
+                (raw / f"{name}.{language}").write_text(lines, encoding="utf-8")  # uncompressed is read too
+            else:
+                with gzip.open(raw / f"{name}.{language}.gz", "wt", encoding="utf-8") as f:
+                    f.write(lines)
+    assert convert(raw, tmp_path / "out") == {split: len(rows) for split, rows in expected.items()}
+    for split, rows in expected.items():
+        written = [json.loads(line) for line in (tmp_path / "out" / f"{split}.jsonl").read_text().splitlines()]
+        assert written == [{"id": i, **{lang: row[lang] for lang in LANGUAGES}} for i, row in enumerate(rows)]
+    datamodule = tiny_datamodule(data_dir=str(tmp_path / "out"), val_split="test_2016_flickr", val_rows=None)
+    datamodule.setup("fit")
+    assert len(datamodule.train_set) > 0 and sum(len(b) for b in datamodule.val_set.batches) == 50 * len(DIRECTIONS)
+    (raw / "val.fr.gz").write_bytes(gzip.compress("one line\n".encode()))
+    with pytest.raises(ValueError, match="val: the languages have different numbers of lines"):
+        convert(raw, tmp_path / "again")

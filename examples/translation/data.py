@@ -169,8 +169,9 @@ class TranslationDataModule(LightningDataModule):
 
     Args:
         data_dir: directory holding ``<train_split>.jsonl`` and ``<val_split>.jsonl`` (columns ``en``, ``de``,
-            ``fr``, ``cs``). Default: the subset shipped next to this file. Full data:
-            ``../shared/data/multi30k``.
+            ``fr``, ``cs``). Default: the subset shipped next to this file. The full Multi30k: make the files
+            from its release with ``prepare_multi30k.py`` (or use ``../shared/data/multi30k`` beside this
+            repository).
         dataset_name: a Hugging Face Hub dataset with the same columns, loaded with
             ``datasets.load_dataset(dataset_name)`` instead of ``data_dir`` (needs network access).
         tokenizer_file: the shared vocabulary (``tokenizer.json``). Default: the shipped one.

@@ -5,7 +5,8 @@ Usage (from the repository root)::
     python examples/translation/train.py fit
     python examples/translation/train.py fit --trainer.max_steps=20 --trainer.devices=2
     python examples/translation/train.py fit --config examples/translation/configs/multi30k_30min.yaml
-    python examples/translation/train.py fit --data.data_dir=../shared/data/multi30k
+    python examples/translation/train.py fit --data.data_dir=PATH/TO/multi30k
+    python examples/translation/train.py fit --trainer.default_root_dir=runs/first
     python examples/translation/train.py predict --ckpt_path=PATH.ckpt \\
         --data.predict_sentences='["A dog runs on the beach."]' --data.predict_target=de
 
@@ -15,7 +16,10 @@ the shipped Multi30k subset, batches of up to 4,096 tokens per side,
 ``strategy="gpipe"`` on 2 CPU processes, 20 steps, validation (loss,
 perplexity, SacreBLEU per direction) every 20 steps on 50 rows, token
 throughput and pipeline bubble (``PipelineThroughput``), CSV logs and
-checkpoints under ``lightning_logs/translation/version_N/``.
+checkpoints under ``<default_root_dir>/lightning_logs/translation/version_N/``
+(``default_root_dir``: the working directory unless ``--trainer.default_root_dir``
+is given; a ``--trainer.logger.save_dir`` of your own replaces
+``<default_root_dir>/lightning_logs``).
 """
 
 import sys
@@ -23,9 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser
 
 import lightning_gpipe  # noqa: F401  (registers the "gpipe" strategy)
+from example_cli import DEFAULT_ROOT_DIR, ExampleCLI
 from lightning_gpipe.callbacks import PipelineThroughput
 from translation.callbacks import PrintTranslations, batch_tokens
 from translation.data import TranslationDataModule
@@ -44,17 +49,18 @@ TRAINER_DEFAULTS = {
     "gradient_clip_val": 1.0,
     "logger": {
         "class_path": "lightning.pytorch.loggers.CSVLogger",
-        "init_args": {"save_dir": "lightning_logs", "name": "translation"},
+        "init_args": {"save_dir": f"{DEFAULT_ROOT_DIR}/lightning_logs", "name": "translation"},
     },
 }
-"""Trainer settings used unless overridden by ``--trainer.*`` or a config file."""
+"""Trainer settings used unless overridden by ``--trainer.*`` or a config file. The logger's ``save_dir`` starts
+at the Trainer's ``default_root_dir`` (see ``example_cli.py``)."""
 
 CALLBACKS = {"callbacks": [PipelineThroughput(length_fn=batch_tokens), PrintTranslations()]}
 """Callbacks added to every run, besides those of ``--trainer.callbacks``: tokens per second, pipeline bubble
 and stage efficiency (logged every ``log_every_n_steps``), and printing ``predict`` output."""
 
 
-class TranslationCLI(LightningCLI):
+class TranslationCLI(ExampleCLI):
     """LightningCLI whose ``--data.tokenizer_file`` also sets the model's vocabulary."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -62,13 +68,24 @@ class TranslationCLI(LightningCLI):
         parser.link_arguments("data.tokenizer_file", "model.tokenizer_file")
 
 
-def main() -> None:
-    """Parse the command line and run the chosen LightningCLI subcommand."""
-    TranslationCLI(
+def main(args: list[str] | None = None, run: bool = True) -> TranslationCLI:
+    """Parse the command line (or ``args``) and run the chosen LightningCLI subcommand.
+
+    Args:
+        args: the arguments to parse instead of ``sys.argv[1:]``.
+        run: run a subcommand (``fit``, ``predict``, ...); with ``False`` only build the model, data and
+            Trainer from ``args`` (no subcommand then).
+
+    Returns:
+        The CLI, with the ``model``, ``datamodule`` and ``trainer`` it built.
+    """
+    return TranslationCLI(
         TranslationModule,
         TranslationDataModule,
         trainer_defaults={**TRAINER_DEFAULTS, **CALLBACKS},
         seed_everything_default=0,
+        args=args,
+        run=run,
     )
 
 

@@ -3,8 +3,8 @@
 Every stage process runs the same callbacks, so each hook runs on every stage. While a training batch
 runs, the stage's :class:`~lightning_gpipe.events.Recorder` is on; at the batch's end, the stage's spans
 become a :class:`~lightning_gpipe.trace.StageTrace` and, for the steps some callback asks for, every stage
-sends its trace to global rank 0 (``torch.distributed.gather_object``, one collective per step whatever the
-number of callbacks asking). Under a strategy other than ``GPipeStrategy`` the callbacks do nothing.
+sends its trace to global rank 0 (:func:`lightning_gpipe.collectives.gather_object`, one collective per step
+whatever the number of callbacks asking). Under a strategy other than ``GPipeStrategy`` the callbacks do nothing.
 """
 
 import os
@@ -14,11 +14,10 @@ from typing import Any
 from weakref import WeakKeyDictionary
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_gpipe import failure
+from lightning_gpipe import collectives
 from lightning_gpipe.stage import Stage
 from lightning_gpipe.strategy import GPipeStrategy
 from lightning_gpipe.trace import StageTrace, StepTrace
@@ -69,9 +68,7 @@ class _Collector:
         """
         if self.gathered[0] != self.batch:
             local = self.batch_end()
-            parts = [None] * dist.get_world_size() if self.strategy.is_global_zero else None
-            with failure.as_pipeline_failure():
-                dist.gather_object(local, parts, dst=0)
+            parts = collectives.gather_object(local, dst=0)
             step = StepTrace(self.batch, sorted(parts, key=lambda s: s.stage)) if parts is not None else None
             self.gathered = (self.batch, step)
         return self.gathered[1]

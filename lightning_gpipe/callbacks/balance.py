@@ -26,7 +26,9 @@ class StageLoad:
         stage: pipeline rank.
         layers: backbone layers of the stage.
         parameters: parameter elements of those layers.
-        forward, recompute, backward: seconds per step.
+        forward: seconds per step of forwards.
+        recompute: seconds per step of re-materializations.
+        backward: seconds per step of backwards (deferred weight gradients included).
         loss: seconds per step of the last stage's head and loss (0 elsewhere).
         waiting: seconds per step blocked on a transfer.
         activation_bytes: peak bytes of kept inputs and saved activations in a step.
@@ -61,9 +63,9 @@ def stage_loads(steps: Sequence[StepTrace]) -> list[StageLoad]:
                 parameters=first.parameters,
                 forward=mean["forward"],
                 recompute=mean["recompute"],
-                backward=mean["backward"],
+                backward=mean["backward"] + mean["weight"],
                 loss=mean["loss"],
-                waiting=mean["recv"] + mean["send"],
+                waiting=mean["recv"] + mean["send"] + mean["relay"],
                 activation_bytes=max(t.peak_activation_bytes for t in traces),
             )
         )

@@ -41,8 +41,10 @@ class PipelineThroughput(PipelineCallback):
     step (one small collective per step) to measure:
 
     - ``pipeline/bubble``: the mean share of the step the stages are not busy (see :mod:`lightning_gpipe.trace`);
-    - ``pipeline/efficiency/stage{k}``: stage k's busy time (forward, recompute, backward, loss, optimizer)
-      over the step's wall time.
+    - ``pipeline/bubble_ideal``: the schedule's bubble with equal stages and free transfers, ``(K - 1) / (M + K - 1)``
+      (GPipe, section 2.2), beside the measured one: the gap is imbalance, transfers and per-step overhead;
+    - ``pipeline/efficiency/stage{k}``: stage k's busy time (forward, recompute, backward, weight, loss,
+      optimizer) over the step's wall time.
 
     Both are averaged over the last ``window_size`` steps. Logged on global rank 0 every
     ``trainer.log_every_n_steps`` training batches, with Lightning's throughput metrics under ``throughput/``
@@ -127,5 +129,7 @@ class PipelineThroughput(PipelineCallback):
         efficiency = [sum(busy[k] for _, busy in self._shares) / wall for k in range(len(step.stages))]
         self.metrics = {f"throughput/{name}": value for name, value in self.throughput.compute().items()}
         self.metrics["pipeline/bubble"] = 1 - sum(efficiency) / len(efficiency)
+        stages, micro_batches = len(step.stages), max(step.micro_batches, 1)
+        self.metrics["pipeline/bubble_ideal"] = (stages - 1) / (micro_batches + stages - 1)
         self.metrics.update({f"pipeline/efficiency/stage{k}": e for k, e in enumerate(efficiency)})
         log_metrics(trainer, self.metrics)

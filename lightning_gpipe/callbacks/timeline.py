@@ -3,27 +3,34 @@
 import json
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_gpipe.callbacks._pipeline import PipelineCallback, log_dir
+from lightning_gpipe.events import TRANSFER
 from lightning_gpipe.trace import StepTrace
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 COLORS = {
     "forward": "#4c72b0",
     "recompute": "#a1c9f4",
     "backward": "#55a868",
+    "weight": "#8de5a1",
     "loss": "#8172b2",
     "optimizer": "#937860",
     "recv": "#c44e52",
     "send": "#ff9f9b",
+    "relay": "#fab0e4",
     "idle": "#e5e5e5",
 }
 """Colour of each span kind in :func:`draw_timeline`."""
 
 
-def draw_timeline(step: StepTrace, title: str | None = None):
+def draw_timeline(step: StepTrace, title: str | None = None) -> "Figure":
     """A Gantt chart of one step like the GPipe paper's Figure 2 (Huang et al. 2019).
 
     One row per stage (stage 0 on top), time in milliseconds from the step's start. Each row has a compute
@@ -52,7 +59,7 @@ def draw_timeline(step: StepTrace, title: str | None = None):
         axes.broken_barh(idle, (row + 0.25, 0.6), facecolors=COLORS["idle"])
         for span in stage.spans:
             start, width = (span.start - step.start) * scale, (span.end - span.start) * scale
-            if span.kind in ("send", "recv"):
+            if span.kind in TRANSFER:
                 axes.broken_barh([(start, width)], (row + 0.05, 0.15), facecolors=COLORS[span.kind])
                 continue
             axes.broken_barh([(start, width)], (row + 0.25, 0.6), facecolors=COLORS[span.kind], edgecolor="white")

@@ -1,9 +1,12 @@
-"""Distributed worker: pipelined training of TupleNet for every (chunks, checkpoint) on K stages.
+"""Distributed worker: pipelined training of TupleNet for every (chunks, checkpoint) on K stages, every other
+configuration with deferred weight gradients (``defer_weight_grad=True``).
 
 Usage: python equivalence.py OUT_DIR  (run with Lightning's launcher: K = --devices)
 Writes OUT_DIR/M{chunks}_{checkpoint}.pt (rank 0's module after fit: the full state dict),
 OUT_DIR/threads_rank{r}.txt (torch threads of each stage process) and OUT_DIR/predictions_rank{r}.pt
-(what `trainer.predict` returns on each rank with the last trained module).
+(what `trainer.predict` returns on each rank with the last trained module), and OUT_DIR/1f1b_{checkpoint}.pt
+(``schedule="1f1b"`` on batches of 25, 25 and 2 rows, 4 micro-batches: M >= K, uneven (7, 6, 6, 6), then
+M = 2 < K for K > 2).
 """
 
 import argparse
@@ -17,6 +20,7 @@ import torch  # noqa: E402
 import lightning_gpipe  # noqa: E402
 import lightning as L  # noqa: E402
 from models import fit, loader, trainer_kwargs  # noqa: E402
+from rowwise import fit_batches  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -24,14 +28,20 @@ parser.add_argument("--devices", type=int, required=True)
 parser.add_argument("--chunks", type=int, nargs="+", default=[1, 3, 8])
 args = parser.parse_args()
 
-for chunks in args.chunks:
-    for checkpoint in ("always", "except_last", "never"):
-        strategy = lightning_gpipe.GPipeStrategy(chunks=chunks, checkpoint=checkpoint)
-        module = fit(strategy=strategy, devices=args.devices)
-        if strategy.global_rank == 0:
-            torch.save(module.state_dict(), os.path.join(args.out, f"M{chunks}_{checkpoint}.pt"))
+configs = [(chunks, checkpoint) for chunks in args.chunks for checkpoint in ("always", "except_last", "never")]
+for i, (chunks, checkpoint) in enumerate(configs):
+    # every other configuration defers weight gradients, so both drains meet every checkpoint mode
+    strategy = lightning_gpipe.GPipeStrategy(chunks=chunks, checkpoint=checkpoint, defer_weight_grad=i % 2 == 1)
+    module = fit(strategy=strategy, devices=args.devices)
+    if strategy.global_rank == 0:
+        torch.save(module.state_dict(), os.path.join(args.out, f"M{chunks}_{checkpoint}.pt"))
 rank = strategy.global_rank
 with open(os.path.join(args.out, f"threads_rank{rank}.txt"), "w") as f:
     f.write(str(torch.get_num_threads()))
 trainer = L.Trainer(strategy=lightning_gpipe.GPipeStrategy(chunks=3), devices=args.devices, **trainer_kwargs())
 torch.save(trainer.predict(module, loader()), os.path.join(args.out, f"predictions_rank{rank}.pt"))
+for checkpoint in ("always", "except_last", "never"):
+    strategy = lightning_gpipe.GPipeStrategy(chunks=4, checkpoint=checkpoint, schedule="1f1b")
+    state = fit_batches(strategy, args.devices, batch_size=25).lightning_module.state_dict()
+    if rank == 0:
+        torch.save(state, os.path.join(args.out, f"1f1b_{checkpoint}.pt"))

@@ -1,0 +1,43 @@
+"""The LightningCLI both examples use: a logger's ``save_dir`` may start at the Trainer's ``default_root_dir``.
+
+Lightning's own default logger writes under ``default_root_dir``, but a logger given in a config (``CSVLogger``
+here) needs a ``save_dir`` of its own, so ``--trainer.default_root_dir=DIR`` alone would not move the logs. The
+examples' loggers therefore say ``save_dir: <default_root_dir>/lightning_logs``: :data:`DEFAULT_ROOT_DIR` at the
+start of any logger's ``save_dir`` is replaced with ``--trainer.default_root_dir`` (the working directory when it
+is not given) before the Trainer is built, so metrics and checkpoints go to ``DIR/lightning_logs/<name>/version_N``.
+A ``save_dir`` without it (``--trainer.logger.save_dir=logs``) is used as it is.
+"""
+
+import os
+from typing import Any
+
+from lightning.pytorch.cli import LightningCLI
+
+DEFAULT_ROOT_DIR = "<default_root_dir>"
+"""Stands for ``trainer.default_root_dir`` at the start of a logger's ``save_dir``."""
+
+
+def follow_default_root_dir(config: Any) -> None:
+    """Replace :data:`DEFAULT_ROOT_DIR` at the start of each logger's ``save_dir`` in a parsed ``config``.
+
+    Args:
+        config: the parsed configuration of one subcommand (a ``jsonargparse.Namespace`` with a ``trainer``
+            entry); changed in place. Loggers given as ``true``, ``false`` or without ``save_dir`` are left alone.
+    """
+    trainer = config.trainer
+    root = trainer.default_root_dir or os.getcwd()
+    loggers = trainer.logger if isinstance(trainer.logger, list) else [trainer.logger]
+    for logger in loggers:
+        init_args = getattr(logger, "init_args", None)
+        save_dir = getattr(init_args, "save_dir", None)
+        if isinstance(save_dir, str) and save_dir.startswith(DEFAULT_ROOT_DIR):
+            rest = save_dir[len(DEFAULT_ROOT_DIR) :].lstrip("/\\")
+            init_args.save_dir = os.path.join(root, rest) if rest else root
+
+
+class ExampleCLI(LightningCLI):
+    """``LightningCLI`` whose loggers' ``save_dir`` may start with :data:`DEFAULT_ROOT_DIR`."""
+
+    def before_instantiate_classes(self) -> None:
+        """Resolve :data:`DEFAULT_ROOT_DIR` in the loggers' ``save_dir`` before the Trainer is built."""
+        follow_default_root_dir(self.config[self.subcommand] if self.subcommand else self.config)

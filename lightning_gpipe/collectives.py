@@ -1,0 +1,107 @@
+"""The collectives the package makes, on the default process group, through the interruptible waits.
+
+Each one is posted with ``async_op=True`` and waited for with :func:`lightning_gpipe.waiting.wait`, so a
+stage waiting in a collective handles signals and names a failed or stalled stage
+(torch's ``broadcast_object_list`` and ``gather_object`` block in C++ instead). Objects travel
+as pickled bytes in a uint8 tensor after their sizes, as in torch's object collectives.
+
+Not covered: the collectives inside ``torch.distributed.checkpoint`` (sharded checkpoints) and
+Lightning's own (its per-step SIGTERM broadcast); they block until the process group's ``timeout``.
+"""
+
+import pickle
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_gpipe.waiting import EVERY_STAGE, wait
+
+
+def barrier() -> None:
+    """Wait until every process reaches this point.
+
+    Raises:
+        PipelineFailure: if another process failed or stalled meanwhile.
+    """
+    wait([dist.barrier(async_op=True)], EVERY_STAGE)
+
+
+def all_reduce(tensor: Tensor, op=dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Reduce ``tensor`` in place over every process of ``group`` (``None``: all) with ``op``.
+
+    Raises:
+        PipelineFailure: if another process failed or stalled meanwhile.
+    """
+    wait([dist.all_reduce(tensor, op, group=group, async_op=True)], EVERY_STAGE)
+
+
+def broadcast_object(obj: Any, src: int) -> Any:
+    """Send the picklable ``obj`` from global rank ``src`` to every process; returns it on every process.
+
+    Raises:
+        PipelineFailure: if another process failed or stalled meanwhile.
+    """
+    mine = dist.get_rank() == src
+    data = _bytes(obj) if mine else None
+    size = torch.tensor([data.numel() if mine else 0], dtype=torch.int64, device=_device())
+    wait([dist.broadcast(size, src, async_op=True)], EVERY_STAGE)
+    if not mine:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=_device())
+    wait([dist.broadcast(data, src, async_op=True)], EVERY_STAGE)
+    return obj if mine else _object(data)
+
+
+def gather_object(obj: Any, dst: int = 0) -> Optional[list[Any]]:
+    """The picklable objects of every process, in rank order, on global rank ``dst``; ``None`` elsewhere.
+
+    Raises:
+        PipelineFailure: if another process failed or stalled meanwhile.
+    """
+    padded, sizes = _padded(obj)
+    parts = [torch.empty_like(padded) for _ in sizes] if dist.get_rank() == dst else None
+    wait([dist.gather(padded, parts, dst, async_op=True)], EVERY_STAGE)
+    return None if parts is None else _objects(parts, sizes)
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """The picklable objects of every process, in rank order, on every process.
+
+    Raises:
+        PipelineFailure: if another process failed or stalled meanwhile.
+    """
+    padded, sizes = _padded(obj)
+    parts = [torch.empty_like(padded) for _ in sizes]
+    wait([dist.all_gather(parts, padded, async_op=True)], EVERY_STAGE)
+    return _objects(parts, sizes)
+
+
+def _padded(obj: Any) -> tuple[Tensor, list[int]]:
+    """``obj``'s bytes padded to the longest of every process's (a collective call), and every process's size."""
+    data = _bytes(obj)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=_device()) for _ in range(dist.get_world_size())]
+    mine = torch.tensor([data.numel()], dtype=torch.int64, device=_device())
+    wait([dist.all_gather(sizes, mine, async_op=True)], EVERY_STAGE)
+    lengths = [int(size.item()) for size in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=_device())
+    padded[: data.numel()] = data
+    return padded, lengths
+
+
+def _objects(parts: list[Tensor], sizes: list[int]) -> list[Any]:
+    return [_object(part[:size]) for part, size in zip(parts, sizes)]
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _bytes(obj: Any) -> Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(_device())
+
+
+def _object(data: Tensor) -> Any:
+    return pickle.loads(data.cpu().numpy().tobytes())

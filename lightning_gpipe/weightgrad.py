@@ -1,0 +1,195 @@
+"""A micro-batch's backward in two halves: the input gradient first (B), the weight gradient later (W).
+
+Zero-bubble pipeline parallelism (Qi et al. 2023, arXiv:2401.10241, section 2) splits each backward
+into B, the gradient of the stage's input, which the previous stage waits for, and W, the gradient of
+the stage's parameters, which nobody waits for. Sending B's result before computing W lets the previous
+stage start its backward earlier. torch's peer is ``torch.distributed.pipelining._backward``
+(``stage_backward_input`` / ``stage_backward_weight``); this is our own, written for one stage.
+
+How (autograd does the arithmetic, we only choose what it computes when):
+
+- B: ``torch.autograd.backward(outputs, grads, inputs=stage_inputs, retain_graph=True)``. Autograd computes
+  only what leads to the inputs, so a layer's node (e.g. ``AddmmBackward``) computes its input gradient
+  but not its weight gradient. Meanwhile a hook on every *branch node* (a node on the path to the inputs
+  that also has an edge towards a parameter) keeps the gradient arriving there.
+- W: for each group of branch nodes that share parameters, ``torch.autograd.backward`` from those nodes
+  (``GradientEdge`` roots) with the kept gradients, ``inputs=`` the group's parameters. Autograd runs the
+  branch nodes again computing only the parameters' side, and accumulates into ``.grad`` through the
+  parameters' own ``AccumulateGrad`` nodes, so gradient hooks fire as in a plain backward. Where one branch
+  node of a group lies below another, a hook pins its incoming gradient to the kept one (no double count).
+
+Memory: between B and W the micro-batch's graph (its saved activations) is kept, plus the gradients
+kept at the branch nodes (about one activation per layer with parameters).
+"""
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+
+class DeferredWeightGradient:
+    """The W half of a backward, ready to run once: accumulates the parameters' gradients into ``.grad``.
+
+    Made by :func:`backward_input`. Calling it twice raises ``RuntimeError`` (the graph is freed by the first call).
+    """
+
+    def __init__(self, groups: list["_Group"]) -> None:
+        self._groups = groups
+
+    def __call__(self) -> None:
+        """Compute the weight gradients and add them to the parameters' ``.grad``."""
+        groups, self._groups = self._groups, None
+        if groups is None:
+            raise RuntimeError("This weight gradient was already computed.")
+        for group in groups:
+            group.run()
+
+
+def backward_input(
+    outputs: Sequence[Tensor], grads: Sequence[Tensor], inputs: Sequence[Tensor]
+) -> DeferredWeightGradient:
+    """B: backpropagate ``grads`` from ``outputs`` to ``inputs`` only (added to their ``.grad``); defer W.
+
+    Args:
+        outputs: tensors of this micro-batch's forward that carry its output gradient.
+        grads: one gradient per output, of its shape.
+        inputs: leaves of the forward that require grad (the stage's micro-batch input).
+
+    Returns:
+        The deferred W: call it to add the parameters' gradients to their ``.grad``.
+    """
+    graph = _Graph([o.grad_fn for o in outputs], {_node(x) for x in inputs})
+    kept: dict[Node, tuple[Optional[Tensor], ...]] = {}
+
+    def keeper(node: Node):
+        def keep(grad_outputs: tuple[Optional[Tensor], ...]) -> None:
+            kept[node] = grad_outputs
+
+        return keep
+
+    handles = [node.register_prehook(keeper(node)) for node in graph.branches]
+    try:
+        torch.autograd.backward(list(outputs), list(grads), inputs=list(inputs), retain_graph=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    seeds = [(node, kept.get(node, ())) for node in graph.branches]
+    seeds += [(node, _seed(node, outputs, grads)) for node in graph.weight_only_roots]
+    return DeferredWeightGradient(_groups(graph, seeds))
+
+
+class _Graph:
+    """The autograd graph below ``roots``: which nodes lead to the inputs, and where parameters branch off.
+
+    Args:
+        roots: the outputs' ``grad_fn`` nodes.
+        input_nodes: the inputs' ``AccumulateGrad`` nodes.
+    """
+
+    def __init__(self, roots: Sequence[Optional[Node]], input_nodes: set[Node]) -> None:
+        self.order = _post_order([r for r in roots if r is not None])
+        self.to_input: dict[Node, bool] = {}
+        self.params: dict[Node, frozenset[Node]] = {}  # the parameters' AccumulateGrad nodes below each node
+        for node in self.order:  # children first
+            children = _children(node)
+            self.to_input[node] = node in input_nodes or any(self.to_input[c] for c in children)
+            leaf = hasattr(node, "variable") and node not in input_nodes
+            self.params[node] = frozenset({node} if leaf else ()).union(*(self.params[c] for c in children))
+        self.branches = [n for n in self.order if self.to_input[n] and self._weight_side(n)]
+        roots_seen = {r for r in roots if r is not None}
+        self.weight_only_roots = [r for r in roots_seen if not self.to_input[r] and self.params[r]]
+
+    def _weight_side(self, node: Node) -> frozenset[Node]:
+        """Parameters reached from ``node`` through children that do not lead to the inputs."""
+        return frozenset().union(*(self.params[c] for c in _children(node) if not self.to_input[c]))
+
+    def weight_params(self, node: Node) -> frozenset[Node]:
+        """The parameters a W seed at ``node`` reaches: its weight side, or all below a weight-only root."""
+        return self._weight_side(node) if self.to_input[node] else self.params[node]
+
+
+class _Group:
+    """Seeds (node, gradients) that share parameters: one autograd call computes their weight gradients."""
+
+    def __init__(self) -> None:
+        self.seeds: list[tuple[Node, tuple[Optional[Tensor], ...]]] = []
+        self.params: set[Node] = set()
+
+    def run(self) -> None:
+        edges, grads = [], []
+        for node, grad_outputs in self.seeds:
+            for index, grad in enumerate(grad_outputs):
+                if grad is not None:
+                    edges.append(GradientEdge(node, index))
+                    grads.append(grad)
+        if not edges:
+            return
+        pins = [node.register_prehook(_pinned(g)) for node, g in self.seeds] if len(self.seeds) > 1 else []
+        try:
+            # the graph is kept: another group's run may pass through the same nodes (it is freed with the outputs)
+            torch.autograd.backward(edges, grads, inputs=[p.variable for p in self.params], retain_graph=True)
+        finally:
+            for handle in pins:
+                handle.remove()
+
+
+def _groups(graph: _Graph, seeds: list[tuple[Node, tuple]]) -> list[_Group]:
+    """Seeds joined into groups whose parameter sets are disjoint."""
+    groups: list[_Group] = []
+    for node, grad_outputs in seeds:
+        params = set(graph.weight_params(node))
+        joined = [g for g in groups if g.params & params]
+        group = _Group()
+        for other in joined:
+            group.seeds += other.seeds
+            group.params |= other.params
+            groups.remove(other)
+        group.seeds.append((node, grad_outputs))
+        group.params |= params
+        groups.append(group)
+    return groups
+
+
+def _pinned(grad_outputs: tuple):
+    def pin(_: tuple) -> tuple:
+        return grad_outputs
+
+    return pin
+
+
+def _seed(root: Node, outputs: Sequence[Tensor], grads: Sequence[Tensor]) -> tuple[Optional[Tensor], ...]:
+    """The output gradients arriving at ``root``, by its output index."""
+    seed: dict[int, Tensor] = {}
+    for output, grad in zip(outputs, grads):
+        edge = get_gradient_edge(output)
+        if edge.node is root:
+            seed[edge.output_nr] = grad + seed[edge.output_nr] if edge.output_nr in seed else grad
+    return tuple(seed.get(i) for i in range(max(seed, default=-1) + 1))
+
+
+def _node(t: Tensor) -> Node:
+    """The node that receives ``t``'s gradient: its ``grad_fn``, or a leaf's ``AccumulateGrad``."""
+    return get_gradient_edge(t).node
+
+
+def _children(node: Node) -> list[Node]:
+    return [child for child, _ in node.next_functions if child is not None]
+
+
+def _post_order(roots: list[Node]) -> list[Node]:
+    """Every node reachable from ``roots``, each after all of its children (iterative: graphs can be deep)."""
+    order, seen, stack = [], set(), [(root, False) for root in reversed(roots)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.append((node, True))
+        stack.extend((child, False) for child in _children(node) if child not in seen)
+    return order

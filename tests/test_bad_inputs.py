@@ -1,0 +1,156 @@
+"""The table of bad inputs (docs/contract.md, "Bad inputs"): each gets an error that names the fix.
+
+Arguments and the engine's checks run in this process; the mistakes that only show once the stages start
+run as one distributed worker (tests/workers/failure.py ``bad_inputs``), each a fit that must fail on every
+stage alike before its first step, and no process may be left behind. The mistakes that fail one stage in
+the middle of a step (a second backbone call, a layer's error, user code) are in tests/test_failures.py.
+"""
+
+import json
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from conftest import run_worker
+from test_failures import _assert_every_stage_exits
+from torch import nn
+
+from lightning_gpipe import GPipeStrategy, forward_and_share, microbatch
+from lightning_gpipe.contract import BackboneCall
+from lightning_gpipe.partition import Partition
+
+ARGUMENTS = {
+    "chunks_zero": (dict(chunks=0), "chunks is the number of micro-batches, an integer >= 1"),
+    "chunks_float": (dict(chunks=2.5), "chunks is the number of micro-batches, an integer >= 1"),
+    "checkpoint_mode": (dict(checkpoint="sometimes"), "choose one of always, except_last, never"),
+    "balance_mode": (dict(balance="speed"), "choose 'params', 'time' or 'memory', or give the number of"),
+    "balance_items": (dict(balance=[2, "3"]), "as a list of integers, e.g. balance=[3, 5]"),
+    "memory_limit": (dict(balance_memory_limit=0), "give the bytes one stage may hold, an integer >= 1"),
+    "memory_limit_with_list": (dict(balance=[4, 4], balance_memory_limit=10), "use balance='time'"),
+    "start_method": (dict(start_method="fork"), "choose 'popen' or 'spawn'"),
+    "state_dict_type": (dict(state_dict_type="distributed"), "choose 'full' or 'sharded'"),
+    "stall_timeout_seconds": (dict(stall_timeout=30), "as a positive `datetime.timedelta`, e.g. timedelta(minutes=5)"),
+    "stall_timeout_zero": (dict(stall_timeout=timedelta(0)), "as a positive `datetime.timedelta`"),
+}
+
+
+@pytest.mark.parametrize("case", ARGUMENTS)
+def test_a_bad_argument_names_the_fix(case):
+    kwargs, fix = ARGUMENTS[case]
+    with pytest.raises(ValueError) as raised:
+        GPipeStrategy(**kwargs)
+    assert fix in str(raised.value)
+
+
+class _Returns(nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+LAYERS = {
+    "dict": (lambda x: {"h": x}, TypeError, "Backbone layer 1 (_Returns) returned a dict; layers of a pipelined"),
+    "scalar": (
+        lambda x: x.sum(),
+        ValueError,
+        "Backbone layer 1 (_Returns) returned a 0-dimensional tensor; activations carry the batch in dim 0",
+    ),
+    "scalar_in_tuple": (
+        lambda x: (x, x.mean()),
+        ValueError,
+        "returned a 0-dimensional tensor at position 1 of its tuple; activations carry the batch in dim 0, so every"
+        " tensor a backbone layer returns needs one row per sample. Keep the batch dimension",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", LAYERS)
+def test_a_layer_returning_a_non_activation_is_named_before_any_concatenation(case):
+    fn, error, message = LAYERS[case]
+    partition = Partition({"0": nn.Linear(4, 4), "1": _Returns(fn)})
+    with pytest.raises(error) as raised:
+        partition.run(torch.zeros(3, 4))
+    assert message in str(raised.value)
+
+
+class _Schedule:
+    """Counts the pipelined forwards a backbone call starts (each would send or receive on real stages)."""
+
+    def __init__(self) -> None:
+        self.forwards = 0
+
+    def forward(self, value):
+        self.forwards += 1
+        return value
+
+
+def test_a_second_backbone_call_fails_at_once_before_any_transfer():
+    schedule = _Schedule()
+    call = BackboneCall(schedule, is_last=True)
+    with pytest.raises(RuntimeError, match="`training_step` called the pipelined backbone a second time in one step"):
+        call.user_step("training_step", lambda: (call(torch.zeros(2, 4)), call(torch.zeros(2, 4))))
+    assert schedule.forwards == 1
+
+
+def test_a_step_without_a_backbone_call_names_the_fix():
+    call = BackboneCall(_Schedule(), is_last=True)
+    with pytest.raises(RuntimeError, match="did not call the pipelined backbone;.*Call `self.backbone"):
+        call.user_step("validation_step", lambda: None)
+
+
+def test_forward_and_share_after_the_plain_call_or_with_gradients_names_the_fix():
+    call = BackboneCall(_Schedule(), is_last=True)
+    partition = Partition({"0": nn.Identity()})
+    partition.pipeline = call
+    with pytest.raises(RuntimeError, match="call it under `torch.no_grad\\(\\)`"):
+        forward_and_share(partition, torch.zeros(2, 4), lambda y: y)
+
+    def plain_then_shared():
+        partition(torch.zeros(2, 4))
+        with torch.no_grad():
+            forward_and_share(partition, torch.zeros(2, 4), lambda y: y)
+
+    with pytest.raises(RuntimeError, match="call the backbone plainly last, or only through `forward_and_share`"):
+        call.user_step("validation_step", plain_then_shared)
+
+
+def test_a_backbone_input_without_a_shared_batch_dimension_names_the_rule():
+    with pytest.raises(ValueError, match="needs the same batch size in dim 0; got shapes \\[\\(4, 2\\), \\(\\)\\]"):
+        microbatch.scatter((torch.zeros(4, 2), torch.tensor(1.0)), 2)
+
+
+STAGES = {
+    "balance_sum": "ValueError: balance=[1, 1] sums to 2 but the backbone has 8 layers.",
+    "balance_length": "ValueError: balance=[8] has 1 stages but the pipeline has 2 devices; give one layer count",
+    "balance_empty_stage": "ValueError: balance=[8, 0] leaves a stage empty; every stage needs at least one layer.",
+    "backbone_name": "GPipeStrategy(backbone='trunk'): `TupleNet.trunk` is missing, not an nn.Sequential. Put the",
+    "two_sequentials": "choose the one to pipeline with `GPipeStrategy(backbone='backbone')`",
+    "no_sequential": "NoSequential has no nn.Sequential attribute to pipeline. Put the layers to split into stages",
+    "more_devices_than_layers": "The backbone has 1 layers, fewer than the 2 stages (devices); use fewer devices",
+    "manual_optimization": "RuntimeError: GPipeStrategy supports automatic optimization only",
+    "impossible_memory_limit": "the smallest limit that fits is",
+    "meta_layer_without_reset": "was created on the meta device but has no `reset_parameters()` to initialise it",
+    "training_batches_differ": "The stages have different numbers of training batches (stage 0: [3], stage 1: [4]);"
+    " every stage runs every batch of the pipeline, so all stages need the same data loaders",
+    "validation_batches_differ": "The stages have different numbers of validation batches (stage 0: [3], stage 1: [4])",
+}
+
+
+@pytest.fixture(scope="module")
+def stage_errors(tmp_path_factory):
+    """Each rank's messages for every case of the worker's ``BAD_INPUTS``, from one run of 2 stage processes."""
+    out = tmp_path_factory.mktemp("bad_inputs")
+    result = run_worker("failure.py", "bad_inputs", str(out), timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _assert_every_stage_exits(out, within=30, since=time.time())
+    return [json.loads((out / f"bad_inputs_rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.parametrize("case", STAGES)
+def test_a_bad_input_fails_every_stage_before_the_first_step_naming_the_fix(stage_errors, case):
+    for messages in stage_errors:
+        assert STAGES[case] in messages[case], messages[case]

@@ -1,0 +1,360 @@
+"""GPipeStrategy(schedule="1f1b"): PipeDream-Flush's order, its memory bound, its contract, and one-device equality.
+
+In-process: the schedule's order and in-flight micro-batches on fake stages that exchange messages in threads
+(a send completes only once received, so a wrong order hangs), the one-stage engine against plain autograd,
+deferred batch norm, the row splitting and row-weighted logging, the simulator. Distributed: one launch of
+tests/workers/one_f_one_b.py with K = 2 against single-device Lightning (K = 3 and 4: tests/test_equivalence.py).
+"""
+
+import json
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import run_worker
+from lightning.pytorch.plugins import MixedPrecision
+from rowwise import WatchedNet, fit_batches
+from torch import nn
+
+from lightning_gpipe import GPipeStrategy
+from lightning_gpipe.batchnorm import convert_deferred_batch_norm
+from lightning_gpipe.contract import BackboneCall
+from lightning_gpipe.events import Recorder
+from lightning_gpipe.partition import Split
+from lightning_gpipe.per_micro_batch import RowWeighted, batch_rows, check_input_rows, split_batch
+from lightning_gpipe.schedule import GPipe, OneForwardOneBackward
+from lightning_gpipe.simulator import StageCost, simulate, work_order
+from lightning_gpipe.stage import Stage
+from lightning_gpipe.transfer import Link
+
+# --------------------------------------------------------------------------- the order, on fake stages
+
+
+class _Wire:
+    """Messages between fake stages; a send completes only once its receive has run (stricter than gloo)."""
+
+    def __init__(self) -> None:
+        self.condition = threading.Condition()
+        self.sent: set = set()
+        self.received: set = set()
+
+    def send(self, message) -> None:
+        with self.condition:
+            self.sent.add(message)
+            self.condition.notify_all()
+
+    def receive(self, message) -> None:
+        with self.condition:
+            assert self.condition.wait_for(lambda: message in self.sent, timeout=10), f"deadlock: {message} never sent"
+            self.received.add(message)
+            self.condition.notify_all()
+
+    def wait_received(self, messages: set) -> None:
+        with self.condition:
+            assert self.condition.wait_for(lambda: messages <= self.received, timeout=10), "deadlock in a flush"
+
+
+class _FakeStage:
+    """Stage's primitives as a schedule sees them, logging calls and counting micro-batches in flight."""
+
+    def __init__(self, k: int, stages: int, chunks: int, wire: _Wire) -> None:
+        self.stage_index, self.is_first, self.is_last = k, k == 0, k == stages - 1
+        self.chunks, self.wire, self.events = chunks, wire, Recorder()
+        self.calls: list[tuple[str, int]] = []
+        self.held: set[int] = set()
+        self.peak = 0
+        self.sends: set = set()
+
+    def micro_batches(self, value):
+        for i in range(self.chunks):
+            if not self.is_first:
+                self.wire.receive(("activation", self.stage_index - 1, i))
+            yield i, None, self.chunks
+
+    def forward(self, i, x, count):
+        self.calls.append(("forward", i))
+        self.held.add(i)
+        self.peak = max(self.peak, len(self.held))
+
+    def _send(self, message) -> None:
+        self.wire.send(message)
+        self.sends.add(message)
+
+    def send(self, y, i, count):
+        self.calls.append(("send", i))
+        self._send(("activation", self.stage_index, i))
+
+    def expect_grad(self, i):
+        self.calls.append(("expect", i))
+
+    def recompute(self, i):
+        self.calls.append(("recompute", i))
+
+    def backward(self, i):
+        if not self.is_last:
+            self.wire.receive(("gradient", self.stage_index + 1, i))
+        self.calls.append(("backward", i))
+        self.held.discard(i)
+        if not self.is_first:
+            self._send(("gradient", self.stage_index, i))
+
+    def backward_weights(self):
+        self.calls.append(("weights", None))
+
+    def flush(self):
+        self.wire.wait_received(set(self.sends))
+
+
+def _run_fake_pipeline(stages: int, chunks: int) -> list[_FakeStage]:
+    wire = _Wire()
+    fakes = [_FakeStage(k, stages, chunks, wire) for k in range(stages)]
+    last = fakes[-1]
+    errors = []
+
+    def run(fake: _FakeStage) -> None:
+        try:
+            OneForwardOneBackward(fake, stages).step(None, lambda i, count, y: last.calls.append(("head", i)))
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(fake,)) for fake in fakes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not errors, errors
+    return fakes
+
+
+@pytest.mark.parametrize("stages, chunks", [(2, 4), (3, 5), (4, 8), (3, 2), (4, 1)])
+def test_1f1b_order_holds_at_most_k_minus_k_micro_batches_and_never_deadlocks(stages, chunks):
+    for fake in _run_fake_pipeline(stages, chunks):
+        k, calls = fake.stage_index, fake.calls
+        work = [c for c in calls if c[0] in ("forward", "recompute", "backward")]
+        predicted = [w for w in work_order("1f1b", k, stages, chunks, "always") if w[0] != "loss"]
+        assert work == predicted, k  # the simulator predicts this order
+        assert fake.peak == min(stages - k, chunks)
+        expects = [i for kind, i in calls if kind == "expect"]
+        assert expects == ([] if fake.is_last else list(range(chunks)))  # in the order gradients are sent
+        for i in range(chunks):
+            assert calls.index(("forward", i)) < calls.index(("backward", i))
+            if not fake.is_last:
+                assert calls.index(("send", i)) < calls.index(("expect", i)) < calls.index(("backward", i))
+            else:
+                assert calls.index(("forward", i)) < calls.index(("head", i)) < calls.index(("backward", i))
+
+
+# --------------------------------------------------------------------------- one stage, real engine
+
+
+class _Net(nn.Module):
+    """A LightningModule's shape without Lightning: a backbone, a head, ``training_step`` and ``log``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 3)
+        self.logged: list[tuple] = []
+
+    def log(self, name, value, prog_bar=False, on_step=None, on_epoch=None, batch_size=None):
+        self.logged.append((name, value, batch_size))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch["x"], batch["y"]
+        loss = F.cross_entropy(self.head(self.backbone(x)), y)
+        self.log("loss", loss, prog_bar=True)
+        self.log("rows", float(len(x)), batch_size=len(x))
+        return {"loss": loss, "rows_seen": y}
+
+
+def _one_stage(net: nn.Module, chunks: int, checkpoint: str) -> tuple[BackboneCall, OneForwardOneBackward]:
+    split = Split(net, "backbone", [len(net.backbone)], stage_index=0)
+    stage = Stage(split.partition, Link(None, None, torch.device("cpu")), 0, 1, chunks, checkpoint)
+    call = BackboneCall(GPipe(stage), is_last=True)
+    split.partition.pipeline = call
+    return call, OneForwardOneBackward(stage, 1)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_one_stage_1f1b_equals_plain_autograd_and_combines_by_rows(checkpoint):
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(10, 4), "y": torch.randint(0, 3, (10,)), "note": "kept whole"}
+    reference, net = _Net(), _Net()
+    net.load_state_dict(reference.state_dict())
+    reference.training_step(batch, 0)["loss"].backward()
+    call, schedule = _one_stage(net, 4, checkpoint)
+    output = call.micro_batch_steps(net, "training_step", (batch, 0), {}, schedule, lambda loss: loss.backward())
+    for (name, p), q in zip(net.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6, msg=name)
+    # 10 rows in 4 micro-batches: 3, 3, 2, 2; the step's output and logs are row-weighted means
+    assert torch.equal(output["rows_seen"], batch["y"])  # tensors of rows are concatenated
+    (loss, rows) = net.logged[-2:]
+    torch.testing.assert_close(loss[1], output["loss"])
+    assert rows == ("rows", pytest.approx((9 + 9 + 4 + 4) / 10), 10)
+
+
+def test_1f1b_errors_name_the_fix_before_any_micro_batch():
+    with pytest.raises(ValueError, match=r"needs the batch's rows in dim 0; got shapes \[\(10, 4\), \(3,\)\]"):
+        batch_rows((torch.zeros(10, 4), torch.zeros(3)))
+    with pytest.raises(TypeError, match="holds no tensor"):
+        batch_rows({"text": ["a", "b"]})
+    with pytest.raises(ValueError, match="the batch has 10 rows and the backbone input 20"):
+        check_input_rows(torch.zeros(20, 4), 10)
+    net = _Net()
+    call, schedule = _one_stage(net, 4, "never")
+    net.training_step = lambda batch, batch_idx: net.head(net.backbone(batch["x"][:, :4].repeat(2, 1))).sum()
+    with pytest.raises(ValueError, match="the batch has 10 rows and the backbone input 20"):
+        call.micro_batch_steps(net, "training_step", ({"x": torch.zeros(10, 4)}, 0), {}, schedule, print)
+    with pytest.raises(ValueError, match="GPipeStrategy\\(schedule='2f2b'\\)"):
+        GPipeStrategy(schedule="2f2b")
+
+
+def test_split_batch_splits_every_tensor_like_tensor_split():
+    batch = {"x": torch.arange(10), "pair": (torch.arange(20).reshape(10, 2), "tag")}
+    parts = split_batch(batch, 4)
+    assert [len(p["x"]) for p in parts] == [3, 3, 2, 2]
+    assert torch.equal(torch.cat([p["pair"][0] for p in parts]), batch["pair"][0])
+    assert all(p["pair"][1] == "tag" for p in parts)
+
+
+def test_row_weighted_logs_the_mean_a_device_logs():
+    class Metric:  # stands for a torchmetrics Metric: logged as the object
+        pass
+
+    net, metric = _Net(), Metric()
+    results = RowWeighted(net, rows=10)
+    results.run(0, lambda: net.log("dropped", 1.0))  # the step on the whole batch, up to its backbone call
+
+    def step(value: float) -> float:
+        net.log("mean", torch.tensor(value))
+        net.log("acc", metric)
+        return value
+
+    for rows, value in ((6, 1.0), (4, 2.0)):
+        results.run(rows, lambda: step(value))
+    assert results.finish() == pytest.approx(1.4)
+    assert [(name, float(v) if name == "mean" else v) for name, v, _ in net.logged] == [
+        ("mean", pytest.approx(1.4)),
+        ("acc", metric),
+    ]
+
+
+def test_deferred_batch_norm_counts_each_micro_batch_once_under_1f1b():
+    torch.manual_seed(0)
+    x = 3.0 + 2.0 * torch.randn(12, 4)
+    plain, net = nn.BatchNorm1d(4), _Net()
+    net.backbone = convert_deferred_batch_norm(nn.Sequential(nn.BatchNorm1d(4)))
+    net.head = nn.Linear(4, 3)
+    call, schedule = _one_stage(net, 3, "always")  # recomputes must not count again
+    net.training_step = lambda batch, batch_idx: net.head(net.backbone(batch)).sum()
+    call.micro_batch_steps(net, "training_step", (x, 0), {}, schedule, lambda loss: loss.backward())
+    plain(x)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(net.backbone.get_submodule("0"), name), getattr(plain, name), msg=name)
+
+
+# --------------------------------------------------------------------------- the simulator
+
+
+@pytest.mark.parametrize("stages, chunks", [(2, 8), (4, 4), (3, 2), (4, 16)])
+def test_simulated_1f1b_has_fill_drains_time_and_k_minus_k_memory(stages, chunks):
+    cost = StageCost(1.0, 2.0, input_bytes=10, activation_bytes=100)
+    for checkpoint in ("never", "always", "except_last"):
+        gpipe = simulate([cost] * stages, chunks, checkpoint, loss=0.5)
+        one = simulate([cost] * stages, chunks, checkpoint, loss=0.5, schedule="1f1b")
+        assert one.step_time <= gpipe.step_time + 1e-9
+        held = [min(stages - k, chunks) for k in range(stages)]
+        expected = {
+            "never": [h * 110 for h in held],
+            "always": [h * 10 + 100 for h in held],
+            "except_last": [h * 10 + min(h, 2) * 100 for h in held],
+        }[checkpoint]
+        assert one.peak_activation_bytes == expected, checkpoint
+    plain = simulate([StageCost(1.0, 2.0)] * stages, chunks, "never", schedule="1f1b")
+    assert plain.step_time == pytest.approx((chunks + stages - 1) * 3.0)
+
+
+def test_a_1f1b_prediction_draws_loss_per_micro_batch():
+    from lightning_gpipe.callbacks import draw_timeline
+
+    prediction = simulate([StageCost(1e-3, 2e-3)] * 3, 4, "never", loss=4e-4, schedule="1f1b")
+    events = prediction.trace.to_chrome()["traceEvents"]
+    names = [e["name"] for e in events if e["ph"] == "X" and e["pid"] == 2 and e["tid"] == 0]
+    assert names[:4] == ["F0", "loss 0", "B0", "F1"]
+    assert [label.get_text() for label in draw_timeline(prediction.trace).axes[0].get_yticklabels()] == [
+        "stage 0",
+        "stage 1",
+        "stage 2",
+    ]
+
+
+# --------------------------------------------------------------------------- K processes against one device
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The output directory of the 2-stage worker."""
+    out = tmp_path_factory.mktemp("one_f_one_b")
+    result = run_worker("one_f_one_b.py", str(out), "--devices=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def _assert_states_close(state, expected, atol=1e-5, rtol=0.0):
+    assert state.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(state[key], expected[key], atol=atol, rtol=rtol, msg=key)
+
+
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("M1_always", {}),  # M = 1 < K
+        ("M3_except_last", {}),  # uneven micro-batches
+        ("M8_never", {}),  # M >= K
+        ("resume", {}),  # from a full checkpoint written at step 3
+        ("clip_norm", dict(gradient_clip_val=0.05)),
+        ("accumulate", dict(accumulate_grad_batches=2)),
+        ("deferred_weights", {}),  # with the zero-bubble B/W split (defer_weight_grad=True)
+    ],
+)
+def test_1f1b_equals_one_device(runs, name, overrides, reference_state):
+    expected = fit_batches(**overrides).lightning_module.state_dict() if overrides else reference_state
+    _assert_states_close(torch.load(runs / f"{name}.pt"), expected)
+
+
+@pytest.mark.parametrize("name, scale", [("fp16", 2.0**16), ("fp16_overflow", 2.0**24)])
+def test_1f1b_16_mixed_scales_and_skips_like_one_device(runs, name, scale):
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    trainer = fit_batches(plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    assert (scaler.get_scale() < scale) == (name == "fp16_overflow")  # its steps overflowed and were skipped
+    scales = [json.loads((runs / f"{name}_rank{r}.json").read_text())["scale"] for r in range(2)]
+    assert scales == [scaler.get_scale()] * 2
+    _assert_states_close(torch.load(runs / f"{name}.pt"), trainer.lightning_module.state_dict(), atol=1e-3)
+
+
+def test_1f1b_hooks_and_logs_see_what_one_device_sees(runs):
+    module = fit_batches(module=WatchedNet).lightning_module
+    _assert_states_close(torch.load(runs / "watched.pt"), module.state_dict())
+    first, last = (json.loads((runs / f"watched_rank{r}.json").read_text()) for r in range(2))
+    assert len(last) == len(first) == len(module.seen) == 6
+    for step, (got, relayed, expected) in enumerate(zip(last, first, module.seen)):
+        assert got["grad_before"] is expected["grad_before"] is False  # the step's gradients come in backward
+        assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+        assert got["grad_after"] == pytest.approx(expected["grad_after"], abs=1e-5)
+        assert got["logits_rows"] == expected["logits_rows"]
+        for metrics in (got["metrics"], relayed["metrics"]):
+            assert metrics.keys() == expected["metrics"].keys()
+            for key, value in expected["metrics"].items():
+                if key == "rows":  # not a row mean: the row-weighted mean of the micro-batches' row counts
+                    sizes = [7, 7, 6] if value == 20 else [4, 4, 4]
+                    value = sum(n * n for n in sizes) / sum(sizes)
+                assert metrics[key] == pytest.approx(value, abs=1e-5), (step, key)
+
+
+def test_1f1b_refuses_a_batch_it_cannot_split_on_every_stage(runs):
+    for rank in range(2):
+        message = (runs / f"unsplittable_rank{rank}.txt").read_text()
+        assert "every tensor of the batch needs the batch's rows in dim 0" in message
+        assert "[(20, 16), (20,), (3,)]" in message and "schedule='gpipe'" in message
