@@ -278,6 +278,13 @@ def add_timing_args(parser, repeats: int = 3, steps: int = 8, warmup: int = 2) -
     )
 
 
+def mlp_run_args(args) -> list[str]:
+    """The arguments of ``benchmarks/_runs.py`` that fix the MLP, the batch and the steps, from a driver's ``args``
+    (``devices``, ``batch_size``, ``width``, ``depth``, ``steps``, ``warmup``)."""
+    common = ["--devices", str(args.devices), "--batch-size", str(args.batch_size), "--width", str(args.width)]
+    return common + ["--depth", str(args.depth), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+
+
 def print_command(settings: str) -> None:
     """Print the command line this driver was started with and a line of ``settings``."""
     print("command:  " + shlex.join([sys.executable, *sys.argv]))

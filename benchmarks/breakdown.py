@@ -3,7 +3,8 @@
 One configuration of the balanced MLP (benchmarks/models.py) runs as plain Lightning (1 process x 1 thread)
 and as ``GPipeStrategy`` (K processes x 1 thread), interleaved fresh processes. In every stage process a
 callback reads the stage's own spans (``lightning_gpipe.events``) for each measured step and splits the
-step's period (one ``on_train_batch_start`` to the next) into: forward, recompute, backward, loss (the last
+step's period (one ``on_train_batch_start`` to the next) into: forward, recompute, backward, weight (the
+deferred weight gradients, with ``--defer-weight-grad``), loss (the last
 stage's head and loss, and their backward to the boundary), recv (waiting for a neighbour), send (posting
 sends, and the final flush), relay (sharing the logged results), optimizer (the step and Lightning's hooks
 after it), lightning in step (the rest of the batch: the user's step before the backbone call, zero_grad,
@@ -24,6 +25,7 @@ ORDER = (
     "forward",
     "recompute",
     "backward",
+    "weight",
     "loss",
     "recv",
     "send",

@@ -62,8 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def configs(args: argparse.Namespace) -> list[harness.Config]:
     """One configuration per (M, pipeline)."""
-    common = ["--devices", str(args.devices), "--batch-size", str(args.batch_size), "--width", str(args.width)]
-    common += ["--depth", str(args.depth), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    common = harness.mlp_run_args(args)
     result = []
     for m in args.chunks:
         for label in args.only:

@@ -76,3 +76,12 @@ class _ThroughSchedule:
 
     def forward_and_share(self, value, fn):
         return fn(self.schedule.forward(value))
+
+
+def assert_states_close(state: dict, expected: dict, atol: float = 1e-5, rtol: float = 0.0) -> None:
+    """Assert two state dicts have the same keys and every entry is close (fp32 default: 1e-5 absolute)."""
+    import torch
+
+    assert state.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(state[key], expected[key], atol=atol, rtol=rtol, msg=key)

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_worker
+from conftest import assert_states_close, run_worker
 from lightning.pytorch.plugins import MixedPrecision
 from rowwise import WatchedNet, fit_batches
 from torch import nn
@@ -301,12 +301,6 @@ def runs(tmp_path_factory):
     return out
 
 
-def _assert_states_close(state, expected, atol=1e-5, rtol=0.0):
-    assert state.keys() == expected.keys()
-    for key in expected:
-        torch.testing.assert_close(state[key], expected[key], atol=atol, rtol=rtol, msg=key)
-
-
 @pytest.mark.parametrize(
     "name, overrides",
     [
@@ -321,7 +315,7 @@ def _assert_states_close(state, expected, atol=1e-5, rtol=0.0):
 )
 def test_1f1b_equals_one_device(runs, name, overrides, reference_state):
     expected = fit_batches(**overrides).lightning_module.state_dict() if overrides else reference_state
-    _assert_states_close(torch.load(runs / f"{name}.pt"), expected)
+    assert_states_close(torch.load(runs / f"{name}.pt"), expected)
 
 
 @pytest.mark.parametrize("name, scale", [("fp16", 2.0**16), ("fp16_overflow", 2.0**24)])
@@ -331,12 +325,12 @@ def test_1f1b_16_mixed_scales_and_skips_like_one_device(runs, name, scale):
     assert (scaler.get_scale() < scale) == (name == "fp16_overflow")  # its steps overflowed and were skipped
     scales = [json.loads((runs / f"{name}_rank{r}.json").read_text())["scale"] for r in range(2)]
     assert scales == [scaler.get_scale()] * 2
-    _assert_states_close(torch.load(runs / f"{name}.pt"), trainer.lightning_module.state_dict(), atol=1e-3)
+    assert_states_close(torch.load(runs / f"{name}.pt"), trainer.lightning_module.state_dict(), atol=1e-3)
 
 
 def test_1f1b_hooks_and_logs_see_what_one_device_sees(runs):
     module = fit_batches(module=WatchedNet).lightning_module
-    _assert_states_close(torch.load(runs / "watched.pt"), module.state_dict())
+    assert_states_close(torch.load(runs / "watched.pt"), module.state_dict())
     first, last = (json.loads((runs / f"watched_rank{r}.json").read_text()) for r in range(2))
     assert len(last) == len(first) == len(module.seen) == 6
     for step, (got, relayed, expected) in enumerate(zip(last, first, module.seen)):

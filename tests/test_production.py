@@ -10,7 +10,7 @@ import json
 import lightning as L
 import pytest
 import torch
-from conftest import run_worker
+from conftest import assert_states_close, run_worker
 import lightning_gpipe
 from lightning.pytorch.plugins import MixedPrecision
 from models import TupleNet, fit, fit_trainer, loader, trainer_kwargs
@@ -25,12 +25,6 @@ def runs(tmp_path_factory):
     result = run_worker("production.py", str(out), "--devices=3", "--resume-only", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
-
-
-def _assert_states_close(state, expected, atol=1e-5, rtol=0.0):
-    assert state.keys() == expected.keys()
-    for key in expected:
-        torch.testing.assert_close(state[key], expected[key], atol=atol, rtol=rtol, msg=key)
 
 
 def _facts(runs, name, stages=2):
@@ -50,8 +44,8 @@ def test_matches_single_device(runs, name, overrides, reference_state):
     expected = fit(**overrides).state_dict()
     if name != "sanity_check":  # the setting changes training, so the comparison can fail
         with pytest.raises(AssertionError):
-            _assert_states_close(expected, reference_state)
-    _assert_states_close(torch.load(runs / f"{name}.pt"), expected)
+            assert_states_close(expected, reference_state)
+    assert_states_close(torch.load(runs / f"{name}.pt"), expected)
 
 
 def test_validate_matches_single_device(runs):
@@ -65,7 +59,7 @@ def test_validate_matches_single_device(runs):
 
 def test_bf16_matches_single_device(runs):
     expected = fit(precision="bf16-mixed").state_dict()
-    _assert_states_close(torch.load(runs / "bf16.pt"), expected, atol=5e-3)
+    assert_states_close(torch.load(runs / "bf16.pt"), expected, atol=5e-3)
 
 
 def test_fp16_stages_skip_and_scale_together(runs):
@@ -73,7 +67,7 @@ def test_fp16_stages_skip_and_scale_together(runs):
     trainer = fit_trainer(plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
     assert scaler.get_scale() < 2.0**24  # overflowing steps were skipped and the scale backed off
     assert [facts["scale"] for facts in _facts(runs, "fp16")] == [scaler.get_scale()] * 2
-    _assert_states_close(torch.load(runs / "fp16.pt"), trainer.lightning_module.state_dict(), atol=1e-2, rtol=1e-2)
+    assert_states_close(torch.load(runs / "fp16.pt"), trainer.lightning_module.state_dict(), atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("name", ["configure_model", "empty_init"])
@@ -101,7 +95,7 @@ def test_each_stage_materialises_only_its_layers(runs, name):
 def test_full_checkpoint_loads_without_the_strategy(runs):
     expected = fit(max_steps=3).state_dict()
     loaded = TupleNet.load_from_checkpoint(runs / "full.ckpt")
-    _assert_states_close(loaded.state_dict(), expected)
+    assert_states_close(loaded.state_dict(), expected)
     checkpoint = torch.load(runs / "full.ckpt", weights_only=False)
     (optimizer,) = checkpoint["optimizer_states"]
     assert {f"state.{name}.momentum_buffer" for name, _ in loaded.named_parameters()} <= optimizer.keys()
@@ -110,7 +104,7 @@ def test_full_checkpoint_loads_without_the_strategy(runs):
 @pytest.mark.parametrize("kind", ["full", "sharded"])
 @pytest.mark.parametrize("stages", [2, 3])
 def test_resume_continues_exactly(runs, kind, stages, reference_state):
-    _assert_states_close(torch.load(runs / f"resume_{kind}_K{stages}.pt"), reference_state)
+    assert_states_close(torch.load(runs / f"resume_{kind}_K{stages}.pt"), reference_state)
 
 
 def test_sharded_checkpoint_is_a_directory_of_stage_shards(runs):
