@@ -209,3 +209,17 @@ def test_rank_mapping_keeps_a_pipeline_on_neighbouring_ranks():
     assert [(topology.stage_of(r), topology.replica_of(r)) for r in (0, 5)] == [(0, 0), (1, 1)]
     assert topology.name(6) == "stage 2 of replica 1 (rank 6)"
     assert Topology(world_size=2, num_stages=2).name(1) == "stage 1"
+
+
+def test_traces_of_another_node_are_moved_onto_rank_zeros_clock():
+    from lightning_gpipe.callbacks._pipeline import _on_one_clock
+    from lightning_gpipe.events import Span
+    from lightning_gpipe.trace import StageTrace
+
+    def trace(stage, start):
+        return StageTrace(stage, [Span("forward", 0, start, start + 1.0)], start, start + 2.0)
+
+    # stage 1 runs on a node whose clock reads 1000 s more; both left the barrier at 10.0 on their own clocks
+    parts = [(trace(0, 11.0), 10.0, "node0"), (trace(1, 1011.5), 1010.0, "node1"), (trace(2, 12.0), 10.2, "node0")]
+    stages = _on_one_clock(parts)
+    assert [(s.stage, s.start, s.spans[0].end) for s in stages] == [(0, 11.0, 12.0), (1, 11.5, 12.5), (2, 12.0, 13.0)]
