@@ -105,6 +105,12 @@ def resolve_topology(
     listed = balance is not None and not isinstance(balance, str) and isinstance(balance, Sequence)
     if pp == "auto":
         pp = len(balance) if listed else (world // dp if dp != "auto" and world % dp == 0 else devices_per_node)
+    if listed and pipeline_parallel_size == "auto" and world % pp:
+        raise ValueError(
+            f"GPipeStrategy(balance={list(balance)}) gives pipelines of {pp} stages, which cannot fill the job's"
+            f" {world} processes (devices={devices_per_node} x num_nodes={num_nodes}): the number of processes must"
+            " be a multiple of the stages. Give one layer count per stage of one pipeline."
+        )
     if dp == "auto":
         dp = max(world // pp, 1)
     if pp * dp != world:
