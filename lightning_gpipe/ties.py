@@ -115,17 +115,24 @@ class TiedParameters:
                 collectives.broadcast(self._parameter(tie).data, first, group)
 
     def reduce_grads(self) -> None:
-        """Sum each tie's gradients over its holding stages, in place; a copy without a gradient counts as zeros
-        (and gets the sum). Call once per optimizer step, after the last backward of the step (a collective call).
+        """Sum each tie's gradients over its holding stages, in place. A copy without a gradient counts as zeros
+        and gets the sum; when no copy has one, all keep none (as the one parameter on one device). One
+        all-reduce per tie, of the gradient and a has-gradient count together. Call once per optimizer step,
+        after the last backward of the step (a collective call).
 
         Raises:
             PipelineFailure: if another stage failed or stalled meanwhile.
         """
         for tie, group, _ in self._held:
             parameter = self._parameter(tie)
-            if parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
-            collectives.all_reduce(parameter.grad, group=group)
+            has = parameter.grad is not None
+            grad = parameter.grad if has else torch.zeros_like(parameter)
+            flat = torch.cat([grad.flatten(), grad.new_full((1,), float(has))])
+            collectives.all_reduce(flat, group=group)
+            if flat[-1].item() > 0:
+                if not has:
+                    parameter.grad = torch.empty_like(parameter)
+                parameter.grad.copy_(flat[:-1].view_as(parameter))
 
     def uncounted(self) -> list[Tensor]:
         """This stage's copies that the global gradient norm must not count: every tie's copies but those of its

@@ -32,7 +32,7 @@ class Namespace:
         return f"<Namespace {id(self):#x}>"
 
 
-class stash:  # noqa: N801 - torchgpipe's name
+class stash:  # lower case: torchgpipe's name
     """The command ``yield stash(name, tensor)``: hand ``tensor`` to the later layer that pops ``name``.
 
     Args:
@@ -46,7 +46,7 @@ class stash:  # noqa: N801 - torchgpipe's name
         self.name, self.tensor = name, tensor
 
 
-class pop:  # noqa: N801 - torchgpipe's name
+class pop:  # lower case: torchgpipe's name
     """The command ``tensor = yield pop(name)``: take the tensor an earlier layer stashed under ``name``.
 
     Args:
@@ -59,7 +59,7 @@ class pop:  # noqa: N801 - torchgpipe's name
         self.name = name
 
 
-def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()):  # noqa: D417 - shadowing names on purpose
+def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()):
     """Class decorator: a module whose ``forward`` may ``yield stash(name, tensor)`` and ``x = yield pop(name)``.
 
     The decorated class is a subclass of the original with the same name, parameters and state-dict names;
