@@ -3,7 +3,8 @@
 Usage: python skip_ties.py OUT_DIR --devices=3  (run with Lightning's launcher)
 Writes, from rank 0 after each fit (the full state dict), OUT_DIR/{name}.pt for
 - SkipNet (``balance=[2, 2, 2]``: "skip" goes from stage 0 to stage 2) with every checkpoint mode, deferred weight
-  gradients and ``schedule="1f1b"``: skip_*.pt; its predictions on every rank: skip_predictions_rank{r}.pt;
+  gradients and ``schedule="1f1b"``, and with ``balance=[3, 2, 1]`` (a skip to the neighbouring stage too):
+  skip_*.pt; its predictions on every rank: skip_predictions_rank{r}.pt;
 - TiedNet (``balance=[3, 2, 2]``: the embedding on stage 0 tied to the head on stage 2, one Linear on stages 0
   and 2) under fill-drain, 1F1B and clipping by norm: tied_*.pt; whether rank 0's module is tied again after fit:
   tied_again.txt; a full checkpoint written at the end of the first tied run: tied.ckpt;
@@ -50,10 +51,12 @@ skip_configs = {
     "skip_except_last_deferred": dict(chunks=3, checkpoint="except_last", defer_weight_grad=True),
     "skip_1f1b_never": dict(chunks=4, checkpoint="never", schedule="1f1b"),
     "skip_1f1b_always": dict(chunks=4, checkpoint="always", schedule="1f1b"),
+    # the inner "skip" from stage 0 to its neighbour, beside the activation; the outer one from stage 0 to 2
+    "skip_neighbour_1f1b": dict(chunks=3, checkpoint="except_last", schedule="1f1b", balance=[3, 2, 1]),
 }
 for i, (name, config) in enumerate(skip_configs.items()):
     dist.irecv = recording_irecv if i == 0 else irecv
-    strategy = lightning_gpipe.GPipeStrategy(balance=[2, 2, 2], **config)
+    strategy = lightning_gpipe.GPipeStrategy(**{"balance": [2, 2, 2], **config})
     trainer = fit_nonchain(SkipNet, strategy=strategy, devices=args.devices)
     rank = strategy.global_rank
     if i == 0:
@@ -63,7 +66,7 @@ for i, (name, config) in enumerate(skip_configs.items()):
 dist.irecv = irecv
 module = trainer.lightning_module
 predictor = L.Trainer(
-    strategy=lightning_gpipe.GPipeStrategy(balance=[2, 2, 2], chunks=3), devices=args.devices, **trainer_kwargs()
+    strategy=lightning_gpipe.GPipeStrategy(balance=[3, 2, 1], chunks=3), devices=args.devices, **trainer_kwargs()
 )
 torch.save(predictor.predict(module, skip_loader()), os.path.join(args.out, f"skip_predictions_rank{rank}.pt"))
 
