@@ -1,14 +1,17 @@
 """Models that are not a plain chain, for tests/test_skip_ties.py and tests/workers/skip_ties.py: a backbone with
-skip connections (``SkipNet``), and one with tied parameters (``TiedNet``)."""
+skip connections (``SkipNet``), one with tied parameters (``TiedNet``), and the translation example with one
+table for its embeddings and output projection (:func:`fit_tied_translation`)."""
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from models import CLASSES, FEATURES, trainer_kwargs
+from test_translation import TINY, tiny_datamodule, tiny_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpipe.skip import Namespace, pop, skippable, stash
+from translation.module import TranslationModule
 
 VOCAB = 11
 
@@ -108,3 +111,16 @@ def fit_nonchain(module_class, strategy="auto", devices=1, callbacks=(), **overr
     )
     trainer.fit(module, data)
     return trainer
+
+
+TRANSLATION_STEPS = 4
+"""Training steps of the tied translation model (the example's tiny Transformer)."""
+
+
+def fit_tied_translation(strategy="auto", devices=1) -> TranslationModule:
+    """Train the translation example's tiny Transformer with tied tables (embedding on the first stage, output
+    projection on the last) for :data:`TRANSLATION_STEPS` steps; return it."""
+    L.seed_everything(0, verbose=False)
+    module = TranslationModule(**TINY, tie_embeddings=True)
+    tiny_trainer(strategy, devices, max_steps=TRANSLATION_STEPS).fit(module, tiny_datamodule())
+    return module

@@ -8,6 +8,8 @@ Writes, from rank 0 after each fit (the full state dict), OUT_DIR/{name}.pt for
 - TiedNet (``balance=[3, 2, 2]``: the embedding on stage 0 tied to the head on stage 2, one Linear on stages 0
   and 2) under fill-drain, 1F1B and clipping by norm: tied_*.pt; whether rank 0's module is tied again after fit:
   tied_again.txt; a full checkpoint written at the end of the first tied run: tied.ckpt;
+- the translation example with tied tables (``fit_tied_translation``): translation.pt; its greedy translations
+  through the pipeline on every rank: translations_rank{r}.pt;
 and OUT_DIR/receives_rank{r}.pt: every point-to-point receive (source, tag, shape) each rank posted during the
 first SkipNet run.
 """
@@ -21,7 +23,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
-from nonchain import SkipNet, TiedNet, fit_nonchain, skip_loader  # noqa: E402
+from nonchain import SkipNet, TiedNet, fit_nonchain, fit_tied_translation, skip_loader  # noqa: E402
+from test_translation import predict_data, tiny_trainer  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
 import lightning as L  # noqa: E402
@@ -83,3 +86,9 @@ for name, (config, fit_args) in tied_configs.items():
         tied = module.head.weight is module.backbone[0].weight and module.backbone[1] is module.backbone[5]
         with open(os.path.join(args.out, "tied_again.txt"), "w") as f:
             f.write(str(tied))
+
+translation = fit_tied_translation(lightning_gpipe.GPipeStrategy(chunks=3), args.devices)
+if rank == 0:
+    torch.save(translation.state_dict(), os.path.join(args.out, "translation.pt"))
+decoder = tiny_trainer(lightning_gpipe.GPipeStrategy(chunks=2), args.devices)
+torch.save(decoder.predict(translation, predict_data()), os.path.join(args.out, f"translations_rank{rank}.pt"))
