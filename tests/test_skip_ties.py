@@ -1,6 +1,7 @@
 """Models that are not a plain chain: skip connections across stages (lightning_gpipe.skip) and parameters tied
 across stages (lightning_gpipe.ties). The 3-stage runs share one worker launch (tests/workers/skip_ties.py)."""
 
+import copy
 import re
 
 import lightning as L
@@ -13,6 +14,7 @@ from nonchain import Pop, SkipNet, Stash, TiedNet, dense, fit_nonchain, fit_tied
 from torch import nn
 
 import lightning_gpipe
+from lightning_gpipe.balance import profile_layers
 from lightning_gpipe.optimization import clip_grad_norm_
 from lightning_gpipe.partition import Split
 from lightning_gpipe.skip import Namespace, SkipLayout, pop, skippable, stash, verify_skippables
@@ -94,6 +96,13 @@ def test_the_strategy_refuses_unpaired_skips_before_any_step():
     with pytest.raises(ValueError, match="layer 0 stashes 'skip' but no later layer pops it"):
         trainer.fit(Unpaired(), skip_loader())
     assert trainer.global_step == 0
+
+
+def test_profiling_hands_each_stash_to_its_pop():
+    backbone = SkipNet().backbone
+    costs = profile_layers(backbone, torch.randn(4, FEATURES), repeats=1, warmup=0)
+    assert len(costs) == len(backbone) and all(cost.backward > 0 for cost in costs)
+    assert copy.deepcopy(backbone)[2].namespaced("skip") == backbone[2].namespaced("skip")  # a copy keeps namespaces
 
 
 def test_ties_are_found_and_each_stage_keeps_its_shared_objects():

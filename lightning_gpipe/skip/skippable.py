@@ -23,10 +23,17 @@ class Namespace:
         ns1, ns2 = Namespace(), Namespace()
         backbone = nn.Sequential(Stash().isolate(ns1), Stash().isolate(ns2), Pop().isolate(ns2), Pop().isolate(ns1))
 
-    Namespaces compare by identity. Source: torchgpipe's ``torchgpipe.skip.Namespace``.
+    Namespaces compare by identity; a copy of a layer (``copy.deepcopy``) keeps its namespace. Source: torchgpipe's
+    ``torchgpipe.skip.Namespace``.
     """
 
     __slots__ = ()
+
+    def __copy__(self) -> "Namespace":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "Namespace":
+        return self
 
     def __repr__(self) -> str:
         return f"<Namespace {id(self):#x}>"
