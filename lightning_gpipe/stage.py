@@ -28,7 +28,7 @@ backpropagated with the activation's), and the received ones inputs (their gradi
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -78,6 +78,9 @@ class Stage:
         events: the :class:`~lightning_gpipe.events.Recorder` the pipeline callbacks read.
         training: whether the current forward keeps what a backward needs (gradients were enabled when
             :meth:`micro_batches` started).
+        before_last_backward: called with the outputs of the step's last backward right before its autograd
+            call, the one that completes this stage's parameter gradients (the weight gradient W when deferred);
+            the data-parallel gradient sync (:class:`~lightning_gpipe.data_parallel.GradientSync`) sets it.
     """
 
     def __init__(
@@ -98,8 +101,10 @@ class Stage:
         self.chunks, self.checkpoint, self.defer_weight_grad = chunks, checkpoint, defer_weight_grad
         self.events = link.events
         self.training = False
+        self.before_last_backward: Optional[Callable[[list[Tensor]], None]] = None
         self._records: dict[int, _Record] = {}
-        self._weights: deque[tuple[int, DeferredWeightGradient]] = deque()
+        self._weights: deque[tuple[int, DeferredWeightGradient, list[Tensor]]] = deque()
+        self._backwards = 0  # of the current step
         self._filled = 0.0  # when the last stage's forward ended: its "loss" span runs from there to the backward
 
     def micro_batches(self, value: Value) -> Iterator[tuple[int, Value, int]]:
@@ -113,7 +118,7 @@ class Stage:
                 :func:`lightning_gpipe.microbatch.scatter`).
             PipelineFailure: if the previous stage failed while this one waited for it.
         """
-        self.training, self._records = torch.is_grad_enabled(), {}
+        self.training, self._records, self._backwards = torch.is_grad_enabled(), {}, 0
         if self.is_first:
             parts = microbatch.scatter(value, self.chunks)
             yield from ((i, x, len(parts)) for i, x in enumerate(parts))
@@ -193,6 +198,12 @@ class Stage:
             self.events.add("loss", None, self._filled, time.perf_counter())
         return len(self._records)
 
+    @property
+    def draining(self) -> bool:
+        """Whether micro-batches of the last training forward wait for their backward on this stage (not so on a
+        one-stage pipeline that ran one micro-batch without re-materialization: the user's backward covers it)."""
+        return bool(self._records)
+
     def expect_grad(self, index: int) -> None:
         """Post the receive of micro-batch ``index``'s output gradients (nothing on the last stage), and of its
         stashed skip tensors' from the stages that pop them.
@@ -244,11 +255,15 @@ class Stage:
         inputs = microbatch.floats(record.input)
         skip_inputs = microbatch.floats(tuple(record.skip_in.values()))
         needed = [x for x in inputs + skip_inputs if x.requires_grad]
+        self._backwards += 1
+        last = self._backwards == record.micro.count
         if pairs:
             with self.events.span("backward", index):
                 if self.defer_weight_grad and needed:
-                    self._weights.append((index, backward_input(*zip(*pairs), needed)))
+                    self._weights.append((index, backward_input(*zip(*pairs), needed), outputs if last else []))
                 else:
+                    if last:
+                        self._announce_last_backward(outputs)
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if not self.is_first:
             self.link.send_grads([x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs], index)
@@ -257,6 +272,12 @@ class Stage:
     def backward_weights(self) -> None:
         """W: add the queued weight gradients of earlier :meth:`backward` calls to the parameters' ``.grad``."""
         while self._weights:
-            index, weight = self._weights.popleft()
+            index, weight, last_outputs = self._weights.popleft()
+            if last_outputs:
+                self._announce_last_backward(last_outputs)
             with self.events.span("weight", index):
                 weight()
+
+    def _announce_last_backward(self, outputs: list[Tensor]) -> None:
+        if self.before_last_backward is not None:
+            self.before_last_backward(outputs)
