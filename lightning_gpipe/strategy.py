@@ -69,7 +69,9 @@ class GPipeStrategy(ParallelStrategy):
     ``r // K``; each replica reads its own shard of the data, and each stage's replicas average their gradients
     once per optimizer step with DDP (see docs/scaling.md). The backbone is the only part that is split: code
     before the backbone call must hold no parameters, and modules after it (heads, losses, metrics) run on the
-    last stage.
+    last stage. Skip connections between backbone layers (:mod:`lightning_gpipe.skip`) go straight from the
+    stashing stage to the popping one; a parameter used on several stages (tied weights) is kept in step on
+    each of them (:mod:`lightning_gpipe.ties`). See docs/contract.md.
 
     Args:
         balance: how many consecutive backbone layers each stage holds. A list gives them, one entry per
