@@ -37,6 +37,15 @@ def all_reduce(tensor: Tensor, op=dist.ReduceOp.SUM, group: Optional[dist.Proces
     wait([dist.all_reduce(tensor, op, group=group, async_op=True)], EVERY_STAGE)
 
 
+def broadcast(tensor: Tensor, src: int, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Copy ``tensor`` from global rank ``src`` to every process of ``group`` (``None``: all), in place.
+
+    Raises:
+        PipelineFailure: if another process failed or stalled meanwhile.
+    """
+    wait([dist.broadcast(tensor, src, group=group, async_op=True)], EVERY_STAGE)
+
+
 def broadcast_object(obj: Any, src: int, group: Optional[dist.ProcessGroup] = None) -> Any:
     """Send the picklable ``obj`` from global rank ``src`` to every process of ``group`` (``None``: all); returns it
     on every one.

@@ -46,8 +46,11 @@ from lightning_gpipe.partition import Split, find_backbone, materialize
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES
 from lightning_gpipe.relay import LogRelay
 from lightning_gpipe.schedule import GPipe, OneForwardOneBackward
+from lightning_gpipe.skip import SkipLayout
+from lightning_gpipe.skip.links import SkipLinks
 from lightning_gpipe.stage import Stage
 from lightning_gpipe.summary import replace_model_summary
+from lightning_gpipe.ties import TiedParameters, find_ties
 from lightning_gpipe.topology import Size, Topology, checked_size, groups, resolve_topology
 from lightning_gpipe.transfer import Link
 
@@ -66,7 +69,9 @@ class GPipeStrategy(ParallelStrategy):
     ``r // K``; each replica reads its own shard of the data, and each stage's replicas average their gradients
     once per optimizer step with DDP (see docs/scaling.md). The backbone is the only part that is split: code
     before the backbone call must hold no parameters, and modules after it (heads, losses, metrics) run on the
-    last stage.
+    last stage. Skip connections between backbone layers (:mod:`lightning_gpipe.skip`) go straight from the
+    stashing stage to the popping one; a parameter used on several stages (tied weights) is kept in step on
+    each of them (:mod:`lightning_gpipe.ties`). See docs/contract.md.
 
     Args:
         balance: how many consecutive backbone layers each stage holds. A list gives them, one entry per
@@ -204,6 +209,7 @@ class GPipeStrategy(ParallelStrategy):
         self._pipeline_group: Optional[dist.ProcessGroup] = None  # the stages of this process's replica
         self._data_parallel_group: Optional[dist.ProcessGroup] = None  # the replicas of this process's stage
         self._gradient_sync: Optional[GradientSync] = None
+        self._ties: Optional[TiedParameters] = None
 
     @property
     @override
@@ -335,7 +341,8 @@ class GPipeStrategy(ParallelStrategy):
             ValueError: if the backbone or ``balance`` does not fit (see
                 :func:`~lightning_gpipe.partition.find_backbone` and
                 :func:`~lightning_gpipe.partition.resolve_balance`), or if a module created on the meta
-                device cannot be initialised (see :func:`~lightning_gpipe.partition.materialize`).
+                device cannot be initialised (see :func:`~lightning_gpipe.partition.materialize`), or if the
+                backbone's skip connections do not pair up (see :func:`~lightning_gpipe.skip.verify_skippables`).
             RuntimeError: for a module with manual optimization.
             PipelineFailure: if another stage failed while this one waited for it.
         """
@@ -357,6 +364,7 @@ class GPipeStrategy(ParallelStrategy):
         self._relay.relay_after_epoch_end_hooks(module)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self._ties.synchronize()  # tied copies start equal, even when each stage initialised its own
         if trainer.state.fn == TrainerFn.FITTING:
             self._sync_gradients_over_replicas(module)
             self.setup_optimizers(trainer)
@@ -411,7 +419,9 @@ class GPipeStrategy(ParallelStrategy):
         precision = self.precision_plugin
 
         def clip_grad_by_norm(optimizer: Any, clip_val: Union[int, float]) -> None:
-            clip_grad_norm_(precision.main_params(optimizer), clip_val, group=self._pipeline_group)
+            clip_grad_norm_(
+                precision.main_params(optimizer), clip_val, group=self._pipeline_group, uncounted=self._ties.uncounted()
+            )
 
         precision.clip_grad_by_norm = clip_grad_by_norm
         scaler = getattr(precision, "scaler", None)
@@ -431,9 +441,12 @@ class GPipeStrategy(ParallelStrategy):
         balance = resolve_balance(
             self.balance, layers, topology.num_stages, self.layer_costs if profiled else None, self.balance_memory_limit
         )
+        skips = SkipLayout(layers, balance)  # checks the stash/pop pairs on every stage alike, before any step
         if self.deferred_batch_norm:
             convert_deferred_batch_norm(getattr(module, name))  # the whole backbone, so that `Split.undo` puts it back
+        ties = find_ties(module, name, balance)  # before the split, while every name leads to one object
         self._split = Split(module, name, balance, stage_index)
+        self._ties = TiedParameters(ties, module, topology, self.global_rank)
         replica, num_stages = topology.replica_of(self.global_rank), topology.num_stages
         link = Link(
             prev_rank=topology.rank_of(stage_index - 1, replica) if stage_index > 0 else None,
@@ -441,8 +454,19 @@ class GPipeStrategy(ParallelStrategy):
             device=self.root_device,
             events=watchdog.TrackingRecorder(),
         )
+        peers = {
+            "outgoing": {topology.rank_of(k, replica): keys for k, keys in skips.outgoing(stage_index).items()},
+            "incoming": {topology.rank_of(k, replica): keys for k, keys in skips.incoming(stage_index).items()},
+        }
         self._stage = Stage(
-            self._split.partition, link, stage_index, num_stages, chunks, self.checkpoint, self.defer_weight_grad
+            self._split.partition,
+            link,
+            stage_index,
+            num_stages,
+            chunks,
+            self.checkpoint,
+            self.defer_weight_grad,
+            SkipLinks(**peers, device=self.root_device, events=link.events),
         )
         self._schedule = GPipe(self._stage)
         self._one_f_one_b = OneForwardOneBackward(self._stage, num_stages) if self.schedule == "1f1b" else None
@@ -611,6 +635,25 @@ class GPipeStrategy(ParallelStrategy):
         with self._stage.events.span("relay"):
             self._relay(module.trainer)
         return closure_loss
+
+    @override
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Optional[Any] = None, **kwargs: Any
+    ) -> Any:
+        """Lightning's optimizer step, with the gradients of tied parameters summed over the stages that hold a
+        copy right after the step's closure (the last backward), before the hooks that see the gradients,
+        clipping and the step (see :mod:`lightning_gpipe.ties`).
+
+        Raises:
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
+
+        def closure_and_ties() -> Any:
+            result = closure()
+            self._ties.reduce_grads()
+            return result
+
+        return super().optimizer_step(optimizer, closure_and_ties, model, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -824,7 +867,7 @@ class GPipeStrategy(ParallelStrategy):
         if self._split is not None:
             self._split.undo(full)
             revert_deferred_batch_norm(self._split.sequential)
-            self._split = self._stage = self._schedule = self._backbone_call = self._relay = None
+            self._split = self._stage = self._schedule = self._backbone_call = self._relay = self._ties = None
             self._one_f_one_b = self._gradient_sync = None
         watchdog.stop()
         failure.detach()

@@ -62,6 +62,8 @@ class TranslationModule(LightningModule):
         weight_decay: AdamW (decoupled) weight decay. Default 0.
         decode: translate the validation batches greedily and log SacreBLEU per direction. Default True.
         max_new_tokens: decoding stops after ``S + max_new_tokens`` tokens for sources of S tokens. Default 16.
+        tie_embeddings: one table for source and target embeddings and the output projection (Press & Wolf
+            2017; see ``model.transformer``). Default False.
 
     Raises:
         ValueError: when ``d_model`` is odd or not divisible by ``nhead`` (see ``model.transformer``).
@@ -87,6 +89,7 @@ class TranslationModule(LightningModule):
         weight_decay: float = 0.0,
         decode: bool = True,
         max_new_tokens: int = 16,
+        tie_embeddings: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -101,6 +104,7 @@ class TranslationModule(LightningModule):
             num_decoder_layers=num_decoder_layers,
             dim_feedforward=dim_feedforward,
             dropout=dropout,
+            tie_embeddings=tie_embeddings,
         )
         self.val_ppl = Perplexity(ignore_index=self.pad_id)
         self.val_bleu = nn.ModuleDict({_key(direction): SacreBLEUScore() for direction in DIRECTIONS})
