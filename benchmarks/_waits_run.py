@@ -1,4 +1,6 @@
-"""One measurement of ``benchmarks/waits.py``: ``python benchmarks/_waits_run.py MODE KIND [options of _runs.py]``.
+"""One measurement of ``benchmarks/waits.py``: ``python benchmarks/_waits_run.py MODE KIND [options of _runs.py]``,
+or ``python benchmarks/_waits_run.py MODE pingpong --rounds R --size S --warmup W --steps T`` (2 processes, see
+:func:`ping_pong`).
 
 MODE ``interruptible`` runs the package as it is; ``blocking`` first puts back what the package did before its waits
 became interruptible: every wait a plain ``Work.wait()`` in the main thread, and stage spans that do not move the
@@ -6,6 +8,7 @@ stall watchdog's position. The mode is kept in ``LIGHTNING_GPIPE_BENCH_WAITS`` f
 launcher starts (it re-runs this script without the mode argument).
 """
 
+import argparse
 import os
 import runpy
 import sys
@@ -29,9 +32,44 @@ def _blocking_waits() -> None:
     watchdog.TrackingRecorder.span = events.Recorder.span
 
 
+def ping_pong(argv: list[str]) -> None:
+    """Global rank 0 sends ``--size`` floats to rank 1, which sends them back, ``--rounds`` times per measured
+    "step"; every send and receive is waited for at once through ``waiting.wait`` (so each round trip is four
+    waits on its critical path, two per process), as the stages wait for a transfer. No compute: the figure is the
+    cost of a wait itself."""
+    import torch
+    import torch.distributed as dist
+
+    import _harness as harness
+    from lightning_gpipe import waiting
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--size", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args(argv)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    peer, name = 1 - rank, f"stage {1 - rank}"
+    buffer = torch.zeros(args.size)
+    clock = harness.StepClock(args.warmup)
+    for _ in range(args.warmup + args.steps):
+        for _ in range(args.rounds):
+            for send in (rank == 0, rank == 1):
+                work = dist.isend(buffer, peer) if send else dist.irecv(buffer, peer)
+                waiting.wait([work], name)  # looked up at each call: the blocking mode replaces it
+        clock.mark()
+    harness.emit(rank, **clock.summary())
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     if sys.argv[1] in MODES:
         os.environ[_VARIABLE] = sys.argv.pop(1)
     if os.environ[_VARIABLE] == "blocking":
         _blocking_waits()
-    runpy.run_path(str(Path(__file__).with_name("_runs.py")), run_name="__main__")
+    if sys.argv[1] == "pingpong":
+        ping_pong(sys.argv[2:])
+    else:
+        runpy.run_path(str(Path(__file__).with_name("_runs.py")), run_name="__main__")

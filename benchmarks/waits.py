@@ -9,6 +9,11 @@ For each M:
   E/blocking, E/interruptible   our engine (Stage, Partition, Link) in K torch.distributed processes, no Trainer
   L/blocking, L/interruptible   GPipeStrategy through Lightning's Trainer, K processes
 
+and once, independent of M:
+
+  P/blocking, P/interruptible   a ping-pong of small messages between 2 processes, every transfer waited for at
+                                once, no compute: the cost of one wait itself (a "step" is --rounds round trips)
+
 The figure is rank 0's steady-state time per optimizer step; the ratio interruptible / blocking is the cost of the
 interruptible waits (1.00 = none). Runs are interleaved fresh processes, so both modes see the same machine.
 
@@ -16,6 +21,7 @@ Usage::
 
     python benchmarks/waits.py                          # K=2, batch 512, width 512, M in {8, 32}, 5 repeats
     python benchmarks/waits.py --repeats 3 --steps 4    # a quick look
+    python benchmarks/waits.py --only P --repeats 7     # the cost of one wait alone
 """
 
 import argparse
@@ -24,6 +30,8 @@ import _harness as harness
 import _waits_run
 
 KINDS = {"E": ("bare", "our engine without the Trainer"), "L": ("lightning", "GPipeStrategy through the Trainer")}
+PING_PONG = "P"
+"""The label of the ping-pong measurement (the cost of one wait, without compute)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -34,19 +42,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=512, help="rows per mini-batch (default 512)")
     parser.add_argument("--width", type=int, default=512, help="features per Linear layer (default 512)")
     parser.add_argument("--depth", type=int, default=8, help="(Linear, ReLU) pairs (default 8)")
-    parser.add_argument("--only", nargs="+", choices=tuple(KINDS), default=list(KINDS), help="pipelines to run")
+    parser.add_argument(
+        "--only", nargs="+", choices=(*KINDS, PING_PONG), default=[*KINDS, PING_PONG], help="what to run"
+    )
+    parser.add_argument("--rounds", type=int, default=200, help="ping-pong round trips per measured step (200)")
     harness.add_timing_args(parser, repeats=5, steps=10)
     args = parser.parse_args(argv)
-    harness.check_positive(parser, args, ("devices", "chunks", "batch_size", "width", "depth", "repeats"))
+    harness.check_positive(parser, args, ("devices", "chunks", "batch_size", "width", "depth", "repeats", "rounds"))
     return args
 
 
 def configs(args: argparse.Namespace) -> list[harness.Config]:
-    """One configuration per (M, pipeline, mode)."""
+    """One configuration per (M, pipeline, mode), and the ping-pong's per mode."""
     common = harness.mlp_run_args(args)
     result = []
+    if PING_PONG in args.only:
+        timing = ["--rounds", str(args.rounds), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+        for mode in _waits_run.MODES:
+            describe = f"ping-pong of 16 floats, {args.rounds} round trips per step, {mode} waits"
+            result.append(harness.Config(f"P/{mode}", [mode, "pingpong", *timing], nprocs=2, describe=describe))
     for m in args.chunks:
         for label in args.only:
+            if label == PING_PONG:
+                continue
             kind, describe = KINDS[label]
             for mode in _waits_run.MODES:
                 result.append(
@@ -73,9 +91,19 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def summarise(args: argparse.Namespace, results: dict[str, harness.Series]) -> None:
-    """For each M and pipeline: interruptible over blocking (1.00: the interruptible waits cost nothing)."""
+    """For each M and pipeline: interruptible over blocking (1.00: the interruptible waits cost nothing); for the
+    ping-pong, also the cost of one wait in microseconds (four waits per round trip)."""
+    if PING_PONG in args.only:
+        a, b = results[f"P/{_waits_run.MODES[0]}"], results[f"P/{_waits_run.MODES[1]}"]
+        harness.print_ratio("cost of interruptible waits, ping-pong", a, b, "P/interruptible", "P/blocking")
+        extra = (a.median() - b.median()) / (4 * args.rounds) * 1e6
+        print(
+            f"    extra time per wait: ({a.median():.4f} - {b.median():.4f}) s / (4 x {args.rounds}) = {extra:.1f} us"
+        )
     for m in args.chunks:
         for label in args.only:
+            if label == PING_PONG:
+                continue
             a, b = f"{label}/interruptible/M{m}", f"{label}/blocking/M{m}"
             harness.print_ratio(f"cost of interruptible waits, {label}, M={m}", results[a], results[b], a, b)
 

@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -28,7 +29,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
@@ -210,6 +211,8 @@ class GPipeStrategy(ParallelStrategy):
         self._data_parallel_group: Optional[dist.ProcessGroup] = None  # the replicas of this process's stage
         self._gradient_sync: Optional[GradientSync] = None
         self._ties: Optional[TiedParameters] = None
+        self._requeue_signal: Optional[signal.Signals] = None  # set when SLURM's requeue is handled at a batch start
+        self._requeue_requested = False
 
     @property
     @override
@@ -491,9 +494,11 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         """Check that every stage has as many training batches per epoch (see :meth:`_agree_on_batches`), and let
-        SIGTERM stop the stages at a step boundary (see :meth:`_stop_at_a_step_boundary_on_sigterm`)."""
+        SIGTERM stop the stages at a step boundary (see :meth:`_stop_at_a_step_boundary_on_sigterm`) and SLURM's
+        requeue signal save a checkpoint there (see :meth:`_requeue_at_a_step_boundary_on_slurm_signal`)."""
         self._agree_on_batches("training", [self.lightning_module.trainer.num_training_batches])
         self._stop_at_a_step_boundary_on_sigterm()
+        self._requeue_at_a_step_boundary_on_slurm_signal()
 
     def _stop_at_a_step_boundary_on_sigterm(self) -> None:
         """Replace Lightning's SIGTERM handler by one without its broadcast (only in the main thread).
@@ -517,6 +522,56 @@ class GPipeStrategy(ParallelStrategy):
                 previous(signum, frame)
 
         signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _requeue_at_a_step_boundary_on_slurm_signal(self) -> None:
+        """Under ``SLURMEnvironment(auto_requeue=True)``, replace Lightning's requeue handler by one that only
+        marks the request (only in the main thread, and only where Lightning installed its own).
+
+        Lightning's handler saves the checkpoint inside the signal handler, wherever the process is. Each
+        stage gets the signal at a different point of its step (one in its fill, another in a transfer or an
+        optimizer step), so the saves would pair collectives of different steps, or hang. The mark is acted on
+        by every stage together at the start of the next batch (:meth:`on_train_batch_start`).
+        """
+        environment = self.cluster_environment
+        if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue):
+            return
+        requeue_signal = environment.requeue_signal
+        connector = self.lightning_module.trainer._signal_connector
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if connector._original_handlers.get(requeue_signal) not in (None, signal.SIG_DFL):
+            return  # Lightning leaves a handler of the user's in place, and so do we
+
+        def on_requeue_signal(signum: int, frame: Any) -> None:
+            self._requeue_requested = True
+
+        self._requeue_signal = requeue_signal
+        signal.signal(requeue_signal, on_requeue_signal)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Under SLURM's auto-requeue, agree whether any stage got the requeue signal (one all-reduce of a flag);
+        if one did, every stage saves Lightning's HPC checkpoint and global rank 0 requeues the job with
+        ``scontrol requeue`` (Lightning's own handler, run by all stages here, at the same step), then every stage
+        ends with Lightning's ``SIGTERMException``, as SLURM's SIGTERM after the requeue would end it.
+
+        The checkpoint holds the state after the previous optimizer step on every stage; the requeued job
+        resumes from it (Lightning loads the newest ``hpc_ckpt_*.ckpt`` of ``default_root_dir`` on SLURM).
+
+        Raises:
+            SIGTERMException: after the checkpoint and the requeue.
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
+        if self._requeue_signal is None:
+            return
+        requested = torch.tensor([int(self._requeue_requested)], device=self.root_device)
+        collectives.all_reduce(requested, dist.ReduceOp.MAX)
+        if not requested.item():
+            return
+        # every stage names the file before any writes it (the save starts with collectives): the same path
+        self.lightning_module.trainer._signal_connector._slurm_sigusr_handler_fn(self._requeue_signal, None)
+        rank_zero_info("Saved the checkpoint and requeued the job; ending every stage.")
+        raise SIGTERMException
 
     @override
     def on_validation_start(self) -> None:
@@ -869,6 +924,7 @@ class GPipeStrategy(ParallelStrategy):
             revert_deferred_batch_norm(self._split.sequential)
             self._split = self._stage = self._schedule = self._backbone_call = self._relay = self._ties = None
             self._one_f_one_b = self._gradient_sync = None
+        self._requeue_signal, self._requeue_requested = None, False
         watchdog.stop()
         failure.detach()
 

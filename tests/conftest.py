@@ -1,9 +1,13 @@
-"""Shared fixtures: running a distributed worker script as K stage processes."""
+"""Shared fixtures: running a distributed worker script as K stage processes (alone, or sharing one launch with the
+other scripts that need K, see :func:`shared_run`)."""
 
 import os
 import subprocess
 import sys
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -50,6 +54,74 @@ def process_exits(pid: int, within: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+_SHARED: dict[int, list[tuple[str, tuple[str, ...], float, str, Optional[int]]]] = {}
+"""Registered runs of worker scripts, by number of stage processes: (script, args, timeout, name, output_of)."""
+
+_LAUNCHED: dict[int, tuple[Path, subprocess.CompletedProcess]] = {}
+"""The launches made so far, by number of stage processes: (their output directory, the result)."""
+
+
+def shared_run(
+    script: str,
+    *args: str,
+    devices: int,
+    timeout: float = 300,
+    name: Optional[str] = None,
+    output_of: Optional[int] = None,
+):
+    """Register a run of ``tests/workers/<script>`` on ``devices`` stage processes; return a function giving its
+    output directory (``OUT_DIR``: the script's first argument, or where an argument is ``"{out}"``), after the run.
+
+    Call at import time of a test module. All runs registered for K processes share one launch
+    (tests/workers/together.py), at the first call of any of their functions, so Lightning is imported once per
+    process for all of them; launches for fewer processes come first. The output directory is ``name`` (by default
+    the script's name and ``args``) in a directory of the launch, or with ``output_of=J``, of the launch on J
+    processes (e.g. to resume from checkpoints a run there wrote). The function raises ``AssertionError`` with the
+    script's traceback if it failed.
+    """
+    name = name or "-".join([Path(script).stem, *(arg.strip("-").replace("=", "") for arg in args)])
+    _SHARED.setdefault(devices, []).append((script, args, timeout, name, output_of))
+
+    def output() -> Path:
+        _launch(devices)
+        out = _LAUNCHED[devices if output_of is None else output_of][0] / name
+        failed = sorted(out.glob("failed_rank*.txt"))
+        assert not failed, f"{script} {' '.join(args)} failed:\n" + failed[0].read_text()[-3000:]
+        return out
+
+    return output
+
+
+def shared_log(devices: int) -> str:
+    """What the shared launch on ``devices`` processes wrote to stderr and stdout (after a :func:`shared_run`)."""
+    result = _LAUNCHED[devices][1]
+    return result.stderr + result.stdout
+
+
+def _launch(devices: int) -> Path:
+    """The output root of the shared launch on ``devices`` processes, launching it (and smaller ones) if needed."""
+    for k in sorted(_SHARED):
+        if k > devices or k in _LAUNCHED:
+            continue
+        root = Path(tempfile.mkdtemp(prefix=f"shared_K{k}_"))
+        command = []
+        for script, args, _, name, output_of in _SHARED[k]:
+            out = (root if output_of is None else _LAUNCHED[output_of][0]) / name
+            out.mkdir(exist_ok=True)
+            command += ["--", f"{out}:{script}", *args]
+        result = run_worker("together.py", str(k), *command[1:], timeout=sum(run[2] for run in _SHARED[k]))
+        _LAUNCHED[k] = (root, result)
+    root, result = _LAUNCHED[devices]
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root
+
+
+def pytest_sessionfinish(session):
+    """Remove the shared launches' output directories."""
+    for root, _ in _LAUNCHED.values():
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from conftest import run_worker
+from conftest import shared_run
 from test_failures import _assert_every_stage_exits
 from torch import nn
 
@@ -140,12 +140,14 @@ STAGES = {
 }
 
 
+BAD_INPUTS = shared_run("failure.py", "bad_inputs", "{out}", devices=2, timeout=400, name="bad_inputs")
+
+
 @pytest.fixture(scope="module")
-def stage_errors(tmp_path_factory):
-    """Each rank's messages for every case of the worker's ``BAD_INPUTS``, from one run of 2 stage processes."""
-    out = tmp_path_factory.mktemp("bad_inputs")
-    result = run_worker("failure.py", "bad_inputs", str(out), timeout=400)
-    assert result.returncode == 0, result.stderr[-3000:]
+def stage_errors():
+    """Each rank's messages for every case of the worker's ``BAD_INPUTS``, from one run of 2 stage processes (which
+    go on to run other scripts, see ``shared_run``)."""
+    out = BAD_INPUTS()
     _assert_every_stage_exits(out, within=30, since=time.time())
     return [json.loads((out / f"bad_inputs_rank{rank}.json").read_text()) for rank in range(2)]
 

@@ -15,7 +15,9 @@ from lightning_gpipe.balance.backbone import sample_micro_batch
 from lightning_gpipe.balance import resolve_balance
 from models import TupleNet
 
-from conftest import run_worker
+from conftest import shared_run
+
+PROFILED = shared_run("balance.py", "--devices=2", devices=2, timeout=240)
 
 
 def _splits(layers: int, stages: int):
@@ -229,9 +231,8 @@ def test_time_balance_is_within_ten_percent_of_the_best_split(one_thread):
     assert slowest(chosen) <= 1.10 * slowest(best)
 
 
-def test_strategy_profiles_on_rank_zero_and_every_stage_splits_alike(tmp_path):
-    result = run_worker("balance.py", str(tmp_path), "--devices", "2", timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_strategy_profiles_on_rank_zero_and_every_stage_splits_alike():
+    tmp_path = PROFILED()
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["costs"] == ranks[1]["costs"] and len(ranks[0]["costs"]) == 8  # broadcast from rank 0
     assert ranks[0]["local"] + ranks[1]["local"] == [str(i) for i in range(8)]

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from conftest import one_stage_pipeline, run_worker
+from conftest import one_stage_pipeline, shared_run
 from torch import nn
 
 from lightning_gpipe.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm, revert_deferred_batch_norm
@@ -174,9 +174,11 @@ def _compared(key: str, chunks: int, downstream: str) -> bool:
     return chunks == 1 or attribute == "num_batches_tracked" or (attribute in STATS and not key.startswith(downstream))
 
 
-def test_two_stages_match_single_device_lightning(tmp_path):
-    result = run_worker("batchnorm.py", str(tmp_path), timeout=200)
-    assert result.returncode == 0, result.stderr[-3000:]
+TWO_STAGES = shared_run("batchnorm.py", devices=2, timeout=200)
+
+
+def test_two_stages_match_single_device_lightning():
+    tmp_path = TWO_STAGES()
     from workers.batchnorm import CONFIGS, DOWNSTREAM, fit
 
     references = {lr: fit(lr).state_dict() for lr in {lr for _, _, lr in CONFIGS.values()}}

@@ -8,7 +8,7 @@ import warnings
 
 import lightning as L
 import pytest
-from conftest import run_worker
+from conftest import shared_log, shared_run
 from models import fit_trainer
 
 from lightning_gpipe import PipelineBalance, PipelineThroughput, PipelineTimeline
@@ -18,14 +18,15 @@ CONTENDED = 0.10
 """Above this share of its time waiting for a CPU, a stage process's timings say more about the machine."""
 
 
+TWO_STAGES = shared_run("callbacks.py", devices=2)
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("callbacks")
-    result = run_worker("callbacks.py", str(out))
-    assert result.returncode == 0, result.stderr[-3000:]
+def run():
+    out = TWO_STAGES()
     with open(out / "steps.pkl", "rb") as f:
         steps = pickle.load(f)
-    return out, json.loads((out / "result.json").read_text()), steps, result.stderr + result.stdout
+    return out, json.loads((out / "result.json").read_text()), steps, shared_log(2)
 
 
 def _metrics(out):

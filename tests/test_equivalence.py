@@ -6,11 +6,12 @@ that the subprocess-script launcher leaves every stage's weights in the user's m
 
 import pytest
 import torch
-from conftest import run_worker
+from conftest import shared_run
 from models import TupleNet, loader
 
 CHUNKS = (1, 3, 8)
 MODES = ("always", "except_last", "never")
+RUNS = {k: shared_run("equivalence.py", f"--devices={k}", devices=k, timeout=400) for k in (2, 3, 4)}
 
 
 @pytest.fixture(scope="module")
@@ -22,26 +23,25 @@ def reference_1f1b_state():
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
-def test_pipeline_equals_single_device(stages, reference_state, reference_1f1b_state, tmp_path):
-    result = run_worker("equivalence.py", str(tmp_path), f"--devices={stages}", timeout=400)
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_pipeline_equals_single_device(stages, reference_state, reference_1f1b_state):
+    out = RUNS[stages]()
     for chunks in CHUNKS:
         for mode in MODES:
-            state = torch.load(tmp_path / f"M{chunks}_{mode}.pt")
+            state = torch.load(out / f"M{chunks}_{mode}.pt")
             assert state.keys() == reference_state.keys()
             for key, expected in reference_state.items():
                 torch.testing.assert_close(state[key], expected, rtol=0, atol=1e-5, msg=f"{key}, M={chunks}, {mode}")
-    threads = {int((tmp_path / f"threads_rank{r}.txt").read_text()) for r in range(stages)}
+    threads = {int((out / f"threads_rank{r}.txt").read_text()) for r in range(stages)}
     assert threads == {max(1, (torch.multiprocessing.cpu_count() or 1) // stages)}
     for mode in MODES:  # schedule="1f1b", M = 4 >= K (uneven: 7, 6, 6, 6 rows), then M = 2 < K when K > 2
-        state_1f1b = torch.load(tmp_path / f"1f1b_{mode}.pt")
+        state_1f1b = torch.load(out / f"1f1b_{mode}.pt")
         for key, expected in reference_1f1b_state.items():
             torch.testing.assert_close(state_1f1b[key], expected, rtol=0, atol=1e-5, msg=f"{key}, 1f1b, {mode}")
     module = TupleNet()
     module.load_state_dict(state)  # the last configuration trained
     expected = [module.predict_step(batch, i).detach() for i, batch in enumerate(loader())]
     for rank in range(stages):
-        predictions = torch.load(tmp_path / f"predictions_rank{rank}.pt")
+        predictions = torch.load(out / f"predictions_rank{rank}.pt")
         assert len(predictions) == len(expected)
         for got, want in zip(predictions, expected):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

@@ -5,7 +5,9 @@ stall watchdog's diagnosis are checked in this process, on a ``HashStore``.
 """
 
 import json
+import os
 import signal
+import socket
 import threading
 import time
 
@@ -100,6 +102,47 @@ def test_sigterm_on_the_main_process_stops_every_stage_at_the_same_step(tmp_path
     assert (tmp_path / "stopped_rank0").exists() and (tmp_path / "stopped_rank1").exists(), stderr[-3000:]
     assert "PipelineFailure" not in stderr and process.returncode == 0  # Lightning's graceful stop, on both stages
     _assert_every_stage_exits(tmp_path, within=30, since=sent)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_slurm_requeue_signal_saves_a_checkpoint_every_stage_agrees_on_requeues_and_ends_every_stage(tmp_path):
+    # a 2-task SLURM job started as srun would; `scontrol` on PATH records its arguments
+    (tmp_path / "bin").mkdir()
+    scontrol = tmp_path / "bin" / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol_calls"}\n')
+    scontrol.chmod(0o755)
+    job = dict(
+        SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_NODEID="0", SLURM_JOB_ID="4242",
+        SLURM_JOB_NAME="gpipe", SLURM_NODELIST="127.0.0.1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+        PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
+    )  # fmt: skip
+    tasks = [
+        start_worker(
+            "failure.py", "requeue", str(tmp_path), env={**job, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}
+        )
+        for r in range(2)
+    ]
+    deadline = time.time() + 150
+    while not (tmp_path / "training").exists():
+        assert all(t.poll() is None for t in tasks) and time.time() < deadline, tasks[0].communicate()[1][-3000:]
+        time.sleep(0.2)
+    for task in tasks:  # SLURM signals every task of the job (`--signal=USR1@90`), each at its own point of a step
+        task.send_signal(signal.SIGUSR1)
+    outputs = [task.communicate(timeout=60) for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    assert (tmp_path / "scontrol_calls").read_text() == "requeue 4242\n"  # once, from global rank 0
+    (step,) = {int((tmp_path / f"stopped_rank{r}").read_text()) for r in range(2)}  # both stop at the same step
+    (checkpoint,) = tmp_path.glob("hpc_ckpt_*.ckpt")
+    assert torch.load(checkpoint, weights_only=False)["global_step"] == step
+    loaded = TupleNet.load_from_checkpoint(checkpoint).state_dict()  # both stages' layers, after the same step
+    for key, expected in fit(max_steps=step).state_dict().items():
+        torch.testing.assert_close(loaded[key], expected, rtol=0, atol=1e-5, msg=key)
+    _assert_every_stage_exits(tmp_path)
 
 
 def test_a_stage_killed_mid_save_leaves_the_previous_checkpoint_which_resumes(tmp_path, reference_state):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import run_worker
+from conftest import shared_run
 from models import LoggedNet, logged_fit
 
 
@@ -14,13 +14,14 @@ def _rows(path):
         return list(csv.DictReader(f))
 
 
+PIPELINED = shared_run("logging_relay.py", devices=2)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     reference = tmp_path_factory.mktemp("reference")
     trainer = logged_fit(str(reference))
-    pipelined = tmp_path_factory.mktemp("pipelined")
-    result = run_worker("logging_relay.py", str(pipelined))
-    assert result.returncode == 0, result.stderr[-3000:]
+    pipelined = PIPELINED()
     return reference, trainer, pipelined
 
 

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_states_close, run_worker
+from conftest import assert_states_close, shared_run
 from lightning.pytorch.plugins import MixedPrecision
 from rowwise import WatchedNet, fit_batches
 from torch import nn
@@ -292,13 +292,13 @@ def test_a_1f1b_prediction_draws_loss_per_micro_batch():
 # --------------------------------------------------------------------------- K processes against one device
 
 
+TWO_STAGES = shared_run("one_f_one_b.py", "--devices=2", devices=2)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs():
     """The output directory of the 2-stage worker."""
-    out = tmp_path_factory.mktemp("one_f_one_b")
-    result = run_worker("one_f_one_b.py", str(out), "--devices=2")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+    return TWO_STAGES()
 
 
 @pytest.mark.parametrize(

@@ -10,21 +10,23 @@ import json
 import lightning as L
 import pytest
 import torch
-from conftest import assert_states_close, run_worker
+from conftest import assert_states_close, shared_run
 import lightning_gpipe
 from lightning.pytorch.plugins import MixedPrecision
 from models import TupleNet, fit, fit_trainer, loader, trainer_kwargs
 
 
+TWO_STAGES = shared_run("production.py", "--devices=2", devices=2, timeout=600, name="production")
+RESUMED_ON_THREE = shared_run(
+    "production.py", "--devices=3", "--resume-only", devices=3, name="production", output_of=2
+)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The worker's output directory after a 2-stage run and a 3-stage resume."""
-    out = tmp_path_factory.mktemp("production")
-    result = run_worker("production.py", str(out), "--devices=2", timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    result = run_worker("production.py", str(out), "--devices=3", "--resume-only", timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+def runs():
+    """The worker's output directory after a 2-stage run and a 3-stage resume from its checkpoints."""
+    RESUMED_ON_THREE()
+    return TWO_STAGES()
 
 
 def _facts(runs, name, stages=2):

@@ -19,7 +19,7 @@ import lightning as L
 import pytest
 import torch
 import yaml
-from conftest import run_worker
+from conftest import shared_run
 from torch import Tensor
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "translation"
@@ -104,24 +104,26 @@ def reference() -> tuple[TranslationModule, list[float]]:
         return fit_tiny()
 
 
+PIPELINED = {k: shared_run("translation.py", f"--devices={k}", devices=k, timeout=400) for k in (2, 3)}
+
+
 @pytest.mark.parametrize("stages", [2, 3])
-def test_pipeline_loss_curve_and_decoding_equal_single_device(stages, reference, tmp_path) -> None:
+def test_pipeline_loss_curve_and_decoding_equal_single_device(stages, reference) -> None:
     """K stages: same 20-step loss curve (relative 1e-4), same greedy translations of the trained weights."""
-    result = run_worker("translation.py", str(tmp_path), f"--devices={stages}", timeout=400)
-    assert result.returncode == 0, result.stderr[-3000:]
+    out = PIPELINED[stages]()
     _, expected = reference
-    losses = torch.load(tmp_path / "losses.pt")
+    losses = torch.load(out / "losses.pt")
     assert len(losses) == len(expected) == STEPS
     assert losses[-1] < losses[0]
     for step, (got, want) in enumerate(zip(losses, expected)):
         assert abs(got - want) <= 1e-4 * abs(want), f"step {step}: pipelined {got}, single device {want}"
     module = TranslationModule(**TINY)
-    module.load_state_dict(torch.load(tmp_path / "state.pt"))
+    module.load_state_dict(torch.load(out / "state.pt"))
     module.eval()
     translations = [sentence for i, batch in enumerate(predict_data()) for sentence in module.predict_step(batch, i)]
     assert len(translations) == 6 and all(isinstance(sentence, str) for sentence in translations)
     for rank in range(stages):
-        got = [sentence for batch in torch.load(tmp_path / f"translations_rank{rank}.pt") for sentence in batch]
+        got = [sentence for batch in torch.load(out / f"translations_rank{rank}.pt") for sentence in batch]
         assert got == translations, f"rank {rank}"
 
 

@@ -14,7 +14,10 @@ alike; each rank writes the messages to OUT_DIR/bad_inputs_rank{r}.json),
 "kill_full", "kill_sharded" (a checkpoint is written at step 3 to OUT_DIR/good_{kind}.ckpt, then the process
 writing the step-6 checkpoint over it is killed with SIGKILL in the middle of the write: global rank 0 for a
 full checkpoint, the last stage for a sharded one; OUT_DIR/killed_{kind} marks the kill),
-"resume" (resume from both checkpoints to step 6, writing rank 0's module state to OUT_DIR/resumed_{kind}.pt).
+"resume" (resume from both checkpoints to step 6, writing rank 0's module state to OUT_DIR/resumed_{kind}.pt),
+"requeue" (the run of "sigterm" as one task of a SLURM job with ``SLURMEnvironment(auto_requeue=True)`` and
+``default_root_dir=OUT_DIR``: the test starts each stage itself, with SLURM's variables; OUT_DIR/stopped_rank{r} holds
+the global step at which Lightning's SIGTERMException ended rank r).
 --timeout and --stall set GPipeStrategy(timeout=, stall_timeout=) in seconds.
 Each process writes OUT_DIR/rank{r}.txt holding its pid and the time it started, so that the test can check
 that none is left and how long they took to exit.
@@ -48,7 +51,7 @@ parser.add_argument("--devices", type=int, default=2)
 parser.add_argument("--timeout", type=float, default=None)
 parser.add_argument("--stall", type=float, default=None)
 args = parser.parse_args()
-rank = int(os.environ.get("LOCAL_RANK", "0"))
+rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
 with open(os.path.join(args.out, f"rank{rank}.txt"), "w") as f:
     f.write(f"{os.getpid()} {time.time()}")
 
@@ -278,6 +281,19 @@ if args.case == "sigterm":
         fit(strategy=strategy(), devices=args.devices, module=Slow(), max_steps=3000)
     except SIGTERMException:
         open(os.path.join(args.out, f"stopped_rank{rank}"), "w").close()
+        raise
+elif args.case == "requeue":
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    module = Slow()
+    try:
+        fit(
+            strategy=strategy(), devices=args.devices, module=module, max_steps=3000,
+            plugins=[SLURMEnvironment(auto_requeue=True)], default_root_dir=args.out,
+        )  # fmt: skip
+    except SIGTERMException:
+        with open(os.path.join(args.out, f"stopped_rank{rank}"), "w") as f:
+            f.write(str(module.trainer.global_step))
         raise
 elif args.case in MODULES:
     fit(
