@@ -1,12 +1,13 @@
-"""LightningModule training the multilingual Transformer: label-smoothed loss, inverse-sqrt schedule, greedy decoding.
+"""LightningModule training the multilingual Transformer: label-smoothed loss, inverse-sqrt schedule, beam search.
 
 Written for the GPipe strategy (Huang et al. 2019, arXiv:1811.06965): the
 whole encoder-decoder is the single ``nn.Sequential`` attribute ``backbone``
 (see ``model.py``). Code before the backbone call only picks tensors out of
-the batch; the loss and metrics only read the logits. Greedy decoding calls
-the backbone once per generated token through
-``lightning_gpipe.forward_and_share``, which runs the pipelined forward and
-hands the next token ids to every stage, so all stages loop in lockstep.
+the batch; the loss and metrics only read the logits. Decoding (``decoding.py``:
+beam search or greedy, with the decoder's key/value cache) calls the backbone
+once per generated token through ``lightning_gpipe.forward_and_share``, which
+runs the pipelined forward and hands the chosen tokens to every stage, so all
+stages loop in lockstep.
 """
 
 import math
@@ -17,8 +18,8 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics.text import Perplexity, SacreBLEUScore
 
-from lightning_gpipe import forward_and_share
 from translation.data import DIRECTIONS
+from translation.decoding import beam_search, greedy
 from translation.model import transformer
 from translation.vocabulary import load_tokenizer
 
@@ -39,11 +40,6 @@ def inverse_sqrt(warmup_steps: int):
     return factor
 
 
-def next_tokens(logits: Tensor) -> Tensor:
-    """Greedy choice: ``(N, T, vocab)`` logits to the ``(N,)`` most likely ids after the last position, on CPU."""
-    return logits[:, -1].argmax(-1).cpu()
-
-
 class TranslationModule(LightningModule):
     """One encoder-decoder Transformer for every translation direction, selected by a ``<2xx>`` source token.
 
@@ -60,11 +56,19 @@ class TranslationModule(LightningModule):
         warmup_steps: linear warmup steps, then inverse square root decay. Default 500.
         betas: AdamW betas. Default (0.9, 0.98).
         weight_decay: AdamW (decoupled) weight decay. Default 0.
-        decode: translate the validation batches greedily and log SacreBLEU per direction. Default True.
+        decode: translate the validation batches and log SacreBLEU per direction. Default True.
         max_new_tokens: decoding stops after ``S + max_new_tokens`` tokens for sources of S tokens. Default 16.
+        beam_size: hypotheses beam search keeps per sentence in validation and ``predict``; 1 decodes greedily.
+            Default 4 (Vaswani et al. 2017).
+        length_penalty: exponent alpha of beam search's length normalisation ``((5 + length) / 6) ** alpha``
+            (Wu et al. 2016, GNMT); 0 ranks by log-probability alone. Default 0.6 (Vaswani et al. 2017).
+        kv_cache: decode with the decoder layers' key/value cache, one new token per step (``True``), or re-run
+            the encoder and decoder on the whole prefix every step (``False``, the same tokens, slower).
+            Default True.
 
     Raises:
-        ValueError: when ``d_model`` is odd or not divisible by ``nhead`` (see ``model.transformer``).
+        ValueError: when ``d_model`` is odd or not divisible by ``nhead`` (see ``model.transformer``), or
+            ``beam_size < 1``.
 
     Training batches are those of ``TranslationDataModule``; ``predict`` batches need only ``src``.
     Logged: ``train_loss`` (label-smoothed, per target token), ``val_loss`` (cross-entropy per target
@@ -87,8 +91,13 @@ class TranslationModule(LightningModule):
         weight_decay: float = 0.0,
         decode: bool = True,
         max_new_tokens: int = 16,
+        beam_size: int = 4,
+        length_penalty: float = 0.6,
+        kv_cache: bool = True,
     ) -> None:
         super().__init__()
+        if beam_size < 1:
+            raise ValueError(f"beam_size={beam_size} must be at least 1 (1 decodes greedily)")
         self.save_hyperparameters()
         self.tokenizer = load_tokenizer(tokenizer_file)
         self.pad_id = self.tokenizer.pad_token_id
@@ -136,36 +145,30 @@ class TranslationModule(LightningModule):
             bleu.reset()
 
     def predict_step(self, batch: dict, batch_idx: int) -> list[str]:
-        """Translate ``batch["src"]`` (ids with the target-language token first) greedily, through the pipeline."""
+        """Translate ``batch["src"]`` (ids with the target-language token first) through the pipeline."""
         return self.translate(batch["src"])
 
     @torch.no_grad()
-    def translate(self, src: Tensor) -> list[str]:
-        """Greedy decoding of a batch of sources; every step is one pipelined backbone call.
-
-        Each step feeds the tokens chosen so far and appends the most likely next
-        token of every row (:func:`next_tokens`, shared by the last stage with every
-        stage). A row is finished at ``</s>``; the loop stops when all rows are
-        finished or after ``S + max_new_tokens`` steps, decisions every stage takes
-        from the shared ids alone.
+    def translate(self, src: Tensor, beam_size: int | None = None, kv_cache: bool | None = None) -> list[str]:
+        """Translate a batch of sources by beam search (``beam_size > 1``) or greedily; one backbone call per step.
 
         Args:
             src: ``(N, S)`` long source ids, target-language token first, padded with the padding id.
+            beam_size: overrides the ``beam_size`` hyperparameter (1: greedy).
+            kv_cache: overrides the ``kv_cache`` hyperparameter.
 
         Returns:
             N detokenized translations (special tokens dropped).
         """
+        hp = self.hparams
+        beam_size = hp.beam_size if beam_size is None else beam_size
+        cache = hp.kv_cache if kv_cache is None else kv_cache
         bos, eos = self.tokenizer.bos_token_id, self.tokenizer.eos_token_id
-        tgt = torch.full((src.shape[0], 1), bos, dtype=torch.long, device=src.device)
-        finished = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
-        for _ in range(src.shape[1] + self.hparams.max_new_tokens):
-            chosen = forward_and_share(self.backbone, (src, tgt), next_tokens).to(src.device)
-            chosen = chosen.masked_fill(finished, self.pad_id)
-            tgt = torch.cat([tgt, chosen[:, None]], dim=1)
-            finished |= chosen == eos
-            if finished.all():
-                break
-        return self.tokenizer.batch_decode(tgt[:, 1:].tolist(), skip_special_tokens=True)
+        if beam_size == 1:
+            ids = greedy(self.backbone, src, bos, eos, hp.max_new_tokens, cache)
+        else:
+            ids = beam_search(self.backbone, src, bos, eos, hp.max_new_tokens, beam_size, hp.length_penalty, cache)
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
     def configure_optimizers(self) -> dict:
         """AdamW over this stage's parameters with warmup then inverse-square-root decay, stepped every step."""
