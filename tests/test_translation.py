@@ -3,8 +3,8 @@
 The headline test trains the example's Transformer (tiny, dropout 0) for 20 steps of variable-length,
 token-bucketed batches on 2 and 3 pipeline stages and checks that the loss curve equals single-device
 training, then that decoding through the pipeline (``forward_and_share``; greedy with and without the
-key/value cache, beam search) gives the same translations as decoding the same weights on one device. Parameter counts are checked against GPipe
-(Huang et al. 2019, arXiv:1811.06965) section 5 on the meta device.
+key/value cache, beam search) gives the same translations as decoding the same weights on one device.
+Parameter counts are checked against GPipe (Huang et al. 2019, arXiv:1811.06965) section 5 on the meta device.
 """
 
 import csv
@@ -28,7 +28,7 @@ sys.path.insert(0, str(EXAMPLE.parent))
 from translation.data import DIRECTIONS, TranslationDataModule  # noqa: E402
 from translation.decoding import beam_search, greedy  # noqa: E402
 from translation.model import transformer  # noqa: E402
-from translation.module import TranslationModule  # noqa: E402
+from translation.module import DECODING, TranslationModule  # noqa: E402
 from translation.vocabulary import LANGUAGES, SPECIAL_TOKENS, load_tokenizer  # noqa: E402
 
 TINY = dict(
@@ -45,7 +45,7 @@ DECODINGS = {
     "greedy_uncached": dict(beam_size=1, kv_cache=False),
     "beam": dict(beam_size=4, kv_cache=True),
 }
-"""The module's decoding hyperparameters compared between the pipeline and one device."""
+"""The module's decoding attributes compared between the pipeline and one device."""
 
 
 def tiny_datamodule(**overrides) -> TranslationDataModule:
@@ -129,8 +129,9 @@ def test_pipeline_loss_curve_and_decoding_equal_single_device(stages, reference,
     module.eval()
     pipelined = [torch.load(tmp_path / f"translations_rank{rank}.pt") for rank in range(stages)]
     for name, decoding in DECODINGS.items():
-        module.hparams.update(decoding)
-        translations = [sentence for i, batch in enumerate(predict_data()) for sentence in module.predict_step(batch, i)]
+        for attribute, value in decoding.items():
+            setattr(module, attribute, value)
+        translations = [line for i, batch in enumerate(predict_data()) for line in module.predict_step(batch, i)]
         assert len(translations) == 6 and all(isinstance(sentence, str) for sentence in translations)
         for rank in range(stages):
             got = [sentence for batch in pipelined[rank][name] for sentence in batch]
@@ -287,6 +288,7 @@ def test_cached_decoding_gives_the_tokens_of_uncached_decoding_and_beam_1_is_gre
         assert beam_search(backbone, src, beam_size=4, cache=False, **ends) == beam_ids
         assert beam_search(backbone, src[5:6], beam_size=4, **ends) == beam_ids[5:6]  # rows are independent
     assert any(len(b) != len(g) for b, g in zip(beam_ids, greedy_ids))
+    assert not set(DECODING) & set(two_directions.hparams)  # chosen when evaluating, not fixed by a checkpoint
     for layer in backbone.modules():  # the caches are freed after decoding
         assert getattr(layer, "cache", None) is None or layer.cache.keys is None
 

@@ -40,6 +40,11 @@ def inverse_sqrt(warmup_steps: int):
     return factor
 
 
+DECODING = ("decode", "max_new_tokens", "beam_size", "length_penalty", "kv_cache")
+"""The arguments of :class:`TranslationModule` that choose how it decodes: attributes of the module of the same
+names, left out of its saved hyperparameters (a checkpoint does not fix them)."""
+
+
 class TranslationModule(LightningModule):
     """One encoder-decoder Transformer for every translation direction, selected by a ``<2xx>`` source token.
 
@@ -70,6 +75,7 @@ class TranslationModule(LightningModule):
         ValueError: when ``d_model`` is odd or not divisible by ``nhead`` (see ``model.transformer``), or
             ``beam_size < 1``.
 
+    The decoding arguments (:data:`DECODING`) are attributes of the same names, not saved hyperparameters.
     Training batches are those of ``TranslationDataModule``; ``predict`` batches need only ``src``.
     Logged: ``train_loss`` (label-smoothed, per target token), ``val_loss`` (cross-entropy per target
     token), ``val_ppl``, ``val_bleu_<src>_<tgt>`` (SacreBLEU, 0-100, 13a tokenization), ``lr``.
@@ -98,7 +104,12 @@ class TranslationModule(LightningModule):
         super().__init__()
         if beam_size < 1:
             raise ValueError(f"beam_size={beam_size} must be at least 1 (1 decodes greedily)")
-        self.save_hyperparameters()
+        # Decoding settings are chosen when evaluating, so they are attributes, not saved hyperparameters: with
+        # `train.py validate/predict --ckpt_path`, LightningCLI (2.6) would apply a checkpoint's hyperparameters
+        # over the command line's (Lightning-AI/pytorch-lightning#21455).
+        self.save_hyperparameters(ignore=list(DECODING))
+        self.decode, self.max_new_tokens, self.kv_cache = decode, max_new_tokens, kv_cache
+        self.beam_size, self.length_penalty = beam_size, length_penalty
         self.tokenizer = load_tokenizer(tokenizer_file)
         self.pad_id = self.tokenizer.pad_token_id
         self.backbone = transformer(
@@ -124,7 +135,7 @@ class TranslationModule(LightningModule):
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         """Translate the batch (if ``decode``) and score BLEU per direction, then log loss and perplexity."""
-        if self.hparams.decode:
+        if self.decode:
             hypotheses = self.translate(batch["src"])
             for direction in set(batch["directions"]):
                 rows = [i for i, d in enumerate(batch["directions"]) if d == direction]
@@ -154,20 +165,19 @@ class TranslationModule(LightningModule):
 
         Args:
             src: ``(N, S)`` long source ids, target-language token first, padded with the padding id.
-            beam_size: overrides the ``beam_size`` hyperparameter (1: greedy).
-            kv_cache: overrides the ``kv_cache`` hyperparameter.
+            beam_size: overrides the module's ``beam_size`` (1: greedy).
+            kv_cache: overrides the module's ``kv_cache``.
 
         Returns:
             N detokenized translations (special tokens dropped).
         """
-        hp = self.hparams
-        beam_size = hp.beam_size if beam_size is None else beam_size
-        cache = hp.kv_cache if kv_cache is None else kv_cache
+        beam_size = self.beam_size if beam_size is None else beam_size
+        cache = self.kv_cache if kv_cache is None else kv_cache
         bos, eos = self.tokenizer.bos_token_id, self.tokenizer.eos_token_id
         if beam_size == 1:
-            ids = greedy(self.backbone, src, bos, eos, hp.max_new_tokens, cache)
+            ids = greedy(self.backbone, src, bos, eos, self.max_new_tokens, cache)
         else:
-            ids = beam_search(self.backbone, src, bos, eos, hp.max_new_tokens, beam_size, hp.length_penalty, cache)
+            ids = beam_search(self.backbone, src, bos, eos, self.max_new_tokens, beam_size, self.length_penalty, cache)
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
     def configure_optimizers(self) -> dict:

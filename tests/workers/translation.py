@@ -31,7 +31,8 @@ if rank == 0:
     torch.save(module.state_dict(), os.path.join(args.out, "state.pt"))
 translations = {}
 for name, decoding in DECODINGS.items():
-    module.hparams.update(decoding)
+    for attribute, value in decoding.items():
+        setattr(module, attribute, value)
     trainer = tiny_trainer(strategy=lightning_gpipe.GPipeStrategy(chunks=2), devices=args.devices)
     translations[name] = trainer.predict(module, predict_data())
 torch.save(translations, os.path.join(args.out, f"translations_rank{rank}.pt"))
