@@ -25,6 +25,7 @@ from torch import Tensor
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "translation"
 sys.path.insert(0, str(EXAMPLE.parent))
 
+from translation.callbacks import WriteTranslations  # noqa: E402
 from translation.data import DIRECTIONS, TranslationDataModule  # noqa: E402
 from translation.decoding import beam_search, greedy  # noqa: E402
 from translation.model import transformer  # noqa: E402
@@ -291,6 +292,24 @@ def test_cached_decoding_gives_the_tokens_of_uncached_decoding_and_beam_1_is_gre
     assert not set(DECODING) & set(two_directions.hparams)  # chosen when evaluating, not fixed by a checkpoint
     for layer in backbone.modules():  # the caches are freed after decoding
         assert getattr(layer, "cache", None) is None or layer.cache.keys is None
+
+
+def test_predict_translates_a_file_line_by_line(tmp_path) -> None:
+    """``--data.predict_file`` gives the batches of the same sentences as ``predict_sentences``, and
+    ``WriteTranslations`` writes ``trainer.predict``'s translations to its file, one line per sentence, in order."""
+    sentences = validation_sentences("en", 40)  # two batches: 32 + 8
+    source = tmp_path / "sentences.en"
+    source.write_text("\n".join(sentences) + "\n", encoding="utf-8")
+    from_file = TranslationDataModule(predict_file=str(source)).predict_dataloader()
+    from_list = TranslationDataModule(predict_sentences=sentences).predict_dataloader()
+    assert [batch["src"].tolist() for batch in from_file] == [batch["src"].tolist() for batch in from_list]
+    L.seed_everything(0, verbose=False)
+    module = TranslationModule(**{**TINY, "beam_size": 1, "max_new_tokens": 1})
+    output = tmp_path / "sentences.de"
+    with one_thread():
+        predictions = tiny_trainer(callbacks=[WriteTranslations(str(output))]).predict(module, from_file)
+    translations = [line for batch in predictions for line in batch]
+    assert len(translations) == 40 and output.read_text(encoding="utf-8").splitlines() == translations
 
 
 def test_example_trains_on_two_stages_and_logs_bleu_and_throughput(tmp_path) -> None:
