@@ -1,4 +1,4 @@
-"""The collectives the package makes, on the default process group, through the interruptible waits.
+"""The collectives the package makes, on the default process group or a given one, through the interruptible waits.
 
 Each one is posted with ``async_op=True`` and waited for with :func:`lightning_gpipe.waiting.wait`, so a
 stage waiting in a collective handles signals and names a failed or stalled stage
@@ -19,13 +19,13 @@ from torch import Tensor
 from lightning_gpipe.waiting import EVERY_STAGE, wait
 
 
-def barrier() -> None:
-    """Wait until every process reaches this point.
+def barrier(group: Optional[dist.ProcessGroup] = None) -> None:
+    """Wait until every process of ``group`` (``None``: all) reaches this point.
 
     Raises:
         PipelineFailure: if another process failed or stalled meanwhile.
     """
-    wait([dist.barrier(async_op=True)], EVERY_STAGE)
+    wait([dist.barrier(group=group, async_op=True)], EVERY_STAGE)
 
 
 def all_reduce(tensor: Tensor, op=dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None) -> None:
@@ -37,8 +37,18 @@ def all_reduce(tensor: Tensor, op=dist.ReduceOp.SUM, group: Optional[dist.Proces
     wait([dist.all_reduce(tensor, op, group=group, async_op=True)], EVERY_STAGE)
 
 
-def broadcast_object(obj: Any, src: int) -> Any:
-    """Send the picklable ``obj`` from global rank ``src`` to every process; returns it on every process.
+def broadcast(tensor: Tensor, src: int, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Copy ``tensor`` from global rank ``src`` to every process of ``group`` (``None``: all), in place.
+
+    Raises:
+        PipelineFailure: if another process failed or stalled meanwhile.
+    """
+    wait([dist.broadcast(tensor, src, group=group, async_op=True)], EVERY_STAGE)
+
+
+def broadcast_object(obj: Any, src: int, group: Optional[dist.ProcessGroup] = None) -> Any:
+    """Send the picklable ``obj`` from global rank ``src`` to every process of ``group`` (``None``: all); returns it
+    on every one.
 
     Raises:
         PipelineFailure: if another process failed or stalled meanwhile.
@@ -46,22 +56,23 @@ def broadcast_object(obj: Any, src: int) -> Any:
     mine = dist.get_rank() == src
     data = _bytes(obj) if mine else None
     size = torch.tensor([data.numel() if mine else 0], dtype=torch.int64, device=_device())
-    wait([dist.broadcast(size, src, async_op=True)], EVERY_STAGE)
+    wait([dist.broadcast(size, src, group=group, async_op=True)], EVERY_STAGE)
     if not mine:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=_device())
-    wait([dist.broadcast(data, src, async_op=True)], EVERY_STAGE)
+    wait([dist.broadcast(data, src, group=group, async_op=True)], EVERY_STAGE)
     return obj if mine else _object(data)
 
 
-def gather_object(obj: Any, dst: int = 0) -> Optional[list[Any]]:
-    """The picklable objects of every process, in rank order, on global rank ``dst``; ``None`` elsewhere.
+def gather_object(obj: Any, dst: int = 0, group: Optional[dist.ProcessGroup] = None) -> Optional[list[Any]]:
+    """The picklable objects of every process of ``group`` (``None``: all), in rank order, on global rank ``dst``;
+    ``None`` elsewhere.
 
     Raises:
         PipelineFailure: if another process failed or stalled meanwhile.
     """
-    padded, sizes = _padded(obj)
+    padded, sizes = _padded(obj, group)
     parts = [torch.empty_like(padded) for _ in sizes] if dist.get_rank() == dst else None
-    wait([dist.gather(padded, parts, dst, async_op=True)], EVERY_STAGE)
+    wait([dist.gather(padded, parts, dst, group=group, async_op=True)], EVERY_STAGE)
     return None if parts is None else _objects(parts, sizes)
 
 
@@ -77,12 +88,13 @@ def all_gather_object(obj: Any) -> list[Any]:
     return _objects(parts, sizes)
 
 
-def _padded(obj: Any) -> tuple[Tensor, list[int]]:
-    """``obj``'s bytes padded to the longest of every process's (a collective call), and every process's size."""
+def _padded(obj: Any, group: Optional[dist.ProcessGroup] = None) -> tuple[Tensor, list[int]]:
+    """``obj``'s bytes padded to the longest of every process's of ``group`` (a collective call), and every
+    process's size."""
     data = _bytes(obj)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=_device()) for _ in range(dist.get_world_size())]
+    sizes = [torch.zeros(1, dtype=torch.int64, device=_device()) for _ in range(dist.get_world_size(group))]
     mine = torch.tensor([data.numel()], dtype=torch.int64, device=_device())
-    wait([dist.all_gather(sizes, mine, async_op=True)], EVERY_STAGE)
+    wait([dist.all_gather(sizes, mine, group=group, async_op=True)], EVERY_STAGE)
     lengths = [int(size.item()) for size in sizes]
     padded = torch.zeros(max(lengths), dtype=torch.uint8, device=_device())
     padded[: data.numel()] = data

@@ -119,7 +119,7 @@ class BackboneCall:
         args: tuple,
         kwargs: dict,
         schedule: TrainingSchedule,
-        backward: Callable[[Tensor], None],
+        backward: Callable[[Tensor, bool], None],
     ) -> Any:
         """Run one training step whose schedule needs each micro-batch's loss before the next forwards (1F1B).
 
@@ -137,7 +137,8 @@ class BackboneCall:
             args: the step's positional arguments; ``args[0]`` is the batch.
             kwargs: the step's keyword arguments.
             schedule: runs this stage's part of the step.
-            backward: backpropagates one weighted micro-batch loss to the micro-batch's output.
+            backward: backpropagates one weighted micro-batch loss to the micro-batch's output; its second argument
+                says whether the micro-batch is the step's last.
 
         Returns:
             On the last stage, the combined output (see :meth:`~lightning_gpipe.per_micro_batch.RowWeighted.finish`);
@@ -163,7 +164,7 @@ class BackboneCall:
             part, part_rows = parts[index], per_micro_batch.batch_rows(parts[index])
             with self._answering(_Given(output)):
                 returned = results.run(part_rows, lambda: self.user_step(hook, lambda: step(part, *rest, **kwargs)))
-            backward(per_micro_batch.loss_of(returned, hook, index) * (part_rows / rows))
+            backward(per_micro_batch.loss_of(returned, hook, index) * (part_rows / rows), index == count - 1)
 
         schedule.step(capture.value, head)
         return results.finish() if self.is_last else None

@@ -23,7 +23,12 @@ from torch import Tensor
 from lightning_gpipe import collectives
 
 
-def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, group: Optional[dist.ProcessGroup] = None) -> Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[Tensor],
+    max_norm: float,
+    group: Optional[dist.ProcessGroup] = None,
+    uncounted: Iterable[Tensor] = (),
+) -> Tensor:
     """Clip this stage's gradients by the 2-norm of the gradients of every stage in ``group``.
 
     Equals ``torch.nn.utils.clip_grad_norm_`` over the whole model: the squared norms of
@@ -34,6 +39,9 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, group: Option
         parameters: this stage's parameters (their ``.grad`` is scaled in place).
         max_norm: the largest allowed 2-norm of all gradients together.
         group: the stages of one pipeline; ``None`` is the default (whole-world) group.
+        uncounted: parameters among ``parameters`` whose gradients are scaled but left out of this stage's norm:
+            the copies of a tied parameter held by several stages, on all of them but one, so that it counts
+            once (see :meth:`lightning_gpipe.ties.TiedParameters.uncounted`). None by default.
 
     Returns:
         The total 2-norm before clipping (a scalar tensor on this stage's device).
@@ -42,7 +50,8 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, group: Option
         PipelineFailure: if another stage failed while this one waited for it.
     """
     parameters = list(parameters)
-    grads = [p.grad for p in parameters if p.grad is not None]
+    skipped = {id(p) for p in uncounted}
+    grads = [p.grad for p in parameters if p.grad is not None and id(p) not in skipped]
     device = grads[0].device if grads else torch.device("cpu")
     local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
     squared = local.double() ** 2

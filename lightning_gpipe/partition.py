@@ -7,6 +7,11 @@ meta device (their memory is freed, their structure kept so that the split can
 be undone). Modules outside the backbone that hold parameters or buffers (heads,
 losses with weights) live on the last stage only; earlier stages hold a
 placeholder that names the contract if user code calls it.
+
+A module or parameter used in several places (a layer at two backbone positions, an embedding tied to
+the output head) stays one object within a stage: only what no local layer uses goes to the meta device.
+Across stages each holding stage keeps its own copy (:mod:`lightning_gpipe.ties` keeps them equal), and
+:meth:`Split.undo` ties the names together again.
 """
 
 from collections.abc import Sequence
@@ -143,22 +148,28 @@ class Split:
     def __init__(self, module: nn.Module, backbone: str, balance: Sequence[int], stage_index: int) -> None:
         self.module, self.backbone, self.stage_index = module, backbone, stage_index
         self.sequential: nn.Sequential = getattr(module, backbone)
+        self._aliases = _aliases(module)
         names = list(self.sequential._modules)
         start = sum(balance[:stage_index])
         local = names[start : start + balance[stage_index]]
+        last = stage_index == len(balance) - 1
+        outside = [child for name, child in module.named_children() if name != backbone]
+        kept = {sub for layer in [*(self.sequential._modules[n] for n in local), *(outside if last else [])]
+                for sub in layer.modules()}  # fmt: skip
         for name in names:
             if name not in local:
-                self.sequential._modules[name].to("meta")
+                _to_meta(self.sequential._modules[name], kept)
         self.partition = Partition({name: self.sequential._modules[name] for name in local})
         setattr(module, backbone, self.partition)
         self.freed: dict[str, nn.Module] = {}
-        if stage_index < len(balance) - 1:
-            self._free_modules_outside_backbone()
+        if not last:
+            self._free_modules_outside_backbone(kept)
 
-    def _free_modules_outside_backbone(self) -> None:
+    def _free_modules_outside_backbone(self, kept: set[nn.Module]) -> None:
         for name, child in list(self.module.named_children()):
             if name != self.backbone and _holds_state(child):
-                self.freed[name] = child.to("meta")
+                _to_meta(child, kept)
+                self.freed[name] = child
                 setattr(self.module, name, _LastStageOnly(name, self.stage_index))
 
     def undo(self, full_state: Optional[dict[str, Tensor]] = None) -> None:
@@ -177,6 +188,11 @@ class Split:
                 if any(t.is_meta for t in [*child.parameters(), *child.buffers()]):
                     child.to_empty(device=torch.device("cpu"))
             self.module.load_state_dict(full_state)
+        for names in self._aliases:  # one parameter under several names again
+            shared = self.module.get_parameter(names[0])
+            for name in names[1:]:
+                owner, _, attr = name.rpartition(".")
+                self.module.get_submodule(owner)._parameters[attr] = shared
 
 
 _RESETS = ("reset_parameters", "_reset_parameters")  # torch's names; nn.MultiheadAttention has the second
@@ -229,6 +245,23 @@ def _covered_by_reset(module: nn.Module) -> set[nn.Module]:
         if sub not in covered and any(hasattr(sub, name) for name in _RESETS):
             covered.update(sub.modules())
     return covered
+
+
+def _aliases(module: nn.Module) -> list[list[str]]:
+    """The names of each parameter that has several (tied or shared), in module order."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _to_meta(module: nn.Module, kept: set[nn.Module]) -> None:
+    """Move the parameters and buffers of ``module`` and its submodules to the meta device, except those of the
+    submodules in ``kept`` (used on this stage too). A parameter shared with a kept module is replaced in the
+    moved module's own slot only, so the kept module's stays."""
+    for sub in module.modules():
+        if sub not in kept:
+            sub._apply(lambda t: t.to("meta"), recurse=False)
 
 
 def _holds_state(module: nn.Module) -> bool:

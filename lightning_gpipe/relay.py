@@ -5,13 +5,13 @@ Only the last stage runs the part of a step after the backbone call, so only its
 stage), the progress bar shows there, and callbacks such as ``ModelCheckpoint``
 and ``EarlyStopping`` read ``trainer.callback_metrics`` on every rank and must
 decide alike. So after every step, and after the user's epoch-end hooks, the last
-stage broadcasts its logged results (Lightning's ``_ResultCollection`` entries,
+stage broadcasts its logged results to the other stages of its pipeline (Lightning's ``_ResultCollection`` entries,
 with their accumulated epoch state) and every other stage takes them as its own.
 """
 
 import io
 import pickle
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -28,10 +28,11 @@ class LogRelay:
         strategy: the running strategy; values logged with ``sync_dist=True`` keep a reference
             to its ``reduce``, which is resolved to each receiver's own strategy.
         src: global rank of the last stage, whose results are broadcast.
+        group: the stages of the pipeline (``None``: every process, for a job of one pipeline).
     """
 
-    def __init__(self, strategy: "pl.strategies.Strategy", src: int) -> None:
-        self.strategy, self.src = strategy, src
+    def __init__(self, strategy: "pl.strategies.Strategy", src: int, group: Optional[dist.ProcessGroup] = None) -> None:
+        self.strategy, self.src, self.group = strategy, src, group
 
     def __call__(self, trainer: "pl.Trainer") -> None:
         """Broadcast the last stage's current ``trainer._results`` entries; a collective call on all ranks.
@@ -43,7 +44,7 @@ class LogRelay:
         if results is None or not dist.is_initialized() or dist.get_world_size() == 1:
             return
         mine = dist.get_rank() == self.src
-        payload = collectives.broadcast_object(self._dumps(dict(results)) if mine else None, self.src)
+        payload = collectives.broadcast_object(self._dumps(dict(results)) if mine else None, self.src, self.group)
         if not mine:
             results.clear()
             results.update(self._loads(payload))

@@ -68,8 +68,9 @@ def local_entries(state_dict: dict[str, Tensor], module: nn.Module) -> dict[str,
     return {key: value for key, value in state_dict.items() if key in local}
 
 
-def gather_union(local: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """The union of every process's ``local`` dict on global rank 0, ``None`` elsewhere (a collective call).
+def gather_union(local: dict[str, Any], group: Optional[dist.ProcessGroup] = None) -> Optional[dict[str, Any]]:
+    """The union of the ``local`` dicts of every process of ``group`` (``None``: all) on global rank 0, ``None``
+    elsewhere (a collective call of ``group``, which must hold global rank 0).
 
     Tensors are moved to the CPU first, so the result is device-independent.
 
@@ -79,7 +80,7 @@ def gather_union(local: dict[str, Any]) -> Optional[dict[str, Any]]:
     local = {key: value.cpu() if isinstance(value, Tensor) else value for key, value in local.items()}
     if not dist.is_initialized():
         return local
-    parts = collectives.gather_object(local, dst=0)
+    parts = collectives.gather_object(local, dst=0, group=group)
     if parts is None:
         return None
     return {key: value for part in parts for key, value in part.items()}

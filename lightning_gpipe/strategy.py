@@ -39,20 +39,24 @@ from lightning_gpipe.balance import MODES, LayerCost, resolve_balance
 from lightning_gpipe.balance.backbone import profile_backbone
 from lightning_gpipe.batchnorm import convert_deferred_batch_norm, revert_deferred_batch_norm
 from lightning_gpipe.contract import BackboneCall
+from lightning_gpipe.data_parallel import GradientSync
 from lightning_gpipe.gradients import StepGradients
 from lightning_gpipe.optimization import SharedGradScaler, clip_grad_norm_
 from lightning_gpipe.partition import Split, find_backbone, materialize
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES
 from lightning_gpipe.relay import LogRelay
 from lightning_gpipe.schedule import GPipe, OneForwardOneBackward
+from lightning_gpipe.skip import SkipLayout
+from lightning_gpipe.skip.links import SkipLinks
 from lightning_gpipe.stage import Stage
 from lightning_gpipe.summary import replace_model_summary
-from lightning_gpipe.topology import Topology
+from lightning_gpipe.ties import TiedParameters, find_ties
+from lightning_gpipe.topology import Size, Topology, checked_size, groups, resolve_topology
 from lightning_gpipe.transfer import Link
 
 
 class GPipeStrategy(ParallelStrategy):
-    """Train a LightningModule whose ``nn.Sequential`` backbone is split into one stage per device.
+    """Train a LightningModule whose ``nn.Sequential`` backbone is split into stages, one per device of a pipeline.
 
     GPipe (Huang et al. 2019, arXiv:1811.06965): each mini-batch is split into
     ``chunks`` micro-batches that flow through the stages (the fill), then flow
@@ -60,9 +64,14 @@ class GPipeStrategy(ParallelStrategy):
     follows, so training is synchronous and equals single-device mini-batch
     training. Argument names follow torchgpipe.
 
-    One OS process per stage, launched like DDP. Stage k is the process of global rank k.
-    The backbone is the only part that is split: code before the backbone call must hold
-    no parameters, and modules after it (heads, losses, metrics) run on the last stage.
+    One OS process per stage, launched like DDP. The processes form a (data-parallel x pipeline) mesh: with
+    ``data_parallel_size`` D and ``pipeline_parallel_size`` K, global rank ``r`` is stage ``r % K`` of replica
+    ``r // K``; each replica reads its own shard of the data, and each stage's replicas average their gradients
+    once per optimizer step with DDP (see docs/scaling.md). The backbone is the only part that is split: code
+    before the backbone call must hold no parameters, and modules after it (heads, losses, metrics) run on the
+    last stage. Skip connections between backbone layers (:mod:`lightning_gpipe.skip`) go straight from the
+    stashing stage to the popping one; a parameter used on several stages (tied weights) is kept in step on
+    each of them (:mod:`lightning_gpipe.ties`). See docs/contract.md.
 
     Args:
         balance: how many consecutive backbone layers each stage holds. A list gives them, one entry per
@@ -101,6 +110,11 @@ class GPipeStrategy(ParallelStrategy):
             (zero-bubble pipeline parallelism's B/W split, Qi et al. 2023), so the previous stage starts each
             backward one weight gradient earlier. Same gradients; holds one micro-batch's graph no longer than
             without it. ``False`` (default) computes both in one backward.
+        pipeline_parallel_size: K, the stages of each pipeline. ``"auto"`` (default): the length of a list
+            ``balance``, else ``devices * num_nodes / data_parallel_size`` if that is given, else ``devices`` (one
+            pipeline per node).
+        data_parallel_size: D, the pipeline replicas, each training on its own shard of every batch.
+            ``"auto"`` (default): ``devices * num_nodes / K``. ``K * D`` must equal ``devices * num_nodes``.
         backbone: name of the ``nn.Sequential`` attribute to pipeline; ``None`` finds the only one.
         start_method: ``"popen"`` (default) re-runs the user's script once per extra stage, like
             ``torchrun``; ``"spawn"`` starts worker processes from the main one and loads every
@@ -128,9 +142,10 @@ class GPipeStrategy(ParallelStrategy):
     Raises:
         ValueError: for ``chunks < 1``, an unknown ``checkpoint`` mode, ``schedule``, ``start_method`` or
             ``state_dict_type``, a ``balance`` that is neither a mode nor a list of integers, or a
-            ``balance_memory_limit`` that is not a positive integer or comes with a list ``balance``, or a
-            ``stall_timeout`` that is not a positive ``timedelta``. Whether ``balance`` fits the backbone and
-            the number of devices is checked when training starts, before the first step.
+            ``balance_memory_limit`` that is not a positive integer or comes with a list ``balance``, a
+            ``stall_timeout`` that is not a positive ``timedelta``, or a mesh size that is neither a positive
+            integer nor ``"auto"``. Whether the mesh and ``balance`` fit the number of devices is checked before the
+            processes start, and whether ``balance`` fits the backbone when training starts, before the first step.
     """
 
     strategy_name = "gpipe"
@@ -147,6 +162,8 @@ class GPipeStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn"] = "popen",
         state_dict_type: Literal["full", "sharded"] = "full",
         schedule: Literal["gpipe", "1f1b"] = "gpipe",
+        pipeline_parallel_size: Size = "auto",
+        data_parallel_size: Size = "auto",
         timeout: Optional[timedelta] = default_pg_timeout,
         stall_timeout: Optional[timedelta] = timedelta(minutes=5),
         process_group_backend: Optional[str] = None,
@@ -157,6 +174,8 @@ class GPipeStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
     ) -> None:
         _check_arguments(balance, balance_memory_limit, chunks, checkpoint, start_method, state_dict_type, schedule)
+        self.pipeline_parallel_size = checked_size(pipeline_parallel_size, "pipeline_parallel_size")
+        self.data_parallel_size = checked_size(data_parallel_size, "data_parallel_size")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -187,6 +206,10 @@ class GPipeStrategy(ParallelStrategy):
         self._step_gradients = StepGradients()
         self._backbone_call: Optional[BackboneCall] = None
         self._relay: Optional[LogRelay] = None
+        self._pipeline_group: Optional[dist.ProcessGroup] = None  # the stages of this process's replica
+        self._data_parallel_group: Optional[dist.ProcessGroup] = None  # the replicas of this process's stage
+        self._gradient_sync: Optional[GradientSync] = None
+        self._ties: Optional[TiedParameters] = None
 
     @property
     @override
@@ -214,8 +237,14 @@ class GPipeStrategy(ParallelStrategy):
 
     @property
     def topology(self) -> Topology:
-        """The data-parallel x pipeline mesh: one pipeline of ``world_size`` stages."""
-        return Topology(world_size=self.world_size, num_stages=self.world_size)
+        """The data-parallel x pipeline mesh of this job (see :func:`~lightning_gpipe.topology.resolve_topology`).
+
+        Raises:
+            ValueError: if the mesh sizes or a list ``balance`` do not fit ``devices * num_nodes``.
+        """
+        return resolve_topology(
+            self.pipeline_parallel_size, self.data_parallel_size, self.balance, self.num_processes, self.num_nodes
+        )
 
     @property
     def stage_index(self) -> int:
@@ -223,10 +252,27 @@ class GPipeStrategy(ParallelStrategy):
         return self.topology.stage_of(self.global_rank)
 
     @property
+    def replica_index(self) -> int:
+        """Data-parallel rank of this process (the pipeline replica it belongs to, 0-based)."""
+        return self.topology.replica_of(self.global_rank)
+
+    @property
+    def pipeline_group(self) -> Optional[dist.ProcessGroup]:
+        """The process group of this process's replica (its pipeline's stages); ``None`` before setup."""
+        return self._pipeline_group
+
+    @property
     def stage(self) -> Optional[Stage]:
         """This process's :class:`~lightning_gpipe.stage.Stage` while a model is split (``None`` before setup
         and after teardown); its ``events`` recorder is what the pipeline callbacks read."""
         return self._stage
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether there are several pipeline replicas: then Lightning gives each data loader a
+        ``DistributedSampler`` over them (see :attr:`distributed_sampler_kwargs`). One pipeline reads the data as one
+        device does."""
+        return self.topology.data_parallel_size > 1
 
     @property
     @override
@@ -237,6 +283,7 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        self.topology  # a mesh that does not fit the job fails here, before any process starts
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
@@ -254,11 +301,8 @@ class GPipeStrategy(ParallelStrategy):
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         store, topology = dist.distributed_c10d._get_default_store(), self.topology
-        replica = topology.replica_of(self.global_rank)
-        names = {
-            topology.rank_of(stage, replica): watchdog.name(stage, replica, topology.data_parallel_size)
-            for stage in range(topology.num_stages)
-        }
+        self._pipeline_group, self._data_parallel_group = groups(topology.mesh(self.root_device.type))
+        names = {rank: topology.name(rank) for rank in range(topology.world_size)}
         failure.attach(store, names[self.global_rank], self.world_size)
         # 90% of the process group's timeout at most, so that the watchdog names the stalled stage before gloo gives up
         limits = [0.9 * self._timeout.total_seconds()] if self._timeout is not None else []
@@ -297,7 +341,8 @@ class GPipeStrategy(ParallelStrategy):
             ValueError: if the backbone or ``balance`` does not fit (see
                 :func:`~lightning_gpipe.partition.find_backbone` and
                 :func:`~lightning_gpipe.partition.resolve_balance`), or if a module created on the meta
-                device cannot be initialised (see :func:`~lightning_gpipe.partition.materialize`).
+                device cannot be initialised (see :func:`~lightning_gpipe.partition.materialize`), or if the
+                backbone's skip connections do not pair up (see :func:`~lightning_gpipe.skip.verify_skippables`).
             RuntimeError: for a module with manual optimization.
             PipelineFailure: if another stage failed while this one waited for it.
         """
@@ -319,12 +364,51 @@ class GPipeStrategy(ParallelStrategy):
         self._relay.relay_after_epoch_end_hooks(module)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self._ties.synchronize()  # tied copies start equal, even when each stage initialised its own
         if trainer.state.fn == TrainerFn.FITTING:
+            self._sync_gradients_over_replicas(module)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self._agree_on_optimizer_steps()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _sync_gradients_over_replicas(self, module: "pl.LightningModule") -> None:
+        """With several replicas, let DDP average this stage's gradients over its data-parallel group (see
+        :mod:`lightning_gpipe.data_parallel`): what the stage trains is its partition, and on the last stage also
+        the modules after the backbone."""
+        if self.topology.data_parallel_size == 1:
+            return
+        trained = module if self._stage.is_last else self._split.partition
+        if not GradientSync.trains(trained):
+            return
+        self._gradient_sync = GradientSync(trained, self._data_parallel_group, self.root_device)
+        if GradientSync.trains(self._split.partition):
+            self._stage.before_last_backward = self._gradient_sync.prepare
+
+    def _announce_loss_backward(self, loss: Tensor) -> None:
+        """On the last stage, announce the step's last backward to the gradient sync when it is the loss's: the
+        partition trains nothing, or a one-stage pipeline runs the step unsplit (nothing left to drain)."""
+        sync = self._gradient_sync
+        if sync is not None and (self._stage.before_last_backward is None or not self._stage.draining):
+            sync.prepare([loss])
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Within a gradient-accumulation window, accumulate without averaging over the replicas (Lightning's
+        loop enters this for every batch of the window but the last). Under ``schedule="1f1b"`` every batch's
+        gradients are averaged: they are computed apart from the window's earlier ones (see
+        :class:`~lightning_gpipe.gradients.StepGradients`), and the average of a sum is the sum of the averages."""
+        sync = self._gradient_sync
+        if sync is None or self._one_f_one_b is not None:
+            yield
+            return
+        sync.enabled = False
+        try:
+            yield
+        finally:
+            sync.enabled = True
 
     def _agree_on_optimizer_steps(self) -> None:
         """Clip by the norm of all stages' gradients and share the scaler's found-inf decision.
@@ -335,7 +419,9 @@ class GPipeStrategy(ParallelStrategy):
         precision = self.precision_plugin
 
         def clip_grad_by_norm(optimizer: Any, clip_val: Union[int, float]) -> None:
-            clip_grad_norm_(precision.main_params(optimizer), clip_val)
+            clip_grad_norm_(
+                precision.main_params(optimizer), clip_val, group=self._pipeline_group, uncounted=self._ties.uncounted()
+            )
 
         precision.clip_grad_by_norm = clip_grad_by_norm
         scaler = getattr(precision, "scaler", None)
@@ -355,9 +441,12 @@ class GPipeStrategy(ParallelStrategy):
         balance = resolve_balance(
             self.balance, layers, topology.num_stages, self.layer_costs if profiled else None, self.balance_memory_limit
         )
+        skips = SkipLayout(layers, balance)  # checks the stash/pop pairs on every stage alike, before any step
         if self.deferred_batch_norm:
             convert_deferred_batch_norm(getattr(module, name))  # the whole backbone, so that `Split.undo` puts it back
+        ties = find_ties(module, name, balance)  # before the split, while every name leads to one object
         self._split = Split(module, name, balance, stage_index)
+        self._ties = TiedParameters(ties, module, topology, self.global_rank)
         replica, num_stages = topology.replica_of(self.global_rank), topology.num_stages
         link = Link(
             prev_rank=topology.rank_of(stage_index - 1, replica) if stage_index > 0 else None,
@@ -365,14 +454,25 @@ class GPipeStrategy(ParallelStrategy):
             device=self.root_device,
             events=watchdog.TrackingRecorder(),
         )
+        peers = {
+            "outgoing": {topology.rank_of(k, replica): keys for k, keys in skips.outgoing(stage_index).items()},
+            "incoming": {topology.rank_of(k, replica): keys for k, keys in skips.incoming(stage_index).items()},
+        }
         self._stage = Stage(
-            self._split.partition, link, stage_index, num_stages, chunks, self.checkpoint, self.defer_weight_grad
+            self._split.partition,
+            link,
+            stage_index,
+            num_stages,
+            chunks,
+            self.checkpoint,
+            self.defer_weight_grad,
+            SkipLinks(**peers, device=self.root_device, events=link.events),
         )
         self._schedule = GPipe(self._stage)
         self._one_f_one_b = OneForwardOneBackward(self._stage, num_stages) if self.schedule == "1f1b" else None
         self._backbone_call = BackboneCall(self._schedule, self._stage.is_last, share=self._share_from_last_stage)
         self._split.partition.pipeline = self._backbone_call
-        self._relay = LogRelay(self, src=self._last_stage_rank)
+        self._relay = LogRelay(self, src=self._last_stage_rank, group=self._pipeline_group)
 
     def _chunks(self, num_stages: int) -> int:
         if self.chunks is not None:
@@ -384,7 +484,9 @@ class GPipeStrategy(ParallelStrategy):
         return self.topology.rank_of(self.topology.num_stages - 1, self.topology.replica_of(self.global_rank))
 
     def _share_from_last_stage(self, obj: Any) -> Any:
-        return self.broadcast(obj, src=self._last_stage_rank)
+        if not dist.is_initialized():
+            return obj
+        return collectives.broadcast_object(obj, self._last_stage_rank, group=self._pipeline_group)
 
     @override
     def on_train_start(self) -> None:
@@ -494,10 +596,13 @@ class GPipeStrategy(ParallelStrategy):
                 module, "training_step", args, kwargs, self._one_f_one_b, self._backward_micro_batch
             )
 
-    def _backward_micro_batch(self, loss: Tensor) -> None:
+    def _backward_micro_batch(self, loss: Tensor, last: bool) -> None:
         """Backpropagate one micro-batch's weighted loss (1F1B) as Lightning's backward does a step's: divided by
         ``accumulate_grad_batches``, scaled by the precision plugin's gradient scaler if it has one, through
-        ``LightningModule.backward``; without the step's ``on_before_backward`` hooks, which :meth:`backward` runs."""
+        ``LightningModule.backward``; without the step's ``on_before_backward`` hooks, which :meth:`backward` runs.
+        ``last``: whether it is the step's last micro-batch."""
+        if last:
+            self._announce_loss_backward(loss)
         loss = loss / self.lightning_module.trainer.accumulate_grad_batches
         scaler = getattr(self.precision_plugin, "scaler", None)
         self.precision_plugin.backward(scaler.scale(loss) if scaler is not None else loss, self.lightning_module, None)
@@ -521,6 +626,7 @@ class GPipeStrategy(ParallelStrategy):
             self._step_gradients.hand_over()
         else:
             if self._stage.is_last:
+                self._announce_loss_backward(closure_loss)
                 self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
             with self.precision_plugin.train_step_context(), failure.reporting():  # recompute as the fill did
                 self._schedule.backward()
@@ -529,6 +635,25 @@ class GPipeStrategy(ParallelStrategy):
         with self._stage.events.span("relay"):
             self._relay(module.trainer)
         return closure_loss
+
+    @override
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Optional[Any] = None, **kwargs: Any
+    ) -> Any:
+        """Lightning's optimizer step, with the gradients of tied parameters summed over the stages that hold a
+        copy right after the step's closure (the last backward), before the hooks that see the gradients,
+        clipping and the step (see :mod:`lightning_gpipe.ties`).
+
+        Raises:
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
+
+        def closure_and_ties() -> Any:
+            result = closure()
+            self._ties.reduce_grads()
+            return result
+
+        return super().optimizer_step(optimizer, closure_and_ties, model, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -576,14 +701,28 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[str] = "mean") -> Any:
-        """Return ``tensor`` unchanged (``self.log(..., sync_dist=True)`` calls this).
+        """Reduce ``tensor`` over this stage's replicas (``self.log(..., sync_dist=True)`` calls this), as DDP does.
 
         The values to synchronise are logged on the last stage only, and the logging relay
         (:mod:`lightning_gpipe.relay`) copies them to the other stages; stages of one pipeline hold
-        different parts of one step, not copies, so they never average with each other. With one
-        pipeline there is nothing else to reduce over.
+        different parts of one step, not copies, so they never average with each other. The replicas of a
+        stage (its data-parallel group) do: their mean (``reduce_op`` ``"mean"``, the default, or ``"avg"``) or
+        sum (``"sum"``). With one replica, or for a non-tensor, ``tensor`` is returned unchanged.
+
+        Raises:
+            ValueError: for another ``reduce_op``.
+            PipelineFailure: if another process failed or stalled while this one waited for it.
         """
-        return tensor
+        op = (reduce_op or "mean").lower() if isinstance(reduce_op, (str, type(None))) else reduce_op
+        if op not in ("mean", "avg", "sum", dist.ReduceOp.SUM):
+            raise ValueError(f"GPipeStrategy.reduce(reduce_op={reduce_op!r}): choose 'mean', 'avg' or 'sum'.")
+        replicas = self.topology.data_parallel_size if dist.is_initialized() else 1
+        if not isinstance(tensor, Tensor) or replicas == 1:
+            return tensor
+        mean = op in ("mean", "avg")
+        result = tensor.to(torch.get_default_dtype()) if mean and not tensor.is_floating_point() else tensor.clone()
+        collectives.all_reduce(result, group=self._data_parallel_group)
+        return result / replicas if mean else result
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
@@ -623,7 +762,7 @@ class GPipeStrategy(ParallelStrategy):
         local = self.lightning_module.state_dict()
         if self.state_dict_type == "sharded":
             return local
-        return state_dict.gather_union(local) or {}
+        return self._gather_whole(local) or {}
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -635,7 +774,14 @@ class GPipeStrategy(ParallelStrategy):
         local = state_dict.optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
         if self.state_dict_type == "sharded":
             return local
-        return state_dict.gather_union(local) or {}
+        return self._gather_whole(local) or {}
+
+    def _gather_whole(self, local: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """The union of replica 0's stages' ``local`` dicts on global rank 0; ``None`` elsewhere. The other replicas
+        hold copies of replica 0's, so they send nothing (a collective call of replica 0's pipeline)."""
+        if dist.is_initialized() and self.replica_index != 0:
+            return None
+        return state_dict.gather_union(local, self._pipeline_group)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -659,7 +805,10 @@ class GPipeStrategy(ParallelStrategy):
         module = self.lightning_module
         template: dict[str, Any] = {"state_dict": module.state_dict()}
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            template["optimizer_states"] = [self.optimizer_state(optimizer) for optimizer in self.optimizers]
+            template["optimizer_states"] = [  # this stage's, whatever `state_dict_type` this run writes
+                state_dict.optimizer_state(module, getattr(optimizer, "_optimizer", optimizer))
+                for optimizer in self.optimizers
+            ]
         with watchdog.unbounded("reading a checkpoint"):
             return state_dict.load_sharded(checkpoint_path, template)
 
@@ -710,7 +859,7 @@ class GPipeStrategy(ParallelStrategy):
         full = None
         if self._split is not None and module is not None:
             if module.trainer.state.status != TrainerStatus.INTERRUPTED and self._whole_before_split:
-                full = state_dict.gather_union(module.state_dict())
+                full = self._gather_whole(module.state_dict())
             LogRelay.unwrap_epoch_end_hooks(module)
             if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
                 module.to_empty(device="cpu")  # materialize failed; Lightning's teardown cannot move meta tensors
@@ -718,8 +867,8 @@ class GPipeStrategy(ParallelStrategy):
         if self._split is not None:
             self._split.undo(full)
             revert_deferred_batch_norm(self._split.sequential)
-            self._split = self._stage = self._schedule = self._backbone_call = self._relay = None
-            self._one_f_one_b = None
+            self._split = self._stage = self._schedule = self._backbone_call = self._relay = self._ties = None
+            self._one_f_one_b = self._gradient_sync = None
         watchdog.stop()
         failure.detach()
 

@@ -10,7 +10,7 @@ the mean idle share, ``1 - mean(efficiency)``. For K equal stages, M micro-batch
 forward and backward, it is the paper's ``(K - 1) / (M + K - 1)``.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lightning_gpipe.events import TRANSFER, WORK, Span, peak_activation_bytes
 
@@ -34,6 +34,11 @@ class StageTrace:
     end: float
     layers: int = 0
     parameters: int = 0
+
+    def shifted(self, seconds: float) -> "StageTrace":
+        """This trace with every time moved by ``seconds`` (onto another process's clock)."""
+        spans = [span._replace(start=span.start + seconds, end=span.end + seconds) for span in self.spans]
+        return replace(self, spans=spans, start=self.start + seconds, end=self.end + seconds)
 
     def total(self, kind: str) -> float:
         """Seconds spent in spans of ``kind``."""

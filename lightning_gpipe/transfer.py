@@ -58,6 +58,9 @@ class Link:
         next_rank: global rank of the next stage, ``None`` on the last stage.
         device: device of this stage; headers and received tensors are put there.
         events: where sends and waits are recorded as spans; a new (disabled) recorder by default.
+        tag: the point-to-point tag of every message, so that two links between the same pair of ranks (a
+            stage's neighbour link and a skip connection's, :mod:`lightning_gpipe.skip.links`) do not mix; 0 by
+            default. Backends without tags (NCCL) need the two links' messages in one order on both ranks.
     """
 
     def __init__(
@@ -66,12 +69,14 @@ class Link:
         next_rank: Optional[int],
         device: torch.device,
         events: Optional[Recorder] = None,
+        tag: int = 0,
     ) -> None:
         self.prev_rank = prev_rank
         self.next_rank = next_rank
         self.device = device
         self.events = events if events is not None else Recorder()
-        self._pending_sends: list[tuple[dist.Work, Tensor]] = []
+        self.tag = tag
+        self._pending_sends: list[tuple[int, dist.Work, Tensor]] = []  # (micro-batch index, work, tensor)
         self._next_header: Optional[tuple[dist.Work, Tensor]] = None
         self._grads: list[tuple[list[dist.Work], list[Tensor]]] = []
 
@@ -97,9 +102,9 @@ class Link:
                 " pass fewer tensors between layers (e.g. stack them)."
             )
         header += [0] * (HEADER_SLOTS - len(header))
-        self._isend(torch.tensor(header, dtype=torch.int64, device=self.device), self.next_rank)
+        self._isend(torch.tensor(header, dtype=torch.int64, device=self.device), self.next_rank, index)
         for tensor in tensors:
-            self._isend(_wire(tensor.detach()), self.next_rank)
+            self._isend(_wire(tensor.detach()), self.next_rank, index)
 
     def recv_activation(self) -> tuple[Value, int]:
         """Receive the next micro-batch's input from the previous stage.
@@ -124,7 +129,7 @@ class Link:
             pos += 2 + ndim
             wire_dtype = torch.uint8 if dtype is torch.bool else dtype
             buffers.append((torch.empty(shape, dtype=wire_dtype, device=self.device), dtype))
-        works = [dist.irecv(buffer, self.prev_rank) for buffer, _ in buffers]
+        works = [dist.irecv(buffer, self.prev_rank, tag=self.tag) for buffer, _ in buffers]
         # posted after this micro-batch's payload, so it matches the next header on any backend
         self._next_header = self._post_header() if index + 1 < count else None
         _wait(works, self.prev_rank)
@@ -137,7 +142,7 @@ class Link:
         asynchronously."""
         with self.events.span("send", index):
             for grad in grads:
-                self._isend(grad.contiguous(), self.prev_rank)
+                self._isend(grad.contiguous(), self.prev_rank, index)
 
     def post_grads(self, metas: Sequence[Meta]) -> None:
         """Post the receive of the gradients of one micro-batch's floating-point outputs (shapes and dtypes).
@@ -145,7 +150,7 @@ class Link:
         Receives are matched in posting order: post them in the order the next stage sends them.
         """
         buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in metas]
-        self._grads.append(([dist.irecv(buffer, self.next_rank) for buffer in buffers], buffers))
+        self._grads.append(([dist.irecv(buffer, self.next_rank, tag=self.tag) for buffer in buffers], buffers))
 
     def recv_grads(self, index: int) -> list[Tensor]:
         """Wait for the gradients posted first by :meth:`post_grads` (those of micro-batch ``index``) and return them.
@@ -158,23 +163,24 @@ class Link:
             _wait(works, self.next_rank)
         return buffers
 
-    def flush(self) -> None:
-        """Wait until every pending send has completed.
+    def flush(self, through: Optional[int] = None) -> None:
+        """Wait until every pending send (of micro-batches ``0`` to ``through`` only, if given) has completed.
 
         Raises:
             PipelineFailure: if a neighbour failed while this one waited for it.
         """
-        pending, self._pending_sends = self._pending_sends, []
+        done = [send for send in self._pending_sends if through is None or send[0] <= through]
+        self._pending_sends = [send for send in self._pending_sends if through is not None and send[0] > through]
         with self.events.span("send"):
-            _wait([work for work, _ in pending], None)
+            _wait([work for _, work, _ in done], None)
 
-    def _isend(self, tensor: Tensor, dst: Optional[int]) -> None:
+    def _isend(self, tensor: Tensor, dst: Optional[int], index: int) -> None:
         # the tensor is kept alive with its work until the send completes
-        self._pending_sends.append((dist.isend(tensor, dst), tensor))
+        self._pending_sends.append((index, dist.isend(tensor, dst, tag=self.tag), tensor))
 
     def _post_header(self) -> tuple[dist.Work, Tensor]:
         header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-        return dist.irecv(header, self.prev_rank), header
+        return dist.irecv(header, self.prev_rank, tag=self.tag), header
 
 
 def _wire(tensor: Tensor) -> Tensor:

@@ -47,11 +47,6 @@ _KINDS = {
 _WHOLE_STEP = {"send": "waiting for its sends to complete", "relay": "sharing the last stage's logged values"}
 
 
-def name(stage_index: int, replica: int, data_parallel_size: int) -> str:
-    """How messages name a stage process: ``"stage 1"``, or ``"stage 1 of replica 0"`` with several replicas."""
-    return f"stage {stage_index}" if data_parallel_size == 1 else f"stage {stage_index} of replica {replica}"
-
-
 class _Here:
     """This process's position (set by the main thread, read by the heartbeat)."""
 

@@ -36,6 +36,22 @@ def start_worker(script: str, *args: str, env: dict | None = None) -> subprocess
     )
 
 
+def process_exits(pid: int, within: float) -> bool:
+    """Whether process ``pid`` is gone (or a zombie) within ``within`` seconds."""
+    import time
+
+    deadline = time.time() + within
+    while time.time() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().split(")")[-1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 @pytest.fixture(scope="session")
 def reference_state():
     """State dict of TupleNet after single-device plain Lightning training (the ground truth)."""

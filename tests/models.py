@@ -178,3 +178,38 @@ def logged_fit(root: str, strategy="auto", devices=1) -> "L.Trainer":
     )
     trainer.fit(module, loader(), loader(seed=1))
     return trainer
+
+
+GLOBAL_BATCH = 40
+"""Rows of one global batch in the data-parallel tests: each of D replicas reads ``GLOBAL_BATCH // D`` of them."""
+
+
+class SyncNet(TupleNet):
+    """TupleNet that logs its training loss with ``sync_dist=True`` (averaged over data-parallel replicas)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
+class LossRecorder(L.Callback):
+    """Keeps ``trainer.callback_metrics["train_loss"]`` after every training batch, as global rank 0 sees it."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, *_) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def ddp_order_loader(batch_size: int = GLOBAL_BATCH) -> DataLoader:
+    """:func:`loader`'s data in the order Lightning's ``DistributedSampler`` gives D data-parallel replicas together
+    (shuffled with the seed of ``seed_everything``, reshuffled every epoch): the single-device reference of a
+    data-parallel run whose replicas read ``batch_size // D`` rows per batch."""
+    import os
+
+    from torch.utils.data.distributed import DistributedSampler
+
+    dataset, seed = loader().dataset, int(os.environ.get("PL_GLOBAL_SEED", 0))
+    return DataLoader(dataset, batch_size, sampler=DistributedSampler(dataset, num_replicas=1, rank=0, seed=seed))

@@ -125,7 +125,7 @@ def test_a_backbone_input_without_a_shared_batch_dimension_names_the_rule():
 
 STAGES = {
     "balance_sum": "ValueError: balance=[1, 1] sums to 2 but the backbone has 8 layers.",
-    "balance_length": "ValueError: balance=[8] has 1 stages but the pipeline has 2 devices; give one layer count",
+    "balance_length": "ValueError: GPipeStrategy(balance=[3, 3, 2]) gives pipelines of 3 stages, which cannot fill",
     "balance_empty_stage": "ValueError: balance=[8, 0] leaves a stage empty; every stage needs at least one layer.",
     "backbone_name": "GPipeStrategy(backbone='trunk'): `TupleNet.trunk` is missing, not an nn.Sequential. Put the",
     "two_sequentials": "choose the one to pipeline with `GPipeStrategy(backbone='backbone')`",

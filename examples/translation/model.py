@@ -355,6 +355,7 @@ def transformer(
     dim_feedforward: int = 1024,
     dropout: float = 0.1,
     max_length: int = 1024,
+    tie_embeddings: bool = False,
 ) -> nn.Sequential:
     """The whole encoder-decoder as one ``nn.Sequential`` of ``num_encoder_layers + num_decoder_layers + 3`` layers.
 
@@ -373,16 +374,22 @@ def transformer(
         dim_feedforward: feed-forward hidden width. Default 1024.
         dropout: dropout probability. Default 0.1.
         max_length: longest source or target sequence, in tokens. Default 1024.
+        tie_embeddings: the output projection uses the token embedding's weight (one table for source, target
+            and output, Press & Wolf 2017); on different stages, GPipeStrategy keeps the copies in step.
+            Default False.
 
     Raises:
         ValueError: when ``d_model`` is not divisible by ``nhead`` or is odd.
     """
     if d_model % nhead or d_model % 2:
         raise ValueError(f"d_model={d_model} must be even and divisible by nhead={nhead}")
+    embedding, output = Embedding(vocab_size, d_model, pad_id, max_length, dropout), OutputLayer(d_model, vocab_size)
+    if tie_embeddings:
+        output.projection.weight = embedding.tokens.weight
     return nn.Sequential(
-        Embedding(vocab_size, d_model, pad_id, max_length, dropout),
+        embedding,
         *(EncoderLayer(d_model, nhead, dim_feedforward, dropout) for _ in range(num_encoder_layers)),
         EncoderNorm(d_model),
         *(DecoderLayer(d_model, nhead, dim_feedforward, dropout) for _ in range(num_decoder_layers)),
-        OutputLayer(d_model, vocab_size),
+        output,
     )

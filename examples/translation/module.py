@@ -63,6 +63,8 @@ class TranslationModule(LightningModule):
         weight_decay: AdamW (decoupled) weight decay. Default 0.
         decode: translate the validation batches and log SacreBLEU per direction. Default True.
         max_new_tokens: decoding stops after ``S + max_new_tokens`` tokens for sources of S tokens. Default 16.
+        tie_embeddings: one table for source and target embeddings and the output projection (Press & Wolf
+            2017; see ``model.transformer``). Default False.
         beam_size: hypotheses beam search keeps per sentence in validation and ``predict``; 1 decodes greedily.
             Default 4 (Vaswani et al. 2017).
         length_penalty: exponent alpha of beam search's length normalisation ``((5 + length) / 6) ** alpha``
@@ -97,6 +99,7 @@ class TranslationModule(LightningModule):
         weight_decay: float = 0.0,
         decode: bool = True,
         max_new_tokens: int = 16,
+        tie_embeddings: bool = False,
         beam_size: int = 4,
         length_penalty: float = 0.6,
         kv_cache: bool = True,
@@ -121,6 +124,7 @@ class TranslationModule(LightningModule):
             num_decoder_layers=num_decoder_layers,
             dim_feedforward=dim_feedforward,
             dropout=dropout,
+            tie_embeddings=tie_embeddings,
         )
         self.val_ppl = Perplexity(ignore_index=self.pad_id)
         self.val_bleu = nn.ModuleDict({_key(direction): SacreBLEUScore() for direction in DIRECTIONS})

@@ -5,7 +5,8 @@ compute time, activation and parameter sizes; torchgpipe's ``balance`` module pr
 time and CUDA memory layer by layer. Here each layer is copied onto the device on its own
 (so the whole model never has to fit one device), run forward and backward on the
 previous layer's output, and dropped again. Activation memory is counted exactly from
-what autograd saves, so it works on every device, the CPU included.
+what autograd saves, so it works on every device, the CPU included. A skip tensor a layer stashes
+(:mod:`lightning_gpipe.skip`) counts as one of its outputs, and is handed to the later layer that pops it.
 """
 
 import copy
@@ -22,6 +23,7 @@ from lightning_gpipe.balance.costs import LayerCost
 from lightning_gpipe.events import SavedBytes
 from lightning_gpipe.microbatch import Value, leaves, tensors
 from lightning_gpipe.partition import Partition, materialize
+from lightning_gpipe.skip.tracker import SkipTracker, tracking
 
 
 def profile_layers(
@@ -67,22 +69,25 @@ def profile_layers(
         raise ValueError(f"profile_layers needs repeats >= 1 and warmup >= 0, got {repeats} and {warmup}.")
     device = torch.device(device)
     value = leaves(sample, requires_grad=False, device=device)
+    skips: dict = {}  # what the layers so far stashed, for later layers to pop
     costs = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for name, layer in layers.named_children():
             replica = copy.deepcopy(layer)
             materialize(replica, device)
-            cost, output = _profile(Partition({name: replica.to(device).train()}), value, device, repeats, warmup)
+            partition = Partition({name: replica.to(device).train()})
+            cost, output, stashed = _profile(partition, value, skips, device, repeats, warmup)
             costs.append(cost)
             value = leaves(output, requires_grad=None, device=device)
+            skips.update({key: leaves(t, requires_grad=None, device=device) for key, t in stashed.items()})
             del replica
     return costs
 
 
-def _profile(layer: Partition, value: Value, device: torch.device, repeats: int, warmup: int) -> tuple:
-    activation_bytes, output = _saved_bytes(layer, value)
-    grads = [torch.ones_like(t) for t in _differentiable(output)]
-    runs = [_run(layer, value, grads, device) for _ in range(warmup + repeats)][warmup:]
+def _profile(layer: Partition, value: Value, skips: dict, device: torch.device, repeats: int, warmup: int) -> tuple:
+    activation_bytes, output, stashed = _saved_bytes(layer, value, skips)
+    grads = [torch.ones_like(t) for t in _differentiable(output, stashed)]
+    runs = [_run(layer, value, skips, grads, device) for _ in range(warmup + repeats)][warmup:]
     cost = LayerCost(
         forward=statistics.median(forward for forward, _ in runs),
         backward=statistics.median(backward for _, backward in runs),
@@ -90,32 +95,34 @@ def _profile(layer: Partition, value: Value, device: torch.device, repeats: int,
         output_bytes=sum(_nbytes(t) for t in tensors(output)),
         parameter_bytes=sum(_nbytes(t) for t in _state(layer)),
     )
-    return cost, output
+    return cost, output, stashed
 
 
-def _run(layer: Partition, value: Value, grads: list[Tensor], device: torch.device) -> tuple[float, float]:
+def _run(layer: Partition, value: Value, skips: dict, grads: list[Tensor], device: torch.device) -> tuple:
     """One timed forward and backward; returns (forward seconds, backward seconds)."""
     clock = _clock(device)
     start = clock()
-    output = layer.run(value)
+    with tracking(SkipTracker(skips)) as tracker:
+        output = layer.run(value)
     middle = clock()
     if grads:
-        torch.autograd.backward(_differentiable(output), grads)
+        torch.autograd.backward(_differentiable(output, tracker.stashed), grads)
     end = clock()
-    for t in tensors(value):
+    for t in [*tensors(value), *skips.values()]:
         t.grad = None
     return middle - start, end - middle
 
 
-def _saved_bytes(layer: Partition, value: Value) -> tuple[int, Value]:
-    """Bytes of the storages autograd saves in one forward (not the layer's own state), and the output."""
-    with SavedBytes(exclude=_state(layer)) as saved:
+def _saved_bytes(layer: Partition, value: Value, skips: dict) -> tuple[int, Value, dict]:
+    """Bytes of the storages autograd saves in one forward (not the layer's own state), the output, and the skip
+    tensors the layer stashed."""
+    with SavedBytes(exclude=_state(layer)) as saved, tracking(SkipTracker(skips)) as tracker:
         output = layer.run(value)
-    return saved.bytes, output
+    return saved.bytes, output, tracker.stashed
 
 
-def _differentiable(value: Value) -> list[Tensor]:
-    return [t for t in tensors(value) if t.requires_grad]
+def _differentiable(value: Value, stashed: dict) -> list[Tensor]:
+    return [t for t in [*tensors(value), *stashed.values()] if t.requires_grad]
 
 
 def _state(layer: nn.Module) -> Iterator[Tensor]:

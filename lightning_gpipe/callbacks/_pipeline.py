@@ -4,10 +4,18 @@ Every stage process runs the same callbacks, so each hook runs on every stage. W
 runs, the stage's :class:`~lightning_gpipe.events.Recorder` is on; at the batch's end, the stage's spans
 become a :class:`~lightning_gpipe.trace.StageTrace` and, for the steps some callback asks for, every stage
 sends its trace to global rank 0 (:func:`lightning_gpipe.collectives.gather_object`, one collective per step
-whatever the number of callbacks asking). Under a strategy other than ``GPipeStrategy`` the callbacks do nothing.
+whatever the number of callbacks asking). With several data-parallel replicas, the traces are replica 0's
+pipeline's (the replicas run the same schedule). Under a strategy other than ``GPipeStrategy`` the callbacks do
+nothing.
+
+Clocks: spans are ``time.perf_counter()`` seconds, one clock per machine. The traces of stages on another node
+than global rank 0 are moved onto rank 0's clock by the offset of the two clocks, measured once when the
+pipeline's stages leave a barrier together (to within the barrier's latency, well under a millisecond on one
+network).
 """
 
 import os
+import socket
 from abc import ABC, abstractmethod
 import time
 from typing import Any
@@ -33,6 +41,7 @@ class _Collector:
         self.optimizer_start: float | None = None
         self.local: StageTrace | None = None
         self.gathered: tuple[int | None, StepTrace | None] = (None, None)
+        self.clock: float | None = None  # perf_counter() when the pipeline's stages left a barrier together
 
     def batch_start(self, batch: int, memory: bool) -> None:
         events = self.stage.events
@@ -61,17 +70,31 @@ class _Collector:
         return self.local
 
     def gather(self) -> StepTrace | None:
-        """The whole pipeline's trace of this batch on global rank 0, ``None`` elsewhere (a collective call).
+        """The whole pipeline's trace of this batch on global rank 0, ``None`` elsewhere (a collective call of replica
+        0's pipeline; the other replicas return ``None`` at once).
 
         Raises:
             PipelineFailure: if another stage failed while this one waited for it.
         """
+        if self.strategy.replica_index != 0:
+            return None
         if self.gathered[0] != self.batch:
-            local = self.batch_end()
-            parts = collectives.gather_object(local, dst=0)
-            step = StepTrace(self.batch, sorted(parts, key=lambda s: s.stage)) if parts is not None else None
+            group = self.strategy.pipeline_group
+            if self.clock is None:
+                collectives.barrier(group)
+                self.clock = time.perf_counter()
+            mine = (self.batch_end(), self.clock, socket.gethostname())
+            parts = collectives.gather_object(mine, dst=0, group=group)
+            step = StepTrace(self.batch, _on_one_clock(parts)) if parts is not None else None
             self.gathered = (self.batch, step)
         return self.gathered[1]
+
+
+def _on_one_clock(parts: list[tuple[StageTrace, float, str]]) -> list[StageTrace]:
+    """The stages' traces in stage order, those of other hosts than the first part's moved onto its clock."""
+    _, clock, host = parts[0]
+    moved = [trace if node == host else trace.shifted(clock - theirs) for trace, theirs, node in parts]
+    return sorted(moved, key=lambda s: s.stage)
 
 
 _collectors: "WeakKeyDictionary[Stage, _Collector]" = WeakKeyDictionary()

@@ -232,7 +232,7 @@ class LazyWithoutReset(TupleNet):
 
 BAD_INPUTS = {
     "balance_sum": lambda: fit(strategy=strategy(balance=[1, 1]), devices=2),
-    "balance_length": lambda: fit(strategy=strategy(balance=[8]), devices=2),
+    "balance_length": lambda: fit(strategy=strategy(balance=[3, 3, 2]), devices=2),
     "balance_empty_stage": lambda: fit(strategy=strategy(balance=[8, 0]), devices=2),
     "backbone_name": lambda: fit(strategy=strategy(backbone="trunk"), devices=2),
     "two_sequentials": lambda: fit(strategy=strategy(), devices=2, module=TwoSequentials()),

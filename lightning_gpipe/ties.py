@@ -1,0 +1,140 @@
+"""Tied parameters: one ``nn.Parameter`` used by modules on several stages.
+
+A language model's input embedding and output projection often share one weight (Press & Wolf 2017), and a
+backbone may use one layer at two positions. When the split puts those users on different stages, every
+stage that uses the parameter holds a copy of it. The copies start equal (:meth:`TiedParameters.synchronize`
+sends the first holder's values to the others, as modules created on the meta device are initialised on each
+stage), their gradients are summed over the holding stages before the optimizer step
+(:meth:`TiedParameters.reduce_grads`), so every copy gets the gradient of the whole model and steps alike.
+One process group per tie and data-parallel replica, made with ``dist.new_group`` on every rank: the same
+approach as Megatron-LM's embedding group (Shoeybi et al. 2019, and ``megatron/core/parallel_state.py``).
+
+Ties are found from the module itself (:func:`find_ties`): a parameter reachable under several state-dict
+names whose owners fall on different stages. Each stage keeps its copy under its own names, so a checkpoint
+has one entry per name, as the module without the strategy, and loads into it.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_gpipe import collectives
+from lightning_gpipe.topology import Topology
+
+
+@dataclass(frozen=True)
+class Tie:
+    """One parameter used on several stages.
+
+    Attributes:
+        names: its state-dict names in the whole module, in module order.
+        stages: the stages holding one of those names, ascending (at least two).
+        stage_of_name: the stage of each name, in the order of ``names``.
+    """
+
+    names: tuple[str, ...]
+    stages: tuple[int, ...]
+    stage_of_name: tuple[int, ...]
+
+    def local_name(self, stage: int) -> str:
+        """A name of the tie held on ``stage`` (the first)."""
+        return self.names[self.stage_of_name.index(stage)]
+
+
+def find_ties(module: nn.Module, backbone: str, balance: Sequence[int]) -> list[Tie]:
+    """The parameters of ``module`` used on more than one stage when its backbone is split by ``balance``.
+
+    A name under the backbone belongs to the stage of its layer; any other name to the last stage (heads live
+    there). Call it before the split, while the module is whole.
+
+    Args:
+        module: the LightningModule.
+        backbone: the attribute name of its ``nn.Sequential`` backbone.
+        balance: layers per stage.
+
+    Returns:
+        The ties, in module order (the same on every process).
+    """
+    layers = list(getattr(module, backbone)._modules)
+    stage_of_layer = dict(zip(layers, (stage for stage, n in enumerate(balance) for _ in range(n))))
+    last, prefix = len(balance) - 1, backbone + "."
+
+    def stage_of(name: str) -> int:
+        return stage_of_layer[name[len(prefix) :].split(".")[0]] if name.startswith(prefix) else last
+
+    names: dict[int, list[str]] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    ties = []
+    for group in names.values():
+        stages = tuple(stage_of(name) for name in group)
+        if len(set(stages)) > 1:
+            ties.append(Tie(tuple(group), tuple(sorted(set(stages))), stages))
+    return ties
+
+
+class TiedParameters:
+    """This stage's part in the model's ties: a process group per tie it holds, to sync values and sum gradients.
+
+    Makes every tie's group on every rank (``dist.new_group`` is collective over the whole job), for every
+    data-parallel replica: the group of a tie is the ranks of its holding stages within one replica.
+
+    Args:
+        ties: every tie of the model (:func:`find_ties`), the same list on every rank.
+        module: this stage's LightningModule, after the split.
+        topology: the job's mesh.
+        rank: this process's global rank.
+    """
+
+    def __init__(self, ties: list[Tie], module: nn.Module, topology: Topology, rank: int) -> None:
+        self.module, self.stage = module, topology.stage_of(rank)
+        self._held: list[tuple[Tie, Optional[dist.ProcessGroup], int]] = []
+        replica = topology.replica_of(rank)
+        for r in range(topology.data_parallel_size):
+            for tie in ties:
+                ranks = [topology.rank_of(stage, r) for stage in tie.stages]
+                group = dist.new_group(ranks) if dist.is_initialized() else None
+                if r == replica and rank in ranks:
+                    self._held.append((tie, group, ranks[0]))
+
+    def _parameter(self, tie: Tie) -> nn.Parameter:
+        return self.module.get_parameter(tie.local_name(self.stage))
+
+    def synchronize(self) -> None:
+        """Give every copy of each tie the values of its first holding stage's copy (a collective call).
+
+        Raises:
+            PipelineFailure: if another stage failed or stalled meanwhile.
+        """
+        for tie, group, first in self._held:
+            with torch.no_grad():
+                collectives.broadcast(self._parameter(tie).data, first, group)
+
+    def reduce_grads(self) -> None:
+        """Sum each tie's gradients over its holding stages, in place. A copy without a gradient counts as zeros
+        and gets the sum; when no copy has one, all keep none (as the one parameter on one device). One
+        all-reduce per tie, of the gradient and a has-gradient count together. Call once per optimizer step,
+        after the last backward of the step (a collective call).
+
+        Raises:
+            PipelineFailure: if another stage failed or stalled meanwhile.
+        """
+        for tie, group, _ in self._held:
+            parameter = self._parameter(tie)
+            has = parameter.grad is not None
+            grad = parameter.grad if has else torch.zeros_like(parameter)
+            flat = torch.cat([grad.flatten(), grad.new_full((1,), float(has))])
+            collectives.all_reduce(flat, group=group)
+            if flat[-1].item() > 0:
+                if not has:
+                    parameter.grad = torch.empty_like(parameter)
+                parameter.grad.copy_(flat[:-1].view_as(parameter))
+
+    def uncounted(self) -> list[Tensor]:
+        """This stage's copies that the global gradient norm must not count: every tie's copies but those of its
+        first holding stage, so a tied parameter is counted once."""
+        return [self._parameter(tie) for tie, _, _ in self._held if tie.stages[0] != self.stage]

@@ -1,0 +1,225 @@
+"""Pipeline x data parallelism: a (pipeline, data) mesh trains exactly like one device on the same global batch.
+
+Every distributed run is tests/workers/mesh.py; the reference is plain single-device Lightning reading the same
+global batches (Lightning's ``DistributedSampler`` order, :func:`models.ddp_order_loader`). Compared are global
+rank 0's module after fit (every parameter, fp32, 1e-5) and the ``sync_dist=True`` training loss it saw.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import lightning as L
+import pytest
+import torch
+from conftest import WORKERS, assert_states_close, process_exits, run_worker
+from models import LossRecorder, SyncNet, ddp_order_loader, loader, trainer_kwargs
+
+from lightning_gpipe import GPipeStrategy
+from lightning_gpipe.topology import Topology, resolve_topology
+
+REFERENCE = {  # which single-device run each configuration of the worker must equal
+    "pp2_dp2": {},
+    "pp2_dp2_clip": {"gradient_clip_val": 0.05},
+    "pp2_dp2_accumulate": {"accumulate_grad_batches": 2},
+    "pp2_dp2_1f1b": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
+    "pp1_dp4": {},
+    "pp4_dp1_resumed": {},
+    "pp1_dp4_resumed": {},
+    "pp4_dp1_sharded_resumed": {},
+}
+
+
+def _reference(**overrides) -> tuple[dict, list[float]]:
+    L.seed_everything(1, verbose=False)
+    recorder = LossRecorder()
+    trainer = L.Trainer(devices=1, max_steps=6, **trainer_kwargs(callbacks=[recorder], **overrides))
+    trainer.fit(SyncNet(), ddp_order_loader())
+    return trainer.lightning_module.state_dict(), recorder.losses
+
+
+def _assert_equals_reference(out, names) -> None:
+    references = {}
+    for name in names:
+        _assert_equals_one_device(out, name, references)
+
+
+def _assert_equals_one_device(out, name, references) -> None:
+    try:
+        key = tuple(sorted(REFERENCE[name].items()))
+        if key not in references:
+            references[key] = _reference(**REFERENCE[name])
+        state, losses = references[key]
+        got = torch.load(out / f"{name}.pt")
+        assert_states_close(got["state"], state)
+        resumed = name.endswith("resumed")  # its recorder saw the steps after the checkpoint only
+        expected = losses[-len(got["losses"]) :] if resumed else losses
+        torch.testing.assert_close(got["losses"], expected, atol=1e-5, rtol=0)
+        assert len(got["losses"]) == (2 if resumed else len(losses))
+    except AssertionError as error:
+        raise AssertionError(f"{name}: {error}") from error
+
+
+def test_mesh_trains_like_one_device_and_resumes_on_other_shapes(tmp_path):
+    """(2, 2) plain, with clipping, accumulation, and 1F1B with both; (1, 4); a (2, 2) checkpoint (full and
+    sharded) resumed as (4, 1) and (1, 4): all equal one device on the same global batches (Lightning's launcher,
+    4 processes); and each replica predicts its shard."""
+    result = run_worker("mesh.py", str(tmp_path), "--devices=4", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _assert_equals_reference(tmp_path, REFERENCE)
+    assert torch.load(tmp_path / "pp2_dp2.pt")["environment"] == "LightningEnvironment"
+    module = SyncNet()
+    module.load_state_dict(torch.load(tmp_path / "pp2_dp2.pt")["state"])
+    x, _ = loader().dataset.tensors
+    shard = x[0::2]  # replica 0's rows under Lightning's unshuffled prediction sampler
+    expected = [module.predict_step((part, None), i).detach() for i, part in enumerate(shard.split(20))]
+    predictions = torch.load(tmp_path / "pp2_dp2_predictions.pt")
+    assert len(predictions) == len(expected)
+    for got, want in zip(predictions, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no staging directory left
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_all(commands: list[list[str]], envs: list[dict], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    processes = [
+        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for command, env in zip(commands, envs)
+    ]
+    results = []
+    for process in processes:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in processes:
+                other.kill()
+            raise
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+    return results
+
+
+def _environment(**extra: str) -> dict:
+    drop = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_PORT", "MASTER_ADDR")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(WORKERS.parent), env.get("PYTHONPATH", "")])
+    return {**env, **extra}
+
+
+def test_two_torchrun_nodes_train_like_one_device(tmp_path):
+    """Two ``torchrun --nnodes=2 --node-rank=i`` commands of 2 processes each (TorchElasticEnvironment)."""
+    port = _free_port()
+    commands = [
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            f"--node-rank={node}",
+            "--nproc-per-node=2",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            str(WORKERS / "mesh.py"),
+            str(tmp_path),
+            "--devices=2",
+            "--num-nodes=2",
+            "--configs",
+            "pp2_dp2",
+        ]  # fmt: skip
+        for node in range(2)
+    ]
+    results = _run_all(commands, [_environment(), _environment()])
+    assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
+    _assert_equals_reference(tmp_path, ["pp2_dp2"])
+    assert torch.load(tmp_path / "pp2_dp2.pt")["environment"] == "TorchElasticEnvironment"
+
+
+def test_slurm_environment_trains_like_one_device(tmp_path):
+    """4 processes with the ``SLURM_*`` variables ``srun -N 2 --ntasks-per-node=2`` sets (SLURMEnvironment)."""
+    port, job = _free_port(), str(90000 + os.getpid() % 1000)
+    slurm = dict(SLURM_NTASKS="4", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="2", SLURM_JOB_ID=job)
+    slurm.update(SLURM_JOB_NAME="mesh", SLURM_NODELIST="localhost", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    envs = [
+        _environment(**slurm, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % 2), SLURM_NODEID=str(rank // 2))
+        for rank in range(4)
+    ]
+    command = [sys.executable, str(WORKERS / "mesh.py"), str(tmp_path), "--devices=2", "--num-nodes=2"]
+    results = _run_all([command + ["--configs", "pp2_dp2"]] * 4, envs)
+    assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
+    _assert_equals_reference(tmp_path, ["pp2_dp2"])
+    assert torch.load(tmp_path / "pp2_dp2.pt")["environment"] == "SLURMEnvironment"
+
+
+def test_a_failure_on_one_process_ends_all_four_naming_its_stage_and_replica(tmp_path):
+    result = run_worker("mesh.py", str(tmp_path), "--devices=4", "--fail-rank=2", timeout=180)
+    assert result.returncode != 0
+    message = (tmp_path / "failure.txt").read_text()
+    assert (
+        "stage 0 of replica 0 (rank 0) stopped because stage 0 of replica 1 (rank 2) failed with ValueError: boom"
+        in message
+    ), message
+    for rank in range(4):
+        pid, started = (tmp_path / f"rank{rank}.txt").read_text().split()
+        assert process_exits(int(pid), within=60 - (time.time() - float(started))), f"rank {rank} is left"
+
+
+@pytest.mark.parametrize(
+    "pp, dp, balance, devices, nodes, expected",
+    [
+        ("auto", "auto", None, 4, 1, (4, 1)),  # one node: one pipeline of every device
+        ("auto", "auto", None, 2, 3, (2, 3)),  # pipeline within a node, replicas across nodes
+        ("auto", "auto", [3, 5], 4, 1, (2, 2)),  # a list balance fixes K
+        ("auto", 2, None, 4, 2, (4, 2)),
+        (2, "auto", None, 8, 1, (2, 4)),
+    ],
+)
+def test_auto_mesh_sizes(pp, dp, balance, devices, nodes, expected):
+    topology = resolve_topology(pp, dp, balance, devices, nodes)
+    assert (topology.num_stages, topology.data_parallel_size) == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs, devices, match",
+    [
+        (dict(pipeline_parallel_size=3, data_parallel_size=2), 4, "makes a mesh of 3 stages x 2 replicas = 6"),
+        (dict(pipeline_parallel_size=2, balance=[1, 2, 5]), 4, r"gives 3 stages, but the pipeline has 2"),
+        (dict(data_parallel_size=3), 4, "processes, but the job has 4"),
+    ],
+)
+def test_a_mesh_that_does_not_fit_fails_before_any_process_starts(kwargs, devices, match):
+    with pytest.raises(ValueError, match=match):
+        L.Trainer(strategy=GPipeStrategy(**kwargs), devices=devices, accelerator="cpu")
+
+
+@pytest.mark.parametrize("size", [0, -1, 1.5, "two", True])
+def test_a_bad_mesh_size_fails_at_construction(size):
+    with pytest.raises(ValueError, match="give a positive integer or 'auto'"):
+        GPipeStrategy(data_parallel_size=size)
+
+
+def test_rank_mapping_keeps_a_pipeline_on_neighbouring_ranks():
+    topology = Topology(world_size=8, num_stages=4)
+    assert [topology.rank_of(stage, 1) for stage in range(4)] == [4, 5, 6, 7]
+    assert [(topology.stage_of(r), topology.replica_of(r)) for r in (0, 5)] == [(0, 0), (1, 1)]
+    assert topology.name(6) == "stage 2 of replica 1 (rank 6)"
+    assert Topology(world_size=2, num_stages=2).name(1) == "stage 1"
+
+
+def test_traces_of_another_node_are_moved_onto_rank_zeros_clock():
+    from lightning_gpipe.callbacks._pipeline import _on_one_clock
+    from lightning_gpipe.events import Span
+    from lightning_gpipe.trace import StageTrace
+
+    def trace(stage, start):
+        return StageTrace(stage, [Span("forward", 0, start, start + 1.0)], start, start + 2.0)
+
+    # stage 1 runs on a node whose clock reads 1000 s more; both left the barrier at 10.0 on their own clocks
+    parts = [(trace(0, 11.0), 10.0, "node0"), (trace(1, 1011.5), 1010.0, "node1"), (trace(2, 12.0), 10.2, "node0")]
+    stages = _on_one_clock(parts)
+    assert [(s.stage, s.start, s.spans[0].end) for s in stages] == [(0, 11.0, 12.0), (1, 11.5, 12.5), (2, 12.0, 13.0)]
