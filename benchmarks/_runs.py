@@ -53,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8, help="measured steps")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--count-saved", action="store_true", help="lightning only: count autograd-saved bytes")
+    parser.add_argument("--channels-last", action="store_true", help="lightning amoebanet only: channels_last")
     parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe", help="lightning gpipe and bare")
     parser.add_argument(
         "--defer-weight-grad",
@@ -167,7 +168,7 @@ def run_lightning(args: argparse.Namespace) -> None:
 
     torch.manual_seed(0)
     if args.model == "amoebanet":
-        module = models.amoebanet_classifier()
+        module = models.amoebanet_classifier(channels_last=args.channels_last)
     else:
         module = models.MLPClassifier(args.width, args.depth, momentum=args.momentum)
     counter = _Deferred(module, lambda: getattr(trainer.strategy, "stage", None)) if args.count_saved else None

@@ -64,14 +64,17 @@ class MLPClassifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
-def amoebanet_classifier(num_layers: int = 6, num_filters: int = 16) -> pl.LightningModule:
-    """The AmoebaNet-D (L, D) example's LightningModule for 32 x 32 images (examples/amoebanet, CPU config)."""
+def amoebanet_classifier(num_layers: int = 6, num_filters: int = 16, channels_last: bool = False) -> pl.LightningModule:
+    """The AmoebaNet-D (L, D) example's LightningModule for 32 x 32 images (examples/amoebanet, CPU config);
+    ``channels_last``: its weights and inputs in ``torch.channels_last`` memory format."""
     examples = str(REPO / "examples")
     if examples not in sys.path:
         sys.path.insert(0, examples)
     from amoebanet.module import AmoebaNetClassifier
 
-    return AmoebaNetClassifier(num_layers=num_layers, num_filters=num_filters, image_size=32)
+    return AmoebaNetClassifier(
+        num_layers=num_layers, num_filters=num_filters, image_size=32, channels_last=channels_last
+    )
 
 
 def mlp_batch(rows: int, width: int = 1024, seed: int = 0) -> tuple[Tensor, Tensor]:

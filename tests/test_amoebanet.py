@@ -131,3 +131,44 @@ def test_example_logger_follows_default_root_dir_unless_given_a_save_dir(args, s
     cli = train.main([arg.format(**paths) for arg in args], run=False)
     assert cli.trainer.logger.save_dir == save_dir.format(**paths)
     assert cli.trainer.logger.name == "amoebanet"
+
+
+def test_decoding_once_gives_the_images_of_decoding_every_time() -> None:
+    """``decode_once`` keeps decoded uint8 images: the same test tensors and labels as decoding on every access,
+    and augmented training images of the same shape (random crops and flips of the same pictures)."""
+    every_time, once = CIFAR10DataModule(), CIFAR10DataModule(decode_once=True)
+    every_time.setup("fit")
+    once.setup("fit")
+    assert len(once.val_set) == len(every_time.val_set) == 500
+    for index in (0, 123, 499):
+        image, label = once.val_set[index]
+        expected_image, expected_label = every_time.val_set[index]
+        assert label == expected_label and torch.equal(image, expected_image)
+    image, label = once.train_set[7]
+    assert image.shape == (3, 32, 32) and label == every_time.train_set[7][1]
+
+
+def test_recipe_options_one_cycle_label_smoothing_channels_last() -> None:
+    """The 20-minute config builds: channels-last weights, OneCycleLR over ``max_steps`` peaking at ``lr``, and a
+    label-smoothed loss equal to torch's."""
+    from amoebanet import train
+
+    config = Path(train.__file__).parent / "configs" / "cifar10_20min.yaml"
+    cli = train.main([f"--config={config}", "--data.data_dir=null"], run=False)
+    module, trainer = cli.model, cli.trainer
+    assert module.hparams.one_cycle and module.hparams.label_smoothing > 0 and module.hparams.channels_last
+    assert cli.datamodule.hparams.decode_once
+    stem_conv = next(m for m in module.backbone.modules() if isinstance(m, nn.Conv2d))
+    assert stem_conv.weight.is_contiguous(memory_format=torch.channels_last)
+    module.trainer = trainer
+    scheduler = module.configure_optimizers()["lr_scheduler"]["scheduler"]
+    assert scheduler.total_steps == trainer.max_steps
+    optimizer = scheduler.optimizer
+    rates = []
+    for _ in range(trainer.max_steps):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates[0] == pytest.approx(module.hparams.lr / 25) and max(rates) == pytest.approx(module.hparams.lr)
+    assert rates[-1] < rates[0] / 100
+    assert rates.index(max(rates)) == pytest.approx(module.hparams.warmup_fraction * trainer.max_steps, abs=2)

@@ -2,9 +2,9 @@
 
 The headline test trains the example's Transformer (tiny, dropout 0) for 20 steps of variable-length,
 token-bucketed batches on 2 and 3 pipeline stages and checks that the loss curve equals single-device
-training, then that greedy decoding through the pipeline (``forward_and_share``) gives the same
-translations as decoding the same weights on one device. Parameter counts are checked against GPipe
-(Huang et al. 2019, arXiv:1811.06965) section 5 on the meta device.
+training, then that decoding through the pipeline (``forward_and_share``; greedy with and without the
+key/value cache, beam search) gives the same translations as decoding the same weights on one device.
+Parameter counts are checked against GPipe (Huang et al. 2019, arXiv:1811.06965) section 5 on the meta device.
 """
 
 import csv
@@ -25,9 +25,11 @@ from torch import Tensor
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "translation"
 sys.path.insert(0, str(EXAMPLE.parent))
 
+from translation.callbacks import WriteTranslations  # noqa: E402
 from translation.data import DIRECTIONS, TranslationDataModule  # noqa: E402
+from translation.decoding import beam_search, greedy  # noqa: E402
 from translation.model import transformer  # noqa: E402
-from translation.module import TranslationModule  # noqa: E402
+from translation.module import DECODING, TranslationModule  # noqa: E402
 from translation.vocabulary import LANGUAGES, SPECIAL_TOKENS, load_tokenizer  # noqa: E402
 
 TINY = dict(
@@ -38,6 +40,13 @@ TINY = dict(
 
 STEPS = 20
 """Training steps compared between the pipeline and one device."""
+
+DECODINGS = {
+    "greedy": dict(beam_size=1, kv_cache=True),
+    "greedy_uncached": dict(beam_size=1, kv_cache=False),
+    "beam": dict(beam_size=4, kv_cache=True),
+}
+"""The module's decoding attributes compared between the pipeline and one device."""
 
 
 def tiny_datamodule(**overrides) -> TranslationDataModule:
@@ -109,7 +118,8 @@ PIPELINED = {k: shared_run("translation.py", f"--devices={k}", devices=k, timeou
 
 @pytest.mark.parametrize("stages", [2, 3])
 def test_pipeline_loss_curve_and_decoding_equal_single_device(stages, reference) -> None:
-    """K stages: same 20-step loss curve (relative 1e-4), same greedy translations of the trained weights."""
+    """K stages: same 20-step loss curve (relative 1e-4), same translations of the trained weights (greedy with
+    and without the key/value cache, beam 4)."""
     out = PIPELINED[stages]()
     _, expected = reference
     losses = torch.load(out / "losses.pt")
@@ -120,11 +130,15 @@ def test_pipeline_loss_curve_and_decoding_equal_single_device(stages, reference)
     module = TranslationModule(**TINY)
     module.load_state_dict(torch.load(out / "state.pt"))
     module.eval()
-    translations = [sentence for i, batch in enumerate(predict_data()) for sentence in module.predict_step(batch, i)]
-    assert len(translations) == 6 and all(isinstance(sentence, str) for sentence in translations)
-    for rank in range(stages):
-        got = [sentence for batch in torch.load(out / f"translations_rank{rank}.pt") for sentence in batch]
-        assert got == translations, f"rank {rank}"
+    pipelined = [torch.load(out / f"translations_rank{rank}.pt") for rank in range(stages)]
+    for name, decoding in DECODINGS.items():
+        for attribute, value in decoding.items():
+            setattr(module, attribute, value)
+        translations = [line for i, batch in enumerate(predict_data()) for line in module.predict_step(batch, i)]
+        assert len(translations) == 6 and all(isinstance(sentence, str) for sentence in translations)
+        for rank in range(stages):
+            got = [sentence for batch in pipelined[rank][name] for sentence in batch]
+            assert got == translations, f"rank {rank}, {name}"
 
 
 def expected_parameters(vocab: int, d: int, ff: int, encoder_layers: int, decoder_layers: int) -> int:
@@ -241,21 +255,63 @@ def word_set(language: str) -> set[str]:
         return {word for line in f for word in json.loads(line)[language].lower().split()}
 
 
-def test_greedy_decode_writes_the_target_language() -> None:
-    """After 60 single-device steps on en->de and en->fr, ``<2de>`` gives mostly German words, ``<2fr>`` French."""
+@pytest.fixture(scope="module")
+def two_directions() -> TranslationModule:
+    """The tiny model after 60 single-device steps on en->de and en->fr (lr 1e-2), in evaluation mode."""
     L.seed_everything(0, verbose=False)
     module = TranslationModule(**{**TINY, "lr": 1e-2})
     datamodule = tiny_datamodule(train_directions=["en-de", "en-fr"], max_tokens=800)
     with one_thread():
         tiny_trainer(max_steps=60).fit(module, datamodule)
-    module.eval()
+    return module.eval()
+
+
+def test_greedy_decode_writes_the_target_language(two_directions) -> None:
+    """After 60 single-device steps on en->de and en->fr, ``<2de>`` gives mostly German words, ``<2fr>`` French."""
     german, french = word_set("de"), word_set("fr")
     german, french = german - french, french - german
     for target, own, other in (("de", german, french), ("fr", french, german)):
-        words = [word for batch in predict_data(target, 16) for line in module.translate(batch["src"])
+        words = [word for batch in predict_data(target, 16) for line in two_directions.translate(batch["src"], 1)
                  for word in line.lower().split()]  # fmt: skip
         own_words, other_words = sum(word in own for word in words), sum(word in other for word in words)
         assert own_words >= 20 and own_words > 4 * other_words, (target, words)
+
+
+def test_cached_decoding_gives_the_tokens_of_uncached_decoding_and_beam_1_is_greedy(two_directions) -> None:
+    """The key/value cache changes no token (greedy and beam 4); beam search with one beam is greedy decoding;
+    beam 4 finishes some translations earlier than greedy (its length-normalised scores differ)."""
+    backbone, tokenizer = two_directions.backbone, two_directions.tokenizer
+    ends = dict(bos=tokenizer.bos_token_id, eos=tokenizer.eos_token_id, max_new_tokens=16)
+    src = torch.cat([batch["src"] for batch in predict_data("de", 16)])  # one batch of 16, padded
+    with torch.no_grad(), one_thread():
+        greedy_ids = greedy(backbone, src, cache=True, **ends)
+        assert greedy_ids == greedy(backbone, src, cache=False, **ends)
+        assert beam_search(backbone, src, beam_size=1, **ends) == greedy_ids
+        beam_ids = beam_search(backbone, src, beam_size=4, **ends)
+        assert beam_search(backbone, src, beam_size=4, cache=False, **ends) == beam_ids
+        assert beam_search(backbone, src[5:6], beam_size=4, **ends) == beam_ids[5:6]  # rows are independent
+    assert any(len(b) != len(g) for b, g in zip(beam_ids, greedy_ids))
+    assert not set(DECODING) & set(two_directions.hparams)  # chosen when evaluating, not fixed by a checkpoint
+    for layer in backbone.modules():  # the caches are freed after decoding
+        assert getattr(layer, "cache", None) is None or layer.cache.keys is None
+
+
+def test_predict_translates_a_file_line_by_line(tmp_path) -> None:
+    """``--data.predict_file`` gives the batches of the same sentences as ``predict_sentences``, and
+    ``WriteTranslations`` writes ``trainer.predict``'s translations to its file, one line per sentence, in order."""
+    sentences = validation_sentences("en", 40)  # two batches: 32 + 8
+    source = tmp_path / "sentences.en"
+    source.write_text("\n".join(sentences) + "\n", encoding="utf-8")
+    from_file = TranslationDataModule(predict_file=str(source)).predict_dataloader()
+    from_list = TranslationDataModule(predict_sentences=sentences).predict_dataloader()
+    assert [batch["src"].tolist() for batch in from_file] == [batch["src"].tolist() for batch in from_list]
+    L.seed_everything(0, verbose=False)
+    module = TranslationModule(**{**TINY, "beam_size": 1, "max_new_tokens": 1})
+    output = tmp_path / "sentences.de"
+    with one_thread():
+        predictions = tiny_trainer(callbacks=[WriteTranslations(str(output))]).predict(module, from_file)
+    translations = [line for batch in predictions for line in batch]
+    assert len(translations) == 40 and output.read_text(encoding="utf-8").splitlines() == translations
 
 
 def test_example_trains_on_two_stages_and_logs_bleu_and_throughput(tmp_path) -> None:

@@ -18,12 +18,12 @@ CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 """Per-channel standard deviation of the CIFAR-10 training images, RGB in [0, 1]."""
 
 
-def to_tensor(image: Image.Image, size: int) -> Tensor:
-    """Decode a PIL image to a float tensor (3, size, size) in [0, 1], resizing (bilinear) if needed."""
+def decode(image: Image.Image, size: int) -> Tensor:
+    """Decode a PIL image to a uint8 tensor (3, size, size), resizing (bilinear) if needed."""
     image = image.convert("RGB")
     if image.size != (size, size):
         image = image.resize((size, size), Image.Resampling.BILINEAR)
-    return torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1).float().div_(255)
+    return torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)
 
 
 def random_crop(image: Tensor, padding: int) -> Tensor:
@@ -40,7 +40,7 @@ def random_flip(image: Tensor) -> Tensor:
 
 
 class ImageTransform:
-    """Turn a PIL image into a normalised float tensor (3, image_size, image_size).
+    """Turn a PIL image, or one already :func:`decode`-d, into a normalised float tensor (3, image_size, image_size).
 
     Args:
         image_size: output height and width.
@@ -57,9 +57,10 @@ class ImageTransform:
         self.std = torch.tensor(std).view(3, 1, 1)
         self.augment = augment
 
-    def __call__(self, image: Image.Image) -> Tensor:
-        """Return the preprocessed tensor for ``image``."""
-        tensor = to_tensor(image, self.image_size)
+    def __call__(self, image: Image.Image | Tensor) -> Tensor:
+        """Return the preprocessed tensor for ``image`` (a PIL image or a uint8 (3, image_size, image_size) tensor)."""
+        tensor = image if isinstance(image, Tensor) else decode(image, self.image_size)
+        tensor = tensor.float().div_(255)
         if self.augment:
             tensor = random_flip(random_crop(tensor, self.image_size // 8))
         return (tensor - self.mean) / self.std

@@ -1,6 +1,6 @@
-"""What the translation example adds to the Trainer: counting tokens for the throughput, printing translations."""
+"""What the translation example adds to the Trainer: counting tokens for the throughput, writing translations."""
 
-from typing import Any
+from typing import Any, TextIO
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
@@ -17,13 +17,34 @@ def batch_tokens(batch: dict) -> int:
     return tokens
 
 
-class PrintTranslations(Callback):
-    """Print each prediction batch's translations, one per line, on global rank 0 (``train.py predict``)."""
+class WriteTranslations(Callback):
+    """Write each prediction batch's translations, one per line in the input's order, on global rank 0
+    (``train.py predict``).
+
+    Args:
+        output_file: the UTF-8 text file to write (replaced if it exists); ``None`` (default) prints to
+            standard output.
+    """
+
+    def __init__(self, output_file: str | None = None) -> None:
+        self.output_file = output_file
+        self._out: TextIO | None = None
+
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Open ``output_file`` on global rank 0."""
+        if trainer.is_global_zero and self.output_file is not None:
+            self._out = open(self.output_file, "w", encoding="utf-8")
 
     def on_predict_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, *_: Any
     ) -> None:
-        """Print ``outputs``, the list of translated sentences of the batch."""
+        """Write ``outputs``, the list of translated sentences of the batch."""
         if trainer.is_global_zero:
             for sentence in outputs:
-                print(sentence, flush=True)
+                print(sentence, file=self._out, flush=self._out is None)
+
+    def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Close ``output_file``."""
+        if self._out is not None:
+            self._out.close()
+            self._out = None

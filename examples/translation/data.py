@@ -184,6 +184,8 @@ class TranslationDataModule(LightningDataModule):
             Default 50 (times the directions: 300 pairs, each decoded for BLEU).
         max_length: drop training pairs longer than this, in tokens. Default 128.
         predict_sentences: sentences to translate with ``predict``, 32 per batch. Default: none.
+        predict_file: a UTF-8 text file of sentences to translate with ``predict``, one per line (after
+            ``predict_sentences``, if both are given). Default: none.
         predict_target: language to translate them into. Default ``"de"``.
         seed: seed of the bucketing and of the batch order. Default 0.
         num_workers: DataLoader worker processes. Default 0.
@@ -206,6 +208,7 @@ class TranslationDataModule(LightningDataModule):
         val_rows: int | None = 50,
         max_length: int = 128,
         predict_sentences: list[str] | None = None,
+        predict_file: str | None = None,
         predict_target: str = "de",
         seed: int = 0,
         num_workers: int = 0,
@@ -249,11 +252,14 @@ class TranslationDataModule(LightningDataModule):
         return DataLoader(self.val_set, batch_size=None, num_workers=self.hparams.num_workers)
 
     def predict_dataloader(self) -> DataLoader:
-        """``predict_sentences`` in their order, as batches ``{"src": (N, S) long}`` to translate into
-        ``predict_target``."""
+        """``predict_sentences`` and the lines of ``predict_file`` in their order, as batches ``{"src": (N, S)
+        long}`` to translate into ``predict_target``."""
         hp = self.hparams
+        sentences = list(hp.predict_sentences or [])
+        if hp.predict_file is not None:
+            sentences += Path(hp.predict_file).read_text(encoding="utf-8").splitlines()
         tag = self.tokenizer.convert_tokens_to_ids(language_token(hp.predict_target))
-        ids = self.tokenizer(list(hp.predict_sentences or []), add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(sentences, add_special_tokens=False)["input_ids"]
         sources = [[tag, *sentence, self.tokenizer.eos_token_id] for sentence in ids]
         pad = self.tokenizer.pad_token_id
         return DataLoader(

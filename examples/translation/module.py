@@ -1,12 +1,13 @@
-"""LightningModule training the multilingual Transformer: label-smoothed loss, inverse-sqrt schedule, greedy decoding.
+"""LightningModule training the multilingual Transformer: label-smoothed loss, inverse-sqrt schedule, beam search.
 
 Written for the GPipe strategy (Huang et al. 2019, arXiv:1811.06965): the
 whole encoder-decoder is the single ``nn.Sequential`` attribute ``backbone``
 (see ``model.py``). Code before the backbone call only picks tensors out of
-the batch; the loss and metrics only read the logits. Greedy decoding calls
-the backbone once per generated token through
-``lightning_gpipe.forward_and_share``, which runs the pipelined forward and
-hands the next token ids to every stage, so all stages loop in lockstep.
+the batch; the loss and metrics only read the logits. Decoding (``decoding.py``:
+beam search or greedy, with the decoder's key/value cache) calls the backbone
+once per generated token through ``lightning_gpipe.forward_and_share``, which
+runs the pipelined forward and hands the chosen tokens to every stage, so all
+stages loop in lockstep.
 """
 
 import math
@@ -17,8 +18,8 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics.text import Perplexity, SacreBLEUScore
 
-from lightning_gpipe import forward_and_share
 from translation.data import DIRECTIONS
+from translation.decoding import beam_search, greedy
 from translation.model import transformer
 from translation.vocabulary import load_tokenizer
 
@@ -39,9 +40,9 @@ def inverse_sqrt(warmup_steps: int):
     return factor
 
 
-def next_tokens(logits: Tensor) -> Tensor:
-    """Greedy choice: ``(N, T, vocab)`` logits to the ``(N,)`` most likely ids after the last position, on CPU."""
-    return logits[:, -1].argmax(-1).cpu()
+DECODING = ("decode", "max_new_tokens", "beam_size", "length_penalty", "kv_cache")
+"""The arguments of :class:`TranslationModule` that choose how it decodes: attributes of the module of the same
+names, left out of its saved hyperparameters (a checkpoint does not fix them)."""
 
 
 class TranslationModule(LightningModule):
@@ -60,14 +61,23 @@ class TranslationModule(LightningModule):
         warmup_steps: linear warmup steps, then inverse square root decay. Default 500.
         betas: AdamW betas. Default (0.9, 0.98).
         weight_decay: AdamW (decoupled) weight decay. Default 0.
-        decode: translate the validation batches greedily and log SacreBLEU per direction. Default True.
+        decode: translate the validation batches and log SacreBLEU per direction. Default True.
         max_new_tokens: decoding stops after ``S + max_new_tokens`` tokens for sources of S tokens. Default 16.
         tie_embeddings: one table for source and target embeddings and the output projection (Press & Wolf
             2017; see ``model.transformer``). Default False.
+        beam_size: hypotheses beam search keeps per sentence in validation and ``predict``; 1 decodes greedily.
+            Default 4 (Vaswani et al. 2017).
+        length_penalty: exponent alpha of beam search's length normalisation ``((5 + length) / 6) ** alpha``
+            (Wu et al. 2016, GNMT); 0 ranks by log-probability alone. Default 0.6 (Vaswani et al. 2017).
+        kv_cache: decode with the decoder layers' key/value cache, one new token per step (``True``), or re-run
+            the encoder and decoder on the whole prefix every step (``False``, the same tokens, slower).
+            Default True.
 
     Raises:
-        ValueError: when ``d_model`` is odd or not divisible by ``nhead`` (see ``model.transformer``).
+        ValueError: when ``d_model`` is odd or not divisible by ``nhead`` (see ``model.transformer``), or
+            ``beam_size < 1``.
 
+    The decoding arguments (:data:`DECODING`) are attributes of the same names, not saved hyperparameters.
     Training batches are those of ``TranslationDataModule``; ``predict`` batches need only ``src``.
     Logged: ``train_loss`` (label-smoothed, per target token), ``val_loss`` (cross-entropy per target
     token), ``val_ppl``, ``val_bleu_<src>_<tgt>`` (SacreBLEU, 0-100, 13a tokenization), ``lr``.
@@ -90,9 +100,19 @@ class TranslationModule(LightningModule):
         decode: bool = True,
         max_new_tokens: int = 16,
         tie_embeddings: bool = False,
+        beam_size: int = 4,
+        length_penalty: float = 0.6,
+        kv_cache: bool = True,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        if beam_size < 1:
+            raise ValueError(f"beam_size={beam_size} must be at least 1 (1 decodes greedily)")
+        # Decoding settings are chosen when evaluating, so they are attributes, not saved hyperparameters: with
+        # `train.py validate/predict --ckpt_path`, LightningCLI (2.6) would apply a checkpoint's hyperparameters
+        # over the command line's (Lightning-AI/pytorch-lightning#21455).
+        self.save_hyperparameters(ignore=list(DECODING))
+        self.decode, self.max_new_tokens, self.kv_cache = decode, max_new_tokens, kv_cache
+        self.beam_size, self.length_penalty = beam_size, length_penalty
         self.tokenizer = load_tokenizer(tokenizer_file)
         self.pad_id = self.tokenizer.pad_token_id
         self.backbone = transformer(
@@ -119,7 +139,7 @@ class TranslationModule(LightningModule):
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         """Translate the batch (if ``decode``) and score BLEU per direction, then log loss and perplexity."""
-        if self.hparams.decode:
+        if self.decode:
             hypotheses = self.translate(batch["src"])
             for direction in set(batch["directions"]):
                 rows = [i for i, d in enumerate(batch["directions"]) if d == direction]
@@ -140,36 +160,29 @@ class TranslationModule(LightningModule):
             bleu.reset()
 
     def predict_step(self, batch: dict, batch_idx: int) -> list[str]:
-        """Translate ``batch["src"]`` (ids with the target-language token first) greedily, through the pipeline."""
+        """Translate ``batch["src"]`` (ids with the target-language token first) through the pipeline."""
         return self.translate(batch["src"])
 
     @torch.no_grad()
-    def translate(self, src: Tensor) -> list[str]:
-        """Greedy decoding of a batch of sources; every step is one pipelined backbone call.
-
-        Each step feeds the tokens chosen so far and appends the most likely next
-        token of every row (:func:`next_tokens`, shared by the last stage with every
-        stage). A row is finished at ``</s>``; the loop stops when all rows are
-        finished or after ``S + max_new_tokens`` steps, decisions every stage takes
-        from the shared ids alone.
+    def translate(self, src: Tensor, beam_size: int | None = None, kv_cache: bool | None = None) -> list[str]:
+        """Translate a batch of sources by beam search (``beam_size > 1``) or greedily; one backbone call per step.
 
         Args:
             src: ``(N, S)`` long source ids, target-language token first, padded with the padding id.
+            beam_size: overrides the module's ``beam_size`` (1: greedy).
+            kv_cache: overrides the module's ``kv_cache``.
 
         Returns:
             N detokenized translations (special tokens dropped).
         """
+        beam_size = self.beam_size if beam_size is None else beam_size
+        cache = self.kv_cache if kv_cache is None else kv_cache
         bos, eos = self.tokenizer.bos_token_id, self.tokenizer.eos_token_id
-        tgt = torch.full((src.shape[0], 1), bos, dtype=torch.long, device=src.device)
-        finished = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
-        for _ in range(src.shape[1] + self.hparams.max_new_tokens):
-            chosen = forward_and_share(self.backbone, (src, tgt), next_tokens).to(src.device)
-            chosen = chosen.masked_fill(finished, self.pad_id)
-            tgt = torch.cat([tgt, chosen[:, None]], dim=1)
-            finished |= chosen == eos
-            if finished.all():
-                break
-        return self.tokenizer.batch_decode(tgt[:, 1:].tolist(), skip_special_tokens=True)
+        if beam_size == 1:
+            ids = greedy(self.backbone, src, bos, eos, self.max_new_tokens, cache)
+        else:
+            ids = beam_search(self.backbone, src, bos, eos, self.max_new_tokens, beam_size, self.length_penalty, cache)
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
     def configure_optimizers(self) -> dict:
         """AdamW over this stage's parameters with warmup then inverse-square-root decay, stepped every step."""

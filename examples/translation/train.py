@@ -9,6 +9,10 @@ Usage (from the repository root)::
     python examples/translation/train.py fit --trainer.default_root_dir=runs/first
     python examples/translation/train.py predict --ckpt_path=PATH.ckpt \\
         --data.predict_sentences='["A dog runs on the beach."]' --data.predict_target=de
+    python examples/translation/train.py predict --ckpt_path=PATH.ckpt --data.predict_file=sentences.en \\
+        --data.predict_target=de --translations.output_file=sentences.de --model.beam_size=4
+    python examples/translation/train.py validate --ckpt_path=PATH.ckpt --data.data_dir=PATH/TO/multi30k \\
+        --data.val_split=test_2016_flickr --data.val_rows=null --data.val_directions=[en-de]
 
 Defaults (``configs/cpu.yaml`` writes them out): a pre-LayerNorm Transformer
 (d_model 256, 3 + 3 layers) for the six directions en<->de, en<->fr, en<->cs of
@@ -32,7 +36,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 import lightning_gpipe  # noqa: F401  (registers the "gpipe" strategy)
 from example_cli import DEFAULT_ROOT_DIR, ExampleCLI
 from lightning_gpipe.callbacks import PipelineThroughput
-from translation.callbacks import PrintTranslations, batch_tokens
+from translation.callbacks import WriteTranslations, batch_tokens
 from translation.data import TranslationDataModule
 from translation.module import TranslationModule
 
@@ -55,17 +59,19 @@ TRAINER_DEFAULTS = {
 """Trainer settings used unless overridden by ``--trainer.*`` or a config file. The logger's ``save_dir`` starts
 at the Trainer's ``default_root_dir`` (see ``example_cli.py``)."""
 
-CALLBACKS = {"callbacks": [PipelineThroughput(length_fn=batch_tokens), PrintTranslations()]}
+CALLBACKS = {"callbacks": [PipelineThroughput(length_fn=batch_tokens)]}
 """Callbacks added to every run, besides those of ``--trainer.callbacks``: tokens per second, pipeline bubble
-and stage efficiency (logged every ``log_every_n_steps``), and printing ``predict`` output."""
+and stage efficiency (logged every ``log_every_n_steps``)."""
 
 
 class TranslationCLI(ExampleCLI):
-    """LightningCLI whose ``--data.tokenizer_file`` also sets the model's vocabulary."""
+    """LightningCLI whose ``--data.tokenizer_file`` also sets the model's vocabulary, and whose
+    ``--translations.output_file`` says where ``predict`` writes (standard output by default)."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        """Link the data module's tokenizer file to the model's."""
+        """Link the data module's tokenizer file to the model's; add the ``WriteTranslations`` callback's options."""
         parser.link_arguments("data.tokenizer_file", "model.tokenizer_file")
+        parser.add_lightning_class_args(WriteTranslations, "translations")
 
 
 def main(args: list[str] | None = None, run: bool = True) -> TranslationCLI:

@@ -3,7 +3,8 @@
 Usage: python translation.py OUT_DIR --devices K  (run with Lightning's launcher)
 Writes OUT_DIR/losses.pt (the per-step training losses rank 0 saw, relayed from the last stage),
 OUT_DIR/state.pt (rank 0's module after fit: the full state dict) and OUT_DIR/translations_rank{r}.pt
-(what `trainer.predict` returns on each rank: greedy decodes through the pipeline).
+(what `trainer.predict` returns on each rank for each decoding of test_translation.DECODINGS: a dict of
+name to the batches' translations through the pipeline).
 """
 
 import argparse
@@ -15,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
-from test_translation import fit_tiny, predict_data, tiny_trainer  # noqa: E402
+from test_translation import DECODINGS, fit_tiny, predict_data, tiny_trainer  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -28,6 +29,10 @@ rank = strategy.global_rank
 if rank == 0:
     torch.save(losses, os.path.join(args.out, "losses.pt"))
     torch.save(module.state_dict(), os.path.join(args.out, "state.pt"))
-trainer = tiny_trainer(strategy=lightning_gpipe.GPipeStrategy(chunks=2), devices=args.devices)
-translations = trainer.predict(module, predict_data())
+translations = {}
+for name, decoding in DECODINGS.items():
+    for attribute, value in decoding.items():
+        setattr(module, attribute, value)
+    trainer = tiny_trainer(strategy=lightning_gpipe.GPipeStrategy(chunks=2), devices=args.devices)
+    translations[name] = trainer.predict(module, predict_data())
 torch.save(translations, os.path.join(args.out, f"translations_rank{rank}.pt"))
