@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import run_worker, start_worker
+from conftest import process_exits, run_worker, start_worker
 from models import TupleNet, fit
 
 from lightning_gpipe import PipelineFailure, failure, waiting, watchdog
@@ -36,24 +36,10 @@ CASES = {
 }
 
 
-def _exits(pid: int, within: float) -> bool:
-    """Whether process ``pid`` is gone (or a zombie) within ``within`` seconds."""
-    deadline = time.time() + within
-    while time.time() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().split(")")[-1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def _assert_every_stage_exits(out, within: float = 60, since: float | None = None):
     for rank in range(2):
         pid, started = (out / f"rank{rank}.txt").read_text().split()
-        assert _exits(int(pid), within=within - (time.time() - (since or float(started)))), f"rank {rank} is left"
+        assert process_exits(int(pid), within=within - (time.time() - (since or float(started)))), f"rank {rank} is left"
 
 
 @pytest.mark.parametrize("case", CASES)
