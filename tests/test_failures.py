@@ -39,7 +39,8 @@ CASES = {
 def _assert_every_stage_exits(out, within: float = 60, since: float | None = None):
     for rank in range(2):
         pid, started = (out / f"rank{rank}.txt").read_text().split()
-        assert process_exits(int(pid), within=within - (time.time() - (since or float(started)))), f"rank {rank} is left"
+        left = within - (time.time() - (since or float(started)))
+        assert process_exits(int(pid), within=left), f"rank {rank} is left"
 
 
 @pytest.mark.parametrize("case", CASES)
