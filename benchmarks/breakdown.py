@@ -9,6 +9,8 @@ stage's head and loss, and their backward to the boundary), recv (waiting for a 
 sends, and the final flush), relay (sharing the logged results), optimizer (the step and Lightning's hooks
 after it), lightning in step (the rest of the batch: the user's step before the backbone call, zero_grad,
 Lightning's hooks) and between steps (data loading, the loop's bookkeeping). The parts add up to the period.
+Last, ``lightning_gpipe.simulate`` predicts the step from the measured compute parts (forward, recompute,
+backward, weight and loss per micro-batch; relay and optimizer per step) and is set beside the measured period.
 
 Usage::
 
@@ -20,6 +22,8 @@ import argparse
 import statistics
 
 import _harness as harness
+
+from lightning_gpipe.simulator import StageCost, simulate
 
 ORDER = (
     "forward",
@@ -119,8 +123,32 @@ def main(argv: list[str] | None = None) -> None:
             f"GPipeStrategy on one device: {alone:.1f} ms/step, {alone / base - 1:+.1%} over plain Lightning"
             f" (per repeat: {', '.join(f'{o / p - 1:+.1%}' for o, p in zip(one, plain))})"
         )
+        predicted = simulated_ms(args, {key: statistics.median(values) for key, values in parts.items()}, stages)
+        print(f"simulated step: {predicted:.1f} ms, {predicted / step:.2f} of the measured period")
 
     harness.timed(body)
+
+
+def simulated_ms(args: argparse.Namespace, parts: dict[tuple[int, str], float], stages: list[int]) -> float:
+    """The step :func:`~lightning_gpipe.simulator.simulate` predicts, in ms, from each stage's measured compute
+    parts (``parts[(stage, part)]``, ms per step): the relay is a sync point before the optimizer step."""
+    recomputed = {"never": 0, "except_last": args.chunks - 1, "always": args.chunks}[args.checkpoint]
+
+    def part(k: int, kind: str) -> float:
+        return parts.get((k, kind), 0.0) / 1e3
+
+    costs = [
+        StageCost(
+            part(k, "forward") / args.chunks,
+            (part(k, "backward") + part(k, "weight")) / args.chunks,
+            part(k, "recompute") / recomputed if recomputed else None,
+            weight=part(k, "weight") / args.chunks,
+        )
+        for k in stages
+    ]
+    optimizer = [part(k, "relay") + part(k, "optimizer") for k in stages]
+    loss = part(stages[-1], "loss")
+    return 1e3 * simulate(costs, args.chunks, args.checkpoint, loss=loss, optimizer=optimizer).step_time
 
 
 if __name__ == "__main__":

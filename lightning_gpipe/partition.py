@@ -188,9 +188,10 @@ class Split:
                 if any(t.is_meta for t in [*child.parameters(), *child.buffers()]):
                     child.to_empty(device=torch.device("cpu"))
             self.module.load_state_dict(full_state)
-        for names in self._aliases:  # one parameter under several names again
-            shared = self.module.get_parameter(names[0])
-            for name in names[1:]:
+        for names in self._aliases:  # one parameter under several names again: this stage's copy, if it held one
+            copies = [self.module.get_parameter(name) for name in names]
+            shared = next((copy for copy in copies if not copy.is_meta), copies[0])
+            for name in names:
                 owner, _, attr = name.rpartition(".")
                 self.module.get_submodule(owner)._parameters[attr] = shared
 

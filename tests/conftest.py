@@ -118,6 +118,20 @@ def _launch(devices: int) -> Path:
     return root
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """Destroy a process group an in-process test left (e.g. a strategy that failed in setup), and restore the
+    environment Lightning's launcher changed, so that later tests and the workers they start begin clean."""
+    environment = dict(os.environ)
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environment)
+
+
 def pytest_sessionfinish(session):
     """Remove the shared launches' output directories."""
     for root, _ in _LAUNCHED.values():

@@ -1,9 +1,7 @@
-"""The pipeline callbacks on a real 2-stage run (one worker run for all three), and the simulator against it."""
+"""The pipeline callbacks on a real 2-stage run (one worker run for all three)."""
 
 import csv
 import json
-import pickle
-import statistics
 import warnings
 
 import lightning as L
@@ -12,7 +10,6 @@ from conftest import shared_log, shared_run
 from models import fit_trainer
 
 from lightning_gpipe import PipelineBalance, PipelineThroughput, PipelineTimeline
-from lightning_gpipe.simulator import StageCost, simulate
 
 CONTENDED = 0.10
 """Above this share of its time waiting for a CPU, a stage process's timings say more about the machine."""
@@ -24,9 +21,7 @@ TWO_STAGES = shared_run("callbacks.py", devices=2)
 @pytest.fixture(scope="module")
 def run():
     out = TWO_STAGES()
-    with open(out / "steps.pkl", "rb") as f:
-        steps = pickle.load(f)
-    return out, json.loads((out / "result.json").read_text()), steps, shared_log(2)
+    return out, json.loads((out / "result.json").read_text()), shared_log(2)
 
 
 def _metrics(out):
@@ -35,7 +30,7 @@ def _metrics(out):
 
 
 def test_timeline_writes_a_chrome_trace_of_every_stage(run):
-    out, _, _, _ = run
+    out, _, _ = run
     trace = json.loads((out / "csv/version_0/pipeline_timeline_step3.json").read_text())
     events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in events} == {0, 1} and {e["tid"] for e in events} == {0, 1, 2}
@@ -56,7 +51,7 @@ def test_timeline_writes_a_chrome_trace_of_every_stage(run):
 
 
 def test_timeline_chart_is_written_and_logged_to_tensorboard(run):
-    out, result, _, _ = run
+    out, result, _ = run
     png = out / "csv/version_0/pipeline_timeline_step3.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in result["written"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -66,7 +61,7 @@ def test_timeline_chart_is_written_and_logged_to_tensorboard(run):
 
 
 def test_balance_reports_each_stage_and_suggests_the_even_split(run):
-    out, result, _, output = run
+    out, result, output = run
     report = result["balance"]
     assert report == json.loads((out / "csv/version_0/pipeline_balance.json").read_text())
     assert report["balance"] == [2, 6] and report["steps"] == [2, 3, 4, 5, 6]
@@ -77,15 +72,19 @@ def test_balance_reports_each_stage_and_suggests_the_even_split(run):
     assert report["stages"][0]["loss"] == 0 < report["stages"][1]["loss"]
     # the inputs of 8 micro-batches of 128 x 1024 floats, plus one micro-batch's saved activations
     assert all(s["activation_bytes"] > 8 * 128 * 1024 * 4 for s in report["stages"])
-    assert report["imbalance"] > 1.1 and report["suggested_balance"] == [4, 4]
-    assert report["suggested_step_s"] < report["predicted_step_s"]
-    assert "suggested balance=[4, 4] instead of [2, 6]" in output
     imbalance = [row["pipeline/imbalance"] for row in _metrics(out) if row["pipeline/imbalance"]]
     assert float(imbalance[0]) == pytest.approx(report["imbalance"])
+    suggested = report["suggested_balance"]
+    assert suggested is None or f"suggested balance={suggested} instead of [2, 6]" in output
+    contention = max(json.loads((out / f"contention_rank{k}.json").read_text()) for k in (0, 1))
+    if contention > CONTENDED:  # the measured times say more about the machine than about the stages
+        pytest.skip(f"the machine was busy (a stage waited for a CPU {contention:.0%} of the time)")
+    assert report["imbalance"] > 1.1 and suggested == [4, 4]  # one Linear against three
+    assert report["suggested_step_s"] < report["predicted_step_s"]
 
 
 def test_throughput_logs_samples_per_second_bubble_and_efficiency(run):
-    out, result, _, _ = run
+    out, result, _ = run
     rows = [row for row in _metrics(out) if row["pipeline/bubble"]]
     assert [int(row["step"]) for row in rows] == [2, 4, 6, 8]
     assert float(rows[-1]["throughput/device/samples_per_sec"]) > 0 and rows[-1]["throughput/samples"] == str(8 * 1024)
@@ -95,35 +94,6 @@ def test_throughput_logs_samples_per_second_bubble_and_efficiency(run):
         assert float(row["pipeline/bubble"]) == pytest.approx(1 - sum(efficiency) / 2)
         assert float(row["pipeline/bubble_ideal"]) == pytest.approx(1 / 9)  # K=2, M=8: (K-1)/(M+K-1)
     assert result["throughput"]["pipeline/bubble"] == pytest.approx(float(rows[-1]["pipeline/bubble"]))
-
-
-def test_simulator_predicts_the_measured_step_within_10_percent(run):
-    """Costs: each stage's measured forward, recompute and backward per micro-batch, loss, relay and optimizer time."""
-    out, _, steps, _ = run
-    chunks, stages = 8, range(2)
-
-    def median(kind, stage):
-        return statistics.median(step.stages[stage].total(kind) for step in steps)
-
-    costs = [
-        StageCost(
-            median("forward", k) / chunks,
-            (median("backward", k) + median("weight", k)) / chunks,
-            median("recompute", k) / (chunks - 1),
-            weight=median("weight", k) / chunks,
-        )
-        for k in stages
-    ]
-    # the relay (the last stage's logged results shared after the drain) is a sync point before the optimizer step
-    optimizer = [median("relay", k) + median("optimizer", k) for k in stages]
-    prediction = simulate(costs, chunks, "except_last", loss=median("loss", 1), optimizer=optimizer)
-    measured = statistics.median(step.wall for step in steps)
-    contention = max(json.loads((out / f"contention_rank{k}.json").read_text()) for k in stages)
-    figures = f"predicted {prediction.step_time:.3f} s, measured {measured:.3f} s"
-    if contention > CONTENDED:
-        pytest.skip(f"the machine was busy (a stage waited for a CPU {contention:.0%} of the time); {figures}")
-    assert prediction.step_time == pytest.approx(measured, rel=0.10), figures
-    assert prediction.bubble == pytest.approx(statistics.median(step.bubble for step in steps), abs=0.10)
 
 
 def test_callbacks_warn_and_do_nothing_without_gpipe(tmp_path):

@@ -184,7 +184,7 @@ def test_one_stage_1f1b_equals_plain_autograd_and_combines_by_rows(checkpoint):
     net.load_state_dict(reference.state_dict())
     reference.training_step(batch, 0)["loss"].backward()
     call, schedule = _one_stage(net, 4, checkpoint)
-    output = call.micro_batch_steps(net, "training_step", (batch, 0), {}, schedule, lambda loss: loss.backward())
+    output = call.micro_batch_steps(net, "training_step", (batch, 0), {}, schedule, lambda loss, last: loss.backward())
     for (name, p), q in zip(net.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6, msg=name)
     # 10 rows in 4 micro-batches: 3, 3, 2, 2; the step's output and logs are row-weighted means
@@ -248,7 +248,7 @@ def test_deferred_batch_norm_counts_each_micro_batch_once_under_1f1b():
     net.head = nn.Linear(4, 3)
     call, schedule = _one_stage(net, 3, "always")  # recomputes must not count again
     net.training_step = lambda batch, batch_idx: net.head(net.backbone(batch)).sum()
-    call.micro_batch_steps(net, "training_step", (x, 0), {}, schedule, lambda loss: loss.backward())
+    call.micro_batch_steps(net, "training_step", (x, 0), {}, schedule, lambda loss, last: loss.backward())
     plain(x)
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         torch.testing.assert_close(getattr(net.backbone.get_submodule("0"), name), getattr(plain, name), msg=name)

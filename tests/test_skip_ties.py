@@ -119,6 +119,9 @@ def test_ties_are_found_and_each_stage_keeps_its_shared_objects():
     assert not shared.weight.is_meta and split.sequential[5] is shared
     split.undo(TiedNet().state_dict())
     assert module.head.weight is module.backbone[0].weight and not module.head.weight.is_meta
+    last = TiedNet()
+    Split(last, "backbone", [3, 2, 2], stage_index=2).undo()  # as on a stage without the whole state after fit
+    assert last.head.weight is last.backbone[0].weight and not last.head.weight.is_meta  # the stage's trained copy
 
 
 def test_clipping_leaves_uncounted_copies_out_of_the_norm():

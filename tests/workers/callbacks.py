@@ -3,14 +3,13 @@
 Usage: python callbacks.py OUT_DIR
 The backbone is 4 x (Linear(1024, 1024), ReLU) split unevenly, balance=[2, 6] (one Linear against three), so that
 PipelineBalance has something to suggest. Logs with a CSVLogger (first, so files go to its log_dir) and a
-TensorBoardLogger (which takes the timeline image). Rank 0 writes OUT_DIR/steps.pkl (the StepTraces
-PipelineBalance measured) and OUT_DIR/result.json (the balance report, the throughput metrics, written files);
-every rank writes OUT_DIR/contention_rank{r}.json: the share of the measured steps its main thread waited for a CPU.
+TensorBoardLogger (which takes the timeline image). Rank 0 writes OUT_DIR/result.json (the balance report, the
+throughput metrics, written files); every rank writes OUT_DIR/contention_rank{r}.json: the share of the measured
+steps its main thread waited for a CPU.
 """
 
 import json
 import os
-import pickle
 import sys
 import time
 
@@ -85,8 +84,6 @@ def main(out: str) -> None:
     with open(os.path.join(out, f"contention_rank{trainer.global_rank}.json"), "w") as f:
         json.dump(contention.share, f)
     if trainer.global_rank == 0:
-        with open(os.path.join(out, "steps.pkl"), "wb") as f:
-            pickle.dump(balance.measured, f)
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({"balance": balance.report, "throughput": throughput.metrics, "written": timeline.written}, f)
 
