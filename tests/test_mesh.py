@@ -14,7 +14,7 @@ import time
 import lightning as L
 import pytest
 import torch
-from conftest import WORKERS, assert_states_close, process_exits, run_worker
+from conftest import WORKERS, assert_states_close, process_exits, run_worker, shared_run
 from models import LossRecorder, SyncNet, ddp_order_loader, loader, trainer_kwargs
 
 from lightning_gpipe import GPipeStrategy
@@ -30,6 +30,10 @@ REFERENCE = {  # which single-device run each configuration of the worker must e
     "pp1_dp4_resumed": {},
     "pp4_dp1_sharded_resumed": {},
 }
+
+
+MESH = shared_run("mesh.py", "--devices=4", devices=4, timeout=600)
+"""The worker's configurations under Lightning's launcher, in the 4-process launch the other tests share."""
 
 
 def _reference(**overrides) -> tuple[dict, list[float]]:
@@ -62,24 +66,23 @@ def _assert_equals_one_device(out, name, references) -> None:
         raise AssertionError(f"{name}: {error}") from error
 
 
-def test_mesh_trains_like_one_device_and_resumes_on_other_shapes(tmp_path):
+def test_mesh_trains_like_one_device_and_resumes_on_other_shapes():
     """(2, 2) plain, with clipping, accumulation, and 1F1B with both; (1, 4); a (2, 2) checkpoint (full and
     sharded) resumed as (4, 1) and (1, 4): all equal one device on the same global batches (Lightning's launcher,
     4 processes); and each replica predicts its shard."""
-    result = run_worker("mesh.py", str(tmp_path), "--devices=4", timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    _assert_equals_reference(tmp_path, REFERENCE)
-    assert torch.load(tmp_path / "pp2_dp2.pt")["environment"] == "LightningEnvironment"
+    out = MESH()
+    _assert_equals_reference(out, REFERENCE)
+    assert torch.load(out / "pp2_dp2.pt")["environment"] == "LightningEnvironment"
     module = SyncNet()
-    module.load_state_dict(torch.load(tmp_path / "pp2_dp2.pt")["state"])
+    module.load_state_dict(torch.load(out / "pp2_dp2.pt")["state"])
     x, _ = loader().dataset.tensors
     shard = x[0::2]  # replica 0's rows under Lightning's unshuffled prediction sampler
     expected = [module.predict_step((part, None), i).detach() for i, part in enumerate(shard.split(20))]
-    predictions = torch.load(tmp_path / "pp2_dp2_predictions.pt")
+    predictions = torch.load(out / "pp2_dp2_predictions.pt")
     assert len(predictions) == len(expected)
     for got, want in zip(predictions, expected):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no staging directory left
+    assert not any(p.name.startswith(".") for p in out.iterdir())  # no staging directory left
 
 
 def _free_port() -> int:

@@ -7,7 +7,7 @@ import re
 import lightning as L
 import pytest
 import torch
-from conftest import assert_states_close, one_stage_pipeline, run_worker
+from conftest import assert_states_close, one_stage_pipeline, shared_run
 from test_translation import TINY, one_thread, predict_data
 from models import FEATURES, trainer_kwargs
 from nonchain import Pop, SkipNet, Stash, TiedNet, dense, fit_nonchain, fit_tied_translation, skip_loader
@@ -132,12 +132,12 @@ def test_clipping_leaves_uncounted_copies_out_of_the_norm():
     torch.testing.assert_close(copy.grad, torch.tensor([0.6, 0.8]))
 
 
+THREE_STAGES = shared_run("skip_ties.py", "--devices=3", devices=3, timeout=400)
+
+
 @pytest.fixture(scope="module")
-def three_stages(tmp_path_factory):
-    out = tmp_path_factory.mktemp("skip_ties")
-    result = run_worker("skip_ties.py", str(out), "--devices=3", timeout=400)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+def three_stages():
+    return THREE_STAGES()
 
 
 @pytest.fixture(scope="module")
