@@ -23,6 +23,7 @@ import statistics
 
 import _harness as harness
 
+from lightning_gpipe.rematerialization import recomputed_share
 from lightning_gpipe.simulator import StageCost, simulate
 
 ORDER = (
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
 def simulated_ms(args: argparse.Namespace, parts: dict[tuple[int, str], float], stages: list[int]) -> float:
     """The step :func:`~lightning_gpipe.simulator.simulate` predicts, in ms, from each stage's measured compute
     parts (``parts[(stage, part)]``, ms per step): the relay is a sync point before the optimizer step."""
-    recomputed = {"never": 0, "except_last": args.chunks - 1, "always": args.chunks}[args.checkpoint]
+    recomputed = round(recomputed_share(args.checkpoint, args.chunks) * args.chunks)  # micro-batches per step
 
     def part(k: int, kind: str) -> float:
         return parts.get((k, kind), 0.0) / 1e3
