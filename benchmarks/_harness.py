@@ -7,7 +7,9 @@ process prints one JSON line per process (see :class:`StepClock`); this module r
 
 Contention: each process reports the share of its measured time its main thread was runnable but
 waiting for a CPU (from ``/proc/self/task/*/schedstat``). A run where some process waited more than
-:data:`CONTENDED` of the time is flagged: a pipeline needs one free CPU per stage at once, so other work
+:data:`CONTENDED` of the time, or whose machine lost that share of its CPU time to other virtual machines (the
+hypervisor's "steal" in /proc/stat, which run-queue waits do not show), is flagged: a pipeline needs one free CPU
+per stage at once, so other work
 on the machine slows it more than a one-process baseline.
 """
 
@@ -232,22 +234,35 @@ def run_or_exit(config: Config) -> Outcome:
     return outcome
 
 
+def cpu_ticks() -> Optional[list[int]]:
+    """The machine's CPU time so far from /proc/stat: user, nice, system, idle, iowait, irq, softirq, steal
+    (ticks, all CPUs); ``None`` where unavailable."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+
+
 def _busy_cpus(interval: float = 1.0) -> Optional[float]:
     """CPUs kept busy by the whole machine over ``interval`` seconds (the driver itself sleeps), from /proc/stat."""
-
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        idle = fields[3] + fields[4]  # idle + iowait
-        return sum(fields[:8]) - idle, sum(fields[:8])
-
-    try:
-        busy0, total0 = sample()
-        time.sleep(interval)
-        busy1, total1 = sample()
-    except (OSError, ValueError, IndexError):
+    before = cpu_ticks()
+    time.sleep(interval)
+    after = cpu_ticks()
+    if before is None or after is None:
         return None
-    return (os.cpu_count() or 1) * (busy1 - busy0) / max(total1 - total0, 1)
+    delta = [a - b for a, b in zip(after, before)]
+    idle = delta[3] + delta[4]  # idle + iowait
+    return (os.cpu_count() or 1) * (sum(delta) - idle) / max(sum(delta), 1)
+
+
+def stolen_share(before: Optional[list[int]], after: Optional[list[int]]) -> float:
+    """Share of the machine's CPU time between two :func:`cpu_ticks` samples that the hypervisor gave to other
+    virtual machines ("steal"): time none of our processes could run, which their run-queue waits do not show."""
+    if before is None or after is None:
+        return 0.0
+    delta = [a - b for a, b in zip(after, before)]
+    return delta[7] / max(sum(delta), 1)
 
 
 def settle(limit: float) -> str:
@@ -302,7 +317,8 @@ def print_header(settings: str, configs: list[Config], figure: str) -> None:
     print(f"figure:   {figure}")
     print(
         "also:     per process (rank 0/rank 1/...): CPU seconds per step, all threads; share of the time its main"
-        " thread was runnable but waiting for a CPU (0% = the machine was ours)"
+        " thread was runnable but waiting for a CPU (0% = the machine was ours); share of the machine's CPU time"
+        " the hypervisor gave to other virtual machines (stolen)"
     )
     print(flush=True)
 
@@ -316,18 +332,19 @@ def interleave(configs: list[Config], repeats: int, settle_s: float = 0.0) -> di
     results = {config.name: Series() for config in configs}
     for repeat in range(repeats):
         for config in configs:
-            found = settle(settle_s)
+            found, ticks = settle(settle_s), cpu_ticks()
             records = run_or_exit(config).records
+            stolen = stolen_share(ticks, cpu_ticks())
             main, series = records[0], results[config.name]
             series.medians.append(main["median_s"])
             series.busiest_cpu.append(max(r["cpu_s"] for r in records))
-            series.contended.append(max(r["runq_wait"] for r in records) > CONTENDED)
+            series.contended.append(max(max(r["runq_wait"] for r in records), stolen) > CONTENDED)
             cpu = "/".join(f"{r['cpu_s']:.2f}" for r in records)
             wait = "/".join(f"{100 * r['runq_wait']:.0f}%" for r in records)
             print(
                 f"repeat {repeat + 1}  {config.name:<16} {main['median_s']:.4f} s/step  (range"
-                f" {min(main['step_s']):.4f}-{max(main['step_s']):.4f} s; CPU s/step {cpu}; waited for a CPU {wait}"
-                f"{found}){'  [contended]' if series.contended[-1] else ''}",
+                f" {min(main['step_s']):.4f}-{max(main['step_s']):.4f} s; CPU s/step {cpu}; waited for a CPU {wait};"
+                f" stolen {100 * stolen:.0f}%{found}){'  [contended]' if series.contended[-1] else ''}",
                 flush=True,
             )
     return results
@@ -355,7 +372,10 @@ def print_table(results: dict[str, Series]) -> None:
         cells = "".join(f"  {v:7.4f}{'*' if c else ' '}" for v, c in zip(series.medians, series.contended))
         print(f"{name:<16}{cells}  {series.median():7.4f}")
     if any(any(s.contended) for s in results.values()):
-        print(f"* contended: a process of that run waited for a CPU more than {100 * CONTENDED:.0f}% of the time")
+        print(
+            f"* contended: a process of that run waited for a CPU, or the hypervisor stole the CPUs, more than"
+            f" {100 * CONTENDED:.0f}% of the time"
+        )
     print()
 
 

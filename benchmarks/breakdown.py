@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     def body() -> None:
         plain, one, parts = [], [], {}
         for repeat in range(args.repeats):
+            ticks = harness.cpu_ticks()
             for config in grid:
                 outcome = harness.run_or_exit(config)
                 if config.name in ("plain", "one"):
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
                         parts.setdefault((record["stage"], kind), []).append(ms)
                 print(
                     f"repeat {repeat + 1}: plain {plain[-1]:.1f}, one device {one[-1]:.1f} ms/step; gpipe periods "
-                    + ", ".join(f"stage {r['stage']} {r['breakdown']['period']:.1f} ms" for r in outcome.records),
+                    + ", ".join(f"stage {r['stage']} {r['breakdown']['period']:.1f} ms" for r in outcome.records)
+                    + f"; stolen {100 * harness.stolen_share(ticks, harness.cpu_ticks()):.0f}% of the CPU time",
                     flush=True,
                 )
         stages = sorted({stage for stage, _ in parts})

@@ -22,7 +22,9 @@ class GPipe:
     for its gradient, so the recompute overlaps the next stage's backward of the same micro-batch; the
     next gradient's receive is posted while the current micro-batch computes. With deferred weight
     gradients (zero-bubble's B/W split), a stage sends each input gradient before computing the weight
-    gradient, so the previous stage starts that micro-batch's backward one weight gradient earlier.
+    gradient, so the previous stage starts that micro-batch's backward one weight gradient earlier; the last
+    stage without re-materialization runs every weight gradient after its last input gradient
+    (:func:`weights_after_drain`).
 
     Args:
         stage: the stage to run.
@@ -63,13 +65,33 @@ class GPipe:
         count = stage.begin_backward()
         if count:
             stage.expect_grad(count - 1)
+        at_end = weights_after_drain(stage.is_last, stage.checkpoint)
         for i in reversed(range(count)):
             stage.recompute(i)  # before waiting for the gradient
             if i > 0:
                 stage.expect_grad(i - 1)  # one ahead, so it lands while this one computes
             stage.backward(i)  # sends the input gradient as soon as it is computed
-            stage.backward_weights()  # deferred weight gradient, if any: while the previous stage works
+            if not at_end:
+                stage.backward_weights()  # deferred weight gradient, if any: while the previous stage works
+        stage.backward_weights()
         stage.flush()
+
+
+def weights_after_drain(is_last: bool, checkpoint: str) -> bool:
+    """Whether fill-drain runs a stage's deferred weight gradients (W) after its whole drain, not after each B.
+
+    The last stage waits for no gradient, so every W it runs before its next B delays the previous stage by
+    that W. With ``checkpoint="never"`` it holds every micro-batch's graph at the end of the fill anyway, so
+    running all B first and all W after them (zero-bubble's placement of W where nothing waits for it, Qi et
+    al. 2023, section 3) raises no peak but that of the kept gradients at the layers (about one activation per
+    layer with parameters and micro-batch). With re-materialization the recomputed graphs would pile up
+    instead, so there, and on the other stages (which wait for gradients), W follows each B.
+
+    Args:
+        is_last: whether the stage is the pipeline's last.
+        checkpoint: the re-materialization mode (:data:`lightning_gpipe.rematerialization.CHECKPOINT_MODES`).
+    """
+    return is_last and checkpoint == "never"
 
 
 Head = Callable[[int, int, Value], None]

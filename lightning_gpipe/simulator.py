@@ -11,7 +11,8 @@ section 2.2 and Figure 2), as :class:`lightning_gpipe.schedule.GPipe` runs it:
   first, *before* the stage waits for its gradient; its backward starts once the gradient has arrived
   from stage k+1 (that stage's backward end plus the transfer time). With a deferred weight gradient
   (``StageCost.weight``, zero-bubble's W), the input gradient is sent after the backward's B part and the
-  W part follows.
+  W part follows, except on the last stage without re-materialization, which runs every W after its last B
+  (:func:`lightning_gpipe.schedule.weights_after_drain`).
 - Each stage ends with its optimizer step (``optimizer``).
 
 ``schedule="1f1b"`` is PipeDream-Flush (Narayanan et al. 2021), as
@@ -42,14 +43,15 @@ from typing import Optional
 from lightning_gpipe.balance.costs import LayerCost
 from lightning_gpipe.events import Span
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES, checkpointed
+from lightning_gpipe.schedule import weights_after_drain
 from lightning_gpipe.trace import StageTrace, StepTrace
 
 SCHEDULES = ("gpipe", "1f1b")
 """The values of ``simulate(schedule=...)``, as of ``GPipeStrategy(schedule=...)``."""
 
 Work = tuple[str, Optional[int]]
-"""One piece of a stage's work: its kind (``"forward"``, ``"loss"``, ``"recompute"``, ``"backward"``) and the
-micro-batch index (``None`` for fill-drain's one ``"loss"``)."""
+"""One piece of a stage's work: its kind (``"forward"``, ``"loss"``, ``"recompute"``, ``"backward"``, ``"weight"``)
+and the micro-batch index (``None`` for fill-drain's one ``"loss"``)."""
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,9 @@ def stage_costs(costs: Sequence[LayerCost], balance: Sequence[int], input_bytes:
 def work_order(schedule: str, stage: int, num_stages: int, chunks: int, checkpoint: str) -> list[Work]:
     """The order in which ``stage`` of ``num_stages`` runs its work in one step (without the optimizer step).
 
-    A checkpointed micro-batch's ``"recompute"`` comes right before its ``"backward"``.
+    A checkpointed micro-batch's ``"recompute"`` comes right before its ``"backward"``; its ``"weight"`` (the
+    deferred weight gradient, which takes no time unless ``StageCost.weight``) right after it, or after the
+    whole drain where :func:`~lightning_gpipe.schedule.weights_after_drain` says so.
 
     Args:
         schedule: ``"gpipe"`` or ``"1f1b"`` (see the module docstring).
@@ -158,15 +162,21 @@ def work_order(schedule: str, stage: int, num_stages: int, chunks: int, checkpoi
     """
     last = stage == num_stages - 1
 
+    at_end = schedule == "gpipe" and weights_after_drain(last, checkpoint)
+
     def backward(i: int) -> list[Work]:
-        return [("recompute", i)] * checkpointed(checkpoint, i, chunks) + [("backward", i)]
+        return (
+            [("recompute", i)] * checkpointed(checkpoint, i, chunks)
+            + [("backward", i)]
+            + [("weight", i)] * (not at_end)
+        )
 
     order: list[Work] = []
     if schedule == "gpipe":
         order += [("forward", i) for i in range(chunks)] + [("loss", None)] * last
         for i in reversed(range(chunks)):
             order += backward(i)
-        return order
+        return order + [("weight", i) for i in reversed(range(chunks))] * at_end
     warmup = num_stages - 1 - stage
     for i in range(chunks):
         order += [("forward", i)] + [("loss", i)] * last
@@ -238,11 +248,11 @@ def simulate(
                 elif kind == "recompute":
                     seconds = cost.forward if cost.recompute is None else cost.recompute
                     free[k] = _run(spans[k], free[k], at, seconds, kind, i, 0, cost.activation_bytes)
-                else:
+                elif kind == "backward":
                     free[k] = _run(spans[k], free[k], at, cost.backward - cost.weight, kind, i)
                     sent[(kind, k, i)] = free[k]  # the input gradient goes before a deferred weight gradient
-                    if cost.weight:
-                        free[k] = _run(spans[k], free[k], free[k], cost.weight, "weight", i)
+                elif cost.weight:
+                    free[k] = _run(spans[k], free[k], at, cost.weight, kind, i)
                 done[k] += 1
                 progressed = True
     assert done == [len(order) for order in orders], "a schedule whose stages wait for each other"

@@ -109,8 +109,10 @@ class GPipeStrategy(ParallelStrategy):
         defer_weight_grad: ``True`` splits each micro-batch's backward on the stages after the first into the
             input gradient, sent to the previous stage at once, and the weight gradient, computed after the send
             (zero-bubble pipeline parallelism's B/W split, Qi et al. 2023), so the previous stage starts each
-            backward one weight gradient earlier. Same gradients; holds one micro-batch's graph no longer than
-            without it. ``False`` (default) computes both in one backward.
+            backward one weight gradient earlier. Same gradients. Under fill-drain with ``checkpoint="never"``
+            the last stage runs every weight gradient after its last input gradient (its graphs are all held
+            at the fill's end anyway); elsewhere a micro-batch's graph is held no longer than without the
+            split (docs/how-it-works.md). ``False`` (default) computes both in one backward.
         pipeline_parallel_size: K, the stages of each pipeline. ``"auto"`` (default): the length of a list
             ``balance``, else ``devices * num_nodes / data_parallel_size`` if that is given, else ``devices`` (one
             pipeline per node).

@@ -20,7 +20,8 @@ the drain needs it. Sends are asynchronous and overlap compute. Works with any
 torch.distributed backend that has ``isend``/``irecv`` (gloo on CPU, NCCL on GPU);
 receives are posted in the order the matching sends are issued, as NCCL needs.
 Waits go through :func:`lightning_gpipe.waiting.wait`, so a stage waiting for a neighbour handles
-signals and names a failed or stalled neighbour.
+signals and names a failed or stalled neighbour; an activation's payload, which its sender sends in the
+same call as the header already received, is waited for with :func:`lightning_gpipe.waiting.wait_in_flight`.
 
 Every send and every wait is recorded as a ``send`` or ``recv`` span of the link's
 :class:`~lightning_gpipe.events.Recorder` (shared with its stage), for the pipeline callbacks.
@@ -102,9 +103,10 @@ class Link:
                 " pass fewer tensors between layers (e.g. stack them)."
             )
         header += [0] * (HEADER_SLOTS - len(header))
+        wires = [_wire(tensor.detach()) for tensor in tensors]  # before the header: nothing can fail between
         self._isend(torch.tensor(header, dtype=torch.int64, device=self.device), self.next_rank, index)
-        for tensor in tensors:
-            self._isend(_wire(tensor.detach()), self.next_rank, index)
+        for wire in wires:
+            self._isend(wire, self.next_rank, index)
 
     def recv_activation(self) -> tuple[Value, int]:
         """Receive the next micro-batch's input from the previous stage.
@@ -132,7 +134,7 @@ class Link:
         works = [dist.irecv(buffer, self.prev_rank, tag=self.tag) for buffer, _ in buffers]
         # posted after this micro-batch's payload, so it matches the next header on any backend
         self._next_header = self._post_header() if index + 1 < count else None
-        _wait(works, self.prev_rank)
+        waiting.wait_in_flight(works)  # sent with the header, so only the bytes are still on their way
         self.events.add("recv", index, start, time.perf_counter())
         tensors = [buffer.view(dtype) for buffer, dtype in buffers]
         return (tuple(tensors) if is_tuple else tensors[0]), count

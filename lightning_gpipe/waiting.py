@@ -10,7 +10,9 @@ board (a stage that failed stops the others even when it cannot exit) and asks t
 (:mod:`lightning_gpipe.watchdog`) whether the wait has lasted too long.
 
 The cost is one thread hand-off per wait (tens of microseconds); ``benchmarks/waits.py`` measures it
-against plain blocking waits.
+against plain blocking waits. A receive whose sender has already issued the matching send in the same call as
+a message already received (an activation's payload after its header) ends with the transport alone, so
+:func:`wait_in_flight` waits for it on the calling thread, without the hand-off.
 """
 
 import queue
@@ -92,6 +94,25 @@ def wait(works: list[dist.Work], peer: str) -> None:
             _check(peer, time.monotonic() - started)
         if job.error is not None:
             raise job.error
+
+
+def wait_in_flight(works: list[dist.Work]) -> None:
+    """Wait for ``works`` on this thread, without :func:`wait`'s hand-off to the helper thread.
+
+    Only for receives whose sender has already issued the matching sends, in the same call as a message this
+    stage has received (an activation's payload, sent right after its header): their end depends on the
+    transport alone, not on the peer's progress, and a peer that dies closes the connection, which ends the
+    wait. Signals are handled once the bytes have arrived.
+
+    Args:
+        works: works of point-to-point receives.
+
+    Raises:
+        PipelineFailure: if a transfer failed (naming the published cause).
+    """
+    with failure.as_pipeline_failure(detail=watchdog.last_positions):
+        for work in works:
+            work.wait()
 
 
 def _check(peer: str, waited: float) -> None:

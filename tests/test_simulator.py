@@ -121,7 +121,19 @@ def test_a_deferred_weight_gradient_shortens_the_step_by_one_weight_gradient():
     plain = [StageCost(1.0, 3.0), StageCost(1.0, 3.0)]
     deferred = [StageCost(1.0, 3.0), StageCost(1.0, 3.0, weight=1.0)]  # the first stage sends nothing back
     assert simulate(plain, 4, "never").step_time == pytest.approx(20.0)  # (M + K - 1) (F + B + W)
-    prediction = simulate(deferred, 4, "never")
-    assert prediction.step_time == pytest.approx(19.0)
+    prediction = simulate(deferred, 4, "except_last")
+    assert prediction.step_time == pytest.approx(19.0 + 3.0)  # and the 3 recomputes of stage 0
     kinds = [(s.kind, s.micro_batch) for s in prediction.trace.stages[1].spans if s.kind in ("backward", "weight")]
-    assert kinds[:3] == [("backward", 3), ("weight", 3), ("backward", 2)]
+    assert kinds[:3] == [("backward", 3), ("weight", 3), ("backward", 2)]  # re-materialized: W follows its B
+
+
+def test_the_last_stage_without_rematerialization_runs_every_weight_gradient_after_its_last_input_gradient():
+    """A last stage of B=2, W=2 sends a gradient every 2 (not 4): stage 0 (B+W=3) never waits in its drain."""
+    stages = [StageCost(1.0, 3.0), StageCost(1.0, 4.0, weight=2.0)]
+    prediction = simulate(stages, 4, "never")
+    kinds = [(s.kind, s.micro_batch) for s in prediction.trace.stages[1].spans if s.kind in ("backward", "weight")]
+    assert kinds == [("backward", i) for i in (3, 2, 1, 0)] + [("weight", i) for i in (3, 2, 1, 0)]
+    # stage 0: fill 4, first gradient at 7 (stage 1's F3 ends at 5, then B3), 4 backwards of 3: ends at 19;
+    # stage 1: its 4 Ws run from 13 to 21. Each W after its B would end stage 0 at 22.
+    ends = [max(s.end for s in trace.spans if s.kind != "optimizer") for trace in prediction.trace.stages]
+    assert ends == [19.0, 21.0]

@@ -221,6 +221,19 @@ def test_layers_carry_tuples_and_masks() -> None:
         torch.testing.assert_close(model((padded, tgt)), logits, atol=1e-5, rtol=1e-5)
 
 
+def test_the_cooldown_falls_linearly_to_zero_at_max_steps() -> None:
+    """Warmup, inverse square root, then over the last ``cooldown_steps`` of ``max_steps`` a linear fall to 0."""
+    module = TranslationModule(**{**TINY, "warmup_steps": 4, "cooldown_steps": 10})
+    module.trainer = tiny_trainer(max_steps=30)  # as fit sets it
+    scheduler = module.configure_optimizers()["lr_scheduler"]["scheduler"]
+    factors = [scheduler.lr_lambdas[0](step) for step in range(31)]
+    assert factors[3] == 1.0 and factors[15] == pytest.approx((4 / 16) ** 0.5)  # warmup, then 1/sqrt
+    assert factors[25] == pytest.approx((4 / 26) ** 0.5 * 0.5) and factors[30] == 0.0  # halfway down, then 0
+    with pytest.raises(ValueError, match="needs Trainer\\(max_steps\\)"):
+        module.trainer = tiny_trainer(max_steps=-1)
+        module.configure_optimizers()
+
+
 def test_tokenizer_round_trip_and_special_tokens() -> None:
     """The shipped vocabulary decodes what it encodes, in all four languages, with its special tokens in place."""
     tokenizer = load_tokenizer()

@@ -40,6 +40,25 @@ def inverse_sqrt(warmup_steps: int):
     return factor
 
 
+def cooldown(factor, cooldown_steps: int, last_step: int):
+    """``factor`` of step s times a linear decay to 0 over the ``cooldown_steps`` steps that end at ``last_step``.
+
+    The cool-down of a warmup-stable-decay schedule (Hägele et al. 2024, "Scaling Laws and Compute-Optimal
+    Training Beyond Fixed Training Durations", section 3): the learning rate follows ``factor`` until
+    ``last_step - cooldown_steps``, then falls linearly to 0 at ``last_step``.
+
+    Args:
+        factor: the schedule before the cool-down, a function of the step (from 0).
+        cooldown_steps: steps of the decay (at least 1).
+        last_step: the step count at which the learning rate reaches 0 (``Trainer(max_steps)``).
+    """
+
+    def cooled(step: int) -> float:
+        return factor(step) * min(1.0, max(last_step - step, 0) / cooldown_steps)
+
+    return cooled
+
+
 DECODING = ("decode", "max_new_tokens", "beam_size", "length_penalty", "kv_cache")
 """The arguments of :class:`TranslationModule` that choose how it decodes: attributes of the module of the same
 names, left out of its saved hyperparameters (a checkpoint does not fix them)."""
@@ -59,6 +78,8 @@ class TranslationModule(LightningModule):
         label_smoothing: label smoothing of the training loss (Szegedy et al. 2016). Default 0.1.
         lr: peak learning rate of AdamW. Default 1e-3.
         warmup_steps: linear warmup steps, then inverse square root decay. Default 500.
+        cooldown_steps: the last steps before ``Trainer(max_steps)``, over which the learning rate also falls
+            linearly to 0 (see :func:`cooldown`); 0 (default) keeps the inverse square root decay to the end.
         betas: AdamW betas. Default (0.9, 0.98).
         weight_decay: AdamW (decoupled) weight decay. Default 0.
         decode: translate the validation batches and log SacreBLEU per direction. Default True.
@@ -75,7 +96,8 @@ class TranslationModule(LightningModule):
 
     Raises:
         ValueError: when ``d_model`` is odd or not divisible by ``nhead`` (see ``model.transformer``), or
-            ``beam_size < 1``.
+            ``beam_size < 1`` or ``cooldown_steps < 0``; from ``configure_optimizers``, when ``cooldown_steps`` is
+            set without ``Trainer(max_steps)`` or exceeds it.
 
     The decoding arguments (:data:`DECODING`) are attributes of the same names, not saved hyperparameters.
     Training batches are those of ``TranslationDataModule``; ``predict`` batches need only ``src``.
@@ -95,6 +117,7 @@ class TranslationModule(LightningModule):
         label_smoothing: float = 0.1,
         lr: float = 1e-3,
         warmup_steps: int = 500,
+        cooldown_steps: int = 0,
         betas: tuple[float, float] = (0.9, 0.98),
         weight_decay: float = 0.0,
         decode: bool = True,
@@ -107,6 +130,8 @@ class TranslationModule(LightningModule):
         super().__init__()
         if beam_size < 1:
             raise ValueError(f"beam_size={beam_size} must be at least 1 (1 decodes greedily)")
+        if cooldown_steps < 0:
+            raise ValueError(f"cooldown_steps={cooldown_steps} must be 0 (no cool-down) or positive")
         # Decoding settings are chosen when evaluating, so they are attributes, not saved hyperparameters: with
         # `train.py validate/predict --ckpt_path`, LightningCLI (2.6) would apply a checkpoint's hyperparameters
         # over the command line's (Lightning-AI/pytorch-lightning#21455).
@@ -185,12 +210,22 @@ class TranslationModule(LightningModule):
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
     def configure_optimizers(self) -> dict:
-        """AdamW over this stage's parameters with warmup then inverse-square-root decay, stepped every step."""
+        """AdamW over this stage's parameters with warmup then inverse-square-root decay (and the cool-down, if
+        ``cooldown_steps``), stepped every step."""
         hp = self.hparams
         optimizer = torch.optim.AdamW(
             self.parameters(), lr=hp.lr, betas=tuple(hp.betas), eps=1e-9, weight_decay=hp.weight_decay
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt(hp.warmup_steps))
+        factor = inverse_sqrt(hp.warmup_steps)
+        if hp.cooldown_steps:
+            max_steps = self.trainer.max_steps
+            if not 0 < hp.cooldown_steps <= max_steps:
+                raise ValueError(
+                    f"cooldown_steps={hp.cooldown_steps} needs Trainer(max_steps) of at least as many steps (it is"
+                    f" {max_steps}): the learning rate reaches 0 at max_steps; set --trainer.max_steps"
+                )
+            factor = cooldown(factor, hp.cooldown_steps, max_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def _cross_entropy(self, logits: Tensor, targets: Tensor, label_smoothing: float) -> Tensor:
