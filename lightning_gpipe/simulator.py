@@ -161,7 +161,6 @@ def work_order(schedule: str, stage: int, num_stages: int, chunks: int, checkpoi
         checkpoint: the re-materialization mode (:data:`lightning_gpipe.rematerialization.CHECKPOINT_MODES`).
     """
     last = stage == num_stages - 1
-
     at_end = schedule == "gpipe" and weights_after_drain(last, checkpoint)
 
     def backward(i: int) -> list[Work]:
