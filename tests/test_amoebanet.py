@@ -169,6 +169,8 @@ def test_recipe_options_one_cycle_label_smoothing_channels_last() -> None:
         rates.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
-    assert rates[0] == pytest.approx(module.hparams.lr / 25) and max(rates) == pytest.approx(module.hparams.lr)
+    # the peak falls between two steps unless warmup_fraction * max_steps is a whole number
+    assert rates[0] == pytest.approx(module.hparams.lr / 25)
+    assert max(rates) == pytest.approx(module.hparams.lr, rel=1e-4)
     assert rates[-1] < rates[0] / 100
     assert rates.index(max(rates)) == pytest.approx(module.hparams.warmup_fraction * trainer.max_steps, abs=2)
