@@ -9,8 +9,7 @@ Contention: each process reports the share of its measured time its main thread 
 waiting for a CPU (from ``/proc/self/task/*/schedstat``). A run where some process waited more than
 :data:`CONTENDED` of the time, or whose machine lost that share of its CPU time to other virtual machines (the
 hypervisor's "steal" in /proc/stat, which run-queue waits do not show), is flagged: a pipeline needs one free CPU
-per stage at once, so other work
-on the machine slows it more than a one-process baseline.
+per stage at once, so other work on the machine slows it more than a one-process baseline.
 """
 
 import json
@@ -244,25 +243,29 @@ def cpu_ticks() -> Optional[list[int]]:
         return None
 
 
+def _shares(before: Optional[list[int]], after: Optional[list[int]]) -> Optional[list[float]]:
+    """Each :func:`cpu_ticks` field's share of the machine's CPU time between two samples; ``None`` without both."""
+    if before is None or after is None:
+        return None
+    delta = [a - b for a, b in zip(after, before)]
+    return [d / max(sum(delta), 1) for d in delta]
+
+
 def _busy_cpus(interval: float = 1.0) -> Optional[float]:
     """CPUs kept busy by the whole machine over ``interval`` seconds (the driver itself sleeps), from /proc/stat."""
     before = cpu_ticks()
     time.sleep(interval)
-    after = cpu_ticks()
-    if before is None or after is None:
+    shares = _shares(before, cpu_ticks())
+    if shares is None:
         return None
-    delta = [a - b for a, b in zip(after, before)]
-    idle = delta[3] + delta[4]  # idle + iowait
-    return (os.cpu_count() or 1) * (sum(delta) - idle) / max(sum(delta), 1)
+    return (os.cpu_count() or 1) * (1 - shares[3] - shares[4])  # all but idle and iowait
 
 
 def stolen_share(before: Optional[list[int]], after: Optional[list[int]]) -> float:
     """Share of the machine's CPU time between two :func:`cpu_ticks` samples that the hypervisor gave to other
     virtual machines ("steal"): time none of our processes could run, which their run-queue waits do not show."""
-    if before is None or after is None:
-        return 0.0
-    delta = [a - b for a, b in zip(after, before)]
-    return delta[7] / max(sum(delta), 1)
+    shares = _shares(before, after)
+    return 0.0 if shares is None else shares[7]
 
 
 def settle(limit: float) -> str:
