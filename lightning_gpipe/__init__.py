@@ -9,6 +9,7 @@ Importing this package registers the strategy names ``"gpipe"`` and ``"gpipe_spa
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_gpipe.agreement import BatchMismatchError
 from lightning_gpipe.balance import LayerCost, balance_by, profile_layers, solve
 from lightning_gpipe.callbacks import PipelineBalance, PipelineModelSummary, PipelineThroughput, PipelineTimeline
 from lightning_gpipe.failure import PipelineFailure
@@ -16,6 +17,7 @@ from lightning_gpipe.contract import forward_and_share
 from lightning_gpipe.strategy import GPipeStrategy
 
 __all__ = [
+    "BatchMismatchError",
     "GPipeStrategy",
     "LayerCost",
     "PipelineBalance",

@@ -11,10 +11,14 @@ Under 1F1B (:meth:`BackboneCall.micro_batch_steps`) the step on the whole batch 
 call on every stage, giving the backbone input; the schedule then runs the whole step, and the last
 stage runs the user's step once more per micro-batch, on its rows of the batch, the backbone call
 answering with that micro-batch's output (:mod:`lightning_gpipe.per_micro_batch`).
+
+The part of a step before the backbone call runs alike on every stage and draws random numbers from the
+stream the stages share; from the backbone call on, a stage draws from its own
+(:class:`~lightning_gpipe.randomness.StageRandomness`).
 """
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Optional, Protocol
 
 import torch
@@ -23,6 +27,7 @@ from torch import Tensor, nn
 from lightning_gpipe import per_micro_batch, watchdog
 from lightning_gpipe.microbatch import Value
 from lightning_gpipe.partition import Partition
+from lightning_gpipe.randomness import StageRandomness
 
 
 class BackboneReached(BaseException):
@@ -58,12 +63,22 @@ class BackboneCall:
         is_last: whether this is the last stage, where the user's step goes on after the backbone call.
         share: sends a picklable object from the last stage to every stage of the pipeline and returns it
             (a collective call); the identity by default, for a single process.
+        randomness: the stage's random streams; the backbone call and the rest of the step draw from the stage's
+            own. One stream by default.
     """
 
-    def __init__(self, schedule: Schedule, is_last: bool, share: Callable[[Any], Any] = lambda obj: obj) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        is_last: bool,
+        share: Callable[[Any], Any] = lambda obj: obj,
+        randomness: Optional[StageRandomness] = None,
+    ) -> None:
         self.schedule, self.is_last, self.share = schedule, is_last, share
+        self.randomness = randomness if randomness is not None else StageRandomness()
         self._plain = self._shared = 0
         self._hook = "training_step"
+        self._rest_of_step: Optional[ExitStack] = None  # what ends with the user's step (see `user_step`)
 
     def __call__(self, value: Value) -> Value:
         """The pipelined forward of the backbone input ``value`` (ignored on stages after the first).
@@ -84,6 +99,8 @@ class BackboneCall:
                 " `lightning_gpipe.forward_and_share` for each call."
             )
         self._plain += 1
+        if self._rest_of_step is not None:
+            self._rest_of_step.enter_context(self.randomness.stage())  # until the user's step ends
         output = self.schedule.forward(value)
         if not self.is_last:
             raise BackboneReached
@@ -109,8 +126,10 @@ class BackboneCall:
                 " every stage but the last; call the backbone plainly last, or only through `forward_and_share`."
             )
         self._shared += 1
-        output = self.schedule.forward(value)
-        return self.share(fn(output) if self.is_last else None)
+        with self.randomness.stage():
+            output = self.schedule.forward(value)
+            result = fn(output) if self.is_last else None
+        return self.share(result)
 
     def micro_batch_steps(
         self,
@@ -166,7 +185,8 @@ class BackboneCall:
                 returned = results.run(part_rows, lambda: self.user_step(hook, lambda: step(part, *rest, **kwargs)))
             backward(per_micro_batch.loss_of(returned, hook, index) * (part_rows / rows), index == count - 1)
 
-        schedule.step(capture.value, head)
+        with self.randomness.stage():
+            schedule.step(capture.value, head)
         return results.finish() if self.is_last else None
 
     @contextmanager
@@ -192,10 +212,14 @@ class BackboneCall:
         self._plain = self._shared = 0
         self._hook = hook
         watchdog.at(f"`{hook}` before the backbone call")
-        try:
-            output = step()
-        except BackboneReached:
-            output = None
+        outer = self._rest_of_step
+        with ExitStack() as self._rest_of_step:
+            try:
+                output = step()
+            except BackboneReached:
+                output = None
+            finally:
+                self._rest_of_step = outer
         if self._plain == 0 and self._shared == 0:
             raise RuntimeError(
                 f"`{hook}` did not call the pipelined backbone; it must call it exactly once per step, on every stage"

@@ -7,6 +7,9 @@ and ``EarlyStopping`` read ``trainer.callback_metrics`` on every rank and must
 decide alike. So after every step, and after the user's epoch-end hooks, the last
 stage broadcasts its logged results to the other stages of its pipeline (Lightning's ``_ResultCollection`` entries,
 with their accumulated epoch state) and every other stage takes them as its own.
+
+What ``training_step`` returns reaches the other stages too (:func:`share_step_output`), so that a callback's
+``on_train_batch_end(outputs=...)`` sees the step's real loss on every rank.
 """
 
 import io
@@ -14,7 +17,10 @@ import pickle
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from torch import Tensor
 
 from lightning_gpipe import collectives
 
@@ -76,6 +82,27 @@ class LogRelay:
         unpickler = pickle.Unpickler(io.BytesIO(data))
         unpickler.persistent_load = lambda pid: self.strategy
         return unpickler.load()
+
+
+def share_step_output(output: Any, is_last: bool, share: Callable[[Any], Any], device: torch.device) -> Any:
+    """The last stage's ``training_step`` output on every stage of the pipeline (a collective call).
+
+    The last stage sends a detached CPU copy of its output (the loss, or the dict with its ``"loss"`` and any other
+    entries) and returns its own; the other stages return the copy, its tensors on ``device``. Whatever the user's
+    step returns travels once per step, so keep it small (the loss and a few scalars).
+
+    Args:
+        output: the user's output on the last stage (ignored on the others).
+        is_last: whether this is the last stage.
+        share: sends a picklable object from the last stage to every stage of the pipeline and returns it.
+        device: where the other stages put the received tensors.
+
+    Raises:
+        PipelineFailure: if another stage failed while this one waited for it.
+    """
+    sent = apply_to_collection(output, Tensor, lambda tensor: tensor.detach().cpu()) if is_last else None
+    received = share(sent)
+    return output if is_last else apply_to_collection(received, Tensor, lambda tensor: tensor.to(device))
 
 
 def _hook_then_relay(hook: Callable[[], None], relay: Callable[[], None]) -> Callable[[], None]:

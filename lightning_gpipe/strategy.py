@@ -9,8 +9,6 @@ work is done by :mod:`lightning_gpipe.partition`, :mod:`lightning_gpipe.contract
 and :mod:`lightning_gpipe.relay`.
 """
 
-import signal
-import threading
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -20,7 +18,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -29,24 +26,28 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_gpipe import collectives, failure, state_dict, watchdog
+from lightning_gpipe.agreement import StepAgreement
 from lightning_gpipe.balance import MODES, LayerCost, resolve_balance
 from lightning_gpipe.balance.backbone import profile_backbone
 from lightning_gpipe.batchnorm import convert_deferred_batch_norm, revert_deferred_batch_norm
 from lightning_gpipe.contract import BackboneCall
+from lightning_gpipe.data import same_batches
 from lightning_gpipe.data_parallel import GradientSync
 from lightning_gpipe.gradients import StepGradients
 from lightning_gpipe.optimization import SharedGradScaler, clip_grad_norm_
 from lightning_gpipe.partition import Split, find_backbone, materialize
+from lightning_gpipe.randomness import StageRandomness
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES
-from lightning_gpipe.relay import LogRelay
+from lightning_gpipe.relay import LogRelay, share_step_output
 from lightning_gpipe.schedule import GPipe, OneForwardOneBackward
+from lightning_gpipe.signals import StopSignals
 from lightning_gpipe.skip import SkipLayout
 from lightning_gpipe.skip.links import SkipLinks
 from lightning_gpipe.stage import Stage
@@ -213,8 +214,9 @@ class GPipeStrategy(ParallelStrategy):
         self._data_parallel_group: Optional[dist.ProcessGroup] = None  # the replicas of this process's stage
         self._gradient_sync: Optional[GradientSync] = None
         self._ties: Optional[TiedParameters] = None
-        self._requeue_signal: Optional[signal.Signals] = None  # set when SLURM's requeue is handled at a batch start
-        self._requeue_requested = False
+        self._randomness = StageRandomness()  # one stream until setup_environment seeds the stage's own
+        self._agreement: Optional[StepAgreement] = None
+        self._signals: Optional[StopSignals] = None
 
     @property
     @override
@@ -276,7 +278,7 @@ class GPipeStrategy(ParallelStrategy):
     def is_distributed(self) -> bool:
         """Whether there are several pipeline replicas: then Lightning gives each data loader a
         ``DistributedSampler`` over them (see :attr:`distributed_sampler_kwargs`). One pipeline reads the data as one
-        device does."""
+        device does, a shuffled loader drawing its order from the seed and the epoch (see :meth:`process_dataloader`)."""
         return self.topology.data_parallel_size > 1
 
     @property
@@ -284,6 +286,14 @@ class GPipeStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         """All stages of one pipeline read the same batches: the sampler sees the data-parallel world only."""
         return {"num_replicas": self.topology.data_parallel_size, "rank": self.topology.replica_of(self.global_rank)}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Make every stage of a pipeline read the same batches: a shuffled loader of one pipeline orders its rows
+        from the seed and the epoch, and worker processes are seeded by data-parallel rank (see
+        :func:`~lightning_gpipe.data.same_batches`)."""
+        resample = self.lightning_module.trainer._accelerator_connector.use_distributed_sampler
+        return same_batches(dataloader, self.replica_index, self.topology.data_parallel_size, resample)
 
     @override
     def _configure_launcher(self) -> None:
@@ -313,6 +323,8 @@ class GPipeStrategy(ParallelStrategy):
         limits = [0.9 * self._timeout.total_seconds()] if self._timeout is not None else []
         limits += [self.stall_timeout.total_seconds()] if self.stall_timeout is not None else []
         watchdog.start(store, self.global_rank, names, min(limits, default=float("inf")))
+        self._randomness = StageRandomness.synchronized(self.stage_index, topology.num_stages, self.broadcast)
+        self._agreement = StepAgreement(self.replica_index, topology.data_parallel_size, self.root_device, names)
 
     @contextmanager
     @override
@@ -365,7 +377,8 @@ class GPipeStrategy(ParallelStrategy):
         whole = not any(t.is_meta for t in [*module.parameters(), *module.buffers()])
         self._whole_before_split = self.broadcast(whole, src=0)  # rank 0's module, the user's, decides for all
         self._split_module(module)
-        materialize(module, self.root_device)
+        with self._randomness.stage():  # each stage initialises its own layers
+            materialize(module, self.root_device)
         self._relay.relay_after_epoch_end_hooks(module)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -475,7 +488,9 @@ class GPipeStrategy(ParallelStrategy):
         )
         self._schedule = GPipe(self._stage)
         self._one_f_one_b = OneForwardOneBackward(self._stage, num_stages) if self.schedule == "1f1b" else None
-        self._backbone_call = BackboneCall(self._schedule, self._stage.is_last, share=self._share_from_last_stage)
+        self._backbone_call = BackboneCall(
+            self._schedule, self._stage.is_last, share=self._share_from_last_stage, randomness=self._randomness
+        )
         self._split.partition.pipeline = self._backbone_call
         self._relay = LogRelay(self, src=self._last_stage_rank, group=self._pipeline_group)
 
@@ -495,100 +510,51 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
-        """Check that every stage has as many training batches per epoch (see :meth:`_agree_on_batches`), and let
-        SIGTERM stop the stages at a step boundary (see :meth:`_stop_at_a_step_boundary_on_sigterm`) and SLURM's
-        requeue signal save a checkpoint there (see :meth:`_requeue_at_a_step_boundary_on_slurm_signal`)."""
-        self._agree_on_batches("training", [self.lightning_module.trainer.num_training_batches])
-        self._stop_at_a_step_boundary_on_sigterm()
-        self._requeue_at_a_step_boundary_on_slurm_signal()
-
-    def _stop_at_a_step_boundary_on_sigterm(self) -> None:
-        """Replace Lightning's SIGTERM handler by one without its broadcast (only in the main thread).
-
-        Lightning's handler forwards the signal to the launched processes, broadcasts from rank 0 inside the
-        handler, and marks the trainer; its training loop then broadcasts rank 0's mark at the start of every
-        batch and all ranks stop there together. Stages run different collectives at a given moment, so the
-        broadcast inside the handler can pair with another collective of another stage. This handler keeps
-        the rest: forwarding, the mark (which the loop's broadcast shares), and a handler installed before fit.
-        """
-        if threading.current_thread() is not threading.main_thread():
-            return
-        connector = self.lightning_module.trainer._signal_connector
-        previous = connector._original_handlers.get(signal.SIGTERM)
-
-        def on_sigterm(signum: int, frame: Any) -> None:
-            if not connector.received_sigterm and self.launcher is not None:
-                self.launcher.kill(signum)
-            connector.received_sigterm = True
-            if callable(previous):
-                previous(signum, frame)
-
-        signal.signal(signal.SIGTERM, on_sigterm)
-
-    def _requeue_at_a_step_boundary_on_slurm_signal(self) -> None:
-        """Under ``SLURMEnvironment(auto_requeue=True)``, replace Lightning's requeue handler by one that only
-        marks the request (only in the main thread, and only where Lightning installed its own).
-
-        Lightning's handler saves the checkpoint inside the signal handler, wherever the process is. Each
-        stage gets the signal at a different point of its step (one in its fill, another in a transfer or an
-        optimizer step), so the saves would pair collectives of different steps, or hang. The mark is acted on
-        by every stage together at the start of the next batch (:meth:`on_train_batch_start`).
-        """
-        environment = self.cluster_environment
-        if not (isinstance(environment, SLURMEnvironment) and environment.auto_requeue):
-            return
-        requeue_signal = environment.requeue_signal
-        connector = self.lightning_module.trainer._signal_connector
-        if threading.current_thread() is not threading.main_thread():
-            return
-        if connector._original_handlers.get(requeue_signal) not in (None, signal.SIG_DFL):
-            return  # Lightning leaves a handler of the user's in place, and so do we
-
-        def on_requeue_signal(signum: int, frame: Any) -> None:
-            self._requeue_requested = True
-
-        self._requeue_signal = requeue_signal
-        signal.signal(requeue_signal, on_requeue_signal)
+        """Check that every stage has as many training batches per epoch (see :meth:`_agree_on_batches`) and take
+        SIGTERM, SLURM's requeue signal and SIGINT at step boundaries (see :mod:`lightning_gpipe.signals`)."""
+        self._start_loop("training", [self.lightning_module.trainer.num_training_batches])
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Under SLURM's auto-requeue, agree whether any stage got the requeue signal (one all-reduce of a flag);
-        if one did, every stage saves Lightning's HPC checkpoint and global rank 0 requeues the job with
-        ``scontrol requeue`` (Lightning's own handler, run by all stages here, at the same step), then every stage
-        ends with Lightning's ``SIGTERMException``, as SLURM's SIGTERM after the requeue would end it.
-
-        The checkpoint holds the state after the previous optimizer step on every stage; the requeued job
-        resumes from it (Lightning loads the newest ``hpc_ckpt_*.ckpt`` of ``default_root_dir`` on SLURM).
+        """Agree with every process before the step (one all-reduce, see :mod:`lightning_gpipe.agreement`): the stages
+        of each pipeline must have read the same batch, and a SIGTERM or requeue signal that reached any process
+        takes effect on all of them at this step (see :meth:`~lightning_gpipe.signals.StopSignals.act`).
 
         Raises:
-            SIGTERMException: after the checkpoint and the requeue.
+            BatchMismatchError: on every process, if the stages of a pipeline read different batches.
+            SIGTERMException: after a SLURM requeue's checkpoint.
             PipelineFailure: if another stage failed while this one waited for it.
         """
-        if self._requeue_signal is None:
-            return
-        requested = torch.tensor([int(self._requeue_requested)], device=self.root_device)
-        collectives.all_reduce(requested, dist.ReduceOp.MAX)
-        if not requested.item():
-            return
-        # every stage names the file before any writes it (the save starts with collectives): the same path
-        self.lightning_module.trainer._signal_connector._slurm_sigusr_handler_fn(self._requeue_signal, None)
-        rank_zero_info("Saved the checkpoint and requeued the job; ending every stage.")
-        raise SIGTERMException
+        self._agree(batch, f"training batch {batch_idx}", training=True)
+
+    def _agree(self, batch: Any, which: str, training: bool = False) -> None:
+        """The agreement before one step of a loop (see :meth:`on_train_batch_start`); ``which`` names the batch."""
+        epoch = self.lightning_module.trainer.current_epoch
+        agreed = self._agreement.agree(batch, self._signals.requests(), lambda: f"epoch {epoch}, {which}")
+        self._signals.act(agreed, training)
 
     @override
     def on_validation_start(self) -> None:
         """Check that every stage has as many validation batches (see :meth:`_agree_on_batches`)."""
-        self._agree_on_batches("validation", self.lightning_module.trainer._evaluation_loop.max_batches)
+        self._start_loop("validation", self.lightning_module.trainer._evaluation_loop.max_batches)
 
     @override
     def on_test_start(self) -> None:
         """Check that every stage has as many test batches (see :meth:`_agree_on_batches`)."""
-        self._agree_on_batches("test", self.lightning_module.trainer._evaluation_loop.max_batches)
+        self._start_loop("test", self.lightning_module.trainer._evaluation_loop.max_batches)
 
     @override
     def on_predict_start(self) -> None:
         """Check that every stage has as many prediction batches (see :meth:`_agree_on_batches`)."""
-        self._agree_on_batches("prediction", self.lightning_module.trainer.predict_loop.max_batches)
+        self._start_loop("prediction", self.lightning_module.trainer.predict_loop.max_batches)
+
+    def _start_loop(self, loop: str, counts: list) -> None:
+        """Agree on the loop's batch counts; take the stop signals at step boundaries from now on (once per run)."""
+        self._agree_on_batches(loop, counts)
+        if self._signals is None:
+            trainer = self.lightning_module.trainer
+            self._signals = StopSignals(trainer, self.launcher, self.cluster_environment)
+        self._signals.install()
 
     def _agree_on_batches(self, loop: str, counts: list) -> None:
         """Raise on every stage alike when the stages' data loaders have different numbers of batches: a stage
@@ -616,8 +582,10 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        """The fill; under ``schedule="1f1b"`` the whole step. The last stage returns the user's loss (under 1F1B,
-        the row-weighted combination of the micro-batches' outputs); the others a stand-in for it.
+        """The fill; under ``schedule="1f1b"`` the whole step. Every stage returns the last stage's output: the
+        user's loss, or the dict holding it (under 1F1B, the row-weighted combination of the micro-batches'
+        outputs), so that callbacks see the step's loss on every rank; the other stages receive a detached copy
+        (see :func:`~lightning_gpipe.relay.share_step_output`).
 
         Raises:
             TypeError, ValueError: under 1F1B, for a batch or backbone input that cannot be split by rows (see
@@ -630,15 +598,13 @@ class GPipeStrategy(ParallelStrategy):
             output = self._one_f_one_b_step(args, kwargs)
         else:
             output = self._user_step("training_step", self.precision_plugin.train_step_context, args, kwargs)
-        if not self._stage.is_last:
-            # Lightning runs `backward` (the drain) only for a step that returned a loss
-            return torch.zeros((), device=self.root_device, requires_grad=True)
-        if output is None:
+        if self._stage.is_last and output is None:
             raise RuntimeError(
                 "`training_step` returned None on the last stage; under GPipeStrategy every step must return its"
                 " loss, since all stages take part in the drain."
             )
-        return output
+        # every stage returns the loss, so that Lightning runs `backward` (the drain) on every stage
+        return share_step_output(output, self._stage.is_last, self._share_from_last_stage, self.root_device)
 
     def _one_f_one_b_step(self, args: tuple, kwargs: dict) -> Any:
         """The whole 1F1B step; its gradients are kept apart until :meth:`backward` (Lightning zeroes the
@@ -684,9 +650,10 @@ class GPipeStrategy(ParallelStrategy):
         else:
             if self._stage.is_last:
                 self._announce_loss_backward(closure_loss)
-                self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-            with self.precision_plugin.train_step_context(), failure.reporting():  # recompute as the fill did
-                self._schedule.backward()
+                with self._randomness.stage():
+                    self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+            with self.precision_plugin.train_step_context(), failure.reporting(), self._randomness.stage():
+                self._schedule.backward()  # recomputes as the fill did, with the stage's random stream
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         with self._stage.events.span("relay"):
@@ -721,6 +688,7 @@ class GPipeStrategy(ParallelStrategy):
                 :func:`~lightning_gpipe.forward_and_share`).
             PipelineFailure: if another stage failed while this one waited for it.
         """
+        self._agree(args[0], f"validation batch {args[1]}")
         output = self._user_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
         self._relay(self.lightning_module.trainer)
         return output
@@ -734,6 +702,7 @@ class GPipeStrategy(ParallelStrategy):
                 :func:`~lightning_gpipe.forward_and_share`).
             PipelineFailure: if another stage failed while this one waited for it.
         """
+        self._agree(args[0], f"test batch {args[1]}")
         output = self._user_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
         self._relay(self.lightning_module.trainer)
         return output
@@ -747,6 +716,7 @@ class GPipeStrategy(ParallelStrategy):
                 :func:`~lightning_gpipe.forward_and_share`).
             PipelineFailure: if another stage failed while this one waited for it.
         """
+        self._agree(args[0], f"prediction batch {args[1]}")
         output = self._user_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
         return self._share_from_last_stage(output)
 
@@ -898,11 +868,14 @@ class GPipeStrategy(ParallelStrategy):
 
         Lightning's ``SIGTERMException`` is not published: every stage raises it at the same step, by agreement.
         Then it waits (a few seconds at most) until every process has read the cause (see
-        :func:`~lightning_gpipe.failure.linger`).
+        :func:`~lightning_gpipe.failure.linger`). On a ``KeyboardInterrupt`` it says where the other stages were
+        last seen (one may be stuck in user code); Lightning's launcher then ends them.
         """
         if not isinstance(exception, SIGTERMException):
             failure.report(exception)
             failure.linger()
+        if isinstance(exception, KeyboardInterrupt):  # the launcher ends the other stages next, whatever they do
+            failure.say(f"interrupted; ending every stage. {watchdog.last_positions()}.")
 
     @override
     def teardown(self) -> None:
@@ -926,7 +899,8 @@ class GPipeStrategy(ParallelStrategy):
             revert_deferred_batch_norm(self._split.sequential)
             self._split = self._stage = self._schedule = self._backbone_call = self._relay = self._ties = None
             self._one_f_one_b = self._gradient_sync = None
-        self._requeue_signal, self._requeue_requested = None, False
+        self._agreement = self._signals = None
+        self._randomness = StageRandomness()
         watchdog.stop()
         failure.detach()
 

@@ -2,6 +2,7 @@
 other scripts that need K, see :func:`shared_run`)."""
 
 import os
+import signal
 import subprocess
 import sys
 import shutil
@@ -25,8 +26,9 @@ def run_worker(script: str, *args: str, timeout: float = 300, env: dict | None =
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
-def start_worker(script: str, *args: str, env: dict | None = None) -> subprocess.Popen:
-    """Start ``tests/workers/<script>`` (the main process of its stages) and return at once."""
+def start_worker(script: str, *args: str, env: dict | None = None, ignore_sigint: bool = False) -> subprocess.Popen:
+    """Start ``tests/workers/<script>`` (the main process of its stages) and return at once; ``ignore_sigint``
+    starts it with SIGINT ignored, as a background job of a non-interactive shell is."""
     environment = {
         k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")
     }
@@ -37,6 +39,7 @@ def start_worker(script: str, *args: str, env: dict | None = None) -> subprocess
         stderr=subprocess.PIPE,
         text=True,
         env=environment,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None,
     )
 
 

@@ -62,8 +62,10 @@ def test_a_stage_stuck_in_user_code_is_named_by_the_watchdog(tmp_path):
     _assert_every_stage_exits(tmp_path)
 
 
-def test_ctrl_c_on_the_main_process_ends_every_stage_while_one_is_stuck(tmp_path):
-    process = start_worker("failure.py", "stuck", str(tmp_path))
+@pytest.mark.parametrize("inherited", ["handled", "ignored"])
+def test_ctrl_c_on_the_main_process_ends_every_stage_while_one_is_stuck(inherited, tmp_path):
+    # "ignored": started as a background job of a non-interactive shell starts it, where `kill -INT` did nothing
+    process = start_worker("failure.py", "stuck", str(tmp_path), ignore_sigint=inherited == "ignored")
     deadline = time.time() + 150
     while not (tmp_path / "stuck").exists():
         assert process.poll() is None and time.time() < deadline, process.communicate()[1][-3000:]
@@ -74,6 +76,7 @@ def test_ctrl_c_on_the_main_process_ends_every_stage_while_one_is_stuck(tmp_path
     _, stderr = process.communicate(timeout=60)
     assert process.returncode != 0
     assert "Detected KeyboardInterrupt, attempting graceful shutdown" in stderr, stderr[-3000:]
+    assert "[stage 0] interrupted; ending every stage. stage 1 was last seen in `training_step` after" in stderr
     _assert_every_stage_exits(tmp_path, within=30, since=sent)
 
 
