@@ -12,6 +12,7 @@ and :mod:`lightning_gpipe.relay`.
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
@@ -277,8 +278,9 @@ class GPipeStrategy(ParallelStrategy):
     @property
     def is_distributed(self) -> bool:
         """Whether there are several pipeline replicas: then Lightning gives each data loader a
-        ``DistributedSampler`` over them (see :attr:`distributed_sampler_kwargs`). One pipeline reads the data as one
-        device does, a shuffled loader drawing its order from the seed and the epoch (see :meth:`process_dataloader`)."""
+        ``DistributedSampler`` over them (see :attr:`distributed_sampler_kwargs`). One pipeline reads the data as
+        one device does, a shuffled loader drawing its order from the seed and the epoch (see
+        :meth:`process_dataloader`)."""
         return self.topology.data_parallel_size > 1
 
     @property
@@ -825,8 +827,12 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Read a full checkpoint file on every stage, or this stage's part of a sharded checkpoint directory."""
-        if not state_dict.is_sharded(checkpoint_path):
+        """Read a full checkpoint file on every stage, or this stage's part of a sharded checkpoint directory.
+
+        Raises:
+            FileNotFoundError: for a directory that is not a sharded checkpoint (it has no ``meta.pt``).
+        """
+        if not state_dict.is_sharded(checkpoint_path) and not Path(checkpoint_path).is_dir():
             with watchdog.unbounded("reading a checkpoint"):
                 return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         module = self.lightning_module
