@@ -9,7 +9,6 @@ without the mode argument).
 """
 
 import os
-import runpy
 import sys
 from pathlib import Path
 
@@ -30,4 +29,6 @@ if __name__ == "__main__":
         os.environ[_VARIABLE] = sys.argv.pop(1)
     if os.environ[_VARIABLE] == "trusting":
         _trusting()
-    runpy.run_path(str(Path(__file__).with_name("_runs.py")), run_name="__main__")
+    import _runs
+
+    _runs.main(sys.argv[1:])  # not runpy: Lightning's launcher re-runs this script (sys.argv[0]) for the other stages

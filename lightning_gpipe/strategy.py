@@ -551,7 +551,9 @@ class GPipeStrategy(ParallelStrategy):
         self._start_loop("prediction", self.lightning_module.trainer.predict_loop.max_batches)
 
     def _start_loop(self, loop: str, counts: list) -> None:
-        """Agree on the loop's batch counts; take the stop signals at step boundaries from now on (once per run)."""
+        """Agree on the loop's batch counts, and take the stop signals at step boundaries from now on (with one
+        :class:`~lightning_gpipe.signals.StopSignals` per run, installed again by every loop: Lightning registers its
+        own handlers at the start of each ``fit``, ``validate``...)."""
         self._agree_on_batches(loop, counts)
         if self._signals is None:
             trainer = self.lightning_module.trainer

@@ -137,6 +137,9 @@ STAGES = {
     "training_batches_differ": "The stages have different numbers of training batches (stage 0: [3], stage 1: [4]);"
     " every stage runs every batch of the pipeline, so all stages need the same data loaders",
     "validation_batches_differ": "The stages have different numbers of validation batches (stage 0: [3], stage 1: [4])",
+    "validation_order_differs": "BatchMismatchError: The stages of a pipeline read different batches at epoch 0,"
+    " validation batch 0 (batch fingerprints stage 0: ",
+    "resume_from_a_plain_directory": "is not a sharded GPipe checkpoint: it has no meta.pt.",
 }
 
 

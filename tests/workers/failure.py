@@ -40,6 +40,7 @@ import torch.nn.functional as F  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, RandomSampler  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
 from models import FEATURES, TupleNet, fit, fit_trainer, loader  # noqa: E402
@@ -247,10 +248,20 @@ BAD_INPUTS = {
     "training_batches_differ": lambda: L.Trainer(
         strategy=strategy(), devices=2, max_steps=2, logger=False, enable_checkpointing=False
     ).fit(TupleNet(), loader(rows=52 + 20 * rank)),
-    "validation_batches_differ": lambda: L.Trainer(
-        strategy=strategy(), devices=2, max_steps=3, logger=False, enable_checkpointing=False
+    "validation_batches_differ": lambda: L.Trainer(  # no sanity check: its first batch would differ already
+        strategy=strategy(), devices=2, max_steps=3, logger=False, enable_checkpointing=False, num_sanity_val_steps=0
     ).fit(TupleNet(), loader(), loader(rows=52 + 20 * rank)),
+    "validation_order_differs": lambda: L.Trainer(
+        strategy=strategy(), devices=2, logger=False, enable_progress_bar=False
+    ).validate(TupleNet(), ordered_by_rank()),
+    "resume_from_a_plain_directory": lambda: fit(strategy=strategy(), devices=2, ckpt_path=args.out),
 }
+
+
+def ordered_by_rank() -> DataLoader:
+    """:func:`loader`'s rows in an order of each process's own (a sampler seeded by the local rank)."""
+    dataset = loader().dataset
+    return DataLoader(dataset, 20, sampler=RandomSampler(dataset, generator=torch.Generator().manual_seed(rank)))
 
 
 def bad_inputs() -> None:
