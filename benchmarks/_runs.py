@@ -366,13 +366,13 @@ def _train(step, params, args: argparse.Namespace, rank: int) -> None:
 
 
 def run_bare(args: argparse.Namespace) -> None:
-    """Our GPipe schedule over Stage/Partition/Link in torch.distributed processes, no Trainer: the engine's own
+    """Our runtime (either schedule) over Stage/Partition/Link in torch.distributed processes, no Trainer: the engine's own
     cost."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
     from lightning_gpipe.partition import Partition
-    from lightning_gpipe.schedule import GPipe, OneForwardOneBackward
+    from lightning_gpipe.runtime import Runtime
     from lightning_gpipe.stage import Stage
     from lightning_gpipe.transfer import Link
 
@@ -382,7 +382,7 @@ def run_bare(args: argparse.Namespace) -> None:
     partition = Partition(layers)
     link = Link(rank - 1 if rank > 0 else None, rank + 1 if rank < world - 1 else None, torch.device("cpu"))
     stage = Stage(partition, link, rank, world, args.chunks, args.checkpoint, args.defer_weight_grad)
-    schedule, one_f_one_b = GPipe(stage), OneForwardOneBackward(stage, world)
+    runtime = Runtime(stage, args.schedule, world)
     x, y = _batch(args)
 
     def micro_batch_loss(i: int, count: int, out: torch.Tensor) -> None:  # 1F1B: the loss of rows i, row-weighted
@@ -390,13 +390,13 @@ def run_bare(args: argparse.Namespace) -> None:
         (F.cross_entropy(head(out), target) * (len(target) / len(y))).backward()
 
     def step() -> None:
-        if args.schedule == "1f1b":
-            one_f_one_b.step(x, micro_batch_loss)
+        if runtime.per_micro_batch_loss:
+            runtime.step(x, micro_batch_loss)
             return
-        out = schedule.forward(x)
+        out = runtime.forward(x)
         if stage.is_last:
             F.cross_entropy(head(out), y).backward()
-        schedule.backward()
+        runtime.backward()
 
     params = [*partition.parameters(), *(head.parameters() if stage.is_last else [])]
     _train(step, params, args, rank)

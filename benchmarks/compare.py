@@ -13,7 +13,7 @@ the same mini-batch, the same M, the same initial weights, SGD, ``checkpoint="ne
   tgp      torchgpipe GPipe(devices=["cpu"] * K) in ONE process: a worker thread per partition, one torch
            intra-op thread, so the partitions share one Python interpreter (and its GIL)
   ours/L-1f1b, ours/E-1f1b, tp/1F1B   1F1B (PipeDream-Flush, Narayanan et al. 2021): GPipeStrategy(schedule="1f1b"),
-           our engine's OneForwardOneBackward, torch's Schedule1F1B; "1F1B over fill-drain" lines compare each
+           our engine's 1F1B plans, torch's Schedule1F1B; "1F1B over fill-drain" lines compare each
            with its fill-drain twin (the same bubble: about 1.00 expected)
 
 The figure is rank 0's steady-state time per optimizer step; throughput ratios are time ratios, e.g.
@@ -39,7 +39,7 @@ KINDS = {
     "tp/ZBV": ("tp-zbv", None, [], "torch's ScheduleZBVZeroBubble (V shape), {k} processes x 2 stages x 1 thread"),
     "tgp": ("torchgpipe", 1, [], "torchgpipe GPipe, 1 process, {k} partition threads, 1 intra-op thread"),
     "ours/L-1f1b": ("lightning", 1, ["--schedule", "1f1b"], "ours/L with schedule='1f1b'"),
-    "ours/E-1f1b": ("bare", None, ["--schedule", "1f1b"], "ours/E running OneForwardOneBackward (1F1B)"),
+    "ours/E-1f1b": ("bare", None, ["--schedule", "1f1b"], "ours/E running 1F1B plans"),
     "tp/1F1B": ("tp-1f1b", None, [], "torch.distributed.pipelining Schedule1F1B, {k} processes x 1 thread"),
 }
 """label -> (kind of benchmarks/_runs.py, processes the driver starts (None: K), its extra arguments, description)."""

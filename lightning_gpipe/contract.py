@@ -8,7 +8,7 @@ logging) belongs to the last stage. :meth:`BackboneCall.user_step` runs one step
 under that contract and checks it called the backbone exactly once.
 
 Under 1F1B (:meth:`BackboneCall.micro_batch_steps`) the step on the whole batch ends at the backbone
-call on every stage, giving the backbone input; the schedule then runs the whole step, and the last
+call on every stage, giving the backbone input; the stage's runtime then runs the whole step, and the last
 stage runs the user's step once more per micro-batch, on its rows of the batch, the backbone call
 answering with that micro-batch's output (:mod:`lightning_gpipe.per_micro_batch`).
 
@@ -39,27 +39,29 @@ class BackboneReached(BaseException):
     """
 
 
-class Schedule(Protocol):
-    """A pipeline schedule as the contract sees it (:class:`lightning_gpipe.schedule.GPipe`)."""
+class Pipeline(Protocol):
+    """This stage's part of the pipeline, as the contract sees it (:class:`lightning_gpipe.runtime.Runtime`)."""
+
+    per_micro_batch_loss: bool
+    """Whether the schedule needs each micro-batch's loss during the step (then the step runs in :meth:`step`)."""
 
     def forward(self, value: Value) -> Optional[Value]:
         """Run the forward of every micro-batch of ``value``; the backbone output on the last stage, else ``None``."""
-
-
-class TrainingSchedule(Protocol):
-    """A schedule that runs a whole training step and needs each micro-batch's loss during it
-    (:class:`lightning_gpipe.schedule.OneForwardOneBackward`)."""
 
     def step(self, value: Optional[Value], head: Callable[[int, int, Value], None]) -> None:
         """Run every micro-batch's forward and backward of the backbone input ``value``; on the last stage,
         ``head(index, count, output)`` backpropagates each micro-batch's loss to its output."""
 
 
+Answer = Callable[[Value], Optional[Value]]
+"""What answers a plain backbone call: the pipeline's forward, or a stand-in (:meth:`BackboneCall.micro_batch_steps`)."""
+
+
 class BackboneCall:
     """The call a stage's :class:`~lightning_gpipe.partition.Partition` goes through, and the step guard around it.
 
     Args:
-        schedule: runs the forward of the pipeline on this stage.
+        pipeline: this stage's part of the pipeline.
         is_last: whether this is the last stage, where the user's step goes on after the backbone call.
         share: sends a picklable object from the last stage to every stage of the pipeline and returns it
             (a collective call); the identity by default, for a single process.
@@ -69,12 +71,13 @@ class BackboneCall:
 
     def __init__(
         self,
-        schedule: Schedule,
+        pipeline: Pipeline,
         is_last: bool,
         share: Callable[[Any], Any] = lambda obj: obj,
         randomness: Optional[StageRandomness] = None,
     ) -> None:
-        self.schedule, self.is_last, self.share = schedule, is_last, share
+        self.pipeline, self.is_last, self.share = pipeline, is_last, share
+        self._answer: Answer = pipeline.forward
         self.randomness = randomness if randomness is not None else StageRandomness()
         self._plain = self._shared = 0
         self._hook = "training_step"
@@ -101,7 +104,7 @@ class BackboneCall:
         self._plain += 1
         if self._rest_of_step is not None:
             self._rest_of_step.enter_context(self.randomness.stage())  # until the user's step ends
-        output = self.schedule.forward(value)
+        output = self._answer(value)
         if not self.is_last:
             raise BackboneReached
         watchdog.at(f"`{self._hook}` after the backbone call")
@@ -127,7 +130,7 @@ class BackboneCall:
             )
         self._shared += 1
         with self.randomness.stage():
-            output = self.schedule.forward(value)
+            output = self.pipeline.forward(value)
             result = fn(output) if self.is_last else None
         return self.share(result)
 
@@ -137,13 +140,12 @@ class BackboneCall:
         hook: str,
         args: tuple,
         kwargs: dict,
-        schedule: TrainingSchedule,
         backward: Callable[[Tensor, bool], None],
     ) -> Any:
         """Run one training step whose schedule needs each micro-batch's loss before the next forwards (1F1B).
 
         Every stage runs the user's step on the whole batch up to its backbone call, which ends it there and
-        gives the backbone input. ``schedule.step`` then runs the stage's forwards and backwards. On the last
+        gives the backbone input. The pipeline's ``step`` then runs the stage's forwards and backwards. On the last
         stage, after each micro-batch's forward, the user's step runs again on that micro-batch's rows of the
         batch (``args[0]``, split by :func:`~lightning_gpipe.per_micro_batch.split_batch`), its backbone call
         returning the micro-batch's output; the loss it returns, times the micro-batch's share of the rows,
@@ -155,7 +157,6 @@ class BackboneCall:
             hook: ``"training_step"``.
             args: the step's positional arguments; ``args[0]`` is the batch.
             kwargs: the step's keyword arguments.
-            schedule: runs this stage's part of the step.
             backward: backpropagates one weighted micro-batch loss to the micro-batch's output; its second argument
                 says whether the micro-batch is the step's last.
 
@@ -172,31 +173,32 @@ class BackboneCall:
         """
         step, (batch, *rest) = getattr(module, hook), args
         rows = per_micro_batch.batch_rows(batch)
-        results, capture, parts = per_micro_batch.RowWeighted(module, rows), _Capture(), []
-        with self._answering(capture):
+        results, captured, parts = per_micro_batch.RowWeighted(module, rows), [], []
+        with self._answering(lambda value: _capture(captured, value)):
             results.run(0, lambda: self.user_step(hook, lambda: step(*args, **kwargs)))
-        per_micro_batch.check_input_rows(capture.value, rows)
+        value = captured[0] if captured else None
+        per_micro_batch.check_input_rows(value, rows)
 
         def head(index: int, count: int, output: Value) -> None:
             if not parts:
                 parts.extend(per_micro_batch.split_batch(batch, count))
             part, part_rows = parts[index], per_micro_batch.batch_rows(parts[index])
-            with self._answering(_Given(output)):
+            with self._answering(lambda _: output):
                 returned = results.run(part_rows, lambda: self.user_step(hook, lambda: step(part, *rest, **kwargs)))
             backward(per_micro_batch.loss_of(returned, hook, index) * (part_rows / rows), index == count - 1)
 
         with self.randomness.stage():
-            schedule.step(capture.value, head)
+            self.pipeline.step(value, head)
         return results.finish() if self.is_last else None
 
     @contextmanager
-    def _answering(self, schedule: Schedule) -> Iterator[None]:
-        """Let ``schedule`` answer the backbone calls inside the block."""
-        saved, self.schedule = self.schedule, schedule
+    def _answering(self, answer: Answer) -> Iterator[None]:
+        """Let ``answer`` answer the plain backbone calls inside the block."""
+        saved, self._answer = self._answer, answer
         try:
             yield
         finally:
-            self.schedule = saved
+            self._answer = saved
 
     def user_step(self, hook: str, step: Callable[[], Any]) -> Any:
         """Run one call of the user's ``hook`` (``"training_step"``...) as ``step()``, ending early stages at the
@@ -229,24 +231,10 @@ class BackboneCall:
         return output
 
 
-class _Capture:
+def _capture(captured: list, value: Value) -> None:
     """Answers the backbone call of a step on the whole batch: keeps the backbone input and ends the step there."""
-
-    value: Optional[Value] = None
-
-    def forward(self, value: Value) -> Optional[Value]:
-        self.value = value
-        raise BackboneReached
-
-
-class _Given:
-    """Answers the backbone call of a step on one micro-batch with the micro-batch's output, already computed."""
-
-    def __init__(self, output: Value) -> None:
-        self.output = output
-
-    def forward(self, value: Value) -> Value:
-        return self.output
+    captured.append(value)
+    raise BackboneReached
 
 
 def forward_and_share(backbone: nn.Module, value: Value, fn: Callable[[Value], Any]) -> Any:

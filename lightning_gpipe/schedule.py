@@ -1,80 +1,96 @@
-"""Pipeline schedules: the order in which a stage runs its micro-batches' forwards and backwards.
+"""Pipeline schedules as data: each stage's ordered actions for one training step.
 
-A schedule is a small class over the primitives of :class:`~lightning_gpipe.stage.Stage` (take the
-micro-batches, forward one, send, expect a gradient, recompute, backward one). :class:`GPipe` offers
-``forward(value)`` (what the backbone call runs) and ``backward()`` (what ``Strategy.backward`` runs);
-:class:`OneForwardOneBackward` runs a whole training step with ``step(value, head)``, the head being the
-rest of the user's step on each micro-batch, which it needs before the next forward.
+A schedule is a function of (pipeline rank k, K stages, M micro-batches, checkpoint mode, deferred weight
+gradients) that returns one :class:`Plan` per stage: the stage's :class:`Action` list, in the order the stage runs
+it, and the cut where Lightning's ``training_step`` ends and ``backward`` begins. One runtime executes a plan over
+a stage's primitives (:class:`lightning_gpipe.runtime.Runtime`); the simulator (:mod:`lightning_gpipe.simulator`)
+times the same lists, and :func:`check` runs them abstractly before the first step, so a schedule whose sends and
+receives do not pair up, or whose stages would wait for each other, is an error rather than a hang. A new schedule
+is one more function in :data:`SCHEDULES`.
+
+The vocabulary (:class:`Kind`): ``forward`` (take micro-batch i's input, scattered on the first stage or received
+from the previous one, and run the stage's layers), ``send`` (its output to the next stage, asynchronously),
+``loss`` (on the last stage, the user's head and loss on micro-batch i, backpropagated to the boundary; ``None``:
+on the whole mini-batch, in the user's ``training_step`` after the backbone call), ``expect`` (post the receive of
+micro-batch i's output gradient; receives match in posting order), ``recompute`` (re-materialize a checkpointed
+micro-batch's forward), ``backward`` (its input gradient, sent to the previous stage at once; with deferred weight
+gradients only that, B), ``weight`` (its deferred weight gradient, W) and ``flush`` (wait until this stage's sends
+have completed).
 """
 
-from collections.abc import Callable
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Optional
 
-from lightning_gpipe.microbatch import Value
-from lightning_gpipe.stage import Stage
+from lightning_gpipe.rematerialization import checkpointed
 
 
-class GPipe:
-    """GPipe's fill-drain schedule (Huang et al. 2019, section 2.2 and Figure 2).
+class Kind(str, enum.Enum):
+    """What an :class:`Action` does (see the module docstring); the value is the name spans and the simulator use."""
 
-    Fill: every micro-batch runs forward through the stage and is sent on. Drain: the micro-batches
-    run backward in reverse order. A checkpointed micro-batch is recomputed *before* the stage waits
-    for its gradient, so the recompute overlaps the next stage's backward of the same micro-batch; the
-    next gradient's receive is posted while the current micro-batch computes. With deferred weight
-    gradients (zero-bubble's B/W split), a stage sends each input gradient before computing the weight
-    gradient, so the previous stage starts that micro-batch's backward one weight gradient earlier; the last
-    stage without re-materialization runs every weight gradient after its last input gradient
-    (:func:`weights_after_drain`).
+    FORWARD = "forward"
+    SEND = "send"
+    LOSS = "loss"
+    EXPECT = "expect"
+    RECOMPUTE = "recompute"
+    BACKWARD = "backward"
+    WEIGHT = "weight"
+    FLUSH = "flush"
+
+
+COMPUTE = (Kind.FORWARD, Kind.LOSS, Kind.RECOMPUTE, Kind.BACKWARD, Kind.WEIGHT)
+"""The kinds that take compute time (the simulator times these; the others move or wait for data)."""
+
+_SHORT = {Kind.FORWARD: "F", Kind.SEND: "S", Kind.LOSS: "L", Kind.EXPECT: "E", Kind.RECOMPUTE: "R"}
+_SHORT.update({Kind.BACKWARD: "B", Kind.WEIGHT: "W", Kind.FLUSH: "flush"})
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a stage's plan.
 
     Args:
-        stage: the stage to run.
+        kind: what the action does.
+        micro_batch: the micro-batch index, 0-based; ``None`` for a flush and for a loss on the whole mini-batch.
+        chunk: the stage's model chunk (virtual stage) the action runs on; 0 for schedules with one chunk per stage.
     """
 
-    def __init__(self, stage: Stage) -> None:
-        self.stage = stage
+    kind: Kind
+    micro_batch: Optional[int] = None
+    chunk: int = 0
 
-    def forward(self, value: Value) -> Optional[Value]:
-        """The fill: run every micro-batch of the backbone input ``value`` through this stage.
+    def __str__(self) -> str:
+        index = "" if self.micro_batch is None else str(self.micro_batch)
+        return f"{_SHORT[self.kind]}{index}" + (f".{self.chunk}" if self.chunk else "")
 
-        Returns:
-            The backbone output of the whole mini-batch on the last stage; ``None`` on the others.
 
-        Raises:
-            PipelineFailure: if another stage failed while this one waited for it.
-        """
-        stage, outputs = self.stage, []
-        for i, x, count in stage.micro_batches(value):
-            y = stage.forward(i, x, count)
-            if stage.is_last:
-                outputs.append(y)
-            else:
-                stage.send(y, i, count)
-        if not stage.training:
-            stage.flush()  # no drain follows to wait for the sends
-        return stage.output(outputs) if stage.is_last else None
+@dataclass(frozen=True)
+class Plan:
+    """One stage's actions for one training step.
 
-    def backward(self) -> None:
-        """The drain: backpropagate every micro-batch of the last fill, in reverse order.
+    Args:
+        actions: in the order the stage runs them.
+        cut: ``actions[:cut]`` run in Lightning's ``training_step``, ``actions[cut:]`` in its ``backward``.
+        loss_per_micro_batch: whether the last stage runs the user's step once per micro-batch (``loss`` actions
+            with an index), rather than once on the whole mini-batch between the two parts.
+    """
 
-        On the last stage, the user's loss must have been backpropagated to the boundary first.
+    actions: tuple[Action, ...]
+    cut: int
+    loss_per_micro_batch: bool = False
 
-        Raises:
-            PipelineFailure: if another stage failed while this one waited for it.
-        """
-        stage = self.stage
-        count = stage.begin_backward()
-        if count:
-            stage.expect_grad(count - 1)
-        at_end = weights_after_drain(stage.is_last, stage.checkpoint)
-        for i in reversed(range(count)):
-            stage.recompute(i)  # before waiting for the gradient
-            if i > 0:
-                stage.expect_grad(i - 1)  # one ahead, so it lands while this one computes
-            stage.backward(i)  # sends the input gradient as soon as it is computed
-            if not at_end:
-                stage.backward_weights()  # deferred weight gradient, if any: while the previous stage works
-        stage.backward_weights()
-        stage.flush()
+    def count(self, kind: Kind) -> int:
+        """How many actions of ``kind`` the plan holds."""
+        return sum(action.kind is kind for action in self.actions)
+
+
+ScheduleFunction = Callable[[int, int, int, str, bool], Plan]
+"""``schedule(stage_index, num_stages, count, checkpoint, defer_weight_grad) -> Plan``."""
+
+
+class ScheduleError(ValueError):
+    """Raised by :func:`check` for plans whose transfers do not pair up or whose stages would wait for each other."""
 
 
 def weights_after_drain(is_last: bool, checkpoint: str) -> bool:
@@ -94,73 +110,215 @@ def weights_after_drain(is_last: bool, checkpoint: str) -> bool:
     return is_last and checkpoint == "never"
 
 
-Head = Callable[[int, int, Value], None]
-"""The rest of the user's step on one micro-batch, on the last stage: ``head(index, count, output)`` computes the
-micro-batch's loss from its backbone output and backpropagates it to the output (the stage's boundary)."""
+def _backward(stage_index: int, index: int, count: int, checkpoint: str, defer: bool) -> list[Action]:
+    """The recompute (if checkpointed), B and W (if split) of micro-batch ``index``, one after the other."""
+    actions = [Action(Kind.RECOMPUTE, index)] if checkpointed(checkpoint, index, count) else []
+    return actions + [Action(Kind.BACKWARD, index)] + [Action(Kind.WEIGHT, index)] * _splits(stage_index, defer)
 
 
-class OneForwardOneBackward:
+def _splits(stage_index: int, defer: bool) -> bool:
+    """Whether a stage splits its backwards into B and W: the first stage sends no input gradient, so it does not."""
+    return defer and stage_index > 0
+
+
+def gpipe(stage_index: int, num_stages: int, count: int, checkpoint: str, defer_weight_grad: bool) -> Plan:
+    """GPipe's fill-drain (Huang et al. 2019, section 2.2 and Figure 2).
+
+    Fill (``training_step``): every micro-batch runs forward and is sent on. Drain (``backward``), after the
+    user's loss on the whole mini-batch: the micro-batches run backward in reverse order. A checkpointed
+    micro-batch is recomputed *before* the stage waits for its gradient, so the recompute overlaps the next stage's
+    backward of the same micro-batch; the next gradient's receive is posted while the current micro-batch
+    computes. With deferred weight gradients each W follows its B, except on the last stage without
+    re-materialization, which runs every W after its last B (:func:`weights_after_drain`).
+    """
+    last = stage_index == num_stages - 1
+    fill = [a for i in range(count) for a in (Action(Kind.FORWARD, i), Action(Kind.SEND, i))[: 1 if last else 2]]
+    at_end = weights_after_drain(last, checkpoint)
+    drain = [Action(Kind.LOSS)] * last + [Action(Kind.EXPECT, count - 1)] * (count > 0)
+    for i in reversed(range(count)):
+        drain += [Action(Kind.RECOMPUTE, i)] * checkpointed(checkpoint, i, count)  # before waiting for the gradient
+        drain += [Action(Kind.EXPECT, i - 1)] * (i > 0)  # one ahead, so it lands while this one computes
+        drain.append(Action(Kind.BACKWARD, i))
+        drain += [Action(Kind.WEIGHT, i)] * (not at_end and _splits(stage_index, defer_weight_grad))
+    drain += [Action(Kind.WEIGHT, i) for i in reversed(range(count))] * (at_end and _splits(stage_index, defer_weight_grad))
+    return Plan(tuple(fill + drain + [Action(Kind.FLUSH)]), cut=len(fill))
+
+
+def one_f_one_b(stage_index: int, num_stages: int, count: int, checkpoint: str, defer_weight_grad: bool) -> Plan:
     """The 1F1B schedule of PipeDream-Flush (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN
     Training", section 3; the default of Megatron-LM, DeepSpeed and torchtitan).
 
     Stage k of K runs ``min(K - k - 1, M)`` warm-up forwards, then alternates one forward and one backward
-    (forward ``i`` is followed by the backward of micro-batch ``i - (K - k - 1)``), then the remaining
-    backwards. Micro-batch i's backward starts as soon as its loss exists, so stage k holds at most
-    ``min(K - k, M)`` micro-batches in flight instead of GPipe's M; the gradients are the same (one flush, one
-    optimizer step per mini-batch), and with equal stages so is the bubble, ``(K - 1) / (M + K - 1)``.
-
-    Transfers cannot deadlock: sends are asynchronous, a stage blocks only to receive what an earlier stage's
-    (or a later stage's) program order sends before it blocks in turn, and receives are posted in the order
-    the matching sends are issued. Activations go one way in micro-batch order (the link posts each next
-    header ahead); gradients come back the other way, also in micro-batch order, and each one's receive is
-    posted right after the micro-batch's activation is sent, so it lands while the stage computes. A
-    checkpointed micro-batch is recomputed before its gradient is awaited; with deferred weight gradients
-    (``Stage(defer_weight_grad=True)``) each backward sends its input gradient, then computes the weight
-    gradient at once. In the steady phase, after each forward, the stage waits for its earlier sends (by then
-    received: the next stage consumed them before sending the gradient this stage last received), so sent
-    tensors are freed with their micro-batch.
-
-    Evaluation needs no schedule: the strategy keeps :meth:`GPipe.forward` for it.
-
-    Args:
-        stage: the stage to run.
-        num_stages: K, the stages of the pipeline.
+    (forward ``i`` is followed by the backward of micro-batch ``i - (K - k - 1)``), then the remaining backwards.
+    Micro-batch i's backward starts as soon as its loss exists (the last stage runs the user's step per
+    micro-batch), so stage k holds at most ``min(K - k, M)`` micro-batches instead of GPipe's M; same gradients,
+    and with equal stages the same bubble, ``(K - 1) / (M + K - 1)``. Each gradient's receive is posted right after
+    the micro-batch's activation is sent; in the steady phase, after each forward, the stage waits for its earlier
+    sends (by then received), so sent tensors are freed with their micro-batch. The whole plan runs in
+    ``training_step``.
     """
+    last, warmup = stage_index == num_stages - 1, num_stages - 1 - stage_index
+    actions: list[Action] = []
+    for i in range(count):
+        actions += [Action(Kind.FORWARD, i)] + [Action(Kind.FLUSH)] * (i > warmup)
+        actions += [Action(Kind.LOSS, i)] if last else [Action(Kind.SEND, i), Action(Kind.EXPECT, i)]
+        if i >= warmup:
+            actions += _backward(stage_index, i - warmup, count, checkpoint, defer_weight_grad)
+    for j in range(max(count - warmup, 0), count):
+        actions += _backward(stage_index, j, count, checkpoint, defer_weight_grad)
+    actions.append(Action(Kind.FLUSH))
+    return Plan(tuple(actions), cut=len(actions), loss_per_micro_batch=True)
 
-    def __init__(self, stage: Stage, num_stages: int) -> None:
-        self.stage, self.num_stages = stage, num_stages
 
-    def step(self, value: Optional[Value], head: Head) -> None:
-        """Run one training step of this stage: every micro-batch's forward and backward, in 1F1B order.
+SCHEDULES: dict[str, ScheduleFunction] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+"""The schedules by the name ``GPipeStrategy(schedule=...)`` takes."""
 
-        Args:
-            value: the backbone input of the whole mini-batch (used on the first stage only).
-            head: on the last stage, called after each micro-batch's forward, before its backward (see
-                :data:`Head`); unused elsewhere.
 
-        Raises:
-            TypeError, ValueError: for a backbone input that cannot be split (first stage).
-            PipelineFailure: if another stage failed while this one waited for it.
-        """
-        stage, warmup = self.stage, self.num_stages - 1 - self.stage.stage_index
-        count = 0
-        for i, x, count in stage.micro_batches(value):
-            y = stage.forward(i, x, count)
-            if i > warmup:
-                stage.flush()  # the earlier sends have landed: free them with their micro-batches
-            if stage.is_last:
-                with stage.events.span("loss", i):
-                    head(i, count, y)
-            else:
-                stage.send(y, i, count)
-                stage.expect_grad(i)  # gradients come back in micro-batch order
-            if i >= warmup:
-                self._backward(i - warmup)
-        for j in range(max(count - warmup, 0), count):
-            self._backward(j)
-        stage.flush()
+def plans(schedule: str, num_stages: int, count: int, checkpoint: str, defer_weight_grad: bool = False) -> list[Plan]:
+    """Every stage's plan of one step of ``schedule`` (a name of :data:`SCHEDULES`).
 
-    def _backward(self, index: int) -> None:
-        self.stage.recompute(index)  # before waiting for the gradient
-        self.stage.backward(index)  # sends the input gradient as soon as it is computed
-        self.stage.backward_weights()  # deferred weight gradient, if any
+    Raises:
+        ValueError: for an unknown schedule.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"Unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
+    return [SCHEDULES[schedule](k, num_stages, count, checkpoint, defer_weight_grad) for k in range(num_stages)]
+
+
+def check(stage_plans: Sequence[Plan]) -> None:
+    """Run the plans of a pipeline's stages abstractly and raise if they could not run to their end.
+
+    Stage k's ``forward i`` needs stage k-1's ``send`` of micro-batch i next on their link (activations arrive in
+    send order); its ``backward i`` needs, on every stage but the last, a posted ``expect i`` and stage k+1's
+    ``backward i`` next on their link (gradients arrive in the order their receives were posted); a ``flush`` needs
+    every send of the stage received; the last stage's ``backward i`` needs its ``loss``. Every stage must run
+    each micro-batch's forward and backward once, the recompute (if any) and W (if any) between them.
+
+    Raises:
+        ScheduleError: naming the stage, the action and what it waits for, for a transfer out of order, a missing
+            action, or stages that would wait for each other.
+    """
+    state = _Abstract(stage_plans)
+    while state.advance():
+        pass
+    stuck = [k for k, plan in enumerate(stage_plans) if state.done[k] < len(plan.actions)]
+    if stuck:
+        where = "; ".join(f"stage {k} at {stage_plans[k].actions[state.done[k]]} ({state.why[k]})" for k in stuck)
+        raise ScheduleError(f"The schedule cannot run to its end: the stages would wait for each other: {where}.")
+    for k, plan in enumerate(stage_plans):
+        _check_counts(k, plan)
+
+
+class _Abstract:
+    """The abstract execution of :func:`check`: each stage's position and the messages on each link."""
+
+    def __init__(self, stage_plans: Sequence[Plan]) -> None:
+        self.plans, self.num_stages = stage_plans, len(stage_plans)
+        self.done = [0] * self.num_stages
+        self.why = [""] * self.num_stages
+        self.activations: list[list[int]] = [[] for _ in stage_plans]  # sent by stage k, not yet received by k+1
+        self.gradients: list[list[int]] = [[] for _ in stage_plans]  # sent by stage k to k-1, not yet received
+        self.expected: list[list[int]] = [[] for _ in stage_plans]  # receives posted by stage k, in order
+        self.losses: list[set[int]] = [set() for _ in stage_plans]
+        self.forwarded: list[set[int]] = [set() for _ in stage_plans]
+
+    def advance(self) -> bool:
+        """Run every stage as far as it can; whether any stage moved."""
+        moved = False
+        for k, plan in enumerate(self.plans):
+            while self.done[k] < len(plan.actions) and self._run(k, plan.actions[self.done[k]]):
+                self.done[k] += 1
+                moved = True
+        return moved
+
+    def _run(self, k: int, action: Action) -> bool:
+        """Run ``action`` on stage ``k`` if what it needs is there (else note why not); whether it ran."""
+        kind, i, last = action.kind, action.micro_batch, k == self.num_stages - 1
+        if kind is Kind.FORWARD:
+            if k > 0:
+                if not self.activations[k - 1]:
+                    return self._wait(k, f"no activation from stage {k - 1} yet")
+                if self.activations[k - 1][0] != i:
+                    raise ScheduleError(
+                        f"stage {k} runs forward {i} but stage {k - 1} sends micro-batch "
+                        f"{self.activations[k - 1][0]} first."
+                    )
+                self.activations[k - 1].pop(0)
+            self.forwarded[k].add(i)
+        elif kind is Kind.SEND:
+            if last or i not in self.forwarded[k]:
+                raise ScheduleError(f"stage {k} sends micro-batch {i}, which it has not computed or has no receiver.")
+            self.activations[k].append(i)
+        elif kind is Kind.LOSS:
+            if i is not None:
+                self.losses[k].add(i)
+        elif kind is Kind.EXPECT:
+            if not last:
+                self.expected[k].append(i)
+        elif kind is Kind.BACKWARD:
+            return self._backward(k, i, last)
+        elif kind is Kind.FLUSH and k < self.num_stages - 1 and self.activations[k]:
+            return self._wait(k, f"stage {k + 1} has not received micro-batch {self.activations[k][0]} yet")
+        return True
+
+    def _backward(self, k: int, i: int, last: bool) -> bool:
+        plan = self.plans[k]
+        if i not in self.forwarded[k]:
+            raise ScheduleError(f"stage {k} runs backward {i} before forward {i}.")
+        if last:
+            if plan.loss_per_micro_batch and i not in self.losses[k]:
+                raise ScheduleError(f"the last stage runs backward {i} before the loss of micro-batch {i}.")
+        else:
+            if not self.expected[k] or self.expected[k][0] != i:
+                raise ScheduleError(f"stage {k} runs backward {i} without its gradient's receive posted first.")
+            if not self.gradients[k + 1]:
+                return self._wait(k, f"no gradient from stage {k + 1} yet")
+            if self.gradients[k + 1][0] != i:
+                raise ScheduleError(
+                    f"stage {k} waits for the gradient of micro-batch {i} but stage {k + 1} sends "
+                    f"{self.gradients[k + 1][0]} first."
+                )
+            self.gradients[k + 1].pop(0)
+            self.expected[k].pop(0)
+        if k > 0:
+            self.gradients[k].append(i)
+        return True
+
+    def _wait(self, k: int, why: str) -> bool:
+        self.why[k] = why
+        return False
+
+
+def _check_counts(k: int, plan: Plan) -> None:
+    """Every micro-batch's forward and backward once each, its recompute and W (if any) between them."""
+    position = {}
+    for n, action in enumerate(plan.actions):
+        key = (action.kind, action.micro_batch, action.chunk)
+        if action.kind in (Kind.FORWARD, Kind.BACKWARD, Kind.RECOMPUTE, Kind.WEIGHT) and key in position:
+            raise ScheduleError(f"stage {k} runs {action} twice.")
+        position[key] = n
+    forwards = {a.micro_batch for a in plan.actions if a.kind is Kind.FORWARD}
+    backwards = {a.micro_batch for a in plan.actions if a.kind is Kind.BACKWARD}
+    if forwards != backwards or forwards != set(range(len(forwards))):
+        raise ScheduleError(f"stage {k} runs forwards {sorted(forwards)} but backwards {sorted(backwards)}.")
+    for kind in (Kind.RECOMPUTE, Kind.WEIGHT):
+        for action in (a for a in plan.actions if a.kind is kind):
+            i = action.micro_batch
+            if not position[(Kind.FORWARD, i, 0)] < position[(kind, i, 0)]:
+                raise ScheduleError(f"stage {k} runs {action} before forward {i}.")
+            before_backward = position[(kind, i, 0)] < position[(Kind.BACKWARD, i, 0)]
+            if before_backward != (kind is Kind.RECOMPUTE):
+                raise ScheduleError(f"stage {k} runs {action} on the wrong side of backward {i}.")
+
+
+def format_plans(stage_plans: Sequence[Plan]) -> str:
+    """The plans as a table, one row per stage: ``F`` forward, ``S`` send, ``L`` loss, ``E`` expect a gradient,
+    ``R`` recompute, ``B`` backward, ``W`` weight gradient, ``|`` the cut between ``training_step`` and
+    ``backward``."""
+    rows = []
+    for k, plan in enumerate(stage_plans):
+        cells = [str(a) for a in plan.actions]
+        if plan.cut < len(cells):
+            cells.insert(plan.cut, "|")
+        rows.append(f"stage {k}: " + " ".join(cells))
+    return "\n".join(rows)

@@ -1,8 +1,9 @@
 """Predict one pipeline training step from per-layer costs: step time, bubble and peak activation memory per stage.
 
-Each stage runs its work in the order its schedule gives (:func:`work_order`); a piece of work starts once
-the stage is free and its input is there. ``schedule="gpipe"`` is GPipe's fill-drain (Huang et al. 2019,
-section 2.2 and Figure 2), as :class:`lightning_gpipe.schedule.GPipe` runs it:
+Each stage runs the compute actions of its plan (:func:`lightning_gpipe.schedule.plans`, the lists the runtime
+executes) in their order; a piece of work starts once the stage is free and its input is there.
+``schedule="gpipe"`` is GPipe's fill-drain (Huang et al. 2019, section 2.2 and Figure 2,
+:func:`lightning_gpipe.schedule.gpipe`):
 
 - Fill: stage k runs the forward of micro-batches 0 .. M-1 in order; micro-batch i starts once stage k is
   free and its input has arrived from stage k-1 (the forward's end there plus the transfer time).
@@ -15,8 +16,7 @@ section 2.2 and Figure 2), as :class:`lightning_gpipe.schedule.GPipe` runs it:
   (:func:`lightning_gpipe.schedule.weights_after_drain`).
 - Each stage ends with its optimizer step (``optimizer``).
 
-``schedule="1f1b"`` is PipeDream-Flush (Narayanan et al. 2021), as
-:class:`lightning_gpipe.schedule.OneForwardOneBackward` runs it: stage k runs ``min(K - k - 1, M)`` forwards,
+``schedule="1f1b"`` is PipeDream-Flush (Narayanan et al. 2021, :func:`lightning_gpipe.schedule.one_f_one_b`): stage k runs ``min(K - k - 1, M)`` forwards,
 then alternates one forward and one backward, then the remaining backwards; on the last stage each
 micro-batch's forward is followed by its share of the head and loss (``loss / M``) and at once by its backward.
 Dependencies and recomputes are as above.
@@ -43,15 +43,9 @@ from typing import Optional
 from lightning_gpipe.balance.costs import LayerCost
 from lightning_gpipe.events import Span
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES, checkpointed
-from lightning_gpipe.schedule import weights_after_drain
+from lightning_gpipe.schedule import COMPUTE, SCHEDULES, plans
 from lightning_gpipe.trace import StageTrace, StepTrace
 
-SCHEDULES = ("gpipe", "1f1b")
-"""The values of ``simulate(schedule=...)``, as of ``GPipeStrategy(schedule=...)``."""
-
-Work = tuple[str, Optional[int]]
-"""One piece of a stage's work: its kind (``"forward"``, ``"loss"``, ``"recompute"``, ``"backward"``, ``"weight"``)
-and the micro-batch index (``None`` for fill-drain's one ``"loss"``)."""
 
 
 @dataclass(frozen=True)
@@ -146,46 +140,6 @@ def stage_costs(costs: Sequence[LayerCost], balance: Sequence[int], input_bytes:
     return stages
 
 
-def work_order(schedule: str, stage: int, num_stages: int, chunks: int, checkpoint: str) -> list[Work]:
-    """The order in which ``stage`` of ``num_stages`` runs its work in one step (without the optimizer step).
-
-    A checkpointed micro-batch's ``"recompute"`` comes right before its ``"backward"``; its ``"weight"`` (the
-    deferred weight gradient, which takes no time unless ``StageCost.weight``) right after it, or after the
-    whole drain where :func:`~lightning_gpipe.schedule.weights_after_drain` says so.
-
-    Args:
-        schedule: ``"gpipe"`` or ``"1f1b"`` (see the module docstring).
-        stage: k, from 0.
-        num_stages: K.
-        chunks: M.
-        checkpoint: the re-materialization mode (:data:`lightning_gpipe.rematerialization.CHECKPOINT_MODES`).
-    """
-    last = stage == num_stages - 1
-    at_end = schedule == "gpipe" and weights_after_drain(last, checkpoint)
-
-    def backward(i: int) -> list[Work]:
-        return (
-            [("recompute", i)] * checkpointed(checkpoint, i, chunks)
-            + [("backward", i)]
-            + [("weight", i)] * (not at_end)
-        )
-
-    order: list[Work] = []
-    if schedule == "gpipe":
-        order += [("forward", i) for i in range(chunks)] + [("loss", None)] * last
-        for i in reversed(range(chunks)):
-            order += backward(i)
-        return order + [("weight", i) for i in reversed(range(chunks))] * at_end
-    warmup = num_stages - 1 - stage
-    for i in range(chunks):
-        order += [("forward", i)] + [("loss", i)] * last
-        if i >= warmup:
-            order += backward(i - warmup)
-    for j in range(max(chunks - warmup, 0), chunks):
-        order += backward(j)
-    return order
-
-
 def simulate(
     stages: Sequence[StageCost],
     chunks: int,
@@ -194,6 +148,7 @@ def simulate(
     loss: float = 0.0,
     optimizer: float | Sequence[float] = 0.0,
     schedule: str = "gpipe",
+    defer_weight_grad: Optional[bool] = None,
 ) -> Prediction:
     """Predict one step of the pipeline (see the module docstring for the schedules).
 
@@ -206,6 +161,8 @@ def simulate(
             mini-batch (under 1F1B, ``loss / M`` after each micro-batch's forward).
         optimizer: seconds of the optimizer step, one number for every stage or one per stage.
         schedule: ``"gpipe"`` (default, fill-drain) or ``"1f1b"``, as for ``GPipeStrategy``.
+        defer_weight_grad: whether the stages after the first split their backwards into B and W, as for
+            ``GPipeStrategy``; ``None`` (default): when a stage's ``weight`` is set.
 
     Raises:
         ValueError: for no stages, ``chunks < 1``, or an unknown ``checkpoint`` mode or ``schedule``.
@@ -216,7 +173,12 @@ def simulate(
         )
     num_stages = len(stages)
     optimizers = [optimizer] * num_stages if isinstance(optimizer, (int, float)) else list(optimizer)
-    orders = [work_order(schedule, k, num_stages, chunks, checkpoint) for k in range(num_stages)]
+    defer = any(cost.weight for cost in stages) if defer_weight_grad is None else defer_weight_grad
+    orders = [
+        [(action.kind.value, action.micro_batch) for action in plan.actions if action.kind in COMPUTE]
+        for plan in plans(schedule, num_stages, chunks, checkpoint, defer)
+    ]
+    splits = [any(kind == "weight" for kind, _ in order) for order in orders]  # W is an action of its own there
     spans: list[list[Span]] = [[] for _ in stages]
     free = [0.0] * num_stages  # when each stage is next free
     done = [0] * num_stages  # how much of its order each stage has run
@@ -248,7 +210,7 @@ def simulate(
                     seconds = cost.forward if cost.recompute is None else cost.recompute
                     free[k] = _run(spans[k], free[k], at, seconds, kind, i, 0, cost.activation_bytes)
                 elif kind == "backward":
-                    free[k] = _run(spans[k], free[k], at, cost.backward - cost.weight, kind, i)
+                    free[k] = _run(spans[k], free[k], at, cost.backward - cost.weight * splits[k], kind, i)
                     sent[(kind, k, i)] = free[k]  # the input gradient goes before a deferred weight gradient
                 elif cost.weight:
                     free[k] = _run(spans[k], free[k], at, cost.weight, kind, i)

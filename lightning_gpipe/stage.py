@@ -1,6 +1,7 @@
 """One stage's primitives: take the micro-batches, forward one, send it, receive a gradient, backward one.
 
-A schedule (:mod:`lightning_gpipe.schedule`) decides the order of these calls; the stage does each
+A schedule (:mod:`lightning_gpipe.schedule`) decides the order of these calls, which the runtime
+(:mod:`lightning_gpipe.runtime`) makes; the stage does each
 one and keeps what a micro-batch's backward needs: its input, its output (or, when re-materialized,
 the random state to recompute it from), and the shapes of the gradients that will come back.
 Parameter gradients accumulate over the micro-batches, so a mini-batch's micro-batches together
@@ -269,10 +270,11 @@ class Stage:
             self.link.send_grads([x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs], index)
         self.skips.send_grads(record.skip_in, index)
 
-    def backward_weights(self) -> None:
-        """W: add the queued weight gradients of earlier :meth:`backward` calls to the parameters' ``.grad``."""
-        while self._weights:
-            index, weight, last_outputs = self._weights.popleft()
+    def backward_weights(self, index: int) -> None:
+        """W: add micro-batch ``index``'s weight gradient, queued by its :meth:`backward`, to the parameters'
+        ``.grad`` (nothing if it was not deferred: W runs in the order of the B's)."""
+        if self._weights and self._weights[0][0] == index:
+            _, weight, last_outputs = self._weights.popleft()
             if last_outputs:
                 self._announce_last_backward(last_outputs)
             with self.events.span("weight", index):

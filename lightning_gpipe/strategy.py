@@ -47,7 +47,8 @@ from lightning_gpipe.partition import Split, find_backbone, materialize
 from lightning_gpipe.randomness import StageRandomness
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES
 from lightning_gpipe.relay import LogRelay, share_step_output
-from lightning_gpipe.schedule import GPipe, OneForwardOneBackward
+from lightning_gpipe.runtime import Runtime
+from lightning_gpipe.schedule import SCHEDULES
 from lightning_gpipe.signals import StopSignals
 from lightning_gpipe.skip import SkipLayout
 from lightning_gpipe.skip.links import SkipLinks
@@ -206,8 +207,7 @@ class GPipeStrategy(ParallelStrategy):
         self._split: Optional[Split] = None
         self._whole_before_split = True
         self._stage: Optional[Stage] = None
-        self._schedule: Optional[GPipe] = None
-        self._one_f_one_b: Optional[OneForwardOneBackward] = None
+        self._runtime: Optional[Runtime] = None
         self._step_gradients = StepGradients()
         self._backbone_call: Optional[BackboneCall] = None
         self._relay: Optional[LogRelay] = None
@@ -421,7 +421,7 @@ class GPipeStrategy(ParallelStrategy):
         gradients are averaged: they are computed apart from the window's earlier ones (see
         :class:`~lightning_gpipe.gradients.StepGradients`), and the average of a sum is the sum of the averages."""
         sync = self._gradient_sync
-        if sync is None or self._one_f_one_b is not None:
+        if sync is None or self._runtime.per_micro_batch_loss:
             yield
             return
         sync.enabled = False
@@ -488,10 +488,9 @@ class GPipeStrategy(ParallelStrategy):
             self.defer_weight_grad,
             SkipLinks(**peers, device=self.root_device, events=link.events),
         )
-        self._schedule = GPipe(self._stage)
-        self._one_f_one_b = OneForwardOneBackward(self._stage, num_stages) if self.schedule == "1f1b" else None
+        self._runtime = Runtime(self._stage, self.schedule, num_stages)
         self._backbone_call = BackboneCall(
-            self._schedule, self._stage.is_last, share=self._share_from_last_stage, randomness=self._randomness
+            self._runtime, self._stage.is_last, share=self._share_from_last_stage, randomness=self._randomness
         )
         self._split.partition.pipeline = self._backbone_call
         self._relay = LogRelay(self, src=self._last_stage_rank, group=self._pipeline_group)
@@ -598,7 +597,7 @@ class GPipeStrategy(ParallelStrategy):
                 loss on the last stage.
             PipelineFailure: if another stage failed while this one waited for it.
         """
-        if self._one_f_one_b is not None:
+        if self._runtime.per_micro_batch_loss:
             output = self._one_f_one_b_step(args, kwargs)
         else:
             output = self._user_step("training_step", self.precision_plugin.train_step_context, args, kwargs)
@@ -620,7 +619,7 @@ class GPipeStrategy(ParallelStrategy):
         watchdog.begin_step(f"step {trainer.global_step}")  # as _user_step
         with self.precision_plugin.train_step_context(), failure.reporting(), gradients:
             return self._backbone_call.micro_batch_steps(
-                module, "training_step", args, kwargs, self._one_f_one_b, self._backward_micro_batch
+                module, "training_step", args, kwargs, self._backward_micro_batch
             )
 
     def _backward_micro_batch(self, loss: Tensor, last: bool) -> None:
@@ -649,7 +648,7 @@ class GPipeStrategy(ParallelStrategy):
         module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        if self._one_f_one_b is not None:
+        if self._runtime.per_micro_batch_loss:
             self._step_gradients.hand_over()
         else:
             if self._stage.is_last:
@@ -657,7 +656,7 @@ class GPipeStrategy(ParallelStrategy):
                 with self._randomness.stage():
                     self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
             with self.precision_plugin.train_step_context(), failure.reporting(), self._randomness.stage():
-                self._schedule.backward()  # recomputes as the fill did, with the stage's random stream
+                self._runtime.backward()  # recomputes as the fill did, with the stage's random stream
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         with self._stage.events.span("relay"):
@@ -905,8 +904,8 @@ class GPipeStrategy(ParallelStrategy):
         if self._split is not None:
             self._split.undo(full)
             revert_deferred_batch_norm(self._split.sequential)
-            self._split = self._stage = self._schedule = self._backbone_call = self._relay = self._ties = None
-            self._one_f_one_b = self._gradient_sync = None
+            self._split = self._stage = self._runtime = self._backbone_call = self._relay = self._ties = None
+            self._gradient_sync = None
         self._agreement = self._signals = None
         self._randomness = StageRandomness()
         watchdog.stop()
@@ -935,7 +934,7 @@ def _check_arguments(
         raise ValueError(f"GPipeStrategy(chunks={chunks!r}): chunks is the number of micro-batches, an integer >= 1.")
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"GPipeStrategy(checkpoint={checkpoint!r}): choose one of {', '.join(CHECKPOINT_MODES)}.")
-    if schedule not in ("gpipe", "1f1b"):
+    if schedule not in SCHEDULES:
         raise ValueError(
             f"GPipeStrategy(schedule={schedule!r}): choose 'gpipe' (fill-drain) or '1f1b' (one forward, one backward)."
         )

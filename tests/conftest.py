@@ -152,22 +152,22 @@ def reference_state():
 def one_stage_pipeline(module, chunks: int, checkpoint: str, defer_weight_grad: bool = False):
     """Split ``module.backbone`` into a one-stage pipeline in this process.
 
-    Calling ``module.backbone`` then runs the fill (straight through the schedule: there is no user step around
-    the calls here); the returned :class:`~lightning_gpipe.schedule.GPipe` schedule's ``backward()`` runs the
+    Calling ``module.backbone`` then runs the fill (straight through the runtime: there is no user step around
+    the calls here); the returned fill-drain :class:`~lightning_gpipe.runtime.Runtime`'s ``backward()`` runs the
     drain, and its ``stage.events`` records the spans.
     """
     import torch
 
     from lightning_gpipe.partition import Split
-    from lightning_gpipe.schedule import GPipe
+    from lightning_gpipe.runtime import Runtime
     from lightning_gpipe.stage import Stage
     from lightning_gpipe.transfer import Link
 
     split = Split(module, "backbone", [len(module.backbone)], stage_index=0)
     stage = Stage(split.partition, Link(None, None, torch.device("cpu")), 0, 1, chunks, checkpoint, defer_weight_grad)
-    schedule = GPipe(stage)
-    split.partition.pipeline = _ThroughSchedule(schedule)
-    return schedule
+    runtime = Runtime(stage, "gpipe", 1)
+    split.partition.pipeline = _ThroughSchedule(runtime)
+    return runtime
 
 
 class _ThroughSchedule:

@@ -12,13 +12,13 @@ from conftest import one_stage_pipeline, shared_run
 from torch import nn
 
 from lightning_gpipe.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm, revert_deferred_batch_norm
-from lightning_gpipe.schedule import GPipe
+from lightning_gpipe.runtime import Runtime
 
 SHAPES = {nn.BatchNorm1d: (4,), nn.BatchNorm2d: (4, 3, 3), nn.BatchNorm3d: (4, 2, 2, 2)}
 STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
-def _pipeline(layers: nn.Sequential, chunks: int, checkpoint: str) -> tuple[nn.Module, GPipe]:
+def _pipeline(layers: nn.Sequential, chunks: int, checkpoint: str) -> tuple[nn.Module, Runtime]:
     """``layers`` as the backbone of a one-stage pipeline; calling the returned backbone runs the fill."""
     module = nn.Module()
     module.backbone = layers

@@ -23,8 +23,9 @@ from lightning_gpipe.contract import BackboneCall
 from lightning_gpipe.events import Recorder
 from lightning_gpipe.partition import Split
 from lightning_gpipe.per_micro_batch import RowWeighted, batch_rows, check_input_rows, split_batch
-from lightning_gpipe.schedule import GPipe, OneForwardOneBackward
-from lightning_gpipe.simulator import StageCost, simulate, work_order
+from lightning_gpipe.runtime import Runtime
+from lightning_gpipe.schedule import Kind, one_f_one_b
+from lightning_gpipe.simulator import StageCost, simulate
 from lightning_gpipe.stage import Stage
 from lightning_gpipe.transfer import Link
 
@@ -61,6 +62,7 @@ class _FakeStage:
     def __init__(self, k: int, stages: int, chunks: int, wire: _Wire) -> None:
         self.stage_index, self.is_first, self.is_last = k, k == 0, k == stages - 1
         self.chunks, self.wire, self.events = chunks, wire, Recorder()
+        self.checkpoint, self.defer_weight_grad, self.training = "always", False, True
         self.calls: list[tuple[str, int]] = []
         self.held: set[int] = set()
         self.peak = 0
@@ -99,8 +101,8 @@ class _FakeStage:
         if not self.is_first:
             self._send(("gradient", self.stage_index, i))
 
-    def backward_weights(self):
-        self.calls.append(("weights", None))
+    def backward_weights(self, i):
+        self.calls.append(("weights", i))
 
     def flush(self):
         self.wire.wait_received(set(self.sends))
@@ -114,7 +116,7 @@ def _run_fake_pipeline(stages: int, chunks: int) -> list[_FakeStage]:
 
     def run(fake: _FakeStage) -> None:
         try:
-            OneForwardOneBackward(fake, stages).step(None, lambda i, count, y: last.calls.append(("head", i)))
+            Runtime(fake, "1f1b", stages).step(None, lambda i, count, y: last.calls.append(("head", i)))
         except BaseException as error:  # reported below
             errors.append(error)
 
@@ -132,7 +134,8 @@ def test_1f1b_order_holds_at_most_k_minus_k_micro_batches_and_never_deadlocks(st
     for fake in _run_fake_pipeline(stages, chunks):
         k, calls = fake.stage_index, fake.calls
         work = [c for c in calls if c[0] in ("forward", "recompute", "backward")]
-        predicted = [w for w in work_order("1f1b", k, stages, chunks, "always") if w[0] not in ("loss", "weight")]
+        plan = one_f_one_b(k, stages, chunks, "always", False).actions
+        predicted = [(a.kind.value, a.micro_batch) for a in plan if a.kind in (Kind.FORWARD, Kind.RECOMPUTE, Kind.BACKWARD)]
         assert work == predicted, k  # the simulator predicts this order
         assert fake.peak == min(stages - k, chunks)
         expects = [i for kind, i in calls if kind == "expect"]
@@ -168,12 +171,12 @@ class _Net(nn.Module):
         return {"loss": loss, "rows_seen": y}
 
 
-def _one_stage(net: nn.Module, chunks: int, checkpoint: str) -> tuple[BackboneCall, OneForwardOneBackward]:
+def _one_stage(net: nn.Module, chunks: int, checkpoint: str) -> BackboneCall:
     split = Split(net, "backbone", [len(net.backbone)], stage_index=0)
     stage = Stage(split.partition, Link(None, None, torch.device("cpu")), 0, 1, chunks, checkpoint)
-    call = BackboneCall(GPipe(stage), is_last=True)
+    call = BackboneCall(Runtime(stage, "1f1b", 1), is_last=True)
     split.partition.pipeline = call
-    return call, OneForwardOneBackward(stage, 1)
+    return call
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
@@ -183,8 +186,8 @@ def test_one_stage_1f1b_equals_plain_autograd_and_combines_by_rows(checkpoint):
     reference, net = _Net(), _Net()
     net.load_state_dict(reference.state_dict())
     reference.training_step(batch, 0)["loss"].backward()
-    call, schedule = _one_stage(net, 4, checkpoint)
-    output = call.micro_batch_steps(net, "training_step", (batch, 0), {}, schedule, lambda loss, last: loss.backward())
+    call = _one_stage(net, 4, checkpoint)
+    output = call.micro_batch_steps(net, "training_step", (batch, 0), {}, lambda loss, last: loss.backward())
     for (name, p), q in zip(net.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6, msg=name)
     # 10 rows in 4 micro-batches: 3, 3, 2, 2; the step's output and logs are row-weighted means
@@ -202,10 +205,10 @@ def test_1f1b_errors_name_the_fix_before_any_micro_batch():
     with pytest.raises(ValueError, match="the batch has 10 rows and the backbone input 20"):
         check_input_rows(torch.zeros(20, 4), 10)
     net = _Net()
-    call, schedule = _one_stage(net, 4, "never")
+    call = _one_stage(net, 4, "never")
     net.training_step = lambda batch, batch_idx: net.head(net.backbone(batch["x"][:, :4].repeat(2, 1))).sum()
     with pytest.raises(ValueError, match="the batch has 10 rows and the backbone input 20"):
-        call.micro_batch_steps(net, "training_step", ({"x": torch.zeros(10, 4)}, 0), {}, schedule, print)
+        call.micro_batch_steps(net, "training_step", ({"x": torch.zeros(10, 4)}, 0), {}, print)
     with pytest.raises(ValueError, match="GPipeStrategy\\(schedule='2f2b'\\)"):
         GPipeStrategy(schedule="2f2b")
 
@@ -246,9 +249,9 @@ def test_deferred_batch_norm_counts_each_micro_batch_once_under_1f1b():
     plain, net = nn.BatchNorm1d(4), _Net()
     net.backbone = convert_deferred_batch_norm(nn.Sequential(nn.BatchNorm1d(4)))
     net.head = nn.Linear(4, 3)
-    call, schedule = _one_stage(net, 3, "always")  # recomputes must not count again
+    call = _one_stage(net, 3, "always")  # recomputes must not count again
     net.training_step = lambda batch, batch_idx: net.head(net.backbone(batch)).sum()
-    call.micro_batch_steps(net, "training_step", (x, 0), {}, schedule, lambda loss, last: loss.backward())
+    call.micro_batch_steps(net, "training_step", (x, 0), {}, lambda loss, last: loss.backward())
     plain(x)
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         torch.testing.assert_close(getattr(net.backbone.get_submodule("0"), name), getattr(plain, name), msg=name)
