@@ -366,8 +366,8 @@ def _train(step, params, args: argparse.Namespace, rank: int) -> None:
 
 
 def run_bare(args: argparse.Namespace) -> None:
-    """Our runtime (either schedule) over Stage/Partition/Link in torch.distributed processes, no Trainer: the engine's own
-    cost."""
+    """Our runtime (either schedule) over Stage/Partition/Link in torch.distributed processes, no Trainer: the
+    engine's own cost."""
     import torch.distributed as dist
     import torch.nn.functional as F
 

@@ -54,7 +54,8 @@ class Pipeline(Protocol):
 
 
 Answer = Callable[[Value], Optional[Value]]
-"""What answers a plain backbone call: the pipeline's forward, or a stand-in (:meth:`BackboneCall.micro_batch_steps`)."""
+"""What answers a plain backbone call: the pipeline's forward, or a stand-in of
+:meth:`BackboneCall.micro_batch_steps`."""
 
 
 class BackboneCall:

@@ -17,12 +17,16 @@ DDP's per-forward buffer broadcast is off; the replicas start from rank 0's para
 DDP broadcasts when it is built.
 """
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
+
+from lightning_gpipe import collectives
 
 
 class GradientSync:
@@ -54,6 +58,15 @@ class GradientSync:
         """Whether ``module`` has a parameter that requires grad (DDP refuses a module without one)."""
         return any(p.requires_grad for p in module.parameters())
 
+    @contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Inside the block, accumulate without averaging (:attr:`enabled` is ``False``)."""
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
+
     def prepare(self, outputs: Iterable[Tensor]) -> None:
         """Announce the step's last backward on this stage, from ``outputs`` (the tensors it backpropagates).
 
@@ -63,3 +76,24 @@ class GradientSync:
         """
         if self.enabled:
             self.ddp.reducer.prepare_for_backward([t for t in outputs if t.requires_grad])
+
+
+def reduce_over_replicas(tensor: Any, reduce_op: Any, group: Optional[dist.ProcessGroup], replicas: int) -> Any:
+    """``tensor`` reduced over a stage's ``replicas`` (its data-parallel ``group``) as DDP reduces logged values
+    (``self.log(..., sync_dist=True)``): their mean (``reduce_op`` ``"mean"``, ``None`` or ``"avg"``) or sum
+    (``"sum"``); unchanged for one replica or a non-tensor. The stages of one pipeline hold parts of one step, not
+    copies, so they never average with each other; the logging relay copies the last stage's values to them.
+
+    Raises:
+        ValueError: for another ``reduce_op``.
+        PipelineFailure: if another process failed or stalled meanwhile.
+    """
+    op = (reduce_op or "mean").lower() if isinstance(reduce_op, (str, type(None))) else reduce_op
+    if op not in ("mean", "avg", "sum", dist.ReduceOp.SUM):
+        raise ValueError(f"GPipeStrategy.reduce(reduce_op={reduce_op!r}): choose 'mean', 'avg' or 'sum'.")
+    if not isinstance(tensor, Tensor) or replicas == 1:
+        return tensor
+    mean = op in ("mean", "avg")
+    result = tensor.to(torch.get_default_dtype()) if mean and not tensor.is_floating_point() else tensor.clone()
+    collectives.all_reduce(result, group=group)
+    return result / replicas if mean else result

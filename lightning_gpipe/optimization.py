@@ -10,11 +10,12 @@ step depend on all the gradients of the model, not one stage's part:
   any stage must make every stage skip the step and back off the scale together,
   or the stages' weights and scales drift apart.
 
-Clipping by value needs nothing: it is element-wise.
+Clipping by value needs nothing: it is element-wise. :func:`pipelined` gives the strategy's precision plugin both.
 """
 
-from collections.abc import Iterable
-from typing import Optional
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -102,3 +103,47 @@ class SharedGradScaler(torch.amp.GradScaler):
         collectives.all_reduce(any_found, dist.ReduceOp.MAX, self.group)
         for flag in flags:
             flag.copy_(any_found)
+
+
+class PipelinePrecision:
+    """What :func:`pipelined` mixes into a precision plugin: Lightning's gradient clipping by norm goes through
+    :func:`clip_grad_norm_` over the stages of ``pipeline_group``, leaving out ``uncounted()`` (tied copies)."""
+
+    pipeline_group: Optional[dist.ProcessGroup] = None
+    uncounted: Callable[[], Iterable[Tensor]] = tuple
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
+        """Clip ``optimizer``'s gradients by the norm of every stage's gradients (a collective call of the pipeline)."""
+        clip_grad_norm_(self.main_params(optimizer), clip_val, group=self.pipeline_group, uncounted=self.uncounted())
+
+
+@functools.cache
+def _pipelined_class(plugin_class: type) -> type:
+    return type(f"Pipelined{plugin_class.__name__}", (PipelinePrecision, plugin_class), {})
+
+
+def pipelined(plugin: Any, group: Optional[dist.ProcessGroup], uncounted: Callable[[], Iterable[Tensor]]) -> None:
+    """Make a Lightning precision plugin clip by the norm of all stages' gradients and share its gradient scaler's
+    found-inf decision (:class:`SharedGradScaler`); undone by :func:`unpipelined`.
+
+    The plugin's class becomes a subclass of its own class with :class:`PipelinePrecision` first, so every
+    ``isinstance`` check of Lightning's (``MixedPrecision``, ``FSDPPrecision``...) still holds.
+
+    Args:
+        plugin: the strategy's precision plugin.
+        group: the stages of this process's pipeline.
+        uncounted: returns the parameters left out of this stage's norm (see :func:`clip_grad_norm_`).
+    """
+    if not isinstance(plugin, PipelinePrecision):
+        plugin.__class__ = _pipelined_class(type(plugin))
+    plugin.pipeline_group, plugin.uncounted = group, uncounted
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is not None and not isinstance(scaler, SharedGradScaler):
+        plugin.scaler = SharedGradScaler.from_scaler(scaler)
+
+
+def unpipelined(plugin: Any) -> None:
+    """Give ``plugin`` its own class back (after a run; its scaler stays shared, with its state)."""
+    if isinstance(plugin, PipelinePrecision):
+        plugin.__class__ = type(plugin).__bases__[1]
+        del plugin.pipeline_group, plugin.uncounted

@@ -140,7 +140,8 @@ def gpipe(stage_index: int, num_stages: int, count: int, checkpoint: str, defer_
         drain += [Action(Kind.EXPECT, i - 1)] * (i > 0)  # one ahead, so it lands while this one computes
         drain.append(Action(Kind.BACKWARD, i))
         drain += [Action(Kind.WEIGHT, i)] * (not at_end and _splits(stage_index, defer_weight_grad))
-    drain += [Action(Kind.WEIGHT, i) for i in reversed(range(count))] * (at_end and _splits(stage_index, defer_weight_grad))
+    if at_end and _splits(stage_index, defer_weight_grad):
+        drain += [Action(Kind.WEIGHT, i) for i in reversed(range(count))]
     return Plan(tuple(fill + drain + [Action(Kind.FLUSH)]), cut=len(fill))
 
 

@@ -16,9 +16,10 @@ executes) in their order; a piece of work starts once the stage is free and its 
   (:func:`lightning_gpipe.schedule.weights_after_drain`).
 - Each stage ends with its optimizer step (``optimizer``).
 
-``schedule="1f1b"`` is PipeDream-Flush (Narayanan et al. 2021, :func:`lightning_gpipe.schedule.one_f_one_b`): stage k runs ``min(K - k - 1, M)`` forwards,
-then alternates one forward and one backward, then the remaining backwards; on the last stage each
-micro-batch's forward is followed by its share of the head and loss (``loss / M``) and at once by its backward.
+``schedule="1f1b"`` is PipeDream-Flush (Narayanan et al. 2021, :func:`lightning_gpipe.schedule.one_f_one_b`):
+stage k runs ``min(K - k - 1, M)`` forwards, then alternates one forward and one backward, then the remaining
+backwards; on the last stage each micro-batch's forward is followed by its share of the head and loss (``loss / M``)
+and at once by its backward.
 Dependencies and recomputes are as above.
 
 With K equal stages, M micro-batches and only forward and backward, the step takes ``(M + K - 1)`` micro-batch
@@ -45,7 +46,6 @@ from lightning_gpipe.events import Span
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES, checkpointed
 from lightning_gpipe.schedule import COMPUTE, SCHEDULES, plans
 from lightning_gpipe.trace import StageTrace, StepTrace
-
 
 
 @dataclass(frozen=True)

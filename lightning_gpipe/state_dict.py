@@ -58,6 +58,22 @@ def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, st
     set_optimizer_state_dict(module, optimizer, state, options=_FLAT)
 
 
+def load_optimizer_states(module: nn.Module, optimizers: list, states: list[dict[str, Any]]) -> None:
+    """Load this stage's entries of every optimizer's name-keyed state (see :func:`load_optimizer_state`).
+
+    Raises:
+        ValueError: for a state keyed by index (written without GPipeStrategy): it cannot be split between stages.
+    """
+    for optimizer, state in zip(optimizers, states):
+        if "param_groups" in state:
+            raise ValueError(
+                "This checkpoint's optimizer state was written without GPipeStrategy (keyed by parameter"
+                " index, not name), so it cannot be split between stages. Resume it with the strategy it was"
+                " written with, or load only the weights: `Module.load_from_checkpoint(path)`."
+            )
+        load_optimizer_state(module, getattr(optimizer, "_optimizer", optimizer), state)
+
+
 def local_entries(state_dict: dict[str, Tensor], module: nn.Module) -> dict[str, Tensor]:
     """The entries of the whole model's ``state_dict`` that belong to this stage's ``module``.
 
@@ -84,6 +100,29 @@ def gather_union(local: dict[str, Any], group: Optional[dist.ProcessGroup] = Non
     if parts is None:
         return None
     return {key: value for part in parts for key, value in part.items()}
+
+
+def whole_on_rank_zero(local: dict[str, Any], replica: int, group: Optional[dist.ProcessGroup]) -> Optional[dict]:
+    """The union of replica 0's stages' ``local`` dicts on global rank 0; ``None`` elsewhere. The other replicas
+    hold copies of replica 0's, so they send nothing (a collective call of replica 0's pipeline ``group``).
+
+    Raises:
+        PipelineFailure: if another stage failed while this one waited for it.
+    """
+    if dist.is_initialized() and replica != 0:
+        return None
+    return gather_union(local, group)
+
+
+def stage_template(module: nn.Module, optimizers: list, fitting: bool) -> dict[str, Any]:
+    """What this stage reads of a sharded checkpoint: its model state and, when fitting, its optimizers' state
+    (name-keyed, whatever layout this run writes)."""
+    template: dict[str, Any] = {"state_dict": module.state_dict()}
+    if fitting:
+        template["optimizer_states"] = [
+            optimizer_state(module, getattr(optimizer, "_optimizer", optimizer)) for optimizer in optimizers
+        ]
+    return template
 
 
 def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int) -> None:

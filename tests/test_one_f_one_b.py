@@ -135,7 +135,9 @@ def test_1f1b_order_holds_at_most_k_minus_k_micro_batches_and_never_deadlocks(st
         k, calls = fake.stage_index, fake.calls
         work = [c for c in calls if c[0] in ("forward", "recompute", "backward")]
         plan = one_f_one_b(k, stages, chunks, "always", False).actions
-        predicted = [(a.kind.value, a.micro_batch) for a in plan if a.kind in (Kind.FORWARD, Kind.RECOMPUTE, Kind.BACKWARD)]
+        predicted = [
+            (a.kind.value, a.micro_batch) for a in plan if a.kind in (Kind.FORWARD, Kind.RECOMPUTE, Kind.BACKWARD)
+        ]
         assert work == predicted, k  # the simulator predicts this order
         assert fake.peak == min(stages - k, chunks)
         expects = [i for kind, i in calls if kind == "expect"]

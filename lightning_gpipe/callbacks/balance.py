@@ -161,7 +161,7 @@ class PipelineBalance(PipelineCallback):
 
     def _report(self, trainer: "pl.Trainer") -> dict:
         loads = stage_loads(self.measured)
-        chunks, checkpoint = self.measured[0].micro_batches, trainer.strategy.checkpoint
+        chunks, checkpoint = self.measured[0].micro_batches, trainer.strategy.config.checkpoint
         report = {
             "steps": [s.step for s in self.measured],
             "chunks": chunks,

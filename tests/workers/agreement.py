@@ -5,11 +5,12 @@ Usage: python agreement.py OUT_DIR --devices N [--pipeline K]
 Runs on N processes as pipelines of K stages (K = N by default; N = 4, K = 2 is pp 2 x dp 2):
 - "probe": a ``DataLoader(shuffle=True)`` with random augmentation in its worker process,
   ``seed_everything(workers=True)``, random data preparation before the backbone call, stages that draw different
-  amounts of random numbers in their forwards (dropout and ``torch.rand``), 3 epochs. Every row carries its own index as feature 0 through the backbone, and its label is that
-  index: the last stage of each replica writes OUT_DIR/probe_rank{r}.json with, per epoch, the labels it read in
-  order and the number of rows whose backbone output came from another row; every rank writes the first random
-  numbers its stage layers drew (OUT_DIR/draws_rank{r}.json) and the loss its rank-0 callback saw per step next
-  to the loss the last stage computed (OUT_DIR/losses_rank{r}.json).
+  amounts of random numbers in their forwards (dropout and ``torch.rand``), 3 epochs. Every row carries its own
+  index as feature 0 through the backbone, and its label is that index: the last stage of each replica writes
+  OUT_DIR/probe_rank{r}.json with, per epoch, the labels it read in order and the number of rows whose backbone
+  output came from another row; every rank writes the first random numbers its stage layers drew
+  (OUT_DIR/draws_rank{r}.json) and the loss its rank-0 callback saw per step next to the loss the last stage
+  computed (OUT_DIR/losses_rank{r}.json).
 - "mismatch": the same, but every process keeps its own ``RandomSampler`` seeded by its rank
   (``use_distributed_sampler=False``); every rank writes the error that ended its fit to
   OUT_DIR/mismatch_rank{r}.txt.

@@ -1,0 +1,182 @@
+"""GPipeStrategy's options, checked once: one frozen object, one table of allowed values per option.
+
+:class:`PipelineConfig` holds what ``GPipeStrategy(...)`` was given (see its docstring for each option) and raises
+a ``ValueError`` naming the fix for a bad value, before any process starts. Whether the mesh and a list
+``balance`` fit the devices is checked when the launcher is configured (:mod:`lightning_gpipe.topology`), and
+whether ``balance`` fits the backbone at setup (:mod:`lightning_gpipe.balance`).
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional, Union
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+
+from lightning_gpipe.balance import MODES
+from lightning_gpipe.rematerialization import CHECKPOINT_MODES
+from lightning_gpipe.schedule import SCHEDULES
+from lightning_gpipe.topology import Size, checked_size
+
+CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
+    "checkpoint": (CHECKPOINT_MODES, f"choose one of {', '.join(CHECKPOINT_MODES)}"),
+    "schedule": (tuple(SCHEDULES), "choose 'gpipe' (fill-drain) or '1f1b' (one forward, one backward)"),
+    "start_method": (("popen", "spawn"), "choose 'popen' or 'spawn'"),
+    "state_dict_type": (("full", "sharded"), "choose 'full' or 'sharded'"),
+}
+"""The options that take one of a few names: option -> (allowed values, how the error names them)."""
+
+Balance = Union[None, str, Sequence[int]]
+"""``balance``: ``None``, a mode of :data:`lightning_gpipe.balance.MODES`, or layers per stage."""
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The options of :class:`~lightning_gpipe.strategy.GPipeStrategy`: what a pipeline is made of and how it runs.
+
+    Args:
+        balance: how many consecutive backbone layers each stage holds. A list gives them, one entry per
+            device, e.g. ``[3, 5]``. A mode chooses the contiguous split whose costliest stage is cheapest
+            (exactly, see :func:`~lightning_gpipe.balance.solve`): ``"params"`` by parameter count,
+            ``"time"`` by forward + backward time, ``"memory"`` by saved activations + parameters. ``None``
+            (default) means ``"params"``. ``"time"`` and ``"memory"`` profile each layer, one at a time on
+            global rank 0's device, on the first micro-batch of the module's ``example_input_array`` (the
+            input of ``forward``) or else of the first training batch; the costs are kept in
+            :attr:`layer_costs` and reused by later runs of the same strategy. See docs/balance.md.
+        balance_memory_limit: bytes one stage may hold, counted as its layers' profiled saved activations
+            and parameters for one micro-batch (see :func:`~lightning_gpipe.balance.balance_by`); the
+            split is the best one within it. ``None`` (default) for no limit. Profiles like ``"time"``.
+        chunks: M, the number of micro-batches per mini-batch. ``None`` (default) uses ``4 * K`` for K > 1
+            stages, the point from which the paper finds the bubble negligible, and 1 for a single stage (no
+            bubble to hide, so micro-batches would only cost time; set ``chunks`` to trade time for
+            activation memory with re-materialization on one device). A batch with fewer rows
+            than ``chunks`` runs as one micro-batch per row; a batch that does not divide evenly gives
+            uneven micro-batches (as :func:`torch.tensor_split`).
+        checkpoint: re-materialization: ``"always"`` recomputes every micro-batch's forward in the
+            drain, ``"except_last"`` (default) all but the last micro-batch, ``"never"`` keeps all
+            activations.
+        schedule: ``"gpipe"`` (default) is GPipe's fill-drain: all M forwards, then all M backwards, so a
+            stage holds M micro-batches. ``"1f1b"`` is PipeDream-Flush's one-forward-one-backward schedule
+            (Narayanan et al. 2021): each micro-batch's backward starts as soon as its loss exists, so stage k
+            of K holds at most ``K - k`` micro-batches; same gradients, same bubble. Under ``"1f1b"`` the last
+            stage runs ``training_step`` once per micro-batch on its rows of the batch, weighting each loss
+            by its share of the rows (see docs/contract.md, "1F1B"). Evaluation is the same forward for both.
+        deferred_batch_norm: ``True`` makes the backbone's ``nn.BatchNorm1d/2d/3d`` layers normalise with
+            micro-batch statistics but update their running statistics once per mini-batch, equal to
+            single-device batch norm's (see :class:`~lightning_gpipe.batchnorm.DeferredBatchNorm`); the
+            plain layers are back in the module after the run. ``False`` (default) leaves batch norm as
+            it is: every micro-batch, and every recompute, updates the running statistics.
+        defer_weight_grad: ``True`` splits each micro-batch's backward on the stages after the first into the
+            input gradient, sent to the previous stage at once, and the weight gradient, computed after the send
+            (zero-bubble pipeline parallelism's B/W split, Qi et al. 2023), so the previous stage starts each
+            backward one weight gradient earlier. Same gradients. Under fill-drain with ``checkpoint="never"``
+            the last stage runs every weight gradient after its last input gradient (its graphs are all held
+            at the fill's end anyway); elsewhere a micro-batch's graph is held no longer than without the
+            split (docs/how-it-works.md). ``False`` (default) computes both in one backward.
+        pipeline_parallel_size: K, the stages of each pipeline. ``"auto"`` (default): the length of a list
+            ``balance``, else ``devices * num_nodes / data_parallel_size`` if that is given, else ``devices`` (one
+            pipeline per node).
+        data_parallel_size: D, the pipeline replicas, each training on its own shard of every batch.
+            ``"auto"`` (default): ``devices * num_nodes / K``. ``K * D`` must equal ``devices * num_nodes``.
+        backbone: name of the ``nn.Sequential`` attribute to pipeline; ``None`` finds the only one.
+        start_method: ``"popen"`` (default) re-runs the user's script once per extra stage, like
+            ``torchrun``; ``"spawn"`` starts worker processes from the main one and loads every
+            stage's trained weights back into the main process's module.
+        state_dict_type: ``"full"`` (default) writes a checkpoint as one file holding every stage's weights and
+            optimizer state, gathered on global rank 0; it loads into the plain LightningModule without the
+            strategy. ``"sharded"`` writes a directory with torch.distributed.checkpoint, each stage its own
+            part, for models too large to gather. Both resume with any number of stages and any ``balance``.
+        timeout: the process group's timeout: how long a collective or transfer may wait before
+            torch.distributed gives up (30 minutes by default); it also caps ``stall_timeout``.
+        stall_timeout: how long a stage may wait for another (a transfer, or a collective of the package's)
+            before the job ends, naming the stage that stopped progressing and where it was, e.g. "stage 1 has
+            been in the forward of micro-batch 3 at step 17 for 300 s". 5 minutes by default, and at most 90% of
+            ``timeout`` (so that it speaks before torch.distributed gives up); ``None`` leaves only that. Writing
+            a checkpoint and profiling the backbone do not count as stalls. See docs/training.md, "Failures and
+            stalls".
+        process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
+
+    Raises:
+        ValueError: naming the option and the fix, for ``chunks < 1``, a value outside :data:`CHOICES`, a ``balance``
+            that is neither a mode nor a list of integers, a ``balance_memory_limit`` that is not a positive integer
+            or comes with a list ``balance``, a ``stall_timeout`` that is not a positive ``timedelta``, or a mesh
+            size that is neither a positive integer nor ``"auto"``.
+    """
+
+    balance: Balance = None
+    chunks: Optional[int] = None
+    checkpoint: str = "except_last"
+    schedule: str = "gpipe"
+    deferred_batch_norm: bool = False
+    defer_weight_grad: bool = False
+    backbone: Optional[str] = None
+    balance_memory_limit: Optional[int] = None
+    start_method: str = "popen"
+    state_dict_type: str = "full"
+    pipeline_parallel_size: Size = "auto"
+    data_parallel_size: Size = "auto"
+    timeout: Optional[timedelta] = default_pg_timeout
+    stall_timeout: Optional[timedelta] = timedelta(minutes=5)
+    process_group_backend: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        chunks = self.chunks
+        if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
+            raise ValueError(
+                f"GPipeStrategy(chunks={chunks!r}): chunks is the number of micro-batches, an integer >= 1."
+            )
+        for option, (allowed, fix) in CHOICES.items():
+            if getattr(self, option) not in allowed:
+                raise ValueError(f"GPipeStrategy({option}={getattr(self, option)!r}): {fix}.")
+        self._check_balance()
+        stall = self.stall_timeout
+        if stall is not None and (not isinstance(stall, timedelta) or stall <= timedelta(0)):
+            raise ValueError(
+                f"GPipeStrategy(stall_timeout={stall!r}): give how long a stage may wait for another as a positive"
+                " `datetime.timedelta`, e.g. timedelta(minutes=5), or None to leave only the process group's `timeout`."
+            )
+        checked_size(self.pipeline_parallel_size, "pipeline_parallel_size")
+        checked_size(self.data_parallel_size, "data_parallel_size")
+        if self.balance is not None and not isinstance(self.balance, str):
+            object.__setattr__(self, "balance", list(self.balance))
+
+    def _check_balance(self) -> None:
+        balance, limit = self.balance, self.balance_memory_limit
+        automatic = balance is None or balance in MODES
+        if not automatic and (
+            isinstance(balance, (str, bytes))
+            or not all(isinstance(n, int) and not isinstance(n, bool) for n in balance)
+        ):
+            raise ValueError(
+                f"GPipeStrategy(balance={balance!r}): choose 'params', 'time' or 'memory', or give the number of"
+                " backbone layers of each stage as a list of integers, e.g. balance=[3, 5]."
+            )
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise ValueError(
+                f"GPipeStrategy(balance_memory_limit={limit!r}): give the bytes one stage may hold, an integer >= 1,"
+                " or None for no limit."
+            )
+        if limit is not None and not automatic:
+            raise ValueError(
+                f"GPipeStrategy(balance={balance!r}, balance_memory_limit=...): the memory limit steers an automatic"
+                " balance; use balance='time' (or 'params', 'memory') with it, or drop the limit."
+            )
+
+    @property
+    def profiled(self) -> bool:
+        """Whether choosing the balance needs each layer's profiled cost (``"time"``, ``"memory"`` or a limit)."""
+        return self.balance in ("time", "memory") or self.balance_memory_limit is not None
+
+    def chunks_for(self, num_stages: int) -> int:
+        """M for a pipeline of ``num_stages``: ``chunks`` if given, else ``4 * K`` for K > 1 (the paper's point from
+        which the bubble is negligible) and 1 for a single stage (no bubble to hide)."""
+        if self.chunks is not None:
+            return self.chunks
+        return 4 * num_stages if num_stages > 1 else 1
+
+    def stall_limit(self) -> float:
+        """Seconds a stage may wait for another before the wait counts as a stall: ``stall_timeout``, at most 90% of
+        ``timeout`` (so that the watchdog speaks before torch.distributed gives up); ``inf`` without either."""
+        limits = [0.9 * self.timeout.total_seconds()] if self.timeout is not None else []
+        limits += [self.stall_timeout.total_seconds()] if self.stall_timeout is not None else []
+        return min(limits, default=float("inf"))

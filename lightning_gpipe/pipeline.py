@@ -1,0 +1,169 @@
+"""One run's pipeline on this process: the split module, the stage, its runtime and what goes with them.
+
+:func:`split_into_stage` builds it at the strategy's setup from the module, the options and the mesh: it chooses
+the balance, checks the skip connections, splits the backbone (:class:`~lightning_gpipe.partition.Split`), links
+the stage to its neighbours and to the stages its skips reach, and installs the backbone call. A
+:class:`PipelineRun` holds what the strategy's hooks hand work to; :meth:`PipelineRun.close` undoes the split at
+teardown.
+"""
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from lightning_gpipe import watchdog
+from lightning_gpipe.balance import LayerCost, resolve_balance
+from lightning_gpipe.batchnorm import convert_deferred_batch_norm, revert_deferred_batch_norm
+from lightning_gpipe.config import PipelineConfig
+from lightning_gpipe.contract import BackboneCall
+from lightning_gpipe.data_parallel import GradientSync
+from lightning_gpipe.gradients import StepGradients
+from lightning_gpipe.partition import Split
+from lightning_gpipe.randomness import StageRandomness
+from lightning_gpipe.relay import LogRelay
+from lightning_gpipe.runtime import Runtime
+from lightning_gpipe.skip import SkipLayout
+from lightning_gpipe.skip.links import SkipLinks
+from lightning_gpipe.stage import Stage
+from lightning_gpipe.ties import TiedParameters, find_ties
+from lightning_gpipe.topology import Topology
+from lightning_gpipe.transfer import Link
+
+
+@dataclass
+class PipelineRun:
+    """This process's part of one run (see the module docstring).
+
+    Args:
+        split: the module split into this stage's partition.
+        stage: the stage's primitives.
+        runtime: executes the stage's plans.
+        backbone_call: the call the partition goes through (installed as ``partition.pipeline``).
+        relay: copies the last stage's logged values to every stage.
+        ties: the parameters this stage shares with others.
+        gradient_sync: DDP over the stage's replicas, with several of them (set by :meth:`sync_gradients`).
+        step_gradients: a 1F1B step's gradients, kept apart until Lightning's ``backward``.
+    """
+
+    split: Split
+    stage: Stage
+    runtime: Runtime
+    backbone_call: BackboneCall
+    relay: LogRelay
+    ties: TiedParameters
+    gradient_sync: Optional[GradientSync] = None
+    step_gradients: StepGradients = field(default_factory=StepGradients)
+
+    def sync_gradients(self, module: "pl.LightningModule", group: Any, device: torch.device) -> None:
+        """Let DDP average this stage's gradients over its data-parallel ``group`` (several replicas only; see
+        :mod:`lightning_gpipe.data_parallel`): what the stage trains is its partition, and on the last stage also
+        the modules after the backbone."""
+        trained = module if self.stage.is_last else self.split.partition
+        if not GradientSync.trains(trained):
+            return
+        self.gradient_sync = GradientSync(trained, group, device)
+        if GradientSync.trains(self.split.partition):
+            self.stage.before_last_backward = self.gradient_sync.prepare
+
+    def announce_loss_backward(self, loss: Tensor) -> None:
+        """On the last stage, announce the step's last backward to the gradient sync when it is the loss's: the
+        partition trains nothing, or a one-stage pipeline runs the step unsplit (nothing left to drain)."""
+        sync = self.gradient_sync
+        if sync is not None and (self.stage.before_last_backward is None or not self.stage.draining):
+            sync.prepare([loss])
+
+    def micro_batch_steps(self, module: "pl.LightningModule", args: tuple, kwargs: dict, precision: Any) -> Any:
+        """The whole step of a schedule with a loss per micro-batch (1F1B, see
+        :meth:`~lightning_gpipe.contract.BackboneCall.micro_batch_steps`); its gradients are kept apart until
+        Lightning's ``backward`` (which zeroes the previous step's in between, on the first batch of an
+        accumulation window: those are freed at once). ``precision``: the precision plugin."""
+        trainer = module.trainer
+        zeroed = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0  # as Lightning's loop
+        backward = partial(self._backward_micro_batch, module, precision)
+        with self.step_gradients.computing(list(module.parameters()), zeroed_after=zeroed):
+            return self.backbone_call.micro_batch_steps(module, "training_step", args, kwargs, backward)
+
+    def _backward_micro_batch(self, module: "pl.LightningModule", precision: Any, loss: Tensor, last: bool) -> None:
+        """Backpropagate one micro-batch's weighted loss as Lightning's backward does a step's: divided by
+        ``accumulate_grad_batches``, scaled by the precision plugin's gradient scaler if it has one, through
+        ``LightningModule.backward``; without the step's ``on_before_backward`` hooks, which Lightning's ``backward``
+        runs. ``last``: whether it is the step's last micro-batch."""
+        if last:
+            self.announce_loss_backward(loss)
+        loss = loss / module.trainer.accumulate_grad_batches
+        scaler = getattr(precision, "scaler", None)
+        precision.backward(scaler.scale(loss) if scaler is not None else loss, module, None)
+
+    def close(self, module: "pl.LightningModule", whole: Optional[dict[str, Any]]) -> None:
+        """Undo the split (see :meth:`~lightning_gpipe.partition.Split.undo`; ``whole``: every stage's state, on the
+        process that gets the whole model back), the relay's hooks, and put back the plain batch norm layers."""
+        LogRelay.unwrap_epoch_end_hooks(module)
+        self.split.undo(whole)
+        revert_deferred_batch_norm(self.split.sequential)
+
+
+def split_into_stage(
+    module: "pl.LightningModule",
+    name: str,
+    config: PipelineConfig,
+    topology: Topology,
+    rank: int,
+    device: torch.device,
+    costs: Optional[list[LayerCost]],
+    randomness: StageRandomness,
+    share: Callable[[Any], Any],
+    relay: LogRelay,
+) -> PipelineRun:
+    """Split ``module``'s backbone ``name`` and build this process's stage of the pipeline.
+
+    Args:
+        module: the LightningModule, whole (or created on the meta device).
+        name: the attribute of its ``nn.Sequential`` backbone.
+        config: the strategy's options.
+        topology: the mesh; ``rank`` is this process's global rank in it.
+        device: the stage's device.
+        costs: the backbone layers' profiled costs, where the balance needs them.
+        randomness: the stage's random streams (see :mod:`lightning_gpipe.randomness`).
+        share: sends a picklable object from the last stage to every stage of the pipeline (a collective call).
+        relay: the logging relay of this process's pipeline.
+
+    Raises:
+        ValueError: if ``balance`` does not fit the backbone or the skip connections do not pair up.
+    """
+    layers, stage_index, replica = getattr(module, name), topology.stage_of(rank), topology.replica_of(rank)
+    num_stages = topology.num_stages
+    balance = resolve_balance(config.balance, layers, num_stages, costs, config.balance_memory_limit)
+    skips = SkipLayout(layers, balance)  # checks the stash/pop pairs on every stage alike, before any step
+    if config.deferred_batch_norm:
+        convert_deferred_batch_norm(layers)  # the whole backbone, so that `Split.undo` puts it back
+    ties = find_ties(module, name, balance)  # before the split, while every name leads to one object
+    split = Split(module, name, balance, stage_index)
+    link = Link(
+        prev_rank=topology.rank_of(stage_index - 1, replica) if stage_index > 0 else None,
+        next_rank=topology.rank_of(stage_index + 1, replica) if stage_index < num_stages - 1 else None,
+        device=device,
+        events=watchdog.TrackingRecorder(),
+    )
+    peers = {
+        "outgoing": {topology.rank_of(k, replica): keys for k, keys in skips.outgoing(stage_index).items()},
+        "incoming": {topology.rank_of(k, replica): keys for k, keys in skips.incoming(stage_index).items()},
+    }
+    chunks = config.chunks_for(num_stages)
+    stage = Stage(
+        split.partition,
+        link,
+        stage_index,
+        num_stages,
+        chunks,
+        config.checkpoint,
+        config.defer_weight_grad,
+        SkipLinks(**peers, device=device, events=link.events),
+    )
+    runtime = Runtime(stage, config.schedule, num_stages)
+    backbone_call = BackboneCall(runtime, stage.is_last, share=share, randomness=randomness)
+    split.partition.pipeline = backbone_call
+    return PipelineRun(split, stage, runtime, backbone_call, relay, TiedParameters(ties, module, topology, rank))
