@@ -162,7 +162,7 @@ def test_sample_outside_fit_needs_example_input_array():
 def test_bad_balance_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GPipeStrategy(**kwargs)
-    assert GPipeStrategy(balance="memory", balance_memory_limit=10**9).balance == "memory"
+    assert GPipeStrategy(balance="memory", balance_memory_limit=10**9).config.balance == "memory"
 
 
 class Repeated(nn.Module):
