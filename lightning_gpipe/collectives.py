@@ -1,12 +1,15 @@
 """The collectives the package makes, on the default process group or a given one, through the interruptible waits.
 
-Each one is posted with ``async_op=True`` and waited for with :func:`lightning_gpipe.waiting.wait`, so a
-stage waiting in a collective handles signals and names a failed or stalled stage
+Each one is posted with ``async_op=True`` and waited for with :func:`lightning_gpipe.waiting.wait` (gloo) or
+:func:`lightning_gpipe.waiting.poll` (NCCL), as :func:`lightning_gpipe.waiting.polls` says for its tensors'
+device, so a stage waiting in a collective handles signals and names a failed or stalled stage
 (torch's ``broadcast_object_list`` and ``gather_object`` block in C++ instead). Objects travel
-as pickled bytes in a uint8 tensor after their sizes, as in torch's object collectives.
+as pickled bytes in a uint8 tensor after their sizes, as in torch's object collectives; a received size is
+read on the host only after that wait, so that on CUDA the read cannot block on another stage.
 
-Not covered: the collectives inside ``torch.distributed.checkpoint`` (sharded checkpoints) and
-Lightning's own (its per-step SIGTERM broadcast); they block until the process group's ``timeout``.
+Not covered: the collectives inside ``torch.distributed.checkpoint`` (sharded checkpoints), Lightning's own (its
+per-step SIGTERM broadcast) and those of DDP or FSDP between replicas; they block until the process group's
+``timeout``.
 """
 
 import pickle
@@ -16,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_gpipe import waiting, watchdog
 from lightning_gpipe.waiting import EVERY_STAGE, wait
 
 
@@ -25,7 +29,7 @@ def barrier(group: Optional[dist.ProcessGroup] = None) -> None:
     Raises:
         PipelineFailure: if another process failed or stalled meanwhile.
     """
-    wait([dist.barrier(group=group, async_op=True)], EVERY_STAGE)
+    _wait(dist.barrier(group=group, async_op=True), _device(), group)
 
 
 def all_reduce(tensor: Tensor, op=dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None) -> None:
@@ -34,7 +38,7 @@ def all_reduce(tensor: Tensor, op=dist.ReduceOp.SUM, group: Optional[dist.Proces
     Raises:
         PipelineFailure: if another process failed or stalled meanwhile.
     """
-    wait([dist.all_reduce(tensor, op, group=group, async_op=True)], EVERY_STAGE)
+    _wait(dist.all_reduce(tensor, op, group=group, async_op=True), tensor.device, group)
 
 
 def broadcast(tensor: Tensor, src: int, group: Optional[dist.ProcessGroup] = None) -> None:
@@ -43,7 +47,7 @@ def broadcast(tensor: Tensor, src: int, group: Optional[dist.ProcessGroup] = Non
     Raises:
         PipelineFailure: if another process failed or stalled meanwhile.
     """
-    wait([dist.broadcast(tensor, src, group=group, async_op=True)], EVERY_STAGE)
+    _wait(dist.broadcast(tensor, src, group=group, async_op=True), tensor.device, group)
 
 
 def broadcast_object(obj: Any, src: int, group: Optional[dist.ProcessGroup] = None) -> Any:
@@ -54,12 +58,13 @@ def broadcast_object(obj: Any, src: int, group: Optional[dist.ProcessGroup] = No
         PipelineFailure: if another process failed or stalled meanwhile.
     """
     mine = dist.get_rank() == src
+    peer = EVERY_STAGE if mine else watchdog.name_of(src)  # the others wait for the sender
     data = _bytes(obj) if mine else None
     size = torch.tensor([data.numel() if mine else 0], dtype=torch.int64, device=_device())
-    wait([dist.broadcast(size, src, group=group, async_op=True)], EVERY_STAGE)
+    _wait(dist.broadcast(size, src, group=group, async_op=True), size.device, group, peer)
     if not mine:
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=_device())
-    wait([dist.broadcast(data, src, group=group, async_op=True)], EVERY_STAGE)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=_device())  # arrived: read without waiting
+    _wait(dist.broadcast(data, src, group=group, async_op=True), data.device, group, peer)
     return obj if mine else _object(data)
 
 
@@ -72,7 +77,7 @@ def gather_object(obj: Any, dst: int = 0, group: Optional[dist.ProcessGroup] = N
     """
     padded, sizes = _padded(obj, group)
     parts = [torch.empty_like(padded) for _ in sizes] if dist.get_rank() == dst else None
-    wait([dist.gather(padded, parts, dst, group=group, async_op=True)], EVERY_STAGE)
+    _wait(dist.gather(padded, parts, dst, group=group, async_op=True), padded.device, group)
     return None if parts is None else _objects(parts, sizes)
 
 
@@ -84,7 +89,7 @@ def all_gather_object(obj: Any) -> list[Any]:
     """
     padded, sizes = _padded(obj)
     parts = [torch.empty_like(padded) for _ in sizes]
-    wait([dist.all_gather(parts, padded, async_op=True)], EVERY_STAGE)
+    _wait(dist.all_gather(parts, padded, async_op=True), padded.device, None)
     return _objects(parts, sizes)
 
 
@@ -94,11 +99,21 @@ def _padded(obj: Any, group: Optional[dist.ProcessGroup] = None) -> tuple[Tensor
     data = _bytes(obj)
     sizes = [torch.zeros(1, dtype=torch.int64, device=_device()) for _ in range(dist.get_world_size(group))]
     mine = torch.tensor([data.numel()], dtype=torch.int64, device=_device())
-    wait([dist.all_gather(sizes, mine, group=group, async_op=True)], EVERY_STAGE)
-    lengths = [int(size.item()) for size in sizes]
+    _wait(dist.all_gather(sizes, mine, group=group, async_op=True), mine.device, group)
+    lengths = [int(size.item()) for size in sizes]  # arrived: read without waiting
     padded = torch.zeros(max(lengths), dtype=torch.uint8, device=_device())
     padded[: data.numel()] = data
     return padded, lengths
+
+
+def _wait(work: dist.Work, device: torch.device, group: Optional[dist.ProcessGroup], peer: str = EVERY_STAGE) -> None:
+    """Wait for the collective ``work`` on tensors of ``device`` over ``group`` with the wait
+    :func:`~lightning_gpipe.waiting.polls` chooses (:func:`~lightning_gpipe.waiting.wait` on gloo); ``peer`` names
+    whom it waits for in the stall watchdog's messages."""
+    if waiting.polls(device, group):
+        waiting.poll([work], peer)
+    else:
+        wait([work], peer)  # looked up at each call (benchmarks/waits.py puts a blocking wait in its place)
 
 
 def _objects(parts: list[Tensor], sizes: list[int]) -> list[Any]:

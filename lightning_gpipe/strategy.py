@@ -70,12 +70,29 @@ class GPipeStrategy(ParallelStrategy):
     (:mod:`lightning_gpipe.agreement`). See docs/contract.md.
 
     Args:
-        balance, chunks, checkpoint, deferred_batch_norm, defer_weight_grad, backbone, balance_memory_limit,
-            start_method, state_dict_type, schedule, pipeline_parallel_size, data_parallel_size, timeout,
-            stall_timeout, process_group_backend: the pipeline's options, each documented in
-            :class:`~lightning_gpipe.config.PipelineConfig` and kept in :attr:`config`.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for Lightning's
-            other parallel strategies; the Trainer fills them in (``checkpoint_io`` writes full checkpoint files).
+        balance: layers per stage, or ``"params"`` (default), ``"time"`` or ``"memory"`` for the best split.
+        chunks: M, the micro-batches per mini-batch (default ``4 * K``).
+        checkpoint: re-materialization, ``"always"``, ``"except_last"`` (default) or ``"never"``.
+        deferred_batch_norm: batch norm's running statistics updated once per mini-batch (default ``False``).
+        defer_weight_grad: the zero-bubble B/W split of each backward (default ``False``).
+        backbone: the ``nn.Sequential`` attribute to pipeline (default: the only one).
+        balance_memory_limit: bytes one stage may hold when choosing the balance (default: no limit).
+        start_method: ``"popen"`` (default) or ``"spawn"``.
+        state_dict_type: checkpoints as one ``"full"`` file (default) or a ``"sharded"`` directory.
+        schedule: ``"gpipe"`` (fill-drain, default) or ``"1f1b"``.
+        pipeline_parallel_size: K, the stages of each pipeline (default ``"auto"``).
+        data_parallel_size: D, the pipeline replicas (default ``"auto"``).
+        timeout: the process group's timeout (30 minutes by default).
+        stall_timeout: how long a stage may wait for another before the job ends naming it (5 minutes).
+        process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
+        accelerator: as for Lightning's other parallel strategies; the Trainer fills it in.
+        parallel_devices: the devices of this node, one per stage process; the Trainer fills them in.
+        cluster_environment: how ranks are found; the Trainer fills it in.
+        checkpoint_io: writes and reads full checkpoint files; Lightning's ``TorchCheckpointIO`` by default.
+        precision_plugin: as for Lightning's other strategies; the Trainer fills it in from ``precision=``.
+
+    Each option is documented in full in :class:`~lightning_gpipe.config.PipelineConfig`; they are kept in
+    :attr:`config`.
 
     Raises:
         ValueError: for a bad option (see :class:`~lightning_gpipe.config.PipelineConfig`). Whether the mesh and

@@ -19,9 +19,12 @@ one computes, all payload tensors of a micro-batch at once, and a gradient befor
 the drain needs it. Sends are asynchronous and overlap compute. Works with any
 torch.distributed backend that has ``isend``/``irecv`` (gloo on CPU, NCCL on GPU);
 receives are posted in the order the matching sends are issued, as NCCL needs.
-Waits go through :func:`lightning_gpipe.waiting.wait`, so a stage waiting for a neighbour handles
-signals and names a failed or stalled neighbour; an activation's payload, which its sender sends in the
-same call as the header already received, is waited for with :func:`lightning_gpipe.waiting.wait_in_flight`.
+Waits go through :mod:`lightning_gpipe.waiting`, so a stage waiting for a neighbour handles signals and
+names a failed or stalled neighbour: :func:`~lightning_gpipe.waiting.wait` on gloo (an activation's payload,
+which its sender sends in the same call as the header already received, with
+:func:`~lightning_gpipe.waiting.wait_in_flight`), :func:`~lightning_gpipe.waiting.poll` on NCCL, as
+:func:`~lightning_gpipe.waiting.polls` says for the link's device. Either way a header is read on the host
+only once it has arrived, so that on CUDA the read cannot block on a neighbour.
 
 Every send and every wait is recorded as a ``send`` or ``recv`` span of the link's
 :class:`~lightning_gpipe.events.Recorder` (shared with its stage), for the pipeline callbacks.
@@ -80,6 +83,7 @@ class Link:
         self._pending_sends: list[tuple[int, dist.Work, Tensor]] = []  # (micro-batch index, work, tensor)
         self._next_header: Optional[tuple[dist.Work, Tensor]] = None
         self._grads: list[tuple[list[dist.Work], list[Tensor]]] = []
+        self._polled = waiting.polls(device)  # how its waits end: polled on NCCL, a helper thread on gloo
 
     def send_activation(self, value: Value, index: int, count: int) -> None:
         """Send micro-batch ``index`` of ``count`` (a Tensor or tuple of tensors) to the next stage, asynchronously.
@@ -121,8 +125,8 @@ class Link:
         if self._next_header is None:
             self._next_header = self._post_header()
         work, header_tensor = self._next_header
-        _wait([work], self.prev_rank)
-        header = header_tensor.tolist()
+        self._wait([work], self.prev_rank)
+        header = header_tensor.tolist()  # arrived (on CUDA: polled complete), so this reads without waiting for it
         count, index, is_tuple, n = header[:4]
         buffers, pos = [], 4
         for _ in range(n):
@@ -134,7 +138,7 @@ class Link:
         works = [dist.irecv(buffer, self.prev_rank, tag=self.tag) for buffer, _ in buffers]
         # posted after this micro-batch's payload, so it matches the next header on any backend
         self._next_header = self._post_header() if index + 1 < count else None
-        waiting.wait_in_flight(works)  # sent with the header, so only the bytes are still on their way
+        self._wait(works, self.prev_rank, in_flight=True)  # sent with the header: only the bytes are on their way
         self.events.add("recv", index, start, time.perf_counter())
         tensors = [buffer.view(dtype) for buffer, dtype in buffers]
         return (tuple(tensors) if is_tuple else tensors[0]), count
@@ -162,7 +166,7 @@ class Link:
         """
         works, buffers = self._grads.pop(0)
         with self.events.span("recv", index):
-            _wait(works, self.next_rank)
+            self._wait(works, self.next_rank)
         return buffers
 
     def flush(self, through: Optional[int] = None) -> None:
@@ -174,11 +178,25 @@ class Link:
         done = [send for send in self._pending_sends if through is None or send[0] <= through]
         self._pending_sends = [send for send in self._pending_sends if through is not None and send[0] > through]
         with self.events.span("send"):
-            _wait([work for _, work, _ in done], None)
+            self._wait([work for _, work, _ in done], None)
 
     def _isend(self, tensor: Tensor, dst: Optional[int], index: int) -> None:
         # the tensor is kept alive with its work until the send completes
         self._pending_sends.append((index, dist.isend(tensor, dst, tag=self.tag), tensor))
+
+    def _wait(self, works: list[dist.Work], peer: Optional[int], in_flight: bool = False) -> None:
+        """Wait for ``works`` of transfers with global rank ``peer`` (``None``: both neighbours), interruptibly.
+
+        ``in_flight``: receives whose sender has already issued them (see
+        :func:`lightning_gpipe.waiting.wait_in_flight`); on NCCL they are polled like any other, since a sender that
+        died does not end an NCCL receive.
+        """
+        if self._polled:
+            waiting.poll(works, watchdog.name_of(peer))
+        elif in_flight:
+            waiting.wait_in_flight(works)
+        else:
+            waiting.wait(works, watchdog.name_of(peer))
 
     def _post_header(self) -> tuple[dist.Work, Tensor]:
         header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
@@ -188,8 +206,3 @@ class Link:
 def _wire(tensor: Tensor) -> Tensor:
     tensor = tensor.contiguous()
     return tensor.view(torch.uint8) if tensor.dtype is torch.bool else tensor
-
-
-def _wait(works: list[dist.Work], peer: Optional[int]) -> None:
-    """Wait for ``works`` of transfers with global rank ``peer`` (``None``: both neighbours), interruptibly."""
-    waiting.wait(works, watchdog.name_of(peer))

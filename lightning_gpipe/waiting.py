@@ -1,18 +1,33 @@
 """Waiting for transfers and collectives so that signals are handled, a failed stage is noticed, and a stall named.
 
-A ``Work.wait()`` blocks in C++, where Python runs no signal handler: a stage blocked on a neighbour that
-hangs could not be stopped by Ctrl-C, SIGTERM or SLURM's requeue signal. gloo's point-to-point works
-cannot be polled (``is_completed()`` stays ``False`` until ``wait()`` returns) and a ``wait(timeout)`` that
-times out closes the connection. So one helper thread per process (:class:`_Waiter`, with those signals
-blocked) calls ``wait()``, and the main thread waits for the helper on a lock, which Python interrupts
-for signal handlers. Every :data:`TICK` seconds of a long wait the main thread also reads the failure
-board (a stage that failed stops the others even when it cannot exit) and asks the stall watchdog
-(:mod:`lightning_gpipe.watchdog`) whether the wait has lasted too long.
+A wait must not block in C++ for a transfer that may never come: there Python runs no signal handler, so a
+stage blocked on a neighbour that hangs could not be stopped by Ctrl-C, SIGTERM or SLURM's requeue signal, nor
+read the failure board or the stall limit. How a wait ends depends on the backend, so there are two mechanisms,
+and :func:`polls`, the one rule :mod:`lightning_gpipe.transfer` and :mod:`lightning_gpipe.collectives` ask, says
+which one the works on a device's tensors over a process group need:
 
-The cost is one thread hand-off per wait (tens of microseconds); ``benchmarks/waits.py`` measures it
-against plain blocking waits. A receive whose sender has already issued the matching send in the same call as
-a message already received (an activation's payload after its header) ends with the transport alone, so
-:func:`wait_in_flight` waits for it on the calling thread, without the hand-off.
+- gloo (and every other backend whose ``Work.wait()`` returns once the transfer has completed): :func:`wait`.
+  gloo's point-to-point works cannot be polled (``is_completed()`` stays ``False`` until ``wait()`` returns) and
+  a ``wait(timeout)`` that times out closes the connection. So one helper thread per process (:class:`_Waiter`,
+  with those signals blocked) calls ``wait()``, and the main thread waits for the helper on a lock, which Python
+  interrupts for signal handlers. The cost is one thread hand-off per wait (tens of microseconds);
+  ``benchmarks/waits.py`` measures it against plain blocking waits. A receive whose sender has already issued
+  the matching send in the same call as a message already received (an activation's payload after its header)
+  ends with the transport alone, so :func:`wait_in_flight` waits for it on the calling thread, without the
+  hand-off.
+- NCCL: :func:`poll`. ``WorkNCCL.wait()`` does not wait for the transfer: it makes the calling thread's current
+  CUDA stream wait for the NCCL stream and returns (for a barrier it synchronizes the stream on the host, in
+  C++), and a later host read of a received tensor (``.tolist()``, ``.item()``) would block inside a CUDA
+  synchronization. ``WorkNCCL.is_completed()`` instead queries the work's end event without blocking (and reports
+  an asynchronous NCCL error as completion, which ``wait()`` then raises). So the calling thread polls
+  ``is_completed()``, sleeping between two looks (Python runs signal handlers during ``time.sleep``), and calls
+  ``wait()`` only once the work has completed: on the thread, hence the stream, that uses the tensors, and
+  when it can no longer block. The current stream then only waits for transfers that have arrived, so a host
+  read after the wait cannot hang on the neighbour.
+
+Every :data:`TICK` seconds of a long wait, either way, the waiting thread also reads the failure board (a stage
+that failed stops the others even when it cannot exit) and asks the stall watchdog (:mod:`lightning_gpipe.watchdog`)
+whether the wait has lasted too long. ``docs/scaling.md`` says how this meets NCCL's own watchdog and timeouts.
 """
 
 import queue
@@ -21,6 +36,7 @@ import threading
 import time
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from lightning_gpipe import failure, watchdog
@@ -30,6 +46,38 @@ TICK = 1.0
 
 EVERY_STAGE = "every stage"
 """The peer of a collective."""
+
+POLLED_BACKENDS = frozenset({"nccl"})
+"""Backends whose ``Work.wait()`` orders a device stream instead of waiting for the transfer: :func:`poll`."""
+
+_FIRST_PAUSE = 20e-6
+"""Seconds :func:`poll` sleeps after its first look at a work that has not completed; each pause doubles the last."""
+
+_LONGEST_PAUSE = 1e-3
+"""Seconds of :func:`poll`'s longest pause: a long wait costs about a thousand looks (a CUDA event query) a second."""
+
+
+def polls(device: torch.device, group: Optional[dist.ProcessGroup] = None) -> bool:
+    """Whether works on tensors of ``device`` over ``group`` are waited for with :func:`poll` (else :func:`wait`).
+
+    The one place that chooses the mechanism: :func:`poll` for a backend in :data:`POLLED_BACKENDS` (NCCL), whose
+    ``Work.wait()`` returns before the transfer has completed; :func:`wait` for the others (gloo). Tensors on the
+    CPU never go through NCCL, so the answer for them needs no process group.
+
+    Args:
+        device: the device of the tensors the works send or receive.
+        group: the process group of the works (``None``: the default group); for a group with a backend per device
+            type (``"cpu:gloo,cuda:nccl"``) the backend of ``device``'s type counts.
+
+    Raises:
+        ValueError: for a device other than the CPU, if the default process group is not initialised or this
+            process is not in ``group``.
+    """
+    if device.type == "cpu":
+        return False
+    config = dist.get_backend_config(group)  # "cuda:nccl", "cpu:gloo,cuda:gloo", "cpu:gloo,cuda:nccl"
+    backends = dict(part.split(":", 1) if ":" in part else (device.type, part) for part in config.split(","))
+    return backends.get(device.type) in POLLED_BACKENDS
 
 
 class _Job:
@@ -73,7 +121,8 @@ def _submit(job: _Job) -> None:
 
 
 def wait(works: list[dist.Work], peer: str) -> None:
-    """Wait until every work in ``works`` has completed, handling signals meanwhile.
+    """Wait until every work in ``works`` has completed, handling signals meanwhile: a helper thread calls
+    ``Work.wait()``, for backends whose ``wait()`` returns once the transfer has completed (gloo; see :func:`polls`).
 
     Args:
         works: works of point-to-point transfers or asynchronous collectives (``async_op=True``).
@@ -97,12 +146,13 @@ def wait(works: list[dist.Work], peer: str) -> None:
 
 
 def wait_in_flight(works: list[dist.Work]) -> None:
-    """Wait for ``works`` on this thread, without :func:`wait`'s hand-off to the helper thread.
+    """Wait for ``works`` on this thread, without :func:`wait`'s hand-off to the helper thread (gloo only).
 
     Only for receives whose sender has already issued the matching sends, in the same call as a message this
     stage has received (an activation's payload, sent right after its header): their end depends on the
     transport alone, not on the peer's progress, and a peer that dies closes the connection, which ends the
-    wait. Signals are handled once the bytes have arrived.
+    wait. Signals are handled once the bytes have arrived. Not for works that :func:`polls`: an NCCL receive
+    from a sender that died is not ended by the transport, so wait for those with :func:`poll`.
 
     Args:
         works: works of point-to-point receives.
@@ -113,6 +163,53 @@ def wait_in_flight(works: list[dist.Work]) -> None:
     with failure.as_pipeline_failure(detail=watchdog.last_positions):
         for work in works:
             work.wait()
+
+
+def poll(works: list[dist.Work], peer: str) -> None:
+    """Wait until every work in ``works`` has completed by polling ``Work.is_completed()`` on this thread, handling
+    signals meanwhile, then call each work's ``wait()``: for backends whose ``wait()`` returns before the transfer
+    has completed (NCCL; see :func:`polls`).
+
+    The first look costs no sleep; after it the thread sleeps between two looks (from 20 microseconds, doubling up
+    to a millisecond), and reads the failure board and the stall limit every :data:`TICK` seconds. ``wait()`` is
+    called only once a work has completed, on the calling thread: it then makes the current CUDA stream wait for
+    a transfer that has arrived (it cannot block), and raises the work's error. So a host read of a received
+    tensor afterwards (``.tolist()``, ``.item()``) waits for the kernels queued on the stream, not for the peer.
+
+    Args:
+        works: works of point-to-point transfers or asynchronous collectives (``async_op=True``).
+        peer: whom the works wait for, for the position and messages: ``"stage 0"``, or :data:`EVERY_STAGE`.
+
+    Raises:
+        PipelineFailure: if a transfer failed (naming the published cause; NCCL reports an asynchronous error as
+            completion, and ``wait()`` raises it), another stage published a failure while this one waited, or the
+            wait lasted longer than the stall limit (naming the stage that stopped progressing).
+    """
+    if not works:
+        return
+    with watchdog.waiting(peer), failure.as_pipeline_failure(detail=watchdog.last_positions):
+        pending = _pending(works)
+        if pending:
+            started = time.monotonic()
+            pause, look = _FIRST_PAUSE, started + TICK
+            while pending:
+                time.sleep(pause)  # Python runs signal handlers here; a handler's exception ends the wait
+                pending = _pending(pending)
+                pause = min(2 * pause, _LONGEST_PAUSE)
+                now = time.monotonic()
+                if pending and now >= look:
+                    _check(peer, now - started)
+                    look = now + TICK
+        for work in works:
+            work.wait()  # completed: orders the current stream after the transfer without blocking; raises its error
+
+
+def _pending(works: list[dist.Work]) -> list[dist.Work]:
+    """``works`` from the first one that has not completed on (the later ones are looked at once it has)."""
+    for i, work in enumerate(works):
+        if not work.is_completed():
+            return works[i:]
+    return []
 
 
 def _check(peer: str, waited: float) -> None:

@@ -59,7 +59,9 @@ def test_a_stage_stuck_in_user_code_is_named_by_the_watchdog(tmp_path):
     named = "stage 0 stopped because stage 1 has been in `training_step` after the backbone call at step 2 for"
     assert named in result.stderr, result.stderr[-3000:]
     # the wait is checked once a second (waiting.TICK), so on a busy machine it may have lasted 5 s or more
-    assert re.search(r"stage 0 gave up after waiting \d+ s for stage 1 \(stall limit 4 s, the shorter of", result.stderr)
+    assert re.search(
+        r"stage 0 gave up after waiting \d+ s for stage 1 \(stall limit 4 s, the shorter of", result.stderr
+    )
     assert "[stage 1] ending this process: stage 1 has been in" in result.stderr  # the stuck stage is ended too
     _assert_every_stage_exits(tmp_path)
 

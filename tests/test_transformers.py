@@ -1,0 +1,413 @@
+"""Hugging Face models in the pipeline (lightning_gpipe.hf): the adapter against the models' own forward, names,
+ties, meta-device builds loading their own weights from safetensors, greedy decoding; then one 2-stage launch of
+tests/workers/transformers_hf.py (a tiny Llama with tied embeddings: pipelined fit against the unmodified model
+trained on one device, pipelined greedy generation against ``generate``, ``save_pretrained`` after fit).
+
+Every model is built from a small config (the hub is not reachable here).
+"""
+
+import json
+
+import pytest
+import torch
+from conftest import assert_states_close, shared_run
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    BertConfig,
+    BertForMaskedLM,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from lightning_gpipe.hf import (  # noqa: E402
+    SafetensorsWeights,
+    UnsupportedModelError,
+    family_of,
+    positions_from_mask,
+    to_sequential,
+)
+from lightning_gpipe.partition import Split, materialize  # noqa: E402
+from lightning_gpipe.ties import find_ties  # noqa: E402
+
+VOCAB = 61
+DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def llama(**overrides) -> LlamaForCausalLM:
+    return LlamaForCausalLM(LlamaConfig(**{**DECODER, "tie_word_embeddings": True, **overrides}))
+
+
+def models() -> dict:
+    """name -> a function building a tiny model of that architecture (dropout off: one device vs layer by layer)."""
+    gpt2 = dict(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2)
+    bert = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return {
+        "llama": llama,
+        "llama_untied": lambda **o: llama(tie_word_embeddings=False, **o),
+        "mistral": lambda **o: MistralForCausalLM(MistralConfig(**DECODER, sliding_window=4, **o)),
+        "qwen2": lambda **o: Qwen2ForCausalLM(
+            Qwen2Config(**DECODER, use_sliding_window=True, sliding_window=4, max_window_layers=1, **o)
+        ),
+        "gpt2": lambda **o: GPT2LMHeadModel(GPT2Config(**gpt2, **no_dropout, **o)),
+        "bert_mlm": lambda **o: BertForMaskedLM(BertConfig(**bert, **o)),
+        "bert_classifier": lambda **o: BertForSequenceClassification(BertConfig(**bert, num_labels=3, **o)),
+    }
+
+
+def batch(rows: int = 3, length: int = 9, seed: int = 0):
+    """Token ids and a padding mask with a right-padded and a left-padded row."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (rows, length), generator=generator)
+    mask = torch.ones(rows, length, dtype=torch.long)
+    mask[1, length - 3 :] = 0
+    mask[2, :2] = 0
+    return ids, mask
+
+
+def backbone_input(name: str, ids, mask):
+    if name.startswith("bert"):
+        return ids, mask, torch.zeros_like(ids)
+    return ids, mask, torch.arange(ids.shape[1]).expand(ids.shape[0], -1).contiguous()
+
+
+def layer_by_layer(backbone: nn.Sequential, value):
+    for layer in backbone:
+        value = layer(value)
+    return value
+
+
+def hf_loss(name: str, model, logits, ids, mask):
+    """The loss the model's own forward computes for these labels, on ``logits``."""
+    if name == "bert_classifier":
+        return nn.functional.cross_entropy(logits, torch.tensor([0, 2, 1]))
+    labels = ids.masked_fill(mask == 0, -100)
+    if name == "bert_mlm":
+        return nn.functional.cross_entropy(logits.view(-1, VOCAB), labels.view(-1))
+    return model.loss_function(logits=logits, labels=labels, vocab_size=VOCAB)
+
+
+# --------------------------------------------------------------------------- the adapter equals the model
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", list(models()))
+def test_the_backbone_layer_by_layer_equals_the_models_forward_logits_loss_and_gradients(name, attention):
+    torch.manual_seed(0)
+    model = models()[name](attn_implementation=attention)
+    reference = models()[name](attn_implementation=attention)
+    reference.load_state_dict(model.state_dict())
+    ids, mask = batch()
+    labels = ids.masked_fill(mask == 0, -100)
+    if name == "bert_classifier":
+        labels = torch.tensor([0, 2, 1])
+    expected = reference(input_ids=ids, attention_mask=mask, labels=labels)
+    expected.loss.backward()
+
+    backbone = to_sequential(model)
+    logits = layer_by_layer(backbone, backbone_input(name, ids, mask))
+    loss = hf_loss(name, model, logits, ids, mask)
+    loss.backward()
+
+    real = mask.bool() if logits.dim() == 3 else slice(None)
+    torch.testing.assert_close(logits[real], expected.logits[real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(loss, expected.loss, atol=1e-5, rtol=0)
+    grads = dict(reference.named_parameters())
+    for parameter_name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, grads[parameter_name].grad, atol=1e-5, rtol=0, msg=parameter_name)
+
+
+def test_layer_names_are_the_models_names_and_ties_are_one_parameter():
+    model = llama()
+    backbone = to_sequential(model)
+    names = {name.split(".", 1)[1] for name in backbone.state_dict()}
+    assert names == set(model.state_dict())  # the tied lm_head.weight included, as in the model's state dict
+    assert backbone[0].hf_model is model and backbone[-1].lm_head.weight is model.model.embed_tokens.weight
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = backbone
+
+    ties = find_ties(Holder(), "backbone", [2, 4])
+    assert [tie.names for tie in ties] == [("backbone.0.model.embed_tokens.weight", "backbone.5.lm_head.weight")]
+    untied = to_sequential(models()["llama_untied"]())
+    assert find_ties(nn.ModuleDict({"backbone": untied}), "backbone", [2, 4]) == []
+
+
+def test_training_the_backbone_trains_the_model_and_save_pretrained_round_trips(tmp_path):
+    model = llama()
+    backbone = to_sequential(model)
+    ids, mask = batch()
+    optimizer = torch.optim.AdamW(backbone.parameters(), lr=1e-2)
+    for _ in range(2):
+        loss = hf_loss("llama", model, layer_by_layer(backbone, backbone_input("llama", ids, mask)), ids, mask)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert_states_close(reloaded.state_dict(), model.state_dict(), atol=0.0)
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+
+
+def test_an_unsupported_model_class_is_refused_by_name_before_any_step():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    model = OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
+                                     num_attention_heads=2, word_embed_proj_dim=16))  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match="OPTForCausalLM.*supported: LlamaForCausalLM"):
+        to_sequential(model)
+    with pytest.raises(UnsupportedModelError, match="MyModel"):
+        family_of(type("MyModel", (nn.Module,), {})())
+
+
+def test_positions_from_mask_number_each_rows_real_tokens_as_generate_does():
+    mask = torch.tensor([[1, 1, 1, 0], [0, 0, 1, 1]])
+    assert positions_from_mask(mask).tolist() == [[0, 1, 2, 0], [0, 0, 0, 1]]
+
+
+# --------------------------------------------------------------------------- meta-device builds, own weights only
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert_mlm"])
+def test_a_meta_build_split_into_stages_loads_each_stages_weights_from_safetensors(name, tmp_path):
+    torch.manual_seed(0)
+    saved = models()[name]()
+    saved.save_pretrained(tmp_path)
+    expected = saved.state_dict()
+    ids, mask = batch()
+    value = backbone_input(name, ids, mask)
+    whole = layer_by_layer(to_sequential(saved), value)
+    count = len(to_sequential(saved))
+    balance = [2, count - 2]
+    outputs = []
+    for stage in range(2):
+        with torch.device("meta"):
+            model = type(saved)(saved.config)
+        weights = SafetensorsWeights(tmp_path, model.all_tied_weights_keys, model.base_model_prefix)
+        holder = nn.Module()
+        holder.backbone = to_sequential(model, weights)
+        Split(holder, "backbone", balance, stage)
+        materialize(holder, torch.device("cpu"))
+        assert not any(t.is_meta for t in [*holder.parameters(), *holder.buffers()])
+        for key, tensor in holder.state_dict().items():
+            torch.testing.assert_close(tensor, expected[key.split(".", 2)[2]], atol=0, rtol=0, msg=key)
+        outputs.append(holder)
+    hidden = outputs[0].backbone.run(value)
+    torch.testing.assert_close(outputs[1].backbone.run(hidden), whole, atol=1e-6, rtol=0)
+
+
+def test_a_meta_build_without_weights_initialises_as_the_model_does():
+    with torch.device("meta"):
+        model = llama()
+    holder = nn.Module()
+    holder.backbone = to_sequential(model)
+    materialize(holder, torch.device("cpu"))
+    norm = model.model.layers[0].input_layernorm.weight
+    assert torch.equal(norm, torch.ones_like(norm))
+    assert 0.01 < model.model.layers[0].mlp.up_proj.weight.std() < 0.03  # initializer_range 0.02
+    fresh = llama()
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, fresh.model.rotary_emb.inv_freq)
+
+
+def test_safetensors_weights_name_what_is_missing(tmp_path):
+    llama(tie_word_embeddings=False).save_pretrained(tmp_path)
+    weights = SafetensorsWeights(tmp_path)
+    with pytest.raises(KeyError, match="model.layers.9.mlp.up_proj.weight"):
+        weights.load(["model.layers.9.mlp.up_proj.weight"])
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        SafetensorsWeights(tmp_path / "nothing")
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "llama"
+
+
+# --------------------------------------------------------------------------- pipelined: 2 stages (and 3)
+
+
+def _worker():
+    """tests/workers/transformers_hf.py as a module (its CONFIG, batches and prompts; the run is under __main__)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent / "workers" / "transformers_hf.py"
+    spec = importlib.util.spec_from_file_location("transformers_hf_worker", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+RUNS = {k: shared_run("transformers_hf.py", f"--devices={k}", devices=k, timeout=240) for k in (2, 3)}
+
+
+@pytest.fixture(scope="module")
+def trained_on_one_device():
+    """The unmodified model trained on one device as the worker's pipeline trains it (same AdamW, groups and
+    schedule), and its greedy continuations of the prompts (``generate`` with its key/value cache)."""
+    from lightning_gpipe.hf.module import lr_factor
+
+    worker = _worker()
+    model = worker.initial_model()
+    model.config._attn_implementation = "eager"
+    options = worker.OPTIMIZATION
+    parameters = list(model.parameters())
+    groups = [
+        {"params": [p for p in parameters if p.dim() >= 2], "weight_decay": options["weight_decay"]},
+        {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=options["lr"], betas=options["betas"])
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_factor(step, options["warmup_steps"], worker.STEPS, options["decay"], options["min_lr_ratio"]),
+    )
+    model.train()
+    for batch in worker.batches():
+        model(**batch).loss.backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+    model.eval()
+    prompts = worker.prompts()
+    generated = model.generate(
+        prompts["input_ids"],
+        attention_mask=prompts["attention_mask"],
+        do_sample=False,
+        max_new_tokens=worker.MAX_NEW_TOKENS,
+        eos_token_id=worker.CONFIG["eos_token_id"],
+        pad_token_id=worker.CONFIG["eos_token_id"],
+    )
+    return model, generated
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_pipelined_fit_of_a_tied_llama_equals_the_model_trained_on_one_device(stages, trained_on_one_device):
+    out = RUNS[stages]()
+    reference, _ = trained_on_one_device
+    expected = reference.state_dict()
+    merged: dict = {}
+    for rank in range(stages):
+        merged.update(torch.load(out / f"state_rank{rank}.pt"))
+    assert_states_close(merged, expected)
+    for rank in range(1, stages):  # every stage's copy of the tied embedding stepped alike
+        state = torch.load(out / f"state_rank{rank}.pt")
+        if "lm_head.weight" in state:
+            torch.testing.assert_close(
+                state["lm_head.weight"], expected["model.embed_tokens.weight"], atol=1e-5, rtol=0
+            )
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_save_pretrained_after_a_pipelined_fit_reloads_with_from_pretrained(stages, trained_on_one_device):
+    out = RUNS[stages]()
+    reloaded = AutoModelForCausalLM.from_pretrained(out / "saved")
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+    own: dict = {}
+    for rank in range(stages):
+        own.update(torch.load(out / f"state_rank{rank}.pt"))
+    assert_states_close(reloaded.state_dict(), own, atol=0.0)  # exactly what the stages held
+    index = json.loads((out / "saved" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == stages  # one shard per stage
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_pipelined_greedy_generation_equals_generate_on_one_device(stages, trained_on_one_device):
+    out = RUNS[stages]()
+    _, expected = trained_on_one_device
+    assert torch.equal(torch.load(out / "generated.pt"), expected)
+
+
+def test_a_full_lightning_checkpoint_of_a_pipelined_fit_loads_without_the_strategy(trained_on_one_device):
+    from lightning_gpipe.hf.module import CausalLM
+
+    out = RUNS[2]()
+    module = CausalLM.load_from_checkpoint(out / "full.ckpt")
+    reference, _ = trained_on_one_device
+    state = {k.split(".", 2)[2]: v for k, v in module.state_dict().items()}
+    assert_states_close(state, reference.state_dict())
+    assert module.hf_model.lm_head.weight is module.hf_model.model.embed_tokens.weight
+
+
+# --------------------------------------------------------------------------- the LightningModules on one device
+
+
+@pytest.mark.parametrize(
+    "kind, name",
+    [("CausalLM", "llama"), ("CausalLM", "gpt2"), ("MaskedLM", "bert_mlm"), ("SequenceClassifier", "bert_classifier")],
+)
+def test_the_modules_load_a_checkpoint_whole_on_one_device_with_ties_and_the_models_loss(kind, name, tmp_path):
+    import lightning_gpipe.hf as hf
+
+    torch.manual_seed(0)
+    saved = models()[name](attn_implementation="eager")
+    saved.save_pretrained(tmp_path)
+    module = getattr(hf, kind)(pretrained=str(tmp_path), attn_implementation="eager")
+    module.configure_model()
+    assert_states_close({k.split(".", 2)[2]: v for k, v in module.state_dict().items()}, saved.state_dict(), atol=0.0)
+    tied = dict(saved.all_tied_weights_keys)
+    for copy, source in tied.items():
+        assert module.hf_model.get_parameter(copy) is module.hf_model.get_parameter(source)
+    ids, mask = batch()
+    labels = torch.tensor([0, 2, 1]) if kind == "SequenceClassifier" else ids.masked_fill(mask == 0, -100)
+    data = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    loss = module.loss(module.backbone(module.backbone_input(data)), data)
+    if kind == "CausalLM":  # positions 0..S-1 as the model numbers a training batch: its own loss exactly
+        torch.testing.assert_close(loss, saved(**data).loss, atol=1e-5, rtol=0)
+    assert torch.isfinite(loss)
+
+
+def test_a_module_from_a_config_initialises_like_the_model_and_refuses_bad_arguments():
+    from lightning_gpipe.hf import CausalLM, lr_factor
+
+    module = CausalLM(config={"model_type": "llama", **DECODER}, overrides={"num_hidden_layers": 2})
+    module.configure_model()
+    assert len(module.backbone) == 2 + 3 and module.hf_model.config.num_hidden_layers == 2
+    with pytest.raises(ValueError, match="pretrained"):
+        CausalLM()
+    with pytest.raises(ValueError, match="decay"):
+        CausalLM(config={"model_type": "llama"}, decay="step")
+    factors = [lr_factor(step, 2, 10, "cosine", 0.1) for step in range(11)]
+    assert factors[:3] == [0.5, 1.0, 1.0] and factors[-1] == pytest.approx(0.1)
+
+
+def test_the_example_config_file_writes_out_the_clis_defaults():
+    import sys
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    sys.path.insert(0, str(examples))
+    from causal_lm.train import main
+
+    defaults = main([], run=False)
+    written = main(["--config", str(examples / "causal_lm" / "configs" / "cpu.yaml")], run=False)
+    assert dict(written.model.hparams) == dict(defaults.model.hparams)
+    assert vars(written.datamodule).keys() == vars(defaults.datamodule).keys()
+    for key in ("data_dir", "languages", "tokenizer_name", "max_length", "batch_size", "val_rows"):
+        assert getattr(written.datamodule, key) == getattr(defaults.datamodule, key)
+    assert written.trainer.max_steps == defaults.trainer.max_steps == 200

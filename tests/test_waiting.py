@@ -1,0 +1,256 @@
+"""The two waits of :mod:`lightning_gpipe.waiting`, on fake works that behave like NCCL's and like gloo's, in this
+process (no GPU, no process group): an NCCL-like wait polls until its works complete, handles signals, reads the
+failure board and the stall limit meanwhile, and calls ``wait()`` only on works that have completed, so that a host
+read of a received header or size (``transfer.Link``, ``collectives``) comes after the bytes.
+
+Synchronisation is by events and by works that complete after a number of looks, never by sleeping.
+"""
+
+import json
+import pickle
+import signal
+import threading
+import time
+from typing import Callable, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_gpipe import PipelineFailure, collectives, failure, waiting, watchdog
+from lightning_gpipe.transfer import Link
+
+
+class NcclLikeWork:
+    """Stands for a ProcessGroupNCCL work: ``wait()`` returns at once (NCCL's only makes the current CUDA stream wait
+    for the transfer) and raises the work's error, if any; ``is_completed()`` never blocks and turns ``True`` after
+    ``polls`` looks, once :meth:`complete` is called (from another thread), or never.
+
+    Args:
+        polls: looks after which the work completes by itself; ``None``: only :meth:`complete` completes it.
+        deliver: puts the transferred bytes in place when the work completes.
+        error: raised by ``wait()`` (NCCL reports an asynchronous error as completion, then ``wait()`` raises it).
+    """
+
+    def __init__(
+        self, polls: Optional[int] = None, deliver: Callable[[], object] = lambda: None, error: Exception = None
+    ) -> None:
+        self.left, self.deliver, self.error = polls, deliver, error
+        self.done = threading.Event()
+        self.looked = threading.Event()
+        self.waits = 0
+        self.early_waits = 0  # wait() calls before completion: on NCCL, a host read after them could hang
+
+    def complete(self) -> None:
+        self.deliver()
+        self.done.set()
+
+    def is_completed(self) -> bool:
+        self.looked.set()
+        if self.left is not None and not self.done.is_set():
+            self.left -= 1
+            if self.left <= 0:
+                self.complete()
+        return self.done.is_set()
+
+    def wait(self) -> bool:
+        self.waits += 1
+        self.early_waits += not self.done.is_set()
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+class GlooLikeWork:
+    """Stands for a gloo point-to-point work: ``wait()`` blocks until the transfer has completed (here: delivers at
+    once, or waits for :attr:`done` when ``blocks``); it cannot be polled."""
+
+    def __init__(self, deliver: Callable[[], object] = lambda: None, blocks: bool = False) -> None:
+        self.deliver = deliver
+        self.done, self.entered = threading.Event(), threading.Event()
+        if not blocks:
+            self.done.set()
+
+    def wait(self) -> bool:
+        self.entered.set()
+        self.done.wait()
+        self.deliver()
+        return True
+
+    def is_completed(self) -> bool:
+        raise AssertionError("a gloo work was polled: its is_completed() stays False until wait() returns")
+
+
+class FakeTransport:
+    """Stands for ``dist.isend``/``dist.irecv`` between two links in this process: a receive gets the oldest message
+    sent, through a work of ``kind`` that puts it in the receive buffer when it completes."""
+
+    def __init__(self, kind: Callable[..., object]) -> None:
+        self.kind = kind
+        self.messages: list[torch.Tensor] = []
+        self.works: list = []
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0):
+        self.messages.append(tensor.clone())
+        return self._work(lambda: None)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0):
+        message = self.messages.pop(0)
+        return self._work(lambda: tensor.copy_(message))
+
+    def _work(self, deliver: Callable[[], object]):
+        work = self.kind(deliver)
+        self.works.append(work)
+        return work
+
+
+def _nccl_like(polls: int) -> Callable[..., NcclLikeWork]:
+    return lambda deliver: NcclLikeWork(polls=polls, deliver=deliver)
+
+
+@pytest.fixture
+def board(monkeypatch):
+    """A failure board on an in-process store, as stage 0 of a 2-stage pipeline (as in tests/test_failures.py),
+    looked at every 5 ms while a wait lasts."""
+    monkeypatch.setattr(waiting, "TICK", 0.005)
+    store = dist.HashStore()
+    failure.attach(store, "stage 0")
+    yield store
+    watchdog.stop()
+    failure.detach()
+
+
+@pytest.mark.parametrize(
+    "config, device, expected",
+    [
+        ("cuda:nccl", "cuda", True),
+        ("cpu:gloo,cuda:nccl", "cuda", True),
+        ("cpu:gloo,cuda:nccl", "cpu", False),
+        ("cpu:gloo,cuda:gloo", "cuda", False),
+        ("cpu:gloo,cuda:gloo", "cpu", False),
+    ],
+)
+def test_the_backend_of_the_tensors_device_chooses_the_wait(monkeypatch, config, device, expected):
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+    assert waiting.polls(torch.device(device)) is expected
+
+
+def test_cpu_tensors_are_waited_for_by_the_helper_thread_without_asking_the_process_group(monkeypatch):
+    def no_group(group=None):
+        raise AssertionError("the process group was asked about CPU tensors")
+
+    monkeypatch.setattr(dist, "get_backend_config", no_group)
+    assert waiting.polls(torch.device("cpu")) is False
+
+
+def test_an_nccl_like_wait_returns_when_its_works_complete_and_waits_for_them_only_then():
+    first, second = NcclLikeWork(), NcclLikeWork(polls=3)
+    threading.Thread(target=lambda: first.looked.wait() and first.complete(), daemon=True).start()
+    waiting.poll([first, second], "stage 1")
+    assert first.done.is_set() and second.done.is_set()
+    assert (first.waits, second.waits) == (1, 1) and first.early_waits + second.early_waits == 0
+
+
+def test_an_nccl_like_wait_raises_the_error_its_work_reports():
+    work = NcclLikeWork(polls=2, error=RuntimeError("NCCL communicator was aborted"))
+    with pytest.raises(PipelineFailure, match=r"another stage stopped responding \(NCCL communicator was aborted\)"):
+        waiting.poll([work], "stage 1")
+
+
+def test_an_nccl_like_wait_stops_when_another_stage_publishes_a_failure(board):
+    work = NcclLikeWork()  # never completes
+    publish = threading.Thread(
+        target=lambda: work.looked.wait() and failure.publish("stage 1 failed with ValueError: boom"), daemon=True
+    )
+    publish.start()
+    with pytest.raises(PipelineFailure, match="^stage 0 stopped because stage 1 failed with ValueError: boom$"):
+        waiting.poll([work], "stage 1")
+    publish.join()
+    assert work.waits == 0  # an NCCL work that has not completed is never waited for
+
+
+def test_an_nccl_like_wait_counts_as_a_wait_for_the_stall_watchdog(board):
+    watchdog.start(board, 0, {0: "stage 0", 1: "stage 1"}, limit=0.0)
+    position = dict(step="step 17", phase="forward", micro_batch=3, since=time.time() - 300, waits_for=None)
+    board.set(failure.key("where/1"), json.dumps({**position, "unbounded": False}))
+    with pytest.raises(PipelineFailure) as raised:
+        waiting.poll([NcclLikeWork()], "stage 1")
+    message = str(raised.value)
+    assert message.startswith("stage 0 stopped because stage 1 has been in the forward of micro-batch 3 at step 17")
+    assert "stage 0 gave up after waiting 0 s for stage 1" in message
+    assert board.get(failure.key("stalled")) == b"1"
+
+
+def test_a_signal_handler_runs_while_an_nccl_like_wait_waits():
+    class Interrupted(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Interrupted
+
+    work, main = NcclLikeWork(), threading.main_thread().ident
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        threading.Thread(target=lambda: work.looked.wait() and signal.pthread_kill(main, signal.SIGUSR1)).start()
+        with pytest.raises(Interrupted):
+            waiting.poll([work], "stage 1")
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert work.waits == 0
+
+
+def test_a_gloo_like_wait_goes_through_the_helper_thread():
+    work = GlooLikeWork(blocks=True)
+    threading.Thread(target=lambda: work.entered.wait() and work.done.set(), daemon=True).start()
+    waiting.wait([work], "stage 1")  # never polled: GlooLikeWork.is_completed would raise
+    assert work.done.is_set()
+
+
+def _send_and_receive(monkeypatch, transport: FakeTransport, polled: bool):
+    """An activation sent by one link and received by another through ``transport``, the links' waits polled or
+    not; returns what was sent and what was received."""
+    monkeypatch.setattr(waiting, "polls", lambda device, group=None: polled)
+    monkeypatch.setattr(dist, "isend", transport.isend)
+    monkeypatch.setattr(dist, "irecv", transport.irecv)
+    value = (torch.randn(3, 4), torch.tensor([True, False, True]))
+    sender, receiver = Link(None, 1, torch.device("cpu")), Link(0, None, torch.device("cpu"))
+    sender.send_activation(value, 0, 1)
+    sender.flush()
+    return value, receiver.recv_activation()
+
+
+def test_a_polled_link_reads_the_header_only_once_it_has_arrived(monkeypatch):
+    transport = FakeTransport(_nccl_like(polls=3))
+    value, (received, count) = _send_and_receive(monkeypatch, transport, polled=True)
+    assert count == 1 and isinstance(received, tuple)
+    for sent, got in zip(value, received):
+        torch.testing.assert_close(got, sent, rtol=0, atol=0)
+    assert len(transport.works) == 6  # 3 sends, the header and 2 payload receives
+    assert all(work.waits == 1 and work.early_waits == 0 for work in transport.works)
+
+
+def test_a_cpu_link_waits_as_on_gloo_without_polling(monkeypatch):
+    transport = FakeTransport(lambda deliver: GlooLikeWork(deliver))
+    value, (received, count) = _send_and_receive(monkeypatch, transport, polled=False)
+    assert count == 1
+    for sent, got in zip(value, received):
+        torch.testing.assert_close(got, sent, rtol=0, atol=0)
+
+
+def test_a_polled_collective_reads_the_received_size_only_once_it_has_arrived(monkeypatch):
+    obj = {"logged": [1.5, 2.5], "step": 17}
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sent = [torch.tensor([data.numel()], dtype=torch.int64), data]
+    works = []
+
+    def broadcast(tensor, src, group=None, async_op=False):
+        message = sent.pop(0)
+        works.append(NcclLikeWork(polls=3, deliver=lambda: tensor.copy_(message)))
+        return works[-1]
+
+    monkeypatch.setattr(waiting, "polls", lambda device, group=None: True)
+    monkeypatch.setattr(dist, "broadcast", broadcast)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert collectives.broadcast_object(None, src=0) == obj
+    assert len(works) == 2 and all(work.waits == 1 and work.early_waits == 0 for work in works)
