@@ -188,12 +188,8 @@ class Split:
                 if any(t.is_meta for t in [*child.parameters(), *child.buffers()]):
                     child.to_empty(device=torch.device("cpu"))
             self.module.load_state_dict(full_state)
-        for names in self._aliases:  # one parameter under several names again: this stage's copy, if it held one
-            copies = [self.module.get_parameter(name) for name in names]
-            shared = next((copy for copy in copies if not copy.is_meta), copies[0])
-            for name in names:
-                owner, _, attr = name.rpartition(".")
-                self.module.get_submodule(owner)._parameters[attr] = shared
+        # one parameter under several names again: this stage's copy, if it held one
+        _retie(self.module, self._aliases, lambda copies: next((c for c in copies if not c.is_meta), copies[0]))
 
 
 _RESETS = ("reset_parameters", "_reset_parameters")  # torch's names; nn.MultiheadAttention has the second
@@ -207,7 +203,8 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     this on its own part, so no process ever holds the whole model. Every module whose
     tensors were on the meta device is initialised with its ``reset_parameters()`` (or
     ``_reset_parameters()``), children before parents as in construction, so a parent's
-    reset (e.g. ``nn.MultiheadAttention``'s) has the last word.
+    reset (e.g. ``nn.MultiheadAttention``'s) has the last word. A parameter used by several of
+    its modules (weights tied on one stage) stays one parameter.
 
     Raises:
         ValueError: if a meta tensor belongs to a module with no reset method, directly or
@@ -226,8 +223,10 @@ def materialize(module: nn.Module, device: torch.device) -> None:
             " `reset_parameters()` that fills its parameters and buffers, or create it outside `configure_model`."
         )
     resets = [sub for sub in module.modules() if any(t.is_meta for t in [*sub.parameters(), *sub.buffers()])]
+    aliases = _aliases(module)
     for sub in meta:
         sub.to_empty(device=device, recurse=False)
+    _retie(module, aliases, lambda copies: copies[0])  # each module got its own new tensor: one again
     for sub in reversed(resets):
         reset = next((getattr(sub, name) for name in _RESETS if hasattr(sub, name)), None)
         if reset is not None:
@@ -254,6 +253,16 @@ def _aliases(module: nn.Module) -> list[list[str]]:
     for name, parameter in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(parameter), []).append(name)
     return [group for group in names.values() if len(group) > 1]
+
+
+def _retie(module: nn.Module, aliases: list[list[str]], pick: Callable[[list[Tensor]], Tensor]) -> None:
+    """Make each group of ``aliases`` (names of one parameter) one parameter again: the one ``pick`` chooses of the
+    copies the names now lead to."""
+    for names in aliases:
+        shared = pick([module.get_parameter(name) for name in names])
+        for name in names:
+            owner, _, attr = name.rpartition(".")
+            module.get_submodule(owner)._parameters[attr] = shared
 
 
 def _to_meta(module: nn.Module, kept: set[nn.Module]) -> None:

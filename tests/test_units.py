@@ -183,3 +183,14 @@ def test_one_stage_equals_plain_backward():
     schedule.backward()
     for p, g in zip(layers.parameters(), expected):
         torch.testing.assert_close(p.grad, g, rtol=0, atol=1e-5)
+
+
+def test_materialize_keeps_a_parameter_tied_on_one_stage_one_parameter():
+    from lightning_gpipe.partition import materialize
+
+    with torch.device("meta"):
+        embedding, head = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
+    head.weight = embedding.weight
+    holder = nn.ModuleDict({"embedding": embedding, "head": head})
+    materialize(holder, torch.device("cpu"))
+    assert holder["head"].weight is holder["embedding"].weight and not holder["head"].weight.is_meta

@@ -135,7 +135,7 @@ class HFModule(pl.LightningModule):
         self.backbone = to_sequential(model, weights)
         device = torch.empty(()).device
         if device.type != "meta":  # not under GPipeStrategy's sharded context: this process holds everything
-            materialize_tied(self.backbone, device)
+            materialize(self.backbone, device)  # tied parameters stay one
 
     # ----------------------------------------------------------------------------------------------- training
 
@@ -206,24 +206,6 @@ class HFModule(pl.LightningModule):
             _gather_over_world(None)
         strategy.barrier("save_pretrained")
         return directory
-
-
-def materialize_tied(module: nn.Module, device: torch.device) -> None:
-    """:func:`lightning_gpipe.partition.materialize` ``module`` whole, keeping its tied parameters one object.
-
-    ``materialize`` moves each meta module to ``device`` on its own, which gives a parameter held by two modules
-    (a tied embedding and output projection) a copy in each; here every name of such a parameter is pointed back
-    at the first name's copy afterwards, as the model had it.
-    """
-    names: dict[int, list[str]] = {}
-    for name, parameter in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(parameter), []).append(name)
-    materialize(module, device)
-    for group in names.values():
-        shared = module.get_parameter(group[0])
-        for name in group[1:]:
-            owner, _, attr = name.rpartition(".")
-            module.get_submodule(owner)._parameters[attr] = shared
 
 
 def _gather_over_world(obj: Any) -> list[Any]:
