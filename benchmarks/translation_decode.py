@@ -9,7 +9,7 @@ cached configurations' speed-up over the uncached ones. Cached and uncached tran
 
 Usage::
 
-    python benchmarks/translation_decode.py --ckpt PATH.ckpt --data ../shared/data/multi30k/test_2016_flickr.jsonl
+    python benchmarks/translation_decode.py --ckpt PATH.ckpt --data DIR/test_2016_flickr.jsonl  # DIR: prepare.py's
     python benchmarks/translation_decode.py --rows 64 --repeats 3 --beams 1
 """
 

@@ -6,12 +6,21 @@ examples' loggers therefore say ``save_dir: <default_root_dir>/lightning_logs``:
 start of any logger's ``save_dir`` is replaced with ``--trainer.default_root_dir`` (the working directory when it
 is not given) before the Trainer is built, so metrics and checkpoints go to ``DIR/lightning_logs/<name>/version_N``.
 A ``save_dir`` without it (``--trainer.logger.save_dir=logs``) is used as it is.
+
+Before ``fit``, ``validate``, ``test`` and ``predict`` the CLI calls the data module's ``check_data(subcommand)``, so
+that a missing ``--data.data_dir`` or an unreachable Hub dataset stops the command at once, in the one process that
+exists then, instead of after the Trainer has started the other stage processes; :func:`run_cli` prints that error's
+message alone (no traceback) and exits with status 1.
 """
 
 import os
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch.cli import LightningCLI
+
+from example_data import DataUnavailableError
 
 DEFAULT_ROOT_DIR = "<default_root_dir>"
 """Stands for ``trainer.default_root_dir`` at the start of a logger's ``save_dir``."""
@@ -36,8 +45,39 @@ def follow_default_root_dir(config: Any) -> None:
 
 
 class ExampleCLI(LightningCLI):
-    """``LightningCLI`` whose loggers' ``save_dir`` may start with :data:`DEFAULT_ROOT_DIR`."""
+    """``LightningCLI`` whose loggers' ``save_dir`` may start with :data:`DEFAULT_ROOT_DIR`, and which checks the data
+    (the data module's ``check_data``) before a subcommand starts any stage process."""
 
     def before_instantiate_classes(self) -> None:
         """Resolve :data:`DEFAULT_ROOT_DIR` in the loggers' ``save_dir`` before the Trainer is built."""
         follow_default_root_dir(self.config[self.subcommand] if self.subcommand else self.config)
+
+    def check_data(self) -> None:
+        """Call the data module's ``check_data(subcommand)``, if it has one."""
+        check = getattr(self.datamodule, "check_data", None)
+        if check is not None:
+            check(self.subcommand)
+
+    def before_fit(self) -> None:
+        """Check the data before ``fit`` starts any stage process."""
+        self.check_data()
+
+    def before_validate(self) -> None:
+        """Check the data before ``validate`` starts any stage process."""
+        self.check_data()
+
+    def before_test(self) -> None:
+        """Check the data before ``test`` starts any stage process."""
+        self.check_data()
+
+    def before_predict(self) -> None:
+        """Check the data before ``predict`` starts any stage process."""
+        self.check_data()
+
+
+def run_cli(main: Callable[[], Any]) -> None:
+    """Run an example's ``main()``; on :class:`~example_data.DataUnavailableError`, print its message and exit 1."""
+    try:
+        main()
+    except DataUnavailableError as error:
+        sys.exit(f"error: {error}")

@@ -174,3 +174,28 @@ def test_recipe_options_one_cycle_label_smoothing_channels_last() -> None:
     assert max(rates) == pytest.approx(module.hparams.lr, rel=1e-4)
     assert rates[-1] < rates[0] / 100
     assert rates.index(max(rates)) == pytest.approx(module.hparams.warmup_fraction * trainer.max_steps, abs=2)
+
+
+def test_class_subset_is_seeded_and_prepare_writes_what_the_data_module_selects(tmp_path) -> None:
+    """``class_subset`` keeps the first N rows of each class in a seeded order and leaves a subset as it is;
+    ``prepare.py`` writes that subset, which ``--data.data_dir`` then reads (before ``dataset_name``) unchanged;
+    a missing directory stops with the flag and the prepare command."""
+    from amoebanet.data import DEFAULT_DATA_DIR, class_subset
+    from amoebanet.prepare import prepare
+    from example_data import DataUnavailableError
+
+    shipped = CIFAR10DataModule()
+    shipped.setup("fit")
+    split = shipped.train_set.split
+    subset = class_subset(split, 20)
+    labels = subset["label"]
+    assert len(subset) == 200 and all(labels.count(k) == 20 for k in range(10))
+    assert labels == class_subset(split, 20)["label"] and labels != class_subset(split, 20, seed=1)["label"]
+    assert class_subset(subset, 20) is subset
+    assert prepare(tmp_path / "out", str(DEFAULT_DATA_DIR), train_per_class=20) == {"train": 200, "test": 500}
+    prepared = CIFAR10DataModule(data_dir=str(tmp_path / "out"), dataset_name="uoft-cs/cifar10", train_per_class=20)
+    prepared.check_data("fit")
+    prepared.setup("fit")
+    assert prepared.train_set.split["label"] == labels
+    with pytest.raises(DataUnavailableError, match=r"--data.data_dir=.*does not exist(.|\n)*amoebanet/prepare.py DIR"):
+        CIFAR10DataModule(data_dir=str(tmp_path / "missing")).check_data("fit")

@@ -60,6 +60,14 @@ def test_timeline_chart_is_written_and_logged_to_tensorboard(run):
     assert "pipeline/timeline" in events.Tags()["images"]
 
 
+def test_timeline_chart_is_saved_beside_every_loggers_files_and_as_an_mlflow_artifact(run):
+    """The PNG also lands in the second logger's own log_dir, and an MLflow-like logger gets it as an artifact."""
+    out, result, _ = run
+    png = out / "tb/version_0/pipeline_timeline_step3.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in result["written"]
+    assert result["artifacts"] == [["run0", str(out / "csv/version_0/pipeline_timeline_step3.png"), "pipeline"]]
+
+
 def test_balance_reports_each_stage_and_suggests_the_even_split(run):
     out, result, output = run
     report = result["balance"]

@@ -381,7 +381,7 @@ def test_prepare_multi30k_turns_the_release_into_the_data_modules_files(tmp_path
     that ``--data.data_dir`` reads, equal to the rows they came from."""
     import gzip
 
-    from translation.prepare_multi30k import convert
+    from translation.prepare import convert
 
     shipped = {name: [json.loads(line) for line in (EXAMPLE / "data" / f"{name}.jsonl").read_text().splitlines()]
                for name in ("train", "validation")}  # fmt: skip
@@ -406,3 +406,45 @@ def test_prepare_multi30k_turns_the_release_into_the_data_modules_files(tmp_path
     (raw / "val.fr.gz").write_bytes(gzip.compress("one line\n".encode()))
     with pytest.raises(ValueError, match="val: the languages have different numbers of lines"):
         convert(raw, tmp_path / "again")
+
+
+def test_prepare_downloads_the_release_and_a_hub_shaped_directory_trains_its_directions(tmp_path) -> None:
+    """``prepare.py DIR`` downloads the twelve release files (here from a ``file://`` copy) and writes the JSON
+    Lines files; data with English and German only (like ``bentrevett/multi30k``, whose test split is ``test``)
+    trains en-de and de-en by default and finds ``test_2016_flickr`` under ``test``; a missing directory or a
+    failed download stops with the flag and the prepare command."""
+    import gzip
+
+    from example_data import DataUnavailableError
+    from translation.prepare import main as prepare
+
+    rows = [json.loads(line) for line in (EXAMPLE / "data" / "validation.jsonl").read_text().splitlines()][:30]
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for name in ("train", "val", "test_2016_flickr"):
+        for language in LANGUAGES:
+            (raw / f"{name}.{language}.gz").write_bytes(
+                gzip.compress("".join(r[language] + "\n" for r in rows).encode())
+            )
+    prepare([str(tmp_path / "out"), f"--base-url={raw.as_uri()}"])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "test_2016_flickr.jsonl", "train.jsonl", "validation.jsonl"
+    ]  # fmt: skip
+    with pytest.raises(SystemExit, match=r"could not download (.|\n)*needs network; the machine may be offline"):
+        prepare([str(tmp_path / "again"), f"--base-url={(tmp_path / 'nowhere').as_uri()}"])
+    hub_like = tmp_path / "hub_like"
+    hub_like.mkdir()
+    for split in ("train", "validation", "test"):
+        lines = [json.dumps({"en": r["en"], "de": r["de"]}) for r in rows]
+        (hub_like / f"{split}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    datamodule = tiny_datamodule(
+        data_dir=str(hub_like), dataset_name="bentrevett/multi30k", val_split="test_2016_flickr"
+    )
+    datamodule.check_data("validate")  # data_dir wins over dataset_name; test_2016_flickr is found as test.jsonl
+    datamodule.setup("fit")
+    assert {pair.direction for batch in datamodule.train_set.batches for pair in batch} == {"en-de", "de-en"}
+    with pytest.raises(
+        DataUnavailableError, match=r"--data.data_dir=.*does not exist(.|\n)*translation/prepare.py DIR"
+    ):
+        tiny_datamodule(data_dir=str(tmp_path / "missing")).check_data("fit")
+    tiny_datamodule(data_dir=str(tmp_path / "missing")).check_data("predict")  # predict reads its own sentences

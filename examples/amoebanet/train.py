@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning_gpipe  # noqa: F401  (registers the "gpipe" strategy)
 from amoebanet.data import CIFAR10DataModule
 from amoebanet.module import AmoebaNetClassifier
-from example_cli import DEFAULT_ROOT_DIR, ExampleCLI
+from example_cli import DEFAULT_ROOT_DIR, ExampleCLI, run_cli
 
 TRAINER_DEFAULTS = {
     "strategy": "gpipe",
@@ -66,4 +66,4 @@ def main(args: list[str] | None = None, run: bool = True) -> ExampleCLI:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

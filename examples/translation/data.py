@@ -6,7 +6,10 @@ per direction (``en-de``, ``de-en``, ...); the source is prefixed with the
 target-language token (``<2de> A man ...``), so one model learns all
 directions (GPipe, Huang et al. 2019, section 5). By default the small subset
 shipped in ``data/`` is used (see ``data/README.md``), so the example runs
-offline from a fresh clone.
+offline from a fresh clone. The full data comes from the Hugging Face Hub
+(``--data.dataset_name=bentrevett/multi30k``: English and German) or from a
+directory written once by ``prepare.py`` (``--data.data_dir=DIR``: all four
+languages).
 
 Batches hold pairs of similar length and at most ``max_tokens`` padded tokens
 per side, and are padded to their own longest sequence, so batch shapes change
@@ -22,6 +25,7 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from example_data import check_directory, check_hub, load_hub, missing_files
 from translation.vocabulary import language_token, load_tokenizer
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -29,6 +33,31 @@ DEFAULT_DATA_DIR = Path(__file__).resolve().parent / "data"
 
 DIRECTIONS = ("en-de", "de-en", "en-fr", "fr-en", "en-cs", "cs-en")
 """The six directions of the multilingual model, ``source-target``."""
+
+HUB_DATASET = "bentrevett/multi30k"
+"""Multi30k's English-German pairs on the Hugging Face Hub: splits ``train``, ``validation`` and ``test``
+(``test_2016_flickr``), columns ``en`` and ``de``."""
+
+SPLIT_ALIASES = {"test_2016_flickr": "test", "test": "test_2016_flickr"}
+"""Another name to try for a split that is missing: the release's test split is ``test_2016_flickr`` in a
+``prepare.py`` directory and ``test`` in :data:`HUB_DATASET`."""
+
+PREPARE = "python examples/translation/prepare.py DIR"
+"""The command that writes a data directory (see ``prepare.py``)."""
+
+ADVICE = (
+    f"Write the files once, on a machine with network, with\n    {PREPARE}\n"
+    "(the full Multi30k, all four languages, from its release on GitHub) and pass --data.data_dir=DIR; or load the "
+    f"English-German pairs from the Hugging Face Hub with --data.dataset_name={HUB_DATASET} (needs network, or a "
+    "copy in the Hugging Face cache with HF_HUB_OFFLINE=1). Without either option the example trains on the small "
+    "subset shipped in examples/translation/data."
+)
+"""What to do when the data cannot be read (the end of :class:`~example_data.DataUnavailableError`'s message)."""
+
+
+def available_directions(rows: datasets.Dataset) -> list[str]:
+    """The directions of :data:`DIRECTIONS` whose two languages are both columns of ``rows``."""
+    return [d for d in DIRECTIONS if all(language in rows.column_names for language in d.split("-"))]
 
 
 @dataclass
@@ -169,15 +198,17 @@ class TranslationDataModule(LightningDataModule):
 
     Args:
         data_dir: directory holding ``<train_split>.jsonl`` and ``<val_split>.jsonl`` (columns ``en``, ``de``,
-            ``fr``, ``cs``). Default: the subset shipped next to this file. The full Multi30k: make the files
-            from its release with ``prepare_multi30k.py`` (or use ``../shared/data/multi30k`` beside this
-            repository).
-        dataset_name: a Hugging Face Hub dataset with the same columns, loaded with
-            ``datasets.load_dataset(dataset_name)`` instead of ``data_dir`` (needs network access).
+            ``fr``, ``cs``), e.g. the full Multi30k written by ``prepare.py``. When given, it is read instead of
+            ``dataset_name``.
+        dataset_name: a Hugging Face Hub dataset with such columns (some of them), loaded with
+            ``datasets.load_dataset(dataset_name)`` (needs network access, or a copy in the Hugging Face cache),
+            e.g. :data:`HUB_DATASET`. Default (neither): the subset shipped next to this file. A split missing
+            under its name is looked up under its :data:`SPLIT_ALIASES` name.
         tokenizer_file: the shared vocabulary (``tokenizer.json``). Default: the shipped one.
         train_directions: directions to train on; a direction listed twice is seen twice per epoch.
-            Default (``None``): the six of :data:`DIRECTIONS`.
-        val_directions: directions to validate on. Default (``None``): all six.
+            Default (``None``): those of :data:`DIRECTIONS` whose languages the data holds (all six in the
+            shipped subset and a ``prepare.py`` directory; en-de and de-en in :data:`HUB_DATASET`).
+        val_directions: directions to validate on. Default (``None``): the same rule.
         max_tokens: padded tokens per side of a training batch. Default 4096.
         val_max_tokens: the same for validation and predict batches. Default 4096.
         val_rows: validate on the first ``val_rows`` rows of the validation split only; ``None``: all.
@@ -193,7 +224,9 @@ class TranslationDataModule(LightningDataModule):
         val_split: name of the validation split. Default ``"validation"``.
 
     Raises:
-        ValueError: when both ``data_dir`` and ``dataset_name`` are given.
+        example_data.DataUnavailableError: from :meth:`check_data`, :meth:`prepare_data` and :meth:`setup`, when
+            ``data_dir`` lacks the files or the Hub dataset cannot be reached; the message names the flag and
+            the ``prepare.py`` command.
     """
 
     def __init__(
@@ -216,15 +249,28 @@ class TranslationDataModule(LightningDataModule):
         val_split: str = "validation",
     ) -> None:
         super().__init__()
-        if data_dir is not None and dataset_name is not None:
-            raise ValueError("give data_dir or dataset_name, not both")
         self.save_hyperparameters()
         self.tokenizer = load_tokenizer(tokenizer_file)
         self.train_set: BatchDataset | None = None
         self.val_set: BatchDataset | None = None
 
+    def check_data(self, stage: str | None = None) -> None:
+        """Fail fast, with :data:`ADVICE`, when the data ``stage`` needs cannot be read: a ``data_dir`` without
+        the files, or a Hub dataset out of reach (one short request; see :func:`example_data.check_hub`). Nothing
+        to check for ``predict``, which reads its own sentences. The examples' CLI calls it before the Trainer
+        starts the stage processes."""
+        hp = self.hparams
+        if stage == "predict":
+            return
+        if hp.data_dir is not None:
+            for split in self._splits():
+                check_directory(hp.data_dir, [self._file_of(Path(hp.data_dir), split).name], ADVICE)
+        elif hp.dataset_name is not None:
+            check_hub(hp.dataset_name, ADVICE)
+
     def prepare_data(self) -> None:
         """Download (hub) or convert (JSON Lines) the dataset once, into the ``datasets`` cache."""
+        self.check_data()
         self._load()
 
     def setup(self, stage: str) -> None:
@@ -233,13 +279,14 @@ class TranslationDataModule(LightningDataModule):
         if stage in ("fit", "validate"):
             splits = self._load()
             if stage == "fit":
-                directions = hp.train_directions or DIRECTIONS
-                pairs = make_pairs(splits[hp.train_split], directions, self.tokenizer, hp.max_length)
+                train = self._split(splits, hp.train_split)
+                directions = hp.train_directions or available_directions(train)
+                pairs = make_pairs(train, directions, self.tokenizer, hp.max_length)
                 self.train_set = BatchDataset(bucket(pairs, hp.max_tokens, hp.seed), self.tokenizer)
-            rows = splits[hp.val_split]
+            rows = self._split(splits, hp.val_split)
             if hp.val_rows is not None:
                 rows = rows.select(range(min(hp.val_rows, len(rows))))
-            pairs = make_pairs(rows, hp.val_directions or DIRECTIONS, self.tokenizer)
+            pairs = make_pairs(rows, hp.val_directions or available_directions(rows), self.tokenizer)
             self.val_set = BatchDataset(bucket(pairs, hp.val_max_tokens, hp.seed), self.tokenizer)
 
     def train_dataloader(self) -> DataLoader:
@@ -266,11 +313,32 @@ class TranslationDataModule(LightningDataModule):
             [{"src": _pad(sources[i : i + 32], pad)} for i in range(0, len(sources), 32)], batch_size=None
         )
 
+    def _splits(self) -> list[str]:
+        """The names of the training and the validation split (once if they are the same)."""
+        return list(dict.fromkeys((self.hparams.train_split, self.hparams.val_split)))
+
+    @staticmethod
+    def _file_of(directory: Path, split: str) -> Path:
+        """``directory/<split>.jsonl``, or the file of the split's :data:`SPLIT_ALIASES` name when only that
+        exists."""
+        alias = SPLIT_ALIASES.get(split)
+        if missing_files(directory, [f"{split}.jsonl"]) and alias and not missing_files(directory, [f"{alias}.jsonl"]):
+            return directory / f"{alias}.jsonl"
+        return directory / f"{split}.jsonl"
+
+    @staticmethod
+    def _split(splits: datasets.DatasetDict, name: str) -> datasets.Dataset:
+        """Split ``name`` of ``splits``, else the one of its :data:`SPLIT_ALIASES` name."""
+        if name not in splits and SPLIT_ALIASES.get(name) in splits:
+            return splits[SPLIT_ALIASES[name]]
+        return splits[name]
+
     def _load(self) -> datasets.DatasetDict:
-        """Load the hub dataset, or the two JSON Lines splits of ``data_dir``."""
+        """Load the two JSON Lines splits of ``data_dir`` (or of the shipped subset), or the hub dataset."""
         hp = self.hparams
-        if hp.dataset_name is not None:
-            return datasets.load_dataset(hp.dataset_name)
+        if hp.data_dir is None and hp.dataset_name is not None:
+            return load_hub(hp.dataset_name, ADVICE)
         directory = Path(hp.data_dir) if hp.data_dir is not None else DEFAULT_DATA_DIR
-        files = {split: str(directory / f"{split}.jsonl") for split in (hp.train_split, hp.val_split)}
-        return datasets.load_dataset("json", data_files=files)
+        files = {split: self._file_of(directory, split) for split in self._splits()}
+        check_directory(directory, [path.name for path in files.values()], ADVICE)
+        return datasets.load_dataset("json", data_files={split: str(path) for split, path in files.items()})

@@ -2,7 +2,8 @@
 
 Usage::
 
-    python examples/translation/make_subset.py /work/shared/data/multi30k
+    python examples/translation/prepare.py multi30k
+    python examples/translation/make_subset.py multi30k
 
 The source directory holds ``train.jsonl`` and ``validation.jsonl`` (one 4-way
 aligned sentence per line: ``{"id", "en", "de", "fr", "cs"}``). The first

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning.pytorch.cli import LightningArgumentParser
 
 import lightning_gpipe  # noqa: F401  (registers the "gpipe" strategy)
-from example_cli import DEFAULT_ROOT_DIR, ExampleCLI
+from example_cli import DEFAULT_ROOT_DIR, ExampleCLI, run_cli
 from lightning_gpipe.callbacks import PipelineThroughput
 from translation.callbacks import WriteTranslations, batch_tokens
 from translation.data import TranslationDataModule
@@ -96,4 +96,4 @@ def main(args: list[str] | None = None, run: bool = True) -> TranslationCLI:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

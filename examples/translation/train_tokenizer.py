@@ -2,7 +2,8 @@
 
 Usage (from the repository root)::
 
-    python examples/translation/train_tokenizer.py /work/shared/data/multi30k/train.jsonl
+    python examples/translation/prepare.py multi30k
+    python examples/translation/train_tokenizer.py multi30k/train.jsonl
 
 One byte-pair-encoding vocabulary (Sennrich et al. 2016) is learnt from the
 English, German, French and Czech sentences of the training file with Hugging

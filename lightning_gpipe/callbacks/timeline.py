@@ -99,8 +99,11 @@ class PipelineTimeline(PipelineCallback):
       ``chrome://tracing``), one process per stage; see :meth:`lightning_gpipe.trace.StepTrace.to_chrome`;
     - ``pipeline_timeline_step{N}.png``: :func:`draw_timeline`'s chart (needs matplotlib).
 
-    The chart is also logged as an image where the logger takes one: ``experiment.add_figure``
-    (TensorBoard) or ``log_image`` (e.g. Weights & Biases), under ``pipeline/timeline``.
+    The chart is saved beside every logger's files, not only the first one's: into each other logger's own
+    ``log_dir`` too (``CSVLogger``, ``TensorBoardLogger``), so a CSV-only run has it next to ``metrics.csv``. It is
+    also sent where the logger takes an image or a file: ``experiment.add_figure`` (TensorBoard) or ``log_image``
+    (e.g. Weights & Biases) under ``pipeline/timeline``, and ``experiment.log_artifact(run_id, path, "pipeline")``
+    (MLflow: an artifact of the run, under ``pipeline/``).
 
     Args:
         steps: training batch indices to record, counted from 0 across epochs (default ``(2,)``: the third
@@ -123,11 +126,19 @@ class PipelineTimeline(PipelineCallback):
         with open(base + ".json", "w") as f:
             json.dump(step.to_chrome(), f)
         figure = draw_timeline(step)
-        figure.savefig(base + ".png")
-        self.written += [base + ".json", base + ".png"]
+        png = base + ".png"
+        figure.savefig(png)
+        self.written += [base + ".json", png]
         for logger in trainer.loggers:
+            own = getattr(logger, "log_dir", None)
+            if isinstance(own, str) and os.path.abspath(own) != os.path.abspath(os.path.dirname(png)):
+                os.makedirs(own, exist_ok=True)
+                figure.savefig(os.path.join(own, os.path.basename(png)))
+                self.written.append(os.path.join(own, os.path.basename(png)))
             experiment = getattr(logger, "experiment", None)
             if hasattr(experiment, "add_figure"):
                 experiment.add_figure("pipeline/timeline", figure, global_step=trainer.global_step)
             elif hasattr(logger, "log_image"):
-                logger.log_image(key="pipeline/timeline", images=[base + ".png"], step=trainer.global_step)
+                logger.log_image(key="pipeline/timeline", images=[png], step=trainer.global_step)
+            elif hasattr(experiment, "log_artifact") and getattr(logger, "run_id", None) is not None:
+                experiment.log_artifact(logger.run_id, png, "pipeline")  # MLflow's MlflowClient.log_artifact

@@ -2,8 +2,9 @@
 
 Usage: python callbacks.py OUT_DIR
 The backbone is 4 x (Linear(1024, 1024), ReLU) split unevenly, balance=[2, 6] (one Linear against three), so that
-PipelineBalance has something to suggest. Logs with a CSVLogger (first, so files go to its log_dir) and a
-TensorBoardLogger (which takes the timeline image). Rank 0 writes OUT_DIR/result.json (the balance report, the
+PipelineBalance has something to suggest. Logs with a CSVLogger (first, so files go to its log_dir), a
+TensorBoardLogger (which takes the timeline image) and an MLflow-like logger (ArtifactLogger: MlflowClient's
+``log_artifact(run_id, path, artifact_path)``, recorded). Rank 0 writes OUT_DIR/result.json (the balance report, the
 throughput metrics, written files); every rank writes OUT_DIR/contention_rank{r}.json: the share of the measured
 steps its main thread waited for a CPU.
 """
@@ -16,7 +17,7 @@ import time
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from torch import nn
 
 import lightning_gpipe
@@ -43,6 +44,40 @@ class MLP(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
+class ArtifactLogger(Logger):
+    """A logger shaped like Lightning's MLFlowLogger where the callbacks look: ``run_id`` and an ``experiment`` with
+    MlflowClient's ``log_artifact(run_id, local_path, artifact_path)``; it records the calls (no log_dir)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.artifacts: list[list] = []
+
+    @property
+    def name(self) -> str:
+        return "artifacts"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @property
+    def run_id(self) -> str:
+        return "run0"
+
+    @property
+    def experiment(self) -> "ArtifactLogger":
+        return self
+
+    def log_artifact(self, run_id: str, local_path: str, artifact_path: str | None = None) -> None:
+        self.artifacts.append([run_id, local_path, artifact_path])
+
+    def log_metrics(self, metrics, step=None) -> None:
+        pass
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
 class Contention(L.Callback):
     """The share of the wall time between two batch indices that this process's main thread waited for a CPU."""
 
@@ -61,19 +96,21 @@ class Contention(L.Callback):
 
 def main(out: str) -> None:
     generator = torch.Generator().manual_seed(0)
-    x, y = torch.randn(ROWS * STEPS, WIDTH, generator=generator), torch.randint(0, 10, (ROWS * STEPS,))
+    x = torch.randn(ROWS * STEPS, WIDTH, generator=generator)
+    y = torch.randint(0, 10, (ROWS * STEPS,), generator=generator)  # the same rows and labels on every stage
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=ROWS)
     balance = lightning_gpipe.PipelineBalance(warmup=2, steps=5)
     throughput = lightning_gpipe.PipelineThroughput(window_size=4)
     timeline = lightning_gpipe.PipelineTimeline(steps=(3,))
     contention = Contention(2, 6)
+    artifacts = ArtifactLogger()
     trainer = L.Trainer(
         strategy=lightning_gpipe.GPipeStrategy(balance=[2, 6], chunks=8, checkpoint="except_last"),
         accelerator="cpu",
         devices=2,
         max_steps=STEPS,
         log_every_n_steps=2,
-        logger=[CSVLogger(out, name="csv", version=0), TensorBoardLogger(out, name="tb", version=0)],
+        logger=[CSVLogger(out, name="csv", version=0), TensorBoardLogger(out, name="tb", version=0), artifacts],
         callbacks=[balance, throughput, timeline, contention],
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -85,7 +122,8 @@ def main(out: str) -> None:
         json.dump(contention.share, f)
     if trainer.global_rank == 0:
         with open(os.path.join(out, "result.json"), "w") as f:
-            json.dump({"balance": balance.report, "throughput": throughput.metrics, "written": timeline.written}, f)
+            result = {"balance": balance.report, "throughput": throughput.metrics, "written": timeline.written}
+            json.dump({**result, "artifacts": artifacts.artifacts}, f)
 
 
 if __name__ == "__main__":

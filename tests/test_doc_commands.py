@@ -1,0 +1,256 @@
+"""The docs against the code: runnable command blocks run, `GPipeStrategy` arguments exist, data errors are clear.
+
+**Runnable blocks.** In README.md and docs/quickstart.md, a fenced ``bash`` block right after the line
+``<!-- runnable -->`` (an HTML comment, invisible on GitHub and on the site) is run by
+:func:`test_runnable_command_blocks_run`: each line of the block (``\\`` continues a line) is split at ``&&``, the
+``pip install`` parts are skipped (the package is installed), and each ``python examples/...`` command is run from
+an empty directory with no ``../shared`` beside it, the script's path made absolute, shortened by
+:data:`SHORTEN` (``--trainer.max_steps=2`` and tiny batches, appended, so they win over the block's own values) and
+with ``--trainer.default_root_dir`` in a temporary directory. Mark only blocks whose commands are cheap with these
+settings: every example run starts 2 stage processes.
+
+**Strategy arguments.** :func:`test_gpipe_strategy_arguments_named_in_the_docs_exist` reads README.md, docs/*.md and
+the example READMEs for ``GPipeStrategy(name=value, ...)`` calls and ``--trainer.strategy.name=`` options (the
+names must be parameters of ``GPipeStrategy``), for a call followed by a ``# default`` comment, and for prose such as
+"the default `checkpoint="except_last"`" or "`chunks=None` (default)" about a ``GPipeStrategy`` parameter (the
+value must then be its default). Anything that does not parse as Python is left alone.
+
+**Data errors.** :func:`test_example_commands_fail_fast_with_the_prepare_command_when_data_is_missing` runs each
+example's README commands from an empty directory with the data option pointing at a missing directory, and with
+the Hub dataset under ``HF_HUB_OFFLINE=1`` and an empty Hugging Face cache: the command must stop, before any
+second stage process starts, with the option and the ``prepare.py`` command in its message.
+"""
+
+import ast
+import inspect
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_gpipe import GPipeStrategy
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RUNNABLE = "<!-- runnable -->"
+"""The marker line before a fenced bash block that the tests run."""
+
+RUNNABLE_FILES = ("README.md", "docs/quickstart.md")
+"""The files whose marked blocks are run."""
+
+SHORTEN = {
+    "examples/amoebanet/train.py": [
+        "--trainer.max_steps=2", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
+        "--trainer.log_every_n_steps=1", "--data.batch_size=8",
+    ],
+    "examples/translation/train.py": [
+        "--trainer.max_steps=2", "--trainer.val_check_interval=2", "--data.max_tokens=400", "--data.val_rows=2",
+        "--model.max_new_tokens=2", "--trainer.log_every_n_steps=1",
+    ],
+}  # fmt: skip
+"""Options appended to a runnable command of each script (2 steps, each logged, tiny batches and validation); other
+scripts get ``--trainer.max_steps=2``."""
+
+STRATEGY_DOCS = ("README.md", "docs/*.md", "examples/*/README.md")
+"""Where :func:`test_gpipe_strategy_arguments_named_in_the_docs_exist` looks."""
+
+PARAMETERS = inspect.signature(GPipeStrategy).parameters
+
+
+def runnable_commands(text: str) -> list[tuple[int, str]]:
+    """``(line number, command)`` of every command in the fenced blocks marked :data:`RUNNABLE` in ``text``."""
+    lines = text.splitlines()
+    commands = []
+    for index, line in enumerate(lines):
+        if line.strip() != RUNNABLE:
+            continue
+        start = next(i for i in range(index + 1, len(lines)) if lines[i].strip())
+        assert lines[start].startswith("```"), f"line {index + 1}: {RUNNABLE} must come right before a fenced block"
+        end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("```"))
+        joined, first = "", None
+        for number in range(start + 1, end):
+            body = lines[number].split(" #")[0].rstrip() if not lines[number].lstrip().startswith("#") else ""
+            first = first if joined else number + 1
+            joined += body[:-1] + " " if body.endswith("\\") else body
+            if not body.endswith("\\"):
+                if joined.strip():
+                    commands += [(first, " ".join(part.split())) for part in joined.split("&&")]
+                joined = ""
+    return commands
+
+
+def test_runnable_marker_is_found_before_the_example_commands() -> None:
+    """The parser finds the two example blocks of the README, and a marker before a non-block is an error."""
+    commands = runnable_commands((ROOT / "README.md").read_text(encoding="utf-8"))
+    scripts = {shlex.split(command)[1] for _, command in commands if command.startswith("python ")}
+    assert scripts == {"examples/amoebanet/train.py", "examples/translation/train.py"}
+    block = f"{RUNNABLE}\n\n```bash\npip install x && python a.py fit \\\n    --b=1  # note\n```\n"
+    assert runnable_commands(block) == [(4, "pip install x"), (4, "python a.py fit --b=1")]
+    with pytest.raises(AssertionError, match="must come right before a fenced block"):
+        runnable_commands(f"{RUNNABLE}\ntext\n")
+
+
+@pytest.mark.parametrize(
+    ("name", "line", "command"),
+    [
+        (name, line, command)
+        for name in RUNNABLE_FILES
+        for line, command in runnable_commands((ROOT / name).read_text(encoding="utf-8"))
+        if not command.startswith("pip install")
+    ],
+)
+def test_runnable_command_blocks_run(name: str, line: int, command: str, tmp_path: Path) -> None:
+    """Each marked command runs, shortened, from an empty directory, and trains (a metrics file with losses)."""
+    args = shlex.split(command)
+    assert args[0] == "python", f"{name}:{line}: only `python ...` commands are run, not {command!r}"
+    script = args[1]
+    cwd, root = tmp_path / "cwd", tmp_path / "runs"
+    cwd.mkdir()
+    argv = [sys.executable, str(ROOT / script), *args[2:], *SHORTEN.get(script, ["--trainer.max_steps=2"])]
+    result = subprocess.run(
+        [*argv, f"--trainer.default_root_dir={root}"], cwd=cwd, capture_output=True, text=True, timeout=400
+    )
+    assert result.returncode == 0, f"{name}:{line}: `{command}` failed:\n{result.stderr[-3000:]}"
+    metrics = list(root.glob("lightning_logs/*/version_*/metrics.csv"))
+    assert metrics and "train_loss" in metrics[0].read_text(), f"{name}:{line}: `{command}` logged no train_loss"
+
+
+def _calls(text: str) -> list[tuple[int, str, str]]:
+    """``(line, call, rest of its line)`` of each ``GPipeStrategy(...)`` in ``text``, parentheses balanced."""
+    found = []
+    for match in re.finditer(r"GPipeStrategy\(", text):
+        depth, end = 0, None
+        for position in range(match.end() - 1, len(text)):
+            depth += {"(": 1, ")": -1}.get(text[position], 0)
+            if depth == 0:
+                end = position + 1
+                break
+        if end is not None:
+            rest = text[end : text.find("\n", end) if "\n" in text[end:] else len(text)]
+            found.append((text.count("\n", 0, match.start()) + 1, text[match.start() : end], rest))
+    return found
+
+
+def _literal(source: str) -> tuple[bool, object]:
+    """``(True, value)`` when ``source`` is a Python literal, else ``(False, None)``."""
+    try:
+        return True, ast.literal_eval(source.strip())
+    except (ValueError, SyntaxError):
+        return False, None
+
+
+PROSE_DEFAULTS = (
+    r"\b[Dd]efault:? `(\w+)=([^`]+)`",
+    r"`(\w+)=([^`]+)` ?\((?:the )?default\b",
+    r"`(\w+)=([^`]+)` by default",
+)
+"""Prose that gives a parameter's default: "the default `x=1`", "`x=1` (default)", "`x=1` by default"."""
+
+
+def strategy_claims(text: str) -> list[tuple[int, str, bool, object]]:
+    """``(line, parameter, whether a default is claimed, the claimed default)`` found in ``text``.
+
+    Calls and ``--trainer.strategy.name=`` options claim that the parameter exists; a call followed by a
+    ``# default`` comment and the prose of :data:`PROSE_DEFAULTS` (for names that are ``GPipeStrategy`` parameters
+    only, since prose names other classes' arguments too) claim a default.
+    """
+    claims = []
+    for line, call, rest in _calls(text):
+        try:
+            node = ast.parse(re.sub(r"(,\s*)?\.\.\.", "", call), mode="eval").body
+        except SyntaxError:
+            continue
+        is_default = rest.strip().lower().startswith("# default")
+        for keyword in node.keywords:
+            if keyword.arg is None:
+                continue
+            known, value = _literal(ast.unparse(keyword.value)) if is_default else (False, None)
+            claims.append((line, keyword.arg, known, value))
+    for match in re.finditer(r"--trainer\.strategy\.(\w+)=", text):
+        claims.append((text.count("\n", 0, match.start()) + 1, match.group(1), False, None))
+    for pattern in PROSE_DEFAULTS:
+        for match in re.finditer(pattern, text):
+            name, (known, value) = match.group(1), _literal(match.group(2))
+            if name in PARAMETERS and known:
+                claims.append((text.count("\n", 0, match.start(1)) + 1, name, True, value))
+    return claims
+
+
+def test_strategy_claims_are_parsed_conservatively() -> None:
+    """Calls, options, default comments and prose are found; other classes' arguments in prose are left alone."""
+    text = (
+        'GPipeStrategy(chunks=8, balance=[5, 3], ...)\n'
+        'x = GPipeStrategy(\n    checkpoint="never",  # less memory\n)\n'
+        'GPipeStrategy(state_dict_type="full")  # default: one file\n'
+        '--trainer.strategy.chunks=4 and the default `checkpoint="except_last"`; `steps=(2,)` by default\n'
+        '`chunks=None` (default) and GPipeStrategy(broken=\n'
+    )  # fmt: skip
+    assert strategy_claims(text) == [
+        (1, "chunks", False, None), (1, "balance", False, None), (2, "checkpoint", False, None),
+        (5, "state_dict_type", True, "full"), (6, "chunks", False, None), (6, "checkpoint", True, "except_last"),
+        (7, "chunks", True, None),
+    ]  # fmt: skip
+
+
+def test_gpipe_strategy_arguments_named_in_the_docs_exist() -> None:
+    """Every ``GPipeStrategy`` argument named in the docs is a parameter, with the default the docs give."""
+    problems, checked = [], 0
+    for path in sorted({p for pattern in STRATEGY_DOCS for p in ROOT.glob(pattern)}):
+        for line, name, is_default, value in strategy_claims(path.read_text(encoding="utf-8")):
+            checked += 1
+            where = f"{path.relative_to(ROOT)}:{line}"
+            if name not in PARAMETERS:
+                problems.append(f"{where}: GPipeStrategy has no parameter {name!r}")
+            elif is_default and PARAMETERS[name].default != value:
+                problems.append(
+                    f"{where}: the docs give {name}={value!r} as the default, GPipeStrategy's is "
+                    f"{PARAMETERS[name].default!r}"
+                )
+    assert not problems, "\n".join(problems)
+    assert checked > 10  # the docs name the strategy's arguments in many places: the parser still finds them
+
+
+FAIL_FAST = [
+    ("amoebanet", ["fit", "--data.data_dir=cifar10"], {}, "--data.data_dir=cifar10"),
+    (
+        "amoebanet",
+        ["fit", "--config", "{root}/examples/amoebanet/configs/cifar10_20min.yaml"],
+        {"HF_HUB_OFFLINE": "1"},
+        "--data.dataset_name=uoft-cs/cifar10",
+    ),
+    ("translation", ["fit", "--data.data_dir=multi30k"], {}, "--data.data_dir=multi30k"),
+    (
+        "translation",
+        ["fit", "--config", "{root}/examples/translation/configs/multi30k_30min.yaml"],
+        {"HF_HUB_OFFLINE": "1"},
+        "--data.dataset_name=bentrevett/multi30k",
+    ),
+]
+"""``(example, arguments, environment, the option the message must name)``: a missing directory, and the recipe's
+Hub dataset offline."""
+
+
+@pytest.mark.parametrize(("example", "args", "env", "option"), FAIL_FAST)
+def test_example_commands_fail_fast_with_the_prepare_command_when_data_is_missing(
+    example: str, args: list[str], env: dict, option: str, tmp_path: Path
+) -> None:
+    """From an empty directory (no ``../shared``, an empty Hugging Face cache), a missing directory or an offline
+    Hub stops the command in the first process, with the option and the prepare command, and writes nothing."""
+    cwd = tmp_path / "fresh"
+    cwd.mkdir()
+    environment = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), **env}
+    command = [sys.executable, str(ROOT / "examples" / example / "train.py")]
+    command += [arg.format(root=ROOT) for arg in args]
+    result = subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr[-3000:]
+    message = result.stderr.split("error: ", 1)[-1]
+    assert result.stderr.count("error: ") == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert option in message and f"python examples/{example}/prepare.py DIR" in message, message
+    if "HF_HUB_OFFLINE" in env:
+        assert "HF_HUB_OFFLINE is set" in message
+    assert "Initializing distributed" not in result.stderr  # failed before the Trainer started the stages
+    assert list(cwd.iterdir()) == []
