@@ -81,7 +81,11 @@ if __name__ == "__main__":
     rank = int(os.environ.get("LOCAL_RANK", "0"))
 
     init = os.path.join(args.out, f"init_rank{rank}")
-    initial_model().save_pretrained(init)
+    initial = initial_model()
+    # transformers writes on global rank 0 only once a process group exists (an earlier script of a shared launch
+    # made one): every rank writes its own copy here
+    initial.should_save_on_this_rank = lambda is_main_process: True
+    initial.save_pretrained(init)
     module = CausalLM(pretrained=init, attn_implementation="eager", max_new_tokens=MAX_NEW_TOKENS, **OPTIMIZATION)
     trainer = L.Trainer(
         strategy=lightning_gpipe.GPipeStrategy(chunks=3, checkpoint="except_last"),
