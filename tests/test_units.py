@@ -194,3 +194,14 @@ def test_materialize_keeps_a_parameter_tied_on_one_stage_one_parameter():
     holder = nn.ModuleDict({"embedding": embedding, "head": head})
     materialize(holder, torch.device("cpu"))
     assert holder["head"].weight is holder["embedding"].weight and not holder["head"].weight.is_meta
+
+
+def test_the_strategy_takes_every_option_of_the_config_with_its_default():
+    import dataclasses
+    import inspect
+
+    from lightning_gpipe.config import PipelineConfig
+
+    signature = inspect.signature(GPipeStrategy).parameters
+    for field in dataclasses.fields(PipelineConfig):
+        assert signature[field.name].default == field.default, field.name
