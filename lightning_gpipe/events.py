@@ -7,8 +7,8 @@ for the training steps), every micro-batch's forward, recompute and backward, th
 transfer is recorded as a :class:`Span` of ``time.perf_counter()`` timestamps.
 
 ``perf_counter`` is ``CLOCK_MONOTONIC`` on Linux: the same clock for every process of one machine, so the
-stages' spans line up on one time axis. Across machines the clocks are unrelated; multi-node timelines
-would need a per-node offset.
+stages' spans line up on one time axis. Across machines the clocks are unrelated: the callbacks move another
+node's spans onto global rank 0's clock by an offset measured once (:mod:`lightning_gpipe.callbacks._pipeline`).
 """
 
 import time
