@@ -52,3 +52,7 @@ def test_the_private_torch_names_the_package_uses_exist():
     module = nn.Linear(2, 2)
     assert {"weight", "bias"} <= set(module._parameters) and isinstance(module._modules, dict)
     assert issubclass(nn.BatchNorm1d, nn.modules.batchnorm._BatchNorm)
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner  # noqa: F401
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    assert "no_dist" in inspect.signature(_load_state_dict).parameters
