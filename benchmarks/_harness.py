@@ -113,12 +113,15 @@ class Config:
         nprocs: processes the driver starts itself, with torch.distributed's ``RANK``/``WORLD_SIZE``/
             ``MASTER_*`` variables (1 for Lightning runs, whose launcher starts the other stages).
         describe: one line saying what runs, printed in the header.
+        checkout: a directory holding another version of this repository (``git archive``): its
+            ``benchmarks/_runs.py`` runs, importing its ``lightning_gpipe`` (``None``: this one's).
     """
 
     name: str
     args: list[str]
     nprocs: int = 1
     describe: str = ""
+    checkout: Optional[str] = None
 
 
 @dataclass
@@ -175,8 +178,11 @@ def run(config: Config, memory_cap: Optional[int] = None, timeout: Optional[floa
             Lightning stage process gets its own cap of this size).
         timeout: seconds before the processes are killed and the measurement counts as failed.
     """
-    command = [sys.executable, RUNS, *config.args]
+    runs = RUNS if config.checkout is None else os.path.join(config.checkout, "benchmarks", "_runs.py")
+    command = [sys.executable, runs, *config.args]
     env = clean_env()
+    if config.checkout is not None:  # Lightning's launcher passes it on to the other stage processes
+        env["PYTHONPATH"] = os.pathsep.join([config.checkout, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     port = str(_free_port())
 
     def limit() -> None:

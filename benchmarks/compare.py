@@ -16,6 +16,11 @@ the same mini-batch, the same M, the same initial weights, SGD, ``checkpoint="ne
            our engine's 1F1B plans, torch's Schedule1F1B; "1F1B over fill-drain" lines compare each
            with its fill-drain twin (the same bubble: about 1.00 expected)
 
+With ``--before REF`` (a git revision of this repository), ``before/L`` (and ``before/L-1f1b`` when
+``ours/L-1f1b`` runs) is ours/L as that revision's code runs it: its ``benchmarks/_runs.py`` and its package,
+from ``git archive REF``, in the same interleaved run, so a change of the engine is measured as not slower
+("ours/L vs before/L" close to 1.00).
+
 The figure is rank 0's steady-state time per optimizer step; throughput ratios are time ratios, e.g.
 median(tp) / median(ours/L) > 1 means we train faster than ScheduleGPipe. Runs are interleaved fresh processes.
 
@@ -23,9 +28,14 @@ Usage::
 
     python benchmarks/compare.py                       # K=2, batch 1024, M in {8, 32}
     python benchmarks/compare.py --chunks 8 64 --width 256
+    python benchmarks/compare.py --chunks 8 --only ours/L ours/L-1f1b --before f22351e
 """
 
 import argparse
+import os
+import subprocess
+import tarfile
+import tempfile
 
 import _harness as harness
 
@@ -54,34 +64,63 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=1024, help="features per Linear layer (default 1024)")
     parser.add_argument("--depth", type=int, default=8, help="(Linear, ReLU) pairs (default 8)")
     parser.add_argument("--only", nargs="+", choices=tuple(KINDS), default=list(KINDS), help="pipelines to run")
+    parser.add_argument("--before", metavar="REF", help="also run ours/L as git revision REF runs it (before/L)")
     harness.add_timing_args(parser)
     args = parser.parse_args(argv)
     harness.check_positive(parser, args, ("devices", "chunks", "batch_size", "width", "depth", "repeats"))
     return args
 
 
-def configs(args: argparse.Namespace) -> list[harness.Config]:
-    """One configuration per (M, pipeline)."""
+BEFORE = {"before/L": "ours/L", "before/L-1f1b": "ours/L-1f1b"}
+"""label of a run of the ``--before`` revision -> the label of ours it repeats."""
+
+
+def configs(args: argparse.Namespace, checkout: str | None = None) -> list[harness.Config]:
+    """One configuration per (M, pipeline); with ``checkout`` (``--before``'s files), also its ``before/*`` runs."""
     common = harness.mlp_run_args(args)
+    labels = [*args.only, *(b for b, o in BEFORE.items() if checkout is not None and o in args.only)]
     result = []
     for m in args.chunks:
-        for label in args.only:
-            kind, nprocs, extra, describe = KINDS[label]
+        for label in labels:
+            kind, nprocs, extra, describe = KINDS[BEFORE.get(label, label)]
+            if label in BEFORE:
+                describe = f"{BEFORE[label]} as revision {args.before} runs it"
             result.append(
                 harness.Config(
                     f"{label}/M{m}",
                     [kind, *common, "--chunks", str(m), "--checkpoint", "never", *extra],
                     nprocs=nprocs or args.devices,
                     describe=describe.format(k=args.devices) + f", M={m} (~{-(-args.batch_size // m)} rows)",
+                    checkout=checkout if label in BEFORE else None,
                 )
             )
     return result
 
 
+def export(ref: str, into: str) -> str:
+    """Write the files of git revision ``ref`` of this repository into the directory ``into``; returns ``into``.
+
+    Raises:
+        subprocess.CalledProcessError: if ``ref`` is not a revision of the repository.
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    archive = os.path.join(into, "before.tar")
+    subprocess.run(["git", "-C", root, "archive", "--format=tar", f"--output={archive}", ref], check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the interleaved measurements and print the ratios."""
     args = parse_args(argv)
-    grid = configs(args)
+    with tempfile.TemporaryDirectory(prefix="compare_before_") as scratch:
+        grid = configs(args, export(args.before, scratch) if args.before else None)
+        _drive(args, grid)
+
+
+def _drive(args: argparse.Namespace, grid: list[harness.Config]) -> None:
+    """Run ``grid`` interleaved and print the tables and ratios."""
     settings = (
         f"{args.depth} x (Linear({args.width}, {args.width}), ReLU) + Linear({args.width}, 10), cross-entropy,"
         f" batch {args.batch_size}, SGD, K={args.devices}, checkpoint never; {args.warmup} warm-up +"
@@ -95,6 +134,10 @@ def summarise(args: argparse.Namespace, results: dict[str, harness.Series]) -> N
     ours = [label for label in args.only if label.startswith("ours/")]
     peers = [label for label in args.only if not label.startswith("ours/")]
     for m in args.chunks:
+        for before, now in BEFORE.items():
+            if f"{before}/M{m}" in results:
+                a, b = f"{before}/M{m}", f"{now}/M{m}"
+                harness.print_ratio(f"{now} vs {before} (> 1: faster now)", results[a], results[b], a, b)
         for a, b in [(f"{p}/M{m}", f"{o}/M{m}") for p in peers for o in ours]:
             harness.print_ratio(f"{b} vs {a}", results[a], results[b], a, b)
         for lightning, bare in (("ours/L", "ours/E"), ("ours/LW", "ours/EW")):

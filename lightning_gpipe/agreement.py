@@ -121,3 +121,22 @@ class StepAgreement:
             " order is not deterministic (an iterable dataset reading a stream, worker processes returning batches"
             " out of order)."
         )
+
+
+def same_batch_counts(loop: str, counts: list, name_of: Callable[[int], str]) -> None:
+    """Raise on every process alike when the processes' loaders have different numbers of batches for ``loop``
+    (``"training"``, ``"validation"``...): a stage with fewer would stop while the others wait for it. ``counts``:
+    this process's batches per loader; ``name_of``: a global rank's name (``"stage 1"``). A collective call.
+
+    Raises:
+        ValueError: naming each process's number of batches.
+        PipelineFailure: if another stage failed while this one waited for it.
+    """
+    every = collectives.all_gather_object(counts) if dist.is_initialized() else [counts]
+    if any(other != every[0] for other in every):
+        per_stage = ", ".join(f"{name_of(rank)}: {n}" for rank, n in enumerate(every))
+        raise ValueError(
+            f"The stages have different numbers of {loop} batches ({per_stage}); every stage runs every batch"
+            " of the pipeline, so all stages need the same data loaders: the same dataset length, batch size,"
+            " `drop_last` and sampler on every process."
+        )

@@ -262,3 +262,18 @@ def forward_and_share(backbone: nn.Module, value: Value, fn: Callable[[Value], A
     if pipeline is None:
         return fn(backbone(value))
     return pipeline.forward_and_share(value, fn)
+
+
+def check_automatic_optimization(module: Any) -> None:
+    """Refuse a LightningModule with manual optimization, before any step.
+
+    Raises:
+        RuntimeError: if ``module.automatic_optimization`` is ``False``, naming the fix.
+    """
+    if not module.automatic_optimization:
+        raise RuntimeError(
+            "GPipeStrategy supports automatic optimization only: with `automatic_optimization = False` the"
+            " user's step would have to run backward and the optimizer on every stage, but it stops at the"
+            " backbone call on all stages but the last. Remove `self.automatic_optimization = False` and return"
+            " the loss from `training_step`."
+        )

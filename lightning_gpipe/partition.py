@@ -195,6 +195,11 @@ class Split:
 _RESETS = ("reset_parameters", "_reset_parameters")  # torch's names; nn.MultiheadAttention has the second
 
 
+def is_whole(module: nn.Module) -> bool:
+    """Whether ``module`` holds every tensor (none of its parameters and buffers is on the meta device)."""
+    return not any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
 def materialize(module: nn.Module, device: torch.device) -> None:
     """Allocate ``module``'s meta-device parameters and buffers on ``device`` and initialise them.
 

@@ -7,6 +7,8 @@ the stage to its neighbours and to the stages its skips reach, and installs the 
 teardown.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional
@@ -15,16 +17,16 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_gpipe import watchdog
+from lightning_gpipe import failure, state_dict, watchdog
 from lightning_gpipe.balance import LayerCost, resolve_balance
 from lightning_gpipe.batchnorm import convert_deferred_batch_norm, revert_deferred_batch_norm
 from lightning_gpipe.config import PipelineConfig
 from lightning_gpipe.contract import BackboneCall
 from lightning_gpipe.data_parallel import GradientSync
 from lightning_gpipe.gradients import StepGradients
-from lightning_gpipe.partition import Split
+from lightning_gpipe.partition import Split, materialize
 from lightning_gpipe.randomness import StageRandomness
-from lightning_gpipe.relay import LogRelay
+from lightning_gpipe.relay import LogRelay, share_step_output
 from lightning_gpipe.runtime import Runtime
 from lightning_gpipe.skip import SkipLayout
 from lightning_gpipe.skip.links import SkipLinks
@@ -45,6 +47,8 @@ class PipelineRun:
         backbone_call: the call the partition goes through (installed as ``partition.pipeline``).
         relay: copies the last stage's logged values to every stage.
         ties: the parameters this stage shares with others.
+        randomness: the stage's random streams (see :mod:`lightning_gpipe.randomness`).
+        share: sends a picklable object from the last stage to every stage of the pipeline (a collective call).
         gradient_sync: DDP over the stage's replicas, with several of them (set by :meth:`sync_gradients`).
         step_gradients: a 1F1B step's gradients, kept apart until Lightning's ``backward``.
     """
@@ -55,6 +59,8 @@ class PipelineRun:
     backbone_call: BackboneCall
     relay: LogRelay
     ties: TiedParameters
+    randomness: StageRandomness
+    share: Callable[[Any], Any]
     gradient_sync: Optional[GradientSync] = None
     step_gradients: StepGradients = field(default_factory=StepGradients)
 
@@ -69,12 +75,105 @@ class PipelineRun:
         if GradientSync.trains(self.split.partition):
             self.stage.before_last_backward = self.gradient_sync.prepare
 
+    def start(self, module: "pl.LightningModule", device: torch.device) -> None:
+        """Initialise the stage's layers on ``device`` if ``module`` was created on the meta device (see
+        :func:`~lightning_gpipe.partition.materialize`), with the stage's random stream, and relay what the module's
+        epoch-end hooks log. Once the run exists, so that :meth:`close` undoes the split if this fails.
+
+        Raises:
+            ValueError: if a layer created on the meta device cannot be initialised.
+        """
+        with self.randomness.stage():  # each stage initialises its own layers
+            materialize(module, device)
+        self.relay.relay_after_epoch_end_hooks(module)
+
+    @contextmanager
+    def no_gradient_sync(self) -> Iterator[None]:
+        """Within a gradient-accumulation window, accumulate without averaging over the replicas (Lightning's loop
+        enters this for every batch of the window but the last). Under a schedule with a loss per micro-batch (1F1B)
+        every batch's gradients are averaged: they are computed apart from the window's earlier ones (see
+        :class:`~lightning_gpipe.gradients.StepGradients`), and the average of a sum is the sum of the averages."""
+        sync = self.gradient_sync
+        with nullcontext() if sync is None or self.runtime.per_micro_batch_loss else sync.disabled():
+            yield
+
     def announce_loss_backward(self, loss: Tensor) -> None:
         """On the last stage, announce the step's last backward to the gradient sync when it is the loss's: the
         partition trains nothing, or a one-stage pipeline runs the step unsplit (nothing left to drain)."""
         sync = self.gradient_sync
         if sync is not None and (self.stage.before_last_backward is None or not self.stage.draining):
             sync.prepare([loss])
+
+    def training_step(self, module: "pl.LightningModule", precision: Any, args: tuple, kwargs: dict) -> Any:
+        """The plan up to its cut (fill-drain: the fill; 1F1B: the whole step, see :meth:`micro_batch_steps`).
+        Every stage returns the last stage's output, the user's loss or the dict holding it, so that callbacks see
+        the step's loss on every rank (see :func:`~lightning_gpipe.relay.share_step_output`). ``precision``: the
+        precision plugin.
+
+        Raises:
+            TypeError, ValueError: under 1F1B, for a batch or backbone input that cannot be split by rows.
+            RuntimeError: if the user's step does not call the backbone exactly once, or returns no
+                loss on the last stage.
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
+        if self.runtime.per_micro_batch_loss:
+            watchdog.begin_step(f"step {module.trainer.global_step}")
+            with precision.train_step_context(), failure.reporting():
+                output = self.micro_batch_steps(module, args, kwargs, precision)
+        else:
+            output = self.user_step(module, "training_step", precision.train_step_context, args, kwargs)
+        if self.stage.is_last and output is None:
+            raise RuntimeError(
+                "`training_step` returned None on the last stage; under GPipeStrategy every step must return its"
+                " loss, since all stages take part in the drain."
+            )
+        return share_step_output(output, self.stage.is_last, self.share, self.stage.link.device)
+
+    def backward(self, module: "pl.LightningModule", precision: Any, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """The plan after its cut, between the precision plugin's ``pre_backward`` and ``post_backward``. Fill-drain:
+        the last stage backpropagates ``loss`` to its boundary through the precision plugin (``args``: the
+        optimizer and what follows it in ``Precision.backward``), so loss scaling applies to the whole pipeline,
+        then every stage drains its micro-batches. 1F1B: the step's gradients, computed in
+        :meth:`training_step`, are added to ``.grad``.
+
+        Raises:
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
+        if self.runtime.per_micro_batch_loss:
+            self.step_gradients.hand_over()
+            return
+        if self.stage.is_last:
+            self.announce_loss_backward(loss)
+            with self.randomness.stage():
+                precision.backward(loss, module, *args, **kwargs)
+        with precision.train_step_context(), failure.reporting(), self.randomness.stage():
+            self.runtime.backward()  # recomputes as the fill did, with the stage's random stream
+
+    def evaluation_step(
+        self, module: "pl.LightningModule", hook: str, context: Callable, args: tuple, kwargs: dict
+    ) -> Any:
+        """A pipelined forward of the user's ``hook`` (``"validation_step"``, ``"test_step"`` or ``"predict_step"``)
+        within the precision plugin's ``context``. Returns the user's output on the last stage (``None`` elsewhere),
+        or for predict the last stage's prediction on every stage; then relays the last stage's logged values.
+
+        Raises:
+            RuntimeError: if the user's step does not call the backbone exactly once (plainly or through
+                :func:`~lightning_gpipe.forward_and_share`).
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
+        output = self.user_step(module, hook, context, args, kwargs)
+        if hook == "predict_step":
+            return self.share(output)
+        self.relay(module.trainer)
+        return output
+
+    def user_step(self, module: "pl.LightningModule", hook: str, context: Callable, args: tuple, kwargs: dict) -> Any:
+        """One call of the user's ``hook`` with ``args`` and ``kwargs`` within ``context``, ending at the backbone
+        call on all stages but the last (see :meth:`~lightning_gpipe.contract.BackboneCall.user_step`)."""
+        step = getattr(module, hook)
+        watchdog.begin_step(f"step {module.trainer.global_step}")
+        with context(), failure.reporting():
+            return self.backbone_call.user_step(hook, lambda: step(*args, **kwargs))
 
     def micro_batch_steps(self, module: "pl.LightningModule", args: tuple, kwargs: dict, precision: Any) -> Any:
         """The whole step of a schedule with a loss per micro-batch (1F1B, see
@@ -98,6 +197,12 @@ class PipelineRun:
         scaler = getattr(precision, "scaler", None)
         precision.backward(scaler.scale(loss) if scaler is not None else loss, module, None)
 
+    def whole_state(self, module: "pl.LightningModule", replica: int, group: Any) -> Optional[dict]:
+        """Every stage's part of ``module``'s state on the process of pipeline replica ``replica`` that gets the
+        whole model back (see :func:`~lightning_gpipe.state_dict.whole_on_rank_zero`; ``None`` elsewhere): a
+        collective call over the pipeline's ``group``."""
+        return state_dict.whole_on_rank_zero(module.state_dict(), replica, group)
+
     def close(self, module: "pl.LightningModule", whole: Optional[dict[str, Any]]) -> None:
         """Undo the split (see :meth:`~lightning_gpipe.partition.Split.undo`; ``whole``: every stage's state, on the
         process that gets the whole model back), the relay's hooks, and put back the plain batch norm layers."""
@@ -118,7 +223,8 @@ def split_into_stage(
     share: Callable[[Any], Any],
     relay: LogRelay,
 ) -> PipelineRun:
-    """Split ``module``'s backbone ``name`` and build this process's stage of the pipeline.
+    """Split ``module``'s backbone ``name`` and build this process's stage of the pipeline (then call
+    :meth:`PipelineRun.start`).
 
     Args:
         module: the LightningModule, whole (or created on the meta device).
@@ -134,17 +240,31 @@ def split_into_stage(
     Raises:
         ValueError: if ``balance`` does not fit the backbone or the skip connections do not pair up.
     """
-    layers, stage_index, replica = getattr(module, name), topology.stage_of(rank), topology.replica_of(rank)
-    num_stages = topology.num_stages
+    layers, stage_index, num_stages = getattr(module, name), topology.stage_of(rank), topology.num_stages
     balance = resolve_balance(config.balance, layers, num_stages, costs, config.balance_memory_limit)
     skips = SkipLayout(layers, balance)  # checks the stash/pop pairs on every stage alike, before any step
     if config.deferred_batch_norm:
         convert_deferred_batch_norm(layers)  # the whole backbone, so that `Split.undo` puts it back
     ties = find_ties(module, name, balance)  # before the split, while every name leads to one object
     split = Split(module, name, balance, stage_index)
+    link, skip_links = _links(topology, rank, skips, device)
+    chunks = config.chunks_for(num_stages)
+    stage = Stage(
+        split.partition, link, stage_index, num_stages, chunks, config.checkpoint, config.defer_weight_grad, skip_links
+    )
+    runtime = Runtime(stage, config.schedule, num_stages)
+    backbone_call = BackboneCall(runtime, stage.is_last, share=share, randomness=randomness)
+    split.partition.pipeline = backbone_call
+    tied = TiedParameters(ties, module, topology, rank)
+    return PipelineRun(split, stage, runtime, backbone_call, relay, tied, randomness, share)
+
+
+def _links(topology: Topology, rank: int, skips: SkipLayout, device: torch.device) -> tuple[Link, SkipLinks]:
+    """The link of ``rank``'s stage to its neighbours in its pipeline, and to the stages its skips reach."""
+    stage_index, replica = topology.stage_of(rank), topology.replica_of(rank)
     link = Link(
         prev_rank=topology.rank_of(stage_index - 1, replica) if stage_index > 0 else None,
-        next_rank=topology.rank_of(stage_index + 1, replica) if stage_index < num_stages - 1 else None,
+        next_rank=topology.rank_of(stage_index + 1, replica) if stage_index < topology.num_stages - 1 else None,
         device=device,
         events=watchdog.TrackingRecorder(),
     )
@@ -152,18 +272,4 @@ def split_into_stage(
         "outgoing": {topology.rank_of(k, replica): keys for k, keys in skips.outgoing(stage_index).items()},
         "incoming": {topology.rank_of(k, replica): keys for k, keys in skips.incoming(stage_index).items()},
     }
-    chunks = config.chunks_for(num_stages)
-    stage = Stage(
-        split.partition,
-        link,
-        stage_index,
-        num_stages,
-        chunks,
-        config.checkpoint,
-        config.defer_weight_grad,
-        SkipLinks(**peers, device=device, events=link.events),
-    )
-    runtime = Runtime(stage, config.schedule, num_stages)
-    backbone_call = BackboneCall(runtime, stage.is_last, share=share, randomness=randomness)
-    split.partition.pipeline = backbone_call
-    return PipelineRun(split, stage, runtime, backbone_call, relay, TiedParameters(ties, module, topology, rank))
+    return link, SkipLinks(**peers, device=device, events=link.events)

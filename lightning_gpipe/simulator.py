@@ -174,10 +174,25 @@ def simulate(
     num_stages = len(stages)
     optimizers = [optimizer] * num_stages if isinstance(optimizer, (int, float)) else list(optimizer)
     defer = any(cost.weight for cost in stages) if defer_weight_grad is None else defer_weight_grad
-    orders = [
-        [(action.kind.value, action.micro_batch) for action in plan.actions if action.kind in COMPUTE]
-        for plan in plans(schedule, num_stages, chunks, checkpoint, defer)
-    ]
+    orders = _compute_orders(schedule, num_stages, chunks, checkpoint, defer)
+    spans, free = _replay(stages, orders, chunks, checkpoint, transfer, loss)
+    for k in range(num_stages):
+        spans[k].append(Span("optimizer", None, free[k], free[k] + optimizers[k]))
+    trace = StepTrace(0, [StageTrace(k, spans[k], 0.0, spans[k][-1].end) for k in range(num_stages)])
+    return Prediction(trace.wall, trace.bubble, [s.peak_activation_bytes for s in trace.stages], trace)
+
+
+def _replay(
+    stages: Sequence[StageCost],
+    orders: list[list[tuple[str, Optional[int]]]],
+    chunks: int,
+    checkpoint: str,
+    transfer: Transfer,
+    loss: float,
+) -> tuple[list[list[Span]], list[float]]:
+    """Run each stage's ``orders`` on a clock, a work starting once its stage is free and its input has arrived;
+    returns each stage's spans and when each stage is free again (the arguments are :func:`simulate`'s)."""
+    num_stages = len(stages)
     splits = [any(kind == "weight" for kind, _ in order) for order in orders]  # W is an action of its own there
     spans: list[list[Span]] = [[] for _ in stages]
     free = [0.0] * num_stages  # when each stage is next free
@@ -200,28 +215,43 @@ def simulate(
         for k, cost in enumerate(stages):
             while done[k] < len(orders[k]) and (at := ready(k, *orders[k][done[k]])) is not None:
                 kind, i = orders[k][done[k]]
-                if kind == "forward":
-                    kept = 0 if checkpointed(checkpoint, i, chunks) else cost.activation_bytes
-                    free[k] = _run(spans[k], free[k], at, cost.forward, kind, i, cost.input_bytes, kept)
+                if kind != "weight" or cost.weight:  # a stage that does not split its backwards has no W to run
+                    seconds, kept, saved = _work(cost, kind, i, chunks, checkpoint, loss, splits[k])
+                    free[k] = _run(spans[k], free[k], at, seconds, kind, i, kept, saved)
+                if kind in ("forward", "backward"):  # the input gradient goes before a deferred weight gradient
                     sent[(kind, k, i)] = free[k]
-                elif kind == "loss":
-                    free[k] = _run(spans[k], free[k], at, loss if i is None else loss / chunks, kind, i)
-                elif kind == "recompute":
-                    seconds = cost.forward if cost.recompute is None else cost.recompute
-                    free[k] = _run(spans[k], free[k], at, seconds, kind, i, 0, cost.activation_bytes)
-                elif kind == "backward":
-                    free[k] = _run(spans[k], free[k], at, cost.backward - cost.weight * splits[k], kind, i)
-                    sent[(kind, k, i)] = free[k]  # the input gradient goes before a deferred weight gradient
-                elif cost.weight:
-                    free[k] = _run(spans[k], free[k], at, cost.weight, kind, i)
                 done[k] += 1
                 progressed = True
     assert done == [len(order) for order in orders], "a schedule whose stages wait for each other"
-    for k in range(num_stages):
-        spans[k].append(Span("optimizer", None, free[k], free[k] + optimizers[k]))
-        free[k] += optimizers[k]
-    trace = StepTrace(0, [StageTrace(k, spans[k], 0.0, free[k]) for k in range(num_stages)])
-    return Prediction(trace.wall, trace.bubble, [s.peak_activation_bytes for s in trace.stages], trace)
+    return spans, free
+
+
+def _compute_orders(
+    schedule: str, num_stages: int, chunks: int, checkpoint: str, defer: bool
+) -> list[list[tuple[str, Optional[int]]]]:
+    """Each stage's compute actions, in the order of its plan (:func:`~lightning_gpipe.schedule.plans`), as
+    ``(kind, micro_batch)``: the one order that both the runtime and this simulator follow."""
+    return [
+        [(action.kind.value, action.micro_batch) for action in plan.actions if action.kind in COMPUTE]
+        for plan in plans(schedule, num_stages, chunks, checkpoint, defer)
+    ]
+
+
+def _work(
+    cost: StageCost, kind: str, i: Optional[int], chunks: int, checkpoint: str, loss: float, split: bool
+) -> tuple[float, int, int]:
+    """Seconds, bytes of input kept and bytes of activations saved of one stage's ``kind`` of micro-batch ``i``
+    (``split``: whether the stage's backwards leave the weight gradient to a W action of its own)."""
+    if kind == "forward":
+        kept = 0 if checkpointed(checkpoint, i, chunks) else cost.activation_bytes
+        return cost.forward, cost.input_bytes, kept
+    if kind == "loss":
+        return loss if i is None else loss / chunks, 0, 0
+    if kind == "recompute":
+        return cost.forward if cost.recompute is None else cost.recompute, 0, cost.activation_bytes
+    if kind == "backward":
+        return cost.backward - cost.weight * split, 0, 0
+    return cost.weight, 0, 0
 
 
 def _run(

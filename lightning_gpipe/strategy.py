@@ -2,56 +2,46 @@
 
 How one step maps onto Lightning (see docs/how-it-works.md): ``training_step`` runs the stage's plan up to its
 cut (fill-drain: the fill), ``backward`` the rest (the drain); the optimizer step, clipping, schedulers and
-gradient accumulation stay Lightning's. Each hook hands its work to a piece with one concern: the options
-(:mod:`~lightning_gpipe.config`), the mesh (:mod:`~lightning_gpipe.topology`), this run's pipeline
-(:mod:`~lightning_gpipe.pipeline`, over :mod:`~lightning_gpipe.runtime` and :mod:`~lightning_gpipe.contract`),
-checkpoints (:mod:`~lightning_gpipe.state_dict`), signals (:mod:`~lightning_gpipe.signals`), the stages' agreement
-before each step (:mod:`~lightning_gpipe.agreement`) and optimizer steps (:mod:`~lightning_gpipe.optimization`).
+gradient accumulation stay Lightning's. Each hook hands its work to a piece with one concern: the processes of
+the mesh, their agreement before each step and their failures (:class:`~lightning_gpipe.mesh.MeshStrategy`, the
+base class), the options (:mod:`~lightning_gpipe.config`), this run's pipeline (:mod:`~lightning_gpipe.pipeline`,
+over :mod:`~lightning_gpipe.runtime` and :mod:`~lightning_gpipe.contract`), checkpoints
+(:mod:`~lightning_gpipe.state_dict`) and optimizer steps (:mod:`~lightning_gpipe.optimization`).
 """
 
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gpipe import collectives, failure, state_dict, watchdog
-from lightning_gpipe.agreement import StepAgreement
+from lightning_gpipe import state_dict, watchdog
 from lightning_gpipe.balance import LayerCost
 from lightning_gpipe.balance.backbone import profile_backbone
 from lightning_gpipe.config import Balance, PipelineConfig
-from lightning_gpipe.data import same_batches
-from lightning_gpipe.data_parallel import reduce_over_replicas
+from lightning_gpipe.contract import check_automatic_optimization
+from lightning_gpipe.mesh import MeshStrategy
 from lightning_gpipe.optimization import pipelined, unpipelined
-from lightning_gpipe.partition import find_backbone, materialize
+from lightning_gpipe.partition import find_backbone, is_whole
 from lightning_gpipe.pipeline import PipelineRun, split_into_stage
-from lightning_gpipe.randomness import StageRandomness
-from lightning_gpipe.relay import LogRelay, share_step_output
-from lightning_gpipe.signals import StopSignals
+from lightning_gpipe.relay import LogRelay
 from lightning_gpipe.stage import Stage
 from lightning_gpipe.summary import replace_model_summary
-from lightning_gpipe.topology import Size, Topology, groups, resolve_topology
+from lightning_gpipe.topology import Size
 
 
-class GPipeStrategy(ParallelStrategy):
+class GPipeStrategy(MeshStrategy):
     """Train a LightningModule whose ``nn.Sequential`` backbone is split into stages, one per device of a pipeline.
 
     GPipe (Huang et al. 2019, arXiv:1811.06965): each mini-batch is split into ``chunks`` micro-batches that flow
@@ -126,128 +116,17 @@ class GPipeStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
     ) -> None:
         options = {k: v for k, v in locals().items() if k in PipelineConfig.__dataclass_fields__}
-        self.config = PipelineConfig(**options)
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        plugins = (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
+        super().__init__(PipelineConfig(**options), *plugins)
         self.layer_costs: Optional[list[LayerCost]] = None  # profiled per backbone layer, when a mode needs them
-        self._num_nodes = 1
         self._whole_before_split = True
-        self._pipeline_group: Optional[dist.ProcessGroup] = None  # the stages of this process's replica
-        self._data_parallel_group: Optional[dist.ProcessGroup] = None  # the replicas of this process's stage
         self._run: Optional[PipelineRun] = None
-        self._randomness = StageRandomness()  # one stream until setup_environment seeds the stage's own
-        self._agreement: Optional[StepAgreement] = None
-        self._signals: Optional[StopSignals] = None
-
-    @property
-    @override
-    def num_nodes(self) -> int:
-        """Number of nodes the job spans."""
-        return self._num_nodes
-
-    @num_nodes.setter
-    @override
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    @override
-    def num_processes(self) -> int:
-        """Number of stage processes on this node."""
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        """The device of this process's stage."""
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def topology(self) -> Topology:
-        """The data-parallel x pipeline mesh of this job (see :func:`~lightning_gpipe.topology.resolve_topology`).
-
-        Raises:
-            ValueError: if the mesh sizes or a list ``balance`` do not fit ``devices * num_nodes``.
-        """
-        config = self.config
-        sizes = (config.pipeline_parallel_size, config.data_parallel_size, config.balance)
-        return resolve_topology(*sizes, self.num_processes, self.num_nodes)
-
-    @property
-    def stage_index(self) -> int:
-        """Pipeline rank of this process (0 is the first stage)."""
-        return self.topology.stage_of(self.global_rank)
-
-    @property
-    def replica_index(self) -> int:
-        """Data-parallel rank of this process (the pipeline replica it belongs to, 0-based)."""
-        return self.topology.replica_of(self.global_rank)
-
-    @property
-    def pipeline_group(self) -> Optional[dist.ProcessGroup]:
-        """The process group of this process's replica (its pipeline's stages); ``None`` before setup."""
-        return self._pipeline_group
 
     @property
     def stage(self) -> Optional[Stage]:
         """This process's :class:`~lightning_gpipe.stage.Stage` while a model is split (``None`` before setup
         and after teardown); its ``events`` recorder is what the pipeline callbacks read."""
         return self._run.stage if self._run is not None else None
-
-    @property
-    def is_distributed(self) -> bool:
-        """Whether there are several pipeline replicas: then Lightning gives each data loader a
-        ``DistributedSampler`` over them (see :attr:`distributed_sampler_kwargs`). One pipeline reads the data as
-        one device does, a shuffled loader drawing its order from the seed and the epoch (see
-        :meth:`process_dataloader`)."""
-        return self.topology.data_parallel_size > 1
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, int]:
-        """All stages of one pipeline read the same batches: the sampler sees the data-parallel world only."""
-        return {"num_replicas": self.topology.data_parallel_size, "rank": self.replica_index}
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """Make every stage of a pipeline read the same batches (see :func:`~lightning_gpipe.data.same_batches`)."""
-        resample = self.lightning_module.trainer._accelerator_connector.use_distributed_sampler
-        return same_batches(dataloader, self.replica_index, self.topology.data_parallel_size, resample)
-
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        self.topology  # a mesh that does not fit the job fails here, before any process starts
-        if self.config.start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self.config.start_method)
-
-    @override
-    def setup_environment(self) -> None:
-        """Select the device, then join the process group, the failure board and the stall watchdog, and take the
-        stages' shared random state (see :mod:`lightning_gpipe.randomness`)."""
-        super().setup_environment()
-        reset_seed()
-        environment, topology = self.cluster_environment, self.topology
-        environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-        environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
-        backend = self.config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        _init_dist_connection(environment, backend, timeout=self.config.timeout)
-        self._pipeline_group, self._data_parallel_group = groups(topology.mesh(self.root_device.type))
-        names = {rank: topology.name(rank) for rank in range(topology.world_size)}
-        store = dist.distributed_c10d._get_default_store()
-        failure.attach(store, names[self.global_rank], self.world_size)
-        watchdog.start(store, self.global_rank, names, self.config.stall_limit())
-        self._randomness = StageRandomness.synchronized(self.stage_index, topology.num_stages, self.broadcast)
-        self._agreement = StepAgreement(self.replica_index, topology.data_parallel_size, self.root_device, names)
 
     @contextmanager
     @override
@@ -283,18 +162,15 @@ class GPipeStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         replace_model_summary(trainer)  # Lightning's would count this stage's part only
         module, fitting = self.lightning_module, trainer.state.fn == TrainerFn.FITTING
-        _check_automatic_optimization(module)
-        whole = not any(t.is_meta for t in [*module.parameters(), *module.buffers()])
-        self._whole_before_split = self.broadcast(whole, src=0)  # rank 0's module, the user's, decides for all
+        check_automatic_optimization(module)
+        self._whole_before_split = self.broadcast(is_whole(module), src=0)  # rank 0's module, the user's, decides
         name = find_backbone(module, self.config.backbone)
         relay = LogRelay(self, self._last_stage_rank, self.pipeline_group)
         run = self._run = split_into_stage(
             module, name, self.config, self.topology, self.global_rank, self.root_device,
             self._layer_costs(module, name), self._randomness, self._share_from_last_stage, relay,
         )  # fmt: skip
-        with self._randomness.stage():  # each stage initialises its own layers
-            materialize(module, self.root_device)
-        relay.relay_after_epoch_end_hooks(module)
+        run.start(module, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         run.ties.synchronize()  # tied copies start equal, even when each stage initialised its own
@@ -309,8 +185,7 @@ class GPipeStrategy(ParallelStrategy):
 
     def _layer_costs(self, module: "pl.LightningModule", name: str) -> Optional[list[LayerCost]]:
         """The backbone layers' costs where the balance needs them: measured once on global rank 0, shared."""
-        layers = getattr(module, name)
-        if self.config.profiled and (self.layer_costs is None or len(self.layer_costs) != len(layers)):
+        if self.config.profiled and (self.layer_costs is None or len(self.layer_costs) != len(getattr(module, name))):
             chunks = self.config.chunks_for(self.topology.num_stages)
             with self.precision_plugin.train_step_context(), watchdog.unbounded("profiling the backbone"):
                 costs = profile_backbone(module, name, chunks, self.root_device) if self.is_global_zero else None
@@ -320,83 +195,10 @@ class GPipeStrategy(ParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Within a gradient-accumulation window, accumulate without averaging over the replicas (Lightning's
-        loop enters this for every batch of the window but the last). Under ``schedule="1f1b"`` every batch's
-        gradients are averaged: they are computed apart from the window's earlier ones (see
-        :class:`~lightning_gpipe.gradients.StepGradients`), and the average of a sum is the sum of the averages."""
-        sync = self._run.gradient_sync
-        with nullcontext() if sync is None or self._run.runtime.per_micro_batch_loss else sync.disabled():
+        """Accumulate without averaging over the replicas within a gradient-accumulation window (see
+        :meth:`~lightning_gpipe.pipeline.PipelineRun.no_gradient_sync`)."""
+        with self._run.no_gradient_sync():
             yield
-
-    @property
-    def _last_stage_rank(self) -> int:
-        return self.topology.rank_of(self.topology.num_stages - 1, self.replica_index)
-
-    def _share_from_last_stage(self, obj: Any) -> Any:
-        if not dist.is_initialized():
-            return obj
-        return collectives.broadcast_object(obj, self._last_stage_rank, group=self.pipeline_group)
-
-    @override
-    def on_train_start(self) -> None:
-        """Check that every stage has as many training batches per epoch and take SIGTERM, SLURM's requeue signal
-        and SIGINT at step boundaries (see :meth:`_start_loop`)."""
-        self._start_loop("training", [self.lightning_module.trainer.num_training_batches])
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Agree with every process before the step (one all-reduce, see :mod:`lightning_gpipe.agreement`): the stages
-        of each pipeline must have read the same batch, and a SIGTERM or requeue signal that reached any process
-        takes effect on all of them at this step (see :meth:`~lightning_gpipe.signals.StopSignals.act`).
-
-        Raises:
-            BatchMismatchError: on every process, if the stages of a pipeline read different batches.
-            SIGTERMException: after a SLURM requeue's checkpoint.
-            PipelineFailure: if another stage failed while this one waited for it.
-        """
-        self._agree(batch, f"training batch {batch_idx}", training=True)
-
-    def _agree(self, batch: Any, which: str, training: bool = False) -> None:
-        """The agreement before one step of a loop (see :meth:`on_train_batch_start`); ``which`` names the batch."""
-        epoch = self.lightning_module.trainer.current_epoch
-        agreed = self._agreement.agree(batch, self._signals.requests(), lambda: f"epoch {epoch}, {which}")
-        self._signals.act(agreed, training)
-
-    @override
-    def on_validation_start(self) -> None:
-        """Check that every stage has as many validation batches (see :meth:`_start_loop`)."""
-        self._start_loop("validation", self.lightning_module.trainer._evaluation_loop.max_batches)
-
-    @override
-    def on_test_start(self) -> None:
-        """Check that every stage has as many test batches (see :meth:`_start_loop`)."""
-        self._start_loop("test", self.lightning_module.trainer._evaluation_loop.max_batches)
-
-    @override
-    def on_predict_start(self) -> None:
-        """Check that every stage has as many prediction batches (see :meth:`_start_loop`)."""
-        self._start_loop("prediction", self.lightning_module.trainer.predict_loop.max_batches)
-
-    def _start_loop(self, loop: str, counts: list) -> None:
-        """Raise on every stage alike when the stages' loaders have different numbers of batches (a stage with
-        fewer would stop while the others wait for it), then take the stop signals at step boundaries (one
-        :class:`~lightning_gpipe.signals.StopSignals` per run, installed by every loop: Lightning registers its own
-        handlers at the start of each ``fit``, ``validate``...).
-
-        Raises:
-            ValueError: naming each stage's number of batches.
-        """
-        every = collectives.all_gather_object(counts) if dist.is_initialized() else [counts]
-        if any(other != every[0] for other in every):
-            per_stage = ", ".join(f"{watchdog.name_of(rank)}: {n}" for rank, n in enumerate(every))
-            raise ValueError(
-                f"The stages have different numbers of {loop} batches ({per_stage}); every stage runs every batch"
-                " of the pipeline, so all stages need the same data loaders: the same dataset length, batch size,"
-                " `drop_last` and sampler on every process."
-            )
-        if self._signals is None:
-            self._signals = StopSignals(self.lightning_module.trainer, self.launcher, self.cluster_environment)
-        self._signals.install()
 
     @override
     def model_to_device(self) -> None:
@@ -405,71 +207,29 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        """The plan up to its cut (fill-drain: the fill; 1F1B: the whole step, see
-        :meth:`~lightning_gpipe.pipeline.PipelineRun.micro_batch_steps`). Every stage returns the last stage's
-        output: the user's loss, or the dict holding it, so that callbacks see the step's loss on every rank (see
-        :func:`~lightning_gpipe.relay.share_step_output`).
-
-        Raises:
-            TypeError, ValueError: under 1F1B, for a batch or backbone input that cannot be split by rows.
-            RuntimeError: if the user's step does not call the backbone exactly once, or returns no
-                loss on the last stage.
-            PipelineFailure: if another stage failed while this one waited for it.
-        """
-        run, context = self._run, self.precision_plugin.train_step_context
-        if run.runtime.per_micro_batch_loss:
-            watchdog.begin_step(f"step {self.lightning_module.trainer.global_step}")
-            with context(), failure.reporting():
-                output = run.micro_batch_steps(self.lightning_module, args, kwargs, self.precision_plugin)
-        else:
-            output = self._user_step("training_step", context, args, kwargs)
-        if run.stage.is_last and output is None:
-            raise RuntimeError(
-                "`training_step` returned None on the last stage; under GPipeStrategy every step must return its"
-                " loss, since all stages take part in the drain."
-            )
-        # every stage returns the loss, so that Lightning runs `backward` (the drain) on every stage
-        return share_step_output(output, run.stage.is_last, self._share_from_last_stage, self.root_device)
+        """The plan up to its cut; the last stage's output on every stage (see
+        :meth:`~lightning_gpipe.pipeline.PipelineRun.training_step`)."""
+        return self._run.training_step(self.lightning_module, self.precision_plugin, args, kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
-        """The plan after its cut (fill-drain: the last stage backpropagates the loss to its boundary through the
-        precision plugin, so loss scaling applies to the whole pipeline, then every stage drains its micro-batches;
-        1F1B: the step's gradients, computed in :meth:`training_step`, are added to ``.grad``), between
-        ``on_before_backward`` and ``on_after_backward``; then the last stage's logged values reach every stage.
-
-        Raises:
-            PipelineFailure: if another stage failed while this one waited for it.
-        """
-        module, run, precision = self.lightning_module, self._run, self.precision_plugin
+        """The plan after its cut (see :meth:`~lightning_gpipe.pipeline.PipelineRun.backward`), between
+        ``on_before_backward`` and ``on_after_backward``; then the last stage's logged values reach every stage."""
+        module, precision = self.lightning_module, self.precision_plugin
         self.pre_backward(closure_loss)
         closure_loss = precision.pre_backward(closure_loss, module)
-        if run.runtime.per_micro_batch_loss:
-            run.step_gradients.hand_over()
-        else:
-            if run.stage.is_last:
-                run.announce_loss_backward(closure_loss)
-                with self._randomness.stage():
-                    precision.backward(closure_loss, module, optimizer, *args, **kwargs)
-            with precision.train_step_context(), failure.reporting(), self._randomness.stage():
-                run.runtime.backward()  # recomputes as the fill did, with the stage's random stream
+        self._run.backward(module, precision, closure_loss, optimizer, *args, **kwargs)
         closure_loss = precision.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
-        with run.stage.events.span("relay"):
-            run.relay(module.trainer)
+        with self._run.stage.events.span("relay"):
+            self._run.relay(module.trainer)
         return closure_loss
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Optional[Any] = None, **kwargs) -> Any:
         """Lightning's optimizer step, with the gradients of tied parameters summed over the stages that hold a
         copy right after the step's closure (see :mod:`lightning_gpipe.ties`)."""
-
-        def closure_and_ties() -> Any:
-            result = closure()
-            self._run.ties.reduce_grads()
-            return result
-
-        return super().optimizer_step(optimizer, closure_and_ties, model, **kwargs)
+        return super().optimizer_step(optimizer, self._run.ties.after(closure), model, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -487,50 +247,10 @@ class GPipeStrategy(ParallelStrategy):
         return self._evaluation_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
 
     def _evaluation_step(self, hook: str, context: Callable, args: tuple, kwargs: dict) -> Any:
-        """Agree on the batch, run the user's step, and relay its logged values (its prediction, for predict).
-
-        Raises:
-            BatchMismatchError: on every process, if the stages of a pipeline read different batches.
-            RuntimeError: if the user's step does not call the backbone exactly once (plainly or through
-                :func:`~lightning_gpipe.forward_and_share`).
-            PipelineFailure: if another stage failed while this one waited for it.
-        """
+        """Agree on the batch (:meth:`_agree`), then run the step (see
+        :meth:`~lightning_gpipe.pipeline.PipelineRun.evaluation_step`)."""
         self._agree(args[0], f"{hook.removesuffix('_step').replace('predict', 'prediction')} batch {args[1]}")
-        output = self._user_step(hook, context, args, kwargs)
-        if hook == "predict_step":
-            return self._share_from_last_stage(output)
-        self._run.relay(self.lightning_module.trainer)
-        return output
-
-    def _user_step(self, hook: str, context: Callable, args: tuple, kwargs: dict) -> Any:
-        step = getattr(self.lightning_module, hook)
-        watchdog.begin_step(f"step {self.lightning_module.trainer.global_step}")
-        with context(), failure.reporting():
-            return self._run.backbone_call.user_step(hook, lambda: step(*args, **kwargs))
-
-    @override
-    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[str] = "mean") -> Any:
-        """Reduce ``tensor`` over this stage's replicas (``self.log(..., sync_dist=True)`` calls this), as DDP does;
-        the stages of a pipeline hold parts of one step, not copies, and never average with each other (see
-        :func:`~lightning_gpipe.data_parallel.reduce_over_replicas`).
-
-        Raises:
-            ValueError: for a ``reduce_op`` other than ``"mean"``, ``"avg"`` or ``"sum"``.
-            PipelineFailure: if another process failed or stalled while this one waited for it.
-        """
-        replicas = self.topology.data_parallel_size if dist.is_initialized() else 1
-        return reduce_over_replicas(tensor, reduce_op, self._data_parallel_group, replicas)
-
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        """Wait until every process reaches this point (interruptibly, see :mod:`lightning_gpipe.collectives`)."""
-        if dist.is_initialized():
-            collectives.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Send the picklable ``obj`` from global rank ``src`` to every process (interruptibly)."""
-        return collectives.broadcast_object(obj, src) if dist.is_initialized() else obj
+        return self._run.evaluation_step(self.lightning_module, hook, context, args, kwargs)
 
     @property
     @override
@@ -594,39 +314,20 @@ class GPipeStrategy(ParallelStrategy):
         _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
-    def on_exception(self, exception: BaseException) -> None:
-        """Publish the exception so that the other stages exit naming it instead of hanging, then wait (a few
-        seconds at most) until every process has read it (:func:`~lightning_gpipe.failure.linger`). Lightning's
-        ``SIGTERMException`` is not published: every stage raises it at the same step, by agreement. On a
-        ``KeyboardInterrupt`` it says where the other stages were last seen; Lightning's launcher then ends them."""
-        if not isinstance(exception, SIGTERMException):
-            failure.report(exception)
-            failure.linger()
-        if isinstance(exception, KeyboardInterrupt):  # the launcher ends the other stages next, whatever they do
-            failure.say(f"interrupted; ending every stage. {watchdog.last_positions()}.")
-
-    @override
     def teardown(self) -> None:
-        """Undo the split; after a completed run, global rank 0's module gets every stage's weights back.
-
-        Only a module that was whole before the split is made whole again: one created on the meta device
-        (``configure_model``, ``empty_init=True``) may not fit one process, so its other stages' layers stay on
-        the meta device; load a checkpoint to get them.
-        """
+        """Undo the split (see :meth:`~lightning_gpipe.pipeline.PipelineRun.close`): after a completed run, global rank
+        0's module gets every stage's weights back, if it was whole before the split."""
         module, run, whole = self.lightning_module, self._run, None
-        if run is not None and module is not None:
-            if module.trainer.state.status != TrainerStatus.INTERRUPTED and self._whole_before_split:
-                whole = state_dict.whole_on_rank_zero(module.state_dict(), self.replica_index, self.pipeline_group)
-            if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
-                module.to_empty(device="cpu")  # materialize failed; Lightning's teardown cannot move meta tensors
+        completed = module is not None and module.trainer.state.status != TrainerStatus.INTERRUPTED
+        if run is not None and completed and self._whole_before_split:
+            whole = run.whole_state(module, self.replica_index, self.pipeline_group)
+        if module is not None and not is_whole(module):
+            module.to_empty(device="cpu")  # a failed materialize; Lightning's teardown cannot move meta tensors
         unpipelined(self.precision_plugin)
         super().teardown()
         if run is not None:
             run.close(module, whole)
-        self._run = self._agreement = self._signals = None
-        self._randomness = StageRandomness()
-        watchdog.stop()
-        failure.detach()
+        self._run = None
 
     @classmethod
     @override
@@ -635,14 +336,4 @@ class GPipeStrategy(ParallelStrategy):
         strategy_registry.register("gpipe", cls, description="GPipe pipeline parallelism")
         strategy_registry.register(
             "gpipe_spawn", cls, description="GPipe pipeline parallelism, spawn launcher", start_method="spawn"
-        )
-
-
-def _check_automatic_optimization(module: "pl.LightningModule") -> None:
-    if not module.automatic_optimization:
-        raise RuntimeError(
-            "GPipeStrategy supports automatic optimization only: with `automatic_optimization = False` the"
-            " user's step would have to run backward and the optimizer on every stage, but it stops at the"
-            " backbone call on all stages but the last. Remove `self.automatic_optimization = False` and return"
-            " the loss from `training_step`."
         )

@@ -16,7 +16,7 @@ has one entry per name, as the module without the strategy, and loads into it.
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -133,6 +133,17 @@ class TiedParameters:
                 if not has:
                     parameter.grad = torch.empty_like(parameter)
                 parameter.grad.copy_(flat[:-1].view_as(parameter))
+
+    def after(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure`` (Lightning's step closure: the step's forward and backward), then :meth:`reduce_grads`, so that
+        the optimizer steps every copy of a tie with the summed gradient."""
+
+        def closure_and_ties() -> Any:
+            result = closure()
+            self.reduce_grads()
+            return result
+
+        return closure_and_ties
 
     def uncounted(self) -> list[Tensor]:
         """This stage's copies that the global gradient norm must not count: every tie's copies but those of its

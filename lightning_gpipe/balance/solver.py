@@ -35,14 +35,7 @@ def solve(
             within ``memory_limit`` (the message gives the smallest limit that fits).
     """
     layers = len(costs)
-    if num_stages < 1 or layers < num_stages:
-        raise ValueError(f"Cannot split {layers} layers into {num_stages} non-empty stages.")
-    if any(cost < 0 for cost in costs):
-        raise ValueError("Layer costs must be non-negative.")
-    if (memory is None) != (memory_limit is None):
-        raise ValueError("Give both `memory` (bytes per layer) and `memory_limit` (bytes per stage), or neither.")
-    if memory is not None and (len(memory) != layers or any(size < 0 for size in memory)):
-        raise ValueError(f"`memory` needs one non-negative size per layer ({layers}), got {len(memory)} values.")
+    _check(costs, num_stages, memory, memory_limit)
     fits = _fits(memory, memory_limit)
     prefix = [0.0, *accumulate(costs)]
     # best[k][i]: lowest possible costliest stage when the first i layers form k stages
@@ -67,6 +60,21 @@ def solve(
         balance.append(end - cut[k][end])
         end = cut[k][end]
     return balance[::-1]
+
+
+def _check(
+    costs: Sequence[float], num_stages: int, memory: Optional[Sequence[float]], memory_limit: Optional[float]
+) -> None:
+    """Raise :func:`solve`'s ``ValueError`` for arguments it cannot solve."""
+    layers = len(costs)
+    if num_stages < 1 or layers < num_stages:
+        raise ValueError(f"Cannot split {layers} layers into {num_stages} non-empty stages.")
+    if any(cost < 0 for cost in costs):
+        raise ValueError("Layer costs must be non-negative.")
+    if (memory is None) != (memory_limit is None):
+        raise ValueError("Give both `memory` (bytes per layer) and `memory_limit` (bytes per stage), or neither.")
+    if memory is not None and (len(memory) != layers or any(size < 0 for size in memory)):
+        raise ValueError(f"`memory` needs one non-negative size per layer ({layers}), got {len(memory)} values.")
 
 
 def _fits(memory: Optional[Sequence[float]], limit: Optional[float]):
