@@ -59,6 +59,17 @@ def process_exits(pid: int, within: float) -> bool:
     return False
 
 
+def assert_every_stage_exits(out: Path, within: float = 60, since: Optional[float] = None) -> None:
+    """Assert both stage processes of a run are gone within ``within`` seconds of ``since`` (by default of their
+    start): each wrote ``rank{r}.txt`` in ``out``, its pid and start time (tests/workers/failure.py)."""
+    import time
+
+    for rank in range(2):
+        pid, started = (out / f"rank{rank}.txt").read_text().split()
+        left = within - (time.time() - (since or float(started)))
+        assert process_exits(int(pid), within=left), f"rank {rank} is left"
+
+
 _SHARED: dict[int, list[tuple[str, tuple[str, ...], float, str, Optional[int]]]] = {}
 """Registered runs of worker scripts, by number of stage processes: (script, args, timeout, name, output_of)."""
 

@@ -6,7 +6,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from models import CLASSES, FEATURES, trainer_kwargs
-from test_translation import TINY, tiny_datamodule, tiny_trainer
+from tiny_translation import TINY, tiny_datamodule, tiny_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

@@ -12,8 +12,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from conftest import shared_run
-from test_failures import _assert_every_stage_exits
+from conftest import assert_every_stage_exits, shared_run
 from torch import nn
 
 from lightning_gpipe import GPipeStrategy, forward_and_share, microbatch
@@ -151,7 +150,7 @@ def stage_errors():
     """Each rank's messages for every case of the worker's ``BAD_INPUTS``, from one run of 2 stage processes (which
     go on to run other scripts, see ``shared_run``)."""
     out = BAD_INPUTS()
-    _assert_every_stage_exits(out, within=30, since=time.time())
+    assert_every_stage_exits(out, within=30, since=time.time())
     return [json.loads((out / f"bad_inputs_rank{rank}.json").read_text()) for rank in range(2)]
 
 

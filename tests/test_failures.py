@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import process_exits, run_worker, start_worker
+from conftest import assert_every_stage_exits, run_worker, start_worker
 from models import TupleNet, fit
 
 from lightning_gpipe import PipelineFailure, failure, waiting, watchdog
@@ -37,20 +37,13 @@ CASES = {
 }
 
 
-def _assert_every_stage_exits(out, within: float = 60, since: float | None = None):
-    for rank in range(2):
-        pid, started = (out / f"rank{rank}.txt").read_text().split()
-        left = within - (time.time() - (since or float(started)))
-        assert process_exits(int(pid), within=left), f"rank {rank} is left"
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_failure_ends_every_stage(case, tmp_path):
     result = run_worker("failure.py", case, str(tmp_path), timeout=180)
     assert result.returncode != 0
     for message in CASES[case]:
         assert message in result.stderr, result.stderr[-3000:]
-    _assert_every_stage_exits(tmp_path)
+    assert_every_stage_exits(tmp_path)
 
 
 def test_a_stage_stuck_in_user_code_is_named_by_the_watchdog(tmp_path):
@@ -63,7 +56,7 @@ def test_a_stage_stuck_in_user_code_is_named_by_the_watchdog(tmp_path):
         r"stage 0 gave up after waiting \d+ s for stage 1 \(stall limit 4 s, the shorter of", result.stderr
     )
     assert "[stage 1] ending this process: stage 1 has been in" in result.stderr  # the stuck stage is ended too
-    _assert_every_stage_exits(tmp_path)
+    assert_every_stage_exits(tmp_path)
 
 
 @pytest.mark.parametrize("inherited", ["handled", "ignored"])
@@ -81,7 +74,7 @@ def test_ctrl_c_on_the_main_process_ends_every_stage_while_one_is_stuck(inherite
     assert process.returncode != 0
     assert "Detected KeyboardInterrupt, attempting graceful shutdown" in stderr, stderr[-3000:]
     assert "[stage 0] interrupted; ending every stage. stage 1 was last seen in `training_step` after" in stderr
-    _assert_every_stage_exits(tmp_path, within=30, since=sent)
+    assert_every_stage_exits(tmp_path, within=30, since=sent)
 
 
 def test_sigterm_on_the_main_process_stops_every_stage_at_the_same_step(tmp_path):
@@ -95,7 +88,7 @@ def test_sigterm_on_the_main_process_stops_every_stage_at_the_same_step(tmp_path
     _, stderr = process.communicate(timeout=60)
     assert (tmp_path / "stopped_rank0").exists() and (tmp_path / "stopped_rank1").exists(), stderr[-3000:]
     assert "PipelineFailure" not in stderr and process.returncode == 0  # Lightning's graceful stop, on both stages
-    _assert_every_stage_exits(tmp_path, within=30, since=sent)
+    assert_every_stage_exits(tmp_path, within=30, since=sent)
 
 
 def _free_port() -> int:
@@ -136,7 +129,7 @@ def test_slurm_requeue_signal_saves_a_checkpoint_every_stage_agrees_on_requeues_
     loaded = TupleNet.load_from_checkpoint(checkpoint).state_dict()  # both stages' layers, after the same step
     for key, expected in fit(max_steps=step).state_dict().items():
         torch.testing.assert_close(loaded[key], expected, rtol=0, atol=1e-5, msg=key)
-    _assert_every_stage_exits(tmp_path)
+    assert_every_stage_exits(tmp_path)
 
 
 def test_a_stage_killed_mid_save_leaves_the_previous_checkpoint_which_resumes(tmp_path, reference_state):
@@ -144,7 +137,7 @@ def test_a_stage_killed_mid_save_leaves_the_previous_checkpoint_which_resumes(tm
     for kind in ("full", "sharded"):
         result = run_worker("failure.py", f"kill_{kind}", str(tmp_path), timeout=180)
         assert result.returncode != 0 and (tmp_path / f"killed_{kind}").exists(), result.stderr[-3000:]
-        _assert_every_stage_exits(tmp_path)
+        assert_every_stage_exits(tmp_path)
     assert "terminated with code -9" in result.stderr  # Lightning's launcher ends the job (sharded: a child died)
     assert (tmp_path / ".good_sharded.ckpt.partial").is_dir()  # the unfinished sharded checkpoint, left aside
     loaded = TupleNet.load_from_checkpoint(tmp_path / "good_full.ckpt").state_dict()

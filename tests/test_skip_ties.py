@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import assert_states_close, one_stage_pipeline, shared_run
-from test_translation import TINY, one_thread, predict_data
+from tiny_translation import TINY, one_thread, predict_data
 from models import FEATURES, trainer_kwargs
 from nonchain import Pop, SkipNet, Stash, TiedNet, dense, fit_nonchain, fit_tied_translation, skip_loader
 from torch import nn
