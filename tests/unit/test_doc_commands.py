@@ -34,7 +34,7 @@ import pytest
 
 from lightning_gpipe import GPipeStrategy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 RUNNABLE = "<!-- runnable -->"
 """The marker line before a fenced bash block that the tests run."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 from amoebanet.data import CIFAR10DataModule
 from amoebanet.model import amoebanetd
@@ -82,7 +82,7 @@ def test_example_trains_on_two_stages_and_logs_through_a_lightning_logger(tmp_pa
     import csv
     import subprocess
 
-    script = Path(__file__).resolve().parents[1] / "examples" / "amoebanet" / "train.py"
+    script = Path(__file__).resolve().parents[2] / "examples" / "amoebanet" / "train.py"
     cwd, root = tmp_path / "cwd", tmp_path / "runs"
     cwd.mkdir()
     result = subprocess.run(
