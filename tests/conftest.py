@@ -59,12 +59,13 @@ def process_exits(pid: int, within: float) -> bool:
     return False
 
 
-def assert_every_stage_exits(out: Path, within: float = 60, since: Optional[float] = None) -> None:
-    """Assert both stage processes of a run are gone within ``within`` seconds of ``since`` (by default of their
-    start): each wrote ``rank{r}.txt`` in ``out``, its pid and start time (tests/workers/failure.py)."""
+def assert_every_stage_exits(out: Path, within: float = 60, since: Optional[float] = None, processes: int = 2) -> None:
+    """Assert the ``processes`` stage processes of a run are gone within ``within`` seconds of ``since`` (by default
+    of their start): each wrote ``rank{r}.txt`` in ``out``, its pid and start time (tests/workers/failure.py,
+    tests/workers/mesh.py)."""
     import time
 
-    for rank in range(2):
+    for rank in range(processes):
         pid, started = (out / f"rank{rank}.txt").read_text().split()
         left = within - (time.time() - (since or float(started)))
         assert process_exits(int(pid), within=left), f"rank {rank} is left"
