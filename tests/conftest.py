@@ -43,6 +43,20 @@ def start_worker(script: str, *args: str, env: dict | None = None, ignore_sigint
     )
 
 
+def wait_for_file(path: Path, *processes: subprocess.Popen, within: float = 150) -> None:
+    """Wait until a worker writes ``path`` (a handshake); if a process of ``processes`` ends first or ``within``
+    seconds pass, kill them and fail with the first one's stderr."""
+    import time
+
+    deadline = time.time() + within
+    while not path.exists():
+        if any(process.poll() is not None for process in processes) or time.time() > deadline:
+            for process in processes:
+                process.kill()
+            raise AssertionError(f"no {path.name}:\n" + processes[0].communicate()[1][-3000:])
+        time.sleep(0.2)
+
+
 def process_exits(pid: int, within: float) -> bool:
     """Whether process ``pid`` is gone (or a zombie) within ``within`` seconds."""
     import time

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import assert_every_stage_exits, run_worker, start_worker
+from conftest import assert_every_stage_exits, run_worker, start_worker, wait_for_file
 from models import TupleNet, fit
 
 CASES = {
@@ -58,11 +58,7 @@ def test_a_stage_stuck_in_user_code_is_named_by_the_watchdog(tmp_path):
 def test_ctrl_c_on_the_main_process_ends_every_stage_while_one_is_stuck(inherited, tmp_path):
     # "ignored": started as a background job of a non-interactive shell starts it, where `kill -INT` did nothing
     process = start_worker("failure.py", "stuck", str(tmp_path), ignore_sigint=inherited == "ignored")
-    deadline = time.time() + 150
-    while not (tmp_path / "stuck").exists():
-        assert process.poll() is None and time.time() < deadline, process.communicate()[1][-3000:]
-        time.sleep(0.2)
-    time.sleep(1.0)  # stage 0 waits for the stuck stage's gradients
+    wait_for_file(tmp_path / "waiting", process)  # stage 0 waits for the gradients of the stuck stage
     sent = time.time()
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
@@ -74,10 +70,7 @@ def test_ctrl_c_on_the_main_process_ends_every_stage_while_one_is_stuck(inherite
 
 def test_sigterm_on_the_main_process_stops_every_stage_at_the_same_step(tmp_path):
     process = start_worker("failure.py", "sigterm", str(tmp_path))
-    deadline = time.time() + 150
-    while not (tmp_path / "training").exists():
-        assert process.poll() is None and time.time() < deadline, process.communicate()[1][-3000:]
-        time.sleep(0.2)
+    wait_for_file(tmp_path / "training", process)
     sent = time.time()
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
@@ -109,10 +102,7 @@ def test_slurm_requeue_signal_saves_a_checkpoint_every_stage_agrees_on_requeues_
         )
         for r in range(2)
     ]
-    deadline = time.time() + 150
-    while not (tmp_path / "training").exists():
-        assert all(t.poll() is None for t in tasks) and time.time() < deadline, tasks[0].communicate()[1][-3000:]
-        time.sleep(0.2)
+    wait_for_file(tmp_path / "training", *tasks)
     for task in tasks:  # SLURM signals every task of the job (`--signal=USR1@90`), each at its own point of a step
         task.send_signal(signal.SIGUSR1)
     outputs = [task.communicate(timeout=60) for task in tasks]
