@@ -1,6 +1,7 @@
-"""Models that are not a plain chain, for tests/test_skip_ties.py and tests/workers/skip_ties.py: a backbone with
-skip connections (``SkipNet``), one with tied parameters (``TiedNet``), and the translation example with one
-table for its embeddings and output projection (:func:`fit_tied_translation`)."""
+"""Models that are not a plain chain, for tests/unit/test_skip_ties.py, tests/distributed/test_skip_ties.py and
+tests/workers/skip_ties.py: a backbone with skip connections (``SkipNet``), one with tied parameters (``TiedNet``),
+and the translation example with one table for its embeddings and output projection (:func:`fit_tied_translation`).
+"""
 
 import lightning as L
 import torch
