@@ -43,6 +43,20 @@ def start_worker(script: str, *args: str, env: dict | None = None, ignore_sigint
     )
 
 
+def wait_for_file(path: Path, *processes: subprocess.Popen, within: float = 150) -> None:
+    """Wait until a worker writes ``path`` (a handshake); if a process of ``processes`` ends first or ``within``
+    seconds pass, kill them and fail with the first one's stderr."""
+    import time
+
+    deadline = time.time() + within
+    while not path.exists():
+        if any(process.poll() is not None for process in processes) or time.time() > deadline:
+            for process in processes:
+                process.kill()
+            raise AssertionError(f"no {path.name}:\n" + processes[0].communicate()[1][-3000:])
+        time.sleep(0.2)
+
+
 def process_exits(pid: int, within: float) -> bool:
     """Whether process ``pid`` is gone (or a zombie) within ``within`` seconds."""
     import time
@@ -57,6 +71,18 @@ def process_exits(pid: int, within: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def assert_every_stage_exits(out: Path, within: float = 60, since: Optional[float] = None, processes: int = 2) -> None:
+    """Assert the ``processes`` stage processes of a run are gone within ``within`` seconds of ``since`` (by default
+    of their start): each wrote ``rank{r}.txt`` in ``out``, its pid and start time (tests/workers/failure.py,
+    tests/workers/mesh.py)."""
+    import time
+
+    for rank in range(processes):
+        pid, started = (out / f"rank{rank}.txt").read_text().split()
+        left = within - (time.time() - (since or float(started)))
+        assert process_exits(int(pid), within=left), f"rank {rank} is left"
 
 
 _SHARED: dict[int, list[tuple[str, tuple[str, ...], float, str, Optional[int]]]] = {}

@@ -1,12 +1,13 @@
-"""Models that are not a plain chain, for tests/test_skip_ties.py and tests/workers/skip_ties.py: a backbone with
-skip connections (``SkipNet``), one with tied parameters (``TiedNet``), and the translation example with one
-table for its embeddings and output projection (:func:`fit_tied_translation`)."""
+"""Models that are not a plain chain, for tests/unit/test_skip_ties.py, tests/distributed/test_skip_ties.py and
+tests/workers/skip_ties.py: a backbone with skip connections (``SkipNet``), one with tied parameters (``TiedNet``),
+and the translation example with one table for its embeddings and output projection (:func:`fit_tied_translation`).
+"""
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from models import CLASSES, FEATURES, trainer_kwargs
-from test_translation import TINY, tiny_datamodule, tiny_trainer
+from tiny_translation import TINY, tiny_datamodule, tiny_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

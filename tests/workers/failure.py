@@ -6,7 +6,8 @@ CASE:
 "before_backbone" (a head is called before the backbone),
 "double" (training_step calls the backbone twice, as in the quickstart repro of issue 15),
 "stuck" (the last stage sleeps for an hour in training_step at step 2; it writes OUT_DIR/stuck when it
-starts to), "sigterm" (a healthy run of 3000 slow steps, for a signal; OUT_DIR/training is written at step 2, and
+starts to, and stage 0 writes OUT_DIR/waiting once it waits for it after that, a wait that cannot end),
+"sigterm" (a healthy run of 3000 slow steps, for a signal; OUT_DIR/training is written at step 2, and
 OUT_DIR/stopped_rank{r} when Lightning's SIGTERMException stops rank r),
 "oom" (a layer of the last stage fills its memory under an RLIMIT_DATA cap at step 2, until an allocation fails),
 "bad_inputs" (every case of ``BAD_INPUTS`` in turn, each a fit that must fail before its first step on every stage
@@ -30,6 +31,8 @@ import resource
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -277,6 +280,34 @@ def bad_inputs() -> None:
         json.dump(messages, f)
 
 
+def announce_the_endless_wait() -> None:
+    """Make stage 0 write OUT_DIR/waiting once it waits for stage 1 while stage 1 is stuck (OUT_DIR/stuck): a wait
+    that cannot end, in which the test interrupts it."""
+    import threading
+
+    from lightning_gpipe import watchdog
+
+    waiting, inside = watchdog.waiting, threading.Event()
+
+    def announce() -> None:
+        while not (inside.is_set() and os.path.exists(os.path.join(args.out, "stuck"))):
+            time.sleep(0.05)
+        open(os.path.join(args.out, "waiting"), "w").close()
+
+    @contextmanager
+    def announced(peer: str) -> Iterator[None]:
+        with waiting(peer):  # the position now says stage 0 waits for ``peer``
+            if peer == "stage 1":
+                inside.set()
+            try:
+                yield
+            finally:
+                inside.clear()
+
+    watchdog.waiting = announced
+    threading.Thread(target=announce, daemon=True).start()
+
+
 # ----------------------------------------------------------------------------- the cases
 
 L.seed_everything(1, verbose=False)  # as `fit` does before it creates a module itself
@@ -307,6 +338,8 @@ elif args.case == "requeue":
             f.write(str(module.trainer.global_step))
         raise
 elif args.case in MODULES:
+    if args.case == "stuck" and rank == 0:
+        announce_the_endless_wait()
     fit(
         strategy=strategy(balance=[4, 5] if args.case == "oom" else None),
         devices=args.devices,

@@ -2,8 +2,8 @@
 
 Usage: python one_f_one_b.py OUT_DIR --devices 2
 Writes rank 0's module state after each fit to OUT_DIR/<name>.pt for every entry of ``configs()`` (see the
-test, tests/test_one_f_one_b.py, for what each is compared with); OUT_DIR/<name>_rank{r}.json per rank for
-the 16-mixed runs (the gradient scaler's final scale) and the logging run (``WatchedNet.seen``); a full
+test, tests/distributed/test_one_f_one_b.py, for what each is compared with); OUT_DIR/<name>_rank{r}.json per rank
+for the 16-mixed runs (the gradient scaler's final scale) and the logging run (``WatchedNet.seen``); a full
 checkpoint at step 3 resumed to step 6 (OUT_DIR/resume.pt); the error of a batch that cannot be split by rows
 (OUT_DIR/unsplittable_rank{r}.txt). K = 3 and 4 run in tests/workers/equivalence.py.
 """

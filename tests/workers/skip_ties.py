@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from nonchain import SkipNet, TiedNet, fit_nonchain, fit_tied_translation, skip_loader  # noqa: E402
-from test_translation import predict_data, tiny_trainer  # noqa: E402
+from tiny_translation import predict_data, tiny_trainer  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
 import lightning as L  # noqa: E402

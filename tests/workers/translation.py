@@ -3,7 +3,7 @@
 Usage: python translation.py OUT_DIR --devices K  (run with Lightning's launcher)
 Writes OUT_DIR/losses.pt (the per-step training losses rank 0 saw, relayed from the last stage),
 OUT_DIR/state.pt (rank 0's module after fit: the full state dict) and OUT_DIR/translations_rank{r}.pt
-(what `trainer.predict` returns on each rank for each decoding of test_translation.DECODINGS: a dict of
+(what `trainer.predict` returns on each rank for each decoding of tiny_translation.DECODINGS: a dict of
 name to the batches' translations through the pipeline).
 """
 
@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
-from test_translation import DECODINGS, fit_tiny, predict_data, tiny_trainer  # noqa: E402
+from tiny_translation import DECODINGS, fit_tiny, predict_data, tiny_trainer  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")

@@ -110,7 +110,7 @@ def _nccl_like(polls: int) -> Callable[..., NcclLikeWork]:
 
 @pytest.fixture
 def board(monkeypatch):
-    """A failure board on an in-process store, as stage 0 of a 2-stage pipeline (as in tests/test_failures.py),
+    """A failure board on an in-process store, as stage 0 of a 2-stage pipeline (as in tests/unit/test_failures.py),
     looked at every 5 ms while a wait lasts."""
     monkeypatch.setattr(waiting, "TICK", 0.005)
     store = dist.HashStore()

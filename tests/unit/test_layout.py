@@ -3,7 +3,7 @@
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).parent.parent / "lightning_gpipe"
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_gpipe"
 
 
 def _modules() -> dict[str, Path]:

@@ -2,7 +2,8 @@
 plain behaviour under other strategies.
 
 The two-process path (the gather at fit start under GPipeStrategy) runs in the examples' smoke tests
-(tests/test_amoebanet.py, tests/test_translation.py), which check the printed summary of a real 2-stage run.
+(tests/distributed/test_amoebanet.py, tests/distributed/test_translation.py), which check the printed summary of a
+real 2-stage run.
 """
 
 import copy

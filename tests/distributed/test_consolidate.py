@@ -163,12 +163,3 @@ def test_the_command_keeps_an_existing_output_unless_forced(run, tmp_path, capsy
     assert capsys.readouterr().out.startswith(f"Wrote {output}: ")
     assert_same(torch.load(output, weights_only=False), torch.load(run / "consolidated.ckpt", weights_only=False))
     assert list(tmp_path.iterdir()) == [output]  # no temporary file left
-
-
-def test_the_command_explains_itself(capsys):
-    with pytest.raises(SystemExit) as exit:
-        main(["--help"])
-    assert exit.value.code == 0
-    help = capsys.readouterr().out
-    assert f"usage: {COMMAND} [-h] [--force] DIRECTORY OUTPUT" in help
-    assert "load_from_checkpoint" in help and "example:" in help

@@ -1,15 +1,11 @@
-"""The pipeline callbacks on a real 2-stage run (one worker run for all three)."""
+"""The pipeline callbacks on a real 2-stage run (one worker run for all three; without GPipeStrategy:
+tests/unit/test_callbacks.py)."""
 
 import csv
 import json
-import warnings
 
-import lightning as L
 import pytest
 from conftest import shared_log, shared_run
-from models import fit_trainer
-
-from lightning_gpipe import PipelineBalance, PipelineThroughput, PipelineTimeline
 
 CONTENDED = 0.10
 """Above this share of its time waiting for a CPU, a stage process's timings say more about the machine."""
@@ -102,15 +98,3 @@ def test_throughput_logs_samples_per_second_bubble_and_efficiency(run):
         assert float(row["pipeline/bubble"]) == pytest.approx(1 - sum(efficiency) / 2)
         assert float(row["pipeline/bubble_ideal"]) == pytest.approx(1 / 9)  # K=2, M=8: (K-1)/(M+K-1)
     assert result["throughput"]["pipeline/bubble"] == pytest.approx(float(rows[-1]["pipeline/bubble"]))
-
-
-def test_callbacks_warn_and_do_nothing_without_gpipe(tmp_path):
-    callbacks = [PipelineBalance(warmup=0, steps=1), PipelineThroughput(), PipelineTimeline(steps=(0,))]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fit_trainer(max_steps=2, callbacks=callbacks, default_root_dir=str(tmp_path))
-    messages = " ".join(str(w.message) for w in caught)
-    for name in ("PipelineBalance", "PipelineThroughput", "PipelineTimeline"):
-        assert f"{name} measures the stages of GPipeStrategy; under SingleDeviceStrategy it does nothing" in messages
-    assert list(tmp_path.iterdir()) == [] and callbacks[0].report is None and callbacks[2].written == []
-    assert isinstance(callbacks[1], L.Callback)

@@ -1,24 +1,19 @@
 """A failure or a stall on one stage ends every process within 60 s, naming the stage and the original error.
 
-Distributed runs (tests/workers/failure.py) for what needs several processes; the waiting mechanism and the
-stall watchdog's diagnosis are checked in this process, on a ``HashStore``.
+Runs of tests/workers/failure.py on stage processes; the waiting mechanism and the stall watchdog's diagnosis are
+checked in the test process: tests/unit/test_failures.py.
 """
 
-import json
 import os
 import re
 import signal
 import socket
-import threading
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
-from conftest import process_exits, run_worker, start_worker
+from conftest import assert_every_stage_exits, run_worker, start_worker, wait_for_file
 from models import TupleNet, fit
-
-from lightning_gpipe import PipelineFailure, failure, waiting, watchdog
 
 CASES = {
     "validation": ["stage 1 failed with ValueError: boom in validation", "stage 0 stopped because stage 1 failed"],
@@ -37,20 +32,13 @@ CASES = {
 }
 
 
-def _assert_every_stage_exits(out, within: float = 60, since: float | None = None):
-    for rank in range(2):
-        pid, started = (out / f"rank{rank}.txt").read_text().split()
-        left = within - (time.time() - (since or float(started)))
-        assert process_exits(int(pid), within=left), f"rank {rank} is left"
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_failure_ends_every_stage(case, tmp_path):
     result = run_worker("failure.py", case, str(tmp_path), timeout=180)
     assert result.returncode != 0
     for message in CASES[case]:
         assert message in result.stderr, result.stderr[-3000:]
-    _assert_every_stage_exits(tmp_path)
+    assert_every_stage_exits(tmp_path)
 
 
 def test_a_stage_stuck_in_user_code_is_named_by_the_watchdog(tmp_path):
@@ -63,39 +51,32 @@ def test_a_stage_stuck_in_user_code_is_named_by_the_watchdog(tmp_path):
         r"stage 0 gave up after waiting \d+ s for stage 1 \(stall limit 4 s, the shorter of", result.stderr
     )
     assert "[stage 1] ending this process: stage 1 has been in" in result.stderr  # the stuck stage is ended too
-    _assert_every_stage_exits(tmp_path)
+    assert_every_stage_exits(tmp_path)
 
 
 @pytest.mark.parametrize("inherited", ["handled", "ignored"])
 def test_ctrl_c_on_the_main_process_ends_every_stage_while_one_is_stuck(inherited, tmp_path):
     # "ignored": started as a background job of a non-interactive shell starts it, where `kill -INT` did nothing
     process = start_worker("failure.py", "stuck", str(tmp_path), ignore_sigint=inherited == "ignored")
-    deadline = time.time() + 150
-    while not (tmp_path / "stuck").exists():
-        assert process.poll() is None and time.time() < deadline, process.communicate()[1][-3000:]
-        time.sleep(0.2)
-    time.sleep(1.0)  # stage 0 waits for the stuck stage's gradients
+    wait_for_file(tmp_path / "waiting", process)  # stage 0 waits for the gradients of the stuck stage
     sent = time.time()
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode != 0
     assert "Detected KeyboardInterrupt, attempting graceful shutdown" in stderr, stderr[-3000:]
     assert "[stage 0] interrupted; ending every stage. stage 1 was last seen in `training_step` after" in stderr
-    _assert_every_stage_exits(tmp_path, within=30, since=sent)
+    assert_every_stage_exits(tmp_path, within=30, since=sent)
 
 
 def test_sigterm_on_the_main_process_stops_every_stage_at_the_same_step(tmp_path):
     process = start_worker("failure.py", "sigterm", str(tmp_path))
-    deadline = time.time() + 150
-    while not (tmp_path / "training").exists():
-        assert process.poll() is None and time.time() < deadline, process.communicate()[1][-3000:]
-        time.sleep(0.2)
+    wait_for_file(tmp_path / "training", process)
     sent = time.time()
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
     assert (tmp_path / "stopped_rank0").exists() and (tmp_path / "stopped_rank1").exists(), stderr[-3000:]
     assert "PipelineFailure" not in stderr and process.returncode == 0  # Lightning's graceful stop, on both stages
-    _assert_every_stage_exits(tmp_path, within=30, since=sent)
+    assert_every_stage_exits(tmp_path, within=30, since=sent)
 
 
 def _free_port() -> int:
@@ -121,10 +102,7 @@ def test_slurm_requeue_signal_saves_a_checkpoint_every_stage_agrees_on_requeues_
         )
         for r in range(2)
     ]
-    deadline = time.time() + 150
-    while not (tmp_path / "training").exists():
-        assert all(t.poll() is None for t in tasks) and time.time() < deadline, tasks[0].communicate()[1][-3000:]
-        time.sleep(0.2)
+    wait_for_file(tmp_path / "training", *tasks)
     for task in tasks:  # SLURM signals every task of the job (`--signal=USR1@90`), each at its own point of a step
         task.send_signal(signal.SIGUSR1)
     outputs = [task.communicate(timeout=60) for task in tasks]
@@ -136,7 +114,7 @@ def test_slurm_requeue_signal_saves_a_checkpoint_every_stage_agrees_on_requeues_
     loaded = TupleNet.load_from_checkpoint(checkpoint).state_dict()  # both stages' layers, after the same step
     for key, expected in fit(max_steps=step).state_dict().items():
         torch.testing.assert_close(loaded[key], expected, rtol=0, atol=1e-5, msg=key)
-    _assert_every_stage_exits(tmp_path)
+    assert_every_stage_exits(tmp_path)
 
 
 def test_a_stage_killed_mid_save_leaves_the_previous_checkpoint_which_resumes(tmp_path, reference_state):
@@ -144,7 +122,7 @@ def test_a_stage_killed_mid_save_leaves_the_previous_checkpoint_which_resumes(tm
     for kind in ("full", "sharded"):
         result = run_worker("failure.py", f"kill_{kind}", str(tmp_path), timeout=180)
         assert result.returncode != 0 and (tmp_path / f"killed_{kind}").exists(), result.stderr[-3000:]
-        _assert_every_stage_exits(tmp_path)
+        assert_every_stage_exits(tmp_path)
     assert "terminated with code -9" in result.stderr  # Lightning's launcher ends the job (sharded: a child died)
     assert (tmp_path / ".good_sharded.ckpt.partial").is_dir()  # the unfinished sharded checkpoint, left aside
     loaded = TupleNet.load_from_checkpoint(tmp_path / "good_full.ckpt").state_dict()
@@ -156,109 +134,3 @@ def test_a_stage_killed_mid_save_leaves_the_previous_checkpoint_which_resumes(tm
         resumed = torch.load(tmp_path / f"resumed_{kind}.pt")
         for key, expected in reference_state.items():
             torch.testing.assert_close(resumed[key], expected, rtol=0, atol=1e-5, msg=f"{kind}: {key}")
-
-
-# ----------------------------------------------------------------------------- in this process
-
-
-class _BlockingWork:
-    """Stands for a ``dist.Work`` whose ``wait()`` blocks in C++ until :attr:`done` is set."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-
-    def wait(self) -> bool:
-        self.done.wait()
-        return True
-
-
-@pytest.fixture
-def board():
-    """A failure board and watchdog on an in-process store, as stage 0 of a 2-stage pipeline."""
-    store = dist.HashStore()
-    failure.attach(store, "stage 0")
-    watchdog.start(store, 0, {0: "stage 0", 1: "stage 1"}, limit=1.5)
-    yield store
-    watchdog.stop()
-    failure.detach()
-
-
-def _publish_position(store, rank: int, age: float, waits_for=None, unbounded=False, phase="forward", micro=3):
-    position = dict(step="step 17", phase=phase, micro_batch=micro, since=time.time() - age, waits_for=waits_for)
-    store.set(failure.key(f"where/{rank}"), json.dumps({**position, "unbounded": unbounded}))
-
-
-def test_a_signal_is_handled_while_a_wait_blocks():
-    class Interrupted(Exception):
-        pass
-
-    def handler(signum, frame):
-        raise Interrupted
-
-    work, previous = _BlockingWork(), signal.signal(signal.SIGALRM, handler)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.3)
-        started = time.monotonic()
-        with pytest.raises(Interrupted):
-            waiting.wait([work], "stage 1")
-        assert time.monotonic() - started < 1.0  # handled at once, not at the next look at the board
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        work.done.set()
-
-
-def test_a_wait_returns_when_its_works_complete_and_raises_their_error():
-    class Failing(_BlockingWork):
-        def wait(self):
-            raise RuntimeError("Connection closed by peer")
-
-    work = _BlockingWork()
-    threading.Timer(0.2, work.done.set).start()
-    waiting.wait([work], "stage 1")
-    with pytest.raises(PipelineFailure, match=r"another stage stopped responding \(Connection closed by peer\)"):
-        waiting.wait([Failing()], "stage 1")
-
-
-def test_the_watchdog_names_the_stage_that_stopped_and_tells_it_to_end(board):
-    _publish_position(board, 1, age=300)
-    work = _BlockingWork()
-    started = time.monotonic()
-    with pytest.raises(PipelineFailure) as raised:
-        waiting.wait([work], "stage 1")
-    work.done.set()
-    assert 1.5 < time.monotonic() - started < 4.0
-    message = str(raised.value)
-    assert message.startswith("stage 0 stopped because stage 1 has been in the forward of micro-batch 3 at step 17 for")
-    assert "stage 0 gave up after waiting 2 s for stage 1 (stall limit 2 s, the shorter of GPipeStrategy's" in message
-    assert failure.published_cause() == message.removeprefix("stage 0 stopped because ")
-    assert board.get(failure.key("stalled")) == b"1"
-
-
-def test_the_watchdog_waits_on_through_unbounded_phases_and_names_stages_waiting_for_each_other(board):
-    _publish_position(board, 1, age=300, unbounded=True, phase="writing a checkpoint", micro=None)
-    assert watchdog.diagnose("stage 1", 400.0) is None
-    _publish_position(board, 1, age=300, waits_for="stage 0", phase="recv", micro=2)
-    message, culprit = watchdog.diagnose("stage 1", 400.0)
-    assert culprit is None
-    waits = "stage 1 waits for stage 0 in receiving the gradients of micro-batch 2 at step 17"
-    assert message.startswith(f"the stages wait for each other: {waits}")
-
-
-def test_a_wait_stops_when_another_stage_published_a_failure(board):
-    failure.publish("stage 1 failed with ValueError: boom")
-    work = _BlockingWork()
-    with pytest.raises(PipelineFailure, match="^stage 0 stopped because stage 1 failed with ValueError: boom$"):
-        waiting.wait([work], "stage 1")
-    work.done.set()
-
-
-def test_a_report_names_the_innermost_frame_without_reading_source_files(board):
-    try:
-        torch.empty(2**62, dtype=torch.uint8)
-    except RuntimeError as error:
-        failure.report(error)
-    cause = failure.published_cause()
-    assert cause.startswith("stage 0 failed with RuntimeError:") and "can't allocate memory" in cause
-    line = test_a_report_names_the_innermost_frame_without_reading_source_files.__code__.co_firstlineno + 2
-    assert cause.endswith(f"(at {__file__}:{line})")

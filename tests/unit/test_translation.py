@@ -1,144 +1,25 @@
 """Tests for the translation example (examples/translation): sizes, layer contract, tokenizer, data, decoding.
 
-The headline test trains the example's Transformer (tiny, dropout 0) for 20 steps of variable-length,
-token-bucketed batches on 2 and 3 pipeline stages and checks that the loss curve equals single-device
-training, then that decoding through the pipeline (``forward_and_share``; greedy with and without the
-key/value cache, beam search) gives the same translations as decoding the same weights on one device.
-Parameter counts are checked against GPipe (Huang et al. 2019, arXiv:1811.06965) section 5 on the meta device.
+Parameter counts are checked against GPipe (Huang et al. 2019, arXiv:1811.06965) section 5 on the meta device. The
+example on stage processes: tests/distributed/test_translation.py.
 """
 
-import csv
 import json
-import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 import yaml
-from conftest import shared_run
-from torch import Tensor
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "translation"
-sys.path.insert(0, str(EXAMPLE.parent))
-
-from translation.callbacks import WriteTranslations  # noqa: E402
-from translation.data import DIRECTIONS, TranslationDataModule  # noqa: E402
-from translation.decoding import beam_search, greedy  # noqa: E402
-from translation.model import transformer  # noqa: E402
-from translation.module import DECODING, TranslationModule  # noqa: E402
-from translation.vocabulary import LANGUAGES, SPECIAL_TOKENS, load_tokenizer  # noqa: E402
-
-TINY = dict(
-    d_model=32, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=64, dropout=0.0, lr=3e-3,
-    warmup_steps=5, decode=False,
+from tiny_translation import (
+    EXAMPLE, TINY, one_thread, predict_data, tiny_datamodule, tiny_trainer, validation_sentences,
 )  # fmt: skip
-"""The example's Transformer, small enough for a test: 7 backbone layers, dropout 0 (deterministic)."""
-
-STEPS = 20
-"""Training steps compared between the pipeline and one device."""
-
-DECODINGS = {
-    "greedy": dict(beam_size=1, kv_cache=True),
-    "greedy_uncached": dict(beam_size=1, kv_cache=False),
-    "beam": dict(beam_size=4, kv_cache=True),
-}
-"""The module's decoding attributes compared between the pipeline and one device."""
-
-
-def tiny_datamodule(**overrides) -> TranslationDataModule:
-    """The shipped subset in small token-bucketed batches (at most 600 padded tokens per side)."""
-    return TranslationDataModule(**{"max_tokens": 600, "val_rows": 4, **overrides})
-
-
-def tiny_trainer(strategy="auto", devices: int = 1, **overrides) -> L.Trainer:
-    """A quiet CPU Trainer running :data:`STEPS` steps without validation, clipping gradients at norm 1."""
-    kwargs = dict(
-        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, max_steps=STEPS,
-        gradient_clip_val=1.0,
-    )  # fmt: skip
-    return L.Trainer(strategy=strategy, devices=devices, **{**kwargs, **overrides})
-
-
-class LossCurve(L.Callback):
-    """Records ``train_loss`` after every training step (on every rank; relayed from the last stage)."""
-
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(float(trainer.callback_metrics["train_loss"]))
-
-
-def fit_tiny(strategy="auto", devices: int = 1) -> tuple[TranslationModule, list[float]]:
-    """Train a freshly seeded tiny model for :data:`STEPS` steps; return it and its loss curve."""
-    L.seed_everything(0, verbose=False)
-    module = TranslationModule(**TINY)
-    curve = LossCurve()
-    tiny_trainer(strategy, devices, callbacks=[curve]).fit(module, tiny_datamodule())
-    return module, curve.losses
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch on one thread (as each stage process does), which is faster for tiny models on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def validation_sentences(language: str, count: int) -> list[str]:
-    """The first ``count`` sentences of ``language`` in the shipped validation subset."""
-    with open(EXAMPLE / "data" / "validation.jsonl", encoding="utf-8") as f:
-        return [json.loads(line)[language] for line, _ in zip(f, range(count))]
-
-
-def predict_data(target: str = "de", count: int = 6):
-    """Batches of the first ``count`` English validation sentences to translate into ``target``."""
-    datamodule = TranslationDataModule(predict_sentences=validation_sentences("en", count), predict_target=target)
-    return datamodule.predict_dataloader()
-
-
-@pytest.fixture(scope="module")
-def reference() -> tuple[TranslationModule, list[float]]:
-    """The tiny model and its loss curve after single-device training (the ground truth)."""
-    with one_thread():
-        return fit_tiny()
-
-
-PIPELINED = {k: shared_run("translation.py", f"--devices={k}", devices=k, timeout=400) for k in (2, 3)}
-
-
-@pytest.mark.parametrize("stages", [2, 3])
-def test_pipeline_loss_curve_and_decoding_equal_single_device(stages, reference) -> None:
-    """K stages: same 20-step loss curve (relative 1e-4), same translations of the trained weights (greedy with
-    and without the key/value cache, beam 4)."""
-    out = PIPELINED[stages]()
-    _, expected = reference
-    losses = torch.load(out / "losses.pt")
-    assert len(losses) == len(expected) == STEPS
-    assert losses[-1] < losses[0]
-    for step, (got, want) in enumerate(zip(losses, expected)):
-        assert abs(got - want) <= 1e-4 * abs(want), f"step {step}: pipelined {got}, single device {want}"
-    module = TranslationModule(**TINY)
-    module.load_state_dict(torch.load(out / "state.pt"))
-    module.eval()
-    pipelined = [torch.load(out / f"translations_rank{rank}.pt") for rank in range(stages)]
-    for name, decoding in DECODINGS.items():
-        for attribute, value in decoding.items():
-            setattr(module, attribute, value)
-        translations = [line for i, batch in enumerate(predict_data()) for line in module.predict_step(batch, i)]
-        assert len(translations) == 6 and all(isinstance(sentence, str) for sentence in translations)
-        for rank in range(stages):
-            got = [sentence for batch in pipelined[rank][name] for sentence in batch]
-            assert got == translations, f"rank {rank}, {name}"
+from torch import Tensor
+from translation.callbacks import WriteTranslations
+from translation.data import DIRECTIONS, TranslationDataModule
+from translation.decoding import beam_search, greedy
+from translation.model import transformer
+from translation.module import DECODING, TranslationModule
+from translation.vocabulary import LANGUAGES, SPECIAL_TOKENS, load_tokenizer
 
 
 def expected_parameters(
@@ -334,46 +215,6 @@ def test_predict_translates_a_file_line_by_line(tmp_path) -> None:
         predictions = tiny_trainer(callbacks=[WriteTranslations(str(output))]).predict(module, from_file)
     translations = [line for batch in predictions for line in batch]
     assert len(translations) == 40 and output.read_text(encoding="utf-8").splitlines() == translations
-
-
-def test_example_trains_on_two_stages_and_logs_bleu_and_throughput(tmp_path) -> None:
-    """`train.py fit` from a directory with no shared data beside it: 2 stages, shipped subset, CSV metrics under
-    ``--trainer.default_root_dir``, a model summary of the whole model and its split."""
-    script = EXAMPLE / "train.py"
-    cwd, root = tmp_path / "cwd", tmp_path / "runs"
-    cwd.mkdir()
-    result = subprocess.run(
-        [sys.executable, str(script), "fit", "--trainer.max_steps=3", "--trainer.devices=2",
-         "--trainer.val_check_interval=3", "--trainer.log_every_n_steps=1", "--data.max_tokens=400",
-         "--data.val_rows=2", "--model.max_new_tokens=2", f"--trainer.default_root_dir={root}"],
-        cwd=cwd, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in result.stderr
-    assert list(cwd.iterdir()) == []  # nothing in the working directory: logs follow default_root_dir
-    (metrics,) = root.glob("lightning_logs/translation/version_*/metrics.csv")
-    with open(metrics) as f:
-        rows = list(csv.DictReader(f))
-    losses = [float(row["train_loss"]) for row in rows if row.get("train_loss")]
-    assert len(losses) == 3 and all(loss > 0 for loss in losses)
-    (validation,) = [row for row in rows if row.get("val_loss")]
-    assert float(validation["val_ppl"]) > 1
-    assert all(0 <= float(validation[f"val_bleu_{d.replace('-', '_')}"]) <= 100 for d in DIRECTIONS)
-    tokens = [float(row["throughput/lengths"]) for row in rows if row.get("throughput/lengths")]  # tokens so far
-    assert len(tokens) == 3 and 0 < tokens[0] < tokens[1] < tokens[2]
-    assert all(0 <= float(row["pipeline/bubble"]) < 1 for row in rows if row.get("pipeline/bubble"))
-    # the summary at fit start: the whole model's parameters, then the 9 backbone layers split over the stages
-    with torch.device("meta"):
-        module = TranslationModule(**yaml.safe_load((EXAMPLE / "configs" / "cpu.yaml").read_text())["model"])
-    total = sum(parameter.numel() for parameter in module.parameters())
-    output = result.stderr + result.stdout
-    assert f"{total / 1e6:.1f} M     Total params" in output and output.count("Total params") == 1
-    lines = output.splitlines()
-    split = lines.index("Split into 2 pipeline stages (the last one also holds the modules after the backbone):")
-    stages = [[cell.strip() for cell in line.split("|")] for line in lines[split + 3 : split + 5]]
-    assert [stage[0] for stage in stages] == ["0", "1"] and stages[0][1].startswith("0-")
-    first_of_second = int(stages[1][1].split("-")[0]) if "-" in stages[1][1] else int(stages[1][1])
-    assert first_of_second == int(stages[0][2]) and int(stages[0][2]) + int(stages[1][2]) == 9
 
 
 def test_prepare_multi30k_turns_the_release_into_the_data_modules_files(tmp_path) -> None:

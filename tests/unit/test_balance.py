@@ -1,6 +1,6 @@
-"""Automatic balance: the memory-limited solver, the layer profiler, the modes, and the strategy's choice end to end."""
+"""Automatic balance: the memory-limited solver, the layer profiler, the modes (the strategy's choice on stage
+processes: tests/distributed/test_balance.py)."""
 
-import json
 import statistics
 import time
 from itertools import combinations
@@ -14,10 +14,6 @@ from lightning_gpipe.balance import LayerCost, layer_weights, stage_sums
 from lightning_gpipe.balance.backbone import sample_micro_batch
 from lightning_gpipe.balance import resolve_balance
 from models import TupleNet
-
-from conftest import shared_run
-
-PROFILED = shared_run("balance.py", "--devices=2", devices=2, timeout=240)
 
 
 def _splits(layers: int, stages: int):
@@ -229,13 +225,3 @@ def test_time_balance_is_within_ten_percent_of_the_best_split(one_thread):
         f" best split {best} {slowest(best) * 1e3:.2f} ms; params split {by_params} {slowest(by_params) * 1e3:.2f} ms"
     )
     assert slowest(chosen) <= 1.10 * slowest(best)
-
-
-def test_strategy_profiles_on_rank_zero_and_every_stage_splits_alike():
-    tmp_path = PROFILED()
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert ranks[0]["costs"] == ranks[1]["costs"] and len(ranks[0]["costs"]) == 8  # broadcast from rank 0
-    assert ranks[0]["local"] + ranks[1]["local"] == [str(i) for i in range(8)]
-    assert [len(r["local"]) for r in ranks] == ranks[0]["expected"] != [4, 4]  # the time split, not the params one
-    assert ranks[0]["micro_batch_rows"] == 5  # batches of 20 rows in 4 micro-batches
-    assert ranks[0]["same_as_given_split"]  # profiling changed neither the data nor the random state

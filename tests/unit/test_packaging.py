@@ -17,7 +17,7 @@ import pytest
 import lightning_gpipe
 
 DISTRIBUTION = "lightning-gpipe"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "lightning_gpipe"
 
 # Import names whose distribution is not the import name normalised (PEP 503); the others map to themselves,

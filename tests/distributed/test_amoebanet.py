@@ -1,0 +1,38 @@
+"""The AmoebaNet-D example (examples/amoebanet) as a user runs it: `train.py fit` on 2 stage processes."""
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_example_trains_on_two_stages_and_logs_through_a_lightning_logger(tmp_path) -> None:
+    """`train.py fit` from another directory: 2 stage processes, shipped images, CSV metrics and checkpoint under
+    ``--trainer.default_root_dir``, and a model summary of the whole model and its split."""
+    script = Path(__file__).resolve().parents[2] / "examples" / "amoebanet" / "train.py"
+    cwd, root = tmp_path / "cwd", tmp_path / "runs"
+    cwd.mkdir()
+    result = subprocess.run(
+        [sys.executable, str(script), "fit", "--trainer.max_steps=4", "--trainer.devices=2", "--data.batch_size=8",
+         "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
+         f"--trainer.default_root_dir={root}"],
+        cwd=cwd, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in result.stderr
+    assert list(cwd.iterdir()) == []  # nothing in the working directory: logs follow default_root_dir
+    (metrics,) = root.glob("lightning_logs/amoebanet/version_*/metrics.csv")
+    assert list(metrics.parent.glob("checkpoints/*.ckpt"))
+    with open(metrics) as f:
+        rows = list(csv.DictReader(f))
+    losses = [float(row["train_loss"]) for row in rows if row.get("train_loss")]
+    assert len(losses) == 4 and all(loss > 0 for loss in losses)
+    assert any(row.get("val_acc") for row in rows)
+    # the summary at fit start: the whole model (173,754 parameters), then each stage's layers and parameters
+    output = result.stderr + result.stdout
+    assert "173 K     Total params" in output and output.count("Total params") == 1
+    lines = output.splitlines()
+    split = lines.index("Split into 2 pipeline stages (the last one also holds the modules after the backbone):")
+    stages = [[cell.strip() for cell in line.split("|")] for line in lines[split + 3 : split + 5]]
+    assert [stage[0] for stage in stages] == ["0", "1"] and stages[0][1].startswith("stem .. ")
+    assert stages[1][1].endswith(" .. head") and int(stages[0][2]) + int(stages[1][2]) == 10

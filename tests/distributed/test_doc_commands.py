@@ -1,0 +1,97 @@
+"""The docs' runnable command blocks run: each trains on 2 stage processes.
+
+In README.md and docs/quickstart.md, a fenced ``bash`` block right after the line ``<!-- runnable -->`` (an HTML
+comment, invisible on GitHub and on the site) is run by :func:`test_runnable_command_blocks_run`: each line of the
+block (``\\`` continues a line) is split at ``&&``, the ``pip install`` parts are skipped (the package is installed),
+and each ``python examples/...`` command is run from an empty directory with no ``../shared`` beside it, the script's
+path made absolute, shortened by :data:`SHORTEN` (``--trainer.max_steps=2`` and tiny batches, appended, so they win
+over the block's own values) and with ``--trainer.default_root_dir`` in a temporary directory. Mark only blocks whose
+commands are cheap with these settings: every example run starts 2 stage processes. The other checks of the docs
+against the code (``GPipeStrategy`` arguments, data errors) are in tests/unit/test_doc_commands.py.
+"""
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+RUNNABLE = "<!-- runnable -->"
+"""The marker line before a fenced bash block that the tests run."""
+
+RUNNABLE_FILES = ("README.md", "docs/quickstart.md")
+"""The files whose marked blocks are run."""
+
+SHORTEN = {
+    "examples/amoebanet/train.py": [
+        "--trainer.max_steps=2", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
+        "--trainer.log_every_n_steps=1", "--data.batch_size=8",
+    ],
+    "examples/translation/train.py": [
+        "--trainer.max_steps=2", "--trainer.val_check_interval=2", "--data.max_tokens=400", "--data.val_rows=2",
+        "--model.max_new_tokens=2", "--trainer.log_every_n_steps=1",
+    ],
+}  # fmt: skip
+"""Options appended to a runnable command of each script (2 steps, each logged, tiny batches and validation); other
+scripts get ``--trainer.max_steps=2``."""
+
+
+def runnable_commands(text: str) -> list[tuple[int, str]]:
+    """``(line number, command)`` of every command in the fenced blocks marked :data:`RUNNABLE` in ``text``."""
+    lines = text.splitlines()
+    commands = []
+    for index, line in enumerate(lines):
+        if line.strip() != RUNNABLE:
+            continue
+        start = next(i for i in range(index + 1, len(lines)) if lines[i].strip())
+        assert lines[start].startswith("```"), f"line {index + 1}: {RUNNABLE} must come right before a fenced block"
+        end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("```"))
+        joined, first = "", None
+        for number in range(start + 1, end):
+            body = lines[number].split(" #")[0].rstrip() if not lines[number].lstrip().startswith("#") else ""
+            first = first if joined else number + 1
+            joined += body[:-1] + " " if body.endswith("\\") else body
+            if not body.endswith("\\"):
+                if joined.strip():
+                    commands += [(first, " ".join(part.split())) for part in joined.split("&&")]
+                joined = ""
+    return commands
+
+
+def test_runnable_marker_is_found_before_the_example_commands() -> None:
+    """The parser finds the two example blocks of the README, and a marker before a non-block is an error."""
+    commands = runnable_commands((ROOT / "README.md").read_text(encoding="utf-8"))
+    scripts = {shlex.split(command)[1] for _, command in commands if command.startswith("python ")}
+    assert scripts == {"examples/amoebanet/train.py", "examples/translation/train.py"}
+    block = f"{RUNNABLE}\n\n```bash\npip install x && python a.py fit \\\n    --b=1  # note\n```\n"
+    assert runnable_commands(block) == [(4, "pip install x"), (4, "python a.py fit --b=1")]
+    with pytest.raises(AssertionError, match="must come right before a fenced block"):
+        runnable_commands(f"{RUNNABLE}\ntext\n")
+
+
+@pytest.mark.parametrize(
+    ("name", "line", "command"),
+    [
+        (name, line, command)
+        for name in RUNNABLE_FILES
+        for line, command in runnable_commands((ROOT / name).read_text(encoding="utf-8"))
+        if not command.startswith("pip install")
+    ],
+)
+def test_runnable_command_blocks_run(name: str, line: int, command: str, tmp_path: Path) -> None:
+    """Each marked command runs, shortened, from an empty directory, and trains (a metrics file with losses)."""
+    args = shlex.split(command)
+    assert args[0] == "python", f"{name}:{line}: only `python ...` commands are run, not {command!r}"
+    script = args[1]
+    cwd, root = tmp_path / "cwd", tmp_path / "runs"
+    cwd.mkdir()
+    argv = [sys.executable, str(ROOT / script), *args[2:], *SHORTEN.get(script, ["--trainer.max_steps=2"])]
+    result = subprocess.run(
+        [*argv, f"--trainer.default_root_dir={root}"], cwd=cwd, capture_output=True, text=True, timeout=400
+    )
+    assert result.returncode == 0, f"{name}:{line}: `{command}` failed:\n{result.stderr[-3000:]}"
+    metrics = list(root.glob("lightning_logs/*/version_*/metrics.csv"))
+    assert metrics and "train_loss" in metrics[0].read_text(), f"{name}:{line}: `{command}` logged no train_loss"

@@ -1,0 +1,132 @@
+"""Failures and stalls, checked in this process on a ``HashStore``: the waiting mechanism and the stall watchdog's
+diagnosis (on stage processes: tests/distributed/test_failures.py)."""
+
+import json
+import re
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_gpipe import PipelineFailure, failure, waiting, watchdog
+
+
+class _BlockingWork:
+    """Stands for a ``dist.Work`` whose ``wait()`` blocks in C++ until :attr:`done` is set (:attr:`entered` once
+    ``wait()`` is called)."""
+
+    def __init__(self) -> None:
+        self.done, self.entered = threading.Event(), threading.Event()
+
+    def wait(self) -> bool:
+        self.entered.set()
+        self.done.wait()
+        return True
+
+
+@pytest.fixture
+def board():
+    """A failure board and watchdog on an in-process store, as stage 0 of a 2-stage pipeline."""
+    store = dist.HashStore()
+    failure.attach(store, "stage 0")
+    watchdog.start(store, 0, {0: "stage 0", 1: "stage 1"}, limit=1.5)
+    yield store
+    watchdog.stop()
+    failure.detach()
+
+
+def _publish_position(store, rank: int, age: float, waits_for=None, unbounded=False, phase="forward", micro=3):
+    position = dict(step="step 17", phase=phase, micro_batch=micro, since=time.time() - age, waits_for=waits_for)
+    store.set(failure.key(f"where/{rank}"), json.dumps({**position, "unbounded": unbounded}))
+
+
+def test_a_signal_is_handled_while_a_wait_blocks(monkeypatch):
+    """The handler runs while the work is still blocking, not at the wait's next look at the board: with no look for
+    an hour, the work completes only after the handler ran, or after 60 s if the handler waited for the work."""
+
+    class Interrupted(Exception):
+        pass
+
+    work, handled, done_when_handled = _BlockingWork(), threading.Event(), []
+
+    def handler(signum, frame):
+        done_when_handled.append(work.done.is_set())
+        handled.set()
+        raise Interrupted
+
+    def interrupt_then_complete():
+        work.entered.wait()  # the helper thread blocks in the work's wait()
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+        handled.wait(timeout=60)
+        work.done.set()
+
+    monkeypatch.setattr(waiting, "TICK", 3600.0)
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        threading.Thread(target=interrupt_then_complete).start()
+        with pytest.raises(Interrupted):
+            waiting.wait([work], "stage 1")
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        work.done.set()
+    assert done_when_handled == [False]
+
+
+def test_a_wait_returns_when_its_works_complete_and_raises_their_error():
+    class Failing(_BlockingWork):
+        def wait(self):
+            raise RuntimeError("Connection closed by peer")
+
+    work = _BlockingWork()
+    threading.Timer(0.2, work.done.set).start()
+    waiting.wait([work], "stage 1")
+    with pytest.raises(PipelineFailure, match=r"another stage stopped responding \(Connection closed by peer\)"):
+        waiting.wait([Failing()], "stage 1")
+
+
+def test_the_watchdog_names_the_stage_that_stopped_and_tells_it_to_end(board):
+    _publish_position(board, 1, age=300)
+    work = _BlockingWork()
+    with pytest.raises(PipelineFailure) as raised:
+        waiting.wait([work], "stage 1")
+    assert not work.done.is_set()  # the stall ended the wait, not the work
+    work.done.set()
+    message = str(raised.value)
+    assert message.startswith("stage 0 stopped because stage 1 has been in the forward of micro-batch 3 at step 17 for")
+    limit = r"\(stall limit 2 s, the shorter of GPipeStrategy's"  # 1.5 s, shown rounded
+    waited = re.search(rf"stage 0 gave up after waiting (\d+) s for stage 1 {limit}", message)
+    assert waited and int(waited[1]) >= 2, message  # it waited the stall limit at least, then named the stage
+    assert failure.published_cause() == message.removeprefix("stage 0 stopped because ")
+    assert board.get(failure.key("stalled")) == b"1"
+
+
+def test_the_watchdog_waits_on_through_unbounded_phases_and_names_stages_waiting_for_each_other(board):
+    _publish_position(board, 1, age=300, unbounded=True, phase="writing a checkpoint", micro=None)
+    assert watchdog.diagnose("stage 1", 400.0) is None
+    _publish_position(board, 1, age=300, waits_for="stage 0", phase="recv", micro=2)
+    message, culprit = watchdog.diagnose("stage 1", 400.0)
+    assert culprit is None
+    waits = "stage 1 waits for stage 0 in receiving the gradients of micro-batch 2 at step 17"
+    assert message.startswith(f"the stages wait for each other: {waits}")
+
+
+def test_a_wait_stops_when_another_stage_published_a_failure(board):
+    failure.publish("stage 1 failed with ValueError: boom")
+    work = _BlockingWork()
+    with pytest.raises(PipelineFailure, match="^stage 0 stopped because stage 1 failed with ValueError: boom$"):
+        waiting.wait([work], "stage 1")
+    work.done.set()
+
+
+def test_a_report_names_the_innermost_frame_without_reading_source_files(board):
+    try:
+        torch.empty(2**62, dtype=torch.uint8)
+    except RuntimeError as error:
+        failure.report(error)
+    cause = failure.published_cause()
+    assert cause.startswith("stage 0 failed with RuntimeError:") and "can't allocate memory" in cause
+    line = test_a_report_names_the_innermost_frame_without_reading_source_files.__code__.co_firstlineno + 2
+    assert cause.endswith(f"(at {__file__}:{line})")

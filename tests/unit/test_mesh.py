@@ -1,0 +1,65 @@
+"""Pipeline x data parallelism, checked in this process: the mesh's sizes, its errors before any process starts,
+the rank mapping, and traces of several nodes on one clock (the mesh trained on stage processes:
+tests/distributed/test_mesh.py)."""
+
+import lightning as L
+import pytest
+
+from lightning_gpipe import GPipeStrategy
+from lightning_gpipe.topology import Topology, resolve_topology
+
+
+@pytest.mark.parametrize(
+    "pp, dp, balance, devices, nodes, expected",
+    [
+        ("auto", "auto", None, 4, 1, (4, 1)),  # one node: one pipeline of every device
+        ("auto", "auto", None, 2, 3, (2, 3)),  # pipeline within a node, replicas across nodes
+        ("auto", "auto", [3, 5], 4, 1, (2, 2)),  # a list balance fixes K
+        ("auto", 2, None, 4, 2, (4, 2)),
+        (2, "auto", None, 8, 1, (2, 4)),
+    ],
+)
+def test_auto_mesh_sizes(pp, dp, balance, devices, nodes, expected):
+    topology = resolve_topology(pp, dp, balance, devices, nodes)
+    assert (topology.num_stages, topology.data_parallel_size) == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs, devices, match",
+    [
+        (dict(pipeline_parallel_size=3, data_parallel_size=2), 4, "makes a mesh of 3 stages x 2 replicas = 6"),
+        (dict(pipeline_parallel_size=2, balance=[1, 2, 5]), 4, r"gives 3 stages, but the pipeline has 2"),
+        (dict(data_parallel_size=3), 4, "processes, but the job has 4"),
+    ],
+)
+def test_a_mesh_that_does_not_fit_fails_before_any_process_starts(kwargs, devices, match):
+    with pytest.raises(ValueError, match=match):
+        L.Trainer(strategy=GPipeStrategy(**kwargs), devices=devices, accelerator="cpu")
+
+
+@pytest.mark.parametrize("size", [0, -1, 1.5, "two", True])
+def test_a_bad_mesh_size_fails_at_construction(size):
+    with pytest.raises(ValueError, match="give a positive integer or 'auto'"):
+        GPipeStrategy(data_parallel_size=size)
+
+
+def test_rank_mapping_keeps_a_pipeline_on_neighbouring_ranks():
+    topology = Topology(world_size=8, num_stages=4)
+    assert [topology.rank_of(stage, 1) for stage in range(4)] == [4, 5, 6, 7]
+    assert [(topology.stage_of(r), topology.replica_of(r)) for r in (0, 5)] == [(0, 0), (1, 1)]
+    assert topology.name(6) == "stage 2 of replica 1 (rank 6)"
+    assert Topology(world_size=2, num_stages=2).name(1) == "stage 1"
+
+
+def test_traces_of_another_node_are_moved_onto_rank_zeros_clock():
+    from lightning_gpipe.callbacks._pipeline import _on_one_clock
+    from lightning_gpipe.events import Span
+    from lightning_gpipe.trace import StageTrace
+
+    def trace(stage, start):
+        return StageTrace(stage, [Span("forward", 0, start, start + 1.0)], start, start + 2.0)
+
+    # stage 1 runs on a node whose clock reads 1000 s more; both left the barrier at 10.0 on their own clocks
+    parts = [(trace(0, 11.0), 10.0, "node0"), (trace(1, 1011.5), 1010.0, "node1"), (trace(2, 12.0), 10.2, "node0")]
+    stages = _on_one_clock(parts)
+    assert [(s.stage, s.start, s.spans[0].end) for s in stages] == [(0, 11.0, 12.0), (1, 11.5, 12.5), (2, 12.0, 13.0)]
