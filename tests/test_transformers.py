@@ -195,6 +195,39 @@ def test_positions_from_mask_number_each_rows_real_tokens_as_generate_does():
     assert positions_from_mask(mask).tolist() == [[0, 1, 2, 0], [0, 0, 0, 1]]
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gpt2"])
+def test_greedy_generation_with_and_without_the_kv_cache_equals_generate(name, attention):
+    from lightning_gpipe.hf import greedy_generate
+
+    torch.manual_seed(0)
+    ends = {} if name == "gpt2" else {"bos_token_id": 1, "eos_token_id": 2}  # GPT-2's config sets them
+    model = models()[name](attn_implementation=attention, **ends).eval()
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [8, 9, 10, 11, 12, 13], [0, 13, 14, 15, 16, 17]])
+    mask = (ids != 0).long()
+    expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=9, pad_token_id=2)
+    backbone = to_sequential(model)
+    for kv_cache in (True, False):  # 6 + 9 positions: past Mistral's and Qwen2's sliding window of 4
+        generated = greedy_generate(backbone, ids, mask, max_new_tokens=9, eos_token_id=2, kv_cache=kv_cache)
+        assert torch.equal(generated, expected), kv_cache
+    assert all(not block.kv_cache for block in backbone if hasattr(block, "kv_cache"))  # freed after decoding
+
+
+def test_a_cached_decoding_step_without_its_cache_names_the_fix():
+    model = llama().eval()
+    backbone = to_sequential(model)
+    ids, mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long)
+    rows = torch.tensor([0])
+    with torch.no_grad():
+        layer_by_layer(backbone, (ids, mask, positions_from_mask(mask), rows))  # the prompt fills rows [0]'s caches
+        step = (ids[:, :1], torch.ones(1, 4, dtype=torch.long), torch.tensor([[3]]))
+        layer_by_layer(backbone, (*step, rows))  # the next token
+        with pytest.raises(RuntimeError, match=r"holds 0 cached positions for rows \[1\].*clear_kv_caches"):
+            layer_by_layer(backbone, (*step, torch.tensor([1])))
+        with pytest.raises(RuntimeError, match="holds 4 cached positions for rows \\[0\\] but the attention mask says 3"):
+            layer_by_layer(backbone, (*step, rows))
+
+
 # --------------------------------------------------------------------------- meta-device builds, own weights only
 
 
