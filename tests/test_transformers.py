@@ -316,6 +316,12 @@ RESUMED = shared_run(
     "transformers_hf.py", "--devices=3", "--resume=hf-llama-2", devices=3, timeout=240,
     name="hf-llama-resumed-3", output_of=2,
 )  # fmt: skip
+# 2 pipeline replicas of 2 stages (4 processes, joining the other 4-process tests' launch): each replica half of
+# every batch's rows, the classifier's row-mean loss making the averaged gradients one device's
+DATA_PARALLEL = shared_run(
+    "transformers_hf.py", "--devices=4", "--family=bert_classifier", "--data-parallel=2", devices=4, timeout=240,
+    name="hf-bert_classifier-pp2-dp2",
+)  # fmt: skip
 DECODERS = [(family, k) for family, k in RUNS if WORKER.is_decoder(family)]
 
 
@@ -414,10 +420,11 @@ def test_save_pretrained_after_a_pipelined_fit_reloads_with_from_pretrained(fami
 
 
 @pytest.mark.parametrize("family, stages", DECODERS)
-def test_pipelined_greedy_generation_equals_generate_on_one_device(family, stages):
+def test_pipelined_greedy_generation_with_and_without_kv_cache_equals_generate_on_one_device(family, stages):
     out = RUNS[family, stages]()
     _, _, expected = trained_on_one_device(family)
-    assert torch.equal(torch.load(out / "generated.pt"), expected)
+    assert torch.equal(torch.load(out / "generated.pt"), expected)  # each stage its blocks' key/value caches
+    assert torch.equal(torch.load(out / "generated_no_cache.pt"), expected)  # the whole sequence every step
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "bert_mlm", "bert_classifier"])
@@ -431,6 +438,30 @@ def test_a_full_lightning_checkpoint_of_a_pipelined_fit_loads_without_the_strate
     assert_states_close(state, reference.state_dict())
     for copy, source in reference.all_tied_weights_keys.items():
         assert module.hf_model.get_parameter(copy) is module.hf_model.get_parameter(source)
+
+
+def test_two_pipeline_replicas_of_two_stages_equal_the_model_trained_on_one_device():
+    """pp 2 x dp 2: replica r reads rows r, r + 2, ... of Lightning's distributed sampler (shuffled with the seed,
+    0 here); one device reads the same rows in batches of 6, in the order the sampler gives both replicas together
+    (``ddp_order_loader`` of tests/models.py for this data)."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    out = DATA_PARALLEL()
+    rows = [{k: v[i] for k, v in batch.items()} for batch in WORKER.batches("bert_classifier") for i in range(6)]
+    order = list(DistributedSampler(rows, num_replicas=1, rank=0, shuffle=True, seed=0))
+    batches = [{k: torch.stack([rows[j][k] for j in order[i : i + 6]]) for k in rows[0]} for i in range(0, 24, 6)]
+    reference = WORKER.initial_model("bert_classifier")
+    reference.config._attn_implementation = "eager"
+    optimizer, schedule = _one_device_optimizer(reference, WORKER.STEPS)
+    reference.train()
+    _train(reference, optimizer, schedule, batches)
+    expected = reference.state_dict()
+    states = [torch.load(out / f"state_rank{rank}.pt") for rank in range(4)]
+    for state in states:  # both replicas of each stage hold the one-device parameters
+        assert_states_close(state, {k: expected[k] for k in state})
+    assert set().union(*states) == set(expected)
+    key_sets = [frozenset(state) for state in states]
+    assert all(key_sets.count(keys) == 2 for keys in key_sets)  # each of the 2 stages on 2 processes
 
 
 def test_a_full_checkpoint_of_2_stages_resumes_on_3_as_one_device_continues():

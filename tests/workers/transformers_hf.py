@@ -2,6 +2,7 @@
 through GPipeStrategy.
 
 Usage: python transformers_hf.py OUT_DIR --devices K [--family F] [--schedule S] [--balance time] [--resume RUN]
+       [--data-parallel D]
 Each rank writes the starting checkpoint (``save_pretrained`` of a seeded model of family ``F``, see ``FAMILIES``)
 to OUT_DIR/init_rank{r}; then the family's ``lightning_gpipe.hf`` module (``CausalLM``, ``MaskedLM`` or
 ``SequenceClassifier``) built on the meta device, each stage loading only its own tensors from it, is fitted for
@@ -9,10 +10,11 @@ to OUT_DIR/init_rank{r}; then the family's ``lightning_gpipe.hf`` module (``Caus
 writing OUT_DIR/full.ckpt (a full Lightning checkpoint, at the last step), OUT_DIR/saved (``SavePretrained``: every
 stage its shard), OUT_DIR/state_rank{r}.pt (the rank's own parameters after fit, by the model's names) and
 OUT_DIR/losses.pt (the per-step training losses on the last stage). Decoders then decode ``prompts()`` greedily
-through the pipeline with ``trainer.predict`` (OUT_DIR/generated.pt, rank 0; with the key/value cache) and with
-``greedy_generate(..., kv_cache=False)`` (OUT_DIR/generated_no_cache.pt).
+through the pipeline with ``trainer.predict``, with the stages' key/value caches (OUT_DIR/generated.pt, rank 0) and
+without (``kv_cache=False``: OUT_DIR/generated_no_cache.pt).
 
-``--resume RUN`` instead resumes the full checkpoint of the run named RUN (a sibling directory of OUT_DIR, e.g.
+``--data-parallel D`` runs D replicas of a ``K / D``-stage pipeline, replica ``r`` reading rows ``r, r + D, ...``
+of each batch (no losses.pt: each last stage sees its replica's rows). ``--resume RUN`` instead resumes the full checkpoint of the run named RUN (a sibling directory of OUT_DIR, e.g.
 written on another number of stages) and trains to ``STEPS + RESUMED_STEPS`` steps; only state_rank{r}.pt and
 losses.pt are written. tests/test_transformers.py compares all of it with the unmodified model trained and
 decoding on one device; it imports this file for ``FAMILIES``, ``batches`` and ``prompts``.
@@ -156,6 +158,7 @@ if __name__ == "__main__":
     parser.add_argument("--schedule", default="gpipe")
     parser.add_argument("--balance", default=None)
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--data-parallel", type=int, default=1)
     args = parser.parse_args()
     rank = int(os.environ.get("LOCAL_RANK", "0"))
 
@@ -167,6 +170,7 @@ if __name__ == "__main__":
             if outputs is not None:
                 self.losses.append(float(outputs["loss"]))
 
+    L.seed_everything(0, verbose=False)  # the distributed sampler's shuffle (an earlier script may have set another)
     init = os.path.join(args.out, f"init_rank{rank}")
     initial = initial_model(args.family)
     # transformers writes on global rank 0 only once a process group exists (an earlier script of a shared launch
@@ -183,8 +187,10 @@ if __name__ == "__main__":
             ModelCheckpoint(dirpath=args.out, filename="full", every_n_train_steps=STEPS, save_top_k=-1),
             hf.SavePretrained(os.path.join(args.out, "saved")),
         ]
+    dp = args.data_parallel
+    mesh = {"pipeline_parallel_size": args.devices // dp, "data_parallel_size": dp} if dp > 1 else {}
     trainer = L.Trainer(
-        strategy=lightning_gpipe.GPipeStrategy(chunks=3, schedule=args.schedule, balance=args.balance),
+        strategy=lightning_gpipe.GPipeStrategy(chunks=3, schedule=args.schedule, balance=args.balance, **mesh),
         accelerator="cpu",
         devices=args.devices,
         max_steps=STEPS + RESUMED_STEPS if resumed else STEPS,
@@ -194,10 +200,13 @@ if __name__ == "__main__":
         callbacks=callbacks,
     )
     ckpt = os.path.join(os.path.dirname(args.out), args.resume, "full.ckpt") if resumed else None
-    trainer.fit(module, DataLoader(batches(args.family), batch_size=None), ckpt_path=ckpt)
+    data = DataLoader(batches(args.family), batch_size=None)
+    if dp > 1:  # rows: Lightning's sampler gives replica r rows r, r + dp, ... of each batch of 6 (in order)
+        data = DataLoader([{k: v[i] for k, v in b.items()} for b in batches(args.family) for i in range(6)], 6 // dp)
+    trainer.fit(module, data, ckpt_path=ckpt)
     own = {hf_name(k): v for k, v in module.backbone.state_dict().items() if not v.is_meta}
     torch.save(own, os.path.join(args.out, f"state_rank{rank}.pt"))
-    if losses.losses and rank == args.devices - 1:
+    if losses.losses and rank == args.devices - 1 and dp == 1:
         torch.save(losses.losses, os.path.join(args.out, "losses.pt"))
 
     if is_decoder(args.family) and not resumed:
@@ -209,6 +218,8 @@ if __name__ == "__main__":
             enable_progress_bar=False,
             enable_model_summary=False,
         )
-        generated = predictor.predict(module, DataLoader([prompts()], batch_size=None))
-        if rank == 0:
-            torch.save(generated[0], os.path.join(args.out, "generated.pt"))
+        for name, kv_cache in (("generated", True), ("generated_no_cache", False)):
+            module.kv_cache = kv_cache
+            generated = predictor.predict(module, DataLoader([prompts()], batch_size=None))
+            if rank == 0:
+                torch.save(generated[0], os.path.join(args.out, f"{name}.pt"))
