@@ -259,6 +259,29 @@ def test_a_meta_build_split_into_stages_loads_each_stages_weights_from_safetenso
     torch.testing.assert_close(outputs[1].backbone.run(hidden), whole, atol=1e-6, rtol=0)
 
 
+def test_a_meta_build_with_weights_never_initialises_what_it_reads(tmp_path, monkeypatch):
+    """Each tensor is allocated once, by reading it: the inner modules' own resets (a random init of the whole layer
+    before it is replaced, which made a stage's largest layer resident twice) are skipped, then restored."""
+    llama(tie_word_embeddings=False).save_pretrained(tmp_path)
+    resets = []
+    for cls in (nn.Linear, nn.Embedding):
+        original = cls.reset_parameters
+        counted = lambda self, original=original: (resets.append(self), original(self))  # noqa: E731
+        monkeypatch.setattr(cls, "reset_parameters", counted)
+    with torch.device("meta"):
+        model = llama(tie_word_embeddings=False)
+    holder = nn.Module()
+    holder.backbone = to_sequential(model, SafetensorsWeights(tmp_path))
+    resets.clear()  # those of building the model on the meta device
+    materialize(holder, torch.device("cpu"))
+    assert resets == []
+    assert_states_close(model.state_dict(), AutoModelForCausalLM.from_pretrained(tmp_path).state_dict(), atol=0.0)
+    assert not any("reset_parameters" in module.__dict__ for module in model.modules())  # the model's own again
+    resets.clear()
+    model.lm_head.reset_parameters()
+    assert resets == [model.lm_head]
+
+
 def test_a_meta_build_without_weights_initialises_as_the_model_does():
     with torch.device("meta"):
         model = llama()

@@ -70,10 +70,40 @@ class HFLayer(nn.Module):
     def __init__(self, model: PreTrainedModel, paths: Sequence[str]) -> None:
         super().__init__()
         self.__dict__["hf_model"] = model
+        self.__dict__["_skipped_resets"] = []
         self.paths = tuple(paths)
-        self.weights: Optional[Any] = None
+        self.weights = None
         for path in self.paths:
             _attach(self, path, model.get_submodule(path))
+
+    @property
+    def weights(self) -> Optional[Any]:
+        """Where :meth:`reset_parameters` reads this layer's tensors from, or ``None`` (see the class)."""
+        return self.__dict__.get("_weights")
+
+    @weights.setter
+    def weights(self, weights: Optional[Any]) -> None:
+        # with weights, the inner modules whose tensors all come from the checkpoint skip their own reset when
+        # materialised (children are reset before this layer): a random init of tensors about to be replaced would
+        # make the whole layer resident once more, and cost its time; this layer's reset_parameters undoes it
+        self.__dict__["_weights"] = weights
+        self._restore_resets()
+        if weights is None:
+            return
+        persistent = {id(t) for t in self.state_dict(keep_vars=True).values()}
+        for module in self.modules():
+            tensors = [*module.parameters(), *module.buffers()]
+            if module is self or not tensors or not all(id(t) in persistent for t in tensors):
+                continue
+            for name in ("reset_parameters", "_reset_parameters"):
+                if hasattr(type(module), name):
+                    module.__dict__[name] = _loaded_from_checkpoint
+                    self._skipped_resets.append((module, name))
+
+    def _restore_resets(self) -> None:
+        for module, name in self.__dict__["_skipped_resets"]:
+            module.__dict__.pop(name, None)
+        self._skipped_resets.clear()
 
     @property
     def config(self) -> Any:
@@ -112,6 +142,11 @@ class HFLayer(nn.Module):
             for name, tensor in persistent.items():
                 if tensor.numel() == 0:  # a name sharing a tensor already read is skipped
                     tensor.data = self.weights.load([name], device=device)[name].to(tensor.dtype)
+        self._restore_resets()  # the model's modules as they were
+
+
+def _loaded_from_checkpoint() -> None:
+    """Stands for the ``reset_parameters`` of a module whose tensors its :class:`HFLayer` reads from a checkpoint."""
 
 
 def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
