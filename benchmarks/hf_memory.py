@@ -32,7 +32,6 @@ Usage::
 """
 
 import argparse
-import os
 import subprocess
 import sys
 import tempfile

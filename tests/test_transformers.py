@@ -1,7 +1,9 @@
 """Hugging Face models in the pipeline (lightning_gpipe.hf): the adapter against the models' own forward, names,
-ties, meta-device builds loading their own weights from safetensors, greedy decoding; then one 2-stage launch of
-tests/workers/transformers_hf.py (a tiny Llama with tied embeddings: pipelined fit against the unmodified model
-trained on one device, pipelined greedy generation against ``generate``, ``save_pretrained`` after fit).
+ties, meta-device builds loading their own weights from safetensors, greedy decoding with and without the key/value
+cache; then tests/workers/transformers_hf.py in the shared launches of 2, 3 and 4 processes (tiny Llama, GPT-2 and
+BERT models: pipelined fit against the unmodified model trained on one device, 1F1B with balance="time", pipeline
+replicas, a resume on another number of stages, pipelined greedy generation against ``generate``,
+``save_pretrained`` after fit).
 
 Every model is built from a small config (the hub is not reachable here).
 """
@@ -224,7 +226,9 @@ def test_a_cached_decoding_step_without_its_cache_names_the_fix():
         layer_by_layer(backbone, (*step, rows))  # the next token
         with pytest.raises(RuntimeError, match=r"holds 0 cached positions for rows \[1\].*clear_kv_caches"):
             layer_by_layer(backbone, (*step, torch.tensor([1])))
-        with pytest.raises(RuntimeError, match="holds 4 cached positions for rows \\[0\\] but the attention mask says 3"):
+        with pytest.raises(
+            RuntimeError, match=r"holds 4 cached positions for rows \[0\] but the attention mask says 3"
+        ):
             layer_by_layer(backbone, (*step, rows))
 
 

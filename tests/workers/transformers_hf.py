@@ -13,11 +13,12 @@ OUT_DIR/losses.pt (the per-step training losses on the last stage). Decoders the
 through the pipeline with ``trainer.predict``, with the stages' key/value caches (OUT_DIR/generated.pt, rank 0) and
 without (``kv_cache=False``: OUT_DIR/generated_no_cache.pt).
 
-``--data-parallel D`` runs D replicas of a ``K / D``-stage pipeline, replica ``r`` reading rows ``r, r + D, ...``
-of each batch (no losses.pt: each last stage sees its replica's rows). ``--resume RUN`` instead resumes the full checkpoint of the run named RUN (a sibling directory of OUT_DIR, e.g.
-written on another number of stages) and trains to ``STEPS + RESUMED_STEPS`` steps; only state_rank{r}.pt and
-losses.pt are written. tests/test_transformers.py compares all of it with the unmodified model trained and
-decoding on one device; it imports this file for ``FAMILIES``, ``batches`` and ``prompts``.
+``--data-parallel D`` runs D replicas of a ``K / D``-stage pipeline over the batches' rows, ``6 / D`` per replica
+and step, in the order of Lightning's distributed sampler (shuffled with seed 0); no losses.pt (each last stage sees
+its replica's rows). ``--resume RUN`` instead resumes the full checkpoint of the run named RUN (a sibling directory
+of OUT_DIR, e.g. written on another number of stages) and trains to ``STEPS + RESUMED_STEPS`` steps; only
+state_rank{r}.pt and losses.pt are written. tests/test_transformers.py compares all of it with the unmodified
+model trained and decoding on one device; it imports this file for ``FAMILIES``, ``batches`` and ``prompts``.
 """
 
 import argparse
@@ -201,7 +202,7 @@ if __name__ == "__main__":
     )
     ckpt = os.path.join(os.path.dirname(args.out), args.resume, "full.ckpt") if resumed else None
     data = DataLoader(batches(args.family), batch_size=None)
-    if dp > 1:  # rows: Lightning's sampler gives replica r rows r, r + dp, ... of each batch of 6 (in order)
+    if dp > 1:  # rows: Lightning's distributed sampler gives each replica 6 / dp of them per step
         data = DataLoader([{k: v[i] for k, v in b.items()} for b in batches(args.family) for i in range(6)], 6 // dp)
     trainer.fit(module, data, ckpt_path=ckpt)
     own = {hf_name(k): v for k, v in module.backbone.state_dict().items() if not v.is_meta}
