@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 try:
-    from transformers import PreTrainedModel
+    from transformers import DynamicCache, PreTrainedModel
     from transformers.masking_utils import (
         create_bidirectional_mask,
         create_causal_mask,
@@ -70,10 +70,40 @@ class HFLayer(nn.Module):
     def __init__(self, model: PreTrainedModel, paths: Sequence[str]) -> None:
         super().__init__()
         self.__dict__["hf_model"] = model
+        self.__dict__["_skipped_resets"] = []
         self.paths = tuple(paths)
-        self.weights: Optional[Any] = None
+        self.weights = None
         for path in self.paths:
             _attach(self, path, model.get_submodule(path))
+
+    @property
+    def weights(self) -> Optional[Any]:
+        """Where :meth:`reset_parameters` reads this layer's tensors from, or ``None`` (see the class)."""
+        return self.__dict__.get("_weights")
+
+    @weights.setter
+    def weights(self, weights: Optional[Any]) -> None:
+        # with weights, the inner modules whose tensors all come from the checkpoint skip their own reset when
+        # materialised (children are reset before this layer): a random init of tensors about to be replaced would
+        # make the whole layer resident once more, and cost its time; this layer's reset_parameters undoes it
+        self.__dict__["_weights"] = weights
+        self._restore_resets()
+        if weights is None:
+            return
+        persistent = {id(t) for t in self.state_dict(keep_vars=True).values()}
+        for module in self.modules():
+            tensors = [*module.parameters(), *module.buffers()]
+            if module is self or not tensors or not all(id(t) in persistent for t in tensors):
+                continue
+            for name in ("reset_parameters", "_reset_parameters"):
+                if hasattr(type(module), name):
+                    module.__dict__[name] = _loaded_from_checkpoint
+                    self._skipped_resets.append((module, name))
+
+    def _restore_resets(self) -> None:
+        for module, name in self.__dict__["_skipped_resets"]:
+            module.__dict__.pop(name, None)
+        self._skipped_resets.clear()
 
     @property
     def config(self) -> Any:
@@ -112,6 +142,11 @@ class HFLayer(nn.Module):
             for name, tensor in persistent.items():
                 if tensor.numel() == 0:  # a name sharing a tensor already read is skipped
                     tensor.data = self.weights.load([name], device=device)[name].to(tensor.dtype)
+        self._restore_resets()  # the model's modules as they were
+
+
+def _loaded_from_checkpoint() -> None:
+    """Stands for the ``reset_parameters`` of a module whose tensors its :class:`HFLayer` reads from a checkpoint."""
 
 
 def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -159,7 +194,8 @@ def positions_from_mask(attention_mask: Tensor) -> Tensor:
 
 class DecoderEmbedding(HFLayer):
     """Token (and learned position) embeddings of a decoder: ``(input_ids, attention_mask, position_ids)``, each
-    ``(N, S)`` long, to ``(hidden (N, S, H), attention_mask, position_ids)``.
+    ``(N, S)`` long, to ``(hidden (N, S, H), attention_mask, position_ids)``; a fourth item (the ``rows`` of cached
+    decoding, see :class:`CachedDecoderBlock`) is passed on.
 
     Args:
         model: the model.
@@ -174,14 +210,14 @@ class DecoderEmbedding(HFLayer):
         super().__init__(model, [p for p in (tokens, positions, dropout) if p is not None])
         self._tokens, self._positions, self._dropout = tokens, positions, dropout
 
-    def forward(self, value: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        input_ids, attention_mask, position_ids = value
+    def forward(self, value: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        input_ids, attention_mask, position_ids, *rows = value
         hidden = self.part(self._tokens)(input_ids)
         if self._positions is not None:
             hidden = hidden + self.part(self._positions)(position_ids).to(hidden.device)
         if self._dropout is not None:
             hidden = self.part(self._dropout)(hidden)
-        return hidden, attention_mask, position_ids
+        return (hidden, attention_mask, position_ids, *rows)
 
 
 def _decoder_mask(config: Any, layer_index: int) -> Callable[..., Any]:
@@ -195,12 +231,82 @@ def _decoder_mask(config: Any, layer_index: int) -> Callable[..., Any]:
     return create_sliding_window_causal_mask if getattr(config, "sliding_window", None) else create_causal_mask
 
 
-class RotaryDecoderBlock(HFLayer):
-    """One block of the Llama family: ``(hidden, attention_mask, position_ids)`` to the same, the block applied.
+class CachedDecoderBlock(HFLayer):
+    """A decoder block that can keep its own key/value cache for incremental decoding.
+
+    In training and plain evaluation the value is ``(hidden (N, S, H), attention_mask (N, S), position_ids (N,
+    S))`` and the block runs without a cache (``use_cache=False``). For cached decoding (see
+    :func:`~lightning_gpipe.hf.greedy_generate`) the value carries a fourth item, ``rows`` ``(n,)`` long: which
+    sequences of the batch these are. ``hidden`` and ``position_ids`` are then only the new tokens ``(n, t)``,
+    while ``attention_mask`` ``(n, past + t)`` covers every token so far; the block keeps one
+    ``transformers.DynamicCache`` per set of rows (one per micro-batch: a pipeline splits every decoding step of a
+    batch alike), in which the model's attention appends the new keys and values, and builds the 4-D mask against
+    it as the model's forward does. So only the new tokens' hidden states travel between stages, and each stage
+    holds the caches of its own blocks only. :func:`clear_kv_caches` empties them.
+
+    Args:
+        model: the model.
+        paths: the paths of the modules it holds (the block first).
+        layer_index: the block's index in the model (its attention's ``layer_idx``, which mask it uses).
+
+    Attributes:
+        kv_cache: ``{rows: DynamicCache}``, the caches of cached decoding (not part of the state dict).
+    """
+
+    def __init__(self, model: PreTrainedModel, paths: Sequence[str], layer_index: int) -> None:
+        super().__init__(model, paths)
+        self.layer_index = layer_index
+        self._mask = _decoder_mask(model.config, layer_index)
+        self.kv_cache: dict[tuple[int, ...], Any] = {}
+
+    def cache_and_mask(self, hidden: Tensor, attention_mask: Tensor, position_ids: Tensor, rows: Optional[Tensor]):
+        """The cache of ``rows`` (``None`` without rows) and the block's 4-D mask against it.
+
+        Raises:
+            RuntimeError: if ``attention_mask`` covers earlier tokens whose keys and values this block has not
+                cached for these rows (caches cleared or the batch split differently mid-decoding).
+        """
+        cache = None
+        if rows is not None:
+            key = tuple(rows.tolist())
+            past = attention_mask.shape[1] - hidden.shape[1]
+            cache = self.kv_cache.get(key)
+            if cache is None and past == 0:
+                cache = self.kv_cache[key] = DynamicCache(config=self.config)
+            seen = None if cache is None else cache.get_seq_length(self.layer_index)
+            if seen != past:
+                raise RuntimeError(
+                    f"Block {self.layer_index} holds {seen or 0} cached positions for rows {list(key)} but the"
+                    f" attention mask says {past} came before: start cached decoding with the whole prompts, feed"
+                    " each later step the new tokens of the same rows (every step split alike), and call"
+                    " `clear_kv_caches(backbone)` between generations."
+                )
+        mask = self._mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            position_ids=position_ids,
+            layer_idx=self.layer_index,
+        )
+        return cache, mask
+
+
+def clear_kv_caches(backbone: nn.Module) -> None:
+    """Empty the key/value caches of ``backbone``'s decoder blocks (those this process holds), freeing them."""
+    for module in backbone.modules():
+        if isinstance(module, CachedDecoderBlock):
+            module.kv_cache = {}
+
+
+class RotaryDecoderBlock(CachedDecoderBlock):
+    """One block of the Llama family: ``(hidden, attention_mask, position_ids[, rows])`` to the same, the block
+    applied.
 
     Rebuilds the block's 4-D mask (causal or sliding-window, for the configured attention implementation) from the
     ``(N, S)`` padding mask, and the rotary cos/sin from the positions, with the model's rotary module, then calls
-    the block as the model's forward does.
+    the block as the model's forward does. With ``rows``, decodes incrementally with its own key/value cache (see
+    :class:`CachedDecoderBlock`).
 
     Args:
         model: the model.
@@ -211,54 +317,45 @@ class RotaryDecoderBlock(HFLayer):
     """
 
     def __init__(self, model: PreTrainedModel, block: str, rotary: str, layer_index: int) -> None:
-        super().__init__(model, [block, rotary])
-        self._block, self._rotary, self.layer_index = block, rotary, layer_index
-        self._mask = _decoder_mask(model.config, layer_index)
+        super().__init__(model, [block, rotary], layer_index)
+        self._block, self._rotary = block, rotary
 
-    def forward(self, value: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        hidden, attention_mask, position_ids = value
-        mask = self._mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=attention_mask,
-            past_key_values=None,
-            position_ids=position_ids,
-        )
+    def forward(self, value: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        hidden, attention_mask, position_ids, *rows = value
+        cache, mask = self.cache_and_mask(hidden, attention_mask, position_ids, rows[0] if rows else None)
         cos_sin = self.part(self._rotary)(hidden, position_ids=position_ids)
         hidden = self.part(self._block)(
             hidden,
             attention_mask=mask,
             position_embeddings=cos_sin,
             position_ids=position_ids,
-            past_key_values=None,
-            use_cache=False,
+            past_key_values=cache,
+            use_cache=cache is not None,
         )
-        return hidden, attention_mask, position_ids
+        return (hidden, attention_mask, position_ids, *rows)
 
 
-class GPT2Block(HFLayer):
-    """One GPT-2 block: ``(hidden, attention_mask, position_ids)`` to the same, with the causal mask rebuilt.
+class GPT2Block(CachedDecoderBlock):
+    """One GPT-2 block: ``(hidden, attention_mask, position_ids[, rows])`` to the same, with the causal mask
+    rebuilt; with ``rows``, decodes incrementally with its own key/value cache (see :class:`CachedDecoderBlock`).
 
     Args:
         model: the model.
         block: path of the block (``"transformer.h.2"``).
+        layer_index: the block's index in the model; default: the number in ``block``'s path.
     """
 
-    def __init__(self, model: PreTrainedModel, block: str) -> None:
-        super().__init__(model, [block])
+    def __init__(self, model: PreTrainedModel, block: str, layer_index: Optional[int] = None) -> None:
+        super().__init__(model, [block], int(block.rsplit(".", 1)[1]) if layer_index is None else layer_index)
         self._block = block
 
-    def forward(self, value: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        hidden, attention_mask, position_ids = value
-        mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=attention_mask,
-            past_key_values=None,
-            position_ids=position_ids,
+    def forward(self, value: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        hidden, attention_mask, position_ids, *rows = value
+        cache, mask = self.cache_and_mask(hidden, attention_mask, position_ids, rows[0] if rows else None)
+        hidden = self.part(self._block)(
+            hidden, cache, mask, None, use_cache=cache is not None, position_ids=position_ids
         )
-        hidden = self.part(self._block)(hidden, None, mask, None, use_cache=False, position_ids=position_ids)
-        return hidden, attention_mask, position_ids
+        return (hidden, attention_mask, position_ids, *rows)
 
 
 class FinalNorm(HFLayer):

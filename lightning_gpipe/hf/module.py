@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_gpipe.contract import forward_and_share
-from lightning_gpipe.hf.adapter import hf_name, positions_from_mask, to_sequential
+from lightning_gpipe.hf.adapter import clear_kv_caches, hf_name, positions_from_mask, to_sequential
 from lightning_gpipe.hf.weights import SafetensorsWeights, save_stage_shards
 from lightning_gpipe.partition import Partition, materialize
 
@@ -248,14 +248,16 @@ class CausalLM(HFModule):
     Args:
         *args: see :class:`HFModule`.
         max_new_tokens: tokens ``predict_step`` adds at most. Default 32.
+        kv_cache: ``predict_step`` decodes with each stage's key/value caches, one new token per step (default),
+            or re-runs the whole sequence every step (see :func:`greedy_generate`).
         **kwargs: see :class:`HFModule`.
     """
 
     auto_class = AutoModelForCausalLM
 
-    def __init__(self, *args: Any, max_new_tokens: int = 32, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, max_new_tokens: int = 32, kv_cache: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens, self.kv_cache = max_new_tokens, kv_cache
 
     def backbone_input(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         """``(input_ids, attention_mask, position_ids)``."""
@@ -274,7 +276,8 @@ class CausalLM(HFModule):
         T)`` ids, at most :attr:`max_new_tokens` new ones, stopping at the model's ``eos_token_id``."""
         eos = self.hf_model.generation_config.eos_token_id
         eos = eos[0] if isinstance(eos, list) else eos
-        return self.generate(batch["input_ids"], batch.get("attention_mask"), self.max_new_tokens, eos)
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+        return self.generate(ids, mask, self.max_new_tokens, eos, kv_cache=self.kv_cache)
 
     @torch.no_grad()
     def generate(
@@ -284,9 +287,12 @@ class CausalLM(HFModule):
         max_new_tokens: int = 20,
         eos_token_id: Optional[int] = None,
         pad_token_id: Optional[int] = None,
+        kv_cache: bool = True,
     ) -> Tensor:
         """Greedy decoding through the pipeline (see :func:`greedy_generate`); call it on every stage."""
-        return greedy_generate(self.backbone, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+        return greedy_generate(
+            self.backbone, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, kv_cache
+        )
 
 
 class MaskedLM(HFModule):
@@ -343,12 +349,18 @@ def greedy_generate(
     max_new_tokens: int = 20,
     eos_token_id: Optional[int] = None,
     pad_token_id: Optional[int] = None,
+    kv_cache: bool = True,
 ) -> Tensor:
     """Greedy decoding of a causal LM backbone, through the pipeline (every stage calls it alike).
 
-    Each step runs the backbone on the whole sequence so far (no key/value cache) with
-    :func:`lightning_gpipe.forward_and_share`: the last stage picks each row's most likely next token and every
-    stage receives the ids, so all stages go round the loop together. Without a pipeline it runs on one device.
+    Each step is one backbone call through :func:`lightning_gpipe.forward_and_share`: the last stage picks each
+    row's most likely next token and every stage receives the ids, so all stages go round the loop together.
+    With ``kv_cache`` (default) the first step runs the whole prompts and every later step only the new token of
+    each row: each decoder block keeps the keys and values of its rows in its own ``transformers.DynamicCache``
+    (see :class:`~lightning_gpipe.hf.adapter.CachedDecoderBlock`), so between stages only the new token's hidden
+    state ``(n, 1, H)``, the ``(n, S + t)`` padding mask, its position and the rows travel. Without it every step
+    runs the whole sequence so far. Without a pipeline it runs on one device.
+
     Equals ``model.generate(input_ids, attention_mask=..., do_sample=False, max_new_tokens=...)``: prompts
     left-padded, positions counted from each row's first real token, a row that produced ``eos_token_id`` gets
     ``pad_token_id`` afterwards, and decoding stops once every row has.
@@ -360,6 +372,8 @@ def greedy_generate(
         max_new_tokens: tokens to add at most. Default 20.
         eos_token_id: the end-of-sequence id, or ``None`` (default) to always add ``max_new_tokens``.
         pad_token_id: what finished rows get; defaults to ``eos_token_id``.
+        kv_cache: decode with the blocks' key/value caches, one new token per step (default), or re-run the whole
+            sequence every step (``False``).
 
     Returns:
         ``(N, S + T)`` long: the prompts and the ``T <= max_new_tokens`` new tokens.
@@ -368,17 +382,26 @@ def greedy_generate(
     mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(ids.dtype)
     pad = eos_token_id if pad_token_id is None else pad_token_id
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-    for _ in range(max_new_tokens):
-        value = (ids, mask, positions_from_mask(mask))
-        chosen = forward_and_share(backbone, value, lambda logits: logits[:, -1].float().argmax(-1).cpu())
-        chosen = chosen.to(ids.device)
-        if eos_token_id is not None:
-            chosen = chosen.masked_fill(finished, pad)
-            finished |= chosen == eos_token_id
-        ids = torch.cat([ids, chosen[:, None]], dim=1)
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        if eos_token_id is not None and finished.all():
-            break
+    rows = torch.arange(ids.shape[0], device=ids.device)
+    value: tuple[Tensor, ...] = (ids, mask, positions_from_mask(mask), *([rows] if kv_cache else []))
+    clear_kv_caches(backbone)
+    try:
+        for _ in range(max_new_tokens):
+            chosen = forward_and_share(backbone, value, lambda logits: logits[:, -1].float().argmax(-1).cpu())
+            chosen = chosen.to(ids.device)
+            if eos_token_id is not None:
+                chosen = chosen.masked_fill(finished, pad)
+                finished |= chosen == eos_token_id
+            ids = torch.cat([ids, chosen[:, None]], dim=1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            if eos_token_id is not None and finished.all():
+                break
+            if kv_cache:
+                value = (chosen[:, None], mask, positions_from_mask(mask)[:, -1:], rows)
+            else:
+                value = (ids, mask, positions_from_mask(mask))
+    finally:
+        clear_kv_caches(backbone)
     return ids
 
 

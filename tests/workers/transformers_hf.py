@@ -1,13 +1,24 @@
-"""Distributed worker: a tiny Llama (tied embeddings) from `transformers` trained and decoded through GPipeStrategy.
+"""Distributed worker: a tiny `transformers` model (Llama, GPT-2 or BERT, tied embeddings) trained and decoded
+through GPipeStrategy.
 
-Usage: python transformers_hf.py OUT_DIR --devices K
-Each rank writes the starting checkpoint (``save_pretrained`` of a seeded model) to OUT_DIR/init_rank{r}; then a
-``lightning_gpipe.hf.CausalLM`` built on the meta device, each stage loading only its own tensors from it, is fitted
-for ``STEPS`` AdamW steps on K stages, writing OUT_DIR/full.ckpt (a full Lightning checkpoint, at the last step),
-OUT_DIR/saved (``SavePretrained``: every stage its shard) and OUT_DIR/state_rank{r}.pt (the rank's own parameters
-after fit, by the model's names); then ``trainer.predict`` decodes ``prompts()`` greedily through the pipeline
-(OUT_DIR/generated.pt, rank 0). tests/test_transformers.py compares all of it with the unmodified model trained
-and decoding on one device; it imports this file for ``CONFIG``, ``batches`` and ``prompts``.
+Usage: python transformers_hf.py OUT_DIR --devices K [--family F] [--schedule S] [--balance time] [--resume RUN]
+       [--data-parallel D]
+Each rank writes the starting checkpoint (``save_pretrained`` of a seeded model of family ``F``, see ``FAMILIES``)
+to OUT_DIR/init_rank{r}; then the family's ``lightning_gpipe.hf`` module (``CausalLM``, ``MaskedLM`` or
+``SequenceClassifier``) built on the meta device, each stage loading only its own tensors from it, is fitted for
+``STEPS`` AdamW steps on K stages (schedule ``S``, default fill-drain; ``--balance time`` profiles the layers),
+writing OUT_DIR/full.ckpt (a full Lightning checkpoint, at the last step), OUT_DIR/saved (``SavePretrained``: every
+stage its shard), OUT_DIR/state_rank{r}.pt (the rank's own parameters after fit, by the model's names) and
+OUT_DIR/losses.pt (the per-step training losses on the last stage). Decoders then decode ``prompts()`` greedily
+through the pipeline with ``trainer.predict``, with the stages' key/value caches (OUT_DIR/generated.pt, rank 0) and
+without (``kv_cache=False``: OUT_DIR/generated_no_cache.pt).
+
+``--data-parallel D`` runs D replicas of a ``K / D``-stage pipeline over the batches' rows, ``6 / D`` per replica
+and step, in the order of Lightning's distributed sampler (shuffled with seed 0); no losses.pt (each last stage sees
+its replica's rows). ``--resume RUN`` instead resumes the full checkpoint of the run named RUN (a sibling directory
+of OUT_DIR, e.g. written on another number of stages) and trains to ``STEPS + RESUMED_STEPS`` steps; only
+state_rank{r}.pt and losses.pt are written. tests/test_transformers.py compares all of it with the unmodified
+model trained and decoding on one device; it imports this file for ``FAMILIES``, ``batches`` and ``prompts``.
 """
 
 import argparse
@@ -16,37 +27,101 @@ import sys
 
 import torch
 
-CONFIG = dict(
-    vocab_size=61,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
-"""The tiny Llama (6 backbone layers: embeddings, 3 blocks, norm, head)."""
+VOCAB = 61
+FAMILIES = {
+    "llama": (
+        "LlamaForCausalLM",
+        "CausalLM",
+        dict(
+            model_type="llama",
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),
+    ),
+    "gpt2": (
+        "GPT2LMHeadModel",
+        "CausalLM",
+        dict(
+            model_type="gpt2",
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=3,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),
+    ),
+    "bert_mlm": (
+        "BertForMaskedLM",
+        "MaskedLM",
+        dict(
+            model_type="bert",
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            intermediate_size=48,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            pad_token_id=0,
+        ),
+    ),
+}
+FAMILIES["bert_classifier"] = ("BertForSequenceClassification", "SequenceClassifier",
+                               {**FAMILIES["bert_mlm"][2], "num_labels": 3})  # fmt: skip
+"""family: (the ``transformers`` class, the ``lightning_gpipe.hf`` module, its config, dropout off). Each has 3
+blocks: 6 backbone layers for the decoders (embeddings, blocks, final norm, head), 5 for BERT (no final norm)."""
+
+CONFIG = FAMILIES["llama"][2]
+"""The tiny Llama's config."""
 
 STEPS = 4
+RESUMED_STEPS = 2
 OPTIMIZATION = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), warmup_steps=2, decay="cosine", min_lr_ratio=0.1)
 MAX_NEW_TOKENS = 8
+MASK_ID = 3
+"""BERT's masked positions get this id (and their original ids as labels)."""
 
 
-def batches() -> list[dict[str, torch.Tensor]]:
-    """``STEPS`` batches of 6 rows of 12 tokens, two rows right-padded."""
+def is_decoder(family: str) -> bool:
+    """Whether ``family`` is a causal LM (decodes)."""
+    return FAMILIES[family][1] == "CausalLM"
+
+
+def batches(family: str = "llama") -> list[dict[str, torch.Tensor]]:
+    """``STEPS`` batches of 6 rows of 12 tokens, two rows right-padded: next-token labels (decoders), the original
+    ids of every third real token, masked (``bert_mlm``), or a class per row (``bert_classifier``)."""
     generator = torch.Generator().manual_seed(1)
     result = []
     for _ in range(STEPS):
-        ids = torch.randint(3, CONFIG["vocab_size"], (6, 12), generator=generator)
+        ids = torch.randint(4, VOCAB, (6, 12), generator=generator)
         mask = torch.ones_like(ids)
         mask[1, 8:] = 0
         mask[4, 5:] = 0
-        ids = ids.masked_fill(mask == 0, CONFIG["pad_token_id"])
-        result.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+        ids = ids.masked_fill(mask == 0, 0)
+        labels = ids.masked_fill(mask == 0, -100)
+        if family == "bert_mlm":
+            chosen = (torch.arange(12) % 3 == 1).expand(6, -1) & (mask == 1)
+            labels = ids.masked_fill(~chosen, -100)
+            ids = ids.masked_fill(chosen, MASK_ID)
+        elif family == "bert_classifier":
+            labels = torch.randint(0, 3, (6,), generator=generator)
+        result.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
     return result
 
 
@@ -56,62 +131,99 @@ def prompts() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": (ids != 0).long()}
 
 
-def initial_model():
-    """The seeded starting model."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def initial_model(family: str = "llama"):
+    """The seeded starting model of ``family``."""
+    import transformers
 
+    model_class, _, config = FAMILIES[family]
+    fields = dict(config)
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**CONFIG))
+    return getattr(transformers, model_class)(config)
 
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from torch.utils.data import DataLoader
 
     import lightning_gpipe
+    import lightning_gpipe.hf as hf
     from lightning_gpipe.hf.adapter import hf_name
-    from lightning_gpipe.hf.module import CausalLM, SavePretrained
 
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--family", choices=list(FAMILIES), default="llama")
+    parser.add_argument("--schedule", default="gpipe")
+    parser.add_argument("--balance", default=None)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--data-parallel", type=int, default=1)
     args = parser.parse_args()
     rank = int(os.environ.get("LOCAL_RANK", "0"))
 
+    class Losses(Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if outputs is not None:
+                self.losses.append(float(outputs["loss"]))
+
+    L.seed_everything(0, verbose=False)  # the distributed sampler's shuffle (an earlier script may have set another)
     init = os.path.join(args.out, f"init_rank{rank}")
-    initial = initial_model()
+    initial = initial_model(args.family)
     # transformers writes on global rank 0 only once a process group exists (an earlier script of a shared launch
     # made one): every rank writes its own copy here
     initial.should_save_on_this_rank = lambda is_main_process: True
     initial.save_pretrained(init)
-    module = CausalLM(pretrained=init, attn_implementation="eager", max_new_tokens=MAX_NEW_TOKENS, **OPTIMIZATION)
+    module_class = getattr(hf, FAMILIES[args.family][1])
+    extra = {"max_new_tokens": MAX_NEW_TOKENS} if is_decoder(args.family) else {}
+    module = module_class(pretrained=init, attn_implementation="eager", **extra, **OPTIMIZATION)
+    resumed = args.resume is not None
+    callbacks = [losses := Losses()]
+    if not resumed:
+        callbacks += [
+            ModelCheckpoint(dirpath=args.out, filename="full", every_n_train_steps=STEPS, save_top_k=-1),
+            hf.SavePretrained(os.path.join(args.out, "saved")),
+        ]
+    dp = args.data_parallel
+    mesh = {"pipeline_parallel_size": args.devices // dp, "data_parallel_size": dp} if dp > 1 else {}
     trainer = L.Trainer(
-        strategy=lightning_gpipe.GPipeStrategy(chunks=3, checkpoint="except_last"),
+        strategy=lightning_gpipe.GPipeStrategy(chunks=3, schedule=args.schedule, balance=args.balance, **mesh),
         accelerator="cpu",
         devices=args.devices,
-        max_steps=STEPS,
+        max_steps=STEPS + RESUMED_STEPS if resumed else STEPS,
+        default_root_dir=args.out,
+        enable_checkpointing=not resumed,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[
-            ModelCheckpoint(dirpath=args.out, filename="full", every_n_train_steps=STEPS, save_top_k=-1),
-            SavePretrained(os.path.join(args.out, "saved")),
-        ],
+        callbacks=callbacks,
     )
-    trainer.fit(module, DataLoader(batches(), batch_size=None))
+    ckpt = os.path.join(os.path.dirname(args.out), args.resume, "full.ckpt") if resumed else None
+    data = DataLoader(batches(args.family), batch_size=None)
+    if dp > 1:  # rows: Lightning's distributed sampler gives each replica 6 / dp of them per step
+        data = DataLoader([{k: v[i] for k, v in b.items()} for b in batches(args.family) for i in range(6)], 6 // dp)
+    trainer.fit(module, data, ckpt_path=ckpt)
     own = {hf_name(k): v for k, v in module.backbone.state_dict().items() if not v.is_meta}
     torch.save(own, os.path.join(args.out, f"state_rank{rank}.pt"))
+    if losses.losses and rank == args.devices - 1 and dp == 1:
+        torch.save(losses.losses, os.path.join(args.out, "losses.pt"))
 
-    predictor = L.Trainer(
-        strategy=lightning_gpipe.GPipeStrategy(chunks=2),
-        accelerator="cpu",
-        devices=args.devices,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    generated = predictor.predict(module, DataLoader([prompts()], batch_size=None))
-    if rank == 0:
-        torch.save(generated[0], os.path.join(args.out, "generated.pt"))
+    if is_decoder(args.family) and not resumed:
+        predictor = L.Trainer(
+            strategy=lightning_gpipe.GPipeStrategy(chunks=2),
+            accelerator="cpu",
+            devices=args.devices,
+            default_root_dir=args.out,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        for name, kv_cache in (("generated", True), ("generated_no_cache", False)):
+            module.kv_cache = kv_cache
+            generated = predictor.predict(module, DataLoader([prompts()], batch_size=None))
+            if rank == 0:
+                torch.save(generated[0], os.path.join(args.out, f"{name}.pt"))
