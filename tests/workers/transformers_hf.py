@@ -17,8 +17,8 @@ without (``kv_cache=False``: OUT_DIR/generated_no_cache.pt).
 and step, in the order of Lightning's distributed sampler (shuffled with seed 0); no losses.pt (each last stage sees
 its replica's rows). ``--resume RUN`` instead resumes the full checkpoint of the run named RUN (a sibling directory
 of OUT_DIR, e.g. written on another number of stages) and trains to ``STEPS + RESUMED_STEPS`` steps; only
-state_rank{r}.pt and losses.pt are written. tests/test_transformers.py compares all of it with the unmodified
-model trained and decoding on one device; it imports this file for ``FAMILIES``, ``batches`` and ``prompts``.
+state_rank{r}.pt and losses.pt are written. tests/distributed/test_transformers.py compares all of it with the
+unmodified model trained and decoding on one device; it imports this file for ``FAMILIES``, ``batches`` and ``prompts``.
 """
 
 import argparse

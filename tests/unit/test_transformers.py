@@ -1,9 +1,6 @@
 """Hugging Face models in the pipeline (lightning_gpipe.hf): the adapter against the models' own forward, names,
 ties, meta-device builds loading their own weights from safetensors, greedy decoding with and without the key/value
-cache; then tests/workers/transformers_hf.py in the shared launches of 2, 3 and 4 processes (tiny Llama, GPT-2 and
-BERT models: pipelined fit against the unmodified model trained on one device, 1F1B with balance="time", pipeline
-replicas, a resume on another number of stages, pipelined greedy generation against ``generate``,
-``save_pretrained`` after fit).
+cache, and the LightningModules on one device. The pipelined runs are in tests/distributed/test_transformers.py.
 
 Every model is built from a small config (the hub is not reachable here).
 """
@@ -12,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_states_close, shared_run
+from conftest import assert_states_close
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
@@ -309,210 +306,6 @@ def test_safetensors_weights_name_what_is_missing(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "llama"
 
 
-# --------------------------------------------------------------------------- pipelined: 2 stages (and 3)
-
-
-def _worker():
-    """tests/workers/transformers_hf.py as a module (its FAMILIES, batches and prompts; the run is under __main__)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parent / "workers" / "transformers_hf.py"
-    spec = importlib.util.spec_from_file_location("transformers_hf_worker", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-WORKER = _worker()
-PIPELINED = [(family, k) for family in ("llama", "gpt2", "bert_mlm") for k in (2, 3)] + [("bert_classifier", 2)]
-RUNS = {
-    (family, k): shared_run(
-        "transformers_hf.py", f"--devices={k}", f"--family={family}", devices=k, timeout=240, name=f"hf-{family}-{k}"
-    )
-    for family, k in PIPELINED
-}
-# 1F1B with the layers balanced by profiled time, on 3 stages: the classifier's loss is a mean over rows, so the
-# row-weighted 1F1B loss equals one device's
-RUNS["bert_classifier", 3] = shared_run(
-    "transformers_hf.py", "--devices=3", "--family=bert_classifier", "--schedule=1f1b", "--balance=time",
-    devices=3, timeout=240, name="hf-bert_classifier-3-1f1b",
-)  # fmt: skip
-# the 2-stage Llama's full checkpoint resumed on 3 stages (its directory is a sibling in the 2-process launch)
-RESUMED = shared_run(
-    "transformers_hf.py", "--devices=3", "--resume=hf-llama-2", devices=3, timeout=240,
-    name="hf-llama-resumed-3", output_of=2,
-)  # fmt: skip
-# 2 pipeline replicas of 2 stages (4 processes, joining the other 4-process tests' launch): each replica half of
-# every batch's rows, the classifier's row-mean loss making the averaged gradients one device's
-DATA_PARALLEL = shared_run(
-    "transformers_hf.py", "--devices=4", "--family=bert_classifier", "--data-parallel=2", devices=4, timeout=240,
-    name="hf-bert_classifier-pp2-dp2",
-)  # fmt: skip
-DECODERS = [(family, k) for family, k in RUNS if WORKER.is_decoder(family)]
-
-
-def _one_device_optimizer(model, total_steps: int):
-    """AdamW with the module's parameter groups and learning-rate schedule (:meth:`HFModule.configure_optimizers`),
-    over the unmodified model."""
-    from lightning_gpipe.hf.module import lr_factor
-
-    options = WORKER.OPTIMIZATION
-    parameters = list(model.parameters())
-    groups = [
-        {"params": [p for p in parameters if p.dim() >= 2], "weight_decay": options["weight_decay"]},
-        {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=options["lr"], betas=options["betas"])
-    factor = lambda step: lr_factor(  # noqa: E731
-        step, options["warmup_steps"], total_steps, options["decay"], options["min_lr_ratio"]
-    )
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def _train(model, optimizer, schedule, batches) -> list[float]:
-    losses = []
-    for batch in batches:
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-_TRAINED: dict = {}
-
-
-def trained_on_one_device(family: str):
-    """The unmodified model of ``family`` trained on one device as the worker's pipeline trains it (same AdamW,
-    groups and schedule): ``(model, per-step losses, greedy continuations of the prompts)`` (``generate`` with its
-    key/value cache; ``None`` for BERT). Computed once per family."""
-    if family not in _TRAINED:
-        model = WORKER.initial_model(family)
-        model.config._attn_implementation = "eager"
-        optimizer, schedule = _one_device_optimizer(model, WORKER.STEPS)
-        model.train()
-        losses = _train(model, optimizer, schedule, WORKER.batches(family))
-        generated = None
-        if WORKER.is_decoder(family):
-            model.eval()
-            prompts = WORKER.prompts()
-            eos = WORKER.FAMILIES[family][2]["eos_token_id"]
-            generated = model.generate(
-                prompts["input_ids"],
-                attention_mask=prompts["attention_mask"],
-                do_sample=False,
-                max_new_tokens=WORKER.MAX_NEW_TOKENS,
-                eos_token_id=eos,
-                pad_token_id=eos,
-            )
-        _TRAINED[family] = (model, losses, generated)
-    return _TRAINED[family]
-
-
-def _merged_state(out, stages: int) -> dict:
-    merged: dict = {}
-    for rank in range(stages):
-        merged.update(torch.load(out / f"state_rank{rank}.pt"))
-    return merged
-
-
-@pytest.mark.parametrize("family, stages", list(RUNS))
-def test_a_pipelined_fit_equals_the_model_trained_on_one_device_loss_and_every_parameter(family, stages):
-    out = RUNS[family, stages]()
-    reference, losses, _ = trained_on_one_device(family)
-    expected = reference.state_dict()
-    assert_states_close(_merged_state(out, stages), expected)
-    torch.testing.assert_close(torch.tensor(torch.load(out / "losses.pt")), torch.tensor(losses), atol=1e-5, rtol=0)
-    for copy, source in reference.all_tied_weights_keys.items():  # every stage's copy of a tied tensor stepped alike
-        for rank in range(stages):
-            state = torch.load(out / f"state_rank{rank}.pt")
-            if copy in state:
-                torch.testing.assert_close(state[copy], expected[source], atol=1e-5, rtol=0, msg=copy)
-
-
-@pytest.mark.parametrize("family, stages", list(RUNS))
-def test_save_pretrained_after_a_pipelined_fit_reloads_with_from_pretrained(family, stages):
-    import transformers
-
-    out = RUNS[family, stages]()
-    reloaded = getattr(transformers, WORKER.FAMILIES[family][0]).from_pretrained(out / "saved")
-    for copy, source in reloaded.all_tied_weights_keys.items():
-        assert reloaded.get_parameter(copy) is reloaded.get_parameter(source)
-    assert_states_close(reloaded.state_dict(), _merged_state(out, stages), atol=0.0)  # exactly what the stages held
-    index = json.loads((out / "saved" / "model.safetensors.index.json").read_text())
-    assert len(set(index["weight_map"].values())) == stages  # one shard per stage
-
-
-@pytest.mark.parametrize("family, stages", DECODERS)
-def test_pipelined_greedy_generation_with_and_without_kv_cache_equals_generate_on_one_device(family, stages):
-    out = RUNS[family, stages]()
-    _, _, expected = trained_on_one_device(family)
-    assert torch.equal(torch.load(out / "generated.pt"), expected)  # each stage its blocks' key/value caches
-    assert torch.equal(torch.load(out / "generated_no_cache.pt"), expected)  # the whole sequence every step
-
-
-@pytest.mark.parametrize("family", ["llama", "gpt2", "bert_mlm", "bert_classifier"])
-def test_a_full_lightning_checkpoint_of_a_pipelined_fit_loads_without_the_strategy(family):
-    import lightning_gpipe.hf as hf
-
-    out = RUNS[family, 2]()
-    module = getattr(hf, WORKER.FAMILIES[family][1]).load_from_checkpoint(out / "full.ckpt")
-    reference, _, _ = trained_on_one_device(family)
-    state = {k.split(".", 2)[2]: v for k, v in module.state_dict().items()}
-    assert_states_close(state, reference.state_dict())
-    for copy, source in reference.all_tied_weights_keys.items():
-        assert module.hf_model.get_parameter(copy) is module.hf_model.get_parameter(source)
-
-
-def test_two_pipeline_replicas_of_two_stages_equal_the_model_trained_on_one_device():
-    """pp 2 x dp 2: replica r reads rows r, r + 2, ... of Lightning's distributed sampler (shuffled with the seed,
-    0 here); one device reads the same rows in batches of 6, in the order the sampler gives both replicas together
-    (``ddp_order_loader`` of tests/models.py for this data)."""
-    from torch.utils.data.distributed import DistributedSampler
-
-    out = DATA_PARALLEL()
-    rows = [{k: v[i] for k, v in batch.items()} for batch in WORKER.batches("bert_classifier") for i in range(6)]
-    order = list(DistributedSampler(rows, num_replicas=1, rank=0, shuffle=True, seed=0))
-    batches = [{k: torch.stack([rows[j][k] for j in order[i : i + 6]]) for k in rows[0]} for i in range(0, 24, 6)]
-    reference = WORKER.initial_model("bert_classifier")
-    reference.config._attn_implementation = "eager"
-    optimizer, schedule = _one_device_optimizer(reference, WORKER.STEPS)
-    reference.train()
-    _train(reference, optimizer, schedule, batches)
-    expected = reference.state_dict()
-    states = [torch.load(out / f"state_rank{rank}.pt") for rank in range(4)]
-    for state in states:  # both replicas of each stage hold the one-device parameters
-        assert_states_close(state, {k: expected[k] for k in state})
-    assert set().union(*states) == set(expected)
-    key_sets = [frozenset(state) for state in states]
-    assert all(key_sets.count(keys) == 2 for keys in key_sets)  # each of the 2 stages on 2 processes
-
-
-def test_a_full_checkpoint_of_2_stages_resumes_on_3_as_one_device_continues():
-    """The 2-stage Llama's checkpoint at step STEPS (weights, AdamW moments, scheduler) resumed on 3 stages for
-    RESUMED_STEPS more steps (the next epoch's first batches, the cosine stretched to the new last step) equals one
-    device continuing the same way."""
-    from lightning_gpipe.hf.module import lr_factor
-
-    out = RESUMED()
-    model = WORKER.initial_model("llama")
-    model.config._attn_implementation = "eager"
-    optimizer, schedule = _one_device_optimizer(model, WORKER.STEPS)
-    model.train()
-    _train(model, optimizer, schedule, WORKER.batches("llama"))
-    total, options = WORKER.STEPS + WORKER.RESUMED_STEPS, WORKER.OPTIMIZATION
-    stretched = lambda step: lr_factor(  # noqa: E731 - configure_optimizers on resume: over the new last step
-        step, options["warmup_steps"], total, options["decay"], options["min_lr_ratio"]
-    )
-    schedule.lr_lambdas = [stretched] * len(optimizer.param_groups)
-    losses = _train(model, optimizer, schedule, WORKER.batches("llama")[: WORKER.RESUMED_STEPS])
-    assert_states_close(_merged_state(out, 3), model.state_dict())
-    torch.testing.assert_close(torch.tensor(torch.load(out / "losses.pt")), torch.tensor(losses), atol=1e-5, rtol=0)
-
-
 # --------------------------------------------------------------------------- the LightningModules on one device
 
 
@@ -559,7 +352,7 @@ def test_the_example_config_file_writes_out_the_clis_defaults():
     import sys
     from pathlib import Path
 
-    examples = Path(__file__).resolve().parents[1] / "examples"
+    examples = Path(__file__).resolve().parents[2] / "examples"
     sys.path.insert(0, str(examples))
     from causal_lm.train import main
 
