@@ -15,13 +15,13 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_gpipe import watchdog
 from lightning_gpipe.balance import LayerCost, resolve_balance
 from lightning_gpipe.batchnorm import convert_deferred_batch_norm, revert_deferred_batch_norm
 from lightning_gpipe.config import PipelineConfig
 from lightning_gpipe.contract import BackboneCall
 from lightning_gpipe.data_parallel import GradientSync
 from lightning_gpipe.gradients import StepGradients
+from lightning_gpipe.job import Job
 from lightning_gpipe.partition import Split
 from lightning_gpipe.randomness import StageRandomness
 from lightning_gpipe.relay import LogRelay
@@ -117,6 +117,7 @@ def split_into_stage(
     randomness: StageRandomness,
     share: Callable[[Any], Any],
     relay: LogRelay,
+    job: Job,
 ) -> PipelineRun:
     """Split ``module``'s backbone ``name`` and build this process's stage of the pipeline.
 
@@ -130,6 +131,7 @@ def split_into_stage(
         randomness: the stage's random streams (see :mod:`lightning_gpipe.randomness`).
         share: sends a picklable object from the last stage to every stage of the pipeline (a collective call).
         relay: the logging relay of this process's pipeline.
+        job: the run's :class:`~lightning_gpipe.job.Job` (the links' waits, the ties' collectives, the position).
 
     Raises:
         ValueError: if ``balance`` does not fit the backbone or the skip connections do not pair up.
@@ -146,7 +148,8 @@ def split_into_stage(
         prev_rank=topology.rank_of(stage_index - 1, replica) if stage_index > 0 else None,
         next_rank=topology.rank_of(stage_index + 1, replica) if stage_index < num_stages - 1 else None,
         device=device,
-        events=watchdog.TrackingRecorder(),
+        events=job.recorder(),
+        job=job,
     )
     peers = {
         "outgoing": {topology.rank_of(k, replica): keys for k, keys in skips.outgoing(stage_index).items()},
@@ -161,9 +164,9 @@ def split_into_stage(
         chunks,
         config.checkpoint,
         config.defer_weight_grad,
-        SkipLinks(**peers, device=device, events=link.events),
+        SkipLinks(**peers, device=device, events=link.events, job=job),
     )
-    runtime = Runtime(stage, config.schedule, num_stages)
-    backbone_call = BackboneCall(runtime, stage.is_last, share=share, randomness=randomness)
+    runtime = Runtime(stage, config.schedule, num_stages, position=job.position)
+    backbone_call = BackboneCall(runtime, stage.is_last, share=share, randomness=randomness, position=job.position)
     split.partition.pipeline = backbone_call
-    return PipelineRun(split, stage, runtime, backbone_call, relay, TiedParameters(ties, module, topology, rank))
+    return PipelineRun(split, stage, runtime, backbone_call, relay, TiedParameters(ties, module, topology, rank, job))

@@ -33,13 +33,14 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gpipe import collectives, failure, state_dict, watchdog
+from lightning_gpipe import collectives, state_dict
 from lightning_gpipe.agreement import StepAgreement
 from lightning_gpipe.balance import LayerCost
 from lightning_gpipe.balance.backbone import profile_backbone
 from lightning_gpipe.config import Balance, PipelineConfig
 from lightning_gpipe.data import same_batches
 from lightning_gpipe.data_parallel import reduce_over_replicas
+from lightning_gpipe.job import Job
 from lightning_gpipe.optimization import pipelined, unpipelined
 from lightning_gpipe.partition import find_backbone, materialize
 from lightning_gpipe.pipeline import PipelineRun, split_into_stage
@@ -143,6 +144,7 @@ class GPipeStrategy(ParallelStrategy):
         self._randomness = StageRandomness()  # one stream until setup_environment seeds the stage's own
         self._agreement: Optional[StepAgreement] = None
         self._signals: Optional[StopSignals] = None
+        self._job = Job()  # one without a store until setup_environment creates the run's
 
     @property
     @override
@@ -188,6 +190,13 @@ class GPipeStrategy(ParallelStrategy):
     def replica_index(self) -> int:
         """Data-parallel rank of this process (the pipeline replica it belongs to, 0-based)."""
         return self.topology.replica_of(self.global_rank)
+
+    @property
+    def job(self) -> Job:
+        """This process's part of the current run (failure board, position, stall watchdog, waiter; see
+        :class:`~lightning_gpipe.job.Job`), created in ``setup_environment``; before it, and after ``teardown``,
+        one without a store (nothing is published)."""
+        return self._job
 
     @property
     def pipeline_group(self) -> Optional[dist.ProcessGroup]:
@@ -244,10 +253,11 @@ class GPipeStrategy(ParallelStrategy):
         self._pipeline_group, self._data_parallel_group = groups(topology.mesh(self.root_device.type))
         names = {rank: topology.name(rank) for rank in range(topology.world_size)}
         store = dist.distributed_c10d._get_default_store()
-        failure.attach(store, names[self.global_rank], self.world_size)
-        watchdog.start(store, self.global_rank, names, self.config.stall_limit())
+        self._job.close()
+        self._job = Job(store, self.global_rank, names, self.config.stall_limit(), self.world_size)
         self._randomness = StageRandomness.synchronized(self.stage_index, topology.num_stages, self.broadcast)
-        self._agreement = StepAgreement(self.replica_index, topology.data_parallel_size, self.root_device, names)
+        replicas = topology.data_parallel_size
+        self._agreement = StepAgreement(self.replica_index, replicas, self.root_device, names, self._job)
 
     @contextmanager
     @override
@@ -287,10 +297,10 @@ class GPipeStrategy(ParallelStrategy):
         whole = not any(t.is_meta for t in [*module.parameters(), *module.buffers()])
         self._whole_before_split = self.broadcast(whole, src=0)  # rank 0's module, the user's, decides for all
         name = find_backbone(module, self.config.backbone)
-        relay = LogRelay(self, self._last_stage_rank, self.pipeline_group)
+        relay = LogRelay(self, self._last_stage_rank, self.pipeline_group, self._job)
         run = self._run = split_into_stage(
             module, name, self.config, self.topology, self.global_rank, self.root_device,
-            self._layer_costs(module, name), self._randomness, self._share_from_last_stage, relay,
+            self._layer_costs(module, name), self._randomness, self._share_from_last_stage, relay, self._job,
         )  # fmt: skip
         with self._randomness.stage():  # each stage initialises its own layers
             materialize(module, self.root_device)
@@ -303,7 +313,7 @@ class GPipeStrategy(ParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        pipelined(self.precision_plugin, self.pipeline_group, run.ties.uncounted)
+        pipelined(self.precision_plugin, self.pipeline_group, run.ties.uncounted, self._job)
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -312,7 +322,8 @@ class GPipeStrategy(ParallelStrategy):
         layers = getattr(module, name)
         if self.config.profiled and (self.layer_costs is None or len(self.layer_costs) != len(layers)):
             chunks = self.config.chunks_for(self.topology.num_stages)
-            with self.precision_plugin.train_step_context(), watchdog.unbounded("profiling the backbone"):
+            profiling = self._job.position.unbounded_phase("profiling the backbone")
+            with self.precision_plugin.train_step_context(), profiling:
                 costs = profile_backbone(module, name, chunks, self.root_device) if self.is_global_zero else None
             self.layer_costs = self.broadcast(costs, src=0)
         return self.layer_costs if self.config.profiled else None
@@ -335,7 +346,7 @@ class GPipeStrategy(ParallelStrategy):
     def _share_from_last_stage(self, obj: Any) -> Any:
         if not dist.is_initialized():
             return obj
-        return collectives.broadcast_object(obj, self._last_stage_rank, group=self.pipeline_group)
+        return collectives.broadcast_object(self._job, obj, self._last_stage_rank, group=self.pipeline_group)
 
     @override
     def on_train_start(self) -> None:
@@ -386,9 +397,9 @@ class GPipeStrategy(ParallelStrategy):
         Raises:
             ValueError: naming each stage's number of batches.
         """
-        every = collectives.all_gather_object(counts) if dist.is_initialized() else [counts]
+        every = collectives.all_gather_object(self._job, counts) if dist.is_initialized() else [counts]
         if any(other != every[0] for other in every):
-            per_stage = ", ".join(f"{watchdog.name_of(rank)}: {n}" for rank, n in enumerate(every))
+            per_stage = ", ".join(f"{self._job.watchdog.name_of(rank)}: {n}" for rank, n in enumerate(every))
             raise ValueError(
                 f"The stages have different numbers of {loop} batches ({per_stage}); every stage runs every batch"
                 " of the pipeline, so all stages need the same data loaders: the same dataset length, batch size,"
@@ -418,8 +429,8 @@ class GPipeStrategy(ParallelStrategy):
         """
         run, context = self._run, self.precision_plugin.train_step_context
         if run.runtime.per_micro_batch_loss:
-            watchdog.begin_step(f"step {self.lightning_module.trainer.global_step}")
-            with context(), failure.reporting():
+            self._job.position.begin_step(f"step {self.lightning_module.trainer.global_step}")
+            with context(), self._job.board.reporting():
                 output = run.micro_batch_steps(self.lightning_module, args, kwargs, self.precision_plugin)
         else:
             output = self._user_step("training_step", context, args, kwargs)
@@ -451,7 +462,7 @@ class GPipeStrategy(ParallelStrategy):
                 run.announce_loss_backward(closure_loss)
                 with self._randomness.stage():
                     precision.backward(closure_loss, module, optimizer, *args, **kwargs)
-            with precision.train_step_context(), failure.reporting(), self._randomness.stage():
+            with precision.train_step_context(), self._job.board.reporting(), self._randomness.stage():
                 run.runtime.backward()  # recomputes as the fill did, with the stage's random stream
         closure_loss = precision.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
@@ -504,8 +515,8 @@ class GPipeStrategy(ParallelStrategy):
 
     def _user_step(self, hook: str, context: Callable, args: tuple, kwargs: dict) -> Any:
         step = getattr(self.lightning_module, hook)
-        watchdog.begin_step(f"step {self.lightning_module.trainer.global_step}")
-        with context(), failure.reporting():
+        self._job.position.begin_step(f"step {self.lightning_module.trainer.global_step}")
+        with context(), self._job.board.reporting():
             return self._run.backbone_call.user_step(hook, lambda: step(*args, **kwargs))
 
     @override
@@ -519,18 +530,18 @@ class GPipeStrategy(ParallelStrategy):
             PipelineFailure: if another process failed or stalled while this one waited for it.
         """
         replicas = self.topology.data_parallel_size if dist.is_initialized() else 1
-        return reduce_over_replicas(tensor, reduce_op, self._data_parallel_group, replicas)
+        return reduce_over_replicas(tensor, reduce_op, self._data_parallel_group, replicas, self._job)
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
         """Wait until every process reaches this point (interruptibly, see :mod:`lightning_gpipe.collectives`)."""
         if dist.is_initialized():
-            collectives.barrier()
+            collectives.barrier(self._job)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Send the picklable ``obj`` from global rank ``src`` to every process (interruptibly)."""
-        return collectives.broadcast_object(obj, src) if dist.is_initialized() else obj
+        return collectives.broadcast_object(self._job, obj, src) if dist.is_initialized() else obj
 
     @property
     @override
@@ -554,15 +565,15 @@ class GPipeStrategy(ParallelStrategy):
     def _whole_or_local(self, local: dict[str, Any]) -> dict[str, Any]:
         if self.config.state_dict_type == "sharded":
             return local
-        return state_dict.whole_on_rank_zero(local, self.replica_index, self.pipeline_group) or {}
+        return state_dict.whole_on_rank_zero(local, self.replica_index, self.pipeline_group, self._job) or {}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write a checkpoint: one file from global rank 0 (``"full"``), or a directory from all stages (``"sharded"``);
         either replaces an existing one only once complete. Waiting for the writers does not count as a stall."""
-        with watchdog.unbounded("writing a checkpoint"):
+        with self._job.position.unbounded_phase("writing a checkpoint"):
             if self.config.state_dict_type == "sharded":
-                state_dict.save_sharded(checkpoint, filepath, self.global_rank)
+                state_dict.save_sharded(checkpoint, filepath, self.global_rank, self._job)
             else:
                 super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -573,12 +584,12 @@ class GPipeStrategy(ParallelStrategy):
         Raises:
             FileNotFoundError: for a directory that is not a sharded checkpoint (it has no ``meta.pt``).
         """
-        with watchdog.unbounded("reading a checkpoint"):
+        with self._job.position.unbounded_phase("reading a checkpoint"):
             if not Path(checkpoint_path).is_dir():
                 return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
             fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
             template = state_dict.stage_template(self.lightning_module, self.optimizers, fitting)
-            return state_dict.load_sharded(checkpoint_path, template)
+            return state_dict.load_sharded(checkpoint_path, template, self._job)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -596,14 +607,14 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Publish the exception so that the other stages exit naming it instead of hanging, then wait (a few
-        seconds at most) until every process has read it (:func:`~lightning_gpipe.failure.linger`). Lightning's
-        ``SIGTERMException`` is not published: every stage raises it at the same step, by agreement. On a
+        seconds at most) until every process has read it (:meth:`~lightning_gpipe.failure.FailureBoard.linger`).
+        Lightning's ``SIGTERMException`` is not published: every stage raises it at the same step, by agreement. On a
         ``KeyboardInterrupt`` it says where the other stages were last seen; Lightning's launcher then ends them."""
         if not isinstance(exception, SIGTERMException):
-            failure.report(exception)
-            failure.linger()
+            self._job.board.report(exception)
+            self._job.board.linger()
         if isinstance(exception, KeyboardInterrupt):  # the launcher ends the other stages next, whatever they do
-            failure.say(f"interrupted; ending every stage. {watchdog.last_positions()}.")
+            self._job.board.say(f"interrupted; ending every stage. {self._job.watchdog.last_positions()}.")
 
     @override
     def teardown(self) -> None:
@@ -616,7 +627,8 @@ class GPipeStrategy(ParallelStrategy):
         module, run, whole = self.lightning_module, self._run, None
         if run is not None and module is not None:
             if module.trainer.state.status != TrainerStatus.INTERRUPTED and self._whole_before_split:
-                whole = state_dict.whole_on_rank_zero(module.state_dict(), self.replica_index, self.pipeline_group)
+                local, group = module.state_dict(), self.pipeline_group
+                whole = state_dict.whole_on_rank_zero(local, self.replica_index, group, self._job)
             if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
                 module.to_empty(device="cpu")  # materialize failed; Lightning's teardown cannot move meta tensors
         unpipelined(self.precision_plugin)
@@ -625,8 +637,7 @@ class GPipeStrategy(ParallelStrategy):
             run.close(module, whole)
         self._run = self._agreement = self._signals = None
         self._randomness = StageRandomness()
-        watchdog.stop()
-        failure.detach()
+        self._job.close()
 
     @classmethod
     @override

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from conftest import process_exits, run_worker, start_worker
 from models import TupleNet, fit
 
-from lightning_gpipe import PipelineFailure, failure, waiting, watchdog
+from lightning_gpipe import PipelineFailure, waiting
+from lightning_gpipe.job import Job
 
 CASES = {
     "validation": ["stage 1 failed with ValueError: boom in validation", "stage 0 stopped because stage 1 failed"],
@@ -173,19 +174,15 @@ class _BlockingWork:
 
 
 @pytest.fixture
-def board():
-    """A failure board and watchdog on an in-process store, as stage 0 of a 2-stage pipeline."""
-    store = dist.HashStore()
-    failure.attach(store, "stage 0")
-    watchdog.start(store, 0, {0: "stage 0", 1: "stage 1"}, limit=1.5)
-    yield store
-    watchdog.stop()
-    failure.detach()
+def job():
+    """A job (failure board and watchdog) on an in-process store, as stage 0 of a 2-stage pipeline."""
+    with Job(dist.HashStore(), 0, {0: "stage 0", 1: "stage 1"}, limit=1.5, processes=1) as job:
+        yield job
 
 
-def _publish_position(store, rank: int, age: float, waits_for=None, unbounded=False, phase="forward", micro=3):
+def _publish_position(job, rank: int, age: float, waits_for=None, unbounded=False, phase="forward", micro=3):
     position = dict(step="step 17", phase=phase, micro_batch=micro, since=time.time() - age, waits_for=waits_for)
-    store.set(failure.key(f"where/{rank}"), json.dumps({**position, "unbounded": unbounded}))
+    job.board.store.set(job.board.key(f"where/{rank}"), json.dumps({**position, "unbounded": unbounded}))
 
 
 def test_a_signal_is_handled_while_a_wait_blocks():
@@ -199,8 +196,8 @@ def test_a_signal_is_handled_while_a_wait_blocks():
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.3)
         started = time.monotonic()
-        with pytest.raises(Interrupted):
-            waiting.wait([work], "stage 1")
+        with pytest.raises(Interrupted), Job() as job:
+            waiting.wait(job, [work], "stage 1")
         assert time.monotonic() - started < 1.0  # handled at once, not at the next look at the board
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
@@ -213,52 +210,53 @@ def test_a_wait_returns_when_its_works_complete_and_raises_their_error():
         def wait(self):
             raise RuntimeError("Connection closed by peer")
 
-    work = _BlockingWork()
+    work, job = _BlockingWork(), Job()
     threading.Timer(0.2, work.done.set).start()
-    waiting.wait([work], "stage 1")
+    waiting.wait(job, [work], "stage 1")
     with pytest.raises(PipelineFailure, match=r"another stage stopped responding \(Connection closed by peer\)"):
-        waiting.wait([Failing()], "stage 1")
+        waiting.wait(job, [Failing()], "stage 1")
+    job.close()
 
 
-def test_the_watchdog_names_the_stage_that_stopped_and_tells_it_to_end(board):
-    _publish_position(board, 1, age=300)
+def test_the_watchdog_names_the_stage_that_stopped_and_tells_it_to_end(job):
+    _publish_position(job, 1, age=300)
     work = _BlockingWork()
     started = time.monotonic()
     with pytest.raises(PipelineFailure) as raised:
-        waiting.wait([work], "stage 1")
+        waiting.wait(job, [work], "stage 1")
     work.done.set()
     assert 1.5 < time.monotonic() - started < 4.0
     message = str(raised.value)
     assert message.startswith("stage 0 stopped because stage 1 has been in the forward of micro-batch 3 at step 17 for")
     assert "stage 0 gave up after waiting 2 s for stage 1 (stall limit 2 s, the shorter of GPipeStrategy's" in message
-    assert failure.published_cause() == message.removeprefix("stage 0 stopped because ")
-    assert board.get(failure.key("stalled")) == b"1"
+    assert job.board.published_cause() == message.removeprefix("stage 0 stopped because ")
+    assert job.board.store.get(job.board.key("stalled")) == b"1"
 
 
-def test_the_watchdog_waits_on_through_unbounded_phases_and_names_stages_waiting_for_each_other(board):
-    _publish_position(board, 1, age=300, unbounded=True, phase="writing a checkpoint", micro=None)
-    assert watchdog.diagnose("stage 1", 400.0) is None
-    _publish_position(board, 1, age=300, waits_for="stage 0", phase="recv", micro=2)
-    message, culprit = watchdog.diagnose("stage 1", 400.0)
+def test_the_watchdog_waits_on_through_unbounded_phases_and_names_stages_waiting_for_each_other(job):
+    _publish_position(job, 1, age=300, unbounded=True, phase="writing a checkpoint", micro=None)
+    assert job.watchdog.diagnose("stage 1", 400.0) is None
+    _publish_position(job, 1, age=300, waits_for="stage 0", phase="recv", micro=2)
+    message, culprit = job.watchdog.diagnose("stage 1", 400.0)
     assert culprit is None
     waits = "stage 1 waits for stage 0 in receiving the gradients of micro-batch 2 at step 17"
     assert message.startswith(f"the stages wait for each other: {waits}")
 
 
-def test_a_wait_stops_when_another_stage_published_a_failure(board):
-    failure.publish("stage 1 failed with ValueError: boom")
+def test_a_wait_stops_when_another_stage_published_a_failure(job):
+    job.board.publish("stage 1 failed with ValueError: boom")
     work = _BlockingWork()
     with pytest.raises(PipelineFailure, match="^stage 0 stopped because stage 1 failed with ValueError: boom$"):
-        waiting.wait([work], "stage 1")
+        waiting.wait(job, [work], "stage 1")
     work.done.set()
 
 
-def test_a_report_names_the_innermost_frame_without_reading_source_files(board):
+def test_a_report_names_the_innermost_frame_without_reading_source_files(job):
     try:
         torch.empty(2**62, dtype=torch.uint8)
     except RuntimeError as error:
-        failure.report(error)
-    cause = failure.published_cause()
+        job.board.report(error)
+    cause = job.board.published_cause()
     assert cause.startswith("stage 0 failed with RuntimeError:") and "can't allocate memory" in cause
     line = test_a_report_names_the_innermost_frame_without_reading_source_files.__code__.co_firstlineno + 2
     assert cause.endswith(f"(at {__file__}:{line})")
