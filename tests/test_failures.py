@@ -20,6 +20,9 @@ from models import TupleNet, fit
 
 from lightning_gpipe import PipelineFailure, waiting
 from lightning_gpipe.job import Job
+from lightning_gpipe.runtime import Runtime
+from lightning_gpipe.schedule import Action, Kind
+from lightning_gpipe.watchdog import Position
 
 CASES = {
     "validation": ["stage 1 failed with ValueError: boom in validation", "stage 0 stopped because stage 1 failed"],
@@ -260,3 +263,69 @@ def test_a_report_names_the_innermost_frame_without_reading_source_files(job):
     assert cause.startswith("stage 0 failed with RuntimeError:") and "can't allocate memory" in cause
     line = test_a_report_names_the_innermost_frame_without_reading_source_files.__code__.co_firstlineno + 2
     assert cause.endswith(f"(at {__file__}:{line})")
+
+
+class _RecordingStage:
+    """Stands for the first of two stages: its forwards record where the runtime says the stage is."""
+
+    stage_index, checkpoint, defer_weight_grad, training, is_last = 0, "never", False, True, False
+
+    def __init__(self, position) -> None:
+        self.position, self.seen = position, {}
+
+    def micro_batches(self, value):
+        return iter([(i, None, 3) for i in range(3)])
+
+    def forward(self, index, x, count):
+        self.seen[index] = self.position.record()
+        return index
+
+    def send(self, output, index, count):
+        pass
+
+
+def test_a_stuck_stages_message_names_the_action_of_its_plan(job):
+    stage = _RecordingStage(Position())
+    runtime = Runtime(stage, "gpipe", 2, position=stage.position)
+    stage.position.begin_step("step 17")
+    runtime.forward(None)
+    assert stage.position.action is None  # out of the plan once the fill has run
+    plan = runtime.plan(3)
+    number = plan.actions.index(Action(Kind.FORWARD, 1)) + 1
+    record = {**stage.seen[1], "since": time.time() - 300}
+    job.board.store.set(job.board.key("where/1"), json.dumps(record))
+    message, culprit = job.watchdog.diagnose("stage 1", 400.0)
+    assert culprit == 1
+    where = f"action {number} of {len(plan.actions)} of its plan, the forward of micro-batch 1, at step 17"
+    assert message.startswith(f"stage 1 has been in {where} for 300 s; stage 0 gave up after waiting 400 s")
+    # a phase inside the action (a span) follows the action in parentheses
+    record["action"], record["phase"], record["micro_batch"] = (
+        dict(number=7, of=9, kind="backward", micro_batch=2),
+        "recv",
+        2,
+    )
+    job.board.store.set(job.board.key("where/1"), json.dumps(record))
+    message, _ = job.watchdog.diagnose("stage 1", 400.0)
+    inside = "action 7 of 9 of its plan, the backward of micro-batch 2 (receiving the gradients of micro-batch 2)"
+    assert message.startswith(f"stage 1 has been in {inside}, at step 17 for 300 s")
+
+
+def test_two_jobs_in_one_process_do_not_see_each_others_position_or_failure():
+    names = {0: "stage 0", 1: "stage 1"}
+    with Job(dist.HashStore(), 0, names, processes=1) as first, Job(dist.HashStore(), 1, names, processes=1) as second:
+        first.position.at("writing a checkpoint")
+        assert second.position.phase == "setup"
+        first.board.publish("stage 0 failed with ValueError: boom")
+        assert second.board.published_cause() is None
+        assert first.board.published_cause() == "stage 0 failed with ValueError: boom"
+
+
+def test_a_failure_of_an_earlier_run_is_not_read_by_a_later_one_in_the_same_processes():
+    store = dist.HashStore()
+    with Job(store, 0, {0: "stage 0"}) as earlier:
+        earlier.board.publish("stage 0 failed with ValueError: boom")
+    with Job(store, 0, {0: "stage 0"}) as later:
+        assert later.board.published_cause() is None
+        assert later.board.generation == earlier.board.generation + 1
+    with Job(store, 1, {1: "stage 1"}) as other_rank:  # every process counts its own runs
+        assert other_rank.board.generation == earlier.board.generation
