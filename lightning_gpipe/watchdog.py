@@ -208,9 +208,9 @@ class Watchdog:
         self._heartbeat: Optional[_Heartbeat] = None
 
     def start(self) -> None:
-        """Publish the position from a heartbeat thread, until :meth:`stop` (does nothing without a store)."""
-        self.stop()
-        if self.board.store is not None:
+        """Publish the position from a heartbeat thread, until :meth:`stop` (does nothing without a store, or when
+        the thread runs already)."""
+        if self._heartbeat is None and self.board.store is not None:
             self._heartbeat = _Heartbeat(self)
             self._heartbeat.start()
 
