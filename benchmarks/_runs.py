@@ -374,13 +374,15 @@ def run_bare(args: argparse.Namespace) -> None:
     from lightning_gpipe.partition import Partition
     from lightning_gpipe.runtime import Runtime
     from lightning_gpipe.stage import Stage
+    from lightning_gpipe.job import Job
     from lightning_gpipe.transfer import Link
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     layers, head = _local_layers(args, rank, world)
     partition = Partition(layers)
-    link = Link(rank - 1 if rank > 0 else None, rank + 1 if rank < world - 1 else None, torch.device("cpu"))
+    prev_rank, next_rank = rank - 1 if rank > 0 else None, rank + 1 if rank < world - 1 else None
+    link = Link(prev_rank, next_rank, torch.device("cpu"), job=Job())
     stage = Stage(partition, link, rank, world, args.chunks, args.checkpoint, args.defer_weight_grad)
     runtime = Runtime(stage, args.schedule, world)
     x, y = _batch(args)

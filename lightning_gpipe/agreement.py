@@ -17,7 +17,7 @@ numbers, posted where Lightning's loop already synchronises the processes at the
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,9 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from lightning_gpipe import collectives
+
+if TYPE_CHECKING:
+    from lightning_gpipe.job import Job
 
 _NEUTRAL = torch.iinfo(torch.int64).min
 _COLUMNS = 16
@@ -74,10 +77,11 @@ class StepAgreement:
         replicas: the number of pipeline replicas.
         device: where the reduced tensor lives (the process group's device).
         names: global rank -> name in messages (``"stage 0"``).
+        job: the run's :class:`~lightning_gpipe.job.Job`, whose waits the collectives use.
     """
 
-    def __init__(self, replica: int, replicas: int, device: torch.device, names: dict[int, str]) -> None:
-        self.replica, self.replicas, self.device, self.names = replica, replicas, device, names
+    def __init__(self, replica: int, replicas: int, device: torch.device, names: dict[int, str], job: "Job") -> None:
+        self.replica, self.replicas, self.device, self.names, self.job = replica, replicas, device, names, job
 
     def agree(self, batch: Any, requests: Sequence[bool], where: Callable[[], str]) -> list[bool]:
         """Compare this step's batch with the other stages' and combine the stop requests (a collective call of
@@ -100,7 +104,7 @@ class StepAgreement:
         slots[start : start + 2] = torch.tensor([mine, -mine], dtype=torch.int64)
         reduced = slots.to(self.device)
         if dist.is_initialized():
-            collectives.all_reduce(reduced, dist.ReduceOp.MAX)
+            collectives.all_reduce(self.job, reduced, dist.ReduceOp.MAX)
         values = reduced.tolist()
         pairs = values[len(requests) :]
         if any(pairs[2 * r] != -pairs[2 * r + 1] for r in range(self.replicas)):
@@ -109,7 +113,7 @@ class StepAgreement:
 
     def _mismatch(self, mine: int, where: str) -> None:
         """Raise :class:`BatchMismatchError` naming every process's fingerprint (a collective call)."""
-        every = collectives.all_gather_object(mine) if dist.is_initialized() else [mine]
+        every = collectives.all_gather_object(self.job, mine) if dist.is_initialized() else [mine]
         read = ", ".join(f"{self.names.get(rank, f'rank {rank}')}: {value:016x}" for rank, value in enumerate(every))
         raise BatchMismatchError(
             f"The stages of a pipeline read different batches at {where} (batch fingerprints {read}). The last stage"
@@ -123,18 +127,19 @@ class StepAgreement:
         )
 
 
-def same_batch_counts(loop: str, counts: list, name_of: Callable[[int], str]) -> None:
+def same_batch_counts(loop: str, counts: list, job: "Job") -> None:
     """Raise on every process alike when the processes' loaders have different numbers of batches for ``loop``
     (``"training"``, ``"validation"``...): a stage with fewer would stop while the others wait for it. ``counts``:
-    this process's batches per loader; ``name_of``: a global rank's name (``"stage 1"``). A collective call.
+    this process's batches per loader; ``job``: the run's :class:`~lightning_gpipe.job.Job` (its waits, and the
+    processes' names). A collective call.
 
     Raises:
         ValueError: naming each process's number of batches.
         PipelineFailure: if another stage failed while this one waited for it.
     """
-    every = collectives.all_gather_object(counts) if dist.is_initialized() else [counts]
+    every = collectives.all_gather_object(job, counts) if dist.is_initialized() else [counts]
     if any(other != every[0] for other in every):
-        per_stage = ", ".join(f"{name_of(rank)}: {n}" for rank, n in enumerate(every))
+        per_stage = ", ".join(f"{job.watchdog.name_of(rank)}: {n}" for rank, n in enumerate(every))
         raise ValueError(
             f"The stages have different numbers of {loop} batches ({per_stage}); every stage runs every batch"
             " of the pipeline, so all stages need the same data loaders: the same dataset length, batch size,"

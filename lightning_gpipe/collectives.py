@@ -7,113 +7,132 @@ device, so a stage waiting in a collective handles signals and names a failed or
 as pickled bytes in a uint8 tensor after their sizes, as in torch's object collectives; a received size is
 read on the host only after that wait, so that on CUDA the read cannot block on another stage.
 
+Each takes the run's :class:`lightning_gpipe.job.Job` first: its failure board, stall watchdog and waiter.
+
 Not covered: the collectives inside ``torch.distributed.checkpoint`` (sharded checkpoints), Lightning's own (its
 per-step SIGTERM broadcast) and those of DDP or FSDP between replicas; they block until the process group's
 ``timeout``.
 """
 
 import pickle
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gpipe import waiting, watchdog
-from lightning_gpipe.waiting import EVERY_STAGE, wait
+from lightning_gpipe import waiting
+from lightning_gpipe.waiting import EVERY_STAGE
+
+if TYPE_CHECKING:
+    from lightning_gpipe.job import Job
 
 
-def barrier(group: Optional[dist.ProcessGroup] = None) -> None:
+def barrier(job: "Job", group: Optional[dist.ProcessGroup] = None) -> None:
     """Wait until every process of ``group`` (``None``: all) reaches this point.
 
+    Args are those of the torch.distributed collective, after ``job``: the run's job.
+
     Raises:
         PipelineFailure: if another process failed or stalled meanwhile.
     """
-    _wait(dist.barrier(group=group, async_op=True), _device(), group)
+    _wait(job, dist.barrier(group=group, async_op=True), _device(), group)
 
 
-def all_reduce(tensor: Tensor, op=dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None) -> None:
+def all_reduce(job: "Job", tensor: Tensor, op=dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None) -> None:
     """Reduce ``tensor`` in place over every process of ``group`` (``None``: all) with ``op``.
 
+    Args are those of the torch.distributed collective, after ``job``: the run's job.
+
     Raises:
         PipelineFailure: if another process failed or stalled meanwhile.
     """
-    _wait(dist.all_reduce(tensor, op, group=group, async_op=True), tensor.device, group)
+    _wait(job, dist.all_reduce(tensor, op, group=group, async_op=True), tensor.device, group)
 
 
-def broadcast(tensor: Tensor, src: int, group: Optional[dist.ProcessGroup] = None) -> None:
+def broadcast(job: "Job", tensor: Tensor, src: int, group: Optional[dist.ProcessGroup] = None) -> None:
     """Copy ``tensor`` from global rank ``src`` to every process of ``group`` (``None``: all), in place.
 
+    Args are those of the torch.distributed collective, after ``job``: the run's job.
+
     Raises:
         PipelineFailure: if another process failed or stalled meanwhile.
     """
-    _wait(dist.broadcast(tensor, src, group=group, async_op=True), tensor.device, group)
+    _wait(job, dist.broadcast(tensor, src, group=group, async_op=True), tensor.device, group)
 
 
-def broadcast_object(obj: Any, src: int, group: Optional[dist.ProcessGroup] = None) -> Any:
+def broadcast_object(job: "Job", obj: Any, src: int, group: Optional[dist.ProcessGroup] = None) -> Any:
     """Send the picklable ``obj`` from global rank ``src`` to every process of ``group`` (``None``: all); returns it
     on every one.
+
+    Args are those of the torch.distributed collective, after ``job``: the run's job.
 
     Raises:
         PipelineFailure: if another process failed or stalled meanwhile.
     """
     mine = dist.get_rank() == src
-    peer = EVERY_STAGE if mine else watchdog.name_of(src)  # the others wait for the sender
+    peer = EVERY_STAGE if mine else job.watchdog.name_of(src)  # the others wait for the sender
     data = _bytes(obj) if mine else None
     size = torch.tensor([data.numel() if mine else 0], dtype=torch.int64, device=_device())
-    _wait(dist.broadcast(size, src, group=group, async_op=True), size.device, group, peer)
+    _wait(job, dist.broadcast(size, src, group=group, async_op=True), size.device, group, peer)
     if not mine:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=_device())  # arrived: read without waiting
-    _wait(dist.broadcast(data, src, group=group, async_op=True), data.device, group, peer)
+    _wait(job, dist.broadcast(data, src, group=group, async_op=True), data.device, group, peer)
     return obj if mine else _object(data)
 
 
-def gather_object(obj: Any, dst: int = 0, group: Optional[dist.ProcessGroup] = None) -> Optional[list[Any]]:
+def gather_object(job: "Job", obj: Any, dst: int = 0, group: Optional[dist.ProcessGroup] = None) -> Optional[list[Any]]:
     """The picklable objects of every process of ``group`` (``None``: all), in rank order, on global rank ``dst``;
     ``None`` elsewhere.
 
+    Args are those of the torch.distributed collective, after ``job``: the run's job.
+
     Raises:
         PipelineFailure: if another process failed or stalled meanwhile.
     """
-    padded, sizes = _padded(obj, group)
+    padded, sizes = _padded(job, obj, group)
     parts = [torch.empty_like(padded) for _ in sizes] if dist.get_rank() == dst else None
-    _wait(dist.gather(padded, parts, dst, group=group, async_op=True), padded.device, group)
+    _wait(job, dist.gather(padded, parts, dst, group=group, async_op=True), padded.device, group)
     return None if parts is None else _objects(parts, sizes)
 
 
-def all_gather_object(obj: Any) -> list[Any]:
+def all_gather_object(job: "Job", obj: Any) -> list[Any]:
     """The picklable objects of every process, in rank order, on every process.
+
+    Args are those of the torch.distributed collective, after ``job``: the run's job.
 
     Raises:
         PipelineFailure: if another process failed or stalled meanwhile.
     """
-    padded, sizes = _padded(obj)
+    padded, sizes = _padded(job, obj)
     parts = [torch.empty_like(padded) for _ in sizes]
-    _wait(dist.all_gather(parts, padded, async_op=True), padded.device, None)
+    _wait(job, dist.all_gather(parts, padded, async_op=True), padded.device, None)
     return _objects(parts, sizes)
 
 
-def _padded(obj: Any, group: Optional[dist.ProcessGroup] = None) -> tuple[Tensor, list[int]]:
+def _padded(job: "Job", obj: Any, group: Optional[dist.ProcessGroup] = None) -> tuple[Tensor, list[int]]:
     """``obj``'s bytes padded to the longest of every process's of ``group`` (a collective call), and every
     process's size."""
     data = _bytes(obj)
     sizes = [torch.zeros(1, dtype=torch.int64, device=_device()) for _ in range(dist.get_world_size(group))]
     mine = torch.tensor([data.numel()], dtype=torch.int64, device=_device())
-    _wait(dist.all_gather(sizes, mine, group=group, async_op=True), mine.device, group)
+    _wait(job, dist.all_gather(sizes, mine, group=group, async_op=True), mine.device, group)
     lengths = [int(size.item()) for size in sizes]  # arrived: read without waiting
     padded = torch.zeros(max(lengths), dtype=torch.uint8, device=_device())
     padded[: data.numel()] = data
     return padded, lengths
 
 
-def _wait(work: dist.Work, device: torch.device, group: Optional[dist.ProcessGroup], peer: str = EVERY_STAGE) -> None:
+def _wait(
+    job: "Job", work: dist.Work, device: torch.device, group: Optional[dist.ProcessGroup], peer: str = EVERY_STAGE
+) -> None:
     """Wait for the collective ``work`` on tensors of ``device`` over ``group`` with the wait
     :func:`~lightning_gpipe.waiting.polls` chooses (:func:`~lightning_gpipe.waiting.wait` on gloo); ``peer`` names
     whom it waits for in the stall watchdog's messages."""
     if waiting.polls(device, group):
-        waiting.poll([work], peer)
+        waiting.poll(job, [work], peer)
     else:
-        wait([work], peer)  # looked up at each call (benchmarks/waits.py puts a blocking wait in its place)
+        waiting.wait(job, [work], peer)  # looked up at each call (benchmarks/waits.py puts a blocking wait there)
 
 
 def _objects(parts: list[Tensor], sizes: list[int]) -> list[Any]:

@@ -24,10 +24,11 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe import per_micro_batch, watchdog
+from lightning_gpipe import per_micro_batch
 from lightning_gpipe.microbatch import Value
 from lightning_gpipe.partition import Partition
 from lightning_gpipe.randomness import StageRandomness
+from lightning_gpipe.watchdog import Position
 
 
 class BackboneReached(BaseException):
@@ -68,6 +69,8 @@ class BackboneCall:
             (a collective call); the identity by default, for a single process.
         randomness: the stage's random streams; the backbone call and the rest of the step draw from the stage's
             own. One stream by default.
+        position: the stage's position (its run's :attr:`lightning_gpipe.job.Job.position`), moved before and
+            after the backbone call; one nobody reads by default.
     """
 
     def __init__(
@@ -76,8 +79,10 @@ class BackboneCall:
         is_last: bool,
         share: Callable[[Any], Any] = lambda obj: obj,
         randomness: Optional[StageRandomness] = None,
+        position: Optional[Position] = None,
     ) -> None:
         self.pipeline, self.is_last, self.share = pipeline, is_last, share
+        self.position = position if position is not None else Position()
         self._answer: Answer = pipeline.forward
         self.randomness = randomness if randomness is not None else StageRandomness()
         self._plain = self._shared = 0
@@ -108,7 +113,7 @@ class BackboneCall:
         output = self._answer(value)
         if not self.is_last:
             raise BackboneReached
-        watchdog.at(f"`{self._hook}` after the backbone call")
+        self.position.at(f"`{self._hook}` after the backbone call")
         return output
 
     def forward_and_share(self, value: Value, fn: Callable[[Value], Any]) -> Any:
@@ -214,7 +219,7 @@ class BackboneCall:
         """
         self._plain = self._shared = 0
         self._hook = hook
-        watchdog.at(f"`{hook}` before the backbone call")
+        self.position.at(f"`{hook}` before the backbone call")
         outer = self._rest_of_step
         with ExitStack() as self._rest_of_step:
             try:

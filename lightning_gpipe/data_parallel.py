@@ -19,7 +19,7 @@ DDP broadcasts when it is built.
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,9 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gpipe import collectives
+
+if TYPE_CHECKING:
+    from lightning_gpipe.job import Job
 
 
 class GradientSync:
@@ -78,11 +81,14 @@ class GradientSync:
             self.ddp.reducer.prepare_for_backward([t for t in outputs if t.requires_grad])
 
 
-def reduce_over_replicas(tensor: Any, reduce_op: Any, group: Optional[dist.ProcessGroup], replicas: int) -> Any:
+def reduce_over_replicas(
+    tensor: Any, reduce_op: Any, group: Optional[dist.ProcessGroup], replicas: int, job: "Job"
+) -> Any:
     """``tensor`` reduced over a stage's ``replicas`` (its data-parallel ``group``) as DDP reduces logged values
     (``self.log(..., sync_dist=True)``): their mean (``reduce_op`` ``"mean"``, ``None`` or ``"avg"``) or sum
     (``"sum"``); unchanged for one replica or a non-tensor. The stages of one pipeline hold parts of one step, not
     copies, so they never average with each other; the logging relay copies the last stage's values to them.
+    ``job``: the run's :class:`~lightning_gpipe.job.Job`, whose waits the all-reduce uses.
 
     Raises:
         ValueError: for another ``reduce_op``.
@@ -95,5 +101,5 @@ def reduce_over_replicas(tensor: Any, reduce_op: Any, group: Optional[dist.Proce
         return tensor
     mean = op in ("mean", "avg")
     result = tensor.to(torch.get_default_dtype()) if mean and not tensor.is_floating_point() else tensor.clone()
-    collectives.all_reduce(result, group=group)
+    collectives.all_reduce(job, result, group=group)
     return result / replicas if mean else result

@@ -24,11 +24,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gpipe import collectives, failure, watchdog
+from lightning_gpipe import collectives
 from lightning_gpipe.agreement import StepAgreement, same_batch_counts
 from lightning_gpipe.config import PipelineConfig
 from lightning_gpipe.data import same_batches
 from lightning_gpipe.data_parallel import reduce_over_replicas
+from lightning_gpipe.job import Job
 from lightning_gpipe.randomness import StageRandomness
 from lightning_gpipe.signals import StopSignals
 from lightning_gpipe.topology import Topology, groups, resolve_topology
@@ -69,6 +70,7 @@ class MeshStrategy(ParallelStrategy):
         self._randomness = StageRandomness()  # one stream until setup_environment seeds the stage's own
         self._agreement: Optional[StepAgreement] = None
         self._signals: Optional[StopSignals] = None
+        self._job = Job()  # one without a store until setup_environment creates the run's
 
     @property
     @override
@@ -114,6 +116,13 @@ class MeshStrategy(ParallelStrategy):
     def replica_index(self) -> int:
         """Data-parallel rank of this process (the pipeline replica it belongs to, 0-based)."""
         return self.topology.replica_of(self.global_rank)
+
+    @property
+    def job(self) -> Job:
+        """This process's part of the current run (failure board, position, stall watchdog, waiter; see
+        :class:`~lightning_gpipe.job.Job`), created in ``setup_environment``; before it, and after ``teardown``,
+        one without a store (nothing is published)."""
+        return self._job
 
     @property
     def pipeline_group(self) -> Optional[dist.ProcessGroup]:
@@ -162,10 +171,11 @@ class MeshStrategy(ParallelStrategy):
         self._pipeline_group, self._data_parallel_group = groups(topology.mesh(self.root_device.type))
         names = {rank: topology.name(rank) for rank in range(topology.world_size)}
         store = dist.distributed_c10d._get_default_store()
-        failure.attach(store, names[self.global_rank], self.world_size)
-        watchdog.start(store, self.global_rank, names, self.config.stall_limit())
+        self._job.close()
+        self._job = Job(store, self.global_rank, names, self.config.stall_limit(), self.world_size)
         self._randomness = StageRandomness.synchronized(self.stage_index, topology.num_stages, self.broadcast)
-        self._agreement = StepAgreement(self.replica_index, topology.data_parallel_size, self.root_device, names)
+        replicas = topology.data_parallel_size
+        self._agreement = StepAgreement(self.replica_index, replicas, self.root_device, names, self._job)
         self._signals = StopSignals(self.lightning_module.trainer, self.launcher, self.cluster_environment)
 
     @override
@@ -197,7 +207,7 @@ class MeshStrategy(ParallelStrategy):
         """Check that the processes' loaders have as many batches (see
         :func:`~lightning_gpipe.agreement.same_batch_counts`), then take the stop signals at step boundaries
         (Lightning registers its handlers at the start of each loop)."""
-        same_batch_counts(loop, counts, watchdog.name_of)
+        same_batch_counts(loop, counts, self._job)
         self._signals.install()
 
     def _agree(self, batch: Any, which: str, training: bool = False) -> None:
@@ -225,18 +235,18 @@ class MeshStrategy(ParallelStrategy):
             PipelineFailure: if another process failed or stalled while this one waited for it.
         """
         replicas = self.topology.data_parallel_size if dist.is_initialized() else 1
-        return reduce_over_replicas(tensor, reduce_op, self._data_parallel_group, replicas)
+        return reduce_over_replicas(tensor, reduce_op, self._data_parallel_group, replicas, self._job)
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
         """Wait until every process reaches this point (interruptibly, see :mod:`lightning_gpipe.collectives`)."""
         if dist.is_initialized():
-            collectives.barrier()
+            collectives.barrier(self._job)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Send the picklable ``obj`` from global rank ``src`` to every process (interruptibly)."""
-        return collectives.broadcast_object(obj, src) if dist.is_initialized() else obj
+        return collectives.broadcast_object(self._job, obj, src) if dist.is_initialized() else obj
 
     @property
     def _last_stage_rank(self) -> int:
@@ -246,25 +256,24 @@ class MeshStrategy(ParallelStrategy):
         """``obj`` of this pipeline's last stage, on every stage of the pipeline (a collective call)."""
         if not dist.is_initialized():
             return obj
-        return collectives.broadcast_object(obj, self._last_stage_rank, group=self.pipeline_group)
+        return collectives.broadcast_object(self._job, obj, self._last_stage_rank, group=self.pipeline_group)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Publish the exception so that the other processes exit naming it instead of hanging, then wait (a few
-        seconds at most) until every process has read it (:func:`~lightning_gpipe.failure.linger`). Lightning's
-        ``SIGTERMException`` is not published: every stage raises it at the same step, by agreement. On a
+        seconds at most) until every process has read it (:meth:`~lightning_gpipe.failure.FailureBoard.linger`).
+        Lightning's ``SIGTERMException`` is not published: every stage raises it at the same step, by agreement. On a
         ``KeyboardInterrupt`` it says where the other stages were last seen; Lightning's launcher then ends them."""
         if not isinstance(exception, SIGTERMException):
-            failure.report(exception)
-            failure.linger()
+            self._job.board.report(exception)
+            self._job.board.linger()
         if isinstance(exception, KeyboardInterrupt):  # the launcher ends the other stages next, whatever they do
-            failure.say(f"interrupted; ending every stage. {watchdog.last_positions()}.")
+            self._job.board.say(f"interrupted; ending every stage. {self._job.watchdog.last_positions()}.")
 
     @override
     def teardown(self) -> None:
-        """Lightning's teardown, then leave the agreement, the watchdog and the failure board of this run."""
+        """Lightning's teardown, then close this run's agreement and :class:`~lightning_gpipe.job.Job`."""
         super().teardown()
         self._agreement = self._signals = None
         self._randomness = StageRandomness()
-        watchdog.stop()
-        failure.detach()
+        self._job.close()

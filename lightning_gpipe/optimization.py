@@ -15,7 +15,7 @@ Clipping by value needs nothing: it is element-wise. :func:`pipelined` gives the
 
 import functools
 from collections.abc import Callable, Iterable
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -23,12 +23,17 @@ from torch import Tensor
 
 from lightning_gpipe import collectives
 
+if TYPE_CHECKING:
+    from lightning_gpipe.job import Job
+
 
 def clip_grad_norm_(
     parameters: Iterable[Tensor],
     max_norm: float,
     group: Optional[dist.ProcessGroup] = None,
     uncounted: Iterable[Tensor] = (),
+    *,
+    job: Optional["Job"],
 ) -> Tensor:
     """Clip this stage's gradients by the 2-norm of the gradients of every stage in ``group``.
 
@@ -43,6 +48,8 @@ def clip_grad_norm_(
         uncounted: parameters among ``parameters`` whose gradients are scaled but left out of this stage's norm:
             the copies of a tied parameter held by several stages, on all of them but one, so that it counts
             once (see :meth:`lightning_gpipe.ties.TiedParameters.uncounted`). None by default.
+        job: the run's :class:`~lightning_gpipe.job.Job`, whose waits the all-reduce uses; ``None`` only when
+            torch.distributed is not initialised (one process).
 
     Returns:
         The total 2-norm before clipping (a scalar tensor on this stage's device).
@@ -57,7 +64,7 @@ def clip_grad_norm_(
     local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
     squared = local.double() ** 2
     if dist.is_initialized():
-        collectives.all_reduce(squared, group=group)
+        collectives.all_reduce(job, squared, group=group)
     total = squared.sqrt().to(local.dtype)
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
     return total
@@ -73,18 +80,23 @@ class SharedGradScaler(torch.amp.GradScaler):
 
     Args:
         group: the stages of one pipeline; ``None`` is the default (whole-world) group.
+        job: the run's :class:`~lightning_gpipe.job.Job`, whose waits the all-reduce uses; ``None`` only when
+            torch.distributed is not initialised.
         *args: as for :class:`torch.amp.GradScaler`.
         **kwargs: as for :class:`torch.amp.GradScaler`.
     """
 
-    def __init__(self, *args, group: Optional[dist.ProcessGroup] = None, **kwargs) -> None:
+    def __init__(self, *args, group: Optional[dist.ProcessGroup] = None, job: Optional["Job"] = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.group = group
+        self.group, self.job = group, job
 
     @classmethod
-    def from_scaler(cls, scaler: torch.amp.GradScaler, group: Optional[dist.ProcessGroup] = None) -> "SharedGradScaler":
-        """A shared scaler with the device, settings and current state (scale, growth tracker) of ``scaler``."""
-        shared = cls(scaler._device, enabled=scaler.is_enabled(), group=group)
+    def from_scaler(
+        cls, scaler: torch.amp.GradScaler, group: Optional[dist.ProcessGroup] = None, job: Optional["Job"] = None
+    ) -> "SharedGradScaler":
+        """A shared scaler with the device, settings and current state (scale, growth tracker) of ``scaler``, over
+        ``group`` with the waits of ``job`` (see the class's arguments)."""
+        shared = cls(scaler._device, enabled=scaler.is_enabled(), group=group, job=job)
         shared.load_state_dict(scaler.state_dict())
         return shared
 
@@ -100,21 +112,24 @@ class SharedGradScaler(torch.amp.GradScaler):
             return
         flags = list(found.values())
         any_found = torch.stack([flag.to(flags[0].device) for flag in flags]).amax()
-        collectives.all_reduce(any_found, dist.ReduceOp.MAX, self.group)
+        collectives.all_reduce(self.job, any_found, dist.ReduceOp.MAX, self.group)
         for flag in flags:
             flag.copy_(any_found)
 
 
 class PipelinePrecision:
     """What :func:`pipelined` mixes into a precision plugin: Lightning's gradient clipping by norm goes through
-    :func:`clip_grad_norm_` over the stages of ``pipeline_group``, leaving out ``uncounted()`` (tied copies)."""
+    :func:`clip_grad_norm_` over the stages of ``pipeline_group``, leaving out ``uncounted()`` (tied copies), with
+    the waits of ``job`` (the run's). Set on the instance by :func:`pipelined`."""
 
-    pipeline_group: Optional[dist.ProcessGroup] = None
-    uncounted: Callable[[], Iterable[Tensor]] = tuple
+    pipeline_group: Optional[dist.ProcessGroup]
+    uncounted: Callable[[], Iterable[Tensor]]
+    job: "Job"
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
         """Clip ``optimizer``'s gradients by the norm of every stage's gradients (a collective call of the pipeline)."""
-        clip_grad_norm_(self.main_params(optimizer), clip_val, group=self.pipeline_group, uncounted=self.uncounted())
+        parameters, group, uncounted = self.main_params(optimizer), self.pipeline_group, self.uncounted()
+        clip_grad_norm_(parameters, clip_val, group=group, uncounted=uncounted, job=self.job)
 
 
 @functools.cache
@@ -122,7 +137,9 @@ def _pipelined_class(plugin_class: type) -> type:
     return type(f"Pipelined{plugin_class.__name__}", (PipelinePrecision, plugin_class), {})
 
 
-def pipelined(plugin: Any, group: Optional[dist.ProcessGroup], uncounted: Callable[[], Iterable[Tensor]]) -> None:
+def pipelined(
+    plugin: Any, group: Optional[dist.ProcessGroup], uncounted: Callable[[], Iterable[Tensor]], job: "Job"
+) -> None:
     """Make a Lightning precision plugin clip by the norm of all stages' gradients and share its gradient scaler's
     found-inf decision (:class:`SharedGradScaler`); undone by :func:`unpipelined`.
 
@@ -133,17 +150,20 @@ def pipelined(plugin: Any, group: Optional[dist.ProcessGroup], uncounted: Callab
         plugin: the strategy's precision plugin.
         group: the stages of this process's pipeline.
         uncounted: returns the parameters left out of this stage's norm (see :func:`clip_grad_norm_`).
+        job: the run's :class:`~lightning_gpipe.job.Job`, whose waits the all-reduces use.
     """
     if not isinstance(plugin, PipelinePrecision):
         plugin.__class__ = _pipelined_class(type(plugin))
-    plugin.pipeline_group, plugin.uncounted = group, uncounted
+    plugin.pipeline_group, plugin.uncounted, plugin.job = group, uncounted, job
     scaler = getattr(plugin, "scaler", None)
     if scaler is not None and not isinstance(scaler, SharedGradScaler):
-        plugin.scaler = SharedGradScaler.from_scaler(scaler)
+        plugin.scaler = SharedGradScaler.from_scaler(scaler, job=job)
+    elif scaler is not None:
+        scaler.job = job  # a scaler shared in an earlier run, with its state
 
 
 def unpipelined(plugin: Any) -> None:
     """Give ``plugin`` its own class back (after a run; its scaler stays shared, with its state)."""
     if isinstance(plugin, PipelinePrecision):
         plugin.__class__ = type(plugin).__bases__[1]
-        del plugin.pipeline_group, plugin.uncounted
+        del plugin.pipeline_group, plugin.uncounted, plugin.job

@@ -17,13 +17,14 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_gpipe import failure, state_dict, watchdog
+from lightning_gpipe import state_dict
 from lightning_gpipe.balance import LayerCost, resolve_balance
 from lightning_gpipe.batchnorm import convert_deferred_batch_norm, revert_deferred_batch_norm
 from lightning_gpipe.config import PipelineConfig
 from lightning_gpipe.contract import BackboneCall
 from lightning_gpipe.data_parallel import GradientSync
 from lightning_gpipe.gradients import StepGradients
+from lightning_gpipe.job import Job
 from lightning_gpipe.partition import Split, materialize
 from lightning_gpipe.randomness import StageRandomness
 from lightning_gpipe.relay import LogRelay, share_step_output
@@ -49,6 +50,7 @@ class PipelineRun:
         ties: the parameters this stage shares with others.
         randomness: the stage's random streams (see :mod:`lightning_gpipe.randomness`).
         share: sends a picklable object from the last stage to every stage of the pipeline (a collective call).
+        job: the run's :class:`~lightning_gpipe.job.Job` (failure board, position, watchdog, waits).
         gradient_sync: DDP over the stage's replicas, with several of them (set by :meth:`sync_gradients`).
         step_gradients: a 1F1B step's gradients, kept apart until Lightning's ``backward``.
     """
@@ -61,6 +63,7 @@ class PipelineRun:
     ties: TiedParameters
     randomness: StageRandomness
     share: Callable[[Any], Any]
+    job: Job
     gradient_sync: Optional[GradientSync] = None
     step_gradients: StepGradients = field(default_factory=StepGradients)
 
@@ -117,8 +120,8 @@ class PipelineRun:
             PipelineFailure: if another stage failed while this one waited for it.
         """
         if self.runtime.per_micro_batch_loss:
-            watchdog.begin_step(f"step {module.trainer.global_step}")
-            with precision.train_step_context(), failure.reporting():
+            self.job.position.begin_step(f"step {module.trainer.global_step}")
+            with precision.train_step_context(), self.job.board.reporting():
                 output = self.micro_batch_steps(module, args, kwargs, precision)
         else:
             output = self.user_step(module, "training_step", precision.train_step_context, args, kwargs)
@@ -146,7 +149,7 @@ class PipelineRun:
             self.announce_loss_backward(loss)
             with self.randomness.stage():
                 precision.backward(loss, module, *args, **kwargs)
-        with precision.train_step_context(), failure.reporting(), self.randomness.stage():
+        with precision.train_step_context(), self.job.board.reporting(), self.randomness.stage():
             self.runtime.backward()  # recomputes as the fill did, with the stage's random stream
 
     def evaluation_step(
@@ -171,8 +174,8 @@ class PipelineRun:
         """One call of the user's ``hook`` with ``args`` and ``kwargs`` within ``context``, ending at the backbone
         call on all stages but the last (see :meth:`~lightning_gpipe.contract.BackboneCall.user_step`)."""
         step = getattr(module, hook)
-        watchdog.begin_step(f"step {module.trainer.global_step}")
-        with context(), failure.reporting():
+        self.job.position.begin_step(f"step {module.trainer.global_step}")
+        with context(), self.job.board.reporting():
             return self.backbone_call.user_step(hook, lambda: step(*args, **kwargs))
 
     def micro_batch_steps(self, module: "pl.LightningModule", args: tuple, kwargs: dict, precision: Any) -> Any:
@@ -201,7 +204,7 @@ class PipelineRun:
         """Every stage's part of ``module``'s state on the process of pipeline replica ``replica`` that gets the
         whole model back (see :func:`~lightning_gpipe.state_dict.whole_on_rank_zero`; ``None`` elsewhere): a
         collective call over the pipeline's ``group``."""
-        return state_dict.whole_on_rank_zero(module.state_dict(), replica, group)
+        return state_dict.whole_on_rank_zero(module.state_dict(), replica, group, self.job)
 
     def close(self, module: "pl.LightningModule", whole: Optional[dict[str, Any]]) -> None:
         """Undo the split (see :meth:`~lightning_gpipe.partition.Split.undo`; ``whole``: every stage's state, on the
@@ -222,6 +225,7 @@ def split_into_stage(
     randomness: StageRandomness,
     share: Callable[[Any], Any],
     relay: LogRelay,
+    job: Job,
 ) -> PipelineRun:
     """Split ``module``'s backbone ``name`` and build this process's stage of the pipeline (then call
     :meth:`PipelineRun.start`).
@@ -236,6 +240,7 @@ def split_into_stage(
         randomness: the stage's random streams (see :mod:`lightning_gpipe.randomness`).
         share: sends a picklable object from the last stage to every stage of the pipeline (a collective call).
         relay: the logging relay of this process's pipeline.
+        job: the run's :class:`~lightning_gpipe.job.Job` (the links' waits, the ties' collectives, the position).
 
     Raises:
         ValueError: if ``balance`` does not fit the backbone or the skip connections do not pair up.
@@ -247,29 +252,32 @@ def split_into_stage(
         convert_deferred_batch_norm(layers)  # the whole backbone, so that `Split.undo` puts it back
     ties = find_ties(module, name, balance)  # before the split, while every name leads to one object
     split = Split(module, name, balance, stage_index)
-    link, skip_links = _links(topology, rank, skips, device)
+    link, skip_links = _links(topology, rank, skips, device, job)
     chunks = config.chunks_for(num_stages)
     stage = Stage(
         split.partition, link, stage_index, num_stages, chunks, config.checkpoint, config.defer_weight_grad, skip_links
     )
-    runtime = Runtime(stage, config.schedule, num_stages)
-    backbone_call = BackboneCall(runtime, stage.is_last, share=share, randomness=randomness)
+    runtime = Runtime(stage, config.schedule, num_stages, position=job.position)
+    backbone_call = BackboneCall(runtime, stage.is_last, share=share, randomness=randomness, position=job.position)
     split.partition.pipeline = backbone_call
-    tied = TiedParameters(ties, module, topology, rank)
-    return PipelineRun(split, stage, runtime, backbone_call, relay, tied, randomness, share)
+    tied = TiedParameters(ties, module, topology, rank, job)
+    return PipelineRun(split, stage, runtime, backbone_call, relay, tied, randomness, share, job)
 
 
-def _links(topology: Topology, rank: int, skips: SkipLayout, device: torch.device) -> tuple[Link, SkipLinks]:
+def _links(
+    topology: Topology, rank: int, skips: SkipLayout, device: torch.device, job: Job
+) -> tuple[Link, SkipLinks]:
     """The link of ``rank``'s stage to its neighbours in its pipeline, and to the stages its skips reach."""
     stage_index, replica = topology.stage_of(rank), topology.replica_of(rank)
     link = Link(
         prev_rank=topology.rank_of(stage_index - 1, replica) if stage_index > 0 else None,
         next_rank=topology.rank_of(stage_index + 1, replica) if stage_index < topology.num_stages - 1 else None,
         device=device,
-        events=watchdog.TrackingRecorder(),
+        events=job.recorder(),
+        job=job,
     )
     peers = {
         "outgoing": {topology.rank_of(k, replica): keys for k, keys in skips.outgoing(stage_index).items()},
         "incoming": {topology.rank_of(k, replica): keys for k, keys in skips.incoming(stage_index).items()},
     }
-    return link, SkipLinks(**peers, device=device, events=link.events)
+    return link, SkipLinks(**peers, device=device, events=link.events, job=job)

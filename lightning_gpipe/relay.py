@@ -14,7 +14,7 @@ What ``training_step`` returns reaches the other stages too (:func:`share_step_o
 
 import io
 import pickle
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -23,6 +23,9 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_gpipe import collectives
+
+if TYPE_CHECKING:
+    from lightning_gpipe.job import Job
 
 EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
 
@@ -35,10 +38,13 @@ class LogRelay:
             to its ``reduce``, which is resolved to each receiver's own strategy.
         src: global rank of the last stage, whose results are broadcast.
         group: the stages of the pipeline (``None``: every process, for a job of one pipeline).
+        job: the run's :class:`~lightning_gpipe.job.Job`, whose waits the broadcasts use.
     """
 
-    def __init__(self, strategy: "pl.strategies.Strategy", src: int, group: Optional[dist.ProcessGroup] = None) -> None:
-        self.strategy, self.src, self.group = strategy, src, group
+    def __init__(
+        self, strategy: "pl.strategies.Strategy", src: int, group: Optional[dist.ProcessGroup], job: "Job"
+    ) -> None:
+        self.strategy, self.src, self.group, self.job = strategy, src, group, job
 
     def __call__(self, trainer: "pl.Trainer") -> None:
         """Broadcast the last stage's current ``trainer._results`` entries; a collective call on all ranks.
@@ -50,7 +56,8 @@ class LogRelay:
         if results is None or not dist.is_initialized() or dist.get_world_size() == 1:
             return
         mine = dist.get_rank() == self.src
-        payload = collectives.broadcast_object(self._dumps(dict(results)) if mine else None, self.src, self.group)
+        sent = self._dumps(dict(results)) if mine else None
+        payload = collectives.broadcast_object(self.job, sent, self.src, self.group)
         if not mine:
             results.clear()
             results.update(self._loads(payload))

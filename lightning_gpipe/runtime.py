@@ -14,6 +14,7 @@ from typing import Optional
 from lightning_gpipe.microbatch import Value
 from lightning_gpipe.schedule import Action, Kind, Plan, check, plans
 from lightning_gpipe.stage import Stage
+from lightning_gpipe.watchdog import Position
 
 Head = Callable[[int, int, Value], None]
 """The rest of the user's step on one micro-batch, on the last stage: ``head(index, count, output)`` computes the
@@ -26,14 +27,16 @@ class Runtime:
     Args:
         stage: the stage whose primitives the actions call.
         schedule: a name of :data:`lightning_gpipe.schedule.SCHEDULES`.
+        num_stages: K, the stages of the pipeline.
+        position: the stage's position (its run's :attr:`lightning_gpipe.job.Job.position`), which records the
+            action being executed (number, kind, micro-batch) for the stall watchdog; none by default.
 
     Raises:
         ValueError: for an unknown schedule.
-        num_stages: K, the stages of the pipeline.
     """
 
-    def __init__(self, stage: Stage, schedule: str, num_stages: int) -> None:
-        self.stage, self.schedule, self.num_stages = stage, schedule, num_stages
+    def __init__(self, stage: Stage, schedule: str, num_stages: int, position: Optional[Position] = None) -> None:
+        self.stage, self.schedule, self.num_stages, self.position = stage, schedule, num_stages, position
         self._plans: dict[int, Plan] = {}  # by number of micro-batches
         self.per_micro_batch_loss = self.plan(1).loss_per_micro_batch
         self._plan: Optional[Plan] = None
@@ -116,29 +119,40 @@ class Runtime:
         return self._plan
 
     def _run(self, plan: Plan, end: int, head: Optional[Head] = None) -> None:
-        """Execute ``plan.actions`` from where the last call stopped up to ``end``."""
-        stage = self.stage
-        for action in plan.actions[self._done : end]:
-            kind, i = action.kind, action.micro_batch
-            if kind is Kind.FORWARD:
-                index, x, count = next(self._inputs)
-                self._outputs[index] = stage.forward(index, x, count)
-            elif kind is Kind.SEND:
-                stage.send(self._outputs.pop(i), i, self._count)
-            elif kind is Kind.LOSS and i is not None:
-                with stage.events.span("loss", i):
-                    head(i, self._count, self._outputs.pop(i))
-            elif kind is Kind.EXPECT:
-                stage.expect_grad(i)
-            elif kind is Kind.RECOMPUTE:
-                stage.recompute(i)
-            elif kind is Kind.BACKWARD:
-                stage.backward(i)
-            elif kind is Kind.WEIGHT:
-                stage.backward_weights(i)
-            elif kind is Kind.FLUSH:
-                stage.flush()
+        """Execute ``plan.actions`` from where the last call stopped up to ``end``, each recorded in the position."""
+        position, total = self.position, len(plan.actions)
+        try:
+            for number in range(self._done, end):
+                if position is not None:
+                    action = plan.actions[number]
+                    position.act(number + 1, total, action.kind.value, action.micro_batch)
+                self._execute(plan.actions[number], head)
+        finally:
+            if position is not None:
+                position.leave_plan()
         self._done = end
+
+    def _execute(self, action: Action, head: Optional[Head]) -> None:
+        """Run one action over the stage's primitives."""
+        stage, kind, i = self.stage, action.kind, action.micro_batch
+        if kind is Kind.FORWARD:
+            index, x, count = next(self._inputs)
+            self._outputs[index] = stage.forward(index, x, count)
+        elif kind is Kind.SEND:
+            stage.send(self._outputs.pop(i), i, self._count)
+        elif kind is Kind.LOSS and i is not None:
+            with stage.events.span("loss", i):
+                head(i, self._count, self._outputs.pop(i))
+        elif kind is Kind.EXPECT:
+            stage.expect_grad(i)
+        elif kind is Kind.RECOMPUTE:
+            stage.recompute(i)
+        elif kind is Kind.BACKWARD:
+            stage.backward(i)
+        elif kind is Kind.WEIGHT:
+            stage.backward_weights(i)
+        elif kind is Kind.FLUSH:
+            stage.flush()
 
 
 def _chain(first: Optional[tuple[int, Value, int]], rest: Iterator) -> Iterator[tuple[int, Value, int]]:

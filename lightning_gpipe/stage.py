@@ -96,7 +96,7 @@ class Stage:
         skips: Optional[SkipLinks] = None,
     ) -> None:
         self.partition, self.link = partition, link
-        self.skips = skips if skips is not None else no_skips(link.device, link.events)
+        self.skips = skips if skips is not None else no_skips(link.device, link.job, link.events)
         self.stage_index = stage_index
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.chunks, self.checkpoint, self.defer_weight_grad = chunks, checkpoint, defer_weight_grad

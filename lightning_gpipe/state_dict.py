@@ -19,7 +19,7 @@ Two layouts, chosen with ``GPipeStrategy(state_dict_type=...)`` as for Lightning
 
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,9 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from lightning_gpipe import collectives
-from lightning_gpipe.failure import as_pipeline_failure
+
+if TYPE_CHECKING:
+    from lightning_gpipe.job import Job
 
 METADATA = "meta.pt"
 """File of a sharded checkpoint directory holding everything but the model and optimizer state."""
@@ -84,9 +86,10 @@ def local_entries(state_dict: dict[str, Tensor], module: nn.Module) -> dict[str,
     return {key: value for key, value in state_dict.items() if key in local}
 
 
-def gather_union(local: dict[str, Any], group: Optional[dist.ProcessGroup] = None) -> Optional[dict[str, Any]]:
+def gather_union(local: dict[str, Any], group: Optional[dist.ProcessGroup], job: "Job") -> Optional[dict[str, Any]]:
     """The union of the ``local`` dicts of every process of ``group`` (``None``: all) on global rank 0, ``None``
-    elsewhere (a collective call of ``group``, which must hold global rank 0).
+    elsewhere (a collective call of ``group``, which must hold global rank 0; ``job``: the run's
+    :class:`~lightning_gpipe.job.Job`, whose waits the gather uses).
 
     Tensors are moved to the CPU first, so the result is device-independent.
 
@@ -96,22 +99,25 @@ def gather_union(local: dict[str, Any], group: Optional[dist.ProcessGroup] = Non
     local = {key: value.cpu() if isinstance(value, Tensor) else value for key, value in local.items()}
     if not dist.is_initialized():
         return local
-    parts = collectives.gather_object(local, dst=0, group=group)
+    parts = collectives.gather_object(job, local, dst=0, group=group)
     if parts is None:
         return None
     return {key: value for part in parts for key, value in part.items()}
 
 
-def whole_on_rank_zero(local: dict[str, Any], replica: int, group: Optional[dist.ProcessGroup]) -> Optional[dict]:
+def whole_on_rank_zero(
+    local: dict[str, Any], replica: int, group: Optional[dist.ProcessGroup], job: "Job"
+) -> Optional[dict]:
     """The union of replica 0's stages' ``local`` dicts on global rank 0; ``None`` elsewhere. The other replicas
-    hold copies of replica 0's, so they send nothing (a collective call of replica 0's pipeline ``group``).
+    hold copies of replica 0's, so they send nothing (a collective call of replica 0's pipeline ``group``; ``job``:
+    the run's :class:`~lightning_gpipe.job.Job`, whose waits the gather uses).
 
     Raises:
         PipelineFailure: if another stage failed while this one waited for it.
     """
     if dist.is_initialized() and replica != 0:
         return None
-    return gather_union(local, group)
+    return gather_union(local, group, job)
 
 
 def stage_template(module: nn.Module, optimizers: list, fitting: bool) -> dict[str, Any]:
@@ -125,13 +131,14 @@ def stage_template(module: nn.Module, optimizers: list, fitting: bool) -> dict[s
     return template
 
 
-def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int) -> None:
+def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int, job: "Job") -> None:
     """Write ``checkpoint`` as a sharded directory at ``path`` (a collective call), replacing it atomically.
 
     Args:
         checkpoint: a Lightning checkpoint whose :data:`SHARDED` entries hold this stage's part.
         path: the checkpoint directory.
         rank: this process's global rank; rank 0 writes the metadata and renames the directory.
+        job: the run's :class:`~lightning_gpipe.job.Job` (its waits and failure board).
 
     Raises:
         PipelineFailure: if another stage failed while this one waited for it.
@@ -140,21 +147,22 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int) -> None:
     staging = path.with_name(f".{path.name}.partial")
     if rank == 0 and staging.exists():
         shutil.rmtree(staging)
-    collectives.barrier()
-    with as_pipeline_failure():
+    collectives.barrier(job)
+    with job.board.as_pipeline_failure():
         dcp.save({key: checkpoint[key] for key in SHARDED if key in checkpoint}, checkpoint_id=staging)
     if rank == 0:
         torch.save({key: value for key, value in checkpoint.items() if key not in SHARDED}, staging / METADATA)
         _replace(staging, path)
-    collectives.barrier()
+    collectives.barrier(job)
 
 
-def load_sharded(path: Path, template: dict[str, Any]) -> dict[str, Any]:
+def load_sharded(path: Path, template: dict[str, Any], job: "Job") -> dict[str, Any]:
     """Read a sharded checkpoint directory: this stage's entries of ``template`` plus the trainer state.
 
     Args:
         path: the checkpoint directory.
         template: ``{"state_dict": ..., "optimizer_states": [...]}`` of this stage, filled in place.
+        job: the run's :class:`~lightning_gpipe.job.Job`, whose failure board names a failed stage.
 
     Raises:
         FileNotFoundError: if ``path`` has no :data:`METADATA` file (not a sharded checkpoint).
@@ -163,7 +171,7 @@ def load_sharded(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     path = Path(path)
     if not (path / METADATA).is_file():
         raise FileNotFoundError(f"{path} is not a sharded GPipe checkpoint: it has no {METADATA}.")
-    with as_pipeline_failure():
+    with job.board.as_pipeline_failure():
         dcp.load(template, checkpoint_id=path)
     return {**torch.load(path / METADATA, weights_only=False), **template}
 

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gpipe import state_dict, watchdog
+from lightning_gpipe import state_dict
 from lightning_gpipe.balance import LayerCost
 from lightning_gpipe.balance.backbone import profile_backbone
 from lightning_gpipe.config import Balance, PipelineConfig
@@ -165,10 +165,10 @@ class GPipeStrategy(MeshStrategy):
         check_automatic_optimization(module)
         self._whole_before_split = self.broadcast(is_whole(module), src=0)  # rank 0's module, the user's, decides
         name = find_backbone(module, self.config.backbone)
-        relay = LogRelay(self, self._last_stage_rank, self.pipeline_group)
+        relay = LogRelay(self, self._last_stage_rank, self.pipeline_group, self._job)
         run = self._run = split_into_stage(
             module, name, self.config, self.topology, self.global_rank, self.root_device,
-            self._layer_costs(module, name), self._randomness, self._share_from_last_stage, relay,
+            self._layer_costs(module, name), self._randomness, self._share_from_last_stage, relay, self._job,
         )  # fmt: skip
         run.start(module, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -179,7 +179,7 @@ class GPipeStrategy(MeshStrategy):
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        pipelined(self.precision_plugin, self.pipeline_group, run.ties.uncounted)
+        pipelined(self.precision_plugin, self.pipeline_group, run.ties.uncounted, self._job)
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -187,7 +187,8 @@ class GPipeStrategy(MeshStrategy):
         """The backbone layers' costs where the balance needs them: measured once on global rank 0, shared."""
         if self.config.profiled and (self.layer_costs is None or len(self.layer_costs) != len(getattr(module, name))):
             chunks = self.config.chunks_for(self.topology.num_stages)
-            with self.precision_plugin.train_step_context(), watchdog.unbounded("profiling the backbone"):
+            profiling = self._job.position.unbounded_phase("profiling the backbone")
+            with self.precision_plugin.train_step_context(), profiling:
                 costs = profile_backbone(module, name, chunks, self.root_device) if self.is_global_zero else None
             self.layer_costs = self.broadcast(costs, src=0)
         return self.layer_costs if self.config.profiled else None
@@ -274,15 +275,15 @@ class GPipeStrategy(MeshStrategy):
     def _whole_or_local(self, local: dict[str, Any]) -> dict[str, Any]:
         if self.config.state_dict_type == "sharded":
             return local
-        return state_dict.whole_on_rank_zero(local, self.replica_index, self.pipeline_group) or {}
+        return state_dict.whole_on_rank_zero(local, self.replica_index, self.pipeline_group, self._job) or {}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write a checkpoint: one file from global rank 0 (``"full"``), or a directory from all stages (``"sharded"``);
         either replaces an existing one only once complete. Waiting for the writers does not count as a stall."""
-        with watchdog.unbounded("writing a checkpoint"):
+        with self._job.position.unbounded_phase("writing a checkpoint"):
             if self.config.state_dict_type == "sharded":
-                state_dict.save_sharded(checkpoint, filepath, self.global_rank)
+                state_dict.save_sharded(checkpoint, filepath, self.global_rank, self._job)
             else:
                 super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -293,12 +294,12 @@ class GPipeStrategy(MeshStrategy):
         Raises:
             FileNotFoundError: for a directory that is not a sharded checkpoint (it has no ``meta.pt``).
         """
-        with watchdog.unbounded("reading a checkpoint"):
+        with self._job.position.unbounded_phase("reading a checkpoint"):
             if not Path(checkpoint_path).is_dir():
                 return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
             fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
             template = state_dict.stage_template(self.lightning_module, self.optimizers, fitting)
-            return state_dict.load_sharded(checkpoint_path, template)
+            return state_dict.load_sharded(checkpoint_path, template, self._job)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.model_summary.model_summary import (
 )
 from torch import nn
 
-from lightning_gpipe import failure
+from lightning_gpipe.job import Job
 
 _log = logging.getLogger("lightning.pytorch.callbacks.model_summary")
 """Lightning's model summary logger, so that whatever silences Lightning's summary silences this one too."""
@@ -78,6 +78,7 @@ class _Pipeline(NamedTuple):
 
     stage: int
     partition: nn.Module
+    job: Job
 
 
 def _pipeline_of(trainer: "pl.Trainer") -> Optional[_Pipeline]:
@@ -90,13 +91,13 @@ def _pipeline_of(trainer: "pl.Trainer") -> Optional[_Pipeline]:
     partition = getattr(getattr(strategy, "stage", None), "partition", None)
     if not isinstance(partition, nn.Module):
         return None
-    return _Pipeline(strategy.stage_index, partition)
+    return _Pipeline(strategy.stage_index, partition, strategy.job)
 
 
 @contextmanager
-def _collective() -> Iterator[None]:
-    """Name the failed stage if another stage dies during the gather."""
-    with failure.as_pipeline_failure():
+def _collective(job: Job) -> Iterator[None]:
+    """Name the failed stage (on ``job``'s failure board) if another stage dies during the gather."""
+    with job.board.as_pipeline_failure():
         yield
 
 
@@ -165,7 +166,7 @@ class PipelineModelSummary(ModelSummary):
             return
         local = _local_part(pl_module, pipeline.partition, pipeline.stage, self._max_depth)
         parts: list[Any] = [None] * dist.get_world_size()
-        with _collective():
+        with _collective(pipeline.job):
             dist.all_gather_object(parts, local)
         table, self.stages = _merge(parts)
         self.total_parameters, self.trainable_parameters = table.total, table.trainable

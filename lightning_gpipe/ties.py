@@ -16,7 +16,7 @@ has one entry per name, as the module without the strategy, and loads into it.
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,9 @@ from torch import Tensor, nn
 
 from lightning_gpipe import collectives
 from lightning_gpipe.topology import Topology
+
+if TYPE_CHECKING:
+    from lightning_gpipe.job import Job
 
 
 @dataclass(frozen=True)
@@ -88,10 +91,11 @@ class TiedParameters:
         module: this stage's LightningModule, after the split.
         topology: the job's mesh.
         rank: this process's global rank.
+        job: the run's :class:`~lightning_gpipe.job.Job`, whose waits the collectives use.
     """
 
-    def __init__(self, ties: list[Tie], module: nn.Module, topology: Topology, rank: int) -> None:
-        self.module, self.stage = module, topology.stage_of(rank)
+    def __init__(self, ties: list[Tie], module: nn.Module, topology: Topology, rank: int, job: "Job") -> None:
+        self.module, self.stage, self.job = module, topology.stage_of(rank), job
         self._held: list[tuple[Tie, Optional[dist.ProcessGroup], int]] = []
         replica = topology.replica_of(rank)
         for r in range(topology.data_parallel_size):
@@ -112,7 +116,7 @@ class TiedParameters:
         """
         for tie, group, first in self._held:
             with torch.no_grad():
-                collectives.broadcast(self._parameter(tie).data, first, group)
+                collectives.broadcast(self.job, self._parameter(tie).data, first, group)
 
     def reduce_grads(self) -> None:
         """Sum each tie's gradients over its holding stages, in place. A copy without a gradient counts as zeros
@@ -128,7 +132,7 @@ class TiedParameters:
             has = parameter.grad is not None
             grad = parameter.grad if has else torch.zeros_like(parameter)
             flat = torch.cat([grad.flatten(), grad.new_full((1,), float(has))])
-            collectives.all_reduce(flat, group=group)
+            collectives.all_reduce(self.job, flat, group=group)
             if flat[-1].item() > 0:
                 if not has:
                     parameter.grad = torch.empty_like(parameter)

@@ -32,15 +32,18 @@ Every send and every wait is recorded as a ``send`` or ``recv`` span of the link
 
 import time
 from collections.abc import Sequence
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gpipe import microbatch, waiting, watchdog
+from lightning_gpipe import microbatch, waiting
 from lightning_gpipe.events import Recorder
 from lightning_gpipe.microbatch import Value
+
+if TYPE_CHECKING:
+    from lightning_gpipe.job import Job
 
 Meta = tuple[torch.Size, torch.dtype]
 """Shape and dtype of a tensor whose gradient will arrive."""
@@ -65,6 +68,8 @@ class Link:
         tag: the point-to-point tag of every message, so that two links between the same pair of ranks (a
             stage's neighbour link and a skip connection's, :mod:`lightning_gpipe.skip.links`) do not mix; 0 by
             default. Backends without tags (NCCL) need the two links' messages in one order on both ranks.
+        job: the run's :class:`~lightning_gpipe.job.Job`, whose waits the link's waits are (failure board, stall
+            watchdog, names of the neighbours).
     """
 
     def __init__(
@@ -74,12 +79,15 @@ class Link:
         device: torch.device,
         events: Optional[Recorder] = None,
         tag: int = 0,
+        *,
+        job: "Job",
     ) -> None:
         self.prev_rank = prev_rank
         self.next_rank = next_rank
         self.device = device
         self.events = events if events is not None else Recorder()
         self.tag = tag
+        self.job = job
         self._pending_sends: list[tuple[int, dist.Work, Tensor]] = []  # (micro-batch index, work, tensor)
         self._next_header: Optional[tuple[dist.Work, Tensor]] = None
         self._grads: list[tuple[list[dist.Work], list[Tensor]]] = []
@@ -191,12 +199,13 @@ class Link:
         :func:`lightning_gpipe.waiting.wait_in_flight`); on NCCL they are polled like any other, since a sender that
         died does not end an NCCL receive.
         """
+        job = self.job
         if self._polled:
-            waiting.poll(works, watchdog.name_of(peer))
+            waiting.poll(job, works, job.watchdog.name_of(peer))
         elif in_flight:
-            waiting.wait_in_flight(works)
+            waiting.wait_in_flight(job, works)
         else:
-            waiting.wait(works, watchdog.name_of(peer))
+            waiting.wait(job, works, job.watchdog.name_of(peer))
 
     def _post_header(self) -> tuple[dist.Work, Tensor]:
         header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)

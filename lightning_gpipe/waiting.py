@@ -8,7 +8,7 @@ which one the works on a device's tensors over a process group need:
 
 - gloo (and every other backend whose ``Work.wait()`` returns once the transfer has completed): :func:`wait`.
   gloo's point-to-point works cannot be polled (``is_completed()`` stays ``False`` until ``wait()`` returns) and
-  a ``wait(timeout)`` that times out closes the connection. So one helper thread per process (:class:`_Waiter`,
+  a ``wait(timeout)`` that times out closes the connection. So a helper thread of the run (a :class:`Waiter`,
   with those signals blocked) calls ``wait()``, and the main thread waits for the helper on a lock, which Python
   interrupts for signal handlers. The cost is one thread hand-off per wait (tens of microseconds);
   ``benchmarks/waits.py`` measures it against plain blocking waits. A receive whose sender has already issued
@@ -28,18 +28,22 @@ which one the works on a device's tensors over a process group need:
 Every :data:`TICK` seconds of a long wait, either way, the waiting thread also reads the failure board (a stage
 that failed stops the others even when it cannot exit) and asks the stall watchdog (:mod:`lightning_gpipe.watchdog`)
 whether the wait has lasted too long. ``docs/scaling.md`` says how this meets NCCL's own watchdog and timeouts.
+
+The waits take the run's :class:`lightning_gpipe.job.Job` (its failure board, position, stall watchdog and
+:class:`Waiter`; see :class:`WaitingJob`) as their first argument; the module keeps no state of its own.
 """
 
 import queue
 import signal
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
-from lightning_gpipe import failure, watchdog
+from lightning_gpipe.failure import FailureBoard
+from lightning_gpipe.watchdog import Position, Watchdog
 
 TICK = 1.0
 """Seconds between two looks at the failure board and the stall limit while a wait lasts."""
@@ -80,7 +84,7 @@ def polls(device: torch.device, group: Optional[dist.ProcessGroup] = None) -> bo
     return backends.get(device.type) in POLLED_BACKENDS
 
 
-class _Job:
+class _Works:
     """Works to wait for, and how the waiter tells it is done."""
 
     def __init__(self, works: list[dist.Work]) -> None:
@@ -90,41 +94,70 @@ class _Job:
         self.done.acquire()
 
 
-class _Waiter(threading.Thread):
-    """Waits for the works of each job in turn, then releases the job's lock."""
+class _Thread(threading.Thread):
+    """Waits for the works of each batch in turn, then releases the batch's lock; ends at a ``None``."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True, name="lightning-gpipe-waiter")
-        self.jobs: "queue.SimpleQueue[_Job]" = queue.SimpleQueue()
+        self.batches: "queue.SimpleQueue[Optional[_Works]]" = queue.SimpleQueue()
 
     def run(self) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP})
         while True:
-            job = self.jobs.get()
+            batch = self.batches.get()
+            if batch is None:
+                return
             try:
-                for work in job.works:
+                for work in batch.works:
                     work.wait()
             except BaseException as error:  # handed to the main thread, which raises it
-                job.error = error
-            job.done.release()
+                batch.error = error
+            batch.done.release()
 
 
-_waiter: Optional[_Waiter] = None
+class Waiter:
+    """The helper thread that calls ``Work.wait()`` for :func:`wait`, one per run (part of its
+    :class:`~lightning_gpipe.job.Job`): started at the first wait, ended by :meth:`close`. A wait after
+    :meth:`close` starts a new thread. A copy in another process (a pickled strategy) starts its own."""
+
+    def __init__(self) -> None:
+        self._thread: Optional[_Thread] = None
+
+    def submit(self, works: list[dist.Work]) -> _Works:
+        """Hand ``works`` to the helper thread; the returned batch's ``done`` lock is released once they completed."""
+        batch = _Works(works)
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = _Thread()
+            self._thread.start()
+        self._thread.batches.put(batch)
+        return batch
+
+    def close(self) -> None:
+        """End the helper thread once it has waited for what it was handed (it does not wait for that here)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.batches.put(None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_thread": None}  # a thread does not cross processes
 
 
-def _submit(job: _Job) -> None:
-    global _waiter
-    if _waiter is None or not _waiter.is_alive():
-        _waiter = _Waiter()
-        _waiter.start()
-    _waiter.jobs.put(job)
+class WaitingJob(Protocol):
+    """What the waits need of the run's :class:`lightning_gpipe.job.Job` (which imports this module)."""
+
+    board: FailureBoard
+    position: Position
+    watchdog: Watchdog
+    waiter: Waiter
 
 
-def wait(works: list[dist.Work], peer: str) -> None:
-    """Wait until every work in ``works`` has completed, handling signals meanwhile: a helper thread calls
-    ``Work.wait()``, for backends whose ``wait()`` returns once the transfer has completed (gloo; see :func:`polls`).
+def wait(job: WaitingJob, works: list[dist.Work], peer: str) -> None:
+    """Wait until every work in ``works`` has completed, handling signals meanwhile: the job's helper thread
+    (:class:`Waiter`) calls ``Work.wait()``, for backends whose ``wait()`` returns once the transfer has completed
+    (gloo; see :func:`polls`).
 
     Args:
+        job: the run's job: its waiter, failure board, position and stall watchdog.
         works: works of point-to-point transfers or asynchronous collectives (``async_op=True``).
         peer: whom the works wait for, for the position and messages: ``"stage 0"``, or :data:`EVERY_STAGE`.
 
@@ -135,17 +168,16 @@ def wait(works: list[dist.Work], peer: str) -> None:
     """
     if not works:
         return
-    job = _Job(works)
-    _submit(job)
+    batch = job.waiter.submit(works)
     started = time.monotonic()
-    with watchdog.waiting(peer), failure.as_pipeline_failure(detail=watchdog.last_positions):
-        while not job.done.acquire(timeout=TICK):
-            _check(peer, time.monotonic() - started)
-        if job.error is not None:
-            raise job.error
+    with job.position.waiting(peer), job.board.as_pipeline_failure(detail=job.watchdog.last_positions):
+        while not batch.done.acquire(timeout=TICK):
+            _check(job, peer, time.monotonic() - started)
+        if batch.error is not None:
+            raise batch.error
 
 
-def wait_in_flight(works: list[dist.Work]) -> None:
+def wait_in_flight(job: WaitingJob, works: list[dist.Work]) -> None:
     """Wait for ``works`` on this thread, without :func:`wait`'s hand-off to the helper thread (gloo only).
 
     Only for receives whose sender has already issued the matching sends, in the same call as a message this
@@ -155,17 +187,18 @@ def wait_in_flight(works: list[dist.Work]) -> None:
     from a sender that died is not ended by the transport, so wait for those with :func:`poll`.
 
     Args:
+        job: the run's job (its failure board names the cause of a failed transfer).
         works: works of point-to-point receives.
 
     Raises:
         PipelineFailure: if a transfer failed (naming the published cause).
     """
-    with failure.as_pipeline_failure(detail=watchdog.last_positions):
+    with job.board.as_pipeline_failure(detail=job.watchdog.last_positions):
         for work in works:
             work.wait()
 
 
-def poll(works: list[dist.Work], peer: str) -> None:
+def poll(job: WaitingJob, works: list[dist.Work], peer: str) -> None:
     """Wait until every work in ``works`` has completed by polling ``Work.is_completed()`` on this thread, handling
     signals meanwhile, then call each work's ``wait()``: for backends whose ``wait()`` returns before the transfer
     has completed (NCCL; see :func:`polls`).
@@ -177,6 +210,7 @@ def poll(works: list[dist.Work], peer: str) -> None:
     tensor afterwards (``.tolist()``, ``.item()``) waits for the kernels queued on the stream, not for the peer.
 
     Args:
+        job: the run's job: its failure board, position and stall watchdog.
         works: works of point-to-point transfers or asynchronous collectives (``async_op=True``).
         peer: whom the works wait for, for the position and messages: ``"stage 0"``, or :data:`EVERY_STAGE`.
 
@@ -187,7 +221,7 @@ def poll(works: list[dist.Work], peer: str) -> None:
     """
     if not works:
         return
-    with watchdog.waiting(peer), failure.as_pipeline_failure(detail=watchdog.last_positions):
+    with job.position.waiting(peer), job.board.as_pipeline_failure(detail=job.watchdog.last_positions):
         pending = _pending(works)
         if pending:
             started = time.monotonic()
@@ -198,7 +232,7 @@ def poll(works: list[dist.Work], peer: str) -> None:
                 pause = min(2 * pause, _LONGEST_PAUSE)
                 now = time.monotonic()
                 if pending and now >= look:
-                    _check(peer, now - started)
+                    _check(job, peer, now - started)
                     look = now + TICK
         for work in works:
             work.wait()  # completed: orders the current stream after the transfer without blocking; raises its error
@@ -212,18 +246,19 @@ def _pending(works: list[dist.Work]) -> list[dist.Work]:
     return []
 
 
-def _check(peer: str, waited: float) -> None:
+def _check(job: WaitingJob, peer: str, waited: float) -> None:
     """Raise if the job failed elsewhere or this wait counts as a stall."""
-    cause = failure.published_cause()
+    board, watchdog = job.board, job.watchdog
+    cause = board.published_cause()
     if cause is not None:
-        raise failure.stopped_because(cause)
-    if waited <= watchdog.limit():
+        raise board.stopped_because(cause)
+    if waited <= watchdog.limit:
         return
     stall = watchdog.diagnose(peer, waited)
     if stall is None:
         return
     message, culprit = stall
-    cause = failure.publish(message) or message
+    cause = board.publish(message) or message
     if culprit is not None:
         watchdog.mark_stalled(culprit)
-    raise failure.stopped_because(cause)
+    raise board.stopped_because(cause)

@@ -187,10 +187,12 @@ def one_stage_pipeline(module, chunks: int, checkpoint: str, defer_weight_grad: 
     from lightning_gpipe.partition import Split
     from lightning_gpipe.runtime import Runtime
     from lightning_gpipe.stage import Stage
+    from lightning_gpipe.job import Job
     from lightning_gpipe.transfer import Link
 
     split = Split(module, "backbone", [len(module.backbone)], stage_index=0)
-    stage = Stage(split.partition, Link(None, None, torch.device("cpu")), 0, 1, chunks, checkpoint, defer_weight_grad)
+    link = Link(None, None, torch.device("cpu"), job=Job())
+    stage = Stage(split.partition, link, 0, 1, chunks, checkpoint, defer_weight_grad)
     runtime = Runtime(stage, "gpipe", 1)
     split.partition.pipeline = _ThroughSchedule(runtime)
     return runtime

@@ -81,10 +81,10 @@ class _Collector:
         if self.gathered[0] != self.batch:
             group = self.strategy.pipeline_group
             if self.clock is None:
-                collectives.barrier(group)
+                collectives.barrier(self.strategy.job, group)
                 self.clock = time.perf_counter()
             mine = (self.batch_end(), self.clock, socket.gethostname())
-            parts = collectives.gather_object(mine, dst=0, group=group)
+            parts = collectives.gather_object(self.strategy.job, mine, dst=0, group=group)
             step = StepTrace(self.batch, _on_one_clock(parts)) if parts is not None else None
             self.gathered = (self.batch, step)
         return self.gathered[1]

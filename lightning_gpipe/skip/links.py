@@ -14,7 +14,7 @@ be several micro-batches behind. It waits for those of micro-batch ``j`` once ``
 (:meth:`SkipLinks.backward`), by which time the popping stage has long received them.
 """
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor
@@ -22,6 +22,9 @@ from torch import Tensor
 from lightning_gpipe import microbatch
 from lightning_gpipe.events import Recorder
 from lightning_gpipe.transfer import Link
+
+if TYPE_CHECKING:
+    from lightning_gpipe.job import Job
 
 SKIP_TAG = 1
 """The point-to-point tag of skip connections' messages (the neighbour link uses 0)."""
@@ -37,13 +40,15 @@ class SkipLinks:
         incoming: global rank of each earlier stage -> the keys this stage pops from it, in that order.
         device: this stage's device.
         events: the stage's recorder (skip transfers are ``send``/``recv`` spans like the neighbour link's).
+        job: the run's :class:`~lightning_gpipe.job.Job`, for the links' waits.
     """
 
     def __init__(
-        self, outgoing: dict[int, Keys], incoming: dict[int, Keys], device: torch.device, events: Recorder
+        self, outgoing: dict[int, Keys], incoming: dict[int, Keys], device: torch.device, events: Recorder, job: "Job"
     ) -> None:
-        self._out = [(keys, Link(None, rank, device, events, tag=SKIP_TAG)) for rank, keys in sorted(outgoing.items())]
-        self._in = [(keys, Link(rank, None, device, events, tag=SKIP_TAG)) for rank, keys in sorted(incoming.items())]
+        out, into = sorted(outgoing.items()), sorted(incoming.items())
+        self._out = [(keys, Link(None, rank, device, events, tag=SKIP_TAG, job=job)) for rank, keys in out]
+        self._in = [(keys, Link(rank, None, device, events, tag=SKIP_TAG, job=job)) for rank, keys in into]
 
     def receive(self, training: bool) -> dict[Any, Tensor]:
         """The skip tensors of the next micro-batch from every earlier stage, by key (new leaves in training).
@@ -100,6 +105,6 @@ class SkipLinks:
             link.flush()
 
 
-def no_skips(device: torch.device, events: Optional[Recorder] = None) -> SkipLinks:
-    """The skip links of a stage that neither stashes for nor pops from another stage."""
-    return SkipLinks({}, {}, device, events if events is not None else Recorder())
+def no_skips(device: torch.device, job: "Job", events: Optional[Recorder] = None) -> SkipLinks:
+    """The skip links of a stage that neither stashes for nor pops from another stage (of the run's ``job``)."""
+    return SkipLinks({}, {}, device, events if events is not None else Recorder(), job)

@@ -9,6 +9,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from lightning_gpipe.agreement import StepAgreement, fingerprint
 from lightning_gpipe.data import same_batches
+from lightning_gpipe.job import Job
 from lightning_gpipe.randomness import StageRandomness, stage_states
 
 
@@ -25,7 +26,7 @@ def test_the_fingerprint_sees_the_order_and_content_of_rows_but_not_memory_addre
 
 
 def test_one_process_agrees_with_itself_and_passes_its_requests_through():
-    agreement = StepAgreement(replica=0, replicas=1, device=torch.device("cpu"), names={0: "stage 0"})
+    agreement = StepAgreement(replica=0, replicas=1, device=torch.device("cpu"), names={0: "stage 0"}, job=Job())
     assert agreement.agree((torch.randn(4, 2),), [True, False], lambda: "epoch 0, training batch 0") == [True, False]
 
 

@@ -11,7 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_gpipe import PipelineFailure, failure, waiting, watchdog
+from lightning_gpipe import PipelineFailure, waiting
+from lightning_gpipe.job import Job
+from lightning_gpipe.runtime import Runtime
+from lightning_gpipe.schedule import Action, Kind
+from lightning_gpipe.watchdog import Position
 
 
 class _BlockingWork:
@@ -28,19 +32,15 @@ class _BlockingWork:
 
 
 @pytest.fixture
-def board():
-    """A failure board and watchdog on an in-process store, as stage 0 of a 2-stage pipeline."""
-    store = dist.HashStore()
-    failure.attach(store, "stage 0")
-    watchdog.start(store, 0, {0: "stage 0", 1: "stage 1"}, limit=1.5)
-    yield store
-    watchdog.stop()
-    failure.detach()
+def job():
+    """A job (failure board and watchdog) on an in-process store, as stage 0 of a 2-stage pipeline."""
+    with Job(dist.HashStore(), 0, {0: "stage 0", 1: "stage 1"}, limit=1.5, processes=1) as job:
+        yield job
 
 
-def _publish_position(store, rank: int, age: float, waits_for=None, unbounded=False, phase="forward", micro=3):
+def _publish_position(job, rank: int, age: float, waits_for=None, unbounded=False, phase="forward", micro=3):
     position = dict(step="step 17", phase=phase, micro_batch=micro, since=time.time() - age, waits_for=waits_for)
-    store.set(failure.key(f"where/{rank}"), json.dumps({**position, "unbounded": unbounded}))
+    job.board.store.set(job.board.key(f"where/{rank}"), json.dumps({**position, "unbounded": unbounded}))
 
 
 def test_a_signal_is_handled_while_a_wait_blocks(monkeypatch):
@@ -67,8 +67,8 @@ def test_a_signal_is_handled_while_a_wait_blocks(monkeypatch):
     previous = signal.signal(signal.SIGUSR1, handler)
     try:
         threading.Thread(target=interrupt_then_complete).start()
-        with pytest.raises(Interrupted):
-            waiting.wait([work], "stage 1")
+        with pytest.raises(Interrupted), Job() as job:
+            waiting.wait(job, [work], "stage 1")
     finally:
         signal.signal(signal.SIGUSR1, previous)
         work.done.set()
@@ -82,16 +82,17 @@ def test_a_wait_returns_when_its_works_complete_and_raises_their_error():
 
     work = _BlockingWork()
     threading.Timer(0.2, work.done.set).start()
-    waiting.wait([work], "stage 1")
-    with pytest.raises(PipelineFailure, match=r"another stage stopped responding \(Connection closed by peer\)"):
-        waiting.wait([Failing()], "stage 1")
+    with Job() as job:
+        waiting.wait(job, [work], "stage 1")
+        with pytest.raises(PipelineFailure, match=r"another stage stopped responding \(Connection closed by peer\)"):
+            waiting.wait(job, [Failing()], "stage 1")
 
 
-def test_the_watchdog_names_the_stage_that_stopped_and_tells_it_to_end(board):
-    _publish_position(board, 1, age=300)
+def test_the_watchdog_names_the_stage_that_stopped_and_tells_it_to_end(job):
+    _publish_position(job, 1, age=300)
     work = _BlockingWork()
     with pytest.raises(PipelineFailure) as raised:
-        waiting.wait([work], "stage 1")
+        waiting.wait(job, [work], "stage 1")
     assert not work.done.is_set()  # the stall ended the wait, not the work
     work.done.set()
     message = str(raised.value)
@@ -99,34 +100,100 @@ def test_the_watchdog_names_the_stage_that_stopped_and_tells_it_to_end(board):
     limit = r"\(stall limit 2 s, the shorter of GPipeStrategy's"  # 1.5 s, shown rounded
     waited = re.search(rf"stage 0 gave up after waiting (\d+) s for stage 1 {limit}", message)
     assert waited and int(waited[1]) >= 2, message  # it waited the stall limit at least, then named the stage
-    assert failure.published_cause() == message.removeprefix("stage 0 stopped because ")
-    assert board.get(failure.key("stalled")) == b"1"
+    assert job.board.published_cause() == message.removeprefix("stage 0 stopped because ")
+    assert job.board.store.get(job.board.key("stalled")) == b"1"
 
 
-def test_the_watchdog_waits_on_through_unbounded_phases_and_names_stages_waiting_for_each_other(board):
-    _publish_position(board, 1, age=300, unbounded=True, phase="writing a checkpoint", micro=None)
-    assert watchdog.diagnose("stage 1", 400.0) is None
-    _publish_position(board, 1, age=300, waits_for="stage 0", phase="recv", micro=2)
-    message, culprit = watchdog.diagnose("stage 1", 400.0)
+def test_the_watchdog_waits_on_through_unbounded_phases_and_names_stages_waiting_for_each_other(job):
+    _publish_position(job, 1, age=300, unbounded=True, phase="writing a checkpoint", micro=None)
+    assert job.watchdog.diagnose("stage 1", 400.0) is None
+    _publish_position(job, 1, age=300, waits_for="stage 0", phase="recv", micro=2)
+    message, culprit = job.watchdog.diagnose("stage 1", 400.0)
     assert culprit is None
     waits = "stage 1 waits for stage 0 in receiving the gradients of micro-batch 2 at step 17"
     assert message.startswith(f"the stages wait for each other: {waits}")
 
 
-def test_a_wait_stops_when_another_stage_published_a_failure(board):
-    failure.publish("stage 1 failed with ValueError: boom")
+def test_a_wait_stops_when_another_stage_published_a_failure(job):
+    job.board.publish("stage 1 failed with ValueError: boom")
     work = _BlockingWork()
     with pytest.raises(PipelineFailure, match="^stage 0 stopped because stage 1 failed with ValueError: boom$"):
-        waiting.wait([work], "stage 1")
+        waiting.wait(job, [work], "stage 1")
     work.done.set()
 
 
-def test_a_report_names_the_innermost_frame_without_reading_source_files(board):
+def test_a_report_names_the_innermost_frame_without_reading_source_files(job):
     try:
         torch.empty(2**62, dtype=torch.uint8)
     except RuntimeError as error:
-        failure.report(error)
-    cause = failure.published_cause()
+        job.board.report(error)
+    cause = job.board.published_cause()
     assert cause.startswith("stage 0 failed with RuntimeError:") and "can't allocate memory" in cause
     line = test_a_report_names_the_innermost_frame_without_reading_source_files.__code__.co_firstlineno + 2
     assert cause.endswith(f"(at {__file__}:{line})")
+
+
+class _RecordingStage:
+    """Stands for the first of two stages: its forwards record where the runtime says the stage is."""
+
+    stage_index, checkpoint, defer_weight_grad, training, is_last = 0, "never", False, True, False
+
+    def __init__(self, position) -> None:
+        self.position, self.seen = position, {}
+
+    def micro_batches(self, value):
+        return iter([(i, None, 3) for i in range(3)])
+
+    def forward(self, index, x, count):
+        self.seen[index] = self.position.record()
+        return index
+
+    def send(self, output, index, count):
+        pass
+
+
+def test_a_stuck_stages_message_names_the_action_of_its_plan(job):
+    stage = _RecordingStage(Position())
+    runtime = Runtime(stage, "gpipe", 2, position=stage.position)
+    stage.position.begin_step("step 17")
+    runtime.forward(None)
+    assert stage.position.action is None  # out of the plan once the fill has run
+    plan = runtime.plan(3)
+    number = plan.actions.index(Action(Kind.FORWARD, 1)) + 1
+    record = {**stage.seen[1], "since": time.time() - 300}
+    job.board.store.set(job.board.key("where/1"), json.dumps(record))
+    message, culprit = job.watchdog.diagnose("stage 1", 400.0)
+    assert culprit == 1
+    where = f"action {number} of {len(plan.actions)} of its plan, the forward of micro-batch 1, at step 17"
+    assert message.startswith(f"stage 1 has been in {where} for 300 s; stage 0 gave up after waiting 400 s")
+    # a phase inside the action (a span) follows the action in parentheses
+    record["action"], record["phase"], record["micro_batch"] = (
+        dict(number=7, of=9, kind="backward", micro_batch=2),
+        "recv",
+        2,
+    )
+    job.board.store.set(job.board.key("where/1"), json.dumps(record))
+    message, _ = job.watchdog.diagnose("stage 1", 400.0)
+    inside = "action 7 of 9 of its plan, the backward of micro-batch 2 (receiving the gradients of micro-batch 2)"
+    assert message.startswith(f"stage 1 has been in {inside}, at step 17 for 300 s")
+
+
+def test_two_jobs_in_one_process_do_not_see_each_others_position_or_failure():
+    names = {0: "stage 0", 1: "stage 1"}
+    with Job(dist.HashStore(), 0, names, processes=1) as first, Job(dist.HashStore(), 1, names, processes=1) as second:
+        first.position.at("writing a checkpoint")
+        assert second.position.phase == "setup"
+        first.board.publish("stage 0 failed with ValueError: boom")
+        assert second.board.published_cause() is None
+        assert first.board.published_cause() == "stage 0 failed with ValueError: boom"
+
+
+def test_a_failure_of_an_earlier_run_is_not_read_by_a_later_one_in_the_same_processes():
+    store = dist.HashStore()
+    with Job(store, 0, {0: "stage 0"}) as earlier:
+        earlier.board.publish("stage 0 failed with ValueError: boom")
+    with Job(store, 0, {0: "stage 0"}) as later:
+        assert later.board.published_cause() is None
+        assert later.board.generation == earlier.board.generation + 1
+    with Job(store, 1, {1: "stage 1"}) as other_rank:  # every process counts its own runs
+        assert other_rank.board.generation == earlier.board.generation

@@ -82,3 +82,64 @@ def test_the_partition_knows_nothing_of_the_engine():
         "lightning_gpipe.balance",
     }
     assert import_graph()["lightning_gpipe.partition"].isdisjoint(engine)
+
+
+def mutable_globals(source: str) -> list[str]:
+    """Where ``source`` keeps process-wide state: ``global`` statements, assignments to an attribute of one of its
+    module-level classes (or of ``cls``), and item assignments to a module-level name."""
+    tree = ast.parse(source)
+    classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef)} | {"cls"}
+    names = {
+        t.id
+        for node in tree.body
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(t, ast.Name)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            found.append(f"line {node.lineno}: global {', '.join(node.names)}")
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+            else []
+        )
+        for target in targets:
+            for part in ast.walk(target):
+                if isinstance(part, ast.Attribute) and isinstance(part.value, ast.Name) and part.value.id in classes:
+                    found.append(f"line {node.lineno}: {part.value.id}.{part.attr} assigned")
+                if isinstance(part, ast.Subscript) and isinstance(part.value, ast.Name) and part.value.id in names:
+                    found.append(f"line {node.lineno}: {part.value.id}[...] assigned")
+    return found
+
+
+def test_the_finder_of_process_wide_state_finds_it():
+    source = """
+class _Board:
+    name = "stage 0"
+_waiter = None
+_seen = {}
+def attach(name):
+    global _waiter
+    _Board.name = name
+    _seen[name] = True
+class Board:
+    @classmethod
+    def attach(cls, name):
+        cls.name = name
+"""
+    assert len(mutable_globals(source)) == 4
+
+
+# registries kept on purpose, each with its reason
+_KEPT = {"lightning_gpipe.callbacks._pipeline": 1}  # `_collectors`: the callbacks' recorder, weakly keyed by the stage
+
+
+def test_the_engine_keeps_no_process_wide_state():
+    """The failure board, the position, the watchdog and the waiter are one run's (:class:`lightning_gpipe.job.Job`):
+    no module keeps state in module-level or class-level variables."""
+    found = {name: mutable_globals(path.read_text()) for name, path in _modules().items()}
+    assert {name: len(where) for name, where in found.items() if where} == _KEPT, found

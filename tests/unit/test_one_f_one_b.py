@@ -17,6 +17,7 @@ from lightning_gpipe import GPipeStrategy
 from lightning_gpipe.batchnorm import convert_deferred_batch_norm
 from lightning_gpipe.contract import BackboneCall
 from lightning_gpipe.events import Recorder
+from lightning_gpipe.job import Job
 from lightning_gpipe.partition import Split
 from lightning_gpipe.per_micro_batch import RowWeighted, batch_rows, check_input_rows, split_batch
 from lightning_gpipe.runtime import Runtime
@@ -171,7 +172,7 @@ class _Net(nn.Module):
 
 def _one_stage(net: nn.Module, chunks: int, checkpoint: str) -> BackboneCall:
     split = Split(net, "backbone", [len(net.backbone)], stage_index=0)
-    stage = Stage(split.partition, Link(None, None, torch.device("cpu")), 0, 1, chunks, checkpoint)
+    stage = Stage(split.partition, Link(None, None, torch.device("cpu"), job=Job()), 0, 1, chunks, checkpoint)
     call = BackboneCall(Runtime(stage, "1f1b", 1), is_last=True)
     split.partition.pipeline = call
     return call

@@ -126,6 +126,6 @@ def test_ties_are_found_and_each_stage_keeps_its_shared_objects():
 def test_clipping_leaves_uncounted_copies_out_of_the_norm():
     counted, copy = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
     counted.grad, copy.grad = torch.tensor([3.0, 4.0]), torch.tensor([3.0, 4.0])
-    total = clip_grad_norm_([counted, copy], max_norm=1.0, uncounted=[copy])
+    total = clip_grad_norm_([counted, copy], max_norm=1.0, uncounted=[copy], job=None)
     assert total.item() == pytest.approx(5.0)
     torch.testing.assert_close(copy.grad, torch.tensor([0.6, 0.8]))

@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_gpipe import PipelineFailure, collectives, failure, waiting, watchdog
+from lightning_gpipe import PipelineFailure, collectives, waiting
+from lightning_gpipe.job import Job
 from lightning_gpipe.transfer import Link
 
 
@@ -109,15 +110,19 @@ def _nccl_like(polls: int) -> Callable[..., NcclLikeWork]:
 
 
 @pytest.fixture
+def job():
+    """A job without a store (nothing published or read), as stage 0."""
+    with Job() as job:
+        yield job
+
+
+@pytest.fixture
 def board(monkeypatch):
-    """A failure board on an in-process store, as stage 0 of a 2-stage pipeline (as in tests/unit/test_failures.py),
-    looked at every 5 ms while a wait lasts."""
+    """A job on an in-process store, as stage 0 of a 2-stage pipeline (as in tests/unit/test_failures.py), whose
+    failure board is looked at every 5 ms while a wait lasts; no stall limit unless a test sets one."""
     monkeypatch.setattr(waiting, "TICK", 0.005)
-    store = dist.HashStore()
-    failure.attach(store, "stage 0")
-    yield store
-    watchdog.stop()
-    failure.detach()
+    with Job(dist.HashStore(), 0, {0: "stage 0", 1: "stage 1"}, processes=1) as job:
+        yield job
 
 
 @pytest.mark.parametrize(
@@ -143,45 +148,45 @@ def test_cpu_tensors_are_waited_for_by_the_helper_thread_without_asking_the_proc
     assert waiting.polls(torch.device("cpu")) is False
 
 
-def test_an_nccl_like_wait_returns_when_its_works_complete_and_waits_for_them_only_then():
+def test_an_nccl_like_wait_returns_when_its_works_complete_and_waits_for_them_only_then(job):
     first, second = NcclLikeWork(), NcclLikeWork(polls=3)
     threading.Thread(target=lambda: first.looked.wait() and first.complete(), daemon=True).start()
-    waiting.poll([first, second], "stage 1")
+    waiting.poll(job, [first, second], "stage 1")
     assert first.done.is_set() and second.done.is_set()
     assert (first.waits, second.waits) == (1, 1) and first.early_waits + second.early_waits == 0
 
 
-def test_an_nccl_like_wait_raises_the_error_its_work_reports():
+def test_an_nccl_like_wait_raises_the_error_its_work_reports(job):
     work = NcclLikeWork(polls=2, error=RuntimeError("NCCL communicator was aborted"))
     with pytest.raises(PipelineFailure, match=r"another stage stopped responding \(NCCL communicator was aborted\)"):
-        waiting.poll([work], "stage 1")
+        waiting.poll(job, [work], "stage 1")
 
 
 def test_an_nccl_like_wait_stops_when_another_stage_publishes_a_failure(board):
     work = NcclLikeWork()  # never completes
     publish = threading.Thread(
-        target=lambda: work.looked.wait() and failure.publish("stage 1 failed with ValueError: boom"), daemon=True
+        target=lambda: work.looked.wait() and board.board.publish("stage 1 failed with ValueError: boom"), daemon=True
     )
     publish.start()
     with pytest.raises(PipelineFailure, match="^stage 0 stopped because stage 1 failed with ValueError: boom$"):
-        waiting.poll([work], "stage 1")
+        waiting.poll(board, [work], "stage 1")
     publish.join()
     assert work.waits == 0  # an NCCL work that has not completed is never waited for
 
 
 def test_an_nccl_like_wait_counts_as_a_wait_for_the_stall_watchdog(board):
-    watchdog.start(board, 0, {0: "stage 0", 1: "stage 1"}, limit=0.0)
+    board.watchdog.limit = 0.0
     position = dict(step="step 17", phase="forward", micro_batch=3, since=time.time() - 300, waits_for=None)
-    board.set(failure.key("where/1"), json.dumps({**position, "unbounded": False}))
+    board.board.store.set(board.board.key("where/1"), json.dumps({**position, "unbounded": False}))
     with pytest.raises(PipelineFailure) as raised:
-        waiting.poll([NcclLikeWork()], "stage 1")
+        waiting.poll(board, [NcclLikeWork()], "stage 1")
     message = str(raised.value)
     assert message.startswith("stage 0 stopped because stage 1 has been in the forward of micro-batch 3 at step 17")
     assert "stage 0 gave up after waiting 0 s for stage 1" in message
-    assert board.get(failure.key("stalled")) == b"1"
+    assert board.board.store.get(board.board.key("stalled")) == b"1"
 
 
-def test_a_signal_handler_runs_while_an_nccl_like_wait_waits():
+def test_a_signal_handler_runs_while_an_nccl_like_wait_waits(job):
     class Interrupted(Exception):
         pass
 
@@ -193,16 +198,16 @@ def test_a_signal_handler_runs_while_an_nccl_like_wait_waits():
     try:
         threading.Thread(target=lambda: work.looked.wait() and signal.pthread_kill(main, signal.SIGUSR1)).start()
         with pytest.raises(Interrupted):
-            waiting.poll([work], "stage 1")
+            waiting.poll(job, [work], "stage 1")
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert work.waits == 0
 
 
-def test_a_gloo_like_wait_goes_through_the_helper_thread():
+def test_a_gloo_like_wait_goes_through_the_helper_thread(job):
     work = GlooLikeWork(blocks=True)
     threading.Thread(target=lambda: work.entered.wait() and work.done.set(), daemon=True).start()
-    waiting.wait([work], "stage 1")  # never polled: GlooLikeWork.is_completed would raise
+    waiting.wait(job, [work], "stage 1")  # never polled: GlooLikeWork.is_completed would raise
     assert work.done.is_set()
 
 
@@ -213,7 +218,8 @@ def _send_and_receive(monkeypatch, transport: FakeTransport, polled: bool):
     monkeypatch.setattr(dist, "isend", transport.isend)
     monkeypatch.setattr(dist, "irecv", transport.irecv)
     value = (torch.randn(3, 4), torch.tensor([True, False, True]))
-    sender, receiver = Link(None, 1, torch.device("cpu")), Link(0, None, torch.device("cpu"))
+    job = Job()
+    sender, receiver = Link(None, 1, torch.device("cpu"), job=job), Link(0, None, torch.device("cpu"), job=job)
     sender.send_activation(value, 0, 1)
     sender.flush()
     return value, receiver.recv_activation()
@@ -252,5 +258,5 @@ def test_a_polled_collective_reads_the_received_size_only_once_it_has_arrived(mo
     monkeypatch.setattr(dist, "broadcast", broadcast)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
-    assert collectives.broadcast_object(None, src=0) == obj
+    assert collectives.broadcast_object(Job(), None, src=0) == obj
     assert len(works) == 2 and all(work.waits == 1 and work.early_waits == 0 for work in works)

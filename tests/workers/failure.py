@@ -285,9 +285,9 @@ def announce_the_endless_wait() -> None:
     that cannot end, in which the test interrupts it."""
     import threading
 
-    from lightning_gpipe import watchdog
+    from lightning_gpipe.watchdog import Position
 
-    waiting, inside = watchdog.waiting, threading.Event()
+    waiting, inside = Position.waiting, threading.Event()
 
     def announce() -> None:
         while not (inside.is_set() and os.path.exists(os.path.join(args.out, "stuck"))):
@@ -295,8 +295,8 @@ def announce_the_endless_wait() -> None:
         open(os.path.join(args.out, "waiting"), "w").close()
 
     @contextmanager
-    def announced(peer: str) -> Iterator[None]:
-        with waiting(peer):  # the position now says stage 0 waits for ``peer``
+    def announced(position: Position, peer: str) -> Iterator[None]:
+        with waiting(position, peer):  # the position now says stage 0 waits for ``peer``
             if peer == "stage 1":
                 inside.set()
             try:
@@ -304,7 +304,7 @@ def announce_the_endless_wait() -> None:
             finally:
                 inside.clear()
 
-    watchdog.waiting = announced
+    Position.waiting = announced
     threading.Thread(target=announce, daemon=True).start()
 
 
