@@ -53,6 +53,8 @@ class PipelineRun:
         job: the run's :class:`~lightning_gpipe.job.Job` (failure board, position, watchdog, waits).
         gradient_sync: DDP over the stage's replicas, with several of them (set by :meth:`sync_gradients`).
         step_gradients: a 1F1B step's gradients, kept apart until Lightning's ``backward``.
+        collector: what the pipeline callbacks (:mod:`lightning_gpipe.callbacks`) record of this run's steps, shared
+            by all of them; the first one that needs it sets it.
     """
 
     split: Split
@@ -66,6 +68,7 @@ class PipelineRun:
     job: Job
     gradient_sync: Optional[GradientSync] = None
     step_gradients: StepGradients = field(default_factory=StepGradients)
+    collector: Any = None
 
     def sync_gradients(self, module: "pl.LightningModule", group: Any, device: torch.device) -> None:
         """Let DDP average this stage's gradients over its data-parallel ``group`` (several replicas only; see
@@ -264,9 +267,7 @@ def split_into_stage(
     return PipelineRun(split, stage, runtime, backbone_call, relay, tied, randomness, share, job)
 
 
-def _links(
-    topology: Topology, rank: int, skips: SkipLayout, device: torch.device, job: Job
-) -> tuple[Link, SkipLinks]:
+def _links(topology: Topology, rank: int, skips: SkipLayout, device: torch.device, job: Job) -> tuple[Link, SkipLinks]:
     """The link of ``rank``'s stage to its neighbours in its pipeline, and to the stages its skips reach."""
     stage_index, replica = topology.stage_of(rank), topology.replica_of(rank)
     link = Link(

@@ -49,10 +49,9 @@ class GPipeStrategy(MeshStrategy):
     optimizer step follows, so training is synchronous and equals single-device mini-batch training. Argument names
     follow torchgpipe.
 
-    One OS process per stage, launched like DDP. The processes form a (data-parallel x pipeline) mesh: with
-    ``data_parallel_size`` D and ``pipeline_parallel_size`` K, global rank ``r`` is stage ``r % K`` of replica
-    ``r // K``; each replica reads its own shard of the data, and each stage's replicas average their gradients
-    once per optimizer step with DDP (see docs/scaling.md). The backbone is the only part that is split: code
+    One OS process per stage, launched like DDP, in a (data-parallel x pipeline) mesh (see
+    :class:`~lightning_gpipe.mesh.MeshStrategy`): each stage's replicas average their gradients once per optimizer
+    step with DDP (see docs/scaling.md). The backbone is the only part that is split: code
     before the backbone call must hold no parameters, and modules after it (heads, losses, metrics) run on the
     last stage. Skip connections between backbone layers (:mod:`lightning_gpipe.skip`) go straight from the
     stashing stage to the popping one; a parameter used on several stages (tied weights) is kept in step on
@@ -123,9 +122,13 @@ class GPipeStrategy(MeshStrategy):
         self._run: Optional[PipelineRun] = None
 
     @property
+    def run(self) -> Optional[PipelineRun]:
+        """This process's part of the run while a model is split (``None`` before setup and after teardown)."""
+        return self._run
+
+    @property
     def stage(self) -> Optional[Stage]:
-        """This process's :class:`~lightning_gpipe.stage.Stage` while a model is split (``None`` before setup
-        and after teardown); its ``events`` recorder is what the pipeline callbacks read."""
+        """This process's :class:`~lightning_gpipe.stage.Stage` while a model is split (else ``None``)."""
         return self._run.stage if self._run is not None else None
 
     @contextmanager

@@ -19,14 +19,12 @@ import socket
 from abc import ABC, abstractmethod
 import time
 from typing import Any
-from weakref import WeakKeyDictionary
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_gpipe import collectives
-from lightning_gpipe.stage import Stage
 from lightning_gpipe.strategy import GPipeStrategy
 from lightning_gpipe.trace import StageTrace, StepTrace
 
@@ -97,9 +95,6 @@ def _on_one_clock(parts: list[tuple[StageTrace, float, str]]) -> list[StageTrace
     return sorted(moved, key=lambda s: s.stage)
 
 
-_collectors: "WeakKeyDictionary[Stage, _Collector]" = WeakKeyDictionary()
-
-
 class PipelineCallback(pl.Callback, ABC):
     """Base of the pipeline callbacks: records the training steps and hands gathered steps to :meth:`on_step`.
 
@@ -119,12 +114,13 @@ class PipelineCallback(pl.Callback, ABC):
             )
 
     def _collector(self, trainer: "pl.Trainer") -> _Collector | None:
-        strategy = trainer.strategy
-        if not isinstance(strategy, GPipeStrategy) or strategy.stage is None:
+        """The run's recorder of its steps, shared by every pipeline callback (kept on the run)."""
+        run = trainer.strategy.run if isinstance(trainer.strategy, GPipeStrategy) else None
+        if run is None:
             return None
-        if strategy.stage not in _collectors:
-            _collectors[strategy.stage] = _Collector(strategy)
-        return _collectors[strategy.stage]
+        if run.collector is None:
+            run.collector = _Collector(trainer.strategy)
+        return run.collector
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, *_: Any) -> None:

@@ -387,8 +387,7 @@ def greedy_generate(
     clear_kv_caches(backbone)
     try:
         for _ in range(max_new_tokens):
-            chosen = forward_and_share(backbone, value, lambda logits: logits[:, -1].float().argmax(-1).cpu())
-            chosen = chosen.to(ids.device)
+            chosen = forward_and_share(backbone, value, _next_tokens).to(ids.device)
             if eos_token_id is not None:
                 chosen = chosen.masked_fill(finished, pad)
                 finished |= chosen == eos_token_id
@@ -403,6 +402,11 @@ def greedy_generate(
     finally:
         clear_kv_caches(backbone)
     return ids
+
+
+def _next_tokens(logits: Tensor) -> Tensor:
+    """Each row's most likely next token of ``(N, S, V)`` logits, ``(N,)`` long on the CPU."""
+    return logits[:, -1].float().argmax(-1).cpu()
 
 
 class SavePretrained(pl.Callback):
