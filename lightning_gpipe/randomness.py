@@ -27,7 +27,7 @@ of one stage (data parallelism) share their seeds, as DDP's ranks do with ``seed
 import hashlib
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, Callable
 
 import torch
@@ -66,13 +66,18 @@ class StageRandomness:
     def stage(self) -> Iterator[None]:
         """Draw from this stage's own stream inside the block; the shared stream goes on where it was after it.
 
-        Re-entrant: a nested block stays on the stage stream.
+        Re-entrant: a nested block stays on the stage stream. When the block raises, its exception propagates even
+        if putting the shared stream back fails too (e.g. an out-of-memory error left no room to copy the generator
+        states): the failure board must name the step's error, and a failed step ends the run.
         """
         self._swap_in()
         try:
             yield
-        finally:
-            self._swap_out()
+        except BaseException:
+            with suppress(Exception):
+                self._swap_out()
+            raise
+        self._swap_out()
 
     def _swap_in(self) -> None:
         self._depth += 1
