@@ -1,8 +1,8 @@
 """Distributed worker: a tiny `transformers` model (Llama, GPT-2 or BERT, tied embeddings) trained and decoded
 through GPipeStrategy.
 
-Usage: python transformers_hf.py OUT_DIR --devices K [--family F] [--schedule S] [--balance time] [--resume RUN]
-       [--data-parallel D]
+Usage: python transformers_hf.py OUT_DIR --devices K [--family F] [--schedule S] [--balance time|memory] [--resume RUN]
+       [--data-parallel D] [--precision P] [--fit-only]
 Each rank writes the starting checkpoint (``save_pretrained`` of a seeded model of family ``F``, see ``FAMILIES``)
 to OUT_DIR/init_rank{r}; then the family's ``lightning_gpipe.hf`` module (``CausalLM``, ``MaskedLM`` or
 ``SequenceClassifier``) built on the meta device, each stage loading only its own tensors from it, is fitted for
@@ -13,6 +13,12 @@ OUT_DIR/losses.pt (the per-step training losses on the last stage). Decoders the
 through the pipeline with ``trainer.predict``, with the stages' key/value caches (OUT_DIR/generated.pt, rank 0) and
 without (``kv_cache=False``: OUT_DIR/generated_no_cache.pt).
 
+``--precision P`` is the Trainer's (default ``32-true``). Every run writes OUT_DIR/run_rank{r}.json: the stage's
+backbone layers (by their index), Lightning's precision plugin, the dtypes of the first local layer's outputs in the
+training steps, and the strategy's profiled ``layer_costs`` (``--balance time|memory``) with the balance
+``lightning_gpipe.balance_by`` gives for them. ``--fit-only`` writes no checkpoint, no saved directory and decodes
+nothing.
+
 ``--data-parallel D`` runs D replicas of a ``K / D``-stage pipeline over the batches' rows, ``6 / D`` per replica
 and step, in the order of Lightning's distributed sampler (shuffled with seed 0); no losses.pt (each last stage sees
 its replica's rows). ``--resume RUN`` instead resumes the full checkpoint of the run named RUN (a sibling directory
@@ -22,6 +28,8 @@ unmodified model trained and decoding on one device; it imports this file for ``
 """
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 
@@ -160,6 +168,8 @@ if __name__ == "__main__":
     parser.add_argument("--balance", default=None)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--data-parallel", type=int, default=1)
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--fit-only", action="store_true")
     args = parser.parse_args()
     rank = int(os.environ.get("LOCAL_RANK", "0"))
 
@@ -170,6 +180,33 @@ if __name__ == "__main__":
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             if outputs is not None:
                 self.losses.append(float(outputs["loss"]))
+
+    class Recorder(Callback):
+        """The stage's backbone layers, and the dtypes of the outputs of each one's ``nn.Linear`` modules while it
+        trains (a decoder block's own output is its fp32 residual stream even under autocast)."""
+
+        def __init__(self) -> None:
+            self.layers: list[int] = []
+            self.dtypes: dict[int, set[str]] = {}
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.layers = [int(name) for name in pl_module.backbone._modules]
+            self.hooks = [
+                linear.register_forward_hook(self._hook(i))
+                for i in self.layers
+                for linear in pl_module.backbone._modules[str(i)].modules()
+                if isinstance(linear, torch.nn.Linear)
+            ]
+
+        def _hook(self, i: int):
+            def record(module, inputs, output) -> None:
+                self.dtypes.setdefault(i, set()).add(str(output.dtype).removeprefix("torch."))
+
+            return record
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            for hook in self.hooks:
+                hook.remove()
 
     L.seed_everything(0, verbose=False)  # the distributed sampler's shuffle (an earlier script may have set another)
     init = os.path.join(args.out, f"init_rank{rank}")
@@ -182,21 +219,23 @@ if __name__ == "__main__":
     extra = {"max_new_tokens": MAX_NEW_TOKENS} if is_decoder(args.family) else {}
     module = module_class(pretrained=init, attn_implementation="eager", **extra, **OPTIMIZATION)
     resumed = args.resume is not None
-    callbacks = [losses := Losses()]
-    if not resumed:
+    callbacks = [losses := Losses(), recorder := Recorder()]
+    if not resumed and not args.fit_only:
         callbacks += [
             ModelCheckpoint(dirpath=args.out, filename="full", every_n_train_steps=STEPS, save_top_k=-1),
             hf.SavePretrained(os.path.join(args.out, "saved")),
         ]
     dp = args.data_parallel
     mesh = {"pipeline_parallel_size": args.devices // dp, "data_parallel_size": dp} if dp > 1 else {}
+    strategy = lightning_gpipe.GPipeStrategy(chunks=3, schedule=args.schedule, balance=args.balance, **mesh)
     trainer = L.Trainer(
-        strategy=lightning_gpipe.GPipeStrategy(chunks=3, schedule=args.schedule, balance=args.balance, **mesh),
+        strategy=strategy,
         accelerator="cpu",
         devices=args.devices,
+        precision=args.precision,
         max_steps=STEPS + RESUMED_STEPS if resumed else STEPS,
         default_root_dir=args.out,
-        enable_checkpointing=not resumed,
+        enable_checkpointing=not resumed and not args.fit_only,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -211,8 +250,18 @@ if __name__ == "__main__":
     torch.save(own, os.path.join(args.out, f"state_rank{rank}.pt"))
     if losses.losses and rank == args.devices - 1 and dp == 1:
         torch.save(losses.losses, os.path.join(args.out, "losses.pt"))
+    costs = strategy.layer_costs
+    record = {
+        "layers": recorder.layers,
+        "precision_plugin": type(trainer.precision_plugin).__name__,
+        "dtypes": {i: sorted(dtypes) for i, dtypes in recorder.dtypes.items()},
+        "layer_costs": None if costs is None else [dataclasses.asdict(cost) for cost in costs],
+        "balance_by": None if costs is None else lightning_gpipe.balance_by(args.balance, costs, args.devices // dp),
+    }
+    with open(os.path.join(args.out, f"run_rank{rank}.json"), "w") as f:
+        json.dump(record, f)
 
-    if is_decoder(args.family) and not resumed:
+    if is_decoder(args.family) and not resumed and not args.fit_only:
         predictor = L.Trainer(
             strategy=lightning_gpipe.GPipeStrategy(chunks=2),
             accelerator="cpu",
