@@ -98,8 +98,8 @@ class _FakeStage:
         if not self.is_first:
             self._send(("gradient", self.stage_index, i))
 
-    def backward_weights(self, i):
-        self.calls.append(("weights", i))
+    def backward_weights(self, indices):
+        self.calls += [("weights", i) for i in indices]
 
     def flush(self):
         self.wire.wait_received(set(self.sends))
