@@ -12,6 +12,8 @@ the same mini-batch, the same M, the same initial weights, SGD, ``checkpoint="ne
            (the backbone split into 2K parts), K processes x 1 thread
   tgp      torchgpipe GPipe(devices=["cpu"] * K) in ONE process: a worker thread per partition, one torch
            intra-op thread, so the partitions share one Python interpreter (and its GIL)
+  ours/LW-1f1b, ours/EW-1f1b   1F1B with the B/W split (``defer_weight_grad=True``)
+  ours/L-zb, ours/E-zb   zero-bubble ZB-H1 (Qi et al. 2023): GPipeStrategy(schedule="zb-h1"), our engine's ZB-H1 plans
   ours/L-1f1b, ours/E-1f1b, tp/1F1B   1F1B (PipeDream-Flush, Narayanan et al. 2021): GPipeStrategy(schedule="1f1b"),
            our engine's 1F1B plans, torch's Schedule1F1B; "1F1B over fill-drain" lines compare each
            with its fill-drain twin (the same bubble: about 1.00 expected)
@@ -51,6 +53,10 @@ KINDS = {
     "ours/L-1f1b": ("lightning", 1, ["--schedule", "1f1b"], "ours/L with schedule='1f1b'"),
     "ours/E-1f1b": ("bare", None, ["--schedule", "1f1b"], "ours/E running 1F1B plans"),
     "tp/1F1B": ("tp-1f1b", None, [], "torch.distributed.pipelining Schedule1F1B, {k} processes x 1 thread"),
+    "ours/LW-1f1b": ("lightning", 1, ["--schedule", "1f1b", "--defer-weight-grad"], "ours/L-1f1b with the B/W split"),
+    "ours/EW-1f1b": ("bare", None, ["--schedule", "1f1b", "--defer-weight-grad"], "ours/E-1f1b with the B/W split"),
+    "ours/L-zb": ("lightning", 1, ["--schedule", "zb-h1"], "ours/L with schedule='zb-h1' (zero-bubble ZB-H1)"),
+    "ours/E-zb": ("bare", None, ["--schedule", "zb-h1"], "ours/E running ZB-H1 plans"),
 }
 """label -> (kind of benchmarks/_runs.py, processes the driver starts (None: K), its extra arguments, description)."""
 
@@ -129,6 +135,16 @@ def _drive(args: argparse.Namespace, grid: list[harness.Config]) -> None:
     harness.drive(settings, grid, args, lambda results: summarise(args, results))
 
 
+SPLITS = (
+    ("ours/LW", "ours/L", "fill-drain, B/W split over whole backwards"),
+    ("ours/LW-1f1b", "ours/L-1f1b", "1F1B, B/W split over whole backwards"),
+    ("ours/L-zb", "ours/L-1f1b", "ZB-H1 over 1F1B"),
+    ("ours/L-zb", "ours/LW-1f1b", "ZB-H1 over 1F1B with the B/W split"),
+    ("ours/E-zb", "ours/E-1f1b", "ZB-H1 over 1F1B (bare engine)"),
+)
+"""(label, the label it is compared with, what the ratio shows): > 1 when the first is faster."""
+
+
 def summarise(args: argparse.Namespace, results: dict[str, harness.Series]) -> None:
     """For each M: each peer's time over ours (> 1: we are faster), and Lightning's cost over the bare engine."""
     ours = [label for label in args.only if label.startswith("ours/")]
@@ -140,7 +156,7 @@ def summarise(args: argparse.Namespace, results: dict[str, harness.Series]) -> N
                 harness.print_ratio(f"{now} vs {before} (> 1: faster now)", results[a], results[b], a, b)
         for a, b in [(f"{p}/M{m}", f"{o}/M{m}") for p in peers for o in ours]:
             harness.print_ratio(f"{b} vs {a}", results[a], results[b], a, b)
-        for lightning, bare in (("ours/L", "ours/E"), ("ours/LW", "ours/EW")):
+        for lightning, bare in (("ours/L", "ours/E"), ("ours/LW", "ours/EW"), ("ours/L-zb", "ours/E-zb")):
             if lightning in ours and bare in ours:
                 a, b = f"{lightning}/M{m}", f"{bare}/M{m}"
                 harness.print_ratio(f"Lightning's cost, M={m}", results[a], results[b], a, b)
@@ -148,6 +164,10 @@ def summarise(args: argparse.Namespace, results: dict[str, harness.Series]) -> N
             if one in args.only and fill in args.only:
                 a, b = f"{one}/M{m}", f"{fill}/M{m}"
                 harness.print_ratio(f"1F1B over fill-drain, M={m}", results[a], results[b], a, b)
+        for split, whole, what in SPLITS:
+            if split in args.only and whole in args.only:
+                a, b = f"{whole}/M{m}", f"{split}/M{m}"
+                harness.print_ratio(f"{what}, M={m}", results[a], results[b], a, b)
 
 
 if __name__ == "__main__":
