@@ -1,8 +1,8 @@
 """Throughput of our GPipe engine against torch.distributed.pipelining's ScheduleGPipe and torchgpipe, on CPU.
 
 The same balanced MLP (benchmarks/models.py: backbone split evenly by parameters, head on the last stage),
-the same mini-batch, the same M, the same initial weights, SGD, ``checkpoint="never"`` everywhere
-(ScheduleGPipe has no re-materialization of its own). For each M:
+the same mini-batch, the same M, the same initial weights, SGD, ``checkpoint="never"`` everywhere by default
+(ScheduleGPipe has no re-materialization of its own; ``--checkpoint`` sets ours and torchgpipe's). For each M:
 
   ours/L   GPipeStrategy through Lightning's Trainer: K processes x 1 thread (the user-facing cost)
   ours/E   our engine alone (Stage, Partition, Link) in K torch.distributed processes x 1 thread, no Trainer
@@ -69,6 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=1024, help="rows per mini-batch (default 1024)")
     parser.add_argument("--width", type=int, default=1024, help="features per Linear layer (default 1024)")
     parser.add_argument("--depth", type=int, default=8, help="(Linear, ReLU) pairs (default 8)")
+    parser.add_argument(
+        "--checkpoint",
+        choices=("never", "except_last", "always"),
+        default="never",
+        help="re-materialization of ours and tgp (default never; torch's schedules have none)",
+    )
     parser.add_argument("--only", nargs="+", choices=tuple(KINDS), default=list(KINDS), help="pipelines to run")
     parser.add_argument("--before", metavar="REF", help="also run ours/L as git revision REF runs it (before/L)")
     harness.add_timing_args(parser)
@@ -94,7 +100,7 @@ def configs(args: argparse.Namespace, checkout: str | None = None) -> list[harne
             result.append(
                 harness.Config(
                     f"{label}/M{m}",
-                    [kind, *common, "--chunks", str(m), "--checkpoint", "never", *extra],
+                    [kind, *common, "--chunks", str(m), "--checkpoint", args.checkpoint, *extra],
                     nprocs=nprocs or args.devices,
                     describe=describe.format(k=args.devices) + f", M={m} (~{-(-args.batch_size // m)} rows)",
                     checkout=checkout if label in BEFORE else None,
@@ -129,7 +135,7 @@ def _drive(args: argparse.Namespace, grid: list[harness.Config]) -> None:
     """Run ``grid`` interleaved and print the tables and ratios."""
     settings = (
         f"{args.depth} x (Linear({args.width}, {args.width}), ReLU) + Linear({args.width}, 10), cross-entropy,"
-        f" batch {args.batch_size}, SGD, K={args.devices}, checkpoint never; {args.warmup} warm-up +"
+        f" batch {args.batch_size}, SGD, K={args.devices}, checkpoint {args.checkpoint}; {args.warmup} warm-up +"
         f" {args.steps} measured steps per run; {args.repeats} interleaved repeats"
     )
     harness.drive(settings, grid, args, lambda results: summarise(args, results))
