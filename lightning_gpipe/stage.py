@@ -286,10 +286,10 @@ class Stage:
                 announce += last_outputs
         if not weights:
             return
-        if announce:
-            self._announce_last_backward(announce)
         start = time.perf_counter()
-        run_together([weight for _, weight in weights])
+        run_together(
+            [weight for _, weight in weights], (lambda: self._announce_last_backward(announce)) if announce else None
+        )
         share = (time.perf_counter() - start) / len(weights)
         for n, (index, _) in enumerate(weights):
             self.events.add("weight", index, start + n * share, start + (n + 1) * share)

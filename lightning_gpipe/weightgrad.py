@@ -29,7 +29,7 @@ it is a ``torch.addmm`` (or ``torch.mm``) of the layer's input and ``weight.t()`
 it is so in every micro-batch; every other group runs as in :meth:`DeferredWeightGradient.__call__`.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch
@@ -48,8 +48,7 @@ class DeferredWeightGradient:
 
     def __call__(self) -> None:
         """Compute the weight gradients and add them to the parameters' ``.grad``."""
-        for group in self._take():
-            group.run()
+        run_together([self])
 
     def _take(self) -> list["_Group"]:
         """The groups, once (the graph is freed after them)."""
@@ -59,12 +58,18 @@ class DeferredWeightGradient:
         return groups
 
 
-def run_together(weights: Sequence[DeferredWeightGradient]) -> None:
+def run_together(weights: Sequence[DeferredWeightGradient], before_last: Optional[Callable[[], None]] = None) -> None:
     """Run several micro-batches' deferred W, each plain linear layer's as one matrix product over their rows.
 
     Adds the same gradients to ``.grad`` as calling each of ``weights`` in turn (up to the order of the sums'
-    rounding), through the parameters' own ``AccumulateGrad`` (so their hooks fire, once per parameter). See the
-    module docstring for which layers qualify; the others run one micro-batch at a time.
+    rounding), through the parameters' own ``AccumulateGrad``. See the module docstring for which layers qualify;
+    the others run one micro-batch at a time.
+
+    Args:
+        weights: the micro-batches' W, in the order of their B.
+        before_last: called before the autograd calls that give each parameter its last gradient of the call
+            (the last micro-batch's W of the layers that do not qualify, the products of those that do), so that
+            from then on each parameter's hooks fire once (a data-parallel reducer is announced there).
 
     Raises:
         RuntimeError: if one of ``weights`` was already computed.
@@ -74,18 +79,28 @@ def run_together(weights: Sequence[DeferredWeightGradient]) -> None:
         {key: group for group in groups if (key := _linear_key(group)) is not None} for groups in per_micro_batch
     ]
     common = set.intersection(*(set(found) for found in linears)) if len(weights) > 1 else set()
-    for groups, found in zip(per_micro_batch, linears):
-        fused = {id(found[key]) for key in common}
+    alone = [
+        [g for g in groups if id(g) not in {id(found[key]) for key in common}]
+        for groups, found in zip(per_micro_batch, linears)
+    ]
+    for groups in alone[:-1]:
         for group in groups:
-            if id(group) not in fused:
-                group.run()
-    if not common:
-        return
+            group.run()
+    if before_last is not None:
+        before_last()
+    for group in alone[-1]:
+        group.run()
+    if common:
+        _run_linears({key: [found[key] for found in linears] for key in common})
+
+
+def _run_linears(layers: dict[tuple[Node, Optional[Node]], list["_Group"]]) -> None:
+    """Each linear layer's W (by ``(weight, bias)``, its groups, one per micro-batch, see :func:`_linear_key`) as one
+    product over their rows, all added to ``.grad`` in one autograd call."""
     params, grads = [], []
-    for key in common:
-        rows = [_linear_rows(found[key]) for found in linears]
+    for (weight, bias), groups in layers.items():
+        rows = [_linear_rows(group) for group in groups]
         gradient, inputs = torch.cat([g for g, _ in rows]), torch.cat([x for _, x in rows])
-        weight, bias = key
         params.append(weight.variable)
         grads.append(gradient.t().mm(inputs))
         if bias is not None:
