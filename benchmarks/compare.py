@@ -4,6 +4,7 @@ The same balanced MLP (benchmarks/models.py: backbone split evenly by parameters
 the same mini-batch, the same M, the same initial weights, SGD, ``checkpoint="never"`` everywhere by default
 (ScheduleGPipe has no re-materialization of its own; ``--checkpoint`` sets ours and torchgpipe's). For each M:
 
+  plain    plain Lightning, no pipeline: 1 process x 1 thread (ratios over it are speed-ups)
   ours/L   GPipeStrategy through Lightning's Trainer: K processes x 1 thread (the user-facing cost)
   ours/E   our engine alone (Stage, Partition, Link) in K torch.distributed processes x 1 thread, no Trainer
   ours/LW, ours/EW   the same with deferred weight gradients (``defer_weight_grad=True``, the B/W split)
@@ -42,6 +43,7 @@ import tempfile
 import _harness as harness
 
 KINDS = {
+    "plain": ("lightning", 1, ["--strategy", "plain"], "plain Lightning on one device, 1 process x 1 thread"),
     "ours/L": ("lightning", 1, [], "GPipeStrategy through the Trainer, {k} processes x 1 thread"),
     "ours/E": ("bare", None, [], "our Stage/Partition/Link without the Trainer, {k} processes x 1 thread"),
     "ours/LW": ("lightning", 1, ["--defer-weight-grad"], "ours/L with defer_weight_grad=True (B/W split)"),
@@ -58,7 +60,8 @@ KINDS = {
     "ours/L-zb": ("lightning", 1, ["--schedule", "zb-h1"], "ours/L with schedule='zb-h1' (zero-bubble ZB-H1)"),
     "ours/E-zb": ("bare", None, ["--schedule", "zb-h1"], "ours/E running ZB-H1 plans"),
 }
-"""label -> (kind of benchmarks/_runs.py, processes the driver starts (None: K), its extra arguments, description)."""
+"""label -> (kind of benchmarks/_runs.py, processes the driver starts (None: K), its extra arguments, description).
+The default run leaves out ``plain`` (``--only plain ...`` adds it)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,7 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="never",
         help="re-materialization of ours and tgp (default never; torch's schedules have none)",
     )
-    parser.add_argument("--only", nargs="+", choices=tuple(KINDS), default=list(KINDS), help="pipelines to run")
+    parser.add_argument(
+        "--only", nargs="+", choices=tuple(KINDS), default=[k for k in KINDS if k != "plain"], help="pipelines to run"
+    )
     parser.add_argument("--before", metavar="REF", help="also run ours/L as git revision REF runs it (before/L)")
     harness.add_timing_args(parser)
     args = parser.parse_args(argv)
