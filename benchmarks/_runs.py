@@ -10,7 +10,7 @@ Kinds (every process prints one JSON line through :func:`_harness.emit` at the e
   process gives every allocation of 64 KiB or more its own mapping, returned to the system when freed
   (glibc's ``mallopt(M_MMAP_THRESHOLD)``), so that its resident set follows its live tensors, not the allocator's
   cache.
-  ``--schedule 1f1b`` (also for ``bare``) runs ``GPipeStrategy(schedule="1f1b")``.
+  ``--schedule 1f1b`` or ``zb-h1`` (also for ``bare``) runs ``GPipeStrategy(schedule=...)``.
 - ``bare``: our engine (``Stage``, ``Partition``, ``Link``) driven directly, without the Trainer; one process per
   stage, started by the driver with torch.distributed's environment variables.
 - ``tp``: torch.distributed.pipelining's ``PipelineStage`` + ``ScheduleGPipe``; one process per stage, likewise.
@@ -54,11 +54,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--count-saved", action="store_true", help="lightning only: count autograd-saved bytes")
     parser.add_argument("--channels-last", action="store_true", help="lightning amoebanet only: channels_last")
-    parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe", help="lightning gpipe and bare")
+    parser.add_argument("--schedule", choices=("gpipe", "1f1b", "zb-h1"), default="gpipe", help="lightning gpipe, bare")
     parser.add_argument(
         "--defer-weight-grad",
-        action="store_true",
-        help="lightning gpipe and bare: GPipeStrategy(defer_weight_grad=True)",
+        action=argparse.BooleanOptionalAction,
+        help="lightning gpipe and bare: GPipeStrategy(defer_weight_grad=True) (--no-...: False; neither: None, the"
+        " schedule's default)",
     )
     parser.add_argument(
         "--breakdown", action="store_true", help="lightning gpipe only: where each stage's step time goes (spans)"
@@ -373,6 +374,7 @@ def run_bare(args: argparse.Namespace) -> None:
 
     from lightning_gpipe.partition import Partition
     from lightning_gpipe.runtime import Runtime
+    from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT
     from lightning_gpipe.stage import Stage
     from lightning_gpipe.job import Job
     from lightning_gpipe.transfer import Link
@@ -383,7 +385,8 @@ def run_bare(args: argparse.Namespace) -> None:
     partition = Partition(layers)
     prev_rank, next_rank = rank - 1 if rank > 0 else None, rank + 1 if rank < world - 1 else None
     link = Link(prev_rank, next_rank, torch.device("cpu"), job=Job())
-    stage = Stage(partition, link, rank, world, args.chunks, args.checkpoint, args.defer_weight_grad)
+    defer = DEFERRED_BY_DEFAULT[args.schedule] if args.defer_weight_grad is None else args.defer_weight_grad
+    stage = Stage(partition, link, rank, world, args.chunks, args.checkpoint, defer)
     runtime = Runtime(stage, args.schedule, world)
     x, y = _batch(args)
 

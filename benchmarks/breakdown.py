@@ -16,6 +16,7 @@ Usage::
 
     python benchmarks/breakdown.py                               # K=2, M=8, batch 1024, checkpoint="never"
     python benchmarks/breakdown.py --checkpoint except_last --repeats 5
+    python benchmarks/breakdown.py --schedule zb-h1                # zero-bubble ZB-H1 (its B/W split is its default)
 """
 
 import argparse
@@ -53,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--defer-weight-grad", action="store_true", help="GPipeStrategy(defer_weight_grad=True): the B/W split"
     )
+    parser.add_argument("--schedule", choices=("gpipe", "1f1b", "zb-h1"), default="gpipe", help="default gpipe")
     harness.add_timing_args(parser)
     args = parser.parse_args(argv)
     harness.check_positive(parser, args, ("devices", "chunks", "batch_size", "width", "repeats"))
@@ -65,7 +67,7 @@ def configs(args: argparse.Namespace) -> list[harness.Config]:
     common = ["lightning", "--batch-size", str(args.batch_size), "--width", str(args.width)]
     common += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     pipeline = ["--strategy", "gpipe", "--devices", str(args.devices), "--chunks", str(args.chunks)]
-    pipeline += ["--checkpoint", args.checkpoint, "--breakdown"]
+    pipeline += ["--checkpoint", args.checkpoint, "--schedule", args.schedule, "--breakdown"]
     pipeline += ["--defer-weight-grad"] if args.defer_weight_grad else []
     one = ["--strategy", "gpipe", "--devices", "1", "--chunks", "1", "--checkpoint", "except_last"]
     return [
@@ -75,7 +77,7 @@ def configs(args: argparse.Namespace) -> list[harness.Config]:
             "gpipe",
             [*common, *pipeline],
             describe=f"GPipeStrategy(chunks={args.chunks}, checkpoint={args.checkpoint!r},"
-            f" defer_weight_grad={args.defer_weight_grad}), devices={args.devices}",
+            f" schedule={args.schedule!r}, defer_weight_grad={args.defer_weight_grad or None}), devices={args.devices}",
         ),
     ]
 
@@ -151,7 +153,8 @@ def simulated_ms(args: argparse.Namespace, parts: dict[tuple[int, str], float], 
     ]
     optimizer = [part(k, "relay") + part(k, "optimizer") for k in stages]
     loss = part(stages[-1], "loss")
-    return 1e3 * simulate(costs, args.chunks, args.checkpoint, loss=loss, optimizer=optimizer).step_time
+    prediction = simulate(costs, args.chunks, args.checkpoint, loss=loss, optimizer=optimizer, schedule=args.schedule)
+    return 1e3 * prediction.step_time
 
 
 if __name__ == "__main__":

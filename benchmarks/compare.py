@@ -1,9 +1,10 @@
 """Throughput of our GPipe engine against torch.distributed.pipelining's ScheduleGPipe and torchgpipe, on CPU.
 
 The same balanced MLP (benchmarks/models.py: backbone split evenly by parameters, head on the last stage),
-the same mini-batch, the same M, the same initial weights, SGD, ``checkpoint="never"`` everywhere
-(ScheduleGPipe has no re-materialization of its own). For each M:
+the same mini-batch, the same M, the same initial weights, SGD, ``checkpoint="never"`` everywhere by default
+(ScheduleGPipe has no re-materialization of its own; ``--checkpoint`` sets ours and torchgpipe's). For each M:
 
+  plain    plain Lightning, no pipeline: 1 process x 1 thread (ratios over it are speed-ups)
   ours/L   GPipeStrategy through Lightning's Trainer: K processes x 1 thread (the user-facing cost)
   ours/E   our engine alone (Stage, Partition, Link) in K torch.distributed processes x 1 thread, no Trainer
   ours/LW, ours/EW   the same with deferred weight gradients (``defer_weight_grad=True``, the B/W split)
@@ -12,14 +13,16 @@ the same mini-batch, the same M, the same initial weights, SGD, ``checkpoint="ne
            (the backbone split into 2K parts), K processes x 1 thread
   tgp      torchgpipe GPipe(devices=["cpu"] * K) in ONE process: a worker thread per partition, one torch
            intra-op thread, so the partitions share one Python interpreter (and its GIL)
+  ours/LW-1f1b, ours/EW-1f1b   1F1B with the B/W split (``defer_weight_grad=True``)
+  ours/L-zb, ours/E-zb   zero-bubble ZB-H1 (Qi et al. 2023): GPipeStrategy(schedule="zb-h1"), our engine's ZB-H1 plans
   ours/L-1f1b, ours/E-1f1b, tp/1F1B   1F1B (PipeDream-Flush, Narayanan et al. 2021): GPipeStrategy(schedule="1f1b"),
            our engine's 1F1B plans, torch's Schedule1F1B; "1F1B over fill-drain" lines compare each
            with its fill-drain twin (the same bubble: about 1.00 expected)
 
-With ``--before REF`` (a git revision of this repository), ``before/L`` (and ``before/L-1f1b`` when
-``ours/L-1f1b`` runs) is ours/L as that revision's code runs it: its ``benchmarks/_runs.py`` and its package,
-from ``git archive REF``, in the same interleaved run, so a change of the engine is measured as not slower
-("ours/L vs before/L" close to 1.00).
+With ``--before REF`` (a git revision of this repository), ``before/L`` (and ``before/L-1f1b``, ``before/LW``
+when ``ours/L-1f1b``, ``ours/LW`` run) is ours/L as that revision's code runs it: its ``benchmarks/_runs.py`` and
+its package, from ``git archive REF``, in the same interleaved run, so a change of the engine is measured as not
+slower ("ours/L vs before/L" close to 1.00).
 
 The figure is rank 0's steady-state time per optimizer step; throughput ratios are time ratios, e.g.
 median(tp) / median(ours/L) > 1 means we train faster than ScheduleGPipe. Runs are interleaved fresh processes.
@@ -40,6 +43,7 @@ import tempfile
 import _harness as harness
 
 KINDS = {
+    "plain": ("lightning", 1, ["--strategy", "plain"], "plain Lightning on one device, 1 process x 1 thread"),
     "ours/L": ("lightning", 1, [], "GPipeStrategy through the Trainer, {k} processes x 1 thread"),
     "ours/E": ("bare", None, [], "our Stage/Partition/Link without the Trainer, {k} processes x 1 thread"),
     "ours/LW": ("lightning", 1, ["--defer-weight-grad"], "ours/L with defer_weight_grad=True (B/W split)"),
@@ -51,8 +55,13 @@ KINDS = {
     "ours/L-1f1b": ("lightning", 1, ["--schedule", "1f1b"], "ours/L with schedule='1f1b'"),
     "ours/E-1f1b": ("bare", None, ["--schedule", "1f1b"], "ours/E running 1F1B plans"),
     "tp/1F1B": ("tp-1f1b", None, [], "torch.distributed.pipelining Schedule1F1B, {k} processes x 1 thread"),
+    "ours/LW-1f1b": ("lightning", 1, ["--schedule", "1f1b", "--defer-weight-grad"], "ours/L-1f1b with the B/W split"),
+    "ours/EW-1f1b": ("bare", None, ["--schedule", "1f1b", "--defer-weight-grad"], "ours/E-1f1b with the B/W split"),
+    "ours/L-zb": ("lightning", 1, ["--schedule", "zb-h1"], "ours/L with schedule='zb-h1' (zero-bubble ZB-H1)"),
+    "ours/E-zb": ("bare", None, ["--schedule", "zb-h1"], "ours/E running ZB-H1 plans"),
 }
-"""label -> (kind of benchmarks/_runs.py, processes the driver starts (None: K), its extra arguments, description)."""
+"""label -> (kind of benchmarks/_runs.py, processes the driver starts (None: K), its extra arguments, description).
+The default run leaves out ``plain`` (``--only plain ...`` adds it)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,7 +72,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=1024, help="rows per mini-batch (default 1024)")
     parser.add_argument("--width", type=int, default=1024, help="features per Linear layer (default 1024)")
     parser.add_argument("--depth", type=int, default=8, help="(Linear, ReLU) pairs (default 8)")
-    parser.add_argument("--only", nargs="+", choices=tuple(KINDS), default=list(KINDS), help="pipelines to run")
+    parser.add_argument(
+        "--checkpoint",
+        choices=("never", "except_last", "always"),
+        default="never",
+        help="re-materialization of ours and tgp (default never; torch's schedules have none)",
+    )
+    parser.add_argument(
+        "--only", nargs="+", choices=tuple(KINDS), default=[k for k in KINDS if k != "plain"], help="pipelines to run"
+    )
     parser.add_argument("--before", metavar="REF", help="also run ours/L as git revision REF runs it (before/L)")
     harness.add_timing_args(parser)
     args = parser.parse_args(argv)
@@ -71,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-BEFORE = {"before/L": "ours/L", "before/L-1f1b": "ours/L-1f1b"}
+BEFORE = {"before/L": "ours/L", "before/L-1f1b": "ours/L-1f1b", "before/LW": "ours/LW"}
 """label of a run of the ``--before`` revision -> the label of ours it repeats."""
 
 
@@ -88,7 +105,7 @@ def configs(args: argparse.Namespace, checkout: str | None = None) -> list[harne
             result.append(
                 harness.Config(
                     f"{label}/M{m}",
-                    [kind, *common, "--chunks", str(m), "--checkpoint", "never", *extra],
+                    [kind, *common, "--chunks", str(m), "--checkpoint", args.checkpoint, *extra],
                     nprocs=nprocs or args.devices,
                     describe=describe.format(k=args.devices) + f", M={m} (~{-(-args.batch_size // m)} rows)",
                     checkout=checkout if label in BEFORE else None,
@@ -123,10 +140,20 @@ def _drive(args: argparse.Namespace, grid: list[harness.Config]) -> None:
     """Run ``grid`` interleaved and print the tables and ratios."""
     settings = (
         f"{args.depth} x (Linear({args.width}, {args.width}), ReLU) + Linear({args.width}, 10), cross-entropy,"
-        f" batch {args.batch_size}, SGD, K={args.devices}, checkpoint never; {args.warmup} warm-up +"
+        f" batch {args.batch_size}, SGD, K={args.devices}, checkpoint {args.checkpoint}; {args.warmup} warm-up +"
         f" {args.steps} measured steps per run; {args.repeats} interleaved repeats"
     )
     harness.drive(settings, grid, args, lambda results: summarise(args, results))
+
+
+SPLITS = (
+    ("ours/LW", "ours/L", "fill-drain, B/W split over whole backwards"),
+    ("ours/LW-1f1b", "ours/L-1f1b", "1F1B, B/W split over whole backwards"),
+    ("ours/L-zb", "ours/L-1f1b", "ZB-H1 over 1F1B"),
+    ("ours/L-zb", "ours/LW-1f1b", "ZB-H1 over 1F1B with the B/W split"),
+    ("ours/E-zb", "ours/E-1f1b", "ZB-H1 over 1F1B (bare engine)"),
+)
+"""(label, the label it is compared with, what the ratio shows): > 1 when the first is faster."""
 
 
 def summarise(args: argparse.Namespace, results: dict[str, harness.Series]) -> None:
@@ -140,7 +167,7 @@ def summarise(args: argparse.Namespace, results: dict[str, harness.Series]) -> N
                 harness.print_ratio(f"{now} vs {before} (> 1: faster now)", results[a], results[b], a, b)
         for a, b in [(f"{p}/M{m}", f"{o}/M{m}") for p in peers for o in ours]:
             harness.print_ratio(f"{b} vs {a}", results[a], results[b], a, b)
-        for lightning, bare in (("ours/L", "ours/E"), ("ours/LW", "ours/EW")):
+        for lightning, bare in (("ours/L", "ours/E"), ("ours/LW", "ours/EW"), ("ours/L-zb", "ours/E-zb")):
             if lightning in ours and bare in ours:
                 a, b = f"{lightning}/M{m}", f"{bare}/M{m}"
                 harness.print_ratio(f"Lightning's cost, M={m}", results[a], results[b], a, b)
@@ -148,6 +175,10 @@ def summarise(args: argparse.Namespace, results: dict[str, harness.Series]) -> N
             if one in args.only and fill in args.only:
                 a, b = f"{one}/M{m}", f"{fill}/M{m}"
                 harness.print_ratio(f"1F1B over fill-drain, M={m}", results[a], results[b], a, b)
+        for split, whole, what in SPLITS:
+            if split in args.only and whole in args.only:
+                a, b = f"{whole}/M{m}", f"{split}/M{m}"
+                harness.print_ratio(f"{what}, M={m}", results[a], results[b], a, b)
 
 
 if __name__ == "__main__":

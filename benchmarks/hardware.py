@@ -6,6 +6,9 @@
 2. **Whether two processes slow each other**: one process timing W x W x W GEMMs alone, against two
    processes timing the same GEMMs at the same moment. Above 1.00x, a stage runs slower when its
    neighbour computes, and K stages on K CPUs cannot reach K times one process's speed.
+3. **What several weight gradients at once save** (issue 21): the deferred weight gradients (W,
+   ``lightning_gpipe.weightgrad``) of the same 4-layer stack over M micro-batches, run one by one against
+   ``run_together`` (one GEMM per Linear over the mini-batch's rows). Below 1.00x, running them together is faster.
 
 Every probe runs in a fresh process with one torch thread, the configurations interleaved, medians over
 the repeats (see ``_harness.py``)::
@@ -44,6 +47,30 @@ def _micro_batched(width: int, rows: int, chunks: int, steps: int) -> list[float
     return times[1:]
 
 
+def _weights(width: int, rows: int, chunks: int, steps: int, together: bool) -> list[float]:
+    """Seconds of the W of the 4-layer stack over ``rows`` rows in ``chunks`` micro-batches, one by one or together."""
+    from lightning_gpipe.weightgrad import backward_input, run_together
+
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(width, width), torch.nn.ReLU())])
+    times = []
+    for _ in range(steps + 1):
+        weights = []
+        for part in torch.randn(rows, width).chunk(chunks):
+            x = part.requires_grad_()
+            y = layers(x)
+            weights.append(backward_input([y], [torch.ones_like(y)], [x]))
+        start = time.perf_counter()
+        if together:
+            run_together(weights)
+        else:
+            for weight in weights:
+                weight()
+        times.append(time.perf_counter() - start)
+        layers.zero_grad(set_to_none=True)
+    return times[1:]
+
+
 def _gemms(width: int, steps: int, start_at: float) -> list[float]:
     """Seconds per ``width``-cubed GEMM, timed from the wall-clock moment ``start_at`` (to pair processes)."""
     a, b = torch.randn(width, width), torch.randn(width, width)
@@ -64,6 +91,8 @@ def _probe(args) -> None:
     began, queued = time.perf_counter(), run_queue_wait()
     if args.probe == "micro":
         times = _micro_batched(args.width, args.rows, args.chunk, args.steps)
+    elif args.probe in ("weights", "together"):
+        times = _weights(args.width, args.rows, args.chunk, args.steps, args.probe == "together")
     else:
         times = _gemms(args.width, args.steps, args.start_at)
     waited = (run_queue_wait() - queued) / (time.perf_counter() - began)
@@ -86,8 +115,8 @@ def _collect(processes: list[subprocess.Popen]) -> list[dict]:
     return records
 
 
-def _micro(args, chunks: int) -> dict:
-    argv = ["--probe", "micro", f"--width={args.width}", f"--rows={args.rows}", f"--chunk={chunks}"]
+def _micro(args, chunks: int, probe: str = "micro") -> dict:
+    argv = ["--probe", probe, f"--width={args.width}", f"--rows={args.rows}", f"--chunk={chunks}"]
     return _collect([_launch([*argv, f"--steps={args.steps}"])])[0]
 
 
@@ -109,6 +138,9 @@ def _report(label: str, series: dict[str, list[dict]], numerator: str, denominat
 def _drive(args) -> None:
     configs = {f"M={m}": (lambda m=m: _micro(args, m)) for m in (1, *args.chunks)}
     configs |= {"GEMM alone": lambda: _paired(args, 1), "GEMM paired": lambda: _paired(args, 2)}
+    for m in args.chunks:
+        configs |= {f"W 1by1 M={m}": lambda m=m: _micro(args, m, "weights")}
+        configs |= {f"W tog. M={m}": lambda m=m: _micro(args, m, "together")}
     series: dict[str, list[dict]] = {name: [] for name in configs}
     for _ in range(args.repeats):
         for name, measure in configs.items():
@@ -121,6 +153,8 @@ def _drive(args) -> None:
     for m in args.chunks:
         _report(f"micro-batching, {m} x {args.rows // m} rows over 1 x {args.rows}", series, f"M={m}", "M=1")
     _report("two processes side by side, GEMM paired over alone", series, "GEMM paired", "GEMM alone")
+    for m in args.chunks:
+        _report(f"W of {m} micro-batches, together over one by one", series, f"W tog. M={m}", f"W 1by1 M={m}")
 
 
 def main() -> None:
@@ -131,7 +165,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=6, help="forward+backward passes per micro-batching probe")
     parser.add_argument("--gemms", type=int, default=40, help="GEMMs per pairing probe")
-    parser.add_argument("--probe", choices=["micro", "gemm"], help=argparse.SUPPRESS)
+    parser.add_argument("--probe", choices=["micro", "gemm", "weights", "together"], help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--start-at", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -15,12 +15,15 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 
 from lightning_gpipe.balance import MODES
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES
-from lightning_gpipe.schedule import SCHEDULES
+from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, SCHEDULES
 from lightning_gpipe.topology import Size, checked_size
 
 CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     "checkpoint": (CHECKPOINT_MODES, f"choose one of {', '.join(CHECKPOINT_MODES)}"),
-    "schedule": (tuple(SCHEDULES), "choose 'gpipe' (fill-drain) or '1f1b' (one forward, one backward)"),
+    "schedule": (
+        tuple(SCHEDULES),
+        "choose 'gpipe' (fill-drain), '1f1b' (one forward, one backward) or 'zb-h1' (zero-bubble 1F1B)",
+    ),
     "start_method": (("popen", "spawn"), "choose 'popen' or 'spawn'"),
     "state_dict_type": (("full", "sharded"), "choose 'full' or 'sharded'"),
 }
@@ -60,7 +63,12 @@ class PipelineConfig:
             (Narayanan et al. 2021): each micro-batch's backward starts as soon as its loss exists, so stage k
             of K holds at most ``K - k`` micro-batches; same gradients, same bubble. Under ``"1f1b"`` the last
             stage runs ``training_step`` once per micro-batch on its rows of the batch, weighting each loss
-            by its share of the rows (see docs/contract.md, "1F1B"). Evaluation is the same forward for both.
+            by its share of the rows (see docs/contract.md, "1F1B"). ``"zb-h1"`` is zero-bubble's ZB-H1 (Qi et al.
+            2023, section 3.1): 1F1B with each backward split into the input gradient (B) and the weight gradient
+            (W), stage k running each W k micro-batches after its B, where it would otherwise wait; it runs the
+            user's step like ``"1f1b"``, holds at most K micro-batches on each stage (1F1B's peak, on stage 0)
+            and needs the B/W split (``defer_weight_grad`` unset or ``True``). Evaluation is the same forward for
+            all three.
         deferred_batch_norm: ``True`` makes the backbone's ``nn.BatchNorm1d/2d/3d`` layers normalise with
             micro-batch statistics but update their running statistics once per mini-batch, equal to
             single-device batch norm's (see :class:`~lightning_gpipe.batchnorm.DeferredBatchNorm`); the
@@ -72,7 +80,8 @@ class PipelineConfig:
             backward one weight gradient earlier. Same gradients. Under fill-drain with ``checkpoint="never"``
             the last stage runs every weight gradient after its last input gradient (its graphs are all held
             at the fill's end anyway); elsewhere a micro-batch's graph is held no longer than without the
-            split (docs/how-it-works.md). ``False`` (default) computes both in one backward.
+            split (docs/how-it-works.md). ``False`` computes both in one backward. ``None`` (default): the
+            schedule's default, :data:`~lightning_gpipe.schedule.DEFERRED_BY_DEFAULT`.
         pipeline_parallel_size: K, the stages of each pipeline. ``"auto"`` (default): the length of a list
             ``balance``, else ``devices * num_nodes / data_parallel_size`` if that is given, else ``devices`` (one
             pipeline per node).
@@ -108,7 +117,7 @@ class PipelineConfig:
     checkpoint: str = "except_last"
     schedule: str = "gpipe"
     deferred_batch_norm: bool = False
-    defer_weight_grad: bool = False
+    defer_weight_grad: Optional[bool] = None
     backbone: Optional[str] = None
     balance_memory_limit: Optional[int] = None
     start_method: str = "popen"
@@ -128,6 +137,7 @@ class PipelineConfig:
         for option, (allowed, fix) in CHOICES.items():
             if getattr(self, option) not in allowed:
                 raise ValueError(f"GPipeStrategy({option}={getattr(self, option)!r}): {fix}.")
+        self._check_weight_split()
         self._check_balance()
         stall = self.stall_timeout
         if stall is not None and (not isinstance(stall, timedelta) or stall <= timedelta(0)):
@@ -139,6 +149,28 @@ class PipelineConfig:
         checked_size(self.data_parallel_size, "data_parallel_size")
         if self.balance is not None and not isinstance(self.balance, str):
             object.__setattr__(self, "balance", list(self.balance))
+
+    def _check_weight_split(self) -> None:
+        defer = self.defer_weight_grad
+        if defer is not None and not isinstance(defer, bool):
+            raise ValueError(
+                f"GPipeStrategy(defer_weight_grad={defer!r}): give True (the B/W split), False, or None for the"
+                " schedule's default."
+            )
+        if defer is False and self.schedule == "zb-h1":
+            raise ValueError(
+                "GPipeStrategy(schedule='zb-h1', defer_weight_grad=False): ZB-H1 runs each weight gradient apart from"
+                " its input gradient, so it needs the B/W split; leave defer_weight_grad unset (or True), or choose"
+                " schedule='1f1b'."
+            )
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the stages after the first split each backward into B and W: ``defer_weight_grad``, or if
+        ``None``, the schedule's default (:data:`~lightning_gpipe.schedule.DEFERRED_BY_DEFAULT`)."""
+        if self.defer_weight_grad is None:
+            return DEFERRED_BY_DEFAULT[self.schedule]
+        return self.defer_weight_grad
 
     def _check_balance(self) -> None:
         balance, limit = self.balance, self.balance_memory_limit

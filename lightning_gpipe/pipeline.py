@@ -258,7 +258,7 @@ def split_into_stage(
     link, skip_links = _links(topology, rank, skips, device, job)
     chunks = config.chunks_for(num_stages)
     stage = Stage(
-        split.partition, link, stage_index, num_stages, chunks, config.checkpoint, config.defer_weight_grad, skip_links
+        split.partition, link, stage_index, num_stages, chunks, config.checkpoint, config.splits_backward, skip_links
     )
     runtime = Runtime(stage, config.schedule, num_stages, position=job.position)
     backbone_call = BackboneCall(runtime, stage.is_last, share=share, randomness=randomness, position=job.position)

@@ -5,7 +5,9 @@ stage scatters the backbone input; the others receive the count with the first a
 phases are cut points in the plan: :meth:`Runtime.forward` (what the backbone call runs in ``training_step``) runs
 the actions before the cut, :meth:`Runtime.backward` (what ``Strategy.backward`` runs) the rest. A schedule whose
 last stage needs each micro-batch's loss during the step (1F1B) runs whole in :meth:`Runtime.step`. Evaluation runs
-the forwards and sends of the fill, then waits for the sends.
+the forwards and sends of the fill, then waits for the sends. W actions that follow each other run as one call
+(:meth:`Stage.backward_weights <lightning_gpipe.stage.Stage.backward_weights>`), which computes each plain linear
+layer's weight gradient over their micro-batches as one matrix product.
 """
 
 from collections.abc import Callable, Iterator
@@ -120,13 +122,19 @@ class Runtime:
 
     def _run(self, plan: Plan, end: int, head: Optional[Head] = None) -> None:
         """Execute ``plan.actions`` from where the last call stopped up to ``end``, each recorded in the position."""
-        position, total = self.position, len(plan.actions)
+        position, total, number = self.position, len(plan.actions), self._done
         try:
-            for number in range(self._done, end):
+            while number < end:
+                action = plan.actions[number]
                 if position is not None:
-                    action = plan.actions[number]
                     position.act(number + 1, total, action.kind.value, action.micro_batch)
-                self._execute(plan.actions[number], head)
+                if action.kind is Kind.WEIGHT:  # W back to back run at once (one product per linear layer)
+                    together = _weights_from(plan.actions, number, end)
+                    self.stage.backward_weights(together)
+                    number += len(together)
+                else:
+                    self._execute(action, head)
+                    number += 1
         finally:
             if position is not None:
                 position.leave_plan()
@@ -149,10 +157,18 @@ class Runtime:
             stage.recompute(i)
         elif kind is Kind.BACKWARD:
             stage.backward(i)
-        elif kind is Kind.WEIGHT:
-            stage.backward_weights(i)
         elif kind is Kind.FLUSH:
             stage.flush()
+
+
+def _weights_from(actions: tuple[Action, ...], start: int, end: int) -> list[int]:
+    """The micro-batches of the W actions from ``actions[start]`` on, up to the first other action or ``end``."""
+    indices = []
+    for action in actions[start:end]:
+        if action.kind is not Kind.WEIGHT:
+            break
+        indices.append(action.micro_batch)
+    return indices
 
 
 def _chain(first: Optional[tuple[int, Value, int]], rest: Iterator) -> Iterator[tuple[int, Value, int]]:

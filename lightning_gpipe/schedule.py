@@ -110,12 +110,6 @@ def weights_after_drain(is_last: bool, checkpoint: str) -> bool:
     return is_last and checkpoint == "never"
 
 
-def _backward(stage_index: int, index: int, count: int, checkpoint: str, defer: bool) -> list[Action]:
-    """The recompute (if checkpointed), B and W (if split) of micro-batch ``index``, one after the other."""
-    actions = [Action(Kind.RECOMPUTE, index)] if checkpointed(checkpoint, index, count) else []
-    return actions + [Action(Kind.BACKWARD, index)] + [Action(Kind.WEIGHT, index)] * _splits(stage_index, defer)
-
-
 def _splits(stage_index: int, defer: bool) -> bool:
     """Whether a stage splits its backwards into B and W: the first stage sends no input gradient, so it does not."""
     return defer and stage_index > 0
@@ -156,34 +150,82 @@ def one_f_one_b(stage_index: int, num_stages: int, count: int, checkpoint: str, 
     and with equal stages the same bubble, ``(K - 1) / (M + K - 1)``. Each gradient's receive is posted right after
     the micro-batch's activation is sent; in the steady phase, after each forward, the stage waits for its earlier
     sends (by then received), so sent tensors are freed with their micro-batch. The whole plan runs in
-    ``training_step``.
+    ``training_step``. With deferred weight gradients each W follows its B.
     """
+    return _one_forward_one_backward(stage_index, num_stages, count, checkpoint, defer_weight_grad, delay=0)
+
+
+def zero_bubble_h1(stage_index: int, num_stages: int, count: int, checkpoint: str, defer_weight_grad: bool) -> Plan:
+    """ZB-H1, the zero-bubble schedule of Qi et al. 2023 ("Zero Bubble Pipeline Parallelism", arXiv:2401.10241,
+    section 3.1, Figure 3), with a fixed placement of the weight gradients.
+
+    1F1B's order of forwards and input gradients (B, see :func:`one_f_one_b`), each backward split into B and W;
+    stage k of K runs the W of micro-batch ``j`` after the B of micro-batch ``j + k`` (in the steady phase, just
+    before its next forward; the last k W after its last B). A stage's B thus reaches the previous stage without
+    the stage's own W in between, and the W fill the time the stage would otherwise wait for the next gradient or
+    activation: the later a stage, the longer the previous ones keep it waiting at the end of the step, the more W
+    it holds back. Stage k then holds at most ``K - k`` micro-batches waiting for B plus ``k`` waiting for W, K in
+    all, which is 1F1B's peak (on stage 0): the paper's "same memory as 1F1B". With equal stages of F, B and W
+    seconds the step is ``M (F + B + W) + (K - 1)(F + B - W)`` (the paper's bubble ``(K - 1)(F + B - W)`` against
+    1F1B's ``(K - 1)(F + B + W)``). The placement is fixed (the paper's handcrafted ZB-H1), not searched from
+    measured costs (its automatic scheduler, section 3.2). The first stage sends no input gradient, so its
+    backwards stay whole (its W follows its B, as ZB-H1 places it).
+
+    Raises:
+        ValueError: without ``defer_weight_grad``: the schedule places W apart from B, so it needs the split.
+    """
+    if not defer_weight_grad:
+        raise ValueError(
+            "schedule 'zb-h1' runs each weight gradient apart from its input gradient: it needs the B/W"
+            " split (defer_weight_grad=True)."
+        )
+    return _one_forward_one_backward(stage_index, num_stages, count, checkpoint, True, delay=stage_index)
+
+
+def _one_forward_one_backward(
+    stage_index: int, num_stages: int, count: int, checkpoint: str, defer: bool, delay: int
+) -> Plan:
+    """1F1B's order (:func:`one_f_one_b`), each deferred W run after the B of the micro-batch ``delay`` later."""
     last, warmup = stage_index == num_stages - 1, num_stages - 1 - stage_index
+    split = _splits(stage_index, defer)
     actions: list[Action] = []
+
+    def backward(j: int) -> None:
+        actions.extend([Action(Kind.RECOMPUTE, j)] * checkpointed(checkpoint, j, count) + [Action(Kind.BACKWARD, j)])
+        actions.extend([Action(Kind.WEIGHT, j - delay)] * (split and j >= delay))
+
     for i in range(count):
         actions += [Action(Kind.FORWARD, i)] + [Action(Kind.FLUSH)] * (i > warmup)
         actions += [Action(Kind.LOSS, i)] if last else [Action(Kind.SEND, i), Action(Kind.EXPECT, i)]
         if i >= warmup:
-            actions += _backward(stage_index, i - warmup, count, checkpoint, defer_weight_grad)
+            backward(i - warmup)
     for j in range(max(count - warmup, 0), count):
-        actions += _backward(stage_index, j, count, checkpoint, defer_weight_grad)
+        backward(j)
+    actions += [Action(Kind.WEIGHT, j) for j in range(max(count - delay, 0), count)] if split else []
     actions.append(Action(Kind.FLUSH))
     return Plan(tuple(actions), cut=len(actions), loss_per_micro_batch=True)
 
 
-SCHEDULES: dict[str, ScheduleFunction] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+SCHEDULES: dict[str, ScheduleFunction] = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1}
 """The schedules by the name ``GPipeStrategy(schedule=...)`` takes."""
 
+DEFERRED_BY_DEFAULT: dict[str, bool] = {"gpipe": False, "1f1b": False, "zb-h1": True}
+"""Whether each schedule splits its backwards into B and W when ``GPipeStrategy(defer_weight_grad=None)``."""
 
-def plans(schedule: str, num_stages: int, count: int, checkpoint: str, defer_weight_grad: bool = False) -> list[Plan]:
-    """Every stage's plan of one step of ``schedule`` (a name of :data:`SCHEDULES`).
+
+def plans(
+    schedule: str, num_stages: int, count: int, checkpoint: str, defer_weight_grad: Optional[bool] = None
+) -> list[Plan]:
+    """Every stage's plan of one step of ``schedule`` (a name of :data:`SCHEDULES`); ``defer_weight_grad=None``
+    (default): the schedule's default, :data:`DEFERRED_BY_DEFAULT`.
 
     Raises:
-        ValueError: for an unknown schedule.
+        ValueError: for an unknown schedule, or ``"zb-h1"`` with ``defer_weight_grad=False``.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"Unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
-    return [SCHEDULES[schedule](k, num_stages, count, checkpoint, defer_weight_grad) for k in range(num_stages)]
+    defer = DEFERRED_BY_DEFAULT[schedule] if defer_weight_grad is None else defer_weight_grad
+    return [SCHEDULES[schedule](k, num_stages, count, checkpoint, defer) for k in range(num_stages)]
 
 
 def check(stage_plans: Sequence[Plan]) -> None:

@@ -20,17 +20,22 @@ executes) in their order; a piece of work starts once the stage is free and its 
 stage k runs ``min(K - k - 1, M)`` forwards, then alternates one forward and one backward, then the remaining
 backwards; on the last stage each micro-batch's forward is followed by its share of the head and loss (``loss / M``)
 and at once by its backward.
+``schedule="zb-h1"`` is zero-bubble's ZB-H1 (Qi et al. 2023, :func:`lightning_gpipe.schedule.zero_bubble_h1`): 1F1B's
+order with the B/W split, stage k running each W ``k`` micro-batches after its B.
 Dependencies and recomputes are as above.
 
 With K equal stages, M micro-batches and only forward and backward, the step takes ``(M + K - 1)`` micro-batch
-forward-and-backward times under both schedules, and every stage idles ``(K - 1) / (M + K - 1)`` of it: the bubble.
+forward-and-backward times under fill-drain and 1F1B, and every stage idles ``(K - 1) / (M + K - 1)`` of it: the
+bubble. With B and W apart (``StageCost.weight``), ZB-H1's step is ``M (F + B + W) + (K - 1)(F + B - W)``.
 
 Memory follows :func:`lightning_gpipe.events.peak_activation_bytes`: a stage keeps a micro-batch's input until
 its backward, and its saved activations from its forward (or recompute) to its backward. Under fill-drain a stage
 holds all M micro-batches: ``checkpoint="never"`` peaks at ``M * (input + activations)``, the other modes at
 ``M * input + activations``. Under 1F1B stage k holds ``h = min(K - k, M)``: ``h * (input + activations)``,
 ``h * input + activations`` (``"always"``), and ``h * input + min(h, 2) * activations`` (``"except_last"``,
-whose last micro-batch keeps its activations while the earlier ones are recomputed).
+whose last micro-batch keeps its activations while the earlier ones are recomputed). Under ZB-H1 stage k also holds
+the graphs of the ``k`` micro-batches whose W it holds back: ``K * (input + activations)`` on every stage with
+``checkpoint="never"`` (1F1B's peak, on stage 0), ``K * input + (k + 1) * activations`` with ``"always"``.
 
 The prediction is a :class:`lightning_gpipe.trace.StepTrace`, like a measured step, so it can be drawn and
 compared span by span.
@@ -44,7 +49,7 @@ from typing import Optional
 from lightning_gpipe.balance.costs import LayerCost
 from lightning_gpipe.events import Span
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES, checkpointed
-from lightning_gpipe.schedule import COMPUTE, SCHEDULES, plans
+from lightning_gpipe.schedule import COMPUTE, DEFERRED_BY_DEFAULT, SCHEDULES, plans
 from lightning_gpipe.trace import StageTrace, StepTrace
 
 
@@ -160,12 +165,14 @@ def simulate(
         loss: seconds of the last stage's head and loss and their backward to the boundary, for the whole
             mini-batch (under 1F1B, ``loss / M`` after each micro-batch's forward).
         optimizer: seconds of the optimizer step, one number for every stage or one per stage.
-        schedule: ``"gpipe"`` (default, fill-drain) or ``"1f1b"``, as for ``GPipeStrategy``.
+        schedule: ``"gpipe"`` (default, fill-drain), ``"1f1b"`` or ``"zb-h1"``, as for ``GPipeStrategy``.
         defer_weight_grad: whether the stages after the first split their backwards into B and W, as for
-            ``GPipeStrategy``; ``None`` (default): when a stage's ``weight`` is set.
+            ``GPipeStrategy``; ``None`` (default): when a stage's ``weight`` is set, or the schedule splits by
+            default (``"zb-h1"``).
 
     Raises:
-        ValueError: for no stages, ``chunks < 1``, or an unknown ``checkpoint`` mode or ``schedule``.
+        ValueError: for no stages, ``chunks < 1``, an unknown ``checkpoint`` mode or ``schedule``, or ``"zb-h1"``
+            with ``defer_weight_grad=False``.
     """
     if not stages or chunks < 1 or checkpoint not in CHECKPOINT_MODES or schedule not in SCHEDULES:
         raise ValueError(
@@ -173,7 +180,9 @@ def simulate(
         )
     num_stages = len(stages)
     optimizers = [optimizer] * num_stages if isinstance(optimizer, (int, float)) else list(optimizer)
-    defer = any(cost.weight for cost in stages) if defer_weight_grad is None else defer_weight_grad
+    defer = defer_weight_grad
+    if defer is None:
+        defer = DEFERRED_BY_DEFAULT[schedule] or any(cost.weight for cost in stages)
     orders = _compute_orders(schedule, num_stages, chunks, checkpoint, defer)
     spans, free = _replay(stages, orders, chunks, checkpoint, transfer, loss)
     for k in range(num_stages):

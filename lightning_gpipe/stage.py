@@ -29,7 +29,7 @@ backpropagated with the activation's), and the received ones inputs (their gradi
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -43,7 +43,7 @@ from lightning_gpipe.rematerialization import RngState, checkpointed
 from lightning_gpipe.skip import tracker
 from lightning_gpipe.skip.links import SkipLinks, no_skips
 from lightning_gpipe.transfer import Link, Meta
-from lightning_gpipe.weightgrad import DeferredWeightGradient, backward_input
+from lightning_gpipe.weightgrad import DeferredWeightGradient, backward_input, run_together
 
 
 @dataclass
@@ -270,15 +270,29 @@ class Stage:
             self.link.send_grads([x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs], index)
         self.skips.send_grads(record.skip_in, index)
 
-    def backward_weights(self, index: int) -> None:
-        """W: add micro-batch ``index``'s weight gradient, queued by its :meth:`backward`, to the parameters'
-        ``.grad`` (nothing if it was not deferred: W runs in the order of the B's)."""
-        if self._weights and self._weights[0][0] == index:
-            _, weight, last_outputs = self._weights.popleft()
-            if last_outputs:
-                self._announce_last_backward(last_outputs)
-            with self.events.span("weight", index):
-                weight()
+    def backward_weights(self, indices: Sequence[int]) -> None:
+        """W: add the weight gradients of micro-batches ``indices`` (in the order of their B), queued by their
+        :meth:`backward`, to the parameters' ``.grad``; several at once run each plain linear layer's as one matrix
+        product over their rows (:func:`~lightning_gpipe.weightgrad.run_together`). Nothing for a micro-batch
+        whose W was not deferred (W runs in the order of the B's).
+
+        The time of several W run at once is recorded as one ``weight`` span per micro-batch, each an equal share.
+        """
+        weights, announce = [], []
+        for index in indices:
+            if self._weights and self._weights[0][0] == index:
+                _, weight, last_outputs = self._weights.popleft()
+                weights.append((index, weight))
+                announce += last_outputs
+        if not weights:
+            return
+        start = time.perf_counter()
+        run_together(
+            [weight for _, weight in weights], (lambda: self._announce_last_backward(announce)) if announce else None
+        )
+        share = (time.perf_counter() - start) / len(weights)
+        for n, (index, _) in enumerate(weights):
+            self.events.add("weight", index, start + n * share, start + (n + 1) * share)
 
     def _announce_last_backward(self, outputs: list[Tensor]) -> None:
         if self.before_last_backward is not None:

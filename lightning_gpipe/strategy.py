@@ -63,12 +63,12 @@ class GPipeStrategy(MeshStrategy):
         chunks: M, the micro-batches per mini-batch (default ``4 * K``).
         checkpoint: re-materialization, ``"always"``, ``"except_last"`` (default) or ``"never"``.
         deferred_batch_norm: batch norm's running statistics updated once per mini-batch (default ``False``).
-        defer_weight_grad: the zero-bubble B/W split of each backward (default ``False``).
+        defer_weight_grad: the zero-bubble B/W split of each backward (default ``None``: the schedule's default).
         backbone: the ``nn.Sequential`` attribute to pipeline (default: the only one).
         balance_memory_limit: bytes one stage may hold when choosing the balance (default: no limit).
         start_method: ``"popen"`` (default) or ``"spawn"``.
         state_dict_type: checkpoints as one ``"full"`` file (default) or a ``"sharded"`` directory.
-        schedule: ``"gpipe"`` (fill-drain, default) or ``"1f1b"``.
+        schedule: ``"gpipe"`` (fill-drain, default), ``"1f1b"`` or ``"zb-h1"`` (zero-bubble).
         pipeline_parallel_size: K, the stages of each pipeline (default ``"auto"``).
         data_parallel_size: D, the pipeline replicas (default ``"auto"``).
         timeout: the process group's timeout (30 minutes by default).
@@ -97,12 +97,12 @@ class GPipeStrategy(MeshStrategy):
         chunks: Optional[int] = None,
         checkpoint: Literal["always", "except_last", "never"] = "except_last",
         deferred_batch_norm: bool = False,
-        defer_weight_grad: bool = False,
+        defer_weight_grad: Optional[bool] = None,
         backbone: Optional[str] = None,
         balance_memory_limit: Optional[int] = None,
         start_method: Literal["popen", "spawn"] = "popen",
         state_dict_type: Literal["full", "sharded"] = "full",
-        schedule: Literal["gpipe", "1f1b"] = "gpipe",
+        schedule: Literal["gpipe", "1f1b", "zb-h1"] = "gpipe",
         pipeline_parallel_size: Size = "auto",
         data_parallel_size: Size = "auto",
         timeout: Optional[timedelta] = default_pg_timeout,

@@ -33,10 +33,11 @@ def test_pipeline_equals_single_device(stages, reference_state, reference_1f1b_s
                 torch.testing.assert_close(state[key], expected, rtol=0, atol=1e-5, msg=f"{key}, M={chunks}, {mode}")
     threads = {int((out / f"threads_rank{r}.txt").read_text()) for r in range(stages)}
     assert threads == {max(1, (torch.multiprocessing.cpu_count() or 1) // stages)}
-    for mode in MODES:  # schedule="1f1b", M = 4 >= K (uneven: 7, 6, 6, 6 rows), then M = 2 < K when K > 2
-        state_1f1b = torch.load(out / f"1f1b_{mode}.pt")
+    # schedule="1f1b" (and "zb-h1"), M = 4 >= K (uneven: 7, 6, 6, 6 rows), then M = 2 < K when K > 2
+    for schedule, mode in [("1f1b", mode) for mode in MODES] + [("zb-h1", "always"), ("zb-h1", "never")]:
+        state_1f1b = torch.load(out / f"{schedule}_{mode}.pt")
         for key, expected in reference_1f1b_state.items():
-            torch.testing.assert_close(state_1f1b[key], expected, rtol=0, atol=1e-5, msg=f"{key}, 1f1b, {mode}")
+            torch.testing.assert_close(state_1f1b[key], expected, rtol=0, atol=1e-5, msg=f"{key}, {schedule}, {mode}")
     module = TupleNet()
     module.load_state_dict(state)  # the last configuration trained
     expected = [module.predict_step(batch, i).detach() for i, batch in enumerate(loader())]

@@ -21,6 +21,7 @@ REFERENCE = {  # which single-device run each configuration of the worker must e
     "pp2_dp2_clip": {"gradient_clip_val": 0.05},
     "pp2_dp2_accumulate": {"accumulate_grad_batches": 2},
     "pp2_dp2_1f1b": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
+    "pp2_dp2_zb_h1": {"gradient_clip_val": 0.05},
     "pp1_dp4": {},
     "pp4_dp1_resumed": {},
     "pp1_dp4_resumed": {},
@@ -63,9 +64,9 @@ def _assert_equals_one_device(out, name, references) -> None:
 
 
 def test_mesh_trains_like_one_device_and_resumes_on_other_shapes():
-    """(2, 2) plain, with clipping, accumulation, and 1F1B with both; (1, 4); a (2, 2) checkpoint (full and
-    sharded) resumed as (4, 1) and (1, 4): all equal one device on the same global batches (Lightning's launcher,
-    4 processes); and each replica predicts its shard."""
+    """(2, 2) plain, with clipping, accumulation, 1F1B with both, and ZB-H1 with clipping; (1, 4); a (2, 2)
+    checkpoint (full and sharded) resumed as (4, 1) and (1, 4): all equal one device on the same global batches
+    (Lightning's launcher, 4 processes); and each replica predicts its shard."""
     out = MESH()
     _assert_equals_reference(out, REFERENCE)
     assert torch.load(out / "pp2_dp2.pt")["environment"] == "LightningEnvironment"

@@ -28,6 +28,8 @@ def runs():
         ("clip_norm", dict(gradient_clip_val=0.05)),
         ("accumulate", dict(accumulate_grad_batches=2)),
         ("deferred_weights", {}),  # with the zero-bubble B/W split (defer_weight_grad=True)
+        ("zb_h1_M8_never", {}),  # schedule="zb-h1": stage 1 runs each W one micro-batch after its B
+        ("zb_h1_M3_always", {}),  # and with re-materialization
     ],
 )
 def test_1f1b_equals_one_device(runs, name, overrides, reference_state):

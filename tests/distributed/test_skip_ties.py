@@ -35,9 +35,11 @@ def one_device():
         ("skip_except_last_deferred", "skip"),
         ("skip_1f1b_never", "skip"),
         ("skip_1f1b_always", "skip"),
+        ("skip_zb_h1_always", "skip"),
         ("skip_neighbour_1f1b", "skip"),
         ("tied_except_last", "tied"),
         ("tied_1f1b", "tied"),
+        ("tied_zb_h1", "tied"),
         ("tied_clipped", "tied_clipped"),
     ],
 )

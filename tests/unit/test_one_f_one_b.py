@@ -56,10 +56,10 @@ class _Wire:
 class _FakeStage:
     """Stage's primitives as a schedule sees them, logging calls and counting micro-batches in flight."""
 
-    def __init__(self, k: int, stages: int, chunks: int, wire: _Wire) -> None:
+    def __init__(self, k: int, stages: int, chunks: int, wire: _Wire, defer: bool = False) -> None:
         self.stage_index, self.is_first, self.is_last = k, k == 0, k == stages - 1
         self.chunks, self.wire, self.events = chunks, wire, Recorder()
-        self.checkpoint, self.defer_weight_grad, self.training = "always", False, True
+        self.checkpoint, self.defer_weight_grad, self.training = "always", defer, True
         self.calls: list[tuple[str, int]] = []
         self.held: set[int] = set()
         self.peak = 0
@@ -98,22 +98,22 @@ class _FakeStage:
         if not self.is_first:
             self._send(("gradient", self.stage_index, i))
 
-    def backward_weights(self, i):
-        self.calls.append(("weights", i))
+    def backward_weights(self, indices):
+        self.calls.append(("weights", tuple(indices)))
 
     def flush(self):
         self.wire.wait_received(set(self.sends))
 
 
-def _run_fake_pipeline(stages: int, chunks: int) -> list[_FakeStage]:
+def _run_fake_pipeline(stages: int, chunks: int, schedule: str = "1f1b") -> list[_FakeStage]:
     wire = _Wire()
-    fakes = [_FakeStage(k, stages, chunks, wire) for k in range(stages)]
+    fakes = [_FakeStage(k, stages, chunks, wire, defer=schedule == "zb-h1") for k in range(stages)]
     last = fakes[-1]
     errors = []
 
     def run(fake: _FakeStage) -> None:
         try:
-            Runtime(fake, "1f1b", stages).step(None, lambda i, count, y: last.calls.append(("head", i)))
+            Runtime(fake, schedule, stages).step(None, lambda i, count, y: last.calls.append(("head", i)))
         except BaseException as error:  # reported below
             errors.append(error)
 
@@ -145,6 +145,24 @@ def test_1f1b_order_holds_at_most_k_minus_k_micro_batches_and_never_deadlocks(st
                 assert calls.index(("send", i)) < calls.index(("expect", i)) < calls.index(("backward", i))
             else:
                 assert calls.index(("forward", i)) < calls.index(("head", i)) < calls.index(("backward", i))
+
+
+@pytest.mark.parametrize("stages, chunks", [(2, 4), (3, 5), (4, 8), (4, 2)])
+def test_zb_h1_never_deadlocks_and_runs_its_trailing_weight_gradients_in_one_call(stages, chunks):
+    for fake in _run_fake_pipeline(stages, chunks, "zb-h1"):
+        k, calls = fake.stage_index, fake.calls
+        assert fake.peak == min(stages - k, chunks)  # micro-batches waiting for their B, as under 1F1B
+        weights = [i for kind, i in calls if kind == "weights"]
+        if k == 0:  # sends no input gradient: whole backwards, no W
+            assert not weights
+            continue
+        # W of j after B of j + k, one call each; the W right after the last B and the k after it: one call
+        alone = [(j,) for j in range(chunks - 1 - k)]
+        assert weights == alone + [tuple(range(max(chunks - 1 - k, 0), chunks))]
+        for i in range(chunks):
+            assert calls.index(("backward", i)) < next(
+                n for n, c in enumerate(calls) if c[0] == "weights" and i in c[1]
+            )
 
 
 # --------------------------------------------------------------------------- one stage, real engine

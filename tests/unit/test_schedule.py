@@ -12,6 +12,10 @@ from lightning_gpipe.simulator import StageCost, simulate
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("defer", [False, True])
 def test_every_plan_pairs_its_transfers_runs_to_its_end_and_is_what_the_simulator_times(schedule, defer):
+    if schedule == "zb-h1" and not defer:
+        with pytest.raises(ValueError, match="'zb-h1' runs each weight gradient apart .* needs the B/W split"):
+            plans(schedule, 2, 4, "never", defer)
+        return
     for num_stages in range(2, 9):
         for count in range(1, 17):
             for mode in CHECKPOINT_MODES:
@@ -35,11 +39,45 @@ def test_every_plan_pairs_its_transfers_runs_to_its_end_and_is_what_the_simulato
                     assert ran == expected
 
 
-def test_the_ideal_step_and_bubble_of_both_schedules():
-    for schedule in SCHEDULES:
+def test_the_ideal_step_and_bubble_of_fill_drain_and_1f1b():
+    for schedule in ("gpipe", "1f1b"):
         prediction = simulate([StageCost(1.0, 2.0)] * 4, 8, "never", schedule=schedule)
         assert prediction.step_time == pytest.approx((8 + 4 - 1) * 3.0)
         assert prediction.bubble == pytest.approx(3 / 11)
+
+
+@pytest.mark.parametrize("num_stages, count", [(2, 4), (2, 8), (3, 8), (4, 8), (4, 16)])
+def test_zb_h1_has_the_papers_bubble_with_1f1bs_memory(num_stages, count):
+    """F = B = W = 1 (stage 0 does not split: its backward is B + W = 2): the step of ZB-H1 is
+    M (F + B + W) + (K - 1)(F + B - W), against (M + K - 1)(F + B + W) for 1F1B with or without the split."""
+    costs = [StageCost(1.0, 2.0, weight=1.0, input_bytes=1, activation_bytes=10)] * num_stages
+    zero_bubble = simulate(costs, count, "never", schedule="zb-h1")
+    one_f_one_b = simulate(costs, count, "never", schedule="1f1b", defer_weight_grad=False)
+    assert zero_bubble.step_time == pytest.approx(3 * count + (num_stages - 1))
+    assert one_f_one_b.step_time == pytest.approx(3 * (count + num_stages - 1))
+    assert zero_bubble.bubble == pytest.approx((num_stages - 1) / (3 * count + num_stages - 1))
+    assert zero_bubble.bubble < simulate(costs, count, "never", schedule="1f1b").bubble < one_f_one_b.bubble
+    held = min(num_stages, count) * 11  # 1F1B's stage 0 holds K micro-batches; ZB-H1 holds that on every stage
+    assert one_f_one_b.peak_activation_bytes[0] == held
+    assert zero_bubble.peak_activation_bytes == [held] * num_stages
+
+
+@pytest.mark.parametrize("mode", CHECKPOINT_MODES)
+def test_zb_h1_runs_the_w_of_stage_k_k_micro_batches_after_its_b(mode):
+    num_stages, count = 4, 6
+    for k, plan in enumerate(plans("zb-h1", num_stages, count, mode)):
+        order = [(a.kind, a.micro_batch) for a in plan.actions if a.kind in (Kind.BACKWARD, Kind.WEIGHT)]
+        if k == 0:  # sends no input gradient: its backwards stay whole
+            assert order == [(Kind.BACKWARD, j) for j in range(count)]
+            continue
+        expected = [(Kind.BACKWARD, j) for j in range(k)]
+        for j in range(k, count):
+            expected += [(Kind.BACKWARD, j), (Kind.WEIGHT, j - k)]
+        expected += [(Kind.WEIGHT, j) for j in range(count - k, count)]
+        assert order == expected
+        # the 1F1B order of forwards and input gradients, each W where it was (1F1B's plan, W dropped)
+        one_f_one_b = plans("1f1b", num_stages, count, mode)[k]
+        assert [a for a in plan.actions if a.kind is not Kind.WEIGHT] == list(one_f_one_b.actions)
 
 
 def test_fill_drain_runs_the_fill_in_training_step_and_1f1b_the_whole_step():
@@ -51,6 +89,10 @@ def test_fill_drain_runs_the_fill_in_training_step_and_1f1b_the_whole_step():
         "stage 0: F0 S0 E0 F1 S1 E1 R0 B0 B1 flush\nstage 1: F0 L0 R0 B0 F1 flush L1 B1 flush"
     )
     assert not fill_drain[0].loss_per_micro_batch and one_f_one_b[1].loss_per_micro_batch
+    assert format_plans(plans("zb-h1", 2, 3, "never")) == (
+        "stage 0: F0 S0 E0 F1 S1 E1 B0 F2 flush S2 E2 B1 B2 flush\n"
+        "stage 1: F0 L0 B0 F1 flush L1 B1 W0 F2 flush L2 B2 W1 W2 flush"
+    )
 
 
 def _without(plan: Plan, action: Action) -> Plan:
@@ -73,5 +115,5 @@ def test_a_broken_plan_is_an_error_naming_the_stage_and_the_action():
     (alone,) = plans("gpipe", 1, 3, "never")
     with pytest.raises(ScheduleError, match=r"stage 0 runs forwards \[0, 1, 2\] but backwards \[1, 2\]"):
         check([_without(alone, Action(Kind.BACKWARD, 0))])
-    with pytest.raises(ValueError, match="Unknown schedule '2f2b'; choose one of gpipe, 1f1b"):
+    with pytest.raises(ValueError, match="Unknown schedule '2f2b'; choose one of gpipe, 1f1b, zb-h1"):
         plans("2f2b", 2, 3, "never")

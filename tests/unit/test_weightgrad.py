@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.weightgrad import backward_input
+from lightning_gpipe.weightgrad import backward_input, run_together
 
 
 class SharedTwice(nn.Module):
@@ -98,3 +98,37 @@ def test_weight_gradients_accumulate_and_fire_parameter_hooks():
     backward_input(outputs, grads, inputs)()
     torch.testing.assert_close(model.weight.grad, 2 * first)
     assert len(fired) == 2  # through the parameter's own AccumulateGrad, as a plain backward (DDP relies on it)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_several_micro_batches_weight_gradients_at_once_equal_one_backward_each(name):
+    make, shapes = MODELS[name]
+    torch.manual_seed(0)
+    model = make()
+    rows = (5, 3, 4)  # uneven micro-batches
+    micro_batches = [[(n, *shape[1:]) for shape in shapes] for n in rows]
+    grads = []
+    for micro in micro_batches:
+        inputs, outputs = _forward(model, micro)
+        grads.append([torch.randn_like(o) for o in outputs])
+        torch.autograd.backward(outputs, grads[-1])
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    fired = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    weights = []
+    for micro, grad in zip(micro_batches, grads):
+        inputs, outputs = _forward(model, micro)
+        weights.append(backward_input(outputs, grad, inputs))
+    run_together(weights)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=1e-5, atol=1e-6, msg=n)
+    fused = [p for p in model.parameters() if sum(q is p for q in fired) == 1]
+    if name == "mlp":  # both linear layers: one product over the 12 rows, so each hook fires once
+        assert len(fused) == 4
+    if name == "shared weight":  # one Linear used twice: a group of two branch nodes, run per micro-batch
+        assert not fused
+    with pytest.raises(RuntimeError, match="already computed"):
+        run_together(weights)

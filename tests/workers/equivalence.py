@@ -6,7 +6,7 @@ Writes OUT_DIR/M{chunks}_{checkpoint}.pt (rank 0's module after fit: the full st
 OUT_DIR/threads_rank{r}.txt (torch threads of each stage process) and OUT_DIR/predictions_rank{r}.pt
 (what `trainer.predict` returns on each rank with the last trained module), and OUT_DIR/1f1b_{checkpoint}.pt
 (``schedule="1f1b"`` on batches of 25, 25 and 2 rows, 4 micro-batches: M >= K, uneven (7, 6, 6, 6), then
-M = 2 < K for K > 2).
+M = 2 < K for K > 2), and OUT_DIR/zb-h1_{always,never}.pt (``schedule="zb-h1"`` on the same batches).
 """
 
 import argparse
@@ -40,8 +40,9 @@ with open(os.path.join(args.out, f"threads_rank{rank}.txt"), "w") as f:
     f.write(str(torch.get_num_threads()))
 trainer = L.Trainer(strategy=lightning_gpipe.GPipeStrategy(chunks=3), devices=args.devices, **trainer_kwargs())
 torch.save(trainer.predict(module, loader()), os.path.join(args.out, f"predictions_rank{rank}.pt"))
-for checkpoint in ("always", "except_last", "never"):
-    strategy = lightning_gpipe.GPipeStrategy(chunks=4, checkpoint=checkpoint, schedule="1f1b")
+one_f_one_b = [("1f1b", checkpoint) for checkpoint in ("always", "except_last", "never")]
+for schedule, checkpoint in one_f_one_b + [("zb-h1", "always"), ("zb-h1", "never")]:
+    strategy = lightning_gpipe.GPipeStrategy(chunks=4, checkpoint=checkpoint, schedule=schedule)
     state = fit_batches(strategy, args.devices, batch_size=25).lightning_module.state_dict()
     if rank == 0:
-        torch.save(state, os.path.join(args.out, f"1f1b_{checkpoint}.pt"))
+        torch.save(state, os.path.join(args.out, f"{schedule}_{checkpoint}.pt"))

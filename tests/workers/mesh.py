@@ -39,6 +39,7 @@ CONFIGS = {
         None,
         6,
     ),
+    "pp2_dp2_zb_h1": (2, 2, {"schedule": "zb-h1", "chunks": 4}, {"gradient_clip_val": 0.05}, None, 6),
     "pp1_dp4": (1, 4, {}, {}, None, 6),
     "pp2_dp2_first4": (2, 2, {}, {}, None, 4),
     "pp4_dp1_resumed": (4, 1, {}, {}, "pp2_dp2_first4", 6),

@@ -1,4 +1,5 @@
-"""Distributed worker: GPipeStrategy(schedule="1f1b") on 2 stages, many configurations in one launch.
+"""Distributed worker: GPipeStrategy(schedule="1f1b") on 2 stages, many configurations in one launch (and two of
+schedule="zb-h1", which runs the user's step like 1F1B).
 
 Usage: python one_f_one_b.py OUT_DIR --devices 2
 Writes rank 0's module state after each fit to OUT_DIR/<name>.pt for every entry of ``configs()`` (see the
@@ -43,7 +44,17 @@ def configs() -> dict[str, tuple[int, str, dict]]:
         "fp16_overflow": (3, "except_last", dict(plugins=[fp16(2.0**24)])),  # every step overflows and is skipped
         "watched": (3, "except_last", dict(module=WatchedNet)),
         "deferred_weights": (3, "always", {}),  # with defer_weight_grad=True (see below)
+        "zb_h1_M8_never": (8, "never", {}),  # schedule="zb-h1" (see below)
+        "zb_h1_M3_always": (3, "always", {}),
     }
+
+
+OPTIONS = {
+    "deferred_weights": dict(defer_weight_grad=True),
+    "zb_h1_M8_never": dict(schedule="zb-h1"),
+    "zb_h1_M3_always": dict(schedule="zb-h1"),
+}
+"""The strategy options of the configurations that differ from 1F1B's defaults."""
 
 
 def fp16(scale: float) -> MixedPrecision:
@@ -51,7 +62,7 @@ def fp16(scale: float) -> MixedPrecision:
 
 
 def strategy(chunks: int, checkpoint: str = "except_last", **kwargs) -> lightning_gpipe.GPipeStrategy:
-    return lightning_gpipe.GPipeStrategy(chunks=chunks, checkpoint=checkpoint, schedule="1f1b", **kwargs)
+    return lightning_gpipe.GPipeStrategy(**{"chunks": chunks, "checkpoint": checkpoint, "schedule": "1f1b", **kwargs})
 
 
 def save(name: str, trainer) -> None:
@@ -65,8 +76,7 @@ def write(name: str, facts) -> None:
 
 
 for name, (chunks, checkpoint, overrides) in configs().items():
-    options = dict(defer_weight_grad=True) if name == "deferred_weights" else {}
-    trainer = fit_batches(strategy(chunks, checkpoint, **options), args.devices, **overrides)
+    trainer = fit_batches(strategy(chunks, checkpoint, **OPTIONS.get(name, {})), args.devices, **overrides)
     save(name, trainer)
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if scaler is not None:

@@ -54,6 +54,7 @@ skip_configs = {
     "skip_except_last_deferred": dict(chunks=3, checkpoint="except_last", defer_weight_grad=True),
     "skip_1f1b_never": dict(chunks=4, checkpoint="never", schedule="1f1b"),
     "skip_1f1b_always": dict(chunks=4, checkpoint="always", schedule="1f1b"),
+    "skip_zb_h1_always": dict(chunks=4, checkpoint="always", schedule="zb-h1"),
     # the inner "skip" from stage 0 to its neighbour, beside the activation; the outer one from stage 0 to 2
     "skip_neighbour_1f1b": dict(chunks=3, checkpoint="except_last", schedule="1f1b", balance=[3, 2, 1]),
 }
@@ -76,6 +77,7 @@ torch.save(predictor.predict(module, skip_loader()), os.path.join(args.out, f"sk
 tied_configs = {
     "tied_except_last": (dict(chunks=3, checkpoint="except_last"), dict(callbacks=[SaveAtEnd()])),
     "tied_1f1b": (dict(chunks=3, checkpoint="never", schedule="1f1b"), {}),
+    "tied_zb_h1": (dict(chunks=3, checkpoint="never", schedule="zb-h1"), {}),
     "tied_clipped": (dict(chunks=3, checkpoint="always"), dict(gradient_clip_val=0.05)),
 }
 for name, (config, fit_args) in tied_configs.items():
