@@ -14,6 +14,8 @@ from typing import Optional, Union
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_gpipe.balance import MODES
+from lightning_gpipe.planning.costs import CostModel
+from lightning_gpipe.planning.search import Constraints
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES
 from lightning_gpipe.schedule import SCHEDULES
 from lightning_gpipe.topology import Size, checked_size
@@ -25,6 +27,16 @@ CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     "state_dict_type": (("full", "sharded"), "choose 'full' or 'sharded'"),
 }
 """The options that take one of a few names: option -> (allowed values, how the error names them)."""
+
+
+class Default(str):
+    """An option's default value, told apart from the same value given explicitly: under ``plan="auto"`` an
+    explicit value is a constraint the planner keeps, a default one is the planner's to choose (see
+    :meth:`PipelineConfig.constraints`). Equal to, and printed as, the plain string."""
+
+    def __repr__(self) -> str:
+        return repr(str(self))
+
 
 Balance = Union[None, str, Sequence[int]]
 """``balance``: ``None``, a mode of :data:`lightning_gpipe.balance.MODES`, or layers per stage."""
@@ -95,18 +107,31 @@ class PipelineConfig:
             a checkpoint and profiling the backbone do not count as stalls. See docs/training.md, "Failures and
             stalls".
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
+        plan: ``"auto"`` plans the pipeline before the first step (see docs/planning.md): global rank 0 profiles the
+            backbone's layers once, at two micro-batch sizes, and every process predicts each candidate plan
+            (``chunks``, ``checkpoint``, ``schedule``, the best ``balance``) on the mesh the job was launched with,
+            and runs the fastest one whose every stage fits ``memory_limit``; what it chose and why is printed at fit
+            start and kept in ``GPipeStrategy.plan_report``. Options given explicitly (``chunks``, ``balance``,
+            ``checkpoint``, ``schedule``, even at their default values) are kept. ``None`` (default): no planning.
+        memory_limit: bytes one device may hold under ``plan="auto"``: parameters, gradients, optimizer state,
+            activations and transfer buffers. ``None`` (default): the free memory CUDA reports on global rank 0's
+            device; on the CPU it must be given.
+        cost_model: the planner's constants for this machine
+            (:class:`~lightning_gpipe.planning.CostModel`); ``None`` (default): the ones measured for the package.
 
     Raises:
         ValueError: naming the option and the fix, for ``chunks < 1``, a value outside :data:`CHOICES`, a ``balance``
             that is neither a mode nor a list of integers, a ``balance_memory_limit`` that is not a positive integer
             or comes with a list ``balance``, a ``stall_timeout`` that is not a positive ``timedelta``, or a mesh
-            size that is neither a positive integer nor ``"auto"``.
+            size that is neither a positive integer nor ``"auto"``; a ``plan`` other than ``"auto"`` or ``None``, a
+            ``memory_limit`` that is not a positive integer, ``memory_limit`` or ``cost_model`` without
+            ``plan="auto"``, or ``plan="auto"`` with ``balance_memory_limit``.
     """
 
     balance: Balance = None
     chunks: Optional[int] = None
-    checkpoint: str = "except_last"
-    schedule: str = "gpipe"
+    checkpoint: str = Default("except_last")
+    schedule: str = Default("gpipe")
     deferred_batch_norm: bool = False
     defer_weight_grad: bool = False
     backbone: Optional[str] = None
@@ -118,6 +143,9 @@ class PipelineConfig:
     timeout: Optional[timedelta] = default_pg_timeout
     stall_timeout: Optional[timedelta] = timedelta(minutes=5)
     process_group_backend: Optional[str] = None
+    plan: Optional[str] = None
+    memory_limit: Optional[int] = None
+    cost_model: Optional[CostModel] = None
 
     def __post_init__(self) -> None:
         chunks = self.chunks
@@ -129,6 +157,7 @@ class PipelineConfig:
             if getattr(self, option) not in allowed:
                 raise ValueError(f"GPipeStrategy({option}={getattr(self, option)!r}): {fix}.")
         self._check_balance()
+        self._check_plan()
         stall = self.stall_timeout
         if stall is not None and (not isinstance(stall, timedelta) or stall <= timedelta(0)):
             raise ValueError(
@@ -161,6 +190,39 @@ class PipelineConfig:
                 f"GPipeStrategy(balance={balance!r}, balance_memory_limit=...): the memory limit steers an automatic"
                 " balance; use balance='time' (or 'params', 'memory') with it, or drop the limit."
             )
+
+    def _check_plan(self) -> None:
+        plan, limit = self.plan, self.memory_limit
+        if plan not in (None, "auto"):
+            raise ValueError(f"GPipeStrategy(plan={plan!r}): choose 'auto' (plan the pipeline) or None.")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise ValueError(
+                f"GPipeStrategy(memory_limit={limit!r}): give the bytes one device may hold, an integer >= 1, or None"
+                " for what the accelerator reports."
+            )
+        if plan is None and (limit is not None or self.cost_model is not None):
+            raise ValueError(
+                "GPipeStrategy(memory_limit=..., cost_model=...) steer the planner; add plan='auto', or drop them"
+                " (balance_memory_limit limits the balance alone)."
+            )
+        if plan == "auto" and self.balance_memory_limit is not None:
+            raise ValueError(
+                "GPipeStrategy(plan='auto', balance_memory_limit=...): the planner takes the whole memory of a device"
+                " as memory_limit=BYTES (parameters, gradients, optimizer state, activations); drop"
+                " balance_memory_limit."
+            )
+
+    def constraints(self) -> Constraints:
+        """What the user fixed, for the planner: ``chunks``, a ``balance`` (list or mode), the mesh sizes that are
+        not ``"auto"``, and ``checkpoint`` and ``schedule`` when given explicitly (even at their default values)."""
+        return Constraints(
+            pipeline_parallel_size=None if self.pipeline_parallel_size == "auto" else self.pipeline_parallel_size,
+            data_parallel_size=None if self.data_parallel_size == "auto" else self.data_parallel_size,
+            chunks=self.chunks,
+            checkpoint=None if isinstance(self.checkpoint, Default) else self.checkpoint,
+            schedule=None if isinstance(self.schedule, Default) else self.schedule,
+            balance=self.balance,
+        )
 
     @property
     def profiled(self) -> bool:

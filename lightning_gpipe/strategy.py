@@ -11,6 +11,7 @@ over :mod:`~lightning_gpipe.runtime` and :mod:`~lightning_gpipe.contract`), chec
 
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
@@ -22,6 +23,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
@@ -29,12 +31,15 @@ from typing_extensions import override
 from lightning_gpipe import state_dict
 from lightning_gpipe.balance import LayerCost
 from lightning_gpipe.balance.backbone import profile_backbone
-from lightning_gpipe.config import Balance, PipelineConfig
+from lightning_gpipe.config import Balance, Default, PipelineConfig
 from lightning_gpipe.contract import check_automatic_optimization
 from lightning_gpipe.mesh import MeshStrategy
 from lightning_gpipe.optimization import pipelined, unpipelined
 from lightning_gpipe.partition import find_backbone, is_whole
 from lightning_gpipe.pipeline import PipelineRun, split_into_stage
+from lightning_gpipe.planning import CostModel, PlanReport, ProfiledCosts
+from lightning_gpipe.planning.api import plan_for_strategy
+from lightning_gpipe.planning.profiling import profile_module
 from lightning_gpipe.relay import LogRelay
 from lightning_gpipe.stage import Stage
 from lightning_gpipe.summary import replace_model_summary
@@ -74,6 +79,10 @@ class GPipeStrategy(MeshStrategy):
         timeout: the process group's timeout (30 minutes by default).
         stall_timeout: how long a stage may wait for another before the job ends naming it (5 minutes).
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
+        plan: ``"auto"``: choose ``chunks``, ``checkpoint``, ``schedule`` and ``balance`` under ``memory_limit`` before
+            the first step, keeping the options given explicitly (docs/planning.md); ``None`` (default): no planning.
+        memory_limit: bytes one device may hold under ``plan="auto"`` (default: CUDA's free memory; on the CPU give it).
+        cost_model: the planner's constants for this machine (default: the package's).
         accelerator: as for Lightning's other parallel strategies; the Trainer fills it in.
         parallel_devices: the devices of this node, one per stage process; the Trainer fills them in.
         cluster_environment: how ranks are found; the Trainer fills it in.
@@ -95,19 +104,22 @@ class GPipeStrategy(MeshStrategy):
         self,
         balance: Balance = None,
         chunks: Optional[int] = None,
-        checkpoint: Literal["always", "except_last", "never"] = "except_last",
+        checkpoint: Literal["always", "except_last", "never"] = Default("except_last"),
         deferred_batch_norm: bool = False,
         defer_weight_grad: bool = False,
         backbone: Optional[str] = None,
         balance_memory_limit: Optional[int] = None,
         start_method: Literal["popen", "spawn"] = "popen",
         state_dict_type: Literal["full", "sharded"] = "full",
-        schedule: Literal["gpipe", "1f1b"] = "gpipe",
+        schedule: Literal["gpipe", "1f1b"] = Default("gpipe"),
         pipeline_parallel_size: Size = "auto",
         data_parallel_size: Size = "auto",
         timeout: Optional[timedelta] = default_pg_timeout,
         stall_timeout: Optional[timedelta] = timedelta(minutes=5),
         process_group_backend: Optional[str] = None,
+        plan: Optional[Literal["auto"]] = None,
+        memory_limit: Optional[int] = None,
+        cost_model: Optional[CostModel] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -118,6 +130,8 @@ class GPipeStrategy(MeshStrategy):
         plugins = (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         super().__init__(PipelineConfig(**options), *plugins)
         self.layer_costs: Optional[list[LayerCost]] = None  # profiled per backbone layer, when a mode needs them
+        self.plan_report: Optional[PlanReport] = None  # what plan="auto" chose and why, once planned
+        self._requested = self.config  # the options as given; plan="auto" runs a config with the plan's values
         self._whole_before_split = True
         self._run: Optional[PipelineRun] = None
 
@@ -168,6 +182,8 @@ class GPipeStrategy(MeshStrategy):
         check_automatic_optimization(module)
         self._whole_before_split = self.broadcast(is_whole(module), src=0)  # rank 0's module, the user's, decides
         name = find_backbone(module, self.config.backbone)
+        if self.config.plan == "auto":
+            self._plan(module, name)
         relay = LogRelay(self, self._last_stage_rank, self.pipeline_group, self._job)
         run = self._run = split_into_stage(
             module, name, self.config, self.topology, self.global_rank, self.root_device,
@@ -185,6 +201,31 @@ class GPipeStrategy(MeshStrategy):
         pipelined(self.precision_plugin, self.pipeline_group, run.ties.uncounted, self._job)
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _plan(self, module: "pl.LightningModule", name: str) -> None:
+        """Plan the pipeline once (:func:`~lightning_gpipe.planning.api.plan_for_strategy`; global rank 0 profiles),
+        print the report on global rank 0, and run this setup with the chosen options.
+
+        Raises:
+            ValueError: on every process, on the CPU without ``memory_limit``, or if no plan fits the limit or the
+                options given.
+        """
+        layers = getattr(module, name)
+        if self.plan_report is None or sum(self.plan_report.chosen.plan.balance) != len(layers):
+            chunks = self._requested.chunks
+
+            def profile() -> Optional[ProfiledCosts]:
+                return profile_module(module, name, self.root_device, chunks=chunks) if self.is_global_zero else None
+
+            mesh = (self.topology.num_stages, self.topology.data_parallel_size)
+            with self.precision_plugin.train_step_context(), self._job.position.unbounded_phase("planning"):
+                self.plan_report = plan_for_strategy(
+                    module, name, self._requested, mesh, self.root_device, profile, self.broadcast
+                )
+            rank_zero_info(self.plan_report.table())
+        chosen = self.plan_report.chosen.plan
+        options = {key: getattr(chosen, key) for key in ("chunks", "checkpoint", "schedule")}
+        self.config = replace(self._requested, balance=list(chosen.balance), **options)
 
     def _layer_costs(self, module: "pl.LightningModule", name: str) -> Optional[list[LayerCost]]:
         """The backbone layers' costs where the balance needs them: measured once on global rank 0, shared."""
