@@ -63,6 +63,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--breakdown", action="store_true", help="lightning gpipe only: where each stage's step time goes (spans)"
     )
+    parser.add_argument(
+        "--plan-limit-mib",
+        type=float,
+        help="lightning gpipe only: GPipeStrategy(plan='auto', memory_limit=this many MiB); --chunks, --checkpoint,"
+        " --schedule are passed only if named in --plan-fix; every process reports model_peak_mib (its peak resident"
+        " set during training over its resident set before setup) and rank 0 the plan and its prediction",
+    )
+    parser.add_argument("--plan-fix", nargs="*", default=[], choices=("chunks", "checkpoint", "schedule"))
     return parser.parse_args(argv)
 
 
@@ -150,6 +158,9 @@ def run_lightning(args: argparse.Namespace) -> None:
             self.clock = StepClock(args.warmup)
             self.rss_start = self.rss_growth = None
 
+        def setup(self, trainer, pl_module, stage) -> None:
+            self.rss_setup = _status_mib("VmRSS")  # before the strategy materialises this stage's layers
+
         def on_train_start(self, trainer, pl_module) -> None:
             self.rss_start = _reset_peak_rss()
 
@@ -190,13 +201,13 @@ def run_lightning(args: argparse.Namespace) -> None:
     else:
         from lightning_gpipe import GPipeStrategy
 
-        strategy = GPipeStrategy(
-            balance=args.balance,
-            chunks=args.chunks,
-            checkpoint=args.checkpoint,
-            defer_weight_grad=args.defer_weight_grad,
-            schedule=args.schedule,
-        )
+        options = {"chunks": args.chunks, "checkpoint": args.checkpoint, "schedule": args.schedule}
+        if args.plan_limit_mib is not None:
+            options = {key: value for key, value in options.items() if key in args.plan_fix}
+            options.update(plan="auto", memory_limit=int(args.plan_limit_mib * 2**20))
+        else:
+            options.update(balance=args.balance)
+        strategy = GPipeStrategy(defer_weight_grad=args.defer_weight_grad, **options)
         trainer = pl.Trainer(strategy=strategy, devices=args.devices, **trainer_kwargs)
     loader = models.repeat_loader(_batch(args), args.warmup + args.steps)
     if counter is not None:
@@ -209,6 +220,9 @@ def run_lightning(args: argparse.Namespace) -> None:
         record.update(saved_peak=counter.counter.peak, kept_inputs=counter.kept, peak=counter.peak)
     if callback.rss_growth is not None:
         record.update(rss_growth_mib=callback.rss_growth)
+        record.update(model_peak_mib=callback.rss_growth + callback.rss_start - callback.rss_setup)
+    if args.plan_limit_mib is not None and trainer.global_rank == 0:
+        record.update(plan=trainer.strategy.plan_report.as_dict()["chosen"])
     if breakdown is not None:
         record.update(breakdown=breakdown.mean_ms(), stage=trainer.strategy.stage_index)
     emit(trainer.global_rank, **record)
@@ -479,7 +493,7 @@ def main(argv: list[str] | None = None) -> None:
     """Make the measurement the arguments describe."""
     args = parse_args(argv)
     torch.set_num_threads(1)
-    if args.count_saved:
+    if args.count_saved or args.plan_limit_mib is not None:
         _map_large_allocations()
     runs = {"lightning": run_lightning, "bare": run_bare, "tp": run_tp, "torchgpipe": run_torchgpipe}
     runs.update({"tp-zb": run_tp_zero_bubble, "tp-zbv": run_tp_zero_bubble, "tp-1f1b": run_tp})

@@ -29,14 +29,8 @@ CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
 """The options that take one of a few names: option -> (allowed values, how the error names them)."""
 
 
-class Default(str):
-    """An option's default value, told apart from the same value given explicitly: under ``plan="auto"`` an
-    explicit value is a constraint the planner keeps, a default one is the planner's to choose (see
-    :meth:`PipelineConfig.constraints`). Equal to, and printed as, the plain string."""
-
-    def __repr__(self) -> str:
-        return repr(str(self))
-
+DEFAULTS = {"checkpoint": "except_last", "schedule": "gpipe"}
+"""The values of the options whose ``None`` stands for them (``None`` under ``plan="auto"``: the planner's choice)."""
 
 Balance = Union[None, str, Sequence[int]]
 """``balance``: ``None``, a mode of :data:`lightning_gpipe.balance.MODES`, or layers per stage."""
@@ -65,9 +59,10 @@ class PipelineConfig:
             than ``chunks`` runs as one micro-batch per row; a batch that does not divide evenly gives
             uneven micro-batches (as :func:`torch.tensor_split`).
         checkpoint: re-materialization: ``"always"`` recomputes every micro-batch's forward in the
-            drain, ``"except_last"`` (default) all but the last micro-batch, ``"never"`` keeps all
-            activations.
-        schedule: ``"gpipe"`` (default) is GPipe's fill-drain: all M forwards, then all M backwards, so a
+            drain, ``"except_last"`` all but the last micro-batch, ``"never"`` keeps all activations. ``None``
+            (default): ``"except_last"``, or the planner's choice under ``plan="auto"``.
+        schedule: ``"gpipe"`` is GPipe's fill-drain (``None``, the default, means it, or the planner's choice under
+            ``plan="auto"``): all M forwards, then all M backwards, so a
             stage holds M micro-batches. ``"1f1b"`` is PipeDream-Flush's one-forward-one-backward schedule
             (Narayanan et al. 2021): each micro-batch's backward starts as soon as its loss exists, so stage k
             of K holds at most ``K - k`` micro-batches; same gradients, same bubble. Under ``"1f1b"`` the last
@@ -130,8 +125,8 @@ class PipelineConfig:
 
     balance: Balance = None
     chunks: Optional[int] = None
-    checkpoint: str = Default("except_last")
-    schedule: str = Default("gpipe")
+    checkpoint: Optional[str] = None
+    schedule: Optional[str] = None
     deferred_batch_norm: bool = False
     defer_weight_grad: bool = False
     backbone: Optional[str] = None
@@ -148,6 +143,9 @@ class PipelineConfig:
     cost_model: Optional[CostModel] = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_given", frozenset(k for k in DEFAULTS if getattr(self, k) is not None))
+        for option, default in DEFAULTS.items():
+            object.__setattr__(self, option, default if getattr(self, option) is None else getattr(self, option))
         chunks = self.chunks
         if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
             raise ValueError(
@@ -219,8 +217,8 @@ class PipelineConfig:
             pipeline_parallel_size=None if self.pipeline_parallel_size == "auto" else self.pipeline_parallel_size,
             data_parallel_size=None if self.data_parallel_size == "auto" else self.data_parallel_size,
             chunks=self.chunks,
-            checkpoint=None if isinstance(self.checkpoint, Default) else self.checkpoint,
-            schedule=None if isinstance(self.schedule, Default) else self.schedule,
+            checkpoint=self.checkpoint if "checkpoint" in self._given else None,
+            schedule=self.schedule if "schedule" in self._given else None,
             balance=self.balance,
         )
 

@@ -31,7 +31,7 @@ from typing_extensions import override
 from lightning_gpipe import state_dict
 from lightning_gpipe.balance import LayerCost
 from lightning_gpipe.balance.backbone import profile_backbone
-from lightning_gpipe.config import Balance, Default, PipelineConfig
+from lightning_gpipe.config import Balance, PipelineConfig
 from lightning_gpipe.contract import check_automatic_optimization
 from lightning_gpipe.mesh import MeshStrategy
 from lightning_gpipe.optimization import pipelined, unpipelined
@@ -66,14 +66,16 @@ class GPipeStrategy(MeshStrategy):
     Args:
         balance: layers per stage, or ``"params"`` (default), ``"time"`` or ``"memory"`` for the best split.
         chunks: M, the micro-batches per mini-batch (default ``4 * K``).
-        checkpoint: re-materialization, ``"always"``, ``"except_last"`` (default) or ``"never"``.
+        checkpoint: re-materialization, ``"always"``, ``"except_last"`` or ``"never"``; ``None`` (default):
+            ``"except_last"``, or the planner's choice under ``plan="auto"``.
         deferred_batch_norm: batch norm's running statistics updated once per mini-batch (default ``False``).
         defer_weight_grad: the zero-bubble B/W split of each backward (default ``False``).
         backbone: the ``nn.Sequential`` attribute to pipeline (default: the only one).
         balance_memory_limit: bytes one stage may hold when choosing the balance (default: no limit).
         start_method: ``"popen"`` (default) or ``"spawn"``.
         state_dict_type: checkpoints as one ``"full"`` file (default) or a ``"sharded"`` directory.
-        schedule: ``"gpipe"`` (fill-drain, default) or ``"1f1b"``.
+        schedule: ``"gpipe"`` (fill-drain) or ``"1f1b"``; ``None`` (default): ``"gpipe"``, or the planner's choice
+            under ``plan="auto"``.
         pipeline_parallel_size: K, the stages of each pipeline (default ``"auto"``).
         data_parallel_size: D, the pipeline replicas (default ``"auto"``).
         timeout: the process group's timeout (30 minutes by default).
@@ -104,14 +106,14 @@ class GPipeStrategy(MeshStrategy):
         self,
         balance: Balance = None,
         chunks: Optional[int] = None,
-        checkpoint: Literal["always", "except_last", "never"] = Default("except_last"),
+        checkpoint: Optional[Literal["always", "except_last", "never"]] = None,
         deferred_batch_norm: bool = False,
         defer_weight_grad: bool = False,
         backbone: Optional[str] = None,
         balance_memory_limit: Optional[int] = None,
         start_method: Literal["popen", "spawn"] = "popen",
         state_dict_type: Literal["full", "sharded"] = "full",
-        schedule: Literal["gpipe", "1f1b"] = Default("gpipe"),
+        schedule: Optional[Literal["gpipe", "1f1b"]] = None,
         pipeline_parallel_size: Size = "auto",
         data_parallel_size: Size = "auto",
         timeout: Optional[timedelta] = default_pg_timeout,
