@@ -21,6 +21,7 @@ Every process uses one torch thread (``torch.set_num_threads(1)``; the driver se
 """
 
 import argparse
+import dataclasses
 import sys
 import weakref
 from pathlib import Path
@@ -222,7 +223,9 @@ def run_lightning(args: argparse.Namespace) -> None:
         record.update(rss_growth_mib=callback.rss_growth)
         record.update(model_peak_mib=callback.rss_growth + callback.rss_start - callback.rss_setup)
     if args.plan_limit_mib is not None and trainer.global_rank == 0:
-        record.update(plan=trainer.strategy.plan_report.as_dict()["chosen"])
+        report = trainer.strategy.plan_report
+        record.update(plan=report.as_dict()["chosen"], profiled=dataclasses.asdict(report.profiled))
+        record.update(state_factor=report.state_factor, limit=report.memory_limit)
     if breakdown is not None:
         record.update(breakdown=breakdown.mean_ms(), stage=trainer.strategy.stage_index)
     emit(trainer.global_rank, **record)

@@ -17,11 +17,19 @@ Usage::
 """
 
 import argparse
+import dataclasses
 import os
 import statistics
+import sys
 from itertools import product
+from pathlib import Path
 
 import _harness as harness
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's lightning_gpipe
+
+from lightning_gpipe.balance import LayerCost
+from lightning_gpipe.planning import CostModel, PipelinePlan, ProfiledCosts, predict
 
 MIB = 2**20
 
@@ -75,11 +83,13 @@ def measure(args: argparse.Namespace, config: harness.Config) -> dict:
         return {"failed": "refused: predicted not to fit" if refused else _cause(outcome.log)}
     plan = outcome.records[0]["plan"]
     return {
+        "profiled": outcome.records[0]["profiled"],
+        "state_factor": outcome.records[0]["state_factor"],
         "median_s": outcome.records[0]["median_s"],
         "measured_mib": [r["model_peak_mib"] for r in outcome.records],
         "predicted_s": plan["step_time"],
         "predicted_mib": [b / MIB for b in plan["peak_bytes"]],
-        "plan": {key: plan[key] for key in ("chunks", "checkpoint", "schedule", "balance")},
+        "plan": plan,
         "runq": max(r["runq_wait"] for r in outcome.records),
     }
 
@@ -144,6 +154,7 @@ def summarise(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
         pairs = "  ".join(f"{m:.0f}/{p:.0f} ({m / p:.2f})" for m, p in zip(measured, predicted))
         print(f"{name:<24}{median:>11.3f}{step:>10.3f}{step / median:>7.2f}  {pairs}")
     figures(args, rows, runs["auto"])
+    refit(runs)
 
 
 def figures(args: argparse.Namespace, rows: dict, auto_runs: list[dict]) -> None:
@@ -157,15 +168,54 @@ def figures(args: argparse.Namespace, rows: dict, auto_runs: list[dict]) -> None
     auto = rows["auto"][0]
     chosen = next(r["plan"] for r in auto_runs if "plan" in r)
     print(f"auto chose M={chosen['chunks']} {chosen['checkpoint']} {chosen['schedule']} balance {chosen['balance']}")
-    print(
-        f"auto / fastest of {len(grid)} feasible grid plans ({fastest}): {auto:.3f} / {grid[fastest][0]:.3f} = {auto / grid[fastest][0]:.3f}"
-    )
+    best = grid[fastest][0]
+    print(f"auto / fastest of {len(grid)} feasible grid plans ({fastest}): {auto:.3f} / {best:.3f} = {auto / best:.3f}")
     times = [step / median for median, step, _, _ in grid.values()]
     memory = [m / p for _, _, measured, predicted in grid.values() for m, p in zip(measured, predicted)]
     print(f"predicted / measured step time over the grid: {min(times):.2f} .. {max(times):.2f}")
     print(f"measured / predicted peak per stage over the grid: {min(memory):.2f} .. {max(memory):.2f}")
     worst = max(m for _, _, measured, _ in rows.values() for m in measured)
     print(f"largest measured peak of any plan: {worst:.0f} MiB against the limit {args.limit_mib:g} MiB")
+
+
+def refit(runs: dict[str, list[dict]]) -> None:
+    """Fit ``CostModel.step_overhead`` and ``micro_batch_overhead`` to every measured run (least squares on the
+    relative error; the other constants as they are) and print them with the predictions' range under them: how the
+    defaults were calibrated, and how to recalibrate on another machine (docs/planning.md, "Calibrating")."""
+    base = CostModel(micro_batch_overhead=0.0, step_overhead=0.0)
+    rows = []  # (measured, predicted without overheads, d predicted / d micro_batch_overhead)
+    for result in (r for results in runs.values() for r in results if "failed" not in r):
+        profiled, plan = _profiled(result["profiled"]), _plan(result)
+        zero = predict(plan, profiled, base, result["state_factor"], float("inf")).step_time
+        bumped = dataclasses.replace(base, micro_batch_overhead=1e-3)
+        slope = (predict(plan, profiled, bumped, result["state_factor"], float("inf")).step_time - zero) / 1e-3
+        rows.append((result["median_s"], zero, slope))
+    if len(rows) < 2:
+        return
+    # minimise sum(((zero + step + slope * micro) - measured) / measured)^2 over (step, micro)
+    a = [[1 / m, slope / m] for m, _, slope in rows]
+    b = [(m - zero) / m for m, zero, _ in rows]
+    ata = [[sum(r[i] * r[j] for r in a) for j in range(2)] for i in range(2)]
+    atb = [sum(r[i] * y for r, y in zip(a, b)) for i in range(2)]
+    det = ata[0][0] * ata[1][1] - ata[0][1] * ata[1][0]
+    step = max((atb[0] * ata[1][1] - ata[0][1] * atb[1]) / det, 0.0)
+    micro = max((ata[0][0] * atb[1] - ata[1][0] * atb[0]) / det, 0.0)
+    ratios = [(zero + step + slope * micro) / m for m, zero, slope in rows]
+    print(
+        f"fitted to these {len(rows)} runs: CostModel(step_overhead={step:.4f}, micro_batch_overhead={micro:.5f});"
+        f" predicted / measured step time with it: {min(ratios):.2f} .. {max(ratios):.2f}"
+    )
+
+
+def _profiled(data: dict) -> ProfiledCosts:
+    large, small = ([LayerCost(**c) for c in data[key]] for key in ("large", "small"))
+    return ProfiledCosts(tuple(data["rows"]), large, small, data["batch_rows"], data["input_bytes"])
+
+
+def _plan(result: dict) -> PipelinePlan:
+    plan = result["plan"]
+    keys = ("pipeline_parallel_size", "data_parallel_size", "chunks", "checkpoint", "schedule")
+    return PipelinePlan(*(plan[key] for key in keys), tuple(plan["balance"]))
 
 
 if __name__ == "__main__":

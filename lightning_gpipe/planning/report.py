@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_gpipe.planning.costs import CostModel
+from lightning_gpipe.planning.costs import CostModel, ProfiledCosts
 from lightning_gpipe.planning.predict import PlanPrediction
 
 MIB = 2**20
@@ -20,12 +20,17 @@ class PlanReport:
         memory_limit: bytes per device the plans had to fit.
         world_size: processes of the job.
         model: the cost model's constants.
+        profiled: the layers' costs the predictions came from (to predict again with another
+            :class:`~lightning_gpipe.planning.costs.CostModel`, see docs/planning.md, "Calibrating").
+        state_factor: the optimizer's state tensors per parameter the predictions assumed.
     """
 
     predictions: list[PlanPrediction]
     memory_limit: float
     world_size: int
     model: CostModel
+    profiled: ProfiledCosts
+    state_factor: int
 
     @property
     def chosen(self) -> PlanPrediction:

@@ -120,7 +120,7 @@ def search(
             plan = PipelinePlan(k, d, m, mode, schedule, tuple(balance))
             predictions.append(predict(plan, profiled, model, state_factor, memory_limit))
     predictions.sort(key=lambda p: (not p.fits, p.seconds_per_row, p.peak_bytes))
-    report = PlanReport(predictions, memory_limit, world_size, model)
+    report = PlanReport(predictions, memory_limit, world_size, model, profiled, state_factor)
     if not predictions[0].fits:
         raise no_plan_fits(report)
     return report
