@@ -55,8 +55,13 @@ def plan(
         device: where to profile the layers (default ``"cpu"``); use the kind of device you will train on.
         backbone: the ``nn.Sequential`` attribute; ``None`` finds the only one.
         cost_model: the machine's constants (see docs/planning.md, "Calibrating").
-        pipeline_parallel_size, data_parallel_size, chunks, checkpoint, schedule, balance: constraints, as
-            ``GPipeStrategy`` takes them; ``None`` leaves them to the planner.
+        pipeline_parallel_size: K, fixed; ``None`` (default): the planner's choice, as for the next five.
+        data_parallel_size: D, fixed.
+        chunks: M, fixed.
+        checkpoint: the re-materialization mode, fixed.
+        schedule: the schedule, fixed.
+        balance: layers per stage (a list), or a mode of :data:`lightning_gpipe.balance.MODES` that chooses the
+            split.
 
     Returns:
         The :class:`~lightning_gpipe.planning.report.PlanReport`: ``report.chosen.plan.options()`` are the
