@@ -181,32 +181,42 @@ def figures(args: argparse.Namespace, rows: dict, auto_runs: list[dict]) -> None
 
 
 def refit(runs: dict[str, list[dict]]) -> None:
-    """Fit ``CostModel.step_overhead`` and ``micro_batch_overhead`` to every measured run (least squares on the
-    relative error; the other constants as they are) and print them with the predictions' range under them: how the
-    defaults were calibrated, and how to recalibrate on another machine (docs/planning.md, "Calibrating")."""
-    base = CostModel(micro_batch_overhead=0.0, step_overhead=0.0)
+    """Fit ``CostModel.compute_scale``, ``step_overhead`` and ``micro_batch_overhead`` to every measured run (least
+    squares on the relative error; the other constants as they are) and print them with the predictions' range
+    under them: how the defaults were calibrated, and how to recalibrate on another machine (docs/planning.md,
+    "Calibrating"). The step is taken as linear in the three: ``step + scale * T(layers) + micro * dT/dmicro``."""
+    base = CostModel(micro_batch_overhead=0.0, step_overhead=0.0, compute_scale=1.0)
     rows = []  # (measured, predicted without overheads, d predicted / d micro_batch_overhead)
     for result in (r for results in runs.values() for r in results if "failed" not in r):
-        profiled, plan = _profiled(result["profiled"]), _plan(result)
-        zero = predict(plan, profiled, base, result["state_factor"], float("inf")).step_time
+        profiled, plan, factor = _profiled(result["profiled"]), _plan(result), result["state_factor"]
+        zero = predict(plan, profiled, base, factor, float("inf")).step_time
         bumped = dataclasses.replace(base, micro_batch_overhead=1e-3)
-        slope = (predict(plan, profiled, bumped, result["state_factor"], float("inf")).step_time - zero) / 1e-3
-        rows.append((result["median_s"], zero, slope))
-    if len(rows) < 2:
+        slope = (predict(plan, profiled, bumped, factor, float("inf")).step_time - zero) / 1e-3
+        rows.append((result["median_s"], [1.0, zero, slope]))
+    if len(rows) < 3:
         return
-    # minimise sum(((zero + step + slope * micro) - measured) / measured)^2 over (step, micro)
-    a = [[1 / m, slope / m] for m, _, slope in rows]
-    b = [(m - zero) / m for m, zero, _ in rows]
-    ata = [[sum(r[i] * r[j] for r in a) for j in range(2)] for i in range(2)]
-    atb = [sum(r[i] * y for r, y in zip(a, b)) for i in range(2)]
-    det = ata[0][0] * ata[1][1] - ata[0][1] * ata[1][0]
-    step = max((atb[0] * ata[1][1] - ata[0][1] * atb[1]) / det, 0.0)
-    micro = max((ata[0][0] * atb[1] - ata[1][0] * atb[0]) / det, 0.0)
-    ratios = [(zero + step + slope * micro) / m for m, zero, slope in rows]
+    fitted = _least_squares([[x / m for x in xs] for m, xs in rows], [1.0] * len(rows))
+    step, scale, micro = (max(v, 0.0) for v in fitted)
+    ratios = [(step + scale * xs[1] + micro * xs[2]) / m for m, xs in rows]
     print(
-        f"fitted to these {len(rows)} runs: CostModel(step_overhead={step:.4f}, micro_batch_overhead={micro:.5f});"
-        f" predicted / measured step time with it: {min(ratios):.2f} .. {max(ratios):.2f}"
+        f"fitted to these {len(rows)} runs: CostModel(compute_scale={scale:.3f}, step_overhead={step:.4f},"
+        f" micro_batch_overhead={micro:.5f}); predicted / measured step time with it: {min(ratios):.2f} .."
+        f" {max(ratios):.2f}"
     )
+
+
+def _least_squares(a: list[list[float]], b: list[float]) -> list[float]:
+    """The x minimising |a x - b|, from the normal equations (Gaussian elimination; a few unknowns)."""
+    n = len(a[0])
+    m = [[sum(r[i] * r[j] for r in a) for j in range(n)] + [sum(r[i] * y for r, y in zip(a, b))] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                factor = m[r][col] / m[col][col]
+                m[r] = [x - factor * y for x, y in zip(m[r], m[col])]
+    return [m[i][n] / m[i][i] for i in range(n)]
 
 
 def _profiled(data: dict) -> ProfiledCosts:

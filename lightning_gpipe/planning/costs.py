@@ -32,6 +32,9 @@ class CostModel:
         all_reduce_bandwidth: bytes per second of the data-parallel gradient all-reduce (default 0.5 GB/s).
         memory_margin: share of the memory limit kept free for what the model does not count (allocator slack,
             the user's head and loss); default 0.05.
+        compute_scale: profiled layer times are multiplied by this: the profile runs one layer alone on one
+            device, the stages run at once and may slow each other (on a CPU they share memory bandwidth and
+            caches, see ``benchmarks/hardware.py``); default 1.
     """
 
     transfer_latency: float = 1e-3
@@ -41,6 +44,7 @@ class CostModel:
     optimizer_bandwidth: float = 2e9
     all_reduce_bandwidth: float = 5e8
     memory_margin: float = 0.05
+    compute_scale: float = 1.0
 
     def transfer_time(self, nbytes: float) -> float:
         """Seconds to move ``nbytes`` between neighbouring stages."""

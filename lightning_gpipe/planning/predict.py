@@ -105,8 +105,8 @@ def stage_costs(layers: Sequence[LayerCost], balance: Sequence[int], model: Cost
 
     A tensor a layer saves as its output and the next layer saves as its input (ReLU, then Linear) is one storage;
     a stage's first layer saving its input holds the stage's kept input, which the simulator counts already; the
-    first stage's input is a view of the batch (counted with the buffers). The engine's cost per micro-batch is
-    added half to the forward, half to the backward.
+    first stage's input is a view of the batch (counted with the buffers). Layer times are scaled by
+    ``model.compute_scale``; the engine's cost per micro-batch is added half to the forward, half to the backward.
     """
     stages, start = [], 0
     for k, count in enumerate(balance):
@@ -115,8 +115,8 @@ def stage_costs(layers: Sequence[LayerCost], balance: Sequence[int], model: Cost
         shared = sum(min(a.output_saved_bytes, b.input_saved_bytes) for a, b in zip(part, part[1:]))
         stages.append(
             StageCost(
-                forward=sum(c.forward for c in part) + model.micro_batch_overhead / 2,
-                backward=sum(c.backward for c in part) + model.micro_batch_overhead / 2,
+                forward=model.compute_scale * sum(c.forward for c in part) + model.micro_batch_overhead / 2,
+                backward=model.compute_scale * sum(c.backward for c in part) + model.micro_batch_overhead / 2,
                 input_bytes=0 if k == 0 else stages[-1].output_bytes,
                 activation_bytes=sum(c.activation_bytes for c in part) - shared - part[0].input_saved_bytes,
                 output_bytes=part[-1].output_bytes,
