@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from lightning_gpipe.balance.costs import LayerCost
 from lightning_gpipe.balance.solver import stage_sums
 from lightning_gpipe.planning.costs import CostModel, ProfiledCosts
+from lightning_gpipe.schedule import SCHEDULES
 from lightning_gpipe.simulator import StageCost, Transfer, simulate
 
 
@@ -147,14 +148,17 @@ def predict(
     optimizer = [model.optimizer_time(p, state_factor) + model.all_reduce_time(p, replicas) for p in params]
     transfer = Transfer(model.transfer_latency, model.transfer_bandwidth)
     simulated = simulate(stages, chunks, plan.checkpoint, transfer, optimizer=optimizer, schedule=plan.schedule)
-    whole_output = profiled.at(rows_n)[-1].output_bytes
+    per_micro_batch = SCHEDULES[plan.schedule](
+        plan.pipeline_parallel_size - 1, plan.pipeline_parallel_size, chunks, plan.checkpoint, False
+    ).loss_per_micro_batch
+    joined = stages[-1].output_bytes if per_micro_batch else profiled.at(rows_n)[-1].output_bytes
     memory = tuple(
         StageMemory(
             parameters=p,
             gradients=p,
             optimizer=state_factor * p,
             activations=simulated.peak_activation_bytes[k],
-            buffers=_buffers(stages, k, profiled.input_bytes, whole_output) + p * (replicas > 1),
+            buffers=_buffers(stages, k, profiled.input_bytes, joined) + p * (replicas > 1),
         )
         for k, p in enumerate(params)
     )
@@ -169,10 +173,11 @@ def predict(
     )
 
 
-def _buffers(stages: Sequence[StageCost], k: int, batch_bytes: int, whole_output: int) -> int:
+def _buffers(stages: Sequence[StageCost], k: int, batch_bytes: int, joined: int) -> int:
     """Bytes of stage ``k``'s buffers: the batch (every stage loads it), two output gradients in flight (their
-    receives are posted one ahead), the input gradient it sends, and on the last stage the joined output of the
-    whole mini-batch and its gradient."""
+    receives are posted one ahead), the input gradient it sends, and on the last stage the output the user's step
+    takes (``joined``: the whole mini-batch's, or one micro-batch's under a schedule with a loss per micro-batch)
+    and its gradient."""
     last = k == len(stages) - 1
     received = 0 if last else 2 * stages[k].output_bytes
-    return batch_bytes + received + stages[k].input_bytes + (2 * whole_output if last else 0)
+    return batch_bytes + received + stages[k].input_bytes + (2 * joined if last else 0)
