@@ -37,11 +37,9 @@ def plan(
 ) -> PlanReport:
     """Plan a pipeline for ``module`` on ``world_size`` devices of ``memory_limit`` bytes each, without training.
 
-    The same planner as ``GPipeStrategy(plan="auto")`` (see docs/planning.md), over every mesh: it answers "how do I
-    run this model on N devices", and, tried for several ``world_size``, "how many devices does it need". The
-    backbone's layers are profiled one at a time on ``device`` (the whole model never has to fit), at the whole
-    mini-batch and at a small micro-batch. Plans are ranked by predicted seconds per trained row, since a mesh
-    with D replicas trains D mini-batches per step (each replica reads its own batch of the loader's size).
+    ``GPipeStrategy(plan="auto")``'s planner (docs/planning.md) over every mesh, ranked by predicted seconds per
+    trained row (D replicas train D batches per step); tried for several ``world_size``: "how many devices does
+    this model need". The layers are profiled one at a time, so the whole model never has to fit.
 
     Args:
         module: the LightningModule. If its backbone does not exist yet (built in ``configure_model``), that hook
@@ -60,8 +58,7 @@ def plan(
         chunks: M, fixed.
         checkpoint: the re-materialization mode, fixed.
         schedule: the schedule, fixed.
-        balance: layers per stage (a list), or a mode of :data:`lightning_gpipe.balance.MODES` that chooses the
-            split.
+        balance: layers per stage (a list), or a mode of :data:`lightning_gpipe.balance.MODES`.
 
     Returns:
         The :class:`~lightning_gpipe.planning.report.PlanReport`: ``report.chosen.plan.options()`` are the
