@@ -210,7 +210,7 @@ def run_lightning(args: argparse.Namespace) -> None:
             options.update(balance=args.balance)
         strategy = GPipeStrategy(defer_weight_grad=args.defer_weight_grad, **options)
         trainer = pl.Trainer(strategy=strategy, devices=args.devices, **trainer_kwargs)
-    loader = models.repeat_loader(_batch(args), args.warmup + args.steps)
+    loader = models.repeat_loader(_batch(args), args.warmup + args.steps, fresh=args.plan_limit_mib is not None)
     if counter is not None:
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
             trainer.fit(module, loader)

@@ -53,8 +53,8 @@ class StageMemory:
         gradients: one gradient per parameter.
         optimizer: the optimizer's state.
         activations: the simulator's peak of kept micro-batch inputs and saved activations.
-        buffers: the batch every stage loads, transfer buffers, DDP's buckets, the last stage's joined output and
-            its gradient.
+        buffers: the batches every stage loads (the current one and the next), transfer buffers, DDP's buckets, the
+            last stage's joined output and its gradient.
     """
 
     parameters: int
@@ -174,10 +174,11 @@ def predict(
 
 
 def _buffers(stages: Sequence[StageCost], k: int, batch_bytes: int, joined: int) -> int:
-    """Bytes of stage ``k``'s buffers: the batch (every stage loads it), two output gradients in flight (their
+    """Bytes of stage ``k``'s buffers: two batches (every stage loads them: Lightning's loop fetches the next batch
+    before the step on the current one ends), two output gradients in flight (their
     receives are posted one ahead), the input gradient it sends, and on the last stage the output the user's step
     takes (``joined``: the whole mini-batch's, or one micro-batch's under a schedule with a loss per micro-batch)
     and its gradient."""
     last = k == len(stages) - 1
     received = 0 if last else 2 * stages[k].output_bytes
-    return batch_bytes + received + stages[k].input_bytes + (2 * joined if last else 0)
+    return 2 * batch_bytes + received + stages[k].input_bytes + (2 * joined if last else 0)
