@@ -69,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         help="lightning gpipe only: GPipeStrategy(plan='auto', memory_limit=this many MiB); --chunks, --checkpoint,"
         " --schedule are passed only if named in --plan-fix; every process reports model_peak_mib (its peak resident"
-        " set during training over its resident set before setup) and rank 0 the plan and its prediction",
+        " set during training, less file-backed pages, over its anonymous memory before setup) and rank 0 the plan"
+        " and its prediction",
     )
     parser.add_argument("--plan-fix", nargs="*", default=[], choices=("chunks", "checkpoint", "schedule"))
     return parser.parse_args(argv)
@@ -160,10 +161,11 @@ def run_lightning(args: argparse.Namespace) -> None:
             self.rss_start = self.rss_growth = None
 
         def setup(self, trainer, pl_module, stage) -> None:
-            self.rss_setup = _status_mib("VmRSS")  # before the strategy materialises this stage's layers
+            self.anon_setup = _status_mib("RssAnon")  # before the strategy materialises this stage's layers
 
         def on_train_start(self, trainer, pl_module) -> None:
             self.rss_start = _reset_peak_rss()
+            self.anon_start = _status_mib("RssAnon")
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.clock.mark()
@@ -172,6 +174,10 @@ def run_lightning(args: argparse.Namespace) -> None:
             # before the strategy's teardown, which may gather the whole model on rank 0
             if self.rss_start is not None:
                 self.rss_growth = _status_mib("VmHWM") - self.rss_start
+                # the peak of anonymous memory (tensors, heap) since setup: the peak resident set less the
+                # file-backed pages (code, libraries) and shared memory resident at the end
+                files = _status_mib("RssFile") + _status_mib("RssShmem")
+                self.model_peak = _status_mib("VmHWM") - files - self.anon_setup
             emit(trainer.global_rank, event="trained", steps=len(self.clock.ends), peak_rss_mib=peak_rss_mib())
 
         def on_before_backward(self, trainer, pl_module, loss) -> None:
@@ -221,7 +227,7 @@ def run_lightning(args: argparse.Namespace) -> None:
         record.update(saved_peak=counter.counter.peak, kept_inputs=counter.kept, peak=counter.peak)
     if callback.rss_growth is not None:
         record.update(rss_growth_mib=callback.rss_growth)
-        record.update(model_peak_mib=callback.rss_growth + callback.rss_start - callback.rss_setup)
+        record.update(model_peak_mib=callback.model_peak, anon_mib=[callback.anon_setup, callback.anon_start])
     if args.plan_limit_mib is not None and trainer.global_rank == 0:
         report = trainer.strategy.plan_report
         record.update(plan=report.as_dict()["chosen"], profiled=dataclasses.asdict(report.profiled))

@@ -125,7 +125,9 @@ class SavedBytes:
             self._seen.add(storage.data_ptr())
             self.storages[storage.data_ptr()] = storage.nbytes()
             self.bytes += storage.nbytes()
-        return tensor
+        # Not ``tensor`` itself: a layer's output it saves (ReLU's) would then hold its own graph through the
+        # graph's C++ node, a reference cycle Python's collector cannot see, and the graph would never be freed.
+        return tensor.detach()
 
 
 def _same(tensor: Tensor) -> Tensor:
