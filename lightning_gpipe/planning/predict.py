@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass, field
 from lightning_gpipe.balance.costs import LayerCost
 from lightning_gpipe.balance.solver import stage_sums
 from lightning_gpipe.planning.costs import CostModel, ProfiledCosts
-from lightning_gpipe.schedule import SCHEDULES
 from lightning_gpipe.simulator import StageCost, Transfer, simulate
 
 
@@ -148,10 +147,7 @@ def predict(
     optimizer = [model.optimizer_time(p, state_factor) + model.all_reduce_time(p, replicas) for p in params]
     transfer = Transfer(model.transfer_latency, model.transfer_bandwidth)
     simulated = simulate(stages, chunks, plan.checkpoint, transfer, optimizer=optimizer, schedule=plan.schedule)
-    per_micro_batch = SCHEDULES[plan.schedule](
-        plan.pipeline_parallel_size - 1, plan.pipeline_parallel_size, chunks, plan.checkpoint, False
-    ).loss_per_micro_batch
-    joined = stages[-1].output_bytes if per_micro_batch else profiled.at(rows_n)[-1].output_bytes
+    joined = profiled.at(rows_n)[-1].output_bytes
     memory = tuple(
         StageMemory(
             parameters=p,
@@ -176,9 +172,8 @@ def predict(
 def _buffers(stages: Sequence[StageCost], k: int, batch_bytes: int, joined: int) -> int:
     """Bytes of stage ``k``'s buffers: two batches (every stage loads them: Lightning's loop fetches the next batch
     before the step on the current one ends), two output gradients in flight (their
-    receives are posted one ahead), the input gradient it sends, and on the last stage the output the user's step
-    takes (``joined``: the whole mini-batch's, or one micro-batch's under a schedule with a loss per micro-batch)
-    and its gradient."""
+    receives are posted one ahead), the input gradient it sends, and on the last stage the whole mini-batch's output
+    (``joined``) and its gradient: measured under 1F1B too, whose user step takes one micro-batch at a time."""
     last = k == len(stages) - 1
     received = 0 if last else 2 * stages[k].output_bytes
     return 2 * batch_bytes + received + stages[k].input_bytes + (2 * joined if last else 0)
