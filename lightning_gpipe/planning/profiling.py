@@ -13,20 +13,24 @@ from lightning_gpipe.microbatch import Value
 from lightning_gpipe.planning.costs import ProfiledCosts, optimizer_state_factor
 from lightning_gpipe.planning.search import MAX_CHUNKS
 
+PROFILED_CHUNKS = 8
+"""The larger profiled micro-batch is one of this many (times for fewer micro-batches are extrapolated)."""
+
 
 def profile_sizes(
     layers: nn.Sequential, value: Value, device: Union[torch.device, str], chunks: Optional[int] = None
 ) -> ProfiledCosts:
     """Profile ``layers`` (:func:`~lightning_gpipe.balance.profile_layers`) on two micro-batches of the mini-batch
-    ``value``: the whole of it and one of :data:`~lightning_gpipe.planning.search.MAX_CHUNKS` (or, when ``chunks``
-    is fixed, one of ``chunks`` micro-batches, twice the same size).
+    ``value``: one of :data:`PROFILED_CHUNKS` and one of :data:`~lightning_gpipe.planning.search.MAX_CHUNKS` (or,
+    when ``chunks`` is fixed, one of ``chunks`` micro-batches, twice the same size). Not the whole mini-batch: a
+    layer's activations on all of it may not fit a device that trains the model in micro-batches.
 
     Raises:
         TypeError, ValueError: as :func:`~lightning_gpipe.microbatch.batch_size` and
             :func:`~lightning_gpipe.balance.profile_layers`.
     """
     rows = microbatch.batch_size(value)
-    large_chunks, small_chunks = (chunks, chunks) if chunks is not None else (1, MAX_CHUNKS)
+    large_chunks, small_chunks = (chunks, chunks) if chunks is not None else (PROFILED_CHUNKS, MAX_CHUNKS)
     large, small = (microbatch.scatter(value, m)[0] for m in (large_chunks, small_chunks))
     large_costs = profile_layers(layers, large, device)
     small_costs = large_costs if small_chunks == large_chunks else profile_layers(layers, small, device)
