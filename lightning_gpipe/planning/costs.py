@@ -125,14 +125,12 @@ class ProfiledCosts:
 
 def _interpolate(big: LayerCost, small: LayerCost, big_rows: int, small_rows: int, rows: int) -> LayerCost:
     """``big`` and ``small`` (measured at ``big_rows`` and ``small_rows``) at ``rows``: times affine, bytes scaled
-    from ``big``; the fixed part of a time is never negative."""
+    from ``big``; neither part of a time is negative (else, from noise, the time is ``big``'s scaled by the rows)."""
 
     def affine(t_big: float, t_small: float) -> float:
-        if big_rows == small_rows:
-            return t_big * rows / big_rows
-        slope = (t_big - t_small) / (big_rows - small_rows)
+        slope = (t_big - t_small) / (big_rows - small_rows) if big_rows != small_rows else -1.0
         fixed = t_big - slope * big_rows
-        return t_big * rows / big_rows if fixed < 0 else fixed + slope * rows
+        return t_big * rows / big_rows if fixed < 0 or slope < 0 else fixed + slope * rows
 
     scale = rows / big_rows
     return replace(
