@@ -53,6 +53,12 @@ def test_costs_are_affine_in_rows_between_the_profiled_sizes_and_bytes_proportio
     assert costs.for_chunks(3)[0].activation_bytes == 4 * 256 * 22  # the first of tensor_split's chunks: 22 rows
 
 
+def test_a_time_that_falls_with_the_rows_is_scaled_never_extrapolated_below_zero():
+    noisy = LayerCost(forward=1e-3, backward=1e-3)
+    costs = ProfiledCosts((64, 8), [noisy], [LayerCost(forward=2e-3, backward=2e-3)], 512, 4 * 512)
+    assert costs.at(512)[0].forward == pytest.approx(8e-3)  # 1 ms at 64 rows, scaled to 512
+
+
 @pytest.mark.parametrize(
     "optimizer, factor",
     [
