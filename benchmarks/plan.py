@@ -11,8 +11,8 @@ or more in a mapping of its own, see benchmarks/_runs.py) against the predicted 
 
 Usage::
 
-    python benchmarks/plan.py                                   # the activation-heavy MLP, L = 70 MiB
-    python benchmarks/plan.py --model amoebanet --batch-size 256 --limit-mib 150
+    python benchmarks/plan.py                                   # the activation-heavy MLP, L = 80 MiB
+    python benchmarks/plan.py --model amoebanet --batch-size 64 --chunks 4 8 16 32
     python benchmarks/plan.py --chunks 2 4 --checkpoint never always --schedule gpipe   # a smaller grid
 """
 
@@ -38,19 +38,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=("mlp", "amoebanet"), default="mlp")
-    parser.add_argument("--limit-mib", type=float, default=70.0, help="memory_limit per process, MiB (default 70)")
+    parser.add_argument("--limit-mib", type=float, default=80.0, help="memory_limit per process, MiB (default 80)")
     parser.add_argument("--reserve-mib", type=int, default=800, help="RLIMIT_DATA above the limit (default 800)")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=16)
     parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[8, 16, 32])
     modes = ("never", "except_last", "always")
     parser.add_argument("--checkpoint", nargs="+", choices=modes, default=list(modes))
     parser.add_argument("--schedule", nargs="+", choices=("gpipe", "1f1b"), default=["gpipe", "1f1b"])
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a run counts as failed")
-    harness.add_timing_args(parser, repeats=2, steps=4, warmup=2)
+    harness.add_timing_args(parser, repeats=2, steps=3, warmup=1)
     args = parser.parse_args(argv)
     harness.check_positive(parser, args, ("devices", "batch_size", "width", "depth", "chunks", "repeats", "steps"))
     return args
