@@ -21,6 +21,7 @@ Every process uses one torch thread (``torch.set_num_threads(1)``; the driver se
 """
 
 import argparse
+import dataclasses
 import sys
 import weakref
 from pathlib import Path
@@ -64,6 +65,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--breakdown", action="store_true", help="lightning gpipe only: where each stage's step time goes (spans)"
     )
+    parser.add_argument(
+        "--plan-limit-mib",
+        type=float,
+        help="lightning gpipe only: GPipeStrategy(plan='auto', memory_limit=this many MiB); --chunks, --checkpoint,"
+        " --schedule are passed only if named in --plan-fix; every process reports model_peak_mib (its peak resident"
+        " set during training, less file-backed pages, over its anonymous memory before setup) and rank 0 the plan"
+        " and its prediction",
+    )
+    parser.add_argument("--plan-fix", nargs="*", default=[], choices=("chunks", "checkpoint", "schedule"))
     return parser.parse_args(argv)
 
 
@@ -151,8 +161,12 @@ def run_lightning(args: argparse.Namespace) -> None:
             self.clock = StepClock(args.warmup)
             self.rss_start = self.rss_growth = None
 
+        def setup(self, trainer, pl_module, stage) -> None:
+            self.anon_setup = _status_mib("RssAnon")  # before the strategy materialises this stage's layers
+
         def on_train_start(self, trainer, pl_module) -> None:
             self.rss_start = _reset_peak_rss()
+            self.anon_start = _status_mib("RssAnon")
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.clock.mark()
@@ -161,6 +175,10 @@ def run_lightning(args: argparse.Namespace) -> None:
             # before the strategy's teardown, which may gather the whole model on rank 0
             if self.rss_start is not None:
                 self.rss_growth = _status_mib("VmHWM") - self.rss_start
+                # the peak of anonymous memory (tensors, heap) since setup: the peak resident set less the
+                # file-backed pages (code, libraries) and shared memory resident at the end
+                files = _status_mib("RssFile") + _status_mib("RssShmem")
+                self.model_peak = _status_mib("VmHWM") - files - self.anon_setup
             emit(trainer.global_rank, event="trained", steps=len(self.clock.ends), peak_rss_mib=peak_rss_mib())
 
         def on_before_backward(self, trainer, pl_module, loss) -> None:
@@ -191,15 +209,15 @@ def run_lightning(args: argparse.Namespace) -> None:
     else:
         from lightning_gpipe import GPipeStrategy
 
-        strategy = GPipeStrategy(
-            balance=args.balance,
-            chunks=args.chunks,
-            checkpoint=args.checkpoint,
-            defer_weight_grad=args.defer_weight_grad,
-            schedule=args.schedule,
-        )
+        options = {"chunks": args.chunks, "checkpoint": args.checkpoint, "schedule": args.schedule}
+        if args.plan_limit_mib is not None:
+            options = {key: value for key, value in options.items() if key in args.plan_fix}
+            options.update(plan="auto", memory_limit=int(args.plan_limit_mib * 2**20))
+        else:
+            options.update(balance=args.balance)
+        strategy = GPipeStrategy(defer_weight_grad=args.defer_weight_grad, **options)
         trainer = pl.Trainer(strategy=strategy, devices=args.devices, **trainer_kwargs)
-    loader = models.repeat_loader(_batch(args), args.warmup + args.steps)
+    loader = models.repeat_loader(_batch(args), args.warmup + args.steps, fresh=args.plan_limit_mib is not None)
     if counter is not None:
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
             trainer.fit(module, loader)
@@ -210,6 +228,11 @@ def run_lightning(args: argparse.Namespace) -> None:
         record.update(saved_peak=counter.counter.peak, kept_inputs=counter.kept, peak=counter.peak)
     if callback.rss_growth is not None:
         record.update(rss_growth_mib=callback.rss_growth)
+        record.update(model_peak_mib=callback.model_peak, anon_mib=[callback.anon_setup, callback.anon_start])
+    if args.plan_limit_mib is not None and trainer.global_rank == 0:
+        report = trainer.strategy.plan_report
+        record.update(plan=report.as_dict()["chosen"], profiled=dataclasses.asdict(report.profiled))
+        record.update(state_factor=report.state_factor, limit=report.memory_limit)
     if breakdown is not None:
         record.update(breakdown=breakdown.mean_ms(), stage=trainer.strategy.stage_index)
     emit(trainer.global_rank, **record)
@@ -482,7 +505,7 @@ def main(argv: list[str] | None = None) -> None:
     """Make the measurement the arguments describe."""
     args = parse_args(argv)
     torch.set_num_threads(1)
-    if args.count_saved:
+    if args.count_saved or args.plan_limit_mib is not None:
         _map_large_allocations()
     runs = {"lightning": run_lightning, "bare": run_bare, "tp": run_tp, "torchgpipe": run_torchgpipe}
     runs.update({"tp-zb": run_tp_zero_bubble, "tp-zbv": run_tp_zero_bubble, "tp-1f1b": run_tp})

@@ -20,6 +20,7 @@ Usage::
 
     python benchmarks/capacity.py                          # cap 1536 MiB, W 2048, K 2, M 4, except_last
     python benchmarks/capacity.py --cap-mib 2048 --only gpipe
+    python benchmarks/capacity.py --only gpipe --plan-reserve-mib 700   # GPipeStrategy(plan="auto") chooses
 """
 
 import argparse
@@ -42,6 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--known-good", type=int, default=0, help="a depth known to train, to resume a search")
     parser.add_argument("--only", nargs="+", choices=("plain", "gpipe"), default=["plain", "gpipe"])
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a run counts as failed")
+    parser.add_argument(
+        "--plan-reserve-mib",
+        type=int,
+        help="gpipe runs GPipeStrategy(plan='auto', memory_limit=cap - this many MiB) instead of the fixed chunks and"
+        " checkpoint: the memory each process holds besides the model (Python, torch, Lightning, gloo)",
+    )
     args = parser.parse_args(argv)
     harness.check_positive(parser, args, ("cap_mib", "width", "batch_size", "devices", "chunks", "start"))
     return args
@@ -56,6 +63,8 @@ def attempt(args: argparse.Namespace, side: str, depth: int) -> bool:
     command = ["lightning", "--strategy", side, "--depth", str(depth), "--width", str(args.width)]
     command += ["--batch-size", str(args.batch_size), "--momentum", "0.9", "--steps", "1", "--warmup", "1"]
     command += ["--devices", str(args.devices), "--chunks", str(args.chunks), "--checkpoint", args.checkpoint]
+    if side == "gpipe" and args.plan_reserve_mib is not None:
+        command += ["--plan-limit-mib", str(args.cap_mib - args.plan_reserve_mib)]
     config = harness.Config(f"{side}/{depth}", command)
     outcome = harness.run(config, memory_cap=args.cap_mib * MIB, timeout=args.timeout)
     processes = args.devices if side == "gpipe" else 1

@@ -91,18 +91,20 @@ def image_batch(rows: int, size: int = 32, seed: int = 0) -> tuple[Tensor, Tenso
 
 
 class Repeat(torch.utils.data.Dataset):
-    """The same mini-batch ``length`` times: a data set with no loading cost (use ``batch_size=None``)."""
+    """The same mini-batch ``length`` times: a data set with no loading cost (use ``batch_size=None``); ``fresh``:
+    a copy each time, as a loader that collates makes a new batch (so that memory measurements see it)."""
 
-    def __init__(self, batch: tuple[Tensor, Tensor], length: int) -> None:
-        self.batch, self.length = batch, length
+    def __init__(self, batch: tuple[Tensor, Tensor], length: int, fresh: bool = False) -> None:
+        self.batch, self.length, self.fresh = batch, length, fresh
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
-        return self.batch
+        return tuple(t.clone() for t in self.batch) if self.fresh else self.batch
 
 
-def repeat_loader(batch: tuple[Tensor, Tensor], length: int) -> torch.utils.data.DataLoader:
-    """A DataLoader yielding ``batch`` ``length`` times, in the main process."""
-    return torch.utils.data.DataLoader(Repeat(batch, length), batch_size=None, shuffle=False, num_workers=0)
+def repeat_loader(batch: tuple[Tensor, Tensor], length: int, fresh: bool = False) -> torch.utils.data.DataLoader:
+    """A DataLoader yielding ``batch`` ``length`` times (copies if ``fresh``), in the main process."""
+    dataset = Repeat(batch, length, fresh)
+    return torch.utils.data.DataLoader(dataset, batch_size=None, shuffle=False, num_workers=0)

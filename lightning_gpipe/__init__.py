@@ -14,10 +14,12 @@ from lightning_gpipe.balance import LayerCost, balance_by, profile_layers, solve
 from lightning_gpipe.callbacks import PipelineBalance, PipelineModelSummary, PipelineThroughput, PipelineTimeline
 from lightning_gpipe.failure import PipelineFailure
 from lightning_gpipe.contract import forward_and_share
+from lightning_gpipe.planning import CostModel, PlanReport, plan
 from lightning_gpipe.strategy import GPipeStrategy
 
 __all__ = [
     "BatchMismatchError",
+    "CostModel",
     "GPipeStrategy",
     "LayerCost",
     "PipelineBalance",
@@ -25,8 +27,10 @@ __all__ = [
     "PipelineModelSummary",
     "PipelineThroughput",
     "PipelineTimeline",
+    "PlanReport",
     "balance_by",
     "forward_and_share",
+    "plan",
     "profile_layers",
     "solve",
 ]

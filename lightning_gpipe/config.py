@@ -14,6 +14,8 @@ from typing import Optional, Union
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_gpipe.balance import MODES
+from lightning_gpipe.planning.costs import CostModel
+from lightning_gpipe.planning.search import Constraints
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES
 from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, SCHEDULES
 from lightning_gpipe.topology import Size, checked_size
@@ -28,6 +30,10 @@ CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     "state_dict_type": (("full", "sharded"), "choose 'full' or 'sharded'"),
 }
 """The options that take one of a few names: option -> (allowed values, how the error names them)."""
+
+
+DEFAULTS = {"checkpoint": "except_last", "schedule": "gpipe"}
+"""The values of the options whose ``None`` stands for them (``None`` under ``plan="auto"``: the planner's choice)."""
 
 Balance = Union[None, str, Sequence[int]]
 """``balance``: ``None``, a mode of :data:`lightning_gpipe.balance.MODES`, or layers per stage."""
@@ -56,9 +62,10 @@ class PipelineConfig:
             than ``chunks`` runs as one micro-batch per row; a batch that does not divide evenly gives
             uneven micro-batches (as :func:`torch.tensor_split`).
         checkpoint: re-materialization: ``"always"`` recomputes every micro-batch's forward in the
-            drain, ``"except_last"`` (default) all but the last micro-batch, ``"never"`` keeps all
-            activations.
-        schedule: ``"gpipe"`` (default) is GPipe's fill-drain: all M forwards, then all M backwards, so a
+            drain, ``"except_last"`` all but the last micro-batch, ``"never"`` keeps all activations. ``None``
+            (default): ``"except_last"``, or the planner's choice under ``plan="auto"``.
+        schedule: ``"gpipe"`` is GPipe's fill-drain (``None``, the default, means it, or the planner's choice under
+            ``plan="auto"``): all M forwards, then all M backwards, so a
             stage holds M micro-batches. ``"1f1b"`` is PipeDream-Flush's one-forward-one-backward schedule
             (Narayanan et al. 2021): each micro-batch's backward starts as soon as its loss exists, so stage k
             of K holds at most ``K - k`` micro-batches; same gradients, same bubble. Under ``"1f1b"`` the last
@@ -104,18 +111,31 @@ class PipelineConfig:
             a checkpoint and profiling the backbone do not count as stalls. See docs/training.md, "Failures and
             stalls".
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
+        plan: ``"auto"`` plans the pipeline before the first step (see docs/planning.md): global rank 0 profiles the
+            backbone's layers once, at two micro-batch sizes, and every process predicts each candidate plan
+            (``chunks``, ``checkpoint``, ``schedule``, the best ``balance``) on the mesh the job was launched with,
+            and runs the fastest one whose every stage fits ``memory_limit``; what it chose and why is printed at fit
+            start and kept in ``GPipeStrategy.plan_report``. Options given explicitly (``chunks``, ``balance``,
+            ``checkpoint``, ``schedule``, even at their default values) are kept. ``None`` (default): no planning.
+        memory_limit: bytes one device may hold under ``plan="auto"``: parameters, gradients, optimizer state,
+            activations and transfer buffers. ``None`` (default): the free memory CUDA reports on global rank 0's
+            device; on the CPU it must be given.
+        cost_model: the planner's constants for this machine
+            (:class:`~lightning_gpipe.planning.CostModel`); ``None`` (default): the ones measured for the package.
 
     Raises:
         ValueError: naming the option and the fix, for ``chunks < 1``, a value outside :data:`CHOICES`, a ``balance``
             that is neither a mode nor a list of integers, a ``balance_memory_limit`` that is not a positive integer
             or comes with a list ``balance``, a ``stall_timeout`` that is not a positive ``timedelta``, or a mesh
-            size that is neither a positive integer nor ``"auto"``.
+            size that is neither a positive integer nor ``"auto"``; a ``plan`` other than ``"auto"`` or ``None``, a
+            ``memory_limit`` that is not a positive integer, ``memory_limit`` or ``cost_model`` without
+            ``plan="auto"``, or ``plan="auto"`` with ``balance_memory_limit``.
     """
 
     balance: Balance = None
     chunks: Optional[int] = None
-    checkpoint: str = "except_last"
-    schedule: str = "gpipe"
+    checkpoint: Optional[str] = None
+    schedule: Optional[str] = None
     deferred_batch_norm: bool = False
     defer_weight_grad: Optional[bool] = None
     backbone: Optional[str] = None
@@ -127,8 +147,14 @@ class PipelineConfig:
     timeout: Optional[timedelta] = default_pg_timeout
     stall_timeout: Optional[timedelta] = timedelta(minutes=5)
     process_group_backend: Optional[str] = None
+    plan: Optional[str] = None
+    memory_limit: Optional[int] = None
+    cost_model: Optional[CostModel] = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_given", frozenset(k for k in DEFAULTS if getattr(self, k) is not None))
+        for option, default in DEFAULTS.items():
+            object.__setattr__(self, option, default if getattr(self, option) is None else getattr(self, option))
         chunks = self.chunks
         if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
             raise ValueError(
@@ -139,6 +165,7 @@ class PipelineConfig:
                 raise ValueError(f"GPipeStrategy({option}={getattr(self, option)!r}): {fix}.")
         self._check_weight_split()
         self._check_balance()
+        self._check_plan()
         stall = self.stall_timeout
         if stall is not None and (not isinstance(stall, timedelta) or stall <= timedelta(0)):
             raise ValueError(
@@ -193,6 +220,39 @@ class PipelineConfig:
                 f"GPipeStrategy(balance={balance!r}, balance_memory_limit=...): the memory limit steers an automatic"
                 " balance; use balance='time' (or 'params', 'memory') with it, or drop the limit."
             )
+
+    def _check_plan(self) -> None:
+        plan, limit = self.plan, self.memory_limit
+        if plan not in (None, "auto"):
+            raise ValueError(f"GPipeStrategy(plan={plan!r}): choose 'auto' (plan the pipeline) or None.")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise ValueError(
+                f"GPipeStrategy(memory_limit={limit!r}): give the bytes one device may hold, an integer >= 1, or None"
+                " for what the accelerator reports."
+            )
+        if plan is None and (limit is not None or self.cost_model is not None):
+            raise ValueError(
+                "GPipeStrategy(memory_limit=..., cost_model=...) steer the planner; add plan='auto', or drop them"
+                " (balance_memory_limit limits the balance alone)."
+            )
+        if plan == "auto" and self.balance_memory_limit is not None:
+            raise ValueError(
+                "GPipeStrategy(plan='auto', balance_memory_limit=...): the planner takes the whole memory of a device"
+                " as memory_limit=BYTES (parameters, gradients, optimizer state, activations); drop"
+                " balance_memory_limit."
+            )
+
+    def constraints(self) -> Constraints:
+        """What the user fixed, for the planner: ``chunks``, a ``balance`` (list or mode), the mesh sizes that are
+        not ``"auto"``, and ``checkpoint`` and ``schedule`` when given explicitly (even at their default values)."""
+        return Constraints(
+            pipeline_parallel_size=None if self.pipeline_parallel_size == "auto" else self.pipeline_parallel_size,
+            data_parallel_size=None if self.data_parallel_size == "auto" else self.data_parallel_size,
+            chunks=self.chunks,
+            checkpoint=self.checkpoint if "checkpoint" in self._given else None,
+            schedule=self.schedule if "schedule" in self._given else None,
+            balance=self.balance,
+        )
 
     @property
     def profiled(self) -> bool:

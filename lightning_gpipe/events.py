@@ -103,10 +103,12 @@ class SavedBytes:
 
     Attributes:
         bytes: the count so far.
+        storages: the counted storages so far, address -> bytes.
     """
 
     def __init__(self, exclude: Iterable[Tensor]) -> None:
         self.bytes = 0
+        self.storages: dict[int, int] = {}
         self._seen = {t.untyped_storage().data_ptr() for t in exclude}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _same)
 
@@ -121,8 +123,11 @@ class SavedBytes:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in self._seen:
             self._seen.add(storage.data_ptr())
+            self.storages[storage.data_ptr()] = storage.nbytes()
             self.bytes += storage.nbytes()
-        return tensor
+        # Not ``tensor`` itself: a layer's output it saves (ReLU's) would then hold its own graph through the
+        # graph's C++ node, a reference cycle Python's collector cannot see, and the graph would never be freed.
+        return tensor.detach()
 
 
 def _same(tensor: Tensor) -> Tensor:

@@ -28,13 +28,14 @@ from typing_extensions import override
 
 from lightning_gpipe import state_dict
 from lightning_gpipe.balance import LayerCost
-from lightning_gpipe.balance.backbone import profile_backbone
 from lightning_gpipe.config import Balance, PipelineConfig
 from lightning_gpipe.contract import check_automatic_optimization
 from lightning_gpipe.mesh import MeshStrategy
 from lightning_gpipe.optimization import pipelined, unpipelined
 from lightning_gpipe.partition import find_backbone, is_whole
 from lightning_gpipe.pipeline import PipelineRun, split_into_stage
+from lightning_gpipe.measure import planned_config, shared_layer_costs
+from lightning_gpipe.planning import CostModel, PlanReport
 from lightning_gpipe.relay import LogRelay
 from lightning_gpipe.stage import Stage
 from lightning_gpipe.summary import replace_model_summary
@@ -61,19 +62,22 @@ class GPipeStrategy(MeshStrategy):
     Args:
         balance: layers per stage, or ``"params"`` (default), ``"time"`` or ``"memory"`` for the best split.
         chunks: M, the micro-batches per mini-batch (default ``4 * K``).
-        checkpoint: re-materialization, ``"always"``, ``"except_last"`` (default) or ``"never"``.
+        checkpoint: re-materialization, ``"always"``, ``"except_last"`` (``None``, default) or ``"never"``.
         deferred_batch_norm: batch norm's running statistics updated once per mini-batch (default ``False``).
         defer_weight_grad: the zero-bubble B/W split of each backward (default ``None``: the schedule's default).
         backbone: the ``nn.Sequential`` attribute to pipeline (default: the only one).
         balance_memory_limit: bytes one stage may hold when choosing the balance (default: no limit).
         start_method: ``"popen"`` (default) or ``"spawn"``.
         state_dict_type: checkpoints as one ``"full"`` file (default) or a ``"sharded"`` directory.
-        schedule: ``"gpipe"`` (fill-drain, default), ``"1f1b"`` or ``"zb-h1"`` (zero-bubble).
+        schedule: ``"gpipe"`` (fill-drain; ``None``, default), ``"1f1b"`` or ``"zb-h1"`` (zero-bubble).
         pipeline_parallel_size: K, the stages of each pipeline (default ``"auto"``).
         data_parallel_size: D, the pipeline replicas (default ``"auto"``).
         timeout: the process group's timeout (30 minutes by default).
         stall_timeout: how long a stage may wait for another before the job ends naming it (5 minutes).
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
+        plan: ``"auto"`` chooses the options not given under ``memory_limit`` (docs/planning.md); default ``None``.
+        memory_limit: bytes one device may hold under ``plan="auto"`` (default: CUDA's free memory; on the CPU give it).
+        cost_model: the planner's constants for this machine (default: the package's).
         accelerator: as for Lightning's other parallel strategies; the Trainer fills it in.
         parallel_devices: the devices of this node, one per stage process; the Trainer fills them in.
         cluster_environment: how ranks are found; the Trainer fills it in.
@@ -95,19 +99,22 @@ class GPipeStrategy(MeshStrategy):
         self,
         balance: Balance = None,
         chunks: Optional[int] = None,
-        checkpoint: Literal["always", "except_last", "never"] = "except_last",
+        checkpoint: Optional[Literal["always", "except_last", "never"]] = None,
         deferred_batch_norm: bool = False,
         defer_weight_grad: Optional[bool] = None,
         backbone: Optional[str] = None,
         balance_memory_limit: Optional[int] = None,
         start_method: Literal["popen", "spawn"] = "popen",
         state_dict_type: Literal["full", "sharded"] = "full",
-        schedule: Literal["gpipe", "1f1b", "zb-h1"] = "gpipe",
+        schedule: Optional[Literal["gpipe", "1f1b", "zb-h1"]] = None,
         pipeline_parallel_size: Size = "auto",
         data_parallel_size: Size = "auto",
         timeout: Optional[timedelta] = default_pg_timeout,
         stall_timeout: Optional[timedelta] = timedelta(minutes=5),
         process_group_backend: Optional[str] = None,
+        plan: Optional[Literal["auto"]] = None,
+        memory_limit: Optional[int] = None,
+        cost_model: Optional[CostModel] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -118,6 +125,8 @@ class GPipeStrategy(MeshStrategy):
         plugins = (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         super().__init__(PipelineConfig(**options), *plugins)
         self.layer_costs: Optional[list[LayerCost]] = None  # profiled per backbone layer, when a mode needs them
+        self.plan_report: Optional[PlanReport] = None  # what plan="auto" chose and why, once planned
+        self._requested = self.config  # the options as given; plan="auto" runs a config with the plan's values
         self._whole_before_split = True
         self._run: Optional[PipelineRun] = None
 
@@ -168,10 +177,12 @@ class GPipeStrategy(MeshStrategy):
         check_automatic_optimization(module)
         self._whole_before_split = self.broadcast(is_whole(module), src=0)  # rank 0's module, the user's, decides
         name = find_backbone(module, self.config.backbone)
+        if self.config.plan == "auto":
+            self.config = planned_config(self, self._requested, module, name)
         relay = LogRelay(self, self._last_stage_rank, self.pipeline_group, self._job)
         run = self._run = split_into_stage(
             module, name, self.config, self.topology, self.global_rank, self.root_device,
-            self._layer_costs(module, name), self._randomness, self._share_from_last_stage, relay, self._job,
+            shared_layer_costs(self, module, name), self._randomness, self._share_from_last_stage, relay, self._job,
         )  # fmt: skip
         run.start(module, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -185,16 +196,6 @@ class GPipeStrategy(MeshStrategy):
         pipelined(self.precision_plugin, self.pipeline_group, run.ties.uncounted, self._job)
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _layer_costs(self, module: "pl.LightningModule", name: str) -> Optional[list[LayerCost]]:
-        """The backbone layers' costs where the balance needs them: measured once on global rank 0, shared."""
-        if self.config.profiled and (self.layer_costs is None or len(self.layer_costs) != len(getattr(module, name))):
-            chunks = self.config.chunks_for(self.topology.num_stages)
-            profiling = self._job.position.unbounded_phase("profiling the backbone")
-            with self.precision_plugin.train_step_context(), profiling:
-                costs = profile_backbone(module, name, chunks, self.root_device) if self.is_global_zero else None
-            self.layer_costs = self.broadcast(costs, src=0)
-        return self.layer_costs if self.config.profiled else None
 
     @contextmanager
     @override

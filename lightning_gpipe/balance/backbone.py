@@ -5,6 +5,8 @@ only, see the user contract). To get it without running anything that holds para
 the backbone is swapped for a stand-in that records its input and stops the step there.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch
@@ -45,33 +47,46 @@ def profile_backbone(module: LightningModule, backbone: str, chunks: int, device
         ValueError: if there is no sample, RuntimeError if the sample call does not reach the backbone
             (see :func:`sample_micro_batch`); TypeError or ValueError from :func:`profile_layers`.
     """
-    states = _collect_rng_states()
-    try:
+    with unchanged_random_state():
         sample = sample_micro_batch(module, backbone, chunks)
         return profile_layers(getattr(module, backbone), sample, device)
+
+
+@contextmanager
+def unchanged_random_state() -> Iterator[None]:
+    """Leave the random number generators (torch, CUDA, NumPy, Python) as they were before the block."""
+    states = _collect_rng_states()
+    try:
+        yield
     finally:
         _set_rng_states(states)
 
 
 def sample_micro_batch(module: LightningModule, backbone: str, chunks: int) -> Value:
-    """The first of ``chunks`` micro-batches of a backbone input the module really produces.
+    """The first of ``chunks`` micro-batches of a backbone input the module really produces (see
+    :func:`sample_backbone_input`)."""
+    return microbatch.scatter(sample_backbone_input(module, backbone), chunks)[0]
 
-    The input comes from calling the module on its ``example_input_array`` (Lightning's
-    convention: the input of ``forward``, passed as ``forward(*x)`` for a tuple and ``forward(**x)``
-    for a dict) if it is set, else from calling ``training_step`` on the first batch of the
-    training data (moved to the device with the user's transfer hooks) when fitting. Either call
-    stops at the backbone, under ``torch.no_grad()``.
+
+def sample_backbone_input(module: LightningModule, backbone: str, batch: Any = None) -> Value:
+    """A whole mini-batch of backbone input the module really produces.
+
+    The input comes from calling ``training_step`` on ``batch`` if it is given, else from calling the module on its
+    ``example_input_array`` (Lightning's convention: the input of ``forward``, passed as ``forward(*x)`` for a tuple
+    and ``forward(**x)`` for a dict) if it is set, else from calling ``training_step`` on the first batch of the
+    training data (moved to the device with the user's transfer hooks) when fitting. Each call stops at the
+    backbone, under ``torch.no_grad()``.
 
     Raises:
-        ValueError: if the module has no ``example_input_array`` and the Trainer is not fitting.
+        ValueError: if there is neither ``batch`` nor ``example_input_array`` and the Trainer is not fitting.
         RuntimeError: if the call returns without calling the backbone.
     """
     example = module.example_input_array
+    if batch is not None:
+        return _backbone_input(module, backbone, lambda: module.training_step(batch, 0), "training_step")
     if example is not None:
-        value = _backbone_input(module, backbone, lambda: _call_forward(module, example), "forward")
-    else:
-        value = _backbone_input(module, backbone, _first_training_step(module), "training_step")
-    return microbatch.scatter(value, chunks)[0]
+        return _backbone_input(module, backbone, lambda: _call_forward(module, example), "forward")
+    return _backbone_input(module, backbone, _first_training_step(module), "training_step")
 
 
 def _first_training_step(module: LightningModule) -> Callable[[], Any]:

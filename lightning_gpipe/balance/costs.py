@@ -13,6 +13,10 @@ class LayerCost:
         activation_bytes: bytes autograd saves for the backward of this layer (what re-materialization frees).
         output_bytes: bytes of the layer's output (what a stage boundary here would send and keep).
         parameter_bytes: bytes of the layer's parameters and buffers.
+        input_saved_bytes: of ``activation_bytes``, the bytes of the layer's input that autograd saves (shared with
+            the previous layer's output, and with a stage's kept input).
+        output_saved_bytes: of ``activation_bytes``, the bytes of the layer's output that autograd saves (shared
+            with the next layer's input).
     """
 
     forward: float
@@ -20,3 +24,5 @@ class LayerCost:
     activation_bytes: int = 0
     output_bytes: int = 0
     parameter_bytes: int = 0
+    input_saved_bytes: int = 0
+    output_saved_bytes: int = 0

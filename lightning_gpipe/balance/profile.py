@@ -85,15 +85,17 @@ def profile_layers(
 
 
 def _profile(layer: Partition, value: Value, skips: dict, device: torch.device, repeats: int, warmup: int) -> tuple:
-    activation_bytes, output, stashed = _saved_bytes(layer, value, skips)
+    saved, output, stashed = _saved_storages(layer, value, skips)
     grads = [torch.ones_like(t) for t in _differentiable(output, stashed)]
     runs = [_run(layer, value, skips, grads, device) for _ in range(warmup + repeats)][warmup:]
     cost = LayerCost(
         forward=statistics.median(forward for forward, _ in runs),
         backward=statistics.median(backward for _, backward in runs),
-        activation_bytes=activation_bytes,
+        activation_bytes=sum(saved.values()),
         output_bytes=sum(_nbytes(t) for t in tensors(output)),
         parameter_bytes=sum(_nbytes(t) for t in _state(layer)),
+        input_saved_bytes=_shared(saved, value),
+        output_saved_bytes=_shared(saved, output),
     )
     return cost, output, stashed
 
@@ -113,12 +115,17 @@ def _run(layer: Partition, value: Value, skips: dict, grads: list[Tensor], devic
     return middle - start, end - middle
 
 
-def _saved_bytes(layer: Partition, value: Value, skips: dict) -> tuple[int, Value, dict]:
-    """Bytes of the storages autograd saves in one forward (not the layer's own state), the output, and the skip
-    tensors the layer stashed."""
+def _saved_storages(layer: Partition, value: Value, skips: dict) -> tuple[dict[int, int], Value, dict]:
+    """The storages autograd saves in one forward (not the layer's own state; address -> bytes), the output, and the
+    skip tensors the layer stashed."""
     with SavedBytes(exclude=_state(layer)) as saved, tracking(SkipTracker(skips)) as tracker:
         output = layer.run(value)
-    return saved.bytes, output, tracker.stashed
+    return saved.storages, output, tracker.stashed
+
+
+def _shared(saved: dict[int, int], value: Value) -> int:
+    """Bytes of the ``saved`` storages that hold ``value``'s tensors."""
+    return sum(saved.get(address, 0) for address in {t.untyped_storage().data_ptr() for t in tensors(value)})
 
 
 def _differentiable(value: Value, stashed: dict) -> list[Tensor]:

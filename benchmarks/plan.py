@@ -1,0 +1,234 @@
+"""Does ``GPipeStrategy(plan="auto")`` choose well, and are its predictions right? (issue 23)
+
+One run of ``GPipeStrategy(plan="auto", memory_limit=L)`` against a grid of plans, each the planner fixed to one
+``(chunks, checkpoint, schedule)`` (``plan="auto"`` with those three given: the planner still chooses the balance and
+predicts the plan, and refuses it before step 1 if it does not fit L). Every run trains on ``--devices`` processes,
+each under ``RLIMIT_DATA`` = L + ``--reserve-mib`` (the process's own memory: Python, torch, Lightning, gloo; see
+benchmarks/capacity.py for the cap). The configurations run interleaved (auto, grid..., auto, grid...), and the
+table gives per plan: the median measured step time on rank 0 against the planner's prediction, and each process's
+measured peak (its peak resident set during training over its resident set before setup, every allocation of 64 KiB
+or more in a mapping of its own, see benchmarks/_runs.py) against the predicted peak of its stage.
+
+Usage::
+
+    python benchmarks/plan.py                                   # the activation-heavy MLP, L = 80 MiB
+    python benchmarks/plan.py --model amoebanet --batch-size 64 --chunks 4 8 16 32
+    python benchmarks/plan.py --chunks 2 4 --checkpoint never always --schedule gpipe   # a smaller grid
+"""
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+from itertools import product
+from pathlib import Path
+
+import _harness as harness
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's lightning_gpipe
+
+from lightning_gpipe.balance import LayerCost
+from lightning_gpipe.planning import CostModel, PipelinePlan, ProfiledCosts, predict
+
+MIB = 2**20
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("mlp", "amoebanet"), default="mlp")
+    parser.add_argument("--limit-mib", type=float, default=80.0, help="memory_limit per process, MiB (default 80)")
+    parser.add_argument("--reserve-mib", type=int, default=800, help="RLIMIT_DATA above the limit (default 800)")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=4096)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=16)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[8, 16, 32])
+    modes = ("never", "except_last", "always")
+    parser.add_argument("--checkpoint", nargs="+", choices=modes, default=list(modes))
+    parser.add_argument("--schedule", nargs="+", choices=("gpipe", "1f1b"), default=["gpipe", "1f1b"])
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a run counts as failed")
+    harness.add_timing_args(parser, repeats=2, steps=3, warmup=1)
+    args = parser.parse_args(argv)
+    harness.check_positive(parser, args, ("devices", "batch_size", "width", "depth", "chunks", "repeats", "steps"))
+    return args
+
+
+def configs(args: argparse.Namespace) -> list[harness.Config]:
+    """``auto``, then one configuration per ``(chunks, checkpoint, schedule)`` of the grid."""
+    common = ["lightning", "--model", args.model, "--momentum", str(args.momentum), "--plan-limit-mib"]
+    common += [str(args.limit_mib), *harness.mlp_run_args(args)]
+    found = [harness.Config("auto", common, describe="plan='auto'")]
+    for m, mode, schedule in product(args.chunks, args.checkpoint, args.schedule):
+        if m == 1 and mode == "except_last":
+            continue  # the same plan as "never"
+        fixed = ["--chunks", str(m), "--checkpoint", mode, "--schedule", schedule]
+        found.append(
+            harness.Config(
+                f"M{m}/{mode}/{schedule}", [*common, *fixed, "--plan-fix", "chunks", "checkpoint", "schedule"]
+            )
+        )
+    return found
+
+
+def measure(args: argparse.Namespace, config: harness.Config) -> dict:
+    """One run under the cap: rank 0's median step, each process's measured peak (MiB), the plan and its
+    prediction; or why it did not train."""
+    cap = int((args.limit_mib + args.reserve_mib) * MIB)
+    outcome = harness.run(config, memory_cap=cap, timeout=args.timeout)
+    if not outcome.ok or len(outcome.records) != args.devices:
+        refused = "No pipeline plan fits" in outcome.log
+        return {"failed": "refused: predicted not to fit" if refused else _cause(outcome.log)}
+    plan = outcome.records[0]["plan"]
+    return {
+        "profiled": outcome.records[0]["profiled"],
+        "state_factor": outcome.records[0]["state_factor"],
+        "median_s": outcome.records[0]["median_s"],
+        "measured_mib": [r["model_peak_mib"] for r in outcome.records],
+        "predicted_s": plan["step_time"],
+        "predicted_mib": [b / MIB for b in plan["peak_bytes"]],
+        "plan": plan,
+        "runq": max(r["runq_wait"] for r in outcome.records),
+    }
+
+
+def _cause(log: str) -> str:
+    lines = [line.strip() for line in log.splitlines() if "Error" in line or "memory" in line]
+    return (lines[-1] if lines else "no error message (killed or timed out)")[:200]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the configurations interleaved, print each run, then the table and the figures."""
+    args = parse_args(argv)
+    grid = configs(args)
+    model = "AmoebaNet-D (6, 16)" if args.model == "amoebanet" else f"{args.depth} x (Linear({args.width}), ReLU)"
+    harness.print_command(
+        f"{model}, batch {args.batch_size}, SGD momentum {args.momentum}; {args.devices} processes; memory_limit"
+        f" {args.limit_mib:g} MiB, RLIMIT_DATA {args.limit_mib + args.reserve_mib:g} MiB per process;"
+        f" {len(grid) - 1} grid plans + auto; {args.repeats} interleaved repeats"
+    )
+    runs: dict[str, list[dict]] = {config.name: [] for config in grid}
+
+    def body() -> None:
+        for repeat in range(args.repeats):
+            for config in grid:
+                if repeat and runs[config.name][0].get("failed", "").startswith("refused"):
+                    continue  # refused before step 1: the planner predicts the same every time
+                result = measure(args, config)
+                runs[config.name].append(result)
+                print(
+                    f"repeat {repeat + 1} {config.name:<24} {_line(result)}  load {os.getloadavg()[0]:.2f}", flush=True
+                )
+        summarise(args, runs)
+
+    harness.timed(body)
+
+
+def _line(result: dict) -> str:
+    if "failed" in result:
+        return result["failed"]
+    measured = "/".join(f"{m:.0f}" for m in result["measured_mib"])
+    predicted = "/".join(f"{m:.0f}" for m in result["predicted_mib"])
+    plan = result["plan"]
+    return (
+        f"{result['median_s']:.3f} s/step (predicted {result['predicted_s']:.3f}); peak MiB {measured} (predicted"
+        f" {predicted}); M={plan['chunks']} {plan['checkpoint']} {plan['schedule']} balance {plan['balance']};"
+        f" waited {100 * result['runq']:.0f}%"
+    )
+
+
+def summarise(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
+    """The table (medians over the repeats) and the issue's figures."""
+    print()
+    print(f"{'plan':<24}{'measured s':>11}{'predicted':>10}{'ratio':>7}  {'peak MiB measured / predicted per stage'}")
+    rows = {}
+    for name, results in runs.items():
+        good = [r for r in results if "failed" not in r]
+        if not good:
+            print(f"{name:<24}  {results[0]['failed']}")
+            continue
+        median = statistics.median(r["median_s"] for r in good)
+        measured = [max(r["measured_mib"][k] for r in good) for k in range(args.devices)]
+        predicted, step = good[0]["predicted_mib"], good[0]["predicted_s"]
+        rows[name] = (median, step, measured, predicted)
+        pairs = "  ".join(f"{m:.0f}/{p:.0f} ({m / p:.2f})" for m, p in zip(measured, predicted))
+        print(f"{name:<24}{median:>11.3f}{step:>10.3f}{step / median:>7.2f}  {pairs}")
+    figures(args, rows, runs["auto"])
+    refit(runs)
+
+
+def figures(args: argparse.Namespace, rows: dict, auto_runs: list[dict]) -> None:
+    """Auto against the fastest grid plan; the predictions' worst errors; the limit."""
+    grid = {name: row for name, row in rows.items() if name != "auto"}
+    print()
+    if "auto" not in rows or not grid:
+        print("no figure: auto or every grid plan failed")
+        return
+    fastest = min(grid, key=lambda name: grid[name][0])
+    auto = rows["auto"][0]
+    chosen = next(r["plan"] for r in auto_runs if "plan" in r)
+    print(f"auto chose M={chosen['chunks']} {chosen['checkpoint']} {chosen['schedule']} balance {chosen['balance']}")
+    best = grid[fastest][0]
+    print(f"auto / fastest of {len(grid)} feasible grid plans ({fastest}): {auto:.3f} / {best:.3f} = {auto / best:.3f}")
+    times = [step / median for median, step, _, _ in grid.values()]
+    memory = [m / p for _, _, measured, predicted in grid.values() for m, p in zip(measured, predicted)]
+    print(f"predicted / measured step time over the grid: {min(times):.2f} .. {max(times):.2f}")
+    print(f"measured / predicted peak per stage over the grid: {min(memory):.2f} .. {max(memory):.2f}")
+    worst = max(m for _, _, measured, _ in rows.values() for m in measured)
+    print(f"largest measured peak of any plan: {worst:.0f} MiB against the limit {args.limit_mib:g} MiB")
+
+
+def refit(runs: dict[str, list[dict]]) -> None:
+    """Fit ``CostModel.compute_scale``, ``step_overhead`` and ``micro_batch_overhead`` to every measured run (least
+    squares on the relative error; the other constants as they are) and print them with the predictions' range
+    under them: how the defaults were calibrated, and how to recalibrate on another machine (docs/planning.md,
+    "Calibrating"). The step is taken as linear in the three: ``step + scale * T(layers) + micro * dT/dmicro``."""
+    base = CostModel(micro_batch_overhead=0.0, step_overhead=0.0, compute_scale=1.0)
+    rows = []  # (measured, predicted without overheads, d predicted / d micro_batch_overhead)
+    for result in (r for results in runs.values() for r in results if "failed" not in r):
+        profiled, plan, factor = _profiled(result["profiled"]), _plan(result), result["state_factor"]
+        zero = predict(plan, profiled, base, factor, float("inf")).step_time
+        bumped = dataclasses.replace(base, micro_batch_overhead=1e-3)
+        slope = (predict(plan, profiled, bumped, factor, float("inf")).step_time - zero) / 1e-3
+        rows.append((result["median_s"], [1.0, zero, slope]))
+    if len(rows) < 3:
+        return
+    fitted = _least_squares([[x / m for x in xs] for m, xs in rows], [1.0] * len(rows))
+    step, scale, micro = (max(v, 0.0) for v in fitted)
+    ratios = [(step + scale * xs[1] + micro * xs[2]) / m for m, xs in rows]
+    print(
+        f"fitted to these {len(rows)} runs: CostModel(compute_scale={scale:.3f}, step_overhead={step:.4f},"
+        f" micro_batch_overhead={micro:.5f}); predicted / measured step time with it: {min(ratios):.2f} .."
+        f" {max(ratios):.2f}"
+    )
+
+
+def _least_squares(a: list[list[float]], b: list[float]) -> list[float]:
+    """The x minimising |a x - b|, from the normal equations (Gaussian elimination; a few unknowns)."""
+    n = len(a[0])
+    m = [[sum(r[i] * r[j] for r in a) for j in range(n)] + [sum(r[i] * y for r, y in zip(a, b))] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                factor = m[r][col] / m[col][col]
+                m[r] = [x - factor * y for x, y in zip(m[r], m[col])]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def _profiled(data: dict) -> ProfiledCosts:
+    large, small = ([LayerCost(**c) for c in data[key]] for key in ("large", "small"))
+    return ProfiledCosts(tuple(data["rows"]), large, small, data["batch_rows"], data["input_bytes"])
+
+
+def _plan(result: dict) -> PipelinePlan:
+    plan = result["plan"]
+    keys = ("pipeline_parallel_size", "data_parallel_size", "chunks", "checkpoint", "schedule")
+    return PipelinePlan(*(plan[key] for key in keys), tuple(plan["balance"]))
+
+
+if __name__ == "__main__":
+    main()

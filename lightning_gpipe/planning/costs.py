@@ -1,0 +1,145 @@
+"""What the planner's cost model rests on: per-layer costs at any micro-batch size, and the machine's constants.
+
+Layers are profiled at two micro-batch sizes (:class:`ProfiledCosts`): time per layer is modelled as affine in the
+rows of a micro-batch, ``a + b * rows`` through the two measurements, extrapolated beyond them (so a small
+micro-batch keeps the fixed cost of launching its operators, which is why smaller micro-batches are slower per
+row), and the activation and output bytes as proportional to the rows. :class:`CostModel` holds what profiling one
+layer cannot see: the transfers between stages, the engine's cost per micro-batch and per step, the optimizer
+step, the data-parallel all-reduce, and the optimizer state's size (:func:`optimizer_state_factor`). Its defaults
+were measured on a 2-core CPU machine (docs/planning.md, "Calibrating"); give your own for another machine.
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Union
+
+from lightning_gpipe.balance.costs import LayerCost
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The constants of the planner's time and memory model (see docs/planning.md, "Calibrating").
+
+    Args:
+        transfer_latency: seconds per point-to-point message between stages (default 1 ms: gloo on one host).
+        transfer_bandwidth: bytes per second of those messages (default 1 GB/s).
+        micro_batch_overhead: seconds the engine adds on a stage per micro-batch (spans, sends, receives, records;
+            default 1 ms).
+        step_overhead: seconds Lightning's loop and the package's agreement add per step (default 10 ms).
+        optimizer_bandwidth: bytes per second the optimizer step streams (parameters, gradients and state once
+            each; default 2 GB/s).
+        all_reduce_bandwidth: bytes per second of the data-parallel gradient all-reduce (default 0.5 GB/s).
+        memory_margin: share of the memory limit kept free for what the model does not count (allocator slack,
+            the user's head and loss); default 0.05.
+        compute_scale: profiled layer times are multiplied by this: the profile runs one layer alone on one
+            device, the stages run at once and may slow each other (on a CPU they share memory bandwidth and
+            caches, see ``benchmarks/hardware.py``); default 1.1, fitted on the project's 2-core machine (the
+            benchmark MLP's plans, measured while the machine was quiet, ran 4 to 15% slower than predicted at 1).
+    """
+
+    transfer_latency: float = 1e-3
+    transfer_bandwidth: float = 1e9
+    micro_batch_overhead: float = 1e-3
+    step_overhead: float = 1e-2
+    optimizer_bandwidth: float = 2e9
+    all_reduce_bandwidth: float = 5e8
+    memory_margin: float = 0.05
+    compute_scale: float = 1.1
+
+    def transfer_time(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` between neighbouring stages."""
+        return self.transfer_latency + nbytes / self.transfer_bandwidth
+
+    def optimizer_time(self, parameter_bytes: float, state_factor: float) -> float:
+        """Seconds of one optimizer step over ``parameter_bytes`` with ``state_factor`` state tensors per parameter."""
+        return (2 + state_factor) * parameter_bytes / self.optimizer_bandwidth
+
+    def all_reduce_time(self, parameter_bytes: float, replicas: int) -> float:
+        """Seconds of a ring all-reduce of ``parameter_bytes`` of gradients over ``replicas`` (0 for one)."""
+        return 2 * (replicas - 1) / replicas * parameter_bytes / self.all_reduce_bandwidth
+
+
+def optimizer_state_factor(optimizer: Union[str, Any]) -> int:
+    """How many tensors of a parameter's size the optimizer keeps per parameter.
+
+    Args:
+        optimizer: a name (``"sgd"``: 0, ``"momentum"``: 1, ``"adam"``/``"adamw"``: 2, ``"amsgrad"``: 3) or a
+            ``torch.optim.Optimizer``: SGD 0 (1 with momentum), Adam/AdamW 2 (3 with ``amsgrad``), Adagrad 1,
+            RMSprop 1 (+1 with momentum, +1 centered), Adadelta 2, any other 2.
+
+    Raises:
+        ValueError: for an unknown name.
+    """
+    names = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2, "amsgrad": 3}
+    if isinstance(optimizer, str):
+        if optimizer.lower() not in names:
+            raise ValueError(f"Unknown optimizer {optimizer!r}; give one of {', '.join(names)} or a torch optimizer.")
+        return names[optimizer.lower()]
+    kind, defaults = type(optimizer).__name__, getattr(optimizer, "defaults", {})
+    if kind == "SGD":
+        return int(bool(defaults.get("momentum", 0)))
+    if kind in ("Adam", "AdamW"):
+        return 2 + bool(defaults.get("amsgrad", False))
+    if kind == "RMSprop":
+        return 1 + bool(defaults.get("momentum", 0)) + bool(defaults.get("centered", False))
+    return 1 if kind == "Adagrad" else 2
+
+
+@dataclass(frozen=True)
+class ProfiledCosts:
+    """Per-layer costs measured at two micro-batch sizes, and the backbone input's size.
+
+    Args:
+        rows: the rows of the two profiled micro-batches, ``(large, small)``; may be equal.
+        large: one :class:`~lightning_gpipe.balance.LayerCost` per layer at ``rows[0]``.
+        small: the same at ``rows[1]``.
+        batch_rows: N, the rows of one mini-batch of the backbone input (per replica).
+        input_bytes: bytes of the whole mini-batch's backbone input.
+
+    Raises:
+        ValueError: if the two lists differ in length or a size is below 1.
+    """
+
+    rows: tuple[int, int]
+    large: Sequence[LayerCost]
+    small: Sequence[LayerCost]
+    batch_rows: int
+    input_bytes: int
+
+    def __post_init__(self) -> None:
+        if len(self.large) != len(self.small) or min(*self.rows, self.batch_rows) < 1:
+            raise ValueError(
+                f"ProfiledCosts needs as many costs at both sizes ({len(self.large)} and {len(self.small)}) and"
+                f" positive sizes (rows={self.rows}, batch_rows={self.batch_rows})."
+            )
+
+    def at(self, rows: int) -> list[LayerCost]:
+        """Each layer's cost for a micro-batch of ``rows`` rows (see the module docstring)."""
+        return [_interpolate(big, small, *self.rows, rows) for big, small in zip(self.large, self.small)]
+
+    def for_chunks(self, chunks: int) -> list[LayerCost]:
+        """Each layer's cost for the first (largest) of ``chunks`` micro-batches of the mini-batch (row counts as
+        ``torch.tensor_split`` gives them)."""
+        return self.at(math.ceil(self.batch_rows / min(chunks, self.batch_rows)))
+
+
+def _interpolate(big: LayerCost, small: LayerCost, big_rows: int, small_rows: int, rows: int) -> LayerCost:
+    """``big`` and ``small`` (measured at ``big_rows`` and ``small_rows``) at ``rows``: times affine, bytes scaled
+    from ``big``; neither part of a time is negative (else, from noise, the time is ``big``'s scaled by the rows)."""
+
+    def affine(t_big: float, t_small: float) -> float:
+        slope = (t_big - t_small) / (big_rows - small_rows) if big_rows != small_rows else -1.0
+        fixed = t_big - slope * big_rows
+        return t_big * rows / big_rows if fixed < 0 or slope < 0 else fixed + slope * rows
+
+    scale = rows / big_rows
+    return replace(
+        big,
+        forward=affine(big.forward, small.forward),
+        backward=affine(big.backward, small.backward),
+        activation_bytes=round(big.activation_bytes * scale),
+        output_bytes=round(big.output_bytes * scale),
+        input_saved_bytes=round(big.input_saved_bytes * scale),
+        output_saved_bytes=round(big.output_saved_bytes * scale),
+    )

@@ -1,0 +1,179 @@
+"""Predicting one pipeline plan: its step time, its bubble and every stage's peak memory.
+
+Time is the simulator's step (:func:`lightning_gpipe.simulator.simulate`, which replays the schedule's own plans)
+over the layers' costs at the plan's micro-batch size (:class:`~lightning_gpipe.planning.costs.ProfiledCosts`),
+with the engine's cost per micro-batch, the transfers between stages, the optimizer step and, with several
+replicas, the gradient all-reduce (:class:`~lightning_gpipe.planning.costs.CostModel`). Memory per stage is
+parameters + gradients + optimizer state (+ DDP's gradient buckets with several replicas) + the simulator's peak of
+kept inputs and saved activations + transfer buffers and the batch every stage loads (:class:`StageMemory`).
+PipeDream's planner (Narayanan et al. 2019, section 3.1) predicts from a per-layer profile the same way.
+"""
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from lightning_gpipe.balance.costs import LayerCost
+from lightning_gpipe.balance.solver import stage_sums
+from lightning_gpipe.planning.costs import CostModel, ProfiledCosts
+from lightning_gpipe.simulator import StageCost, Transfer, simulate
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """One way to run the pipeline: the mesh, the micro-batches, re-materialization, the schedule and the split.
+
+    Args:
+        pipeline_parallel_size: K, stages per pipeline.
+        data_parallel_size: D, pipeline replicas.
+        chunks: M, micro-batches per mini-batch.
+        checkpoint: the re-materialization mode (``GPipeStrategy(checkpoint=...)``).
+        schedule: a name of :data:`lightning_gpipe.schedule.SCHEDULES`.
+        balance: backbone layers per stage.
+    """
+
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    chunks: int
+    checkpoint: str
+    schedule: str
+    balance: tuple[int, ...]
+
+    def options(self) -> dict:
+        """The plan as ``GPipeStrategy`` keyword arguments (``balance`` as a list)."""
+        return {**asdict(self), "balance": list(self.balance)}
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Predicted peak bytes of one stage, by what holds them.
+
+    Args:
+        parameters: parameters and buffers.
+        gradients: one gradient per parameter.
+        optimizer: the optimizer's state.
+        activations: the simulator's peak of kept micro-batch inputs and saved activations.
+        buffers: the batches every stage loads (the current one and the next), transfer buffers, DDP's buckets, the
+            last stage's joined output and its gradient.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    buffers: int
+
+    @property
+    def total(self) -> int:
+        """The sum of the parts."""
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
+
+
+@dataclass(frozen=True)
+class PlanPrediction:
+    """What :func:`predict` says of one :class:`PipelinePlan`.
+
+    Args:
+        plan: the plan.
+        step_time: predicted seconds per optimizer step.
+        bubble: predicted mean idle share of the stages.
+        memory: per stage, its :class:`StageMemory`.
+        batch_rows: rows of one replica's mini-batch.
+        fits: whether every stage's total is within the usable memory (the limit less the model's margin).
+    """
+
+    plan: PipelinePlan
+    step_time: float
+    bubble: float
+    memory: tuple[StageMemory, ...] = field(repr=False)
+    batch_rows: int = 1
+    fits: bool = True
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest stage's predicted total."""
+        return max(stage.total for stage in self.memory)
+
+    @property
+    def seconds_per_row(self) -> float:
+        """Step time over the rows all replicas train per step: what the planner minimises (a plan with D
+        replicas trains D mini-batches per step)."""
+        return self.step_time / (self.plan.data_parallel_size * self.batch_rows)
+
+
+def stage_costs(layers: Sequence[LayerCost], balance: Sequence[int], model: CostModel) -> list[StageCost]:
+    """Per-stage costs for the simulator, each storage counted once.
+
+    A tensor a layer saves as its output and the next layer saves as its input (ReLU, then Linear) is one storage;
+    a stage's first layer saving its input holds the stage's kept input, which the simulator counts already; the
+    first stage's input is a view of the batch (counted with the buffers). Layer times are scaled by
+    ``model.compute_scale``; the engine's cost per micro-batch is added half to the forward, half to the backward.
+    """
+    stages, start = [], 0
+    for k, count in enumerate(balance):
+        part = layers[start : start + count]
+        start += count
+        shared = sum(min(a.output_saved_bytes, b.input_saved_bytes) for a, b in zip(part, part[1:]))
+        stages.append(
+            StageCost(
+                forward=model.compute_scale * sum(c.forward for c in part) + model.micro_batch_overhead / 2,
+                backward=model.compute_scale * sum(c.backward for c in part) + model.micro_batch_overhead / 2,
+                input_bytes=0 if k == 0 else stages[-1].output_bytes,
+                activation_bytes=sum(c.activation_bytes for c in part) - shared - part[0].input_saved_bytes,
+                output_bytes=part[-1].output_bytes,
+            )
+        )
+    return stages
+
+
+def predict(
+    plan: PipelinePlan, profiled: ProfiledCosts, model: CostModel, state_factor: int, limit: float
+) -> PlanPrediction:
+    """Predict ``plan``'s step and memory (see the module docstring).
+
+    Args:
+        plan: the plan.
+        profiled: the layers' costs at two micro-batch sizes.
+        model: the machine's constants.
+        state_factor: tensors of a parameter's size the optimizer keeps (see
+            :func:`~lightning_gpipe.planning.costs.optimizer_state_factor`).
+        limit: bytes per device; a plan fits if every stage's total is within ``limit * (1 - model.memory_margin)``.
+    """
+    rows_n = profiled.batch_rows
+    chunks = min(plan.chunks, rows_n)
+    layers = profiled.for_chunks(chunks)
+    stages = stage_costs(layers, plan.balance, model)
+    params = [round(p) for p in stage_sums([c.parameter_bytes for c in layers], plan.balance)]
+    replicas = plan.data_parallel_size
+    optimizer = [model.optimizer_time(p, state_factor) + model.all_reduce_time(p, replicas) for p in params]
+    transfer = Transfer(model.transfer_latency, model.transfer_bandwidth)
+    simulated = simulate(stages, chunks, plan.checkpoint, transfer, optimizer=optimizer, schedule=plan.schedule)
+    joined = profiled.at(rows_n)[-1].output_bytes
+    memory = tuple(
+        StageMemory(
+            parameters=p,
+            gradients=p,
+            optimizer=state_factor * p,
+            activations=simulated.peak_activation_bytes[k],
+            buffers=_buffers(stages, k, profiled.input_bytes, joined) + p * (replicas > 1),
+        )
+        for k, p in enumerate(params)
+    )
+    usable = limit * (1 - model.memory_margin)
+    return PlanPrediction(
+        plan,
+        simulated.step_time + model.step_overhead,
+        simulated.bubble,
+        memory,
+        rows_n,
+        all(stage.total <= usable for stage in memory),
+    )
+
+
+def _buffers(stages: Sequence[StageCost], k: int, batch_bytes: int, joined: int) -> int:
+    """Bytes of stage ``k``'s buffers: two batches (every stage loads them: Lightning's loop fetches the next batch
+    before the step on the current one ends), two output gradients in flight (their
+    receives are posted one ahead), the input gradient it sends, and on the last stage the whole mini-batch's output
+    (``joined``) and its gradient: measured under 1F1B too, whose user step takes one micro-batch at a time."""
+    last = k == len(stages) - 1
+    received = 0 if last else 2 * stages[k].output_bytes
+    return 2 * batch_bytes + received + stages[k].input_bytes + (2 * joined if last else 0)

@@ -1,0 +1,170 @@
+"""Choosing the plan: every feasible (mesh, chunks, checkpoint, schedule) with its best balance, predicted, ranked.
+
+The candidates are every pipeline x data-parallel size whose product is the world size, ``chunks`` in powers of two
+up to the mini-batch's rows (and :data:`MAX_CHUNKS`), every re-materialization mode and every schedule of
+:data:`lightning_gpipe.schedule.SCHEDULES` that runs whole backwards by default (so a schedule added there is
+planned for too; the cost model has no weight-gradient share, so a schedule that needs the B/W split, ``"zb-h1"``,
+is planned only when the user names it), minus what the user fixed (:class:`Constraints`). For each, the balance is
+the time-optimal split (:func:`~lightning_gpipe.balance.solve`) if it fits the memory limit, else the fastest split
+whose stages fit by the additive part of their memory (parameters, gradients, optimizer state, saved activations;
+the boundaries' share is reserved for the largest layer output). Each plan is predicted
+(:func:`~lightning_gpipe.planning.predict.predict`); the fastest per row that fits wins. PipeDream's planner
+(Narayanan et al. 2019, section 3.1) chose partition and replication from a profile alike."""
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from itertools import product
+from typing import Optional, Union
+
+from lightning_gpipe.balance.choose import balance_by
+from lightning_gpipe.balance.costs import LayerCost
+from lightning_gpipe.balance.solver import solve, stage_sums
+from lightning_gpipe.planning.costs import CostModel, ProfiledCosts
+from lightning_gpipe.planning.predict import PipelinePlan, predict
+from lightning_gpipe.planning.report import PlanReport, no_plan_fits
+from lightning_gpipe.rematerialization import CHECKPOINT_MODES
+from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, SCHEDULES
+
+MAX_CHUNKS = 64
+"""The most micro-batches the planner tries (unless the user fixes ``chunks``)."""
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What the user fixed; ``None`` leaves it to the planner. Same meanings as ``GPipeStrategy``'s arguments.
+
+    Args:
+        pipeline_parallel_size: K.
+        data_parallel_size: D.
+        chunks: M.
+        checkpoint: the re-materialization mode.
+        schedule: the schedule's name.
+        balance: layers per stage (a list fixes the split and K), or a mode of
+            :data:`lightning_gpipe.balance.MODES` that chooses the split.
+    """
+
+    pipeline_parallel_size: Optional[int] = None
+    data_parallel_size: Optional[int] = None
+    chunks: Optional[int] = None
+    checkpoint: Optional[str] = None
+    schedule: Optional[str] = None
+    balance: Union[None, str, Sequence[int]] = None
+
+
+def meshes(world_size: int, num_layers: int, constraints: Constraints) -> list[tuple[int, int]]:
+    """The ``(K, D)`` pairs with ``K * D == world_size`` and at most one stage per layer that ``constraints`` allow.
+
+    Raises:
+        ValueError: if none is left, naming the constraints that exclude them all.
+    """
+    fixed_k = len(constraints.balance) if isinstance(constraints.balance, (list, tuple)) else None
+    pairs = [
+        (k, world_size // k)
+        for k in range(1, world_size + 1)
+        if world_size % k == 0
+        and k <= num_layers
+        and constraints.pipeline_parallel_size in (None, k)
+        and constraints.data_parallel_size in (None, world_size // k)
+        and fixed_k in (None, k)
+    ]
+    if not pairs:
+        raise ValueError(
+            f"No mesh of {world_size} processes fits the constraints pipeline_parallel_size="
+            f"{constraints.pipeline_parallel_size!r}, data_parallel_size={constraints.data_parallel_size!r},"
+            f" balance={constraints.balance!r} and a backbone of {num_layers} layers: the sizes must multiply to the"
+            " world size, a list balance fixes the stages, and a stage needs at least one layer. Drop or change one."
+        )
+    return pairs
+
+
+def candidates(world_size: int, profiled: ProfiledCosts, constraints: Constraints) -> Iterator[tuple]:
+    """Every ``(K, D, M, checkpoint, schedule)`` the constraints allow (see the module docstring)."""
+    rows = profiled.batch_rows
+    powers = [2**i for i in range(MAX_CHUNKS.bit_length()) if 2**i <= min(rows, MAX_CHUNKS)]
+    chunks = [constraints.chunks] if constraints.chunks is not None else powers
+    modes = [constraints.checkpoint] if constraints.checkpoint is not None else list(CHECKPOINT_MODES)
+    whole = [name for name in SCHEDULES if not DEFERRED_BY_DEFAULT[name]]  # the model predicts no B/W split
+    schedules = [constraints.schedule] if constraints.schedule is not None else whole
+    grid = product(meshes(world_size, len(profiled.large), constraints), chunks, modes, schedules)
+    for (k, d), m, mode, schedule in grid:
+        if m == 1 and mode == "except_last" and constraints.checkpoint is None:
+            continue  # the same plan as "never": one micro-batch, the last, is never recomputed
+        yield k, d, m, mode, schedule
+
+
+def search(
+    world_size: int,
+    profiled: ProfiledCosts,
+    memory_limit: float,
+    state_factor: int,
+    model: CostModel = CostModel(),
+    constraints: Constraints = Constraints(),
+) -> PlanReport:
+    """Predict every candidate plan and choose the fastest per row that fits ``memory_limit`` bytes per device.
+
+    Args:
+        world_size: processes (devices) of the job.
+        profiled: the backbone layers' costs at two micro-batch sizes.
+        memory_limit: bytes each device may hold.
+        state_factor: tensors of a parameter's size the optimizer keeps (see
+            :func:`~lightning_gpipe.planning.costs.optimizer_state_factor`).
+        model: the machine's constants.
+        constraints: what the user fixed.
+
+    Raises:
+        ValueError: if the constraints leave no candidate (naming them), or if no candidate fits the limit (naming
+            the smallest limit that would fit, see :func:`~lightning_gpipe.planning.report.no_plan_fits`).
+    """
+    predictions = []
+    for k, d, m, mode, schedule in candidates(world_size, profiled, constraints):
+        layers = profiled.for_chunks(m)
+        for balance in _balances(layers, k, m, mode, schedule, d, state_factor, memory_limit, model, constraints):
+            plan = PipelinePlan(k, d, m, mode, schedule, tuple(balance))
+            predictions.append(predict(plan, profiled, model, state_factor, memory_limit))
+    predictions.sort(key=lambda p: (not p.fits, p.seconds_per_row, p.peak_bytes))
+    report = PlanReport(predictions, memory_limit, world_size, model, profiled, state_factor)
+    if not predictions[0].fits:
+        raise no_plan_fits(report)
+    return report
+
+
+def _balances(
+    layers: Sequence[LayerCost],
+    k: int,
+    m: int,
+    mode: str,
+    schedule: str,
+    d: int,
+    state_factor: int,
+    limit: float,
+    model: CostModel,
+    constraints: Constraints,
+) -> list[list[int]]:
+    """The splits to predict for one candidate: the user's, or the time-optimal one and, when the memory limit
+    binds, the fastest one whose stages fit by their additive memory (if any)."""
+    if isinstance(constraints.balance, (list, tuple)):
+        return [list(constraints.balance)]
+    if isinstance(constraints.balance, str):
+        return [balance_by(constraints.balance, layers, k)]
+    times = [c.forward + c.backward for c in layers]
+    fastest = solve(times, k)
+    held = m if mode == "never" else (min(2, m) if schedule != "gpipe" and mode == "except_last" else 1)
+    additive = _additive_memory(layers, held, state_factor + 2 + (d > 1))
+    reserve = (m + 3) * max(c.output_bytes for c in layers)
+    usable = limit * (1 - model.memory_margin) - reserve
+    if max(stage_sums(additive, fastest)) <= usable:
+        return [fastest]
+    try:
+        return [fastest, solve(times, k, memory=additive, memory_limit=max(usable, 0.0))]
+    except ValueError:
+        return [fastest]
+
+
+def _additive_memory(layers: Sequence[LayerCost], held: int, parameter_copies: int) -> list[float]:
+    """Each layer's part of a stage's memory that adds up along the stage: ``parameter_copies`` times its parameters
+    and ``held`` micro-batches of its saved activations (a storage shared with the previous layer counted once)."""
+    memory = []
+    for j, cost in enumerate(layers):
+        shared = min(layers[j - 1].output_saved_bytes, cost.input_saved_bytes) if j else 0
+        memory.append(parameter_copies * cost.parameter_bytes + held * (cost.activation_bytes - shared))
+    return memory

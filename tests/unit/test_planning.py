@@ -1,0 +1,222 @@
+"""The planner on synthetic layer costs, plan() on a small module, and plan="auto" on one stage."""
+
+import json
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from lightning_gpipe import GPipeStrategy, schedule
+from lightning_gpipe.balance import LayerCost
+from lightning_gpipe.config import PipelineConfig
+from lightning_gpipe.planning import (
+    Constraints,
+    CostModel,
+    PipelinePlan,
+    ProfiledCosts,
+    optimizer_state_factor,
+    plan,
+    predict,
+    search,
+)
+from lightning_gpipe.planning.api import plan_for_strategy
+from lightning_gpipe.planning.predict import stage_costs
+from lightning_gpipe.planning.search import meshes
+from lightning_gpipe.simulator import simulate
+
+MIB = 2**20
+FREE = CostModel(0.0, float("inf"), 0.0, 0.0, float("inf"), float("inf"), 0.0)  # only the layers cost anything
+
+
+def mlp_costs(pairs: int, rows: int, width: int = 256, fixed: float = 0.0) -> list[LayerCost]:
+    """(Linear, ReLU) pairs at ``rows`` rows: the Linear saves its input, the ReLU its output (one storage with the
+    next Linear's input); ``fixed`` seconds per layer whatever the rows."""
+    row = 4 * width * rows
+    linear = LayerCost(fixed + 1e-6 * rows, fixed + 2e-6 * rows, row, row, 4 * width * width, row, 0)
+    relu = LayerCost(fixed + 1e-8 * rows, fixed + 1e-8 * rows, row, row, 0, 0, row)
+    return [linear, relu] * pairs
+
+
+def profiled(pairs: int = 4, rows: int = 64, small: int = 1, fixed: float = 0.0) -> ProfiledCosts:
+    return ProfiledCosts(
+        (rows, small), mlp_costs(pairs, rows, fixed=fixed), mlp_costs(pairs, small, fixed=fixed), rows, 4 * 256 * rows
+    )
+
+
+def test_costs_are_affine_in_rows_between_the_profiled_sizes_and_bytes_proportional():
+    costs = profiled(rows=64, small=4, fixed=1e-3)
+    at16 = costs.at(16)[0]
+    assert at16.forward == pytest.approx(1e-3 + 1e-6 * 16)
+    assert at16.activation_bytes == 4 * 256 * 16
+    assert at16.parameter_bytes == 4 * 256 * 256
+    assert costs.for_chunks(3)[0].activation_bytes == 4 * 256 * 22  # the first of tensor_split's chunks: 22 rows
+
+
+def test_a_time_that_falls_with_the_rows_is_scaled_never_extrapolated_below_zero():
+    noisy = LayerCost(forward=1e-3, backward=1e-3)
+    costs = ProfiledCosts((64, 8), [noisy], [LayerCost(forward=2e-3, backward=2e-3)], 512, 4 * 512)
+    assert costs.at(512)[0].forward == pytest.approx(8e-3)  # 1 ms at 64 rows, scaled to 512
+
+
+@pytest.mark.parametrize(
+    "optimizer, factor",
+    [
+        (lambda p: torch.optim.SGD(p, lr=0.1), 0),
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 1),
+        (lambda p: torch.optim.Adam(p), 2),
+        (lambda p: torch.optim.AdamW(p, amsgrad=True), 3),
+        (lambda p: "momentum", 1),
+    ],
+)
+def test_optimizer_state_factor(optimizer, factor):
+    assert optimizer_state_factor(optimizer([nn.Parameter(torch.zeros(2))])) == factor
+
+
+def test_a_storage_two_layers_save_counts_once_and_the_kept_input_is_not_saved_twice():
+    layers = mlp_costs(2, rows=8)
+    stages = stage_costs(layers, [2, 2], FREE)
+    row = 4 * 256 * 8
+    assert [s.activation_bytes for s in stages] == [row, row]  # Linear's input is the kept input; ReLU's output
+    assert stages[0].input_bytes == 0 and stages[1].input_bytes == row  # the first stage's input is the batch's view
+
+
+def test_memory_is_parameters_gradients_optimizer_activations_and_buffers():
+    costs = profiled()
+    p = PipelinePlan(2, 1, 4, "never", "gpipe", (4, 4))
+    prediction = predict(p, costs, FREE, state_factor=1, limit=2**40)
+    params = 2 * 4 * 256 * 256
+    layers = costs.for_chunks(4)
+    peaks = simulate(stage_costs(layers, [4, 4], FREE), 4, "never").peak_activation_bytes
+    for stage, peak in zip(prediction.memory, peaks):
+        assert (stage.parameters, stage.gradients, stage.optimizer, stage.activations) == (params, params, params, peak)
+    replicated = predict(PipelinePlan(2, 2, 4, "never", "gpipe", (4, 4)), costs, FREE, 1, 2**40)
+    assert [s.buffers - r.buffers for s, r in zip(replicated.memory, prediction.memory)] == [params, params]  # DDP
+
+
+def test_the_chosen_plan_is_the_fastest_that_fits_and_no_faster_one_fits():
+    costs = profiled(pairs=8, rows=256, small=4, fixed=2e-4)
+    unlimited = search(2, costs, 2**40, 1, FREE).chosen
+    limit = unlimited.peak_bytes - 1  # the fastest plan no longer fits
+    report = search(2, costs, limit, 1, FREE)
+    chosen = report.chosen
+    assert chosen.fits and chosen.peak_bytes <= limit
+    faster = [p for p in report.predictions if p.seconds_per_row < chosen.seconds_per_row]
+    assert faster and not any(p.fits for p in faster)
+
+
+def test_no_plan_fits_names_the_smallest_limit_that_does():
+    costs = profiled()
+    with pytest.raises(ValueError, match="smallest limit that fits is") as error:
+        search(2, costs, 1000, 2, FREE)
+    smallest = int(str(error.value).split("smallest limit that fits is ")[1].split(" bytes")[0].replace(",", ""))
+    assert search(2, costs, smallest + 1, 2, FREE).chosen.fits
+    with pytest.raises(ValueError, match="No pipeline plan fits"):
+        search(2, costs, smallest - 2, 2, FREE)
+
+
+def test_constraints_are_kept():
+    costs = profiled()
+    kept = Constraints(chunks=4, checkpoint="always", schedule="1f1b", balance=[3, 5])
+    report = search(2, costs, 2**40, 0, FREE, kept)
+    assert {(p.plan.chunks, p.plan.checkpoint, p.plan.schedule, p.plan.balance) for p in report.predictions} == {
+        (4, "always", "1f1b", (3, 5))
+    }
+
+
+def test_meshes_divide_the_world_and_conflicting_constraints_are_an_error():
+    assert meshes(4, 8, Constraints()) == [(1, 4), (2, 2), (4, 1)]
+    assert meshes(4, 2, Constraints()) == [(1, 4), (2, 2)]  # a stage needs a layer
+    with pytest.raises(ValueError, match="No mesh of 4 processes"):
+        meshes(4, 8, Constraints(pipeline_parallel_size=2, data_parallel_size=1))
+    with pytest.raises(ValueError, match="balance"):
+        meshes(4, 8, Constraints(balance=[1, 1, 6]))
+
+
+def test_every_schedule_of_SCHEDULES_is_planned(monkeypatch):
+    monkeypatch.setitem(schedule.SCHEDULES, "gpipe-again", schedule.gpipe)
+    report = search(2, profiled(), 2**40, 0, FREE)
+    assert "gpipe-again" in {p.plan.schedule for p in report.predictions}
+
+
+def test_the_report_is_a_table_and_plain_data():
+    report = search(2, profiled(), 2**40, 1, FREE)
+    data = json.loads(json.dumps(report.as_dict()))
+    assert data["chosen"]["balance"] == list(report.chosen.plan.balance)
+    assert len(data["runners_up"]) == len(report.runners_up) > 0
+    table = report.table()
+    assert table.splitlines()[2].startswith(" *") and f"{report.chosen.step_time:.4f}" in table
+
+
+def test_plan_options_are_checked():
+    with pytest.raises(ValueError, match="plan='x'"):
+        PipelineConfig(plan="x")
+    with pytest.raises(ValueError, match="add plan='auto'"):
+        PipelineConfig(memory_limit=2**30)
+    with pytest.raises(ValueError, match="drop\\s+balance_memory_limit"):
+        PipelineConfig(plan="auto", memory_limit=2**30, balance_memory_limit=2**20)
+    given = PipelineConfig(checkpoint="except_last").constraints()
+    assert (given.checkpoint, given.schedule) == ("except_last", None)  # explicit, even at the default value
+    assert (PipelineConfig().checkpoint, PipelineConfig().schedule) == ("except_last", "gpipe")
+
+
+def test_the_cpu_needs_a_memory_limit():
+    config = PipelineConfig(plan="auto")
+
+    def profile():
+        raise AssertionError("nothing is profiled without a limit")
+
+    with pytest.raises(ValueError, match="needs memory_limit=BYTES"):
+        plan_for_strategy(None, "backbone", config, (1, 1), torch.device("cpu"), profile, lambda obj: obj)
+
+
+class SmallMLP(pl.LightningModule):
+    """Built in configure_model, as benchmarks/models.py's MLP; Adam."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = None
+
+    def configure_model(self) -> None:
+        if self.backbone is None:
+            self.backbone = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.ReLU())])
+            self.head = nn.Linear(64, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.head(self.backbone(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters())
+
+
+def test_plan_without_training_tells_how_many_devices_a_model_needs():
+    batch = (torch.randn(32, 64), torch.randint(0, 2, (32,)))
+    reports = {world: plan(SmallMLP(), world, 2**40, example_batch=batch) for world in (1, 2)}
+    assert reports[2].chosen.memory[0].optimizer == 2 * reports[2].chosen.memory[0].parameters  # Adam, read
+    smallest = {
+        world: min(p.peak_bytes for p in r.predictions if p.plan.data_parallel_size == 1)
+        for world, r in reports.items()
+    }
+    assert smallest[2] < smallest[1]
+    limit = int((smallest[1] + smallest[2]) / 2 / (1 - CostModel().memory_margin))
+    with pytest.raises(ValueError, match="No pipeline plan fits"):
+        plan(SmallMLP(), 1, limit, example_batch=batch)
+    assert plan(SmallMLP(), 2, limit, example_batch=batch, data_parallel_size=1).chosen.plan.pipeline_parallel_size == 2
+
+
+def test_plan_auto_runs_the_chosen_plan_on_one_stage(tmp_path):
+    module = SmallMLP()
+    strategy = GPipeStrategy(plan="auto", memory_limit=2**30, schedule="gpipe")
+    data = torch.utils.data.TensorDataset(torch.randn(64, 64), torch.randint(0, 2, (64,)))
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False, default_root_dir=tmp_path,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=32))
+    chosen = strategy.plan_report.chosen.plan
+    assert {p.plan.schedule for p in strategy.plan_report.predictions} == {"gpipe"}  # given explicitly: kept
+    assert (strategy.config.chunks, strategy.config.checkpoint, strategy.config.balance) == (
+        chosen.chunks, chosen.checkpoint, list(chosen.balance),
+    )  # fmt: skip
+    assert trainer.global_step == 2
