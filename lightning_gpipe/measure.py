@@ -10,7 +10,7 @@ and the plan of ``plan="auto"`` (:func:`planned_config`, kept in ``strategy.plan
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -21,18 +21,18 @@ from lightning_gpipe.config import PipelineConfig
 from lightning_gpipe.planning.api import plan_for_strategy
 from lightning_gpipe.planning.profiling import profile_module
 
-if TYPE_CHECKING:
-    from lightning_gpipe.strategy import GPipeStrategy
+Strategy = Any
+"""The ``GPipeStrategy`` being set up (not imported: the strategy imports this module)."""
 
 
 @contextmanager
-def _measuring(strategy: "GPipeStrategy", what: str) -> Iterator[None]:
+def _measuring(strategy: Strategy, what: str) -> Iterator[None]:
     """Under the precision plugin's step context, in a phase the watchdog does not count as a stall."""
     with strategy.precision_plugin.train_step_context(), strategy.job.position.unbounded_phase(what):
         yield
 
 
-def shared_layer_costs(strategy: "GPipeStrategy", module: "pl.LightningModule", name: str) -> Optional[list[LayerCost]]:
+def shared_layer_costs(strategy: Strategy, module: "pl.LightningModule", name: str) -> Optional[list[LayerCost]]:
     """The backbone layers' costs where the balance needs them (``strategy.config.profiled``), else ``None``:
     profiled on global rank 0 (:func:`~lightning_gpipe.balance.backbone.profile_backbone`), broadcast, and kept in
     ``strategy.layer_costs``."""
@@ -48,7 +48,7 @@ def shared_layer_costs(strategy: "GPipeStrategy", module: "pl.LightningModule", 
 
 
 def planned_config(
-    strategy: "GPipeStrategy", requested: PipelineConfig, module: "pl.LightningModule", name: str
+    strategy: Strategy, requested: PipelineConfig, module: "pl.LightningModule", name: str
 ) -> PipelineConfig:
     """``requested`` with the chunks, checkpoint mode, schedule and balance of ``plan="auto"``'s plan
     (:func:`~lightning_gpipe.planning.api.plan_for_strategy`, profiled on global rank 0), kept with its report in

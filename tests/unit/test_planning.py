@@ -133,10 +133,17 @@ def test_meshes_divide_the_world_and_conflicting_constraints_are_an_error():
         meshes(4, 8, Constraints(balance=[1, 1, 6]))
 
 
-def test_every_schedule_of_SCHEDULES_is_planned(monkeypatch):
+def test_every_schedule_of_SCHEDULES_with_whole_backwards_is_planned(monkeypatch):
     monkeypatch.setitem(schedule.SCHEDULES, "gpipe-again", schedule.gpipe)
+    monkeypatch.setitem(schedule.DEFERRED_BY_DEFAULT, "gpipe-again", False)
     report = search(2, profiled(), 2**40, 0, FREE)
-    assert "gpipe-again" in {p.plan.schedule for p in report.predictions}
+    assert {p.plan.schedule for p in report.predictions} == {"gpipe", "1f1b", "gpipe-again"}
+
+
+def test_a_schedule_that_needs_the_weight_split_is_planned_only_when_named():
+    """The cost model has no weight-gradient share, so the planner does not choose zb-h1 on its own."""
+    report = search(2, profiled(), 2**40, 0, FREE, Constraints(schedule="zb-h1"))
+    assert {p.plan.schedule for p in report.predictions} == {"zb-h1"}
 
 
 def test_the_report_is_a_table_and_plain_data():
