@@ -22,7 +22,7 @@ same processes is not read as the cause of a later one. The module keeps no stat
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -182,11 +182,9 @@ class FailureBoard:
 
     def say(self, message: str) -> None:
         """Write ``message`` to this process's stderr at once (also when the process is about to end abruptly)."""
-        try:
+        with suppress(OSError, ValueError):  # a closed or broken stderr: nothing left to tell
             sys.stderr.write(f"[{self.name}] {message}\n")
             sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
 
 
 def _where(exception: BaseException) -> str:

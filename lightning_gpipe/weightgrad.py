@@ -79,10 +79,10 @@ def run_together(weights: Sequence[DeferredWeightGradient], before_last: Optiona
         {key: group for group in groups if (key := _linear_key(group)) is not None} for groups in per_micro_batch
     ]
     common = set.intersection(*(set(found) for found in linears)) if len(weights) > 1 else set()
-    alone = [
-        [g for g in groups if id(g) not in {id(found[key]) for key in common}]
-        for groups, found in zip(per_micro_batch, linears)
-    ]
+    alone = []  # per micro-batch, the groups that do not join a product
+    for groups, found in zip(per_micro_batch, linears):
+        fused = {id(found[key]) for key in common}
+        alone.append([group for group in groups if id(group) not in fused])
     for groups in alone[:-1]:
         for group in groups:
             group.run()
