@@ -266,7 +266,7 @@ def step_breakdown(warmup: int):
             if self.batch >= warmup:
                 self.steps[-1].update({"between steps": now - self.end, "period": now - self.start})
             self.batch, self.start = self.batch + 1, now
-            events = trainer.strategy.stage.events
+            events = trainer.strategy.run.events
             events.take()
             events.enabled = True
 
@@ -275,7 +275,7 @@ def step_breakdown(warmup: int):
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.end = time.perf_counter()
-            events = trainer.strategy.stage.events
+            events = trainer.strategy.run.events
             spans, events.enabled = events.take(), False
             if self.batch < warmup:
                 return
@@ -410,7 +410,7 @@ def run_bare(args: argparse.Namespace) -> None:
     link = Link(prev_rank, next_rank, torch.device("cpu"), job=Job())
     defer = DEFERRED_BY_DEFAULT[args.schedule] if args.defer_weight_grad is None else args.defer_weight_grad
     stage = Stage(partition, link, rank, world, args.chunks, args.checkpoint, defer)
-    runtime = Runtime(stage, args.schedule, world)
+    runtime = Runtime([stage], args.schedule, world)
     x, y = _batch(args)
 
     def micro_batch_loss(i: int, count: int, out: torch.Tensor) -> None:  # 1F1B: the loss of rows i, row-weighted

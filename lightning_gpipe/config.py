@@ -17,7 +17,7 @@ from lightning_gpipe.balance import MODES
 from lightning_gpipe.planning.costs import CostModel
 from lightning_gpipe.planning.search import Constraints
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES
-from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, SCHEDULES
+from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, INTERLEAVED, SCHEDULES
 from lightning_gpipe.topology import Size, checked_size
 
 CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -76,6 +76,15 @@ class PipelineConfig:
             user's step like ``"1f1b"``, holds at most K micro-batches on each stage (1F1B's peak, on stage 0)
             and needs the B/W split (``defer_weight_grad`` unset or ``True``). Evaluation is the same forward for
             all three.
+        virtual_stages: v, the model chunks of each stage (interleaved pipelines, Narayanan et al. 2021, section
+            2.2): the backbone is split into ``K * v`` virtual stages and stage k holds virtual stages k, k + K,
+            ..., so a micro-batch visits every stage v times and the bubble falls from ``(K - 1) / (M + K - 1)``
+            towards ``(K - 1) / (v M + K - 1)``, at the price of v times as many transfers. ``"gpipe"`` runs the
+            looped fill-drain, ``"1f1b"`` Megatron-LM's interleaved 1F1B (:data:`~lightning_gpipe.schedule.INTERLEAVED`);
+            a list ``balance`` gives ``K * v`` entries. Parameter names, and so checkpoints, are those of the
+            unsplit module: a run resumes with another v or K. 1 (default): one chunk per stage. Tested on gloo
+            (CPU) only; refused on NCCL, which matches point-to-point messages between two ranks by order, not
+            by tag.
         deferred_batch_norm: ``True`` makes the backbone's ``nn.BatchNorm1d/2d/3d`` layers normalise with
             micro-batch statistics but update their running statistics once per mini-batch, equal to
             single-device batch norm's (see :class:`~lightning_gpipe.batchnorm.DeferredBatchNorm`); the
@@ -129,7 +138,8 @@ class PipelineConfig:
             or comes with a list ``balance``, a ``stall_timeout`` that is not a positive ``timedelta``, or a mesh
             size that is neither a positive integer nor ``"auto"``; a ``plan`` other than ``"auto"`` or ``None``, a
             ``memory_limit`` that is not a positive integer, ``memory_limit`` or ``cost_model`` without
-            ``plan="auto"``, or ``plan="auto"`` with ``balance_memory_limit``.
+            ``plan="auto"``, or ``plan="auto"`` with ``balance_memory_limit``; ``virtual_stages`` that is not a
+            positive integer, or above 1 with a schedule that runs one chunk per stage or with ``plan="auto"``.
     """
 
     balance: Balance = None
@@ -138,6 +148,7 @@ class PipelineConfig:
     schedule: Optional[str] = None
     deferred_batch_norm: bool = False
     defer_weight_grad: Optional[bool] = None
+    virtual_stages: int = 1
     backbone: Optional[str] = None
     balance_memory_limit: Optional[int] = None
     start_method: str = "popen"
@@ -164,6 +175,7 @@ class PipelineConfig:
             if getattr(self, option) not in allowed:
                 raise ValueError(f"GPipeStrategy({option}={getattr(self, option)!r}): {fix}.")
         self._check_weight_split()
+        self._check_virtual_stages()
         self._check_balance()
         self._check_plan()
         stall = self.stall_timeout
@@ -189,6 +201,24 @@ class PipelineConfig:
                 "GPipeStrategy(schedule='zb-h1', defer_weight_grad=False): ZB-H1 runs each weight gradient apart from"
                 " its input gradient, so it needs the B/W split; leave defer_weight_grad unset (or True), or choose"
                 " schedule='1f1b'."
+            )
+
+    def _check_virtual_stages(self) -> None:
+        v = self.virtual_stages
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(
+                f"GPipeStrategy(virtual_stages={v!r}): give the model chunks per stage, an integer >= 1 (1: none)."
+            )
+        if v > 1 and not INTERLEAVED[self.schedule]:
+            runs = ", ".join(repr(name) for name, interleaved in INTERLEAVED.items() if interleaved)
+            raise ValueError(
+                f"GPipeStrategy(schedule={self.schedule!r}, virtual_stages={v}): {self.schedule!r} runs one chunk per"
+                f" stage; choose schedule {runs}, or virtual_stages=1."
+            )
+        if v > 1 and self.plan is not None:
+            raise ValueError(
+                f"GPipeStrategy(plan='auto', virtual_stages={v}): the planner plans one chunk per stage; drop"
+                " virtual_stages, or plan=None."
             )
 
     @property

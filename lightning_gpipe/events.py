@@ -46,6 +46,7 @@ class Span(NamedTuple):
             which the stage keeps until the micro-batch's backward.
         saved_bytes: the same spans: bytes autograd saved for the backward (activations), not counting
             parameters or the input; 0 for a checkpointed micro-batch's forward, which keeps none.
+        chunk: the stage's model chunk (virtual stage) the span belongs to; 0 with one chunk per stage.
     """
 
     kind: str
@@ -54,6 +55,7 @@ class Span(NamedTuple):
     end: float
     input_bytes: int = 0
     saved_bytes: int = 0
+    chunk: int = 0
 
 
 class Recorder:
@@ -68,7 +70,7 @@ class Recorder:
         self.enabled = False
         self.memory = False
 
-    def span(self, kind: str, micro_batch: int | None = None, memory_of: tuple | None = None):
+    def span(self, kind: str, micro_batch: int | None = None, memory_of: tuple | None = None, chunk: int = 0):
         """A context manager that records a span of ``kind`` around its body, when enabled.
 
         Args:
@@ -77,20 +79,46 @@ class Recorder:
             memory_of: ``(module, input)``: when :attr:`memory` is set, also count the input's bytes and the bytes
                 autograd saves in the body, except ``module``'s parameters and the input (with
                 ``torch.autograd.graph.saved_tensors_hooks``).
+            chunk: the model chunk the span belongs to (default 0).
         """
         if not self.enabled:
             return _OFF
-        return _Timing(self, kind, micro_batch, memory_of if self.memory else None)
+        return _Timing(self, kind, micro_batch, memory_of if self.memory else None, chunk)
 
-    def add(self, kind: str, micro_batch: int | None, start: float, end: float) -> None:
-        """Record a span measured by the caller, when enabled."""
+    def add(self, kind: str, micro_batch: int | None, start: float, end: float, chunk: int = 0) -> None:
+        """Record a span measured by the caller, when enabled (``chunk``: the model chunk it belongs to)."""
         if self.enabled:
-            self.spans.append(Span(kind, micro_batch, start, end))
+            self.spans.append(Span(kind, micro_batch, start, end, chunk=chunk))
 
     def take(self) -> list[Span]:
         """Return the spans recorded so far and start a new list."""
         spans, self.spans = self.spans, []
         return spans
+
+    def for_chunk(self, chunk: int) -> "Recorder":
+        """A recorder for model chunk ``chunk`` of this stage (virtual stages): its spans go to this recorder's
+        list, marked with the chunk; enabling this recorder enables it. Chunk 0 is this recorder itself."""
+        return self if chunk == 0 else _ChunkRecorder(self, chunk)
+
+
+class _ChunkRecorder(Recorder):
+    """The view of a stage's :class:`Recorder` that one model chunk records into (see :meth:`Recorder.for_chunk`)."""
+
+    def __init__(self, parent: Recorder, chunk: int) -> None:  # no super().__init__(): the state is the parent's
+        self.parent, self.chunk = parent, chunk
+
+    enabled = property(lambda self: self.parent.enabled)
+    memory = property(lambda self: self.parent.memory)
+    spans = property(lambda self: self.parent.spans)
+
+    def span(self, kind: str, micro_batch: int | None = None, memory_of: tuple | None = None, chunk: int = 0):
+        return self.parent.span(kind, micro_batch, memory_of, self.chunk)
+
+    def add(self, kind: str, micro_batch: int | None, start: float, end: float, chunk: int = 0) -> None:
+        self.parent.add(kind, micro_batch, start, end, self.chunk)
+
+    def take(self) -> list[Span]:
+        return self.parent.take()
 
 
 class SavedBytes:
@@ -137,8 +165,9 @@ def _same(tensor: Tensor) -> Tensor:
 class _Timing:
     """An enabled span: times its body and, given ``memory_of``, counts the bytes kept and saved in it."""
 
-    def __init__(self, recorder: Recorder, kind: str, micro_batch: int | None, memory_of: tuple | None):
+    def __init__(self, recorder: Recorder, kind: str, micro_batch: int | None, memory_of: tuple | None, chunk: int):
         self.recorder, self.kind, self.micro_batch, self.memory_of = recorder, kind, micro_batch, memory_of
+        self.chunk = chunk
         self.input_bytes = 0
         self.saved: SavedBytes | None = None
 
@@ -155,7 +184,9 @@ class _Timing:
         if self.saved is not None:
             self.saved.__exit__(*exc)
         saved = self.saved.bytes if self.saved is not None else 0
-        self.recorder.spans.append(Span(self.kind, self.micro_batch, self.start, end, self.input_bytes, saved))
+        self.recorder.spans.append(
+            Span(self.kind, self.micro_batch, self.start, end, self.input_bytes, saved, self.chunk)
+        )
 
 
 def peak_activation_bytes(spans: Iterable[Span]) -> int:
@@ -163,19 +194,21 @@ def peak_activation_bytes(spans: Iterable[Span]) -> int:
 
     A micro-batch's input is held from its forward to the end of its backward; the activations autograd
     saves are held from the forward (or, when checkpointed, the recompute) to the end of the backward, or of
-    its deferred weight gradient (``weight``) when there is one. Spans without byte counts add nothing. The
-    same accounting serves measured and simulated steps.
+    its deferred weight gradient (``weight``) when there is one; with several model chunks per stage, each
+    chunk's apart. Spans without byte counts add nothing. The same accounting serves measured and simulated steps.
     """
-    released: dict[int | None, float] = {}  # when each micro-batch's last backward or weight span ends
+    released: dict[tuple[int | None, int], float] = {}  # when each micro-batch's last backward or W span ends
     for span in spans:
         if span.kind in ("backward", "weight"):
-            released[span.micro_batch] = max(span.end, released.get(span.micro_batch, span.end))
-    held: dict[int | None, int] = {}
+            key = (span.micro_batch, span.chunk)
+            released[key] = max(span.end, released.get(key, span.end))
+    held: dict[tuple[int | None, int], int] = {}
     changes = []
     for span in spans:
         if span.kind in ("forward", "recompute"):
             grow = span.saved_bytes + (span.input_bytes if span.kind == "forward" else 0)
-            held[span.micro_batch] = held.get(span.micro_batch, 0) + grow
+            key = (span.micro_batch, span.chunk)
+            held[key] = held.get(key, 0) + grow
             changes.append((span.start, grow))
     changes += [(released[micro], -total) for micro, total in held.items() if micro in released]
     peak = level = 0

@@ -105,7 +105,7 @@ class MeshStrategy(ParallelStrategy):
         """
         config = self.config
         sizes = (config.pipeline_parallel_size, config.data_parallel_size, config.balance)
-        return resolve_topology(*sizes, self.num_processes, self.num_nodes)
+        return resolve_topology(*sizes, self.num_processes, self.num_nodes, config.virtual_stages)
 
     @property
     def stage_index(self) -> int:

@@ -141,18 +141,35 @@ class Split:
     Args:
         module: the LightningModule; changed in place.
         backbone: attribute name of its ``nn.Sequential`` backbone.
-        balance: layers per stage (validated, see :func:`lightning_gpipe.balance.resolve_balance`).
+        balance: layers per (virtual) stage (validated, see :func:`lightning_gpipe.balance.resolve_balance`).
         stage_index: this process's pipeline rank.
+        num_stages: K, the pipeline's stages (processes); ``None`` (default): ``len(balance)``. With fewer,
+            ``balance`` splits the backbone into ``len(balance)`` virtual stages and this stage holds virtual stages
+            ``stage_index``, ``stage_index + K``, ... (its model chunks).
+
+    Attributes:
+        partition: every layer this stage holds, under its original name, installed as the module's backbone.
+        chunks: one :class:`Partition` per model chunk, in chunk order (``[partition]`` with one chunk per stage);
+            each runs its virtual stage's layers.
     """
 
-    def __init__(self, module: nn.Module, backbone: str, balance: Sequence[int], stage_index: int) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        backbone: str,
+        balance: Sequence[int],
+        stage_index: int,
+        num_stages: Optional[int] = None,
+    ) -> None:
         self.module, self.backbone, self.stage_index = module, backbone, stage_index
         self.sequential: nn.Sequential = getattr(module, backbone)
         self._aliases = _aliases(module)
         names = list(self.sequential._modules)
-        start = sum(balance[:stage_index])
-        local = names[start : start + balance[stage_index]]
-        last = stage_index == len(balance) - 1
+        num_stages = len(balance) if num_stages is None else num_stages
+        starts = [sum(balance[:s]) for s in range(len(balance))]
+        chunks = [names[starts[s] : starts[s] + balance[s]] for s in range(stage_index, len(balance), num_stages)]
+        local = [name for chunk in chunks for name in chunk]
+        last = stage_index == num_stages - 1
         outside = [child for name, child in module.named_children() if name != backbone]
         kept = {sub for layer in [*(self.sequential._modules[n] for n in local), *(outside if last else [])]
                 for sub in layer.modules()}  # fmt: skip
@@ -160,10 +177,14 @@ class Split:
             if name not in local:
                 _to_meta(self.sequential._modules[name], kept)
         self.partition = Partition({name: self.sequential._modules[name] for name in local})
+        self.chunks = [self.partition] if len(chunks) == 1 else [self._layers(chunk) for chunk in chunks]
         setattr(module, backbone, self.partition)
         self.freed: dict[str, nn.Module] = {}
         if not last:
             self._free_modules_outside_backbone(kept)
+
+    def _layers(self, names: list[str]) -> Partition:
+        return Partition({name: self.sequential._modules[name] for name in names})
 
     def _free_modules_outside_backbone(self, kept: set[nn.Module]) -> None:
         for name, child in list(self.module.named_children()):

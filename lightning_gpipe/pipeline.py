@@ -23,9 +23,10 @@ from lightning_gpipe.batchnorm import convert_deferred_batch_norm, revert_deferr
 from lightning_gpipe.config import PipelineConfig
 from lightning_gpipe.contract import BackboneCall
 from lightning_gpipe.data_parallel import GradientSync
+from lightning_gpipe.events import Recorder
 from lightning_gpipe.gradients import StepGradients
 from lightning_gpipe.job import Job
-from lightning_gpipe.partition import Split, materialize
+from lightning_gpipe.partition import Partition, Split, materialize
 from lightning_gpipe.randomness import StageRandomness
 from lightning_gpipe.relay import LogRelay, share_step_output
 from lightning_gpipe.runtime import Runtime
@@ -43,7 +44,8 @@ class PipelineRun:
 
     Args:
         split: the module split into this stage's partition.
-        stage: the stage's primitives.
+        stages: the stage's primitives, one :class:`~lightning_gpipe.stage.Stage` per model chunk (one without
+            virtual stages).
         runtime: executes the stage's plans.
         backbone_call: the call the partition goes through (installed as ``partition.pipeline``).
         relay: copies the last stage's logged values to every stage.
@@ -58,7 +60,7 @@ class PipelineRun:
     """
 
     split: Split
-    stage: Stage
+    stages: list[Stage]
     runtime: Runtime
     backbone_call: BackboneCall
     relay: LogRelay
@@ -70,16 +72,34 @@ class PipelineRun:
     step_gradients: StepGradients = field(default_factory=StepGradients)
     collector: Any = None
 
+    @property
+    def partition(self) -> Partition:
+        """Every backbone layer this stage holds, under its original names (all its model chunks')."""
+        return self.split.partition
+
+    @property
+    def events(self) -> Recorder:
+        """The stage's recorder, which every model chunk's spans go to (marked with their chunk)."""
+        return self.stages[0].events
+
+    @property
+    def stage(self) -> Stage:
+        """The stage's last model chunk (its only one without virtual stages): on the last stage, the one whose
+        output the user's step receives."""
+        return self.stages[-1]
+
     def sync_gradients(self, module: "pl.LightningModule", group: Any, device: torch.device) -> None:
         """Let DDP average this stage's gradients over its data-parallel ``group`` (several replicas only; see
         :mod:`lightning_gpipe.data_parallel`): what the stage trains is its partition, and on the last stage also
-        the modules after the backbone."""
+        the modules after the backbone. The step's last backward on the stage is its first chunk's (every plan
+        ends with it); the other chunks' parameters are complete by then, and DDP reduces them with the first
+        bucket."""
         trained = module if self.stage.is_last else self.split.partition
         if not GradientSync.trains(trained):
             return
         self.gradient_sync = GradientSync(trained, group, device)
         if GradientSync.trains(self.split.partition):
-            self.stage.before_last_backward = self.gradient_sync.prepare
+            self.stages[0].before_last_backward = self.gradient_sync.prepare
 
     def start(self, module: "pl.LightningModule", device: torch.device) -> None:
         """Initialise the stage's layers on ``device`` if ``module`` was created on the meta device (see
@@ -107,7 +127,8 @@ class PipelineRun:
         """On the last stage, announce the step's last backward to the gradient sync when it is the loss's: the
         partition trains nothing, or a one-stage pipeline runs the step unsplit (nothing left to drain)."""
         sync = self.gradient_sync
-        if sync is not None and (self.stage.before_last_backward is None or not self.stage.draining):
+        first = self.stages[0]
+        if sync is not None and (first.before_last_backward is None or not first.draining):
             sync.prepare([loss])
 
     def training_step(self, module: "pl.LightningModule", precision: Any, args: tuple, kwargs: dict) -> Any:
@@ -246,39 +267,69 @@ def split_into_stage(
         job: the run's :class:`~lightning_gpipe.job.Job` (the links' waits, the ties' collectives, the position).
 
     Raises:
-        ValueError: if ``balance`` does not fit the backbone or the skip connections do not pair up.
+        ValueError: if ``balance`` does not fit the backbone, the skip connections do not pair up or join two
+            chunks of one stage, or virtual stages run on another device than the CPU.
     """
     layers, stage_index, num_stages = getattr(module, name), topology.stage_of(rank), topology.num_stages
-    balance = resolve_balance(config.balance, layers, num_stages, costs, config.balance_memory_limit)
+    if topology.virtual_stages > 1 and device.type != "cpu":
+        raise ValueError(
+            f"GPipeStrategy(virtual_stages={topology.virtual_stages}) runs on the CPU (gloo) only so far: NCCL matches"
+            " the point-to-point messages of two ranks by their order, not by the tags that keep the links of"
+            " several model chunks apart. Use virtual_stages=1 on GPUs."
+        )
+    balance = resolve_balance(config.balance, layers, topology.num_virtual, costs, config.balance_memory_limit)
     skips = SkipLayout(layers, balance)  # checks the stash/pop pairs on every stage alike, before any step
     if config.deferred_batch_norm:
         convert_deferred_batch_norm(layers)  # the whole backbone, so that `Split.undo` puts it back
-    ties = find_ties(module, name, balance)  # before the split, while every name leads to one object
-    split = Split(module, name, balance, stage_index)
-    link, skip_links = _links(topology, rank, skips, device, job)
-    chunks = config.chunks_for(num_stages)
-    stage = Stage(
-        split.partition, link, stage_index, num_stages, chunks, config.checkpoint, config.splits_backward, skip_links
-    )
-    runtime = Runtime(stage, config.schedule, num_stages, position=job.position)
-    backbone_call = BackboneCall(runtime, stage.is_last, share=share, randomness=randomness, position=job.position)
+    ties = find_ties(module, name, balance, num_stages)  # before the split, while every name leads to one object
+    split = Split(module, name, balance, stage_index, num_stages)
+    recorder, chunks = job.recorder(), config.chunks_for(num_stages)
+    stages = []
+    for chunk, (virtual, partition) in enumerate(zip(topology.virtual_of(stage_index), split.chunks)):
+        link, skip_links = _links(topology, rank, virtual, skips, device, job, recorder.for_chunk(chunk))
+        defer, mode = config.splits_backward, config.checkpoint
+        stages.append(Stage(partition, link, virtual, topology.num_virtual, chunks, mode, defer, skip_links))
+    runtime = Runtime(stages, config.schedule, num_stages, position=job.position)
+    backbone_call = BackboneCall(runtime, runtime.is_last, share=share, randomness=randomness, position=job.position)
     split.partition.pipeline = backbone_call
     tied = TiedParameters(ties, module, topology, rank, job)
-    return PipelineRun(split, stage, runtime, backbone_call, relay, tied, randomness, share, job)
+    return PipelineRun(split, stages, runtime, backbone_call, relay, tied, randomness, share, job)
 
 
-def _links(topology: Topology, rank: int, skips: SkipLayout, device: torch.device, job: Job) -> tuple[Link, SkipLinks]:
-    """The link of ``rank``'s stage to its neighbours in its pipeline, and to the stages its skips reach."""
-    stage_index, replica = topology.stage_of(rank), topology.replica_of(rank)
+def _links(
+    topology: Topology, rank: int, virtual: int, skips: SkipLayout, device: torch.device, job: Job, events: Recorder
+) -> tuple[Link, SkipLinks]:
+    """The link of virtual stage ``virtual`` on ``rank`` to its neighbours in its pipeline, and to the virtual
+    stages its skips reach (``events``: the chunk's recorder).
+
+    Raises:
+        ValueError: for a skip between two chunks of one stage (a process would send to itself).
+    """
+    replica, last = topology.replica_of(rank), topology.num_virtual - 1
+    place = partial(_rank_of_virtual, topology, replica)
     link = Link(
-        prev_rank=topology.rank_of(stage_index - 1, replica) if stage_index > 0 else None,
-        next_rank=topology.rank_of(stage_index + 1, replica) if stage_index < topology.num_stages - 1 else None,
+        prev_rank=place(virtual - 1) if virtual > 0 else None,
+        next_rank=place(virtual + 1) if virtual < last else None,
         device=device,
-        events=job.recorder(),
+        events=events,
+        tag=(topology.link_tag(virtual - 1), topology.link_tag(virtual)),
         job=job,
     )
+    outgoing, incoming = skips.outgoing(virtual), skips.incoming(virtual)
+    for other in [*outgoing, *incoming]:
+        if place(other) == rank:
+            raise ValueError(
+                f"A skip connection joins virtual stages {min(virtual, other)} and {max(virtual, other)}, two model"
+                f" chunks of stage {topology.stage_of(rank)}; with virtual_stages={topology.virtual_stages} skips must"
+                " join chunks of different stages. Change balance, or use fewer virtual stages."
+            )
     peers = {
-        "outgoing": {topology.rank_of(k, replica): keys for k, keys in skips.outgoing(stage_index).items()},
-        "incoming": {topology.rank_of(k, replica): keys for k, keys in skips.incoming(stage_index).items()},
+        "outgoing": {(place(t), topology.skip_tag(virtual, t)): keys for t, keys in outgoing.items()},
+        "incoming": {(place(s), topology.skip_tag(s, virtual)): keys for s, keys in incoming.items()},
     }
-    return link, SkipLinks(**peers, device=device, events=link.events, job=job)
+    return link, SkipLinks(**peers, device=device, events=events, job=job)
+
+
+def _rank_of_virtual(topology: Topology, replica: int, virtual: int) -> int:
+    """The global rank holding virtual stage ``virtual`` of data-parallel replica ``replica``."""
+    return topology.rank_of(virtual % topology.num_stages, replica)

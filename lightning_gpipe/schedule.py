@@ -19,6 +19,7 @@ have completed).
 """
 
 import enum
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -85,8 +86,8 @@ class Plan:
         return sum(action.kind is kind for action in self.actions)
 
 
-ScheduleFunction = Callable[[int, int, int, str, bool], Plan]
-"""``schedule(stage_index, num_stages, count, checkpoint, defer_weight_grad) -> Plan``."""
+ScheduleFunction = Callable[[int, int, int, str, bool, int], Plan]
+"""``schedule(stage_index, num_stages, count, checkpoint, defer_weight_grad, virtual_stages) -> Plan``."""
 
 
 class ScheduleError(ValueError):
@@ -110,38 +111,89 @@ def weights_after_drain(is_last: bool, checkpoint: str) -> bool:
     return is_last and checkpoint == "never"
 
 
-def _splits(stage_index: int, defer: bool) -> bool:
-    """Whether a stage splits its backwards into B and W: the first stage sends no input gradient, so it does not."""
-    return defer and stage_index > 0
+def _splits(virtual_index: int, defer: bool) -> bool:
+    """Whether a (virtual) stage splits its backwards into B and W: the first sends no input gradient, so it does
+    not."""
+    return defer and virtual_index > 0
 
 
-def gpipe(stage_index: int, num_stages: int, count: int, checkpoint: str, defer_weight_grad: bool) -> Plan:
-    """GPipe's fill-drain (Huang et al. 2019, section 2.2 and Figure 2).
+@dataclass(frozen=True)
+class _Chunks:
+    """The model chunks (virtual stages) of pipeline rank ``stage_index``: chunk ``c`` is virtual stage
+    ``c * K + stage_index`` of ``K * v`` (process k holds virtual stages k, k + K, ...; Narayanan et al. 2021,
+    section 2.2)."""
 
-    Fill (``training_step``): every micro-batch runs forward and is sent on. Drain (``backward``), after the
-    user's loss on the whole mini-batch: the micro-batches run backward in reverse order. A checkpointed
-    micro-batch is recomputed *before* the stage waits for its gradient, so the recompute overlaps the next stage's
-    backward of the same micro-batch; the next gradient's receive is posted while the current micro-batch
-    computes. With deferred weight gradients each W follows its B, except on the last stage without
-    re-materialization, which runs every W after its last B (:func:`weights_after_drain`).
+    stage_index: int
+    num_stages: int
+    count: int
+
+    def virtual(self, chunk: int) -> int:
+        """The virtual stage of ``chunk``."""
+        return chunk * self.num_stages + self.stage_index
+
+    def is_last(self, chunk: int) -> bool:
+        """Whether ``chunk`` is the pipeline's last virtual stage (where the user's head and loss follow)."""
+        return self.virtual(chunk) == self.num_stages * self.count - 1
+
+
+def gpipe(
+    stage_index: int,
+    num_stages: int,
+    count: int,
+    checkpoint: str,
+    defer_weight_grad: bool,
+    virtual_stages: int = 1,
+) -> Plan:
+    """GPipe's fill-drain (Huang et al. 2019, section 2.2 and Figure 2); with ``virtual_stages`` v > 1 the looped
+    fill-drain of interleaved pipelines (Lamy-Poirier 2023, "Breadth-First Pipeline Parallelism", section 3;
+    torch's ``ScheduleLoopedBFS``).
+
+    Fill (``training_step``): every micro-batch runs forward and is sent on, chunk by chunk (all micro-batches of
+    a stage's first chunk, then of its second, ...). Drain (``backward``), after the user's loss on the whole
+    mini-batch: the micro-batches run backward in reverse order, the last chunk first. A checkpointed micro-batch
+    is recomputed *before* the stage waits for its gradient, so the recompute overlaps the next stage's backward
+    of the same micro-batch; the next gradient's receive is posted while the current micro-batch computes. With
+    deferred weight gradients each W follows its B, except on the last stage without re-materialization and
+    virtual stages, which runs every W after its last B (:func:`weights_after_drain`; with virtual stages every
+    plan ends with its first chunk's last backward, where the data-parallel gradient sync starts). With v chunks of
+    ``1 / v`` of a stage's layers each, the bubble falls from ``(K - 1) / (M + K - 1)`` towards
+    ``(K - 1) / (v M + K - 1)`` when M >= K; every stage still holds all M micro-batches.
     """
-    last = stage_index == num_stages - 1
-    fill = [a for i in range(count) for a in (Action(Kind.FORWARD, i), Action(Kind.SEND, i))[: 1 if last else 2]]
-    at_end = weights_after_drain(last, checkpoint)
-    drain = [Action(Kind.LOSS)] * last + [Action(Kind.EXPECT, count - 1)] * (count > 0)
-    for i in reversed(range(count)):
-        drain += [Action(Kind.RECOMPUTE, i)] * checkpointed(checkpoint, i, count)  # before waiting for the gradient
-        drain += [Action(Kind.EXPECT, i - 1)] * (i > 0)  # one ahead, so it lands while this one computes
-        drain.append(Action(Kind.BACKWARD, i))
-        drain += [Action(Kind.WEIGHT, i)] * (not at_end and _splits(stage_index, defer_weight_grad))
-    if at_end and _splits(stage_index, defer_weight_grad):
-        drain += [Action(Kind.WEIGHT, i) for i in reversed(range(count))]
-    return Plan(tuple(fill + drain + [Action(Kind.FLUSH)]), cut=len(fill))
+    place = _Chunks(stage_index, num_stages, virtual_stages)
+    fill = []
+    for c in range(virtual_stages):
+        for i in range(count):
+            fill += [Action(Kind.FORWARD, i, c)] + [Action(Kind.SEND, i, c)] * (not place.is_last(c))
+    order = [(i, c) for c in reversed(range(virtual_stages)) for i in reversed(range(count))]
+    last_process = stage_index == num_stages - 1
+    drain = [Action(Kind.LOSS)] * last_process + [Action(Kind.EXPECT, *order[0])] * bool(order)
+    at_end = []
+    for n, (i, c) in enumerate(order):
+        split = _splits(place.virtual(c), defer_weight_grad)
+        drain += [Action(Kind.RECOMPUTE, i, c)] * checkpointed(checkpoint, i, count)  # before waiting for the gradient
+        if n + 1 < len(order):  # the next gradient's receive, one ahead: it lands while this one computes
+            drain.append(Action(Kind.EXPECT, *order[n + 1]))
+        drain.append(Action(Kind.BACKWARD, i, c))
+        weight = [Action(Kind.WEIGHT, i, c)] * split
+        if virtual_stages == 1 and weights_after_drain(place.is_last(c), checkpoint):
+            at_end += weight
+        else:
+            drain += weight
+    return Plan(tuple(fill + drain + at_end + [Action(Kind.FLUSH)]), cut=len(fill))
 
 
-def one_f_one_b(stage_index: int, num_stages: int, count: int, checkpoint: str, defer_weight_grad: bool) -> Plan:
+def one_f_one_b(
+    stage_index: int,
+    num_stages: int,
+    count: int,
+    checkpoint: str,
+    defer_weight_grad: bool,
+    virtual_stages: int = 1,
+) -> Plan:
     """The 1F1B schedule of PipeDream-Flush (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN
-    Training", section 3; the default of Megatron-LM, DeepSpeed and torchtitan).
+    Training", section 3; the default of Megatron-LM, DeepSpeed and torchtitan); with ``virtual_stages`` v > 1
+    Megatron-LM's interleaved 1F1B (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+    Clusters", section 2.2; torch's ``ScheduleInterleaved1F1B``).
 
     Stage k of K runs ``min(K - k - 1, M)`` warm-up forwards, then alternates one forward and one backward
     (forward ``i`` is followed by the backward of micro-batch ``i - (K - k - 1)``), then the remaining backwards.
@@ -151,11 +203,28 @@ def one_f_one_b(stage_index: int, num_stages: int, count: int, checkpoint: str, 
     the micro-batch's activation is sent; in the steady phase, after each forward, the stage waits for its earlier
     sends (by then received), so sent tensors are freed with their micro-batch. The whole plan runs in
     ``training_step``. With deferred weight gradients each W follows its B.
+
+    Interleaved (v > 1): the micro-batches go in groups of K; a stage runs a group's forwards on its first chunk,
+    then on its second, ..., and the backwards of a group from its last chunk down, after
+    ``2 (K - k - 1) + (v - 1) K`` warm-up forwards (Megatron-LM's count). The bubble falls towards
+    ``(K - 1) / (v M + K - 1)``; a stage holds up to about ``v`` times as many micro-batches of ``1 / v`` of its
+    layers as 1F1B, plus the warm-up's. M need not be a multiple of K: the last group is smaller, and where
+    Megatron-LM's warm-up would then leave the stages waiting for each other, every stage runs the fewest more
+    warm-up forwards that let the plans run (:func:`check`; all forwards first always does).
     """
-    return _one_forward_one_backward(stage_index, num_stages, count, checkpoint, defer_weight_grad, delay=0)
+    return _one_forward_one_backward(
+        stage_index, num_stages, count, checkpoint, defer_weight_grad, delay=0, virtual_stages=virtual_stages
+    )
 
 
-def zero_bubble_h1(stage_index: int, num_stages: int, count: int, checkpoint: str, defer_weight_grad: bool) -> Plan:
+def zero_bubble_h1(
+    stage_index: int,
+    num_stages: int,
+    count: int,
+    checkpoint: str,
+    defer_weight_grad: bool,
+    virtual_stages: int = 1,
+) -> Plan:
     """ZB-H1, the zero-bubble schedule of Qi et al. 2023 ("Zero Bubble Pipeline Parallelism", arXiv:2401.10241,
     section 3.1, Figure 3), with a fixed placement of the weight gradients.
 
@@ -172,38 +241,88 @@ def zero_bubble_h1(stage_index: int, num_stages: int, count: int, checkpoint: st
     backwards stay whole (its W follows its B, as ZB-H1 places it).
 
     Raises:
-        ValueError: without ``defer_weight_grad``: the schedule places W apart from B, so it needs the split.
+        ValueError: without ``defer_weight_grad``: the schedule places W apart from B, so it needs the split; with
+            ``virtual_stages > 1``: ZB-H1 is defined for one chunk per stage.
     """
     if not defer_weight_grad:
         raise ValueError(
             "schedule 'zb-h1' runs each weight gradient apart from its input gradient: it needs the B/W"
             " split (defer_weight_grad=True)."
         )
+    if virtual_stages != 1:
+        raise ValueError(
+            f"schedule 'zb-h1' runs one chunk per stage, not virtual_stages={virtual_stages}; for virtual stages"
+            f" choose one of {', '.join(s for s, v in INTERLEAVED.items() if v)}."
+        )
     return _one_forward_one_backward(stage_index, num_stages, count, checkpoint, True, delay=stage_index)
 
 
 def _one_forward_one_backward(
-    stage_index: int, num_stages: int, count: int, checkpoint: str, defer: bool, delay: int
+    stage_index: int,
+    num_stages: int,
+    count: int,
+    checkpoint: str,
+    defer: bool,
+    delay: int,
+    virtual_stages: int = 1,
+    extra_warmup: Optional[int] = None,
 ) -> Plan:
-    """1F1B's order (:func:`one_f_one_b`), each deferred W run after the B of the micro-batch ``delay`` later."""
-    last, warmup = stage_index == num_stages - 1, num_stages - 1 - stage_index
-    split = _splits(stage_index, defer)
+    """1F1B's order (:func:`one_f_one_b`), each deferred W run after the B ``delay`` backwards later; interleaved
+    with ``extra_warmup`` more warm-up forwards than Megatron-LM's (``None``: :func:`_extra_warmup`'s)."""
+    place = _Chunks(stage_index, num_stages, virtual_stages)
+    groups = [range(g, min(g + num_stages, count)) for g in range(0, count, num_stages)]
+    forwards = [(i, c) for group in groups for c in range(virtual_stages) for i in group]
+    backwards = [(i, c) for group in groups for c in reversed(range(virtual_stages)) for i in group]
+    warmup = num_stages - 1 - stage_index
+    if virtual_stages > 1:
+        if extra_warmup is None:
+            extra_warmup = _extra_warmup(num_stages, count, virtual_stages)
+        warmup = 2 * warmup + (virtual_stages - 1) * num_stages + extra_warmup
+    warmup = min(warmup, len(forwards))
     actions: list[Action] = []
 
-    def backward(j: int) -> None:
-        actions.extend([Action(Kind.RECOMPUTE, j)] * checkpointed(checkpoint, j, count) + [Action(Kind.BACKWARD, j)])
-        actions.extend([Action(Kind.WEIGHT, j - delay)] * (split and j >= delay))
+    def backward(n: int) -> None:
+        i, c = backwards[n]
+        actions.extend([Action(Kind.RECOMPUTE, i, c)] * checkpointed(checkpoint, i, count))
+        actions.append(Action(Kind.BACKWARD, i, c))
+        if n >= delay:
+            actions.extend(_weight(*backwards[n - delay]))
 
-    for i in range(count):
-        actions += [Action(Kind.FORWARD, i)] + [Action(Kind.FLUSH)] * (i > warmup)
-        actions += [Action(Kind.LOSS, i)] if last else [Action(Kind.SEND, i), Action(Kind.EXPECT, i)]
-        if i >= warmup:
-            backward(i - warmup)
-    for j in range(max(count - warmup, 0), count):
-        backward(j)
-    actions += [Action(Kind.WEIGHT, j) for j in range(max(count - delay, 0), count)] if split else []
+    def _weight(i: int, c: int) -> list[Action]:
+        return [Action(Kind.WEIGHT, i, c)] * _splits(place.virtual(c), defer)
+
+    for n, (i, c) in enumerate(forwards):
+        actions += [Action(Kind.FORWARD, i, c)] + [Action(Kind.FLUSH)] * (n > warmup)
+        if place.is_last(c):
+            actions.append(Action(Kind.LOSS, i, c))
+        else:
+            actions += [Action(Kind.SEND, i, c), Action(Kind.EXPECT, i, c)]
+        if n >= warmup:
+            backward(n - warmup)
+    for n in range(len(forwards) - warmup, len(forwards)):
+        backward(n)
+    for n in range(max(len(backwards) - delay, 0), len(backwards)):
+        actions.extend(_weight(*backwards[n]))
     actions.append(Action(Kind.FLUSH))
     return Plan(tuple(actions), cut=len(actions), loss_per_micro_batch=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _extra_warmup(num_stages: int, count: int, virtual_stages: int) -> int:
+    """The fewest warm-up forwards to add to Megatron-LM's on every stage so that interleaved 1F1B's plans of
+    ``count`` micro-batches run to their end (0 when M is a multiple of K; the order of transfers alone decides,
+    so plans without re-materialization or W stand for all)."""
+    for extra in range(count * virtual_stages):
+        candidate = [
+            _one_forward_one_backward(k, num_stages, count, "never", False, 0, virtual_stages, extra)
+            for k in range(num_stages)
+        ]
+        try:
+            check(candidate)
+            return extra
+        except ScheduleError:
+            continue
+    return count * virtual_stages  # every forward first: the order of the looped fill-drain, which always runs
 
 
 SCHEDULES: dict[str, ScheduleFunction] = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1}
@@ -212,20 +331,30 @@ SCHEDULES: dict[str, ScheduleFunction] = {"gpipe": gpipe, "1f1b": one_f_one_b, "
 DEFERRED_BY_DEFAULT: dict[str, bool] = {"gpipe": False, "1f1b": False, "zb-h1": True}
 """Whether each schedule splits its backwards into B and W when ``GPipeStrategy(defer_weight_grad=None)``."""
 
+INTERLEAVED: dict[str, bool] = {"gpipe": True, "1f1b": True, "zb-h1": False}
+"""Whether each schedule runs several model chunks per stage (``GPipeStrategy(virtual_stages=v)``, v > 1)."""
+
 
 def plans(
-    schedule: str, num_stages: int, count: int, checkpoint: str, defer_weight_grad: Optional[bool] = None
+    schedule: str,
+    num_stages: int,
+    count: int,
+    checkpoint: str,
+    defer_weight_grad: Optional[bool] = None,
+    virtual_stages: int = 1,
 ) -> list[Plan]:
     """Every stage's plan of one step of ``schedule`` (a name of :data:`SCHEDULES`); ``defer_weight_grad=None``
-    (default): the schedule's default, :data:`DEFERRED_BY_DEFAULT`.
+    (default): the schedule's default, :data:`DEFERRED_BY_DEFAULT`; ``virtual_stages``: model chunks per stage
+    (default 1; more only for the schedules of :data:`INTERLEAVED`).
 
     Raises:
-        ValueError: for an unknown schedule, or ``"zb-h1"`` with ``defer_weight_grad=False``.
+        ValueError: for an unknown schedule, ``"zb-h1"`` with ``defer_weight_grad=False``, or virtual stages the
+            schedule does not run.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"Unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
     defer = DEFERRED_BY_DEFAULT[schedule] if defer_weight_grad is None else defer_weight_grad
-    return [SCHEDULES[schedule](k, num_stages, count, checkpoint, defer) for k in range(num_stages)]
+    return [SCHEDULES[schedule](k, num_stages, count, checkpoint, defer, virtual_stages) for k in range(num_stages)]
 
 
 def check(stage_plans: Sequence[Plan]) -> None:
@@ -235,7 +364,9 @@ def check(stage_plans: Sequence[Plan]) -> None:
     send order); its ``backward i`` needs, on every stage but the last, a posted ``expect i`` and stage k+1's
     ``backward i`` next on their link (gradients arrive in the order their receives were posted); a ``flush`` needs
     every send of the stage received; the last stage's ``backward i`` needs its ``loss``. Every stage must run
-    each micro-batch's forward and backward once, the recompute (if any) and W (if any) between them.
+    each micro-batch's forward and backward once, the recompute (if any) and W (if any) between them. With
+    several chunks per stage the same holds for every virtual stage (chunk c of stage k is virtual stage
+    ``c * K + k``), each pair of neighbouring virtual stages having a link of its own.
 
     Raises:
         ScheduleError: naming the stage, the action and what it waits for, for a transfer out of order, a missing
@@ -253,17 +384,25 @@ def check(stage_plans: Sequence[Plan]) -> None:
 
 
 class _Abstract:
-    """The abstract execution of :func:`check`: each stage's position and the messages on each link."""
+    """The abstract execution of :func:`check`: each stage's position and the messages on each virtual link."""
 
     def __init__(self, stage_plans: Sequence[Plan]) -> None:
         self.plans, self.num_stages = stage_plans, len(stage_plans)
+        chunks = 1 + max((a.chunk for plan in stage_plans for a in plan.actions), default=0)
+        self.num_virtual = self.num_stages * chunks
         self.done = [0] * self.num_stages
         self.why = [""] * self.num_stages
-        self.activations: list[list[int]] = [[] for _ in stage_plans]  # sent by stage k, not yet received by k+1
-        self.gradients: list[list[int]] = [[] for _ in stage_plans]  # sent by stage k to k-1, not yet received
-        self.expected: list[list[int]] = [[] for _ in stage_plans]  # receives posted by stage k, in order
-        self.losses: list[set[int]] = [set() for _ in stage_plans]
-        self.forwarded: list[set[int]] = [set() for _ in stage_plans]
+        virtual = range(self.num_virtual)
+        self.activations: list[list[int]] = [[] for _ in virtual]  # sent by virtual stage s to s+1, not received
+        self.gradients: list[list[int]] = [[] for _ in virtual]  # sent by s to s-1, not yet received
+        self.expected: list[list[int]] = [[] for _ in virtual]  # receives posted by s, in order
+        self.losses: list[set[int]] = [set() for _ in virtual]
+        self.forwarded: list[set[int]] = [set() for _ in virtual]
+
+    def name(self, s: int) -> str:
+        """Virtual stage ``s`` as the messages name it: ``stage k``, or ``stage k chunk c`` with several chunks."""
+        k, c = s % self.num_stages, s // self.num_stages
+        return f"stage {k}" + (f" chunk {c}" if self.num_virtual > self.num_stages else "")
 
     def advance(self) -> bool:
         """Run every stage as far as it can; whether any stage moved."""
@@ -276,55 +415,62 @@ class _Abstract:
 
     def _run(self, k: int, action: Action) -> bool:
         """Run ``action`` on stage ``k`` if what it needs is there (else note why not); whether it ran."""
-        kind, i, last = action.kind, action.micro_batch, k == self.num_stages - 1
+        kind, i = action.kind, action.micro_batch
+        s = action.chunk * self.num_stages + k
+        last = s == self.num_virtual - 1
         if kind is Kind.FORWARD:
-            if k > 0:
-                if not self.activations[k - 1]:
-                    return self._wait(k, f"no activation from stage {k - 1} yet")
-                if self.activations[k - 1][0] != i:
+            if s > 0:
+                if not self.activations[s - 1]:
+                    return self._wait(k, f"no activation from {self.name(s - 1)} yet")
+                if self.activations[s - 1][0] != i:
                     raise ScheduleError(
-                        f"stage {k} runs forward {i} but stage {k - 1} sends micro-batch "
-                        f"{self.activations[k - 1][0]} first."
+                        f"{self.name(s)} runs forward {i} but {self.name(s - 1)} sends micro-batch "
+                        f"{self.activations[s - 1][0]} first."
                     )
-                self.activations[k - 1].pop(0)
-            self.forwarded[k].add(i)
+                self.activations[s - 1].pop(0)
+            self.forwarded[s].add(i)
         elif kind is Kind.SEND:
-            if last or i not in self.forwarded[k]:
-                raise ScheduleError(f"stage {k} sends micro-batch {i}, which it has not computed or has no receiver.")
-            self.activations[k].append(i)
+            if last or i not in self.forwarded[s]:
+                raise ScheduleError(
+                    f"{self.name(s)} sends micro-batch {i}, which it has not computed or has no receiver."
+                )
+            self.activations[s].append(i)
         elif kind is Kind.LOSS:
             if i is not None:
-                self.losses[k].add(i)
+                self.losses[s].add(i)
         elif kind is Kind.EXPECT:
             if not last:
-                self.expected[k].append(i)
+                self.expected[s].append(i)
         elif kind is Kind.BACKWARD:
-            return self._backward(k, i, last)
-        elif kind is Kind.FLUSH and k < self.num_stages - 1 and self.activations[k]:
-            return self._wait(k, f"stage {k + 1} has not received micro-batch {self.activations[k][0]} yet")
+            return self._backward(k, s, i)
+        elif kind is Kind.FLUSH:
+            unreceived = [t for t in range(k, self.num_virtual - 1, self.num_stages) if self.activations[t]]
+            if unreceived:
+                t = unreceived[0]
+                return self._wait(k, f"{self.name(t + 1)} has not received micro-batch {self.activations[t][0]} yet")
         return True
 
-    def _backward(self, k: int, i: int, last: bool) -> bool:
+    def _backward(self, k: int, s: int, i: int) -> bool:
         plan = self.plans[k]
-        if i not in self.forwarded[k]:
-            raise ScheduleError(f"stage {k} runs backward {i} before forward {i}.")
-        if last:
-            if plan.loss_per_micro_batch and i not in self.losses[k]:
+        if i not in self.forwarded[s]:
+            raise ScheduleError(f"{self.name(s)} runs backward {i} before forward {i}.")
+        if s == self.num_virtual - 1:
+            if plan.loss_per_micro_batch and i not in self.losses[s]:
                 raise ScheduleError(f"the last stage runs backward {i} before the loss of micro-batch {i}.")
         else:
-            if not self.expected[k] or self.expected[k][0] != i:
-                raise ScheduleError(f"stage {k} runs backward {i} without its gradient's receive posted first.")
-            if not self.gradients[k + 1]:
-                return self._wait(k, f"no gradient from stage {k + 1} yet")
-            if self.gradients[k + 1][0] != i:
+            if not self.expected[s] or self.expected[s][0] != i:
+                raise ScheduleError(f"{self.name(s)} runs backward {i} without its gradient's receive posted first.")
+            if not self.gradients[s + 1]:
+                return self._wait(k, f"no gradient from {self.name(s + 1)} yet")
+            if self.gradients[s + 1][0] != i:
                 raise ScheduleError(
-                    f"stage {k} waits for the gradient of micro-batch {i} but stage {k + 1} sends "
-                    f"{self.gradients[k + 1][0]} first."
+                    f"{self.name(s)} waits for the gradient of micro-batch {i} but {self.name(s + 1)} sends "
+                    f"{self.gradients[s + 1][0]} first."
                 )
-            self.gradients[k + 1].pop(0)
-            self.expected[k].pop(0)
-        if k > 0:
-            self.gradients[k].append(i)
+            self.gradients[s + 1].pop(0)
+            self.expected[s].pop(0)
+        if s > 0:
+            self.gradients[s].append(i)
         return True
 
     def _wait(self, k: int, why: str) -> bool:
@@ -333,25 +479,25 @@ class _Abstract:
 
 
 def _check_counts(k: int, plan: Plan) -> None:
-    """Every micro-batch's forward and backward once each, its recompute and W (if any) between them."""
+    """Every micro-batch's forward and backward once each per chunk, its recompute and W (if any) between them."""
     position = {}
     for n, action in enumerate(plan.actions):
         key = (action.kind, action.micro_batch, action.chunk)
         if action.kind in (Kind.FORWARD, Kind.BACKWARD, Kind.RECOMPUTE, Kind.WEIGHT) and key in position:
             raise ScheduleError(f"stage {k} runs {action} twice.")
         position[key] = n
-    forwards = {a.micro_batch for a in plan.actions if a.kind is Kind.FORWARD}
-    backwards = {a.micro_batch for a in plan.actions if a.kind is Kind.BACKWARD}
-    if forwards != backwards or forwards != set(range(len(forwards))):
-        raise ScheduleError(f"stage {k} runs forwards {sorted(forwards)} but backwards {sorted(backwards)}.")
-    for kind in (Kind.RECOMPUTE, Kind.WEIGHT):
-        for action in (a for a in plan.actions if a.kind is kind):
-            i = action.micro_batch
-            if not position[(Kind.FORWARD, i, 0)] < position[(kind, i, 0)]:
-                raise ScheduleError(f"stage {k} runs {action} before forward {i}.")
-            before_backward = position[(kind, i, 0)] < position[(Kind.BACKWARD, i, 0)]
-            if before_backward != (kind is Kind.RECOMPUTE):
-                raise ScheduleError(f"stage {k} runs {action} on the wrong side of backward {i}.")
+    for chunk in sorted({a.chunk for a in plan.actions}):
+        forwards = {a.micro_batch for a in plan.actions if a.kind is Kind.FORWARD and a.chunk == chunk}
+        backwards = {a.micro_batch for a in plan.actions if a.kind is Kind.BACKWARD and a.chunk == chunk}
+        if forwards != backwards or forwards != set(range(len(forwards))):
+            raise ScheduleError(f"stage {k} runs forwards {sorted(forwards)} but backwards {sorted(backwards)}.")
+    for action in (a for a in plan.actions if a.kind in (Kind.RECOMPUTE, Kind.WEIGHT)):
+        i, c = action.micro_batch, action.chunk
+        if not position[(Kind.FORWARD, i, c)] < position[(action.kind, i, c)]:
+            raise ScheduleError(f"stage {k} runs {action} before forward {i}.")
+        before_backward = position[(action.kind, i, c)] < position[(Kind.BACKWARD, i, c)]
+        if before_backward != (action.kind is Kind.RECOMPUTE):
+            raise ScheduleError(f"stage {k} runs {action} on the wrong side of backward {i}.")
 
 
 def format_plans(stage_plans: Sequence[Plan]) -> str:

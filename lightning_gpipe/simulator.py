@@ -154,11 +154,14 @@ def simulate(
     optimizer: float | Sequence[float] = 0.0,
     schedule: str = "gpipe",
     defer_weight_grad: Optional[bool] = None,
+    virtual_stages: int = 1,
 ) -> Prediction:
     """Predict one step of the pipeline (see the module docstring for the schedules).
 
     Args:
-        stages: one :class:`StageCost` per stage (K = ``len(stages)``); from per-layer costs use :func:`stage_costs`.
+        stages: one :class:`StageCost` per (virtual) stage, in pipeline order: K ``= len(stages) / virtual_stages``
+            processes, process k running virtual stages k, k + K, ...; from per-layer costs use
+            :func:`stage_costs` (with a balance of ``K * virtual_stages`` entries).
         chunks: M, micro-batches per mini-batch.
         checkpoint: ``"always"``, ``"except_last"`` (default) or ``"never"``, as for ``GPipeStrategy``.
         transfer: the time to move an activation or gradient between stages (default: free).
@@ -169,21 +172,24 @@ def simulate(
         defer_weight_grad: whether the stages after the first split their backwards into B and W, as for
             ``GPipeStrategy``; ``None`` (default): when a stage's ``weight`` is set, or the schedule splits by
             default (``"zb-h1"``).
+        virtual_stages: model chunks per process, as for ``GPipeStrategy`` (default 1).
 
     Raises:
-        ValueError: for no stages, ``chunks < 1``, an unknown ``checkpoint`` mode or ``schedule``, or ``"zb-h1"``
-            with ``defer_weight_grad=False``.
+        ValueError: for no stages, ``chunks < 1``, an unknown ``checkpoint`` mode or ``schedule``, ``"zb-h1"``
+            with ``defer_weight_grad=False``, or a number of stages that ``virtual_stages`` does not divide.
     """
     if not stages or chunks < 1 or checkpoint not in CHECKPOINT_MODES or schedule not in SCHEDULES:
         raise ValueError(
             f"Cannot simulate {len(stages)} stages, chunks={chunks}, checkpoint={checkpoint!r}, schedule={schedule!r}."
         )
-    num_stages = len(stages)
+    if virtual_stages < 1 or len(stages) % virtual_stages:
+        raise ValueError(f"Cannot run {len(stages)} stages as virtual_stages={virtual_stages} chunks per process.")
+    num_stages = len(stages) // virtual_stages
     optimizers = [optimizer] * num_stages if isinstance(optimizer, (int, float)) else list(optimizer)
     defer = defer_weight_grad
     if defer is None:
         defer = DEFERRED_BY_DEFAULT[schedule] or any(cost.weight for cost in stages)
-    orders = _compute_orders(schedule, num_stages, chunks, checkpoint, defer)
+    orders = _compute_orders(schedule, num_stages, chunks, checkpoint, defer, virtual_stages)
     spans, free = _replay(stages, orders, chunks, checkpoint, transfer, loss)
     for k in range(num_stages):
         spans[k].append(Span("optimizer", None, free[k], free[k] + optimizers[k]))
@@ -193,42 +199,48 @@ def simulate(
 
 def _replay(
     stages: Sequence[StageCost],
-    orders: list[list[tuple[str, Optional[int]]]],
+    orders: list[list[tuple[str, Optional[int], int]]],
     chunks: int,
     checkpoint: str,
     transfer: Transfer,
     loss: float,
 ) -> tuple[list[list[Span]], list[float]]:
-    """Run each stage's ``orders`` on a clock, a work starting once its stage is free and its input has arrived;
-    returns each stage's spans and when each stage is free again (the arguments are :func:`simulate`'s)."""
-    num_stages = len(stages)
-    splits = [any(kind == "weight" for kind, _ in order) for order in orders]  # W is an action of its own there
-    spans: list[list[Span]] = [[] for _ in stages]
-    free = [0.0] * num_stages  # when each stage is next free
-    done = [0] * num_stages  # how much of its order each stage has run
-    sent: dict[tuple[str, int, int], float] = {}  # ("forward" | "backward", stage, i) -> when it sent its result
+    """Run each process's ``orders`` on a clock, a work starting once its process is free and its input has
+    arrived; returns each process's spans and when each is free again (the arguments are :func:`simulate`'s;
+    ``stages`` has one cost per virtual stage, chunk c of process k being virtual stage ``c * K + k``)."""
+    num_stages, num_virtual = len(orders), len(stages)
+    splits = {c * num_stages + k for k, order in enumerate(orders) for kind, _, c in order if kind == "weight"}
+    spans: list[list[Span]] = [[] for _ in orders]
+    free = [0.0] * num_stages  # when each process is next free
+    done = [0] * num_stages  # how much of its order each process has run
+    sent: dict[tuple[str, int, int], float] = {}  # ("forward" | "backward", virtual stage, i) -> when it sent
 
-    def ready(k: int, kind: str, i: Optional[int]) -> Optional[float]:
-        """When the input of stage k's work is there; ``None`` while the stage that sends it has not run it."""
-        if kind == "forward" and k > 0:
-            end = sent.get(("forward", k - 1, i))
-            return None if end is None else end + transfer.time(stages[k - 1].output_bytes)
-        if kind == "backward" and k < num_stages - 1:
-            end = sent.get(("backward", k + 1, i))
-            return None if end is None else end + transfer.time(stages[k].output_bytes)
+    def ready(k: int, kind: str, i: Optional[int], s: int) -> Optional[float]:
+        """When the input of virtual stage s's work is there; ``None`` while the stage that sends it has not run
+        it."""
+        if kind == "forward" and s > 0:
+            end = sent.get(("forward", s - 1, i))
+            return None if end is None else end + transfer.time(stages[s - 1].output_bytes)
+        if kind == "backward" and s < num_virtual - 1:
+            end = sent.get(("backward", s + 1, i))
+            return None if end is None else end + transfer.time(stages[s].output_bytes)
         return free[k]
 
     progressed = True
     while progressed:
         progressed = False
-        for k, cost in enumerate(stages):
-            while done[k] < len(orders[k]) and (at := ready(k, *orders[k][done[k]])) is not None:
-                kind, i = orders[k][done[k]]
+        for k, order in enumerate(orders):
+            while done[k] < len(order):
+                kind, i, chunk = order[done[k]]
+                s = chunk * num_stages + k
+                if (at := ready(k, kind, i, s)) is None:
+                    break
+                cost = stages[s]
                 if kind != "weight" or cost.weight:  # a stage that does not split its backwards has no W to run
-                    seconds, kept, saved = _work(cost, kind, i, chunks, checkpoint, loss, splits[k])
-                    free[k] = _run(spans[k], free[k], at, seconds, kind, i, kept, saved)
+                    seconds, kept, saved = _work(cost, kind, i, chunks, checkpoint, loss, s in splits)
+                    free[k] = _run(spans[k], free[k], at, seconds, kind, i, kept, saved, chunk)
                 if kind in ("forward", "backward"):  # the input gradient goes before a deferred weight gradient
-                    sent[(kind, k, i)] = free[k]
+                    sent[(kind, s, i)] = free[k]
                 done[k] += 1
                 progressed = True
     assert done == [len(order) for order in orders], "a schedule whose stages wait for each other"
@@ -236,13 +248,13 @@ def _replay(
 
 
 def _compute_orders(
-    schedule: str, num_stages: int, chunks: int, checkpoint: str, defer: bool
-) -> list[list[tuple[str, Optional[int]]]]:
-    """Each stage's compute actions, in the order of its plan (:func:`~lightning_gpipe.schedule.plans`), as
-    ``(kind, micro_batch)``: the one order that both the runtime and this simulator follow."""
+    schedule: str, num_stages: int, chunks: int, checkpoint: str, defer: bool, virtual_stages: int = 1
+) -> list[list[tuple[str, Optional[int], int]]]:
+    """Each process's compute actions, in the order of its plan (:func:`~lightning_gpipe.schedule.plans`), as
+    ``(kind, micro_batch, chunk)``: the one order that both the runtime and this simulator follow."""
     return [
-        [(action.kind.value, action.micro_batch) for action in plan.actions if action.kind in COMPUTE]
-        for plan in plans(schedule, num_stages, chunks, checkpoint, defer)
+        [(action.kind.value, action.micro_batch, action.chunk) for action in plan.actions if action.kind in COMPUTE]
+        for plan in plans(schedule, num_stages, chunks, checkpoint, defer, virtual_stages)
     ]
 
 
@@ -272,10 +284,11 @@ def _run(
     i: Optional[int],
     kept: int = 0,
     saved: int = 0,
+    chunk: int = 0,
 ) -> float:
     """Append a wait (``recv``) until ``ready`` if the stage is free before, then the work; return its end."""
     start = max(free, ready)
     if start > free:
-        spans.append(Span("recv", i, free, start))
-    spans.append(Span(kind, i, start, start + seconds, kept, saved))
+        spans.append(Span("recv", i, free, start, chunk=chunk))
+    spans.append(Span(kind, i, start, start + seconds, kept, saved, chunk))
     return start + seconds

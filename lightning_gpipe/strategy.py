@@ -70,6 +70,7 @@ class GPipeStrategy(MeshStrategy):
         start_method: ``"popen"`` (default) or ``"spawn"``.
         state_dict_type: checkpoints as one ``"full"`` file (default) or a ``"sharded"`` directory.
         schedule: ``"gpipe"`` (fill-drain; ``None``, default), ``"1f1b"`` or ``"zb-h1"`` (zero-bubble).
+        virtual_stages: model chunks per stage, interleaved (default 1; ``"gpipe"`` and ``"1f1b"``).
         pipeline_parallel_size: K, the stages of each pipeline (default ``"auto"``).
         data_parallel_size: D, the pipeline replicas (default ``"auto"``).
         timeout: the process group's timeout (30 minutes by default).
@@ -107,6 +108,7 @@ class GPipeStrategy(MeshStrategy):
         start_method: Literal["popen", "spawn"] = "popen",
         state_dict_type: Literal["full", "sharded"] = "full",
         schedule: Optional[Literal["gpipe", "1f1b", "zb-h1"]] = None,
+        virtual_stages: int = 1,
         pipeline_parallel_size: Size = "auto",
         data_parallel_size: Size = "auto",
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -226,7 +228,7 @@ class GPipeStrategy(MeshStrategy):
         self._run.backward(module, precision, closure_loss, optimizer, *args, **kwargs)
         closure_loss = precision.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
-        with self._run.stage.events.span("relay"):
+        with self._run.events.span("relay"):
             self._run.relay(module.trainer)
         return closure_loss
 

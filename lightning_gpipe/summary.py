@@ -88,7 +88,7 @@ def _pipeline_of(trainer: "pl.Trainer") -> Optional[_Pipeline]:
     than by class, so that this module does not import the strategy (which swaps in the summary).
     """
     strategy = trainer.strategy
-    partition = getattr(getattr(strategy, "stage", None), "partition", None)
+    partition = getattr(getattr(strategy, "run", None), "partition", None)
     if not isinstance(partition, nn.Module):
         return None
     return _Pipeline(strategy.stage_index, partition, strategy.job)

@@ -48,7 +48,9 @@ class Tie:
         return self.names[self.stage_of_name.index(stage)]
 
 
-def find_ties(module: nn.Module, backbone: str, balance: Sequence[int]) -> list[Tie]:
+def find_ties(
+    module: nn.Module, backbone: str, balance: Sequence[int], num_stages: Optional[int] = None
+) -> list[Tie]:
     """The parameters of ``module`` used on more than one stage when its backbone is split by ``balance``.
 
     A name under the backbone belongs to the stage of its layer; any other name to the last stage (heads live
@@ -57,14 +59,18 @@ def find_ties(module: nn.Module, backbone: str, balance: Sequence[int]) -> list[
     Args:
         module: the LightningModule.
         backbone: the attribute name of its ``nn.Sequential`` backbone.
-        balance: layers per stage.
+        balance: layers per (virtual) stage.
+        num_stages: K, the stages (processes); ``None`` (default): ``len(balance)``. With virtual stages,
+            virtual stage s is on stage ``s % K``, and a parameter two chunks of one stage use is one object there,
+            not a tie.
 
     Returns:
         The ties, in module order (the same on every process).
     """
+    num_stages = len(balance) if num_stages is None else num_stages
     layers = list(getattr(module, backbone)._modules)
-    stage_of_layer = dict(zip(layers, (stage for stage, n in enumerate(balance) for _ in range(n))))
-    last, prefix = len(balance) - 1, backbone + "."
+    stage_of_layer = dict(zip(layers, (s % num_stages for s, n in enumerate(balance) for _ in range(n))))
+    last, prefix = num_stages - 1, backbone + "."
 
     def stage_of(name: str) -> int:
         return stage_of_layer[name[len(prefix) :].split(".")[0]] if name.startswith(prefix) else last

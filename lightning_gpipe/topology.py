@@ -25,16 +25,22 @@ class Topology:
     with one pipeline per node, on one node, where the heavy point-to-point traffic stays; the replicas'
     all-reduce, once per optimizer step, crosses nodes.
 
+    With ``virtual_stages`` v > 1 the backbone is split into ``K * v`` virtual stages and pipeline rank k holds
+    virtual stages k, k + K, k + 2K, ... (its model chunks 0, 1, 2, ...; Narayanan et al. 2021, section 2.2).
+
     Args:
         world_size: number of processes in the job, ``num_nodes * devices``.
-        num_stages: K, the number of pipeline stages (partitions) of each replica.
+        num_stages: K, the number of pipeline stages (processes) of each replica.
+        virtual_stages: v, the model chunks of each stage (default 1).
 
     Raises:
-        ValueError: if ``world_size`` is not a positive multiple of ``num_stages``.
+        ValueError: if ``world_size`` is not a positive multiple of ``num_stages``, or ``virtual_stages > 1`` with
+            one stage.
     """
 
     world_size: int
     num_stages: int
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         if self.num_stages < 1 or self.world_size % self.num_stages:
@@ -42,6 +48,30 @@ class Topology:
                 f"{self.world_size} processes cannot hold pipelines of {self.num_stages} stages:"
                 " the number of devices must be a multiple of the number of stages."
             )
+        if self.virtual_stages > 1 and self.num_stages == 1:
+            raise ValueError(
+                f"GPipeStrategy(virtual_stages={self.virtual_stages}) interleaves model chunks between stages, but the"
+                " pipeline has one stage; use virtual_stages=1, or more devices per pipeline."
+            )
+
+    @property
+    def num_virtual(self) -> int:
+        """``K * v``: the virtual stages of a pipeline (K without virtual stages)."""
+        return self.num_stages * self.virtual_stages
+
+    def virtual_of(self, stage_index: int) -> list[int]:
+        """The virtual stages pipeline rank ``stage_index`` holds, in chunk order: ``k, k + K, ...``."""
+        return list(range(stage_index, self.num_virtual, self.num_stages))
+
+    def link_tag(self, virtual: int) -> int:
+        """The point-to-point tag of the link between virtual stages ``virtual`` and ``virtual + 1``: 0 with one
+        chunk per stage, else one tag per link (2 on), since two links may join the same pair of ranks."""
+        return 0 if self.virtual_stages == 1 else 2 + virtual
+
+    def skip_tag(self, src: int, dst: int) -> int:
+        """The tag of the skip connections from virtual stage ``src`` to ``dst``: 1 with one chunk per stage, else
+        one tag per pair, above every :meth:`link_tag`."""
+        return 1 if self.virtual_stages == 1 else 2 + self.num_virtual * (1 + src) + dst
 
     @property
     def data_parallel_size(self) -> int:
@@ -81,6 +111,7 @@ def resolve_topology(
     balance: Any,
     devices_per_node: int,
     num_nodes: int,
+    virtual_stages: int = 1,
 ) -> Topology:
     """The mesh the strategy's arguments ask for, checked against the job's size.
 
@@ -91,20 +122,32 @@ def resolve_topology(
     Args:
         pipeline_parallel_size: K, the stages of each pipeline, or ``"auto"``.
         data_parallel_size: the pipeline replicas, or ``"auto"``.
-        balance: the strategy's ``balance`` (a list fixes K).
+        balance: the strategy's ``balance`` (a list fixes ``K * virtual_stages``).
         devices_per_node: processes per node (``devices``).
         num_nodes: nodes of the job.
+        virtual_stages: model chunks per stage (default 1).
 
     Raises:
         ValueError: if a size is neither a positive integer nor ``"auto"``, if the sizes' product is not
-            the world size ``devices * num_nodes``, or if a list ``balance`` has another length than K.
+            the world size ``devices * num_nodes``, if a list ``balance`` has another length than
+            ``K * virtual_stages``, or for virtual stages on a one-stage pipeline.
     """
     world = devices_per_node * num_nodes
     pp = checked_size(pipeline_parallel_size, "pipeline_parallel_size")
     dp = checked_size(data_parallel_size, "data_parallel_size")
     listed = balance is not None and not isinstance(balance, str) and isinstance(balance, Sequence)
+    if listed and len(balance) % virtual_stages:
+        raise ValueError(
+            f"GPipeStrategy(balance={list(balance)}, virtual_stages={virtual_stages}): give one layer count per"
+            f" virtual stage, K * virtual_stages entries for K stages; {len(balance)} is not a multiple of"
+            f" {virtual_stages}."
+        )
     if pp == "auto":
-        pp = len(balance) if listed else (world // dp if dp != "auto" and world % dp == 0 else devices_per_node)
+        pp = (
+            len(balance) // virtual_stages
+            if listed
+            else (world // dp if dp != "auto" and world % dp == 0 else devices_per_node)
+        )
     if listed and pipeline_parallel_size == "auto" and world % pp:
         raise ValueError(
             f"GPipeStrategy(balance={list(balance)}) gives pipelines of {pp} stages, which cannot fill the job's"
@@ -120,13 +163,14 @@ def resolve_topology(
             f" processes, but the job has {world} (devices={devices_per_node} x num_nodes={num_nodes}). Choose"
             " sizes whose product is devices * num_nodes, or leave them 'auto'."
         )
-    if listed and len(balance) != pp:
+    if listed and len(balance) != pp * virtual_stages:
+        per = "stage" if virtual_stages == 1 else f"virtual stage ({pp} stages x virtual_stages={virtual_stages})"
         raise ValueError(
-            f"GPipeStrategy(balance={list(balance)}) gives {len(balance)} stages, but the pipeline has {pp}"
-            f" (pipeline_parallel_size={pipeline_parallel_size!r} of {world} processes). Give one balance entry per"
-            " stage, or set pipeline_parallel_size to the length of balance."
+            f"GPipeStrategy(balance={list(balance)}) gives {len(balance)} stages, but the pipeline has"
+            f" {pp * virtual_stages} (pipeline_parallel_size={pipeline_parallel_size!r} of {world} processes). Give one"
+            f" balance entry per {per}, or set pipeline_parallel_size to the length of balance."
         )
-    return Topology(world_size=world, num_stages=pp)
+    return Topology(world_size=world, num_stages=pp, virtual_stages=virtual_stages)
 
 
 def checked_size(size: Any, name: str) -> Size:

@@ -32,7 +32,7 @@ Every send and every wait is recorded as a ``send`` or ``recv`` span of the link
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -66,8 +66,10 @@ class Link:
         device: device of this stage; headers and received tensors are put there.
         events: where sends and waits are recorded as spans; a new (disabled) recorder by default.
         tag: the point-to-point tag of every message, so that two links between the same pair of ranks (a
-            stage's neighbour link and a skip connection's, :mod:`lightning_gpipe.skip.links`) do not mix; 0 by
-            default. Backends without tags (NCCL) need the two links' messages in one order on both ranks.
+            stage's neighbour link and a skip connection's, :mod:`lightning_gpipe.skip.links`, or two model
+            chunks' links under virtual stages) do not mix; 0 by default. A pair ``(previous, next)`` gives the
+            messages with each neighbour their own tag (under virtual stages, the two neighbours may be one
+            rank). Backends without tags (NCCL) need the two links' messages in one order on both ranks.
         job: the run's :class:`~lightning_gpipe.job.Job`, whose waits the link's waits are (failure board, stall
             watchdog, names of the neighbours).
     """
@@ -78,7 +80,7 @@ class Link:
         next_rank: Optional[int],
         device: torch.device,
         events: Optional[Recorder] = None,
-        tag: int = 0,
+        tag: Union[int, tuple[int, int]] = 0,
         *,
         job: "Job",
     ) -> None:
@@ -86,7 +88,7 @@ class Link:
         self.next_rank = next_rank
         self.device = device
         self.events = events if events is not None else Recorder()
-        self.tag = tag
+        self.prev_tag, self.next_tag = tag if isinstance(tag, tuple) else (tag, tag)
         self.job = job
         self._pending_sends: list[tuple[int, dist.Work, Tensor]] = []  # (micro-batch index, work, tensor)
         self._next_header: Optional[tuple[dist.Work, Tensor]] = None
@@ -116,9 +118,9 @@ class Link:
             )
         header += [0] * (HEADER_SLOTS - len(header))
         wires = [_wire(tensor.detach()) for tensor in tensors]  # before the header: nothing can fail between
-        self._isend(torch.tensor(header, dtype=torch.int64, device=self.device), self.next_rank, index)
+        self._isend(torch.tensor(header, dtype=torch.int64, device=self.device), self.next_rank, self.next_tag, index)
         for wire in wires:
-            self._isend(wire, self.next_rank, index)
+            self._isend(wire, self.next_rank, self.next_tag, index)
 
     def recv_activation(self) -> tuple[Value, int]:
         """Receive the next micro-batch's input from the previous stage.
@@ -143,7 +145,7 @@ class Link:
             pos += 2 + ndim
             wire_dtype = torch.uint8 if dtype is torch.bool else dtype
             buffers.append((torch.empty(shape, dtype=wire_dtype, device=self.device), dtype))
-        works = [dist.irecv(buffer, self.prev_rank, tag=self.tag) for buffer, _ in buffers]
+        works = [dist.irecv(buffer, self.prev_rank, tag=self.prev_tag) for buffer, _ in buffers]
         # posted after this micro-batch's payload, so it matches the next header on any backend
         self._next_header = self._post_header() if index + 1 < count else None
         self._wait(works, self.prev_rank, in_flight=True)  # sent with the header: only the bytes are on their way
@@ -156,7 +158,7 @@ class Link:
         asynchronously."""
         with self.events.span("send", index):
             for grad in grads:
-                self._isend(grad.contiguous(), self.prev_rank, index)
+                self._isend(grad.contiguous(), self.prev_rank, self.prev_tag, index)
 
     def post_grads(self, metas: Sequence[Meta]) -> None:
         """Post the receive of the gradients of one micro-batch's floating-point outputs (shapes and dtypes).
@@ -164,7 +166,7 @@ class Link:
         Receives are matched in posting order: post them in the order the next stage sends them.
         """
         buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in metas]
-        self._grads.append(([dist.irecv(buffer, self.next_rank, tag=self.tag) for buffer in buffers], buffers))
+        self._grads.append(([dist.irecv(buffer, self.next_rank, tag=self.next_tag) for buffer in buffers], buffers))
 
     def recv_grads(self, index: int) -> list[Tensor]:
         """Wait for the gradients posted first by :meth:`post_grads` (those of micro-batch ``index``) and return them.
@@ -188,9 +190,9 @@ class Link:
         with self.events.span("send"):
             self._wait([work for _, work, _ in done], None)
 
-    def _isend(self, tensor: Tensor, dst: Optional[int], index: int) -> None:
+    def _isend(self, tensor: Tensor, dst: Optional[int], tag: int, index: int) -> None:
         # the tensor is kept alive with its work until the send completes
-        self._pending_sends.append((index, dist.isend(tensor, dst, tag=self.tag), tensor))
+        self._pending_sends.append((index, dist.isend(tensor, dst, tag=tag), tensor))
 
     def _wait(self, works: list[dist.Work], peer: Optional[int], in_flight: bool = False) -> None:
         """Wait for ``works`` of transfers with global rank ``peer`` (``None``: both neighbours), interruptibly.
@@ -209,7 +211,7 @@ class Link:
 
     def _post_header(self) -> tuple[dist.Work, Tensor]:
         header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-        return dist.irecv(header, self.prev_rank, tag=self.tag), header
+        return dist.irecv(header, self.prev_rank, tag=self.prev_tag), header
 
 
 def _wire(tensor: Tensor) -> Tensor:

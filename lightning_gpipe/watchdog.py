@@ -153,10 +153,10 @@ class TrackingRecorder(Recorder):
         super().__init__()
         self.position = position
 
-    def span(self, kind: str, micro_batch: Optional[int] = None, memory_of: Optional[tuple] = None):
+    def span(self, kind: str, micro_batch: Optional[int] = None, memory_of: Optional[tuple] = None, chunk: int = 0):
         """Move the position to ``kind`` of ``micro_batch``, then as :meth:`Recorder.span`."""
         self.position.move(kind, micro_batch)
-        return super().span(kind, micro_batch, memory_of)
+        return super().span(kind, micro_batch, memory_of, chunk)
 
 
 def describe(phase: str, micro_batch: Optional[int]) -> str:

@@ -180,7 +180,7 @@ def one_stage_pipeline(module, chunks: int, checkpoint: str, defer_weight_grad: 
 
     Calling ``module.backbone`` then runs the fill (straight through the runtime: there is no user step around
     the calls here); the returned fill-drain :class:`~lightning_gpipe.runtime.Runtime`'s ``backward()`` runs the
-    drain, and its ``stage.events`` records the spans.
+    drain, and its ``stages[0].events`` records the spans.
     """
     import torch
 
@@ -193,7 +193,7 @@ def one_stage_pipeline(module, chunks: int, checkpoint: str, defer_weight_grad: 
     split = Split(module, "backbone", [len(module.backbone)], stage_index=0)
     link = Link(None, None, torch.device("cpu"), job=Job())
     stage = Stage(split.partition, link, 0, 1, chunks, checkpoint, defer_weight_grad)
-    runtime = Runtime(stage, "gpipe", 1)
+    runtime = Runtime([stage], "gpipe", 1)
     split.partition.pipeline = _ThroughSchedule(runtime)
     return runtime
 

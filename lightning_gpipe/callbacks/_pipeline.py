@@ -33,7 +33,7 @@ class _Collector:
     """Records the training steps of one stage and gathers them; shared by all pipeline callbacks of a run."""
 
     def __init__(self, strategy: GPipeStrategy) -> None:
-        self.strategy, self.stage = strategy, strategy.stage
+        self.strategy, self.run = strategy, strategy.run
         self.batch: int | None = None
         self.start = 0.0
         self.optimizer_start: float | None = None
@@ -42,7 +42,7 @@ class _Collector:
         self.clock: float | None = None  # perf_counter() when the pipeline's stages left a barrier together
 
     def batch_start(self, batch: int, memory: bool) -> None:
-        events = self.stage.events
+        events = self.run.events
         if batch == self.batch:
             events.memory = events.memory or memory
             return
@@ -57,11 +57,11 @@ class _Collector:
 
     def batch_end(self) -> StageTrace:
         if self.local is None:
-            end, events = time.perf_counter(), self.stage.events
+            end, events = time.perf_counter(), self.run.events
             if self.optimizer_start is not None:
                 events.add("optimizer", None, self.optimizer_start, end)
             events.enabled = False
-            partition = self.stage.partition
+            partition = self.run.partition
             parameters = sum(p.numel() for p in partition.parameters())
             layers = sum(1 for _ in partition.children())
             self.local = StageTrace(self.strategy.stage_index, events.take(), self.start, end, layers, parameters)

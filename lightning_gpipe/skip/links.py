@@ -1,7 +1,8 @@
 """Skip tensors between the stage that stashes them and the stage that pops them, point-to-point.
 
 One :class:`~lightning_gpipe.transfer.Link` per pair of stages a skip crosses, on its own tag
-(:data:`SKIP_TAG`) so that it never mixes with the neighbour link's messages. Per micro-batch, the stashing
+(:meth:`Topology.skip_tag <lightning_gpipe.topology.Topology.skip_tag>`) so that it never mixes with the
+neighbour link's messages. Per micro-batch, the stashing
 stage sends a tuple of that pair's skip tensors (with the link's shape header) as soon as the micro-batch's
 forward has run; the popping stage receives it before running the micro-batch and, after the micro-batch's
 backward, sends back the gradients of the floating-point ones, which the stashing stage backpropagates with
@@ -26,9 +27,6 @@ from lightning_gpipe.transfer import Link
 if TYPE_CHECKING:
     from lightning_gpipe.job import Job
 
-SKIP_TAG = 1
-"""The point-to-point tag of skip connections' messages (the neighbour link uses 0)."""
-
 Keys = list[Any]
 
 
@@ -36,19 +34,25 @@ class SkipLinks:
     """The skip connections of one stage: links to the later stages it stashes for and the earlier ones it pops from.
 
     Args:
-        outgoing: global rank of each later stage -> the keys it pops from this stage, in the order both send.
-        incoming: global rank of each earlier stage -> the keys this stage pops from it, in that order.
+        outgoing: ``(global rank, tag)`` of each later stage -> the keys it pops from this stage, in the order both
+            send.
+        incoming: ``(global rank, tag)`` of each earlier stage -> the keys this stage pops from it, in that order.
         device: this stage's device.
         events: the stage's recorder (skip transfers are ``send``/``recv`` spans like the neighbour link's).
         job: the run's :class:`~lightning_gpipe.job.Job`, for the links' waits.
     """
 
     def __init__(
-        self, outgoing: dict[int, Keys], incoming: dict[int, Keys], device: torch.device, events: Recorder, job: "Job"
+        self,
+        outgoing: dict[tuple[int, int], Keys],
+        incoming: dict[tuple[int, int], Keys],
+        device: torch.device,
+        events: Recorder,
+        job: "Job",
     ) -> None:
         out, into = sorted(outgoing.items()), sorted(incoming.items())
-        self._out = [(keys, Link(None, rank, device, events, tag=SKIP_TAG, job=job)) for rank, keys in out]
-        self._in = [(keys, Link(rank, None, device, events, tag=SKIP_TAG, job=job)) for rank, keys in into]
+        self._out = [(keys, Link(None, rank, device, events, tag=tag, job=job)) for (rank, tag), keys in out]
+        self._in = [(keys, Link(rank, None, device, events, tag=tag, job=job)) for (rank, tag), keys in into]
 
     def receive(self, training: bool) -> dict[Any, Tensor]:
         """The skip tensors of the next micro-batch from every earlier stage, by key (new leaves in training).

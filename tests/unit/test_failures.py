@@ -154,7 +154,7 @@ class _RecordingStage:
 
 def test_a_stuck_stages_message_names_the_action_of_its_plan(job):
     stage = _RecordingStage(Position())
-    runtime = Runtime(stage, "gpipe", 2, position=stage.position)
+    runtime = Runtime([stage], "gpipe", 2, position=stage.position)
     stage.position.begin_step("step 17")
     runtime.forward(None)
     assert stage.position.action is None  # out of the plan once the fill has run

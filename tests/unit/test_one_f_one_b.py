@@ -113,7 +113,7 @@ def _run_fake_pipeline(stages: int, chunks: int, schedule: str = "1f1b") -> list
 
     def run(fake: _FakeStage) -> None:
         try:
-            Runtime(fake, schedule, stages).step(None, lambda i, count, y: last.calls.append(("head", i)))
+            Runtime([fake], schedule, stages).step(None, lambda i, count, y: last.calls.append(("head", i)))
         except BaseException as error:  # reported below
             errors.append(error)
 
@@ -191,7 +191,7 @@ class _Net(nn.Module):
 def _one_stage(net: nn.Module, chunks: int, checkpoint: str) -> BackboneCall:
     split = Split(net, "backbone", [len(net.backbone)], stage_index=0)
     stage = Stage(split.partition, Link(None, None, torch.device("cpu"), job=Job()), 0, 1, chunks, checkpoint)
-    call = BackboneCall(Runtime(stage, "1f1b", 1), is_last=True)
+    call = BackboneCall(Runtime([stage], "1f1b", 1), is_last=True)
     split.partition.pipeline = call
     return call
 

@@ -72,10 +72,10 @@ def _one_stage(checkpoint: str, enabled: bool) -> Stage:
     module = nn.Module()
     module.backbone = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU())
     schedule = one_stage_pipeline(module, CHUNKS, checkpoint)
-    schedule.stage.events.enabled = schedule.stage.events.memory = enabled
+    schedule.stages[0].events.enabled = schedule.stages[0].events.memory = enabled
     module.backbone(torch.randn(ROWS, WIDTH)).sum().backward()
     schedule.backward()
-    return schedule.stage
+    return schedule.stages[0]
 
 
 @pytest.mark.parametrize("checkpoint", ["never", "always", "except_last"])

@@ -174,7 +174,7 @@ def test_on_fit_start_gathers_the_stages_and_prints_on_rank_zero() -> None:
 
     model = Net()
     module, partition = stage_module(model, [8], 0)
-    strategy = SimpleNamespace(stage=SimpleNamespace(partition=partition), stage_index=0, job=Job())
+    strategy = SimpleNamespace(run=SimpleNamespace(partition=partition), stage_index=0, job=Job())
     trainer = SimpleNamespace(strategy=strategy, is_global_zero=True, precision="bf16-true")
     handler, logger = Collect(), logging.getLogger("lightning.pytorch.callbacks.model_summary")
     summary = PipelineModelSummary()
