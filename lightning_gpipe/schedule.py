@@ -363,7 +363,8 @@ def check(stage_plans: Sequence[Plan]) -> None:
     Stage k's ``forward i`` needs stage k-1's ``send`` of micro-batch i next on their link (activations arrive in
     send order); its ``backward i`` needs, on every stage but the last, a posted ``expect i`` and stage k+1's
     ``backward i`` next on their link (gradients arrive in the order their receives were posted); a ``flush`` needs
-    every send of the stage received; the last stage's ``backward i`` needs its ``loss``. Every stage must run
+    every activation the stage sent received and every gradient it sent with its receive posted (a send completes
+    once its receive is posted); the last stage's ``backward i`` needs its ``loss``. Every stage must run
     each micro-batch's forward and backward once, the recompute (if any) and W (if any) between them. With
     several chunks per stage the same holds for every virtual stage (chunk c of stage k is virtual stage
     ``c * K + k``), each pair of neighbouring virtual stages having a link of its own.
@@ -396,6 +397,7 @@ class _Abstract:
         self.activations: list[list[int]] = [[] for _ in virtual]  # sent by virtual stage s to s+1, not received
         self.gradients: list[list[int]] = [[] for _ in virtual]  # sent by s to s-1, not yet received
         self.expected: list[list[int]] = [[] for _ in virtual]  # receives posted by s, in order
+        self.posted: list[set[int]] = [set() for _ in virtual]  # every receive s posted
         self.losses: list[set[int]] = [set() for _ in virtual]
         self.forwarded: list[set[int]] = [set() for _ in virtual]
 
@@ -441,13 +443,21 @@ class _Abstract:
         elif kind is Kind.EXPECT:
             if not last:
                 self.expected[s].append(i)
+                self.posted[s].add(i)
         elif kind is Kind.BACKWARD:
             return self._backward(k, s, i)
         elif kind is Kind.FLUSH:
-            unreceived = [t for t in range(k, self.num_virtual - 1, self.num_stages) if self.activations[t]]
-            if unreceived:
-                t = unreceived[0]
+            return self._flush(k)
+        return True
+
+    def _flush(self, k: int) -> bool:
+        """Stage ``k``'s flush: every activation it sent received, every gradient it sent with its receive posted."""
+        for t in range(k, self.num_virtual, self.num_stages):
+            if t < self.num_virtual - 1 and self.activations[t]:
                 return self._wait(k, f"{self.name(t + 1)} has not received micro-batch {self.activations[t][0]} yet")
+            unposted = [i for i in self.gradients[t] if i not in self.posted[t - 1]] if t > 0 else []
+            if unposted:
+                return self._wait(k, f"{self.name(t - 1)} has not posted the gradient of micro-batch {unposted[0]} yet")
         return True
 
     def _backward(self, k: int, s: int, i: int) -> bool:

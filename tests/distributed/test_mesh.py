@@ -22,10 +22,12 @@ REFERENCE = {  # which single-device run each configuration of the worker must e
     "pp2_dp2_accumulate": {"accumulate_grad_batches": 2},
     "pp2_dp2_1f1b": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
     "pp2_dp2_zb_h1": {"gradient_clip_val": 0.05},
+    "pp2_dp2_interleaved": {"gradient_clip_val": 0.05},
     "pp1_dp4": {},
     "pp4_dp1_resumed": {},
     "pp1_dp4_resumed": {},
     "pp4_dp1_sharded_resumed": {},
+    "pp4_dp1_from_v2_resumed": {},
 }
 
 

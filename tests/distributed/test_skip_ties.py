@@ -37,10 +37,12 @@ def one_device():
         ("skip_1f1b_always", "skip"),
         ("skip_zb_h1_always", "skip"),
         ("skip_neighbour_1f1b", "skip"),
+        ("skip_interleaved_1f1b", "skip"),
         ("tied_except_last", "tied"),
         ("tied_1f1b", "tied"),
         ("tied_zb_h1", "tied"),
         ("tied_clipped", "tied_clipped"),
+        ("tied_interleaved_gpipe", "tied"),
     ],
 )
 def test_three_stages_train_like_one_device(three_stages, one_device, run, reference):

@@ -24,12 +24,23 @@ def test_auto_mesh_sizes(pp, dp, balance, devices, nodes, expected):
     assert (topology.num_stages, topology.data_parallel_size) == expected
 
 
+def test_virtual_stages_take_k_times_v_balance_entries_and_one_tag_per_link():
+    topology = resolve_topology("auto", "auto", [1, 2, 3, 2], 2, 1, virtual_stages=2)
+    assert (topology.num_stages, topology.num_virtual, topology.virtual_of(1)) == (2, 4, [1, 3])
+    tags = [topology.link_tag(s) for s in range(3)] + [topology.skip_tag(s, t) for s in range(4) for t in range(4)]
+    assert len(set(tags)) == len(tags) and 0 not in tags and 1 not in tags  # 0 and 1: the tags without chunks
+    assert (Topology(2, 2).link_tag(0), Topology(2, 2).skip_tag(0, 1)) == (0, 1)
+
+
 @pytest.mark.parametrize(
     "kwargs, devices, match",
     [
         (dict(pipeline_parallel_size=3, data_parallel_size=2), 4, "makes a mesh of 3 stages x 2 replicas = 6"),
         (dict(pipeline_parallel_size=2, balance=[1, 2, 5]), 4, r"gives 3 stages, but the pipeline has 2"),
         (dict(data_parallel_size=3), 4, "processes, but the job has 4"),
+        (dict(virtual_stages=2, balance=[1, 2, 5]), 4, r"3 is not a multiple of 2"),
+        (dict(virtual_stages=2, pipeline_parallel_size=4, balance=[1, 2, 5, 1]), 4, r"per virtual stage \(4 stages x"),
+        (dict(virtual_stages=2), 1, "the pipeline has one stage; use virtual_stages=1"),
     ],
 )
 def test_a_mesh_that_does_not_fit_fails_before_any_process_starts(kwargs, devices, match):

@@ -30,12 +30,18 @@ from lightning_gpipe.transfer import Link
 
 
 class _Wire:
-    """Messages between fake stages; a send completes only once its receive has run (stricter than gloo)."""
+    """Messages between fake stages; a send completes only once its receive has run, or for a gradient once its
+    receive is posted (as on gloo and NCCL; stricter than gloo, whose small sends complete at once)."""
 
     def __init__(self) -> None:
         self.condition = threading.Condition()
         self.sent: set = set()
         self.received: set = set()
+
+    def post(self, message) -> None:
+        with self.condition:
+            self.received.add(message)
+            self.condition.notify_all()
 
     def send(self, message) -> None:
         with self.condition:
@@ -86,6 +92,8 @@ class _FakeStage:
 
     def expect_grad(self, i):
         self.calls.append(("expect", i))
+        if not self.is_last:
+            self.wire.post(("gradient", self.stage_index + 1, i))
 
     def recompute(self, i):
         self.calls.append(("recompute", i))
@@ -103,6 +111,12 @@ class _FakeStage:
 
     def flush(self):
         self.wire.wait_received(set(self.sends))
+
+    def output(self, parts):  # fill-drain's last stage: the backbone output the user's loss takes
+        return parts
+
+    def begin_backward(self):
+        return len(self.held)
 
 
 def _run_fake_pipeline(stages: int, chunks: int, schedule: str = "1f1b") -> list[_FakeStage]:
@@ -307,3 +321,44 @@ def test_a_1f1b_prediction_draws_loss_per_micro_batch():
         "stage 1",
         "stage 2",
     ]
+
+
+# --------------------------------------------------------------------------- interleaved, on fake stages
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages, virtual, chunks", [(2, 2, 4), (3, 2, 5), (2, 3, 3), (4, 2, 2)])
+def test_interleaved_runtime_runs_each_chunk_in_its_plans_order_without_deadlock(schedule, stages, virtual, chunks):
+    wire, count = _Wire(), stages * virtual
+    processes = [[_FakeStage(c * stages + k, count, chunks, wire) for c in range(virtual)] for k in range(stages)]
+    head = processes[-1][-1]
+    errors = []
+
+    def run(chunks_of_k: list[_FakeStage]) -> None:
+        try:
+            runtime = Runtime(chunks_of_k, schedule, stages)
+            if runtime.per_micro_batch_loss:
+                runtime.step(None, lambda i, count, y: head.calls.append(("head", i)))
+            else:
+                runtime.forward(None)
+                runtime.backward()
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(process,)) for process in processes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not errors, errors
+    for k, process in enumerate(processes):
+        plan = Runtime(process, schedule, stages).plan(chunks).actions
+        for c, fake in enumerate(process):
+            work = [call for call in fake.calls if call[0] in ("forward", "recompute", "backward")]
+            planned = [
+                (a.kind.value, a.micro_batch)
+                for a in plan
+                if a.chunk == c and a.kind in (Kind.FORWARD, Kind.RECOMPUTE, Kind.BACKWARD)
+            ]
+            assert work == planned, (k, c)
+            assert sorted(i for kind, i in work if kind == "backward") == list(range(chunks))

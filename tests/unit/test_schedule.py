@@ -5,7 +5,17 @@ the simulator times; a broken plan is an error naming the stage and the action."
 import pytest
 
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES, checkpointed
-from lightning_gpipe.schedule import SCHEDULES, Action, Kind, Plan, ScheduleError, check, format_plans, plans
+from lightning_gpipe.schedule import (
+    INTERLEAVED,
+    SCHEDULES,
+    Action,
+    Kind,
+    Plan,
+    ScheduleError,
+    check,
+    format_plans,
+    plans,
+)
 from lightning_gpipe.simulator import StageCost, simulate
 
 
@@ -117,3 +127,55 @@ def test_a_broken_plan_is_an_error_naming_the_stage_and_the_action():
         check([_without(alone, Action(Kind.BACKWARD, 0))])
     with pytest.raises(ValueError, match="Unknown schedule '2f2b'; choose one of gpipe, 1f1b, zb-h1"):
         plans("2f2b", 2, 3, "never")
+
+
+# --------------------------------------------------------------------------- virtual stages (model chunks)
+
+
+@pytest.mark.parametrize("schedule", [name for name, interleaved in INTERLEAVED.items() if interleaved])
+def test_every_interleaved_plan_runs_to_its_end_and_ends_with_its_first_chunk(schedule):
+    for num_stages in range(2, 6):
+        for virtual in range(2, 4):
+            for count in range(1, 13):
+                for mode, defer in [("never", True), ("always", False), ("except_last", True)]:
+                    stage_plans = plans(schedule, num_stages, count, mode, defer, virtual)
+                    check(stage_plans)  # pairs every virtual link's transfers, including M not a multiple of K
+                    for k, plan in enumerate(stage_plans):
+                        for chunk in range(virtual):
+                            runs = [a for a in plan.actions if a.chunk == chunk]
+                            assert sum(a.kind is Kind.FORWARD for a in runs) == count
+                            split = defer and chunk * num_stages + k > 0
+                            assert sum(a.kind is Kind.WEIGHT for a in runs) == (count if split else 0)
+                        # the data-parallel gradient sync starts at the first chunk's last backward
+                        last = [a for a in plan.actions if a.kind in (Kind.BACKWARD, Kind.WEIGHT)][-1]
+                        assert last.chunk == 0
+
+
+def test_interleaved_plans_visit_every_stage_once_per_chunk():
+    assert format_plans(plans("gpipe", 2, 2, "never", False, 2)) == (
+        "stage 0: F0 S0 F1 S1 F0.1 S0.1 F1.1 S1.1 | E1.1 E0.1 B1.1 E1 B0.1 E0 B1 B0 flush\n"
+        "stage 1: F0 S0 F1 S1 F0.1 F1.1 | L E1.1 E0.1 B1.1 E1 B0.1 E0 B1 B0 flush"
+    )
+    # Megatron-LM's warm-up: 2 (K - k - 1) + (v - 1) K forwards, then one forward, one backward
+    assert format_plans(plans("1f1b", 2, 2, "never", False, 2)) == (
+        "stage 0: F0 S0 E0 F1 S1 E1 F0.1 S0.1 E0.1 F1.1 S1.1 E1.1 B0.1 B1.1 B0 B1 flush\n"
+        "stage 1: F0 S0 E0 F1 S1 E1 F0.1 L0.1 B0.1 F1.1 flush L1.1 B1.1 B0 B1 flush"
+    )
+    with pytest.raises(ValueError, match="'zb-h1' runs one chunk per stage, not virtual_stages=2"):
+        plans("zb-h1", 2, 4, "never", True, 2)
+
+
+def test_a_broken_interleaved_plan_names_the_stage_and_chunk():
+    first, last = plans("gpipe", 2, 2, "never", False, 2)
+    never_sent = _without(first, Action(Kind.SEND, 1, 1))
+    with pytest.raises(ScheduleError, match=r"stage 1 at F1.1 \(no activation from stage 0 chunk 1 yet\)"):
+        check([never_sent, last])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_virtual_stages_shrink_the_bubble_to_k_minus_1_over_vm_plus_k_minus_1(schedule):
+    for virtual in (1, 2, 4):
+        costs = [StageCost(1.0 / virtual, 2.0 / virtual)] * (2 * virtual)  # 2 stages' work, cut into 2v chunks
+        prediction = simulate(costs, 8, "never", schedule=schedule, virtual_stages=virtual)
+        assert prediction.bubble == pytest.approx(1 / (virtual * 8 + 1))
+        assert prediction.step_time == pytest.approx(3 * (8 + 1 / virtual))

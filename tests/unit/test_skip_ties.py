@@ -129,3 +129,27 @@ def test_clipping_leaves_uncounted_copies_out_of_the_norm():
     total = clip_grad_norm_([counted, copy], max_norm=1.0, uncounted=[copy], job=None)
     assert total.item() == pytest.approx(5.0)
     torch.testing.assert_close(copy.grad, torch.tensor([0.6, 0.8]))
+
+
+def test_virtual_stages_split_into_chunks_and_refuse_a_skip_within_one_stage():
+    import torch as _torch
+
+    from lightning_gpipe.job import Job
+    from lightning_gpipe.pipeline import _links
+    from lightning_gpipe.topology import Topology
+
+    module = nn.Module()
+    module.backbone = nn.Sequential(Stash(), dense(), Pop(), dense())
+    topology = Topology(2, 2, virtual_stages=2)
+    split = Split(module, "backbone", [1, 1, 1, 1], stage_index=0, num_stages=2)
+    assert [list(chunk._modules) for chunk in split.chunks] == [["0"], ["2"]]  # virtual stages 0 and 2
+    assert list(module.backbone._modules) == ["0", "2"]  # one module under the original names
+    layout, job = SkipLayout(split.sequential, [1, 1, 1, 1]), Job()
+    with pytest.raises(ValueError, match="joins virtual stages 0 and 2, two model chunks of stage 0; with"):
+        _links(topology, 0, 0, layout, _torch.device("cpu"), job, job.recorder())
+    # a parameter two chunks of one stage use is one object there: no tie; across stages it is one
+    shared = nn.Linear(FEATURES, FEATURES)
+    tied = nn.Module()
+    tied.backbone = nn.Sequential(shared, nn.Tanh(), shared, nn.Tanh())
+    assert find_ties(tied, "backbone", [1, 1, 1, 1], num_stages=2) == []
+    assert [t.stages for t in find_ties(tied, "backbone", [1, 1, 1, 1], num_stages=4)] == [(0, 2), (0, 2)]

@@ -6,7 +6,9 @@ Writes OUT_DIR/M{chunks}_{checkpoint}.pt (rank 0's module after fit: the full st
 OUT_DIR/threads_rank{r}.txt (torch threads of each stage process) and OUT_DIR/predictions_rank{r}.pt
 (what `trainer.predict` returns on each rank with the last trained module), and OUT_DIR/1f1b_{checkpoint}.pt
 (``schedule="1f1b"`` on batches of 25, 25 and 2 rows, 4 micro-batches: M >= K, uneven (7, 6, 6, 6), then
-M = 2 < K for K > 2), and OUT_DIR/zb-h1_{always,never}.pt (``schedule="zb-h1"`` on the same batches).
+M = 2 < K for K > 2), OUT_DIR/zb-h1_{always,never}.pt (``schedule="zb-h1"`` on the same batches), and
+OUT_DIR/v2_{schedule}_{checkpoint}.pt (``virtual_stages=2``: the looped fill-drain as the M{chunks} runs, 3
+micro-batches; interleaved 1F1B as the 1f1b runs), with and without re-materialization.
 """
 
 import argparse
@@ -46,3 +48,12 @@ for schedule, checkpoint in one_f_one_b + [("zb-h1", "always"), ("zb-h1", "never
     state = fit_batches(strategy, args.devices, batch_size=25).lightning_module.state_dict()
     if rank == 0:
         torch.save(state, os.path.join(args.out, f"{schedule}_{checkpoint}.pt"))
+for schedule, checkpoint in [("gpipe", "always"), ("gpipe", "never"), ("1f1b", "except_last"), ("1f1b", "never")]:
+    options = dict(checkpoint=checkpoint, schedule=schedule, virtual_stages=2, defer_weight_grad=checkpoint == "never")
+    if schedule == "gpipe":
+        state = fit(strategy=lightning_gpipe.GPipeStrategy(chunks=3, **options), devices=args.devices).state_dict()
+    else:
+        strategy = lightning_gpipe.GPipeStrategy(chunks=4, **options)
+        state = fit_batches(strategy, args.devices, batch_size=25).lightning_module.state_dict()
+    if rank == 0:
+        torch.save(state, os.path.join(args.out, f"v2_{schedule}_{checkpoint}.pt"))

@@ -40,12 +40,23 @@ CONFIGS = {
         6,
     ),
     "pp2_dp2_zb_h1": (2, 2, {"schedule": "zb-h1", "chunks": 4}, {"gradient_clip_val": 0.05}, None, 6),
+    "pp2_dp2_interleaved": (
+        2,
+        2,
+        {"schedule": "1f1b", "chunks": 4, "virtual_stages": 2, "defer_weight_grad": True},
+        {"gradient_clip_val": 0.05},
+        None,
+        6,
+    ),
     "pp1_dp4": (1, 4, {}, {}, None, 6),
     "pp2_dp2_first4": (2, 2, {}, {}, None, 4),
     "pp4_dp1_resumed": (4, 1, {}, {}, "pp2_dp2_first4", 6),
     "pp1_dp4_resumed": (1, 4, {}, {}, "pp2_dp2_first4", 6),
     "pp2_dp2_sharded_first4": (2, 2, {"state_dict_type": "sharded"}, {}, None, 4),
     "pp4_dp1_sharded_resumed": (4, 1, {}, {}, "pp2_dp2_sharded_first4", 6),
+    # resumed with another K and v: 2 stages of 2 model chunks each, then 4 stages of one
+    "pp2_dp2_v2_sharded_first4": (2, 2, {"state_dict_type": "sharded", "virtual_stages": 2}, {}, None, 4),
+    "pp4_dp1_from_v2_resumed": (4, 1, {}, {}, "pp2_dp2_v2_sharded_first4", 6),
 }
 
 
