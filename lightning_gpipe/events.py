@@ -12,12 +12,15 @@ node's spans onto global rank 0's clock by an offset measured once (:mod:`lightn
 """
 
 import time
+import weakref
 from collections.abc import Iterable
 from contextlib import nullcontext
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from lightning_gpipe.microbatch import tensors
 
@@ -156,6 +159,52 @@ class SavedBytes:
         # Not ``tensor`` itself: a layer's output it saves (ReLU's) would then hold its own graph through the
         # graph's C++ node, a reference cycle Python's collector cannot see, and the graph would never be freed.
         return tensor.detach()
+
+
+class PeakBytes(TorchDispatchMode):
+    """Counts the bytes of the tensor storages the operators inside a ``with`` block create, live now and at the peak.
+
+    A ``TorchDispatchMode``: it sees every operator's outputs, the backward's included, on any device; a storage counts
+    from the operator that creates it until it is freed. Memory a library keeps outside tensors (oneDNN's scratchpads)
+    is not seen.
+
+    Attributes:
+        live: bytes of the counted storages alive now.
+        peak: the largest ``live`` since the block began or the last :meth:`restart`.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._storages: dict[int, tuple[weakref.ref, int]] = {}  # address -> (the storage, bytes)
+
+    def restart(self) -> int:
+        """Start a new peak from the bytes live now; returns them."""
+        self.peak = self.live
+        return self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, Tensor) and t.device.type != "meta":
+                self._count(t.untyped_storage())
+        self.peak = max(self.peak, self.live)
+        return out
+
+    def _count(self, storage) -> None:
+        """Count ``storage`` if it is new (not a view's or an in-place result's; an address can be reused before the
+        storage that had it is reported freed)."""
+        key = storage.data_ptr()
+        if not key or (key in self._storages and self._storages[key][0]() is storage):
+            return
+        self._free(key)
+        ref = weakref.ref(storage, lambda ref: self._free(key, ref))
+        self._storages[key] = (ref, storage.nbytes())
+        self.live += storage.nbytes()
+
+    def _free(self, key: int, ref: Optional[weakref.ref] = None) -> None:
+        if key in self._storages and (ref is None or self._storages[key][0] is ref):
+            self.live -= self._storages.pop(key)[1]
 
 
 def _same(tensor: Tensor) -> Tensor:

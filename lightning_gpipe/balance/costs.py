@@ -17,6 +17,9 @@ class LayerCost:
             the previous layer's output, and with a stage's kept input).
         output_saved_bytes: of ``activation_bytes``, the bytes of the layer's output that autograd saves (shared
             with the next layer's input).
+        transient_bytes: bytes the layer's forward or backward holds for a moment beyond what it keeps: the larger of
+            the forward's peak over its end and the backward's peak over both its start and its end (the gradients
+            of a cell's internal tensors, intermediates no operation saves), in tensors the operators create.
     """
 
     forward: float
@@ -26,3 +29,4 @@ class LayerCost:
     parameter_bytes: int = 0
     input_saved_bytes: int = 0
     output_saved_bytes: int = 0
+    transient_bytes: int = 0

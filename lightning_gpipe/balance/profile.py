@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gpipe.balance.costs import LayerCost
-from lightning_gpipe.events import SavedBytes
+from lightning_gpipe.events import PeakBytes, SavedBytes
 from lightning_gpipe.microbatch import Value, leaves, tensors
 from lightning_gpipe.partition import Partition, materialize
 from lightning_gpipe.skip.tracker import SkipTracker, tracking
@@ -51,14 +51,15 @@ def profile_layers(
             the moments the OS gives the core to other processes: robust on a shared machine); on CUDA the
             wall time, after synchronising the device.
         repeats: timed runs per layer (>= 1); the median is kept.
-        warmup: untimed runs per layer before the timed ones (>= 0). One more forward, untimed,
-            counts the saved activations.
+        warmup: untimed runs per layer before the timed ones (>= 0). One more forward and backward,
+            untimed, counts the saved activations and the transient bytes.
 
     Returns:
         One :class:`LayerCost` per layer, in order: ``forward`` and ``backward`` in seconds,
         ``activation_bytes`` (tensors autograd saves for the backward, excluding the layer's own
-        parameters and buffers, each storage counted once), ``output_bytes`` and
-        ``parameter_bytes`` (parameters and buffers).
+        parameters and buffers, each storage counted once), ``output_bytes``,
+        ``parameter_bytes`` (parameters and buffers) and ``transient_bytes`` (the forward's or the
+        backward's peak beyond what it keeps), all in bytes.
 
     Raises:
         ValueError: if ``repeats`` is below 1 or ``warmup`` below 0, or a meta-device layer cannot be
@@ -85,7 +86,7 @@ def profile_layers(
 
 
 def _profile(layer: Partition, value: Value, skips: dict, device: torch.device, repeats: int, warmup: int) -> tuple:
-    saved, output, stashed = _saved_storages(layer, value, skips)
+    saved, output, stashed, transient = _counted_run(layer, value, skips)
     grads = [torch.ones_like(t) for t in _differentiable(output, stashed)]
     runs = [_run(layer, value, skips, grads, device) for _ in range(warmup + repeats)][warmup:]
     cost = LayerCost(
@@ -96,6 +97,7 @@ def _profile(layer: Partition, value: Value, skips: dict, device: torch.device, 
         parameter_bytes=sum(_nbytes(t) for t in _state(layer)),
         input_saved_bytes=_shared(saved, value),
         output_saved_bytes=_shared(saved, output),
+        transient_bytes=transient,
     )
     return cost, output, stashed
 
@@ -115,12 +117,24 @@ def _run(layer: Partition, value: Value, skips: dict, grads: list[Tensor], devic
     return middle - start, end - middle
 
 
-def _saved_storages(layer: Partition, value: Value, skips: dict) -> tuple[dict[int, int], Value, dict]:
-    """The storages autograd saves in one forward (not the layer's own state; address -> bytes), the output, and the
-    skip tensors the layer stashed."""
-    with SavedBytes(exclude=_state(layer)) as saved, tracking(SkipTracker(skips)) as tracker:
-        output = layer.run(value)
-    return saved.storages, output, tracker.stashed
+def _counted_run(layer: Partition, value: Value, skips: dict) -> tuple[dict[int, int], Value, dict, int]:
+    """One untimed forward and backward, counted: the storages autograd saves in the forward (not the layer's own
+    state; address -> bytes), the output, the skip tensors the layer stashed, and the transient bytes (see
+    :class:`~lightning_gpipe.balance.costs.LayerCost`) from :class:`~lightning_gpipe.events.PeakBytes`."""
+    with PeakBytes() as counted:
+        with SavedBytes(exclude=_state(layer)) as saved, tracking(SkipTracker(skips)) as tracker:
+            output = layer.run(value)
+        forward = counted.peak - counted.live
+        outputs = _differentiable(output, tracker.stashed)
+        grads = [torch.ones_like(t) for t in outputs]
+        start = counted.restart()
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+        backward = counted.peak - max(start, counted.live)
+        del grads
+    for t in [*tensors(value), *skips.values(), *_state(layer)]:
+        t.grad = None
+    return saved.storages, output, tracker.stashed, max(forward, backward)
 
 
 def _shared(saved: dict[int, int], value: Value) -> int:

@@ -3,10 +3,10 @@
 Layers are profiled at two micro-batch sizes (:class:`ProfiledCosts`): time per layer is modelled as affine in the
 rows of a micro-batch, ``a + b * rows`` through the two measurements, extrapolated beyond them (so a small
 micro-batch keeps the fixed cost of launching its operators, which is why smaller micro-batches are slower per
-row), and the activation and output bytes as proportional to the rows. :class:`CostModel` holds what profiling one
-layer cannot see: the transfers between stages, the engine's cost per micro-batch and per step, the optimizer
-step, the data-parallel all-reduce, and the optimizer state's size (:func:`optimizer_state_factor`). Its defaults
-were measured on a 2-core CPU machine (docs/planning.md, "Calibrating"); give your own for another machine.
+row), and the activation, output and transient bytes as proportional to the rows. :class:`CostModel` holds what
+profiling one layer cannot see: the transfers between stages, the engine's cost per micro-batch and per step,
+the optimizer step, the data-parallel all-reduce, and the optimizer state's size (:func:`optimizer_state_factor`).
+Its defaults were measured on a 2-core CPU machine (docs/planning.md, "Calibrating"); give your own for another machine.
 """
 
 import math
@@ -142,4 +142,5 @@ def _interpolate(big: LayerCost, small: LayerCost, big_rows: int, small_rows: in
         output_bytes=round(big.output_bytes * scale),
         input_saved_bytes=round(big.input_saved_bytes * scale),
         output_saved_bytes=round(big.output_saved_bytes * scale),
+        transient_bytes=round(big.transient_bytes * scale),
     )

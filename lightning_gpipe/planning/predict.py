@@ -5,7 +5,9 @@ over the layers' costs at the plan's micro-batch size (:class:`~lightning_gpipe.
 with the engine's cost per micro-batch, the transfers between stages, the optimizer step and, with several
 replicas, the gradient all-reduce (:class:`~lightning_gpipe.planning.costs.CostModel`). Memory per stage is
 parameters + gradients + optimizer state (+ DDP's gradient buckets with several replicas) + the simulator's peak of
-kept inputs and saved activations + transfer buffers and the batch every stage loads (:class:`StageMemory`).
+kept inputs and saved activations + what it holds for its transfers on top (outputs, sent gradients:
+:mod:`~lightning_gpipe.planning.held`) + the largest layer's transient + transfer buffers and the batch every stage
+loads (:class:`StageMemory`).
 PipeDream's planner (Narayanan et al. 2019, section 3.1) predicts from a per-layer profile the same way.
 """
 
@@ -15,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from lightning_gpipe.balance.costs import LayerCost
 from lightning_gpipe.balance.solver import stage_sums
 from lightning_gpipe.planning.costs import CostModel, ProfiledCosts
+from lightning_gpipe.planning.held import held_peak
+from lightning_gpipe.schedule import plans
 from lightning_gpipe.simulator import StageCost, Transfer, simulate
 
 
@@ -52,6 +56,10 @@ class StageMemory:
         gradients: one gradient per parameter.
         optimizer: the optimizer's state.
         activations: the simulator's peak of kept micro-batch inputs and saved activations.
+        transfers: what the stage holds for its transfers on top of that, at its peak: outputs kept for the backward
+            or by an unfinished send, input gradients sent (:func:`~lightning_gpipe.planning.held.held_peak`).
+        transient: the largest transient of the stage's layers on one micro-batch (``LayerCost.transient_bytes``):
+            a layer's forward or backward runs on top of what the stage holds.
         buffers: the batches every stage loads (the current one and the next), transfer buffers, DDP's buckets, the
             last stage's joined output and its gradient.
     """
@@ -61,11 +69,14 @@ class StageMemory:
     optimizer: int
     activations: int
     buffers: int
+    transfers: int = 0
+    transient: int = 0
 
     @property
     def total(self) -> int:
-        """The sum of the parts."""
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
+        """The sum of the parts, in bytes."""
+        parts = (self.parameters, self.gradients, self.optimizer, self.activations, self.transfers, self.transient)
+        return sum(parts) + self.buffers
 
 
 @dataclass(frozen=True)
@@ -148,6 +159,7 @@ def predict(
     transfer = Transfer(model.transfer_latency, model.transfer_bandwidth)
     simulated = simulate(stages, chunks, plan.checkpoint, transfer, optimizer=optimizer, schedule=plan.schedule)
     joined = profiled.at(rows_n)[-1].output_bytes
+    held = _held(plan, chunks, stages, layers)
     memory = tuple(
         StageMemory(
             parameters=p,
@@ -155,6 +167,8 @@ def predict(
             optimizer=state_factor * p,
             activations=simulated.peak_activation_bytes[k],
             buffers=_buffers(stages, k, profiled.input_bytes, joined) + p * (replicas > 1),
+            transfers=max(held[k] - simulated.peak_activation_bytes[k], 0),
+            transient=max(c.transient_bytes for c in _stage_layers(layers, plan.balance, k)),
         )
         for k, p in enumerate(params)
     )
@@ -169,11 +183,30 @@ def predict(
     )
 
 
+def _stage_layers(layers: Sequence[LayerCost], balance: Sequence[int], k: int) -> Sequence[LayerCost]:
+    """Stage ``k``'s layers."""
+    start = sum(balance[:k])
+    return layers[start : start + balance[k]]
+
+
+def _held(plan: PipelinePlan, chunks: int, stages: Sequence[StageCost], layers: Sequence[LayerCost]) -> list[int]:
+    """Per stage, the peak bytes of kept inputs, saved activations and what it holds for its transfers, walked over
+    the stage's own plan (:func:`~lightning_gpipe.planning.held.held_peak`)."""
+    every = plans(plan.schedule, plan.pipeline_parallel_size, chunks, plan.checkpoint)
+    peaks = []
+    for k, (stage, stage_plan) in enumerate(zip(stages, every)):
+        last = _stage_layers(layers, plan.balance, k)[-1]
+        per_micro = (stage.input_bytes, stage.activation_bytes, stage.output_bytes, last.output_saved_bytes)
+        peaks.append(held_peak(stage_plan.actions, k < len(stages) - 1, plan.checkpoint, chunks, per_micro))
+    return peaks
+
+
 def _buffers(stages: Sequence[StageCost], k: int, batch_bytes: int, joined: int) -> int:
     """Bytes of stage ``k``'s buffers: two batches (every stage loads them: Lightning's loop fetches the next batch
     before the step on the current one ends), two output gradients in flight (their
-    receives are posted one ahead), the input gradient it sends, and on the last stage the whole mini-batch's output
-    (``joined``) and its gradient: measured under 1F1B too, whose user step takes one micro-batch at a time."""
+    receives are posted one ahead), and on the last stage the whole mini-batch's output (``joined``) and its gradient:
+    measured under 1F1B too, whose user step takes one micro-batch at a time. The input gradients it sends are
+    ``StageMemory.transfers``."""
     last = k == len(stages) - 1
     received = 0 if last else 2 * stages[k].output_bytes
-    return 2 * batch_bytes + received + stages[k].input_bytes + (2 * joined if last else 0)
+    return 2 * batch_bytes + received + (2 * joined if last else 0)

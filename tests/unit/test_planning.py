@@ -1,5 +1,6 @@
 """The planner on synthetic layer costs, plan() on a small module, and plan="auto" on one stage."""
 
+import dataclasses
 import json
 
 import lightning.pytorch as pl
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_gpipe import GPipeStrategy, schedule
-from lightning_gpipe.balance import LayerCost
+from lightning_gpipe.balance import LayerCost, profile_layers
 from lightning_gpipe.config import PipelineConfig
 from lightning_gpipe.planning import (
     Constraints,
@@ -92,6 +93,48 @@ def test_memory_is_parameters_gradients_optimizer_activations_and_buffers():
         assert (stage.parameters, stage.gradients, stage.optimizer, stage.activations) == (params, params, params, peak)
     replicated = predict(PipelinePlan(2, 2, 4, "never", "gpipe", (4, 4)), costs, FREE, 1, 2**40)
     assert [s.buffers - r.buffers for s, r in zip(replicated.memory, prediction.memory)] == [params, params]  # DDP
+
+
+class Widen(nn.Module):
+    """A layer whose forward makes an intermediate no operation saves: ``x`` repeated ``times`` along dim 1, then
+    summed back (sum saves nothing), so the intermediate is freed before the forward ends: a transient."""
+
+    def __init__(self, times: int) -> None:
+        super().__init__()
+        self.times = times
+
+    def forward(self, x):
+        return x * x.repeat(1, self.times).sum(1, keepdim=True)
+
+
+def test_a_layers_transient_is_profiled_and_the_stages_largest_is_added_on_top():
+    torch.manual_seed(0)
+    x = torch.randn(32, 64)
+    layers = nn.Sequential(nn.Linear(64, 64), Widen(8), nn.Linear(64, 64), Widen(2))
+    costs = profile_layers(layers, x, repeats=1, warmup=0)
+    assert costs[1].transient_bytes > costs[3].transient_bytes > costs[0].transient_bytes  # grows with the repeats
+    assert costs[1].transient_bytes > 4 * x.nbytes  # most of the 8 x.nbytes repeated, alive only inside the forward
+    profiled_costs = ProfiledCosts((32, 32), costs, costs, 64, 2 * x.nbytes)
+    prediction = predict(PipelinePlan(2, 1, 2, "never", "gpipe", (2, 2)), profiled_costs, FREE, 0, 2**40)
+    layers_at = profiled_costs.for_chunks(2)
+    for k, stage in enumerate(prediction.memory):
+        assert stage.transient == max(c.transient_bytes for c in layers_at[2 * k : 2 * k + 2]) > 0  # a peak, no sum
+    without = [dataclasses.replace(c, transient_bytes=0) for c in costs]
+    plain = predict(prediction.plan, ProfiledCosts((32, 32), without, without, 64, 2 * x.nbytes), FREE, 0, 2**40)
+    assert [s.total - p.total for s, p in zip(prediction.memory, plain.memory)] == [
+        s.transient for s in prediction.memory
+    ]
+
+
+def test_fill_drain_holds_every_sent_output_until_its_flush():
+    """Checkpointed micro-batches keep no output in autograd, but their sends are waited for only at the end of a
+    fill-drain step: the first stage holds all M outputs through its drain; 1F1B flushes as it goes."""
+    costs, chunks = profiled(), 4
+    out = costs.for_chunks(chunks)[3].output_bytes
+    fill_drain = predict(PipelinePlan(2, 1, chunks, "always", "gpipe", (4, 4)), costs, FREE, 0, 2**40)
+    assert fill_drain.memory[0].transfers == chunks * out  # the ReLU saves its output: the recomputed one is counted
+    one_f_one_b = predict(PipelinePlan(2, 1, chunks, "always", "1f1b", (4, 4)), costs, FREE, 0, 2**40)
+    assert one_f_one_b.memory[0].transfers < fill_drain.memory[0].transfers
 
 
 def test_the_chosen_plan_is_the_fastest_that_fits_and_no_faster_one_fits():
