@@ -80,11 +80,11 @@ class PipelineConfig:
             2.2): the backbone is split into ``K * v`` virtual stages and stage k holds virtual stages k, k + K,
             ..., so a micro-batch visits every stage v times and the bubble falls from ``(K - 1) / (M + K - 1)``
             towards ``(K - 1) / (v M + K - 1)``, at the price of v times as many transfers. ``"gpipe"`` runs the
-            looped fill-drain, ``"1f1b"`` Megatron-LM's interleaved 1F1B (:data:`~lightning_gpipe.schedule.INTERLEAVED`);
-            a list ``balance`` gives ``K * v`` entries. Parameter names, and so checkpoints, are those of the
-            unsplit module: a run resumes with another v or K. 1 (default): one chunk per stage. Tested on gloo
-            (CPU) only; refused on NCCL, which matches point-to-point messages between two ranks by order, not
-            by tag.
+            looped fill-drain, ``"1f1b"`` Megatron-LM's interleaved 1F1B
+            (:data:`~lightning_gpipe.schedule.INTERLEAVED`); a list ``balance`` gives ``K * v`` entries. Parameter
+            names, and so checkpoints, are those of the unsplit module: a run resumes with another v or K. 1
+            (default): one chunk per stage. Tested on gloo (CPU) only; refused on CUDA, where NCCL matches the
+            point-to-point messages of two ranks by order, not by tag.
         deferred_batch_norm: ``True`` makes the backbone's ``nn.BatchNorm1d/2d/3d`` layers normalise with
             micro-batch statistics but update their running statistics once per mini-batch, equal to
             single-device batch norm's (see :class:`~lightning_gpipe.batchnorm.DeferredBatchNorm`); the

@@ -3,13 +3,13 @@
 A plan is made for the step's number of micro-batches, which a stage learns from its first micro-batch (the first
 stage scatters the backbone input; the others receive the count with the first activation). With several model
 chunks per process (``virtual_stages``), each chunk is a :class:`~lightning_gpipe.stage.Stage` of the virtual
-pipeline of ``K * v`` stages, and an action runs on the chunk it names. Lightning's two
-phases are cut points in the plan: :meth:`Runtime.forward` (what the backbone call runs in ``training_step``) runs
-the actions before the cut, :meth:`Runtime.backward` (what ``Strategy.backward`` runs) the rest. A schedule whose
-last stage needs each micro-batch's loss during the step (1F1B) runs whole in :meth:`Runtime.step`. Evaluation runs
-the forwards and sends of fill-drain's fill (whatever the schedule), then waits for the sends. W actions that follow each other run as one call
-(:meth:`Stage.backward_weights <lightning_gpipe.stage.Stage.backward_weights>`), which computes each plain linear
-layer's weight gradient over their micro-batches as one matrix product.
+pipeline of ``K * v`` stages, and an action runs on the chunk it names. Lightning's two phases are cut points in
+the plan: :meth:`Runtime.forward` (what the backbone call runs in ``training_step``) runs the actions before the
+cut, :meth:`Runtime.backward` (what ``Strategy.backward`` runs) the rest. A schedule whose last stage needs each
+micro-batch's loss during the step (1F1B) runs whole in :meth:`Runtime.step`. Evaluation runs the forwards and
+sends of fill-drain's fill (whatever the schedule), then waits for the sends. W actions that follow each other run
+as one call (:meth:`Stage.backward_weights <lightning_gpipe.stage.Stage.backward_weights>`), which computes each
+plain linear layer's weight gradient over their micro-batches as one matrix product.
 """
 
 from collections.abc import Callable, Iterator, Sequence

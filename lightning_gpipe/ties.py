@@ -48,9 +48,7 @@ class Tie:
         return self.names[self.stage_of_name.index(stage)]
 
 
-def find_ties(
-    module: nn.Module, backbone: str, balance: Sequence[int], num_stages: Optional[int] = None
-) -> list[Tie]:
+def find_ties(module: nn.Module, backbone: str, balance: Sequence[int], num_stages: Optional[int] = None) -> list[Tie]:
     """The parameters of ``module`` used on more than one stage when its backbone is split by ``balance``.
 
     A name under the backbone belongs to the stage of its layer; any other name to the last stage (heads live

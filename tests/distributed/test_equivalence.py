@@ -42,7 +42,8 @@ def test_pipeline_equals_single_device(stages, reference_state, reference_1f1b_s
     for schedule, mode in [("gpipe", "always"), ("gpipe", "never"), ("1f1b", "except_last"), ("1f1b", "never")]:
         interleaved = torch.load(out / f"v2_{schedule}_{mode}.pt")
         for key, expected in (reference_state if schedule == "gpipe" else reference_1f1b_state).items():
-            torch.testing.assert_close(interleaved[key], expected, rtol=0, atol=1e-5, msg=f"{key}, v=2 {schedule}, {mode}")
+            message = f"{key}, v=2 {schedule}, {mode}"
+            torch.testing.assert_close(interleaved[key], expected, rtol=0, atol=1e-5, msg=message)
     module = TupleNet()
     module.load_state_dict(state)  # the last fill-drain configuration trained
     expected = [module.predict_step(batch, i).detach() for i, batch in enumerate(loader())]

@@ -7,8 +7,9 @@ Writes, from rank 0 after each fit (the full state dict), OUT_DIR/{name}.pt for
   interleaved (``virtual_stages=2``, one layer per virtual stage):
   skip_*.pt; its predictions on every rank: skip_predictions_rank{r}.pt;
 - TiedNet (``balance=[3, 2, 2]``: the embedding on stage 0 tied to the head on stage 2, one Linear on stages 0
-  and 2) under fill-drain, 1F1B, clipping by norm and looped fill-drain with 2 chunks per stage: tied_*.pt; whether rank 0's module is tied again after fit:
-  tied_again.txt; a full checkpoint written at the end of the first tied run: tied.ckpt;
+  and 2) under fill-drain, 1F1B, clipping by norm and looped fill-drain with 2 chunks per stage: tied_*.pt;
+  whether rank 0's module is tied again after fit: tied_again.txt; a full checkpoint written at the end of the
+  first tied run: tied.ckpt;
 - the translation example with tied tables (``fit_tied_translation``): translation.pt; its greedy translations
   through the pipeline on every rank: translations_rank{r}.pt;
 and OUT_DIR/receives_rank{r}.pt: every point-to-point receive (source, tag, shape) each rank posted during the
