@@ -34,7 +34,7 @@ from benchmarks import models  # noqa: E402
 from benchmarks._harness import StepClock, emit, peak_rss_mib  # noqa: E402
 from lightning_gpipe.microbatch import tensors  # noqa: E402
 
-KINDS = ("lightning", "bare", "tp", "tp-1f1b", "tp-zb", "tp-zbv", "torchgpipe")
+KINDS = ("lightning", "bare", "tp", "tp-1f1b", "tp-i1f1b", "tp-zb", "tp-zbv", "torchgpipe")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--count-saved", action="store_true", help="lightning only: count autograd-saved bytes")
     parser.add_argument("--channels-last", action="store_true", help="lightning amoebanet only: channels_last")
     parser.add_argument("--schedule", choices=("gpipe", "1f1b", "zb-h1"), default="gpipe", help="lightning gpipe, bare")
+    parser.add_argument(
+        "--virtual-stages", type=int, default=1, help="lightning gpipe only: GPipeStrategy(virtual_stages=...)"
+    )
     parser.add_argument(
         "--defer-weight-grad",
         action=argparse.BooleanOptionalAction,
@@ -215,7 +218,9 @@ def run_lightning(args: argparse.Namespace) -> None:
             options.update(plan="auto", memory_limit=int(args.plan_limit_mib * 2**20))
         else:
             options.update(balance=args.balance)
-        strategy = GPipeStrategy(defer_weight_grad=args.defer_weight_grad, **options)
+        strategy = GPipeStrategy(
+            defer_weight_grad=args.defer_weight_grad, virtual_stages=args.virtual_stages, **options
+        )
         trainer = pl.Trainer(strategy=strategy, devices=args.devices, **trainer_kwargs)
     loader = models.repeat_loader(_batch(args), args.warmup + args.steps, fresh=args.plan_limit_mib is not None)
     if counter is not None:
@@ -459,21 +464,28 @@ def run_tp(args: argparse.Namespace) -> None:
 
 
 def run_tp_zero_bubble(args: argparse.Namespace) -> None:
-    """torch.distributed.pipelining's zero-bubble schedules, which need 2 stages per rank: ``tp-zb``
-    (ScheduleInterleavedZeroBubble: rank r holds stages r and r + K) and ``tp-zbv`` (ScheduleZBVZeroBubble: the V
-    shape, rank r holds stages r and 2K - 1 - r). The backbone is split into 2K parts by parameters."""
+    """torch.distributed.pipelining's schedules with 2 stages per rank: ``tp-i1f1b`` (ScheduleInterleaved1F1B)
+    and ``tp-zb`` (ScheduleInterleavedZeroBubble), where rank r holds stages r and r + K, and ``tp-zbv``
+    (ScheduleZBVZeroBubble: the V shape, rank r holds stages r and 2K - 1 - r). The backbone is split into 2K parts
+    by parameters."""
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     total = 2 * world
     parts, head = _parts(args, total)
-    ids = [rank, rank + world] if args.kind == "tp-zb" else [rank, total - 1 - rank]
+    ids = [rank, total - 1 - rank] if args.kind == "tp-zbv" else [rank, rank + world]
     modules = [torch.nn.Sequential(*parts[i].values(), *([head] if i == total - 1 else [])) for i in ids]
     stages = [PipelineStage(m, i, total, torch.device("cpu")) for m, i in zip(modules, ids)]
-    kind = ScheduleInterleavedZeroBubble if args.kind == "tp-zb" else ScheduleZBVZeroBubble
+    kinds = {"tp-i1f1b": ScheduleInterleaved1F1B, "tp-zb": ScheduleInterleavedZeroBubble}
+    kind = kinds.get(args.kind, ScheduleZBVZeroBubble)
     schedule = kind(stages, args.chunks, loss_fn=F.cross_entropy)
     x, y = _batch(args)
     first, last = 0 in ids, total - 1 in ids
@@ -508,7 +520,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.count_saved or args.plan_limit_mib is not None:
         _map_large_allocations()
     runs = {"lightning": run_lightning, "bare": run_bare, "tp": run_tp, "torchgpipe": run_torchgpipe}
-    runs.update({"tp-zb": run_tp_zero_bubble, "tp-zbv": run_tp_zero_bubble, "tp-1f1b": run_tp})
+    runs.update({"tp-zb": run_tp_zero_bubble, "tp-zbv": run_tp_zero_bubble, "tp-i1f1b": run_tp_zero_bubble})
+    runs.update({"tp-1f1b": run_tp})
     runs[args.kind](args)
 
 

@@ -9,8 +9,10 @@ the same mini-batch, the same M, the same initial weights, SGD, ``checkpoint="ne
   ours/E   our engine alone (Stage, Partition, Link) in K torch.distributed processes x 1 thread, no Trainer
   ours/LW, ours/EW   the same with deferred weight gradients (``defer_weight_grad=True``, the B/W split)
   tp       PipelineStage + ScheduleGPipe in K torch.distributed processes x 1 thread
-  tp/ZB, tp/ZBV      torch's ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble: 2 stages per process
-           (the backbone split into 2K parts), K processes x 1 thread
+  tp/I1F1B, tp/ZB, tp/ZBV   torch's ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble and
+           ScheduleZBVZeroBubble: 2 stages per process (the backbone split into 2K parts), K processes x 1 thread
+  ours/L-v2, ours/L-1f1b-v2   GPipeStrategy(virtual_stages=2): looped fill-drain and interleaved 1F1B (Narayanan
+           et al. 2021), 2 model chunks per process
   tgp      torchgpipe GPipe(devices=["cpu"] * K) in ONE process: a worker thread per partition, one torch
            intra-op thread, so the partitions share one Python interpreter (and its GIL)
   ours/LW-1f1b, ours/EW-1f1b   1F1B with the B/W split (``defer_weight_grad=True``)
@@ -59,6 +61,14 @@ KINDS = {
     "ours/EW-1f1b": ("bare", None, ["--schedule", "1f1b", "--defer-weight-grad"], "ours/E-1f1b with the B/W split"),
     "ours/L-zb": ("lightning", 1, ["--schedule", "zb-h1"], "ours/L with schedule='zb-h1' (zero-bubble ZB-H1)"),
     "ours/E-zb": ("bare", None, ["--schedule", "zb-h1"], "ours/E running ZB-H1 plans"),
+    "ours/L-v2": ("lightning", 1, ["--virtual-stages", "2"], "ours/L with virtual_stages=2 (looped fill-drain)"),
+    "ours/L-1f1b-v2": (
+        "lightning",
+        1,
+        ["--schedule", "1f1b", "--virtual-stages", "2"],
+        "ours/L with schedule='1f1b', virtual_stages=2 (interleaved 1F1B)",
+    ),
+    "tp/I1F1B": ("tp-i1f1b", None, [], "torch's ScheduleInterleaved1F1B, {k} processes x 2 stages x 1 thread"),
 }
 """label -> (kind of benchmarks/_runs.py, processes the driver starts (None: K), its extra arguments, description).
 The default run leaves out ``plain`` (``--only plain ...`` adds it)."""
@@ -152,6 +162,8 @@ SPLITS = (
     ("ours/L-zb", "ours/L-1f1b", "ZB-H1 over 1F1B"),
     ("ours/L-zb", "ours/LW-1f1b", "ZB-H1 over 1F1B with the B/W split"),
     ("ours/E-zb", "ours/E-1f1b", "ZB-H1 over 1F1B (bare engine)"),
+    ("ours/L-v2", "ours/L", "2 virtual stages over 1 (fill-drain)"),
+    ("ours/L-1f1b-v2", "ours/L-1f1b", "2 virtual stages over 1 (1F1B)"),
 )
 """(label, the label it is compared with, what the ratio shows): > 1 when the first is faster."""
 
