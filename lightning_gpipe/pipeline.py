@@ -277,7 +277,9 @@ def split_into_stage(
             " the point-to-point messages of two ranks by their order, not by the tags that keep the links of"
             " several model chunks apart. Use virtual_stages=1 on GPUs."
         )
-    balance = resolve_balance(config.balance, layers, topology.num_virtual, costs, config.balance_memory_limit)
+    balance = resolve_balance(
+        config.balance, layers, topology.num_virtual, costs, config.balance_memory_limit, topology.virtual_stages
+    )
     skips = SkipLayout(layers, balance)  # checks the stash/pop pairs on every stage alike, before any step
     if config.deferred_batch_norm:
         convert_deferred_batch_norm(layers)  # the whole backbone, so that `Split.undo` puts it back

@@ -72,6 +72,7 @@ def resolve_balance(
     num_stages: int,
     costs: Optional[Sequence[LayerCost]] = None,
     memory_limit: Optional[int] = None,
+    virtual_stages: int = 1,
 ) -> list[int]:
     """Check a user's ``balance`` against the backbone, or choose the split that evens out a cost.
 
@@ -80,10 +81,11 @@ def resolve_balance(
             whose costliest stage is cheapest by that measure (see :func:`balance_by`);
             ``None`` means ``"params"``.
         layers: the backbone.
-        num_stages: K, the number of stages (devices of one pipeline).
+        num_stages: the number of stages: K, the devices of one pipeline, times ``virtual_stages``.
         costs: the profiled :class:`LayerCost` of each layer; needed for
             ``"time"``, ``"memory"`` and ``memory_limit``. Without it ``"params"`` counts parameters.
         memory_limit: bytes one stage may hold (see :func:`balance_by`), or ``None``.
+        virtual_stages: the model chunks per device (default 1), for the error messages.
 
     Raises:
         ValueError: if the lengths or the sum do not match, a stage is empty, there are fewer layers than
@@ -92,9 +94,11 @@ def resolve_balance(
     count = len(layers)
     if balance is None or isinstance(balance, str):
         if count < num_stages:
+            stages = "stages (devices)" if virtual_stages == 1 else f"virtual stages (virtual_stages={virtual_stages})"
+            fewer = "devices" if virtual_stages == 1 else "devices or virtual stages"
             raise ValueError(
-                f"The backbone has {count} layers, fewer than the {num_stages} stages (devices); use fewer devices"
-                " or split the backbone into more layers."
+                f"The backbone has {count} layers, fewer than the {num_stages} {stages}; use fewer {fewer} or split"
+                " the backbone into more layers."
             )
         mode = balance or "params"
         if costs is None and mode == "params" and memory_limit is None:

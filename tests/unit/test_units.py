@@ -95,6 +95,8 @@ def test_default_balance_evens_out_parameters_and_needs_enough_layers():
     assert resolve_balance(None, backbone, 2) == [2, 3]
     with pytest.raises(ValueError, match="fewer than the 6 stages"):
         resolve_balance(None, backbone, 6)
+    with pytest.raises(ValueError, match=r"fewer than the 6 virtual stages \(virtual_stages=3\); use fewer devices or"):
+        resolve_balance(None, backbone, 6, virtual_stages=3)
 
 
 @pytest.mark.parametrize(
