@@ -52,12 +52,12 @@ class GPipeStrategy(MeshStrategy):
 
     One OS process per stage, launched like DDP, in a (data-parallel x pipeline) mesh (see
     :class:`~lightning_gpipe.mesh.MeshStrategy`): each stage's replicas average their gradients once per optimizer
-    step with DDP (see docs/scaling.md). The backbone is the only part that is split: code
-    before the backbone call must hold no parameters, and modules after it (heads, losses, metrics) run on the
-    last stage. Skip connections between backbone layers (:mod:`lightning_gpipe.skip`) go straight from the
-    stashing stage to the popping one; a parameter used on several stages (tied weights) is kept in step on
-    each of them (:mod:`lightning_gpipe.ties`). Every stage reads the same batch, checked before each step
-    (:mod:`lightning_gpipe.agreement`). See docs/contract.md.
+    step with DDP (see docs/scaling.md). The backbone is the only part that is split: code before the backbone call
+    must hold no parameters, and modules after it (heads, losses, metrics) run on the last stage. Skip connections
+    between backbone layers (:mod:`lightning_gpipe.skip`) go straight from the stashing stage to the popping one; a
+    parameter used on several stages (tied weights) is kept in step on each of them (:mod:`lightning_gpipe.ties`).
+    Every stage reads the same batch, checked before each step (:mod:`lightning_gpipe.agreement`). See
+    docs/contract.md.
 
     Args:
         balance: layers per stage, or ``"params"`` (default), ``"time"`` or ``"memory"`` for the best split.

@@ -7,7 +7,7 @@ process groups are torch's. Every other module asks this one for ranks and group
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -135,19 +135,10 @@ def resolve_topology(
     world = devices_per_node * num_nodes
     pp = checked_size(pipeline_parallel_size, "pipeline_parallel_size")
     dp = checked_size(data_parallel_size, "data_parallel_size")
-    listed = balance is not None and not isinstance(balance, str) and isinstance(balance, Sequence)
-    if listed and len(balance) % virtual_stages:
-        raise ValueError(
-            f"GPipeStrategy(balance={list(balance)}, virtual_stages={virtual_stages}): give one layer count per"
-            f" virtual stage, K * virtual_stages entries for K stages; {len(balance)} is not a multiple of"
-            f" {virtual_stages}."
-        )
+    stages_listed = _stages_listed(balance, virtual_stages)
+    listed = stages_listed is not None
     if pp == "auto":
-        pp = (
-            len(balance) // virtual_stages
-            if listed
-            else (world // dp if dp != "auto" and world % dp == 0 else devices_per_node)
-        )
+        pp = stages_listed if listed else (world // dp if dp != "auto" and world % dp == 0 else devices_per_node)
     if listed and pipeline_parallel_size == "auto" and world % pp:
         raise ValueError(
             f"GPipeStrategy(balance={list(balance)}) gives pipelines of {pp} stages, which cannot fill the job's"
@@ -171,6 +162,23 @@ def resolve_topology(
             f" balance entry per {per}, or set pipeline_parallel_size to the length of balance."
         )
     return Topology(world_size=world, num_stages=pp, virtual_stages=virtual_stages)
+
+
+def _stages_listed(balance: Any, virtual_stages: int) -> Optional[int]:
+    """The stages (processes) a list ``balance`` gives with ``virtual_stages`` chunks each; ``None`` for a mode.
+
+    Raises:
+        ValueError: if the list's length is not a multiple of ``virtual_stages``.
+    """
+    if balance is None or isinstance(balance, str) or not isinstance(balance, Sequence):
+        return None
+    if len(balance) % virtual_stages:
+        raise ValueError(
+            f"GPipeStrategy(balance={list(balance)}, virtual_stages={virtual_stages}): give one layer count per"
+            f" virtual stage, K * virtual_stages entries for K stages; {len(balance)} is not a multiple of"
+            f" {virtual_stages}."
+        )
+    return len(balance) // virtual_stages
 
 
 def checked_size(size: Any, name: str) -> Size:
