@@ -85,13 +85,11 @@ class GPipeStrategy(MeshStrategy):
         checkpoint_io: writes and reads full checkpoint files; Lightning's ``TorchCheckpointIO`` by default.
         precision_plugin: as for Lightning's other strategies; the Trainer fills it in from ``precision=``.
 
-    Each option is documented in full in :class:`~lightning_gpipe.config.PipelineConfig`; they are kept in
-    :attr:`config`.
+    Each option is documented in full in :class:`~lightning_gpipe.config.PipelineConfig` and kept in :attr:`config`.
 
     Raises:
-        ValueError: for a bad option (see :class:`~lightning_gpipe.config.PipelineConfig`). Whether the mesh and
-            ``balance`` fit the number of devices is checked before the processes start, and whether ``balance``
-            fits the backbone when training starts, before the first step.
+        ValueError: for a bad option (see :class:`~lightning_gpipe.config.PipelineConfig`); whether the mesh and
+            ``balance`` fit the devices, before any process starts; if ``balance`` fits the backbone, before step 1.
     """
 
     strategy_name = "gpipe"
