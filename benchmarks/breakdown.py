@@ -17,6 +17,7 @@ Usage::
     python benchmarks/breakdown.py                               # K=2, M=8, batch 1024, checkpoint="never"
     python benchmarks/breakdown.py --checkpoint except_last --repeats 5
     python benchmarks/breakdown.py --schedule zb-h1                # zero-bubble ZB-H1 (its B/W split is its default)
+    python benchmarks/breakdown.py --schedule 1f1b --virtual-stages 2  # interleaved 1F1B
 """
 
 import argparse
@@ -55,9 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--defer-weight-grad", action="store_true", help="GPipeStrategy(defer_weight_grad=True): the B/W split"
     )
     parser.add_argument("--schedule", choices=("gpipe", "1f1b", "zb-h1"), default="gpipe", help="default gpipe")
+    parser.add_argument(
+        "--virtual-stages", type=int, default=1, help="GPipeStrategy(virtual_stages=...), model chunks per stage"
+    )
     harness.add_timing_args(parser)
     args = parser.parse_args(argv)
-    harness.check_positive(parser, args, ("devices", "chunks", "batch_size", "width", "repeats"))
+    harness.check_positive(parser, args, ("devices", "chunks", "batch_size", "width", "repeats", "virtual_stages"))
     return args
 
 
@@ -68,6 +72,7 @@ def configs(args: argparse.Namespace) -> list[harness.Config]:
     common += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     pipeline = ["--strategy", "gpipe", "--devices", str(args.devices), "--chunks", str(args.chunks)]
     pipeline += ["--checkpoint", args.checkpoint, "--schedule", args.schedule, "--breakdown"]
+    pipeline += ["--virtual-stages", str(args.virtual_stages)]
     pipeline += ["--defer-weight-grad"] if args.defer_weight_grad else []
     one = ["--strategy", "gpipe", "--devices", "1", "--chunks", "1", "--checkpoint", "except_last"]
     return [
@@ -77,7 +82,8 @@ def configs(args: argparse.Namespace) -> list[harness.Config]:
             "gpipe",
             [*common, *pipeline],
             describe=f"GPipeStrategy(chunks={args.chunks}, checkpoint={args.checkpoint!r},"
-            f" schedule={args.schedule!r}, defer_weight_grad={args.defer_weight_grad or None}), devices={args.devices}",
+            f" schedule={args.schedule!r}, defer_weight_grad={args.defer_weight_grad or None},"
+            f" virtual_stages={args.virtual_stages}), devices={args.devices}",
         ),
     ]
 
@@ -136,24 +142,30 @@ def main(argv: list[str] | None = None) -> None:
 
 def simulated_ms(args: argparse.Namespace, parts: dict[tuple[int, str], float], stages: list[int]) -> float:
     """The step :func:`~lightning_gpipe.simulator.simulate` predicts, in ms, from each stage's measured compute
-    parts (``parts[(stage, part)]``, ms per step): the relay is a sync point before the optimizer step."""
-    recomputed = round(recomputed_share(args.checkpoint, args.chunks) * args.chunks)  # micro-batches per step
+    parts (``parts[(stage, part)]``, ms per step): the relay is a sync point before the optimizer step. With
+    virtual stages, each of a stage's chunks takes an equal share of its parts (the balanced MLP's are equal)."""
+    v = args.virtual_stages
+    recomputed = round(recomputed_share(args.checkpoint, args.chunks) * args.chunks) * v  # chunk recomputes
 
     def part(k: int, kind: str) -> float:
         return parts.get((k, kind), 0.0) / 1e3
 
+    runs = args.chunks * v  # each micro-batch runs once on each chunk
     costs = [
         StageCost(
-            part(k, "forward") / args.chunks,
-            (part(k, "backward") + part(k, "weight")) / args.chunks,
+            part(k, "forward") / runs,
+            (part(k, "backward") + part(k, "weight")) / runs,
             part(k, "recompute") / recomputed if recomputed else None,
-            weight=part(k, "weight") / args.chunks,
+            weight=part(k, "weight") / runs,
         )
+        for _ in range(v)
         for k in stages
     ]
     optimizer = [part(k, "relay") + part(k, "optimizer") for k in stages]
     loss = part(stages[-1], "loss")
-    prediction = simulate(costs, args.chunks, args.checkpoint, loss=loss, optimizer=optimizer, schedule=args.schedule)
+    prediction = simulate(
+        costs, args.chunks, args.checkpoint, loss=loss, optimizer=optimizer, schedule=args.schedule, virtual_stages=v
+    )
     return 1e3 * prediction.step_time
 
 
