@@ -17,7 +17,7 @@ from lightning_gpipe.balance import MODES
 from lightning_gpipe.planning.costs import CostModel
 from lightning_gpipe.planning.search import Constraints
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES
-from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, INTERLEAVED, SCHEDULES
+from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, SCHEDULES
 from lightning_gpipe.topology import Size, checked_size
 
 CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -80,11 +80,11 @@ class PipelineConfig:
             2.2): the backbone is split into ``K * v`` virtual stages and stage k holds virtual stages k, k + K,
             ..., so a micro-batch visits every stage v times and the bubble falls from ``(K - 1) / (M + K - 1)``
             towards ``(K - 1) / (v M + K - 1)``, at the price of v times as many transfers. ``"gpipe"`` runs the
-            looped fill-drain, ``"1f1b"`` Megatron-LM's interleaved 1F1B
-            (:data:`~lightning_gpipe.schedule.INTERLEAVED`); a list ``balance`` gives ``K * v`` entries. Parameter
-            names, and so checkpoints, are those of the unsplit module: a run resumes with another v or K. 1
-            (default): one chunk per stage. Tested on gloo (CPU) only; refused on CUDA, where NCCL matches the
-            point-to-point messages of two ranks by order, not by tag.
+            looped fill-drain, ``"1f1b"`` Megatron-LM's interleaved 1F1B, ``"zb-h1"`` the interleaved 1F1B order
+            with ZB-H1's W delay (see :mod:`lightning_gpipe.schedule`); a list ``balance`` gives ``K * v``
+            entries. Parameter names, and so checkpoints, are those of the unsplit module: a run resumes with
+            another v or K. 1 (default): one chunk per stage. Tested on gloo (CPU) only; refused on CUDA, where
+            NCCL matches the point-to-point messages of two ranks by order, not by tag.
         deferred_batch_norm: ``True`` makes the backbone's ``nn.BatchNorm1d/2d/3d`` layers normalise with
             micro-batch statistics but update their running statistics once per mini-batch, equal to
             single-device batch norm's (see :class:`~lightning_gpipe.batchnorm.DeferredBatchNorm`); the
@@ -139,7 +139,7 @@ class PipelineConfig:
             size that is neither a positive integer nor ``"auto"``; a ``plan`` other than ``"auto"`` or ``None``, a
             ``memory_limit`` that is not a positive integer, ``memory_limit`` or ``cost_model`` without
             ``plan="auto"``, or ``plan="auto"`` with ``balance_memory_limit``; ``virtual_stages`` that is not a
-            positive integer, or above 1 with a schedule that runs one chunk per stage or with ``plan="auto"``.
+            positive integer, or above 1 with ``plan="auto"``.
     """
 
     balance: Balance = None
@@ -208,12 +208,6 @@ class PipelineConfig:
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(
                 f"GPipeStrategy(virtual_stages={v!r}): give the model chunks per stage, an integer >= 1 (1: none)."
-            )
-        if v > 1 and not INTERLEAVED[self.schedule]:
-            runs = ", ".join(repr(name) for name, interleaved in INTERLEAVED.items() if interleaved)
-            raise ValueError(
-                f"GPipeStrategy(schedule={self.schedule!r}, virtual_stages={v}): {self.schedule!r} runs one chunk per"
-                f" stage; choose schedule {runs}, or virtual_stages=1."
             )
         if v > 1 and self.plan is not None:
             raise ValueError(

@@ -240,21 +240,21 @@ def zero_bubble_h1(
     measured costs (its automatic scheduler, section 3.2). The first stage sends no input gradient, so its
     backwards stay whole (its W follows its B, as ZB-H1 places it).
 
+    With ``virtual_stages`` v > 1: interleaved 1F1B's order (:func:`one_f_one_b`) with the same fixed delay, each
+    W ``k`` backwards after its B (of any chunk). This is our extension, not the paper's: torch's
+    ``ScheduleInterleavedZeroBubble`` places W by a greedy search instead.
+
     Raises:
-        ValueError: without ``defer_weight_grad``: the schedule places W apart from B, so it needs the split; with
-            ``virtual_stages > 1``: ZB-H1 is defined for one chunk per stage.
+        ValueError: without ``defer_weight_grad``: the schedule places W apart from B, so it needs the split.
     """
     if not defer_weight_grad:
         raise ValueError(
             "schedule 'zb-h1' runs each weight gradient apart from its input gradient: it needs the B/W"
             " split (defer_weight_grad=True)."
         )
-    if virtual_stages != 1:
-        raise ValueError(
-            f"schedule 'zb-h1' runs one chunk per stage, not virtual_stages={virtual_stages}; for virtual stages"
-            f" choose one of {', '.join(s for s, v in INTERLEAVED.items() if v)}."
-        )
-    return _one_forward_one_backward(stage_index, num_stages, count, checkpoint, True, delay=stage_index)
+    return _one_forward_one_backward(
+        stage_index, num_stages, count, checkpoint, True, delay=stage_index, virtual_stages=virtual_stages
+    )
 
 
 def _one_forward_one_backward(
@@ -331,9 +331,6 @@ SCHEDULES: dict[str, ScheduleFunction] = {"gpipe": gpipe, "1f1b": one_f_one_b, "
 DEFERRED_BY_DEFAULT: dict[str, bool] = {"gpipe": False, "1f1b": False, "zb-h1": True}
 """Whether each schedule splits its backwards into B and W when ``GPipeStrategy(defer_weight_grad=None)``."""
 
-INTERLEAVED: dict[str, bool] = {"gpipe": True, "1f1b": True, "zb-h1": False}
-"""Whether each schedule runs several model chunks per stage (``GPipeStrategy(virtual_stages=v)``, v > 1)."""
-
 
 def plans(
     schedule: str,
@@ -345,11 +342,10 @@ def plans(
 ) -> list[Plan]:
     """Every stage's plan of one step of ``schedule`` (a name of :data:`SCHEDULES`); ``defer_weight_grad=None``
     (default): the schedule's default, :data:`DEFERRED_BY_DEFAULT`; ``virtual_stages``: model chunks per stage
-    (default 1; more only for the schedules of :data:`INTERLEAVED`).
+    (default 1).
 
     Raises:
-        ValueError: for an unknown schedule, ``"zb-h1"`` with ``defer_weight_grad=False``, or virtual stages the
-            schedule does not run.
+        ValueError: for an unknown schedule, or ``"zb-h1"`` with ``defer_weight_grad=False``.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"Unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")

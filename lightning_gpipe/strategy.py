@@ -70,7 +70,7 @@ class GPipeStrategy(MeshStrategy):
         start_method: ``"popen"`` (default) or ``"spawn"``.
         state_dict_type: checkpoints as one ``"full"`` file (default) or a ``"sharded"`` directory.
         schedule: ``"gpipe"`` (fill-drain; ``None``, default), ``"1f1b"`` or ``"zb-h1"`` (zero-bubble).
-        virtual_stages: model chunks per stage, interleaved (default 1; ``"gpipe"`` and ``"1f1b"``).
+        virtual_stages: model chunks per stage, interleaved (default 1).
         pipeline_parallel_size: K, the stages of each pipeline (default ``"auto"``).
         data_parallel_size: D, the pipeline replicas (default ``"auto"``).
         timeout: the process group's timeout (30 minutes by default).

@@ -38,8 +38,9 @@ def test_pipeline_equals_single_device(stages, reference_state, reference_1f1b_s
         state_1f1b = torch.load(out / f"{schedule}_{mode}.pt")
         for key, expected in reference_1f1b_state.items():
             torch.testing.assert_close(state_1f1b[key], expected, rtol=0, atol=1e-5, msg=f"{key}, {schedule}, {mode}")
-    # virtual_stages=2: the looped fill-drain on fit()'s data, interleaved 1F1B on the 1F1B runs' batches
-    for schedule, mode in [("gpipe", "always"), ("gpipe", "never"), ("1f1b", "except_last"), ("1f1b", "never")]:
+    # virtual_stages=2: the looped fill-drain on fit()'s data, interleaved 1F1B and ZB-H1 on the 1F1B runs' batches
+    interleaved = [("gpipe", "always"), ("gpipe", "never"), ("1f1b", "except_last"), ("1f1b", "never")]
+    for schedule, mode in interleaved + [("zb-h1", "always")]:
         interleaved = torch.load(out / f"v2_{schedule}_{mode}.pt")
         for key, expected in (reference_state if schedule == "gpipe" else reference_1f1b_state).items():
             message = f"{key}, v=2 {schedule}, {mode}"

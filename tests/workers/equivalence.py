@@ -8,7 +8,7 @@ OUT_DIR/threads_rank{r}.txt (torch threads of each stage process) and OUT_DIR/pr
 (``schedule="1f1b"`` on batches of 25, 25 and 2 rows, 4 micro-batches: M >= K, uneven (7, 6, 6, 6), then
 M = 2 < K for K > 2), OUT_DIR/zb-h1_{always,never}.pt (``schedule="zb-h1"`` on the same batches), and
 OUT_DIR/v2_{schedule}_{checkpoint}.pt (``virtual_stages=2``: the looped fill-drain as the M{chunks} runs, 3
-micro-batches; interleaved 1F1B as the 1f1b runs), with and without re-materialization.
+micro-batches; interleaved 1F1B and ZB-H1 as the 1f1b runs), with and without re-materialization.
 """
 
 import argparse
@@ -48,7 +48,8 @@ for schedule, checkpoint in one_f_one_b + [("zb-h1", "always"), ("zb-h1", "never
     state = fit_batches(strategy, args.devices, batch_size=25).lightning_module.state_dict()
     if rank == 0:
         torch.save(state, os.path.join(args.out, f"{schedule}_{checkpoint}.pt"))
-for schedule, checkpoint in [("gpipe", "always"), ("gpipe", "never"), ("1f1b", "except_last"), ("1f1b", "never")]:
+interleaved = [("gpipe", "always"), ("gpipe", "never"), ("1f1b", "except_last"), ("1f1b", "never"), ("zb-h1", "always")]
+for schedule, checkpoint in interleaved:
     options = dict(checkpoint=checkpoint, schedule=schedule, virtual_stages=2, defer_weight_grad=checkpoint == "never")
     if schedule == "gpipe":
         state = fit(strategy=lightning_gpipe.GPipeStrategy(chunks=3, **options), devices=args.devices).state_dict()
