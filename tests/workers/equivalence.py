@@ -50,7 +50,8 @@ for schedule, checkpoint in one_f_one_b + [("zb-h1", "always"), ("zb-h1", "never
         torch.save(state, os.path.join(args.out, f"{schedule}_{checkpoint}.pt"))
 interleaved = [("gpipe", "always"), ("gpipe", "never"), ("1f1b", "except_last"), ("1f1b", "never"), ("zb-h1", "always")]
 for schedule, checkpoint in interleaved:
-    options = dict(checkpoint=checkpoint, schedule=schedule, virtual_stages=2, defer_weight_grad=checkpoint == "never")
+    defer = True if checkpoint == "never" else None  # the B/W split; None: the schedule's default (on for zb-h1)
+    options = dict(checkpoint=checkpoint, schedule=schedule, virtual_stages=2, defer_weight_grad=defer)
     if schedule == "gpipe":
         state = fit(strategy=lightning_gpipe.GPipeStrategy(chunks=3, **options), devices=args.devices).state_dict()
     else:
