@@ -143,7 +143,7 @@ class Runtime:
             while number < end:
                 action = plan.actions[number]
                 if position is not None:
-                    position.act(number + 1, total, action.kind.value, action.micro_batch)
+                    position.act(number + 1, total, action.kind.value, action.micro_batch, action.chunk)
                 if action.kind is Kind.WEIGHT:  # W back to back run at once (one product per linear layer)
                     together = _weights_from(plan.actions, number, end)
                     self.stages[action.chunk].backward_weights(together)

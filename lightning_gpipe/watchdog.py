@@ -62,8 +62,9 @@ class Position:
         step: the step, e.g. ``"step 17"`` (``"setup"`` before the first).
         phase: what the stage does: a span's kind (``"forward"``) or a phrase (``"writing a checkpoint"``).
         micro_batch: the micro-batch of ``phase``, or ``None``.
-        action: the action of the stage's plan being executed, as ``(number, of, kind, micro_batch)`` (``number``
-            1-based, ``of`` the plan's length), or ``None`` outside the runtime's plan.
+        action: the action of the stage's plan being executed, as ``(number, of, kind, micro_batch, chunk)``
+            (``number`` 1-based, ``of`` the plan's length, ``chunk`` the model chunk), or ``None`` outside the
+            runtime's plan.
         since: when the position last changed (``time.time()``).
         waits_for: whom the stage waits for (``"stage 0"``), or ``None``.
         unbounded: whether ``phase`` may last long without counting as a stall.
@@ -73,7 +74,7 @@ class Position:
     def __init__(self) -> None:
         self.step, self.phase = "setup", "setup"
         self.micro_batch: Optional[int] = None
-        self.action: Optional[tuple[int, int, str, Optional[int]]] = None
+        self.action: Optional[tuple[int, int, str, Optional[int], int]] = None
         self.since = time.time()
         self.waits_for: Optional[str] = None
         self.unbounded = False
@@ -93,11 +94,11 @@ class Position:
         """Record that this stage is now in ``phase`` (a phrase: ``"`training_step` after the backbone call"``)."""
         self.move(phase)
 
-    def act(self, number: int, of: int, kind: str, micro_batch: Optional[int]) -> None:
+    def act(self, number: int, of: int, kind: str, micro_batch: Optional[int], chunk: int = 0) -> None:
         """Record that this stage executes action ``number`` (1-based) of its plan of ``of`` actions, ``kind`` of
-        ``micro_batch`` (see :class:`lightning_gpipe.schedule.Action`); the phase becomes that action's until a
-        span inside it moves on."""
-        self.action = (number, of, kind, micro_batch)
+        ``micro_batch`` on model chunk ``chunk`` (see :class:`lightning_gpipe.schedule.Action`); the phase becomes
+        that action's until a span inside it moves on."""
+        self.action = (number, of, kind, micro_batch, chunk)
         self.move(kind, micro_batch)
 
     def leave_plan(self) -> None:
@@ -135,7 +136,7 @@ class Position:
             "since": self.since,
             "waits_for": self.waits_for,
             "unbounded": self.unbounded,
-            "action": None if self.action is None else dict(zip(("number", "of", "kind", "micro_batch"), self.action)),
+            "action": None if self.action is None else dict(zip(_ACTION, self.action)),
         }
 
 
@@ -168,18 +169,24 @@ def describe(phase: str, micro_batch: Optional[int]) -> str:
     return phase if micro_batch is None else f"{phase} of micro-batch {micro_batch}"
 
 
+_ACTION = ("number", "of", "kind", "micro_batch", "chunk")
+"""The fields of :attr:`Position.action`, as published."""
+
+
 def phrase(position: dict[str, Any]) -> str:
     """Where a published position (:meth:`Position.record`) is, for messages: ``"the forward of micro-batch 3 at
     step 17"``, or inside the runtime's plan ``"action 5 of 24 of its plan, the forward of micro-batch 3, at step
     17"`` (the phase follows in parentheses when it is not the action's own: ``"action 7 of 24 of its plan, the
-    backward of micro-batch 2 (receiving the gradients of micro-batch 2), at step 17"``)."""
+    backward of micro-batch 2 (receiving the gradients of micro-batch 2), at step 17"``; with virtual stages the
+    model chunk follows the action: ``"the forward of micro-batch 3 on model chunk 1"``)."""
     where = describe(position["phase"], position["micro_batch"])
     action = position.get("action")
     if action is None:
         return f"{where} at {position['step']}"
     planned = describe(action["kind"], action["micro_batch"])
     inside = "" if planned == where else f" ({where})"
-    return f"action {action['number']} of {action['of']} of its plan, {planned}{inside}, at {position['step']}"
+    chunk = f" on model chunk {action['chunk']}" if action.get("chunk") else ""
+    return f"action {action['number']} of {action['of']} of its plan, {planned}{chunk}{inside}, at {position['step']}"
 
 
 class Watchdog:

@@ -176,6 +176,11 @@ def test_a_stuck_stages_message_names_the_action_of_its_plan(job):
     message, _ = job.watchdog.diagnose("stage 1", 400.0)
     inside = "action 7 of 9 of its plan, the backward of micro-batch 2 (receiving the gradients of micro-batch 2)"
     assert message.startswith(f"stage 1 has been in {inside}, at step 17 for 300 s")
+    # with virtual stages, the model chunk follows the action
+    record["action"] = dict(number=7, of=9, kind="backward", micro_batch=2, chunk=1)
+    job.board.store.set(job.board.key("where/1"), json.dumps(record))
+    message, _ = job.watchdog.diagnose("stage 1", 400.0)
+    assert "the backward of micro-batch 2 on model chunk 1 (receiving the gradients of micro-batch 2)" in message
 
 
 def test_two_jobs_in_one_process_do_not_see_each_others_position_or_failure():
