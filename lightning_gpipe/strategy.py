@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from lightning_gpipe import state_dict
 from lightning_gpipe.balance import LayerCost
+from lightning_gpipe.compilation import CompileOption
 from lightning_gpipe.config import Balance, PipelineConfig
 from lightning_gpipe.contract import check_automatic_optimization
 from lightning_gpipe.mesh import MeshStrategy
@@ -78,6 +79,8 @@ class GPipeStrategy(MeshStrategy):
         plan: ``"auto"`` chooses the options not given under ``memory_limit`` (docs/planning.md); default ``None``.
         memory_limit: bytes one device may hold under ``plan="auto"`` (default: CUDA's free memory; on the CPU give it).
         cost_model: the planner's constants for this machine (default: the package's).
+        compile: each stage's backbone layers compiled with ``torch.compile`` (``True``, or its keyword arguments as
+            a dict); default ``False``.
         accelerator: as for Lightning's other parallel strategies; the Trainer fills it in.
         parallel_devices: the devices of this node, one per stage process; the Trainer fills them in.
         cluster_environment: how ranks are found; the Trainer fills it in.
@@ -115,6 +118,7 @@ class GPipeStrategy(MeshStrategy):
         plan: Optional[Literal["auto"]] = None,
         memory_limit: Optional[int] = None,
         cost_model: Optional[CostModel] = None,
+        compile: CompileOption = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
