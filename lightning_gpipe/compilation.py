@@ -26,7 +26,9 @@ again from the kept output gradient for the parameters'. AOTAutograd compiles on
 all of its gradients, so B cannot leave the weight gradient out and W cannot leave the input gradient out: each
 compiled layer's backward runs twice on stages that split (the results are unchanged). ZB-H1 under compile
 therefore trades one extra backward per layer for its smaller bubble; docs/how-it-works.md, "torch.compile", has
-the numbers.
+the numbers. B keeps the graph for W (``retain_graph=True``), which a backward compiled with AOTAutograd's donated
+buffers refuses (the error of pytorch/pytorch#161904's kind): a stage that splits turns them off (see
+:func:`compile_layer`).
 
 Randomness: inductor draws random numbers (dropout) with its own generator, seeded from torch's, so a compiled
 run's masks differ from an uncompiled run's (each is reproducible, and a recompute replays its forward's masks).
@@ -76,23 +78,34 @@ def compile_options(value: Any) -> Optional[dict[str, Any]]:
     return dict(value)
 
 
-def compile_layers(partition: nn.Module, options: Optional[Mapping[str, Any]]) -> None:
+def compile_layers(partition: nn.Module, options: Optional[Mapping[str, Any]], split_backward: bool = False) -> None:
     """Compile each direct child of ``partition`` (a stage's backbone layers) in place; nothing if ``options`` is
     ``None``. See the module docstring.
 
     Args:
         partition: the stage's layers (a :class:`~lightning_gpipe.partition.Partition`).
         options: keyword arguments of :func:`torch.compile` (from :func:`compile_options`).
+        split_backward: whether the stage splits its backwards into B and W (``retain_graph=True``): the layers are
+            then compiled without donated buffers (see :func:`compile_layer`).
     """
     if options is None:
         return
     options = {"isolate_recompiles": True, **options}
     for layer in partition.children():
-        compile_layer(layer, options)
+        compile_layer(layer, options, split_backward)
 
 
-def compile_layer(layer: nn.Module, options: Mapping[str, Any]) -> None:
-    """Replace ``layer``'s ``forward`` by its ``torch.compile(**options)`` on the instance (again if compiled)."""
+def compile_layer(layer: nn.Module, options: Mapping[str, Any], split_backward: bool = False) -> None:
+    """Replace ``layer``'s ``forward`` by its ``torch.compile(**options)`` on the instance (again if compiled).
+
+    With ``split_backward``, AOTAutograd's donated buffers are turned off in this process
+    (``torch._functorch.config.donated_buffer = False``, for every compiled function from then on, and left so): a
+    backward compiled with them frees its saved intermediates as it runs, and refuses to run with
+    ``retain_graph=True``, which B needs (W runs the same node again). AOTAutograd leaves them out on its own when
+    the first backward it compiles keeps the graph, but not for a backward compiled earlier without, nor one loaded
+    from its on-disk cache; and it checks the setting when the backward runs, so it cannot be patched around the
+    compile alone.
+    """
     uncompile_layer(layer)
     before = layer.__dict__.get("forward")
     original = layer.forward
@@ -100,6 +113,8 @@ def compile_layer(layer: nn.Module, options: Mapping[str, Any]) -> None:
     def compiled_forward(*args: Any, **kwargs: Any) -> Any:
         return original(*args, **kwargs)
 
+    if split_backward:
+        torch._functorch.config.donated_buffer = False  # read when compiling, and again when a backward runs
     compiled = torch.compile(compiled_forward, **options)
     setattr(compiled, _BEFORE, (before,))
     layer.forward = compiled

@@ -257,7 +257,7 @@ def split_into_stage(
         convert_deferred_batch_norm(layers)  # the whole backbone, so that `Split.undo` puts it back
     ties = find_ties(module, name, balance)  # before the split, while every name leads to one object
     split = Split(module, name, balance, stage_index)
-    compile_layers(split.partition, compile_options(config.compile))
+    compile_layers(split.partition, compile_options(config.compile), config.splits_backward)
     link, skip_links = _links(topology, rank, skips, device, job)
     chunks = config.chunks_for(num_stages)
     stage = Stage(

@@ -71,6 +71,47 @@ def test_torch_layers_are_compiled_too_and_the_weight_gradient_split_gives_the_s
         torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("split_backward", [False, True])
+def test_a_stage_that_splits_its_backwards_compiles_without_donated_buffers(split_backward):
+    """A backward AOTAutograd compiled with donated buffers (here: the first one ran without keeping the graph)
+    refuses B's ``retain_graph=True`` (pytorch/pytorch#161904's kind of failure); a splitting stage turns them off."""
+    with torch._functorch.config.patch(donated_buffer=True):  # compile_layer changes it for the process
+        torch.manual_seed(0)
+        layers = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 8)))
+        compile_layers(layers, compile_options(STATIC), split_backward=split_backward)
+        x = torch.randn(4, 8, requires_grad=True)
+        layers(x).sum().backward()  # compiles the backward, with donated buffers unless turned off
+        y = layers(x)
+        if not split_backward:
+            with pytest.raises(RuntimeError, match="donated buffers"):
+                backward_input([y], [torch.ones_like(y)], [x])
+            return
+        backward_input([y], [torch.ones_like(y)], [x])()
+
+
+def _dropout_run(checkpoint: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    module = nn.Module()
+    module.backbone = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Tanh()) for _ in range(2)))
+    runtime = one_stage_pipeline(module, chunks=3, checkpoint=checkpoint)
+    compile_layers(runtime.stage.partition, compile_options(STATIC))
+    x = torch.randn(12, 8)
+    torch.manual_seed(5)
+    out = module.backbone(x)
+    out.pow(2).sum().backward()
+    runtime.backward()
+    return out.detach(), [p.grad for p in module.parameters()]
+
+
+def test_a_compiled_recompute_replays_the_fills_dropout_masks():
+    """Inductor draws its own masks, seeded from torch's generator, which the stage restores for the recompute."""
+    expected_out, expected = _dropout_run("never")
+    out, grads = _dropout_run("always")
+    assert torch.equal(out, expected_out)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("value", ["yes", 1, None, {"bogus": 1}, ["dynamic"]])
 def test_a_bad_compile_value_fails_before_any_step(value):
     with pytest.raises(ValueError, match="compile="):
