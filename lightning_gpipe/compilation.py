@@ -27,7 +27,7 @@ all of its gradients, so B cannot leave the weight gradient out and W cannot lea
 compiled layer's backward runs twice on stages that split (the results are unchanged). ZB-H1 under compile
 therefore trades one extra backward per layer for its smaller bubble; docs/how-it-works.md, "torch.compile", has
 the numbers. B keeps the graph for W (``retain_graph=True``), which a backward compiled with AOTAutograd's donated
-buffers refuses (the error of pytorch/pytorch#161904's kind): a stage that splits turns them off (see
+buffers refuses with a RuntimeError: a stage that splits turns them off (see
 :func:`compile_layer`).
 
 Randomness: inductor draws random numbers (dropout) with its own generator, seeded from torch's, so a compiled

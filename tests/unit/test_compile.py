@@ -74,7 +74,7 @@ def test_torch_layers_are_compiled_too_and_the_weight_gradient_split_gives_the_s
 @pytest.mark.parametrize("split_backward", [False, True])
 def test_a_stage_that_splits_its_backwards_compiles_without_donated_buffers(split_backward):
     """A backward AOTAutograd compiled with donated buffers (here: the first one ran without keeping the graph)
-    refuses B's ``retain_graph=True`` (pytorch/pytorch#161904's kind of failure); a splitting stage turns them off."""
+    refuses B's ``retain_graph=True``; a splitting stage turns them off."""
     with torch._functorch.config.patch(donated_buffer=True):  # compile_layer changes it for the process
         torch.manual_seed(0)
         layers = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 8)))
