@@ -14,6 +14,7 @@ from typing import Optional, Union
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_gpipe.balance import MODES
+from lightning_gpipe.compilation import CompileOption, compile_options
 from lightning_gpipe.planning.costs import CostModel
 from lightning_gpipe.planning.search import Constraints
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES
@@ -131,6 +132,13 @@ class PipelineConfig:
             device; on the CPU it must be given.
         cost_model: the planner's constants for this machine
             (:class:`~lightning_gpipe.planning.CostModel`); ``None`` (default): the ones measured for the package.
+        compile: ``True`` compiles each backbone layer of every stage with :func:`torch.compile` (its defaults), in
+            place: the forward, the re-materialization's recompute and the backward (one compiled backward per
+            layer) run compiled code, and parameter names stay (``backbone.7.weight``). A dict gives
+            ``torch.compile``'s keyword arguments, e.g. ``{"dynamic": False}``. ``False`` (default) compiles
+            nothing. Under the B/W split (``defer_weight_grad``, ``schedule="zb-h1"``) each compiled layer's
+            backward runs twice, once for B and once for W (same gradients; see :mod:`lightning_gpipe.compilation`
+            and docs/how-it-works.md, "torch.compile").
 
     Raises:
         ValueError: naming the option and the fix, for ``chunks < 1``, a value outside :data:`CHOICES`, a ``balance``
@@ -139,7 +147,8 @@ class PipelineConfig:
             size that is neither a positive integer nor ``"auto"``; a ``plan`` other than ``"auto"`` or ``None``, a
             ``memory_limit`` that is not a positive integer, ``memory_limit`` or ``cost_model`` without
             ``plan="auto"``, or ``plan="auto"`` with ``balance_memory_limit``; ``virtual_stages`` that is not a
-            positive integer, or above 1 with ``plan="auto"``.
+            positive integer, or above 1 with ``plan="auto"``; a ``compile`` that is neither a bool nor a dict of
+            ``torch.compile``'s keyword arguments.
     """
 
     balance: Balance = None
@@ -161,6 +170,7 @@ class PipelineConfig:
     plan: Optional[str] = None
     memory_limit: Optional[int] = None
     cost_model: Optional[CostModel] = None
+    compile: CompileOption = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_given", frozenset(k for k in DEFAULTS if getattr(self, k) is not None))
@@ -178,6 +188,7 @@ class PipelineConfig:
         self._check_virtual_stages()
         self._check_balance()
         self._check_plan()
+        compile_options(self.compile)  # raises ValueError for a bad value, before any process starts
         stall = self.stall_timeout
         if stall is not None and (not isinstance(stall, timedelta) or stall <= timedelta(0)):
             raise ValueError(

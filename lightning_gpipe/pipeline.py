@@ -20,6 +20,7 @@ from torch import Tensor
 from lightning_gpipe import state_dict
 from lightning_gpipe.balance import LayerCost, resolve_balance
 from lightning_gpipe.batchnorm import convert_deferred_batch_norm, revert_deferred_batch_norm
+from lightning_gpipe.compilation import compile_layers, compile_options, uncompile_layers
 from lightning_gpipe.config import PipelineConfig
 from lightning_gpipe.contract import BackboneCall
 from lightning_gpipe.data_parallel import GradientSync
@@ -234,6 +235,7 @@ class PipelineRun:
         """Undo the split (see :meth:`~lightning_gpipe.partition.Split.undo`; ``whole``: every stage's state, on the
         process that gets the whole model back), the relay's hooks, and put back the plain batch norm layers."""
         LogRelay.unwrap_epoch_end_hooks(module)
+        uncompile_layers(self.split.partition)
         self.split.undo(whole)
         revert_deferred_batch_norm(self.split.sequential)
 
@@ -285,6 +287,7 @@ def split_into_stage(
         convert_deferred_batch_norm(layers)  # the whole backbone, so that `Split.undo` puts it back
     ties = find_ties(module, name, balance, num_stages)  # before the split, while every name leads to one object
     split = Split(module, name, balance, stage_index, num_stages)
+    compile_layers(split.partition, compile_options(config.compile), config.splits_backward)
     recorder, chunks = job.recorder(), config.chunks_for(num_stages)
     stages = []
     for chunk, (virtual, partition) in enumerate(zip(topology.virtual_of(stage_index), split.chunks)):

@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from lightning_gpipe import state_dict
 from lightning_gpipe.balance import LayerCost
+from lightning_gpipe.compilation import CompileOption
 from lightning_gpipe.config import Balance, PipelineConfig
 from lightning_gpipe.contract import check_automatic_optimization
 from lightning_gpipe.mesh import MeshStrategy
@@ -37,7 +38,6 @@ from lightning_gpipe.pipeline import PipelineRun, split_into_stage
 from lightning_gpipe.measure import planned_config, shared_layer_costs
 from lightning_gpipe.planning import CostModel, PlanReport
 from lightning_gpipe.relay import LogRelay
-from lightning_gpipe.stage import Stage
 from lightning_gpipe.summary import replace_model_summary
 from lightning_gpipe.topology import Size
 
@@ -79,6 +79,8 @@ class GPipeStrategy(MeshStrategy):
         plan: ``"auto"`` chooses the options not given under ``memory_limit`` (docs/planning.md); default ``None``.
         memory_limit: bytes one device may hold under ``plan="auto"`` (default: CUDA's free memory; on the CPU give it).
         cost_model: the planner's constants for this machine (default: the package's).
+        compile: each stage's backbone layers compiled with ``torch.compile`` (``True``, or its keyword arguments as
+            a dict); default ``False``.
         accelerator: as for Lightning's other parallel strategies; the Trainer fills it in.
         parallel_devices: the devices of this node, one per stage process; the Trainer fills them in.
         cluster_environment: how ranks are found; the Trainer fills it in.
@@ -115,6 +117,7 @@ class GPipeStrategy(MeshStrategy):
         plan: Optional[Literal["auto"]] = None,
         memory_limit: Optional[int] = None,
         cost_model: Optional[CostModel] = None,
+        compile: CompileOption = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -134,11 +137,6 @@ class GPipeStrategy(MeshStrategy):
     def run(self) -> Optional[PipelineRun]:
         """This process's part of the run while a model is split (``None`` before setup and after teardown)."""
         return self._run
-
-    @property
-    def stage(self) -> Optional[Stage]:
-        """This process's :class:`~lightning_gpipe.stage.Stage` while a model is split (else ``None``)."""
-        return self._run.stage if self._run is not None else None
 
     @contextmanager
     @override

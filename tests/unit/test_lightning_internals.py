@@ -56,3 +56,8 @@ def test_the_private_torch_names_the_package_uses_exist():
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     assert "no_dist" in inspect.signature(_load_state_dict).parameters
+
+
+def test_the_torch_compile_setting_the_package_changes_exists():
+    """``compilation.compile_layer`` turns AOTAutograd's donated buffers off on stages that split their backwards."""
+    assert isinstance(torch._functorch.config.donated_buffer, bool)
