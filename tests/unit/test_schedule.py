@@ -180,3 +180,11 @@ def test_virtual_stages_shrink_the_bubble_to_k_minus_1_over_vm_plus_k_minus_1(sc
         prediction = simulate(costs, 8, "never", schedule=schedule, virtual_stages=virtual)
         assert prediction.bubble == pytest.approx(1 / (virtual * 8 + 1))
         assert prediction.step_time == pytest.approx(3 * (8 + 1 / virtual))
+
+
+def test_virtual_stages_hold_fill_drains_memory_or_interleaved_1f1bs_warm_up():
+    costs = [StageCost(0.5, 1.0, input_bytes=1, activation_bytes=5)] * 4  # K = 2 stages of 2 chunks
+    looped = simulate(costs, 8, "never", schedule="gpipe", virtual_stages=2)
+    assert looped.peak_activation_bytes == [2 * 8 * 6] * 2  # every micro-batch on both chunks, each chunk apart
+    interleaved = simulate(costs, 8, "never", schedule="1f1b", virtual_stages=2)
+    assert interleaved.peak_activation_bytes == [5 * 6, 3 * 6]  # 2 (K - k - 1) + (v - 1) K warm-up forwards + 1
