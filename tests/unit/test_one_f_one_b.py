@@ -119,24 +119,34 @@ class _FakeStage:
         return len(self.held)
 
 
-def _run_fake_pipeline(stages: int, chunks: int, schedule: str = "1f1b") -> list[_FakeStage]:
-    wire = _Wire()
-    fakes = [_FakeStage(k, stages, chunks, wire, defer=schedule == "zb-h1") for k in range(stages)]
-    last = fakes[-1]
-    errors = []
+def _run_processes(processes: list[list[_FakeStage]], schedule: str) -> None:
+    """Run one step of ``schedule`` on each process's fake chunks, a thread per process; the last chunk of the
+    last process logs the user's head. Raises what a thread raised (a deadlock: its wait's assertion)."""
+    head, errors = processes[-1][-1], []
 
-    def run(fake: _FakeStage) -> None:
+    def run(chunks: list[_FakeStage]) -> None:
         try:
-            Runtime([fake], schedule, stages).step(None, lambda i, count, y: last.calls.append(("head", i)))
+            runtime = Runtime(chunks, schedule, len(processes))
+            if runtime.per_micro_batch_loss:
+                runtime.step(None, lambda i, count, y: head.calls.append(("head", i)))
+            else:
+                runtime.forward(None)
+                runtime.backward()
         except BaseException as error:  # reported below
             errors.append(error)
 
-    threads = [threading.Thread(target=run, args=(fake,)) for fake in fakes]
+    threads = [threading.Thread(target=run, args=(process,)) for process in processes]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=30)
     assert not errors, errors
+
+
+def _run_fake_pipeline(stages: int, chunks: int, schedule: str = "1f1b") -> list[_FakeStage]:
+    wire = _Wire()
+    fakes = [_FakeStage(k, stages, chunks, wire, defer=schedule == "zb-h1") for k in range(stages)]
+    _run_processes([[fake] for fake in fakes], schedule)
     return fakes
 
 
@@ -331,26 +341,7 @@ def test_a_1f1b_prediction_draws_loss_per_micro_batch():
 def test_interleaved_runtime_runs_each_chunk_in_its_plans_order_without_deadlock(schedule, stages, virtual, chunks):
     wire, count = _Wire(), stages * virtual
     processes = [[_FakeStage(c * stages + k, count, chunks, wire) for c in range(virtual)] for k in range(stages)]
-    head = processes[-1][-1]
-    errors = []
-
-    def run(chunks_of_k: list[_FakeStage]) -> None:
-        try:
-            runtime = Runtime(chunks_of_k, schedule, stages)
-            if runtime.per_micro_batch_loss:
-                runtime.step(None, lambda i, count, y: head.calls.append(("head", i)))
-            else:
-                runtime.forward(None)
-                runtime.backward()
-        except BaseException as error:  # reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(process,)) for process in processes]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    assert not errors, errors
+    _run_processes(processes, schedule)
     for k, process in enumerate(processes):
         plan = Runtime(process, schedule, stages).plan(chunks).actions
         for c, fake in enumerate(process):
