@@ -121,7 +121,8 @@ class PipelineBalance(PipelineCallback):
     ``balance`` with :func:`lightning_gpipe.solve`, on the strategy's profiled per-layer costs
     (``strategy.layer_costs``, a list of :class:`~lightning_gpipe.balance.costs.LayerCost`) when it has them,
     else on the measured stage times spread evenly over each stage's layers, and predicts the step time
-    of both splits with :func:`lightning_gpipe.simulator.simulate`.
+    of both splits with :func:`lightning_gpipe.simulator.simulate`. With ``virtual_stages > 1`` it reports the
+    stages (``balance``: the layers each stage holds over all its chunks) and suggests nothing.
 
     Activation memory is counted in the measured steps only (a hook per saved tensor, a few percent of
     those steps' time).
@@ -177,8 +178,8 @@ class PipelineBalance(PipelineCallback):
                 metrics[f"pipeline/stage{load.stage}/{name}_s"] = getattr(load, name)
             metrics[f"pipeline/stage{load.stage}/activation_bytes"] = load.activation_bytes
         log_metrics(trainer, metrics)
-        if report["imbalance"] <= self.threshold:
-            return report
+        if report["imbalance"] <= self.threshold or trainer.strategy.config.virtual_stages > 1:
+            return report  # with virtual stages a stage's layers are not contiguous: no split is suggested
         profiled = getattr(trainer.strategy, "layer_costs", None)
         costs = list(profiled) if profiled else layer_estimates(loads, chunks)
         loss = loads[-1].loss
