@@ -2,7 +2,8 @@
 
 Stage k keeps layers ``sum(balance[:k])`` to ``sum(balance[:k+1]) - 1`` under their
 original names, so ``backbone.7.weight`` stays ``backbone.7.weight`` and the union
-of the stages' state dicts is the full model's. Other stages' layers go to the
+of the stages' state dicts is the full model's (with virtual stages, stage k keeps the layers of virtual stages
+k, k + K, ..., one :class:`Partition` per chunk, all under one module). Other stages' layers go to the
 meta device (their memory is freed, their structure kept so that the split can
 be undone). Modules outside the backbone that hold parameters or buffers (heads,
 losses with weights) live on the last stage only; earlier stages hold a

@@ -34,10 +34,10 @@ class Runtime:
         schedule: a name of :data:`lightning_gpipe.schedule.SCHEDULES`.
         num_stages: K, the processes of the pipeline.
         position: the process's position (its run's :attr:`lightning_gpipe.job.Job.position`), which records the
-            action being executed (number, kind, micro-batch) for the stall watchdog; none by default.
+            action being executed (number, kind, micro-batch, chunk) for the stall watchdog; none by default.
 
     Raises:
-        ValueError: for an unknown schedule, or virtual stages it does not run.
+        ValueError: for an unknown schedule.
     """
 
     def __init__(
