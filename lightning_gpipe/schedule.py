@@ -125,7 +125,7 @@ class _Chunks:
 
     stage_index: int
     num_stages: int
-    count: int
+    virtual_stages: int
 
     def virtual(self, chunk: int) -> int:
         """The virtual stage of ``chunk``."""
@@ -133,7 +133,7 @@ class _Chunks:
 
     def is_last(self, chunk: int) -> bool:
         """Whether ``chunk`` is the pipeline's last virtual stage (where the user's head and loss follow)."""
-        return self.virtual(chunk) == self.num_stages * self.count - 1
+        return self.virtual(chunk) == self.num_stages * self.virtual_stages - 1
 
 
 def gpipe(
@@ -286,9 +286,9 @@ def _one_forward_one_backward(
         actions.extend([Action(Kind.RECOMPUTE, i, c)] * checkpointed(checkpoint, i, count))
         actions.append(Action(Kind.BACKWARD, i, c))
         if n >= delay:
-            actions.extend(_weight(*backwards[n - delay]))
+            actions.extend(weight(*backwards[n - delay]))
 
-    def _weight(i: int, c: int) -> list[Action]:
+    def weight(i: int, c: int) -> list[Action]:
         return [Action(Kind.WEIGHT, i, c)] * _splits(place.virtual(c), defer)
 
     for n, (i, c) in enumerate(forwards):
@@ -302,7 +302,7 @@ def _one_forward_one_backward(
     for n in range(len(forwards) - warmup, len(forwards)):
         backward(n)
     for n in range(max(len(backwards) - delay, 0), len(backwards)):
-        actions.extend(_weight(*backwards[n]))
+        actions.extend(weight(*backwards[n]))
     actions.append(Action(Kind.FLUSH))
     return Plan(tuple(actions), cut=len(actions), loss_per_micro_batch=True)
 
