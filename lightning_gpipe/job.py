@@ -10,7 +10,7 @@ position or failure.
 
 Each part keeps its own module: :class:`~lightning_gpipe.failure.FailureBoard` (the cause of a failure),
 :class:`~lightning_gpipe.watchdog.Position` and :class:`~lightning_gpipe.watchdog.Watchdog` (where this stage is,
-and who stopped progressing), :class:`~lightning_gpipe.waiting.Waiter` (the helper thread of gloo waits).
+and who stopped progressing), :class:`~lightning_gpipe.waiting.Waiter` (the helper threads of gloo waits and sends).
 """
 
 from typing import Any, Optional
@@ -43,7 +43,8 @@ class Job:
         board: the run's :class:`~lightning_gpipe.failure.FailureBoard`.
         position: this stage's :class:`~lightning_gpipe.watchdog.Position`.
         watchdog: the :class:`~lightning_gpipe.watchdog.Watchdog` that publishes it and diagnoses stalls.
-        waiter: the :class:`~lightning_gpipe.waiting.Waiter` of :func:`lightning_gpipe.waiting.wait`.
+        waiter: the :class:`~lightning_gpipe.waiting.Waiter` of :func:`lightning_gpipe.waiting.wait` and of the links'
+            sends (:meth:`~lightning_gpipe.waiting.Waiter.watch`).
 
     Raises:
         RuntimeError: if ``store`` cannot be reached.
@@ -70,9 +71,9 @@ class Job:
         return TrackingRecorder(self.position)
 
     def close(self) -> None:
-        """End the run's part on this process: stop the heartbeat, stop publishing failures, end the waiter thread.
+        """End the run's part on this process: stop the heartbeat, stop publishing failures, end the waiter's threads.
 
-        A closed job behaves as one without a store: waits still work (a new waiter thread starts if needed),
+        A closed job behaves as one without a store: waits still work (new waiter threads start if needed),
         nothing is published or read. Closing twice does nothing more.
         """
         self.watchdog.stop()

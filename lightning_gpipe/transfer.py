@@ -16,7 +16,14 @@ Latency matters as much as bandwidth: a blocked receive costs a wake-up (up to a
 scheduler tick on a busy CPU), and gloo moves a payload only once its receive is
 posted. So receives are posted ahead: the next micro-batch's header while this
 one computes, all payload tensors of a micro-batch at once, and a gradient before
-the drain needs it. Sends are asynchronous and overlap compute. Works with any
+the drain needs it. Sends are asynchronous and overlap compute. A send keeps its
+tensors alive until it has completed (once its receiver has posted the receive, and
+the bytes have gone); the link drops the sends that have completed whenever it posts
+a new one and at a flush, so a sent output or gradient is freed soon after its
+receiver took it, not at the next flush (under fill-drain, the end of the step). Whether
+a send has completed is asked without blocking: NCCL's works answer themselves, gloo's
+through a helper thread that waits for each send as it goes
+(:meth:`~lightning_gpipe.waiting.Waiter.watch`). Works with any
 torch.distributed backend that has ``isend``/``irecv`` (gloo on CPU, NCCL on GPU);
 receives are posted in the order the matching sends are issued, as NCCL needs.
 Waits go through :mod:`lightning_gpipe.waiting`, so a stage waiting for a neighbour handles signals and
@@ -32,7 +39,7 @@ Every send and every wait is recorded as a ``send`` or ``recv`` span of the link
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -90,7 +97,7 @@ class Link:
         self.events = events if events is not None else Recorder()
         self.prev_tag, self.next_tag = tag if isinstance(tag, tuple) else (tag, tag)
         self.job = job
-        self._pending_sends: list[tuple[int, dist.Work, Tensor]] = []  # (micro-batch index, work, tensor)
+        self._pending_sends: list[_Send] = []  # posted, not known to have completed: their tensors kept alive
         self._next_header: Optional[tuple[dist.Work, Tensor]] = None
         self._grads: list[tuple[list[dist.Work], list[Tensor]]] = []
         self._polled = waiting.polls(device)  # how its waits end: polled on NCCL, a helper thread on gloo
@@ -100,6 +107,7 @@ class Link:
 
         Raises:
             ValueError: if the activation's shapes do not fit in :data:`HEADER_SLOTS`, or a dtype cannot be sent.
+            PipelineFailure: if an earlier send of this link failed.
         """
         with self.events.span("send", index):
             self._send_activation(value, index, count)
@@ -118,9 +126,8 @@ class Link:
             )
         header += [0] * (HEADER_SLOTS - len(header))
         wires = [_wire(tensor.detach()) for tensor in tensors]  # before the header: nothing can fail between
-        self._isend(torch.tensor(header, dtype=torch.int64, device=self.device), self.next_rank, self.next_tag, index)
-        for wire in wires:
-            self._isend(wire, self.next_rank, self.next_tag, index)
+        header_tensor = torch.tensor(header, dtype=torch.int64, device=self.device)
+        self._post([header_tensor, *wires], self.next_rank, self.next_tag, index)
 
     def recv_activation(self) -> tuple[Value, int]:
         """Receive the next micro-batch's input from the previous stage.
@@ -155,10 +162,13 @@ class Link:
 
     def send_grads(self, grads: list[Tensor], index: int) -> None:
         """Send the gradients of micro-batch ``index``'s floating-point inputs back to the previous stage,
-        asynchronously."""
+        asynchronously.
+
+        Raises:
+            PipelineFailure: if an earlier send of this link failed.
+        """
         with self.events.span("send", index):
-            for grad in grads:
-                self._isend(grad.contiguous(), self.prev_rank, self.prev_tag, index)
+            self._post([grad.contiguous() for grad in grads], self.prev_rank, self.prev_tag, index)
 
     def post_grads(self, metas: Sequence[Meta]) -> None:
         """Post the receive of the gradients of one micro-batch's floating-point outputs (shapes and dtypes).
@@ -180,19 +190,45 @@ class Link:
         return buffers
 
     def flush(self, through: Optional[int] = None) -> None:
-        """Wait until every pending send (of micro-batches ``0`` to ``through`` only, if given) has completed.
+        """Wait until every pending send (of micro-batches ``0`` to ``through`` only, if given) has completed; the
+        sends of later micro-batches that have completed are dropped too.
 
         Raises:
-            PipelineFailure: if a neighbour failed while this one waited for it.
+            PipelineFailure: if a neighbour failed while this one waited for it, or a send failed.
         """
-        done = [send for send in self._pending_sends if through is None or send[0] <= through]
-        self._pending_sends = [send for send in self._pending_sends if through is not None and send[0] > through]
         with self.events.span("send"):
-            self._wait([work for _, work, _ in done], None)
+            self._drop_completed()
+            done = [send for send in self._pending_sends if through is None or send.index <= through]
+            self._pending_sends = [send for send in self._pending_sends if through is not None and send.index > through]
+            self._wait([work for send in done for work in send.works], None)
 
-    def _isend(self, tensor: Tensor, dst: Optional[int], tag: int, index: int) -> None:
-        # the tensor is kept alive with its work until the send completes
-        self._pending_sends.append((index, dist.isend(tensor, dst, tag=tag), tensor))
+    def _post(self, tensors: list[Tensor], dst: Optional[int], tag: int, index: int) -> None:
+        """Drop the sends that have completed, then send ``tensors`` to ``dst`` in order, as micro-batch ``index``'s
+        one pending send (kept, with its tensors, until it is known to have completed)."""
+        self._drop_completed()
+        if not tensors:
+            return
+        works = [dist.isend(tensor, dst, tag=tag) for tensor in tensors]
+        if not self._polled:  # gloo: is_completed() stays False until wait(), which only one call may make
+            works = [self.job.waiter.watch(works, (dst, tag))]
+        self._pending_sends.append(_Send(index, works, tensors))
+
+    def _drop_completed(self) -> None:
+        """Drop the pending sends whose works have all completed, and with them the last references to their tensors.
+
+        A tensor is dropped only once its send has completed: until then the transport may still read its memory
+        (gloo from its own thread; NCCL on its stream, where the caching allocator could hand the block to the next
+        tensor of the compute stream). Each completed work is waited for before it is dropped (``wait()`` returns at
+        once), so that a failed send raises here, as at a flush.
+
+        Raises:
+            PipelineFailure: if one of those sends failed.
+        """
+        completed, pending = [], []
+        for send in self._pending_sends:
+            (completed if all(work.is_completed() for work in send.works) else pending).append(send)
+        self._pending_sends = pending
+        waiting.wait_in_flight(self.job, [work for send in completed for work in send.works])
 
     def _wait(self, works: list[dist.Work], peer: Optional[int], in_flight: bool = False) -> None:
         """Wait for ``works`` of transfers with global rank ``peer`` (``None``: both neighbours), interruptibly.
@@ -212,6 +248,15 @@ class Link:
     def _post_header(self) -> tuple[dist.Work, Tensor]:
         header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
         return dist.irecv(header, self.prev_rank, tag=self.prev_tag), header
+
+
+class _Send(NamedTuple):
+    """One posted send of a link: micro-batch ``index``'s ``tensors`` and their works (on gloo one
+    :class:`~lightning_gpipe.waiting.Watched` for all of them)."""
+
+    index: int
+    works: list
+    tensors: list[Tensor]
 
 
 def _wire(tensor: Tensor) -> Tensor:

@@ -14,7 +14,9 @@ which one the works on a device's tensors over a process group need:
   ``benchmarks/waits.py`` measures it against plain blocking waits. A receive whose sender has already issued
   the matching send in the same call as a message already received (an activation's payload after its header)
   ends with the transport alone, so :func:`wait_in_flight` waits for it on the calling thread, without the
-  hand-off.
+  hand-off. A send is also watched as it goes (:meth:`Waiter.watch`): a helper thread per stream of sends calls
+  its ``wait()`` at once, so that whether it has completed can be asked without blocking (a :class:`Watched`),
+  and its tensors freed once it has, long before the stage waits for it at a flush.
 - NCCL: :func:`poll`. ``WorkNCCL.wait()`` does not wait for the transfer: it makes the calling thread's current
   CUDA stream wait for the NCCL stream and returns (for a barrier it synchronizes the stream on the host, in
   C++), and a later host read of a received tensor (``.tolist()``, ``.item()``) would block inside a CUDA
@@ -37,6 +39,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Hashable
 from typing import Any, Optional, Protocol
 
 import torch
@@ -103,43 +106,82 @@ class _Thread(threading.Thread):
 
     def run(self) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP})
-        while True:
-            batch = self.batches.get()
-            if batch is None:
-                return
-            try:
-                for work in batch.works:
-                    work.wait()
-            except BaseException as error:  # handed to the main thread, which raises it
-                batch.error = error
-            batch.done.release()
+        for batch in iter(self.batches.get, None):
+            _finish(batch)
+
+
+def _finish(batch: _Works) -> None:
+    """Wait for ``batch``'s works, keep the first error for the main thread, then drop the works (a gloo work holds
+    its tensor: the batch that stays referenced until the next one arrives must not keep it alive) and release."""
+    try:
+        for work in batch.works:
+            work.wait()
+    except BaseException as error:  # handed to the main thread, which raises it
+        batch.error = error
+    batch.works = []
+    batch.done.release()
+
+
+class Watched:
+    """A work a helper thread of a :class:`Waiter` waits for (see :meth:`Waiter.watch`), as a work whose completion
+    can be asked without blocking and that can be waited for any number of times: what a gloo work is not."""
+
+    def __init__(self, batch: _Works) -> None:
+        self._batch = batch
+
+    def is_completed(self) -> bool:
+        """Whether the helper thread's ``wait()`` of the works has returned (or raised)."""
+        return not self._batch.done.locked()
+
+    def wait(self) -> bool:
+        """Block until the works have completed; raise the error of a failed one, every time this is called."""
+        with self._batch.done:
+            pass
+        if self._batch.error is not None:
+            raise self._batch.error
+        return True
 
 
 class Waiter:
-    """The helper thread that calls ``Work.wait()`` for :func:`wait`, one per run (part of its
-    :class:`~lightning_gpipe.job.Job`): started at the first wait, ended by :meth:`close`. A wait after
-    :meth:`close` starts a new thread. A copy in another process (a pickled strategy) starts its own."""
+    """The helper threads that call ``Work.wait()`` for :func:`wait` and :meth:`watch`, one set per run (part of its
+    :class:`~lightning_gpipe.job.Job`): one thread for the waits, one per stream of watched sends, each started at
+    its first batch and ended by :meth:`close`. A batch after :meth:`close` starts a new thread. A copy in another
+    process (a pickled strategy) starts its own."""
 
     def __init__(self) -> None:
-        self._thread: Optional[_Thread] = None
+        self._threads: dict[Optional[Hashable], _Thread] = {}
 
-    def submit(self, works: list[dist.Work]) -> _Works:
-        """Hand ``works`` to the helper thread; the returned batch's ``done`` lock is released once they completed."""
+    def submit(self, works: list[dist.Work], stream: Optional[Hashable] = None) -> _Works:
+        """Hand ``works`` to the thread of ``stream`` (``None``: the waits'); the returned batch's ``done`` lock is
+        released once they completed. A thread waits for its batches in the order they were handed."""
         batch = _Works(works)
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = _Thread()
-            self._thread.start()
-        self._thread.batches.put(batch)
+        thread = self._threads.get(stream)
+        if thread is None or not thread.is_alive():
+            thread = self._threads[stream] = _Thread()
+            thread.start()
+        thread.batches.put(batch)
         return batch
 
+    def watch(self, works: list[dist.Work], stream: Hashable) -> Watched:
+        """Have ``works``, sends of one ``stream`` (a destination and tag), waited for at once by that stream's
+        thread, for backends whose works cannot be polled (gloo: ``is_completed()`` stays ``False`` until ``wait()``
+        returns, and a second ``wait()`` of a completed send blocks). The stream's sends complete in the order
+        they were posted (their receives are posted in that order), so its thread adds no wait to any of them.
+
+        Returns:
+            The works as one :class:`Watched`: ask it, rather than the works, whether they completed, and wait for
+            it rather than for them.
+        """
+        return Watched(self.submit(works, stream))
+
     def close(self) -> None:
-        """End the helper thread once it has waited for what it was handed (it does not wait for that here)."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
+        """End the helper threads once each has waited for what it was handed (it does not wait for that here)."""
+        threads, self._threads = self._threads, {}
+        for thread in threads.values():
             thread.batches.put(None)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_thread": None}  # a thread does not cross processes
+        return {"_threads": {}}  # a thread does not cross processes
 
 
 class WaitingJob(Protocol):
@@ -178,17 +220,19 @@ def wait(job: WaitingJob, works: list[dist.Work], peer: str) -> None:
 
 
 def wait_in_flight(job: WaitingJob, works: list[dist.Work]) -> None:
-    """Wait for ``works`` on this thread, without :func:`wait`'s hand-off to the helper thread (gloo only).
+    """Wait for ``works`` on this thread, without :func:`wait`'s hand-off to the helper thread.
 
     Only for receives whose sender has already issued the matching sends, in the same call as a message this
     stage has received (an activation's payload, sent right after its header): their end depends on the
     transport alone, not on the peer's progress, and a peer that dies closes the connection, which ends the
     wait. Signals are handled once the bytes have arrived. Not for works that :func:`polls`: an NCCL receive
-    from a sender that died is not ended by the transport, so wait for those with :func:`poll`.
+    from a sender that died is not ended by the transport, so wait for those with :func:`poll`. And for works
+    that have completed, on any backend (an NCCL work or a :class:`Watched` whose ``is_completed()`` said so):
+    their ``wait()`` returns at once, or raises the error of a failed transfer.
 
     Args:
         job: the run's job (its failure board names the cause of a failed transfer).
-        works: works of point-to-point receives.
+        works: works of point-to-point receives in flight, or works that have completed.
 
     Raises:
         PipelineFailure: if a transfer failed (naming the published cause).

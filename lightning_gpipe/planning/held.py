@@ -1,12 +1,14 @@
-"""What a stage holds for its transfers beyond what autograd saves: outputs and input gradients awaiting a flush.
+"""What a stage holds for its transfers beyond what autograd saves: outputs and input gradients whose send is pending.
 
 The simulator counts a stage's kept inputs and saved activations (:mod:`lightning_gpipe.simulator`). The engine holds
 more: a micro-batch's output stays alive while its record keeps it for the backward (its part that autograd does not
-save: AmoebaNet's cell output is a concatenation no later operation saves) and while its send is unfinished, which
-the stage only waits for at a ``flush`` action (:mod:`lightning_gpipe.transfer`): under fill-drain at the end of the
-step, so a stage holds the outputs of all M micro-batches through its drain, and every input gradient it sends back
-until then. :func:`held_peak` walks a stage's own plan (:func:`lightning_gpipe.schedule.plans`, the list the runtime
-executes) and returns the peak of inputs, activations and these together, in bytes.
+save: AmoebaNet's cell output is a concatenation no later operation saves) and while its send is pending, and so does
+an input gradient the stage sends back. A send completes once its receiver has posted the matching receive (gloo
+moves a payload only then; an activation's is posted when the receiver runs that micro-batch's forward, a gradient's
+ahead, by an ``expect`` action), and the stage drops its completed sends when it posts its next send and at a
+``flush`` (:mod:`lightning_gpipe.transfer`). :func:`held_peak` walks a stage's own plan
+(:func:`lightning_gpipe.schedule.plans`, the list the runtime executes) and returns the peak of inputs, activations
+and these together, in bytes.
 """
 
 from collections.abc import Sequence
@@ -26,24 +28,42 @@ class _Level:
     output_saved_bytes: int
     level: int = 0
     peak: int = 0
-    recorded: set = field(default_factory=set)  # micro-batches whose record holds an output
-    sending: set = field(default_factory=set)  # micro-batches whose forward output an unfinished send holds
-    from_forward: set = field(default_factory=set)  # ... whose record holds that same output (not recomputed)
-    grads: int = 0  # bytes of input gradients sent and not yet flushed
+    posted: set = field(default_factory=set)  # micro-batches whose output's send is pending
+    from_forward: set = field(default_factory=set)  # ... whose record holds the forward's output (not recomputed)
+    grads: int = 0  # bytes of input gradients whose send is pending
 
     def add(self, nbytes: int) -> None:
         self.level += nbytes
         self.peak = max(self.peak, self.level)
+
+    def release(self) -> None:
+        """The pending sends complete: free the outputs only a send holds, and the input gradients."""
+        alone = self.posted - self.from_forward  # a record holds the others, and frees them at their backward
+        self.add(-self.output_bytes * len(alone) - self.grads)
+        self.posted.clear()
+        self.grads = 0
 
 
 def held_peak(
     actions: Sequence[Action], sends: bool, checkpoint: str, count: int, stage_bytes: tuple[int, int, int, int]
 ) -> int:
     """Peak bytes one stage holds over its plan: kept inputs, saved activations, outputs (held by their record until
-    the backward or by their send until a flush) and sent input gradients (until a flush).
+    the backward, and by their send while it is pending) and input gradients sent (while their send is pending).
+
+    The rule for a send, which the stage's own plan alone must decide: it is pending from its action (``send``, or
+    the ``backward`` whose input gradient it sends) until the stage's next send (a ``send`` action, or a
+    ``backward`` on a stage whose kept input is not 0 bytes: every stage but the first sends input gradients) or
+    ``flush``, and released there. That is the earliest the engine can free it: it looks for completed sends only
+    when it posts one and at a flush. It assumes the receiver has posted the matching receive by then, so that the
+    send has completed. For an activation sent before the stage's next ``backward``, the receiver did (it ran
+    that forward before it sent the gradient the backward waits for); for one followed by another ``send``, only
+    if the next stage keeps up (it runs that micro-batch's forward before this stage's next forward ends); for a
+    gradient, if the previous stage's ``expect`` came first (it is posted ahead). A slower receiver makes the
+    engine hold a send longer than this counts, until a later send or the flush.
 
     Args:
-        actions: the stage's plan (:attr:`lightning_gpipe.schedule.Plan.actions`).
+        actions: the stage's plan (:attr:`lightning_gpipe.schedule.Plan.actions`), or one model chunk's actions of
+            it with the flushes: the sends of one link.
         sends: whether the stage sends its outputs on (every stage but the last).
         checkpoint: the re-materialization mode.
         count: M, micro-batches.
@@ -66,25 +86,22 @@ def _step(state: _Level, action: Action, sends: bool, checkpoint: str, count: in
             state.add(state.input_bytes + (state.output_bytes if sends else 0))
         else:
             state.add(state.input_bytes + state.activation_bytes + unsaved)
-            state.recorded.add(i)
             state.from_forward.add(i)
-        if sends:
-            state.sending.add(i)
+    elif kind is Kind.SEND:
+        state.release()
+        state.posted.add(i)
     elif kind is Kind.RECOMPUTE:
         state.add(state.activation_bytes + unsaved)
-        state.recorded.add(i)
     elif kind is Kind.BACKWARD:
-        state.recorded.discard(i)
-        kept = i in state.sending and i in state.from_forward  # the send still holds the output, saved part too
+        kept = i in state.posted and i in state.from_forward  # the send still holds the output, saved part too
         freed = state.input_bytes + unsaved * (not kept) - state.output_saved_bytes * kept
         state.add(-freed - (0 if i in weights else state.activation_bytes))
         state.from_forward.discard(i)
-        state.grads += state.input_bytes
-        state.add(state.input_bytes)
+        state.add(state.input_bytes)  # the input gradient, made while the earlier sends are pending
+        if state.input_bytes:  # its send: the earlier ones that completed are dropped, it is pending
+            state.release()
+            state.grads = state.input_bytes
     elif kind is Kind.WEIGHT:
         state.add(-state.activation_bytes)
     elif kind is Kind.FLUSH:
-        finished = len(state.sending - state.recorded)  # outputs a record still holds stay
-        state.sending.clear()
-        state.add(-state.output_bytes * finished - state.grads)
-        state.grads = 0
+        state.release()

@@ -22,6 +22,7 @@ from lightning_gpipe.planning import (
     search,
 )
 from lightning_gpipe.planning.api import plan_for_strategy
+from lightning_gpipe.planning.held import held_peak
 from lightning_gpipe.planning.predict import stage_costs
 from lightning_gpipe.planning.search import meshes
 from lightning_gpipe.simulator import simulate
@@ -126,15 +127,53 @@ def test_a_layers_transient_is_profiled_and_the_stages_largest_is_added_on_top()
     ]
 
 
-def test_fill_drain_holds_every_sent_output_until_its_flush():
-    """Checkpointed micro-batches keep no output in autograd, but their sends are waited for only at the end of a
-    fill-drain step: the first stage holds all M outputs through its drain; 1F1B flushes as it goes."""
-    costs, chunks = profiled(), 4
+@pytest.mark.parametrize("chunks", [4, 8])
+def test_a_sent_output_is_held_until_the_next_send_not_through_the_drain(chunks):
+    """Checkpointed micro-batches keep no output in autograd; their sends hold them until the stage's next send or
+    flush: the first stage of a fill-drain step holds one output on top of the activations (the last micro-batch's,
+    which no later send releases before the flush: the first stage sends no gradient), whatever M, as under 1F1B."""
+    costs = profiled()
     out = costs.for_chunks(chunks)[3].output_bytes
     fill_drain = predict(PipelinePlan(2, 1, chunks, "always", "gpipe", (4, 4)), costs, FREE, 0, 2**40)
-    assert fill_drain.memory[0].transfers == chunks * out  # the ReLU saves its output: the recomputed one is counted
+    assert fill_drain.memory[0].transfers == out  # the ReLU saves its output: the recomputed one is counted
     one_f_one_b = predict(PipelinePlan(2, 1, chunks, "always", "1f1b", (4, 4)), costs, FREE, 0, 2**40)
-    assert one_f_one_b.memory[0].transfers < fill_drain.memory[0].transfers
+    assert one_f_one_b.memory[0].transfers == fill_drain.memory[0].transfers
+
+
+def _actions(text: str) -> list[schedule.Action]:
+    """A plan written as in the docs (``"F0 S0 B0 flush"``)."""
+    kinds = {"F": schedule.Kind.FORWARD, "S": schedule.Kind.SEND, "E": schedule.Kind.EXPECT}
+    kinds.update({"R": schedule.Kind.RECOMPUTE, "B": schedule.Kind.BACKWARD, "L": schedule.Kind.LOSS})
+    return [
+        schedule.Action(schedule.Kind.FLUSH) if word == "flush" else schedule.Action(kinds[word[0]], int(word[1:]))
+        for word in text.split()
+    ]
+
+
+def test_a_send_is_released_at_the_stages_next_send_or_flush():
+    """Output bytes only (10 per micro-batch): a checkpointed output lives from its forward until the send after its
+    own, so two at a time in the fill, and the last one until the flush; a recomputed output is another tensor."""
+    plan = schedule.plans("gpipe", 2, 4, "always")[0].actions  # F0 S0 F1 S1 F2 S2 F3 S3 E3 R3 E2 B3 ... flush
+    assert held_peak(plan, True, "always", 4, (0, 0, 10, 0)) == 20
+    assert held_peak(_actions("F0 S0 F1 S1 F2 S2 flush"), True, "always", 3, (0, 0, 10, 0)) == 20
+    assert held_peak(_actions("F0 S0 F1 F2 S1 S2 flush"), True, "always", 3, (0, 0, 10, 0)) == 30  # S1 frees only 0
+    assert held_peak(_actions("F0 S0 F1 S1 E1 R1 B1 flush"), True, "always", 2, (0, 0, 10, 0)) == 20  # S1's, R1's
+
+
+def test_an_output_its_record_holds_is_freed_by_the_record_not_by_the_send():
+    """Without re-materialization a sent output is its record's too: releasing the send frees nothing; the backward
+    frees it (M outputs at the end of the fill, as before)."""
+    plan = schedule.plans("gpipe", 2, 4, "never")[0].actions
+    assert held_peak(plan, True, "never", 4, (0, 0, 10, 0)) == 40
+    assert held_peak(_actions("F0 S0 F1 S1 B1 B0 F2 S2 flush"), True, "never", 3, (0, 0, 10, 0)) == 20
+
+
+def test_an_input_gradient_is_released_at_the_next_send_or_flush():
+    """Input and its gradient 10 bytes each, on a stage that sends no output: a micro-batch's gradient is pending
+    until the next backward's send, so at most one beside the next micro-batch's input (a flush frees it too)."""
+    one_at_a_time = _actions("F0 B0 F1 B1 F2 B2 flush")
+    assert held_peak(one_at_a_time, False, "never", 3, (10, 0, 0, 0)) == 20
+    assert held_peak(_actions("F0 B0 flush F1 B1 flush F2 B2 flush"), False, "never", 3, (10, 0, 0, 0)) == 10
 
 
 def test_the_chosen_plan_is_the_fastest_that_fits_and_no_faster_one_fits():

@@ -11,6 +11,7 @@ import pickle
 import signal
 import threading
 import time
+import weakref
 from typing import Callable, Optional
 
 import pytest
@@ -260,3 +261,114 @@ def test_a_polled_collective_reads_the_received_size_only_once_it_has_arrived(mo
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
     assert collectives.broadcast_object(Job(), None, src=0) == obj
     assert len(works) == 2 and all(work.waits == 1 and work.early_waits == 0 for work in works)
+
+
+class Sent:
+    """What a test knows of one send: weak references to its tensor and work (the work holds the tensor, as
+    ProcessGroupGloo's ``SendWork`` does and an NCCL work for the caching allocator), and its ``wait()`` calls."""
+
+    def __init__(self, tensor: torch.Tensor, work) -> None:
+        self.tensor, self.work = weakref.ref(tensor), weakref.ref(work)
+        self.waits = self.early_waits = 0
+
+    def alive(self) -> bool:
+        """Whether the tensor is still referenced (freed by reference counting: no garbage collection needed)."""
+        return self.tensor() is not None
+
+
+class NcclLikeSend(NcclLikeWork):
+    """An :class:`NcclLikeWork` of a send, completed only when told to; counts its waits in its :class:`Sent`."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        super().__init__()
+        self.tensor, self.sent = tensor, Sent(tensor, self)
+
+    def wait(self) -> bool:
+        self.sent.waits += 1
+        self.sent.early_waits += not self.done.is_set()
+        return super().wait()
+
+
+class GlooLikeSend(GlooLikeWork):
+    """A :class:`GlooLikeWork` of a send: ``wait()`` blocks until :meth:`complete`, then raises ``error`` if given;
+    a second ``wait()`` fails (gloo's would block)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        super().__init__(blocks=True)
+        self.tensor, self.sent, self.error = tensor, Sent(tensor, self), None
+
+    def complete(self) -> None:
+        self.done.set()
+
+    def wait(self) -> bool:
+        self.sent.waits += 1
+        assert self.sent.waits == 1, "a gloo send was waited for twice: the second wait() would block"
+        super().wait()
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+class SendLog:
+    """Stands for ``dist.isend`` on a link of ``backend`` (``"nccl"``: polled, ``"gloo"``: watched by a helper thread
+    of the job), whose sends complete only when told to; keeps only a :class:`Sent` of each."""
+
+    def __init__(self, monkeypatch, job: Job, backend: str) -> None:
+        self.job, self.backend = job, backend
+        self.sent: list[Sent] = []
+        monkeypatch.setattr(waiting, "polls", lambda device, group=None: backend == "nccl")
+        monkeypatch.setattr(dist, "isend", self.isend)
+        self.link = Link(None, 1, torch.device("cpu"), job=job)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0):
+        work = NcclLikeSend(tensor) if self.backend == "nccl" else GlooLikeSend(tensor)
+        self.sent.append(work.sent)
+        return work
+
+    def send(self, index: int) -> list[Sent]:
+        """Send micro-batch ``index``'s activation (a header and one tensor); its two sends."""
+        self.link.send_activation(torch.randn(3, 4), index, 3)
+        return self.sent[-2:]
+
+    def complete(self, sends: list[Sent], error: Optional[Exception] = None) -> None:
+        """Complete ``sends`` (with ``error``: as failed), and let the link's helper thread see it (gloo)."""
+        for sent in sends:
+            sent.work().error = error
+            sent.work().complete()
+        if self.backend == "gloo":  # a stream's thread is FIFO: a batch watched after them completes after them
+            self.job.waiter.watch([], (1, 0)).wait()
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_a_link_drops_its_completed_sends_when_it_posts_the_next_one(monkeypatch, job, backend):
+    log = SendLog(monkeypatch, job, backend)
+    first = log.send(0)
+    log.complete(first)
+    assert all(sent.alive() for sent in first)  # nothing posted since: still referenced
+    second = log.send(1)
+    assert not any(sent.alive() for sent in first)  # neither the link, nor a helper thread, nor the work keeps them
+    assert all(sent.alive() for sent in second)  # not completed: kept alive for the transport
+    assert [(sent.waits, sent.early_waits) for sent in first] == [(1, 0), (1, 0)]  # waited for once, when completed
+    log.complete(second)
+    log.link.flush()
+    assert not any(sent.alive() for sent in second)
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_a_failed_send_that_completed_raises_at_the_next_send(monkeypatch, job, backend):
+    log = SendLog(monkeypatch, job, backend)
+    log.complete(log.send(0), error=RuntimeError("Connection reset by peer"))
+    with pytest.raises(PipelineFailure, match=r"another stage stopped responding \(Connection reset by peer\)"):
+        log.send(1)
+
+
+def test_a_flush_through_a_micro_batch_waits_for_its_sends_only_and_drops_later_completed_ones(monkeypatch, job):
+    log = SendLog(monkeypatch, job, "nccl")
+    first, second = log.send(0), log.send(1)
+    for sent in first:  # completes while the flush polls it
+        sent.work().left = 2
+    third = log.send(2)
+    log.complete(third)
+    log.link.flush(through=0)
+    assert [sent.alive() for sent in first + second + third] == [False, False, True, True, False, False]
+    assert [sent.waits for sent in first + second + third] == [1, 1, 0, 0, 1, 1]
