@@ -72,11 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--plan-limit-mib",
         type=float,
         help="lightning gpipe only: GPipeStrategy(plan='auto', memory_limit=this many MiB); --chunks, --checkpoint,"
-        " --schedule are passed only if named in --plan-fix; every process reports model_peak_mib (its peak resident"
+        " --schedule, --virtual-stages are passed only if named in --plan-fix; every process reports model_peak_mib (its peak resident"
         " set during training, less file-backed pages, over its anonymous memory before setup) and rank 0 the plan"
         " and its prediction",
     )
-    parser.add_argument("--plan-fix", nargs="*", default=[], choices=("chunks", "checkpoint", "schedule"))
+    fixable = ("chunks", "checkpoint", "schedule", "virtual_stages")
+    parser.add_argument("--plan-fix", nargs="*", default=[], choices=fixable)
     return parser.parse_args(argv)
 
 
@@ -212,15 +213,16 @@ def run_lightning(args: argparse.Namespace) -> None:
     else:
         from lightning_gpipe import GPipeStrategy
 
-        options = {"chunks": args.chunks, "checkpoint": args.checkpoint, "schedule": args.schedule}
+        options = {
+            "chunks": args.chunks, "checkpoint": args.checkpoint, "schedule": args.schedule,
+            "virtual_stages": args.virtual_stages,
+        }  # fmt: skip
         if args.plan_limit_mib is not None:
             options = {key: value for key, value in options.items() if key in args.plan_fix}
             options.update(plan="auto", memory_limit=int(args.plan_limit_mib * 2**20))
         else:
             options.update(balance=args.balance)
-        strategy = GPipeStrategy(
-            defer_weight_grad=args.defer_weight_grad, virtual_stages=args.virtual_stages, **options
-        )
+        strategy = GPipeStrategy(defer_weight_grad=args.defer_weight_grad, **options)
         trainer = pl.Trainer(strategy=strategy, devices=args.devices, **trainer_kwargs)
     loader = models.repeat_loader(_batch(args), args.warmup + args.steps, fresh=args.plan_limit_mib is not None)
     if counter is not None:

@@ -1,7 +1,7 @@
 """Does ``GPipeStrategy(plan="auto")`` choose well, and are its predictions right? (issue 23)
 
 One run of ``GPipeStrategy(plan="auto", memory_limit=L)`` against a grid of plans, each the planner fixed to one
-``(chunks, checkpoint, schedule)`` (``plan="auto"`` with those three given: the planner still chooses the balance and
+``(chunks, checkpoint, schedule, virtual_stages)`` (``plan="auto"`` with those four given: the planner still chooses the balance and
 predicts the plan, and refuses it before step 1 if it does not fit L). Every run trains on ``--devices`` processes,
 each under ``RLIMIT_DATA`` = L + ``--reserve-mib`` (the process's own memory: Python, torch, Lightning, gloo; see
 benchmarks/capacity.py for the cap). The configurations run interleaved (auto, grid..., auto, grid...), and the
@@ -14,10 +14,12 @@ Usage::
     python benchmarks/plan.py                                   # the activation-heavy MLP, L = 80 MiB
     python benchmarks/plan.py --model amoebanet --batch-size 64 --chunks 4 8 16 32
     python benchmarks/plan.py --chunks 2 4 --checkpoint never always --schedule gpipe   # a smaller grid
+    python benchmarks/plan.py --chunks 8 --checkpoint never --schedule gpipe 1f1b zb-h1 --virtual-stages 1 2
 """
 
 import argparse
 import dataclasses
+import math
 import os
 import statistics
 import sys
@@ -48,28 +50,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunks", type=int, nargs="+", default=[8, 16, 32])
     modes = ("never", "except_last", "always")
     parser.add_argument("--checkpoint", nargs="+", choices=modes, default=list(modes))
-    parser.add_argument("--schedule", nargs="+", choices=("gpipe", "1f1b"), default=["gpipe", "1f1b"])
+    parser.add_argument("--schedule", nargs="+", choices=("gpipe", "1f1b", "zb-h1"), default=["gpipe", "1f1b"])
+    parser.add_argument("--virtual-stages", type=int, nargs="+", default=[1], help="model chunks per stage (default 1)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a run counts as failed")
     harness.add_timing_args(parser, repeats=2, steps=3, warmup=1)
     args = parser.parse_args(argv)
-    harness.check_positive(parser, args, ("devices", "batch_size", "width", "depth", "chunks", "repeats", "steps"))
+    positive = ("devices", "batch_size", "width", "depth", "chunks", "virtual_stages", "repeats", "steps")
+    harness.check_positive(parser, args, positive)
     return args
 
 
 def configs(args: argparse.Namespace) -> list[harness.Config]:
-    """``auto``, then one configuration per ``(chunks, checkpoint, schedule)`` of the grid."""
+    """``auto``, then one configuration per ``(chunks, checkpoint, schedule, virtual_stages)`` of the grid."""
     common = ["lightning", "--model", args.model, "--momentum", str(args.momentum), "--plan-limit-mib"]
     common += [str(args.limit_mib), *harness.mlp_run_args(args)]
     found = [harness.Config("auto", common, describe="plan='auto'")]
-    for m, mode, schedule in product(args.chunks, args.checkpoint, args.schedule):
+    for m, mode, schedule, v in product(args.chunks, args.checkpoint, args.schedule, args.virtual_stages):
         if m == 1 and mode == "except_last":
             continue  # the same plan as "never"
-        fixed = ["--chunks", str(m), "--checkpoint", mode, "--schedule", schedule]
-        found.append(
-            harness.Config(
-                f"M{m}/{mode}/{schedule}", [*common, *fixed, "--plan-fix", "chunks", "checkpoint", "schedule"]
-            )
-        )
+        fixed = ["--chunks", str(m), "--checkpoint", mode, "--schedule", schedule, "--virtual-stages", str(v)]
+        fixed += ["--plan-fix", "chunks", "checkpoint", "schedule", "virtual_stages"]
+        found.append(harness.Config(f"M{m}/{mode}/{schedule}" + (f"/v{v}" if v > 1 else ""), [*common, *fixed]))
     return found
 
 
@@ -134,7 +135,8 @@ def _line(result: dict) -> str:
     plan = result["plan"]
     return (
         f"{result['median_s']:.3f} s/step (predicted {result['predicted_s']:.3f}); peak MiB {measured} (predicted"
-        f" {predicted}); M={plan['chunks']} {plan['checkpoint']} {plan['schedule']} balance {plan['balance']};"
+        f" {predicted}); M={plan['chunks']} {plan['checkpoint']} {plan['schedule']} v={plan.get('virtual_stages', 1)}"
+        f" balance {plan['balance']};"
         f" waited {100 * result['runq']:.0f}%"
     )
 
@@ -169,7 +171,10 @@ def figures(args: argparse.Namespace, rows: dict, auto_runs: list[dict]) -> None
     fastest = min(grid, key=lambda name: grid[name][0])
     auto = rows["auto"][0]
     chosen = next(r["plan"] for r in auto_runs if "plan" in r)
-    print(f"auto chose M={chosen['chunks']} {chosen['checkpoint']} {chosen['schedule']} balance {chosen['balance']}")
+    print(
+        f"auto chose M={chosen['chunks']} {chosen['checkpoint']} {chosen['schedule']}"
+        f" v={chosen.get('virtual_stages', 1)} balance {chosen['balance']}"
+    )
     best = grid[fastest][0]
     print(f"auto / fastest of {len(grid)} feasible grid plans ({fastest}): {auto:.3f} / {best:.3f} = {auto / best:.3f}")
     times = [step / median for median, step, _, _ in grid.values()]
@@ -181,27 +186,33 @@ def figures(args: argparse.Namespace, rows: dict, auto_runs: list[dict]) -> None
 
 
 def refit(runs: dict[str, list[dict]]) -> None:
-    """Fit ``CostModel.compute_scale``, ``step_overhead`` and ``micro_batch_overhead`` to every measured run (least
-    squares on the relative error; the other constants as they are) and print them with the predictions' range
-    under them: how the defaults were calibrated, and how to recalibrate on another machine (docs/planning.md,
-    "Calibrating"). The step is taken as linear in the three: ``step + scale * T(layers) + micro * dT/dmicro``."""
-    base = CostModel(micro_batch_overhead=0.0, step_overhead=0.0, compute_scale=1.0)
-    rows = []  # (measured, predicted without overheads, d predicted / d micro_batch_overhead)
+    """Fit ``CostModel.compute_scale``, ``step_overhead``, ``micro_batch_overhead`` and ``copy_bandwidth`` to every
+    measured run (least squares on the relative error; the other constants as they are) and print them with the
+    predictions' range under them: how the defaults were calibrated, and how to recalibrate on another machine
+    (docs/planning.md, "Calibrating"). The step is taken as linear in the step overhead, the scale, the overhead per
+    micro-batch and the copy's seconds per byte: ``step + scale * T(layers) + micro * dT/dmicro + copy * dT/dcopy``."""
+    base = CostModel(micro_batch_overhead=0.0, step_overhead=0.0, compute_scale=1.0, copy_bandwidth=math.inf)
+    rows = []  # (measured, [1, predicted without overheads, d predicted / d micro, d predicted / d copy])
     for result in (r for results in runs.values() for r in results if "failed" not in r):
         profiled, plan, factor = _profiled(result["profiled"]), _plan(result), result["state_factor"]
-        zero = predict(plan, profiled, base, factor, float("inf")).step_time
-        bumped = dataclasses.replace(base, micro_batch_overhead=1e-3)
-        slope = (predict(plan, profiled, bumped, factor, float("inf")).step_time - zero) / 1e-3
-        rows.append((result["median_s"], [1.0, zero, slope]))
-    if len(rows) < 3:
+
+        def step(model: CostModel) -> float:
+            return predict(plan, profiled, model, factor, float("inf")).step_time
+
+        zero = step(base)
+        micro = (step(dataclasses.replace(base, micro_batch_overhead=1e-3)) - zero) / 1e-3
+        copy = (step(dataclasses.replace(base, copy_bandwidth=1e9)) - zero) / 1e-9
+        rows.append((result["median_s"], [1.0, zero, micro, copy]))
+    if len(rows) < 4:
         return
     fitted = _least_squares([[x / m for x in xs] for m, xs in rows], [1.0] * len(rows))
-    step, scale, micro = (max(v, 0.0) for v in fitted)
-    ratios = [(step + scale * xs[1] + micro * xs[2]) / m for m, xs in rows]
+    step_s, scale, micro_s, copy_s = (max(v, 0.0) for v in fitted)
+    ratios = [(step_s + scale * xs[1] + micro_s * xs[2] + copy_s * xs[3]) / m for m, xs in rows]
+    bandwidth = f"{1 / copy_s:.3g}" if copy_s else "math.inf"
     print(
-        f"fitted to these {len(rows)} runs: CostModel(compute_scale={scale:.3f}, step_overhead={step:.4f},"
-        f" micro_batch_overhead={micro:.5f}); predicted / measured step time with it: {min(ratios):.2f} .."
-        f" {max(ratios):.2f}"
+        f"fitted to these {len(rows)} runs: CostModel(compute_scale={scale:.3f}, step_overhead={step_s:.4f},"
+        f" micro_batch_overhead={micro_s:.5f}, copy_bandwidth={bandwidth}); predicted / measured step time with it:"
+        f" {min(ratios):.2f} .. {max(ratios):.2f}"
     )
 
 
@@ -227,7 +238,7 @@ def _profiled(data: dict) -> ProfiledCosts:
 def _plan(result: dict) -> PipelinePlan:
     plan = result["plan"]
     keys = ("pipeline_parallel_size", "data_parallel_size", "chunks", "checkpoint", "schedule")
-    return PipelinePlan(*(plan[key] for key in keys), tuple(plan["balance"]))
+    return PipelinePlan(*(plan[key] for key in keys), tuple(plan["balance"]), plan.get("virtual_stages", 1))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
 """The options that take one of a few names: option -> (allowed values, how the error names them)."""
 
 
-DEFAULTS = {"checkpoint": "except_last", "schedule": "gpipe"}
+DEFAULTS = {"checkpoint": "except_last", "schedule": "gpipe", "virtual_stages": 1}
 """The values of the options whose ``None`` stands for them (``None`` under ``plan="auto"``: the planner's choice)."""
 
 Balance = Union[None, str, Sequence[int]]
@@ -84,8 +84,9 @@ class PipelineConfig:
             looped fill-drain, ``"1f1b"`` Megatron-LM's interleaved 1F1B, ``"zb-h1"`` the interleaved 1F1B order
             with ZB-H1's W delay (see :mod:`lightning_gpipe.schedule`); a list ``balance`` gives ``K * v``
             entries. Parameter names, and so checkpoints, are those of the unsplit module: a run resumes with
-            another v or K. 1 (default): one chunk per stage. Tested on gloo (CPU) only; refused on CUDA, where
-            NCCL matches the point-to-point messages of two ranks by order, not by tag.
+            another v or K. 1 (``None``, default): one chunk per stage; under ``plan="auto"`` the planner's choice.
+            Tested on gloo (CPU) only; refused on CUDA, where NCCL matches the point-to-point messages of two ranks
+            by order, not by tag.
         deferred_batch_norm: ``True`` makes the backbone's ``nn.BatchNorm1d/2d/3d`` layers normalise with
             micro-batch statistics but update their running statistics once per mini-batch, equal to
             single-device batch norm's (see :class:`~lightning_gpipe.batchnorm.DeferredBatchNorm`); the
@@ -147,7 +148,7 @@ class PipelineConfig:
             size that is neither a positive integer nor ``"auto"``; a ``plan`` other than ``"auto"`` or ``None``, a
             ``memory_limit`` that is not a positive integer, ``memory_limit`` or ``cost_model`` without
             ``plan="auto"``, or ``plan="auto"`` with ``balance_memory_limit``; ``virtual_stages`` that is not a
-            positive integer, or above 1 with ``plan="auto"``; a ``compile`` that is neither a bool nor a dict of
+            positive integer; a ``compile`` that is neither a bool nor a dict of
             ``torch.compile``'s keyword arguments.
     """
 
@@ -157,7 +158,7 @@ class PipelineConfig:
     schedule: Optional[str] = None
     deferred_batch_norm: bool = False
     defer_weight_grad: Optional[bool] = None
-    virtual_stages: int = 1
+    virtual_stages: Optional[int] = None
     backbone: Optional[str] = None
     balance_memory_limit: Optional[int] = None
     start_method: str = "popen"
@@ -220,11 +221,6 @@ class PipelineConfig:
             raise ValueError(
                 f"GPipeStrategy(virtual_stages={v!r}): give the model chunks per stage, an integer >= 1 (1: none)."
             )
-        if v > 1 and self.plan is not None:
-            raise ValueError(
-                f"GPipeStrategy(plan='auto', virtual_stages={v}): the planner plans one chunk per stage; drop"
-                " virtual_stages, or plan=None."
-            )
 
     @property
     def splits_backward(self) -> bool:
@@ -279,7 +275,8 @@ class PipelineConfig:
 
     def constraints(self) -> Constraints:
         """What the user fixed, for the planner: ``chunks``, a ``balance`` (list or mode), the mesh sizes that are
-        not ``"auto"``, and ``checkpoint`` and ``schedule`` when given explicitly (even at their default values)."""
+        not ``"auto"``, and ``checkpoint``, ``schedule`` and ``virtual_stages`` when given explicitly (even at their
+        default values)."""
         return Constraints(
             pipeline_parallel_size=None if self.pipeline_parallel_size == "auto" else self.pipeline_parallel_size,
             data_parallel_size=None if self.data_parallel_size == "auto" else self.data_parallel_size,
@@ -287,6 +284,7 @@ class PipelineConfig:
             checkpoint=self.checkpoint if "checkpoint" in self._given else None,
             schedule=self.schedule if "schedule" in self._given else None,
             balance=self.balance,
+            virtual_stages=self.virtual_stages if "virtual_stages" in self._given else None,
         )
 
     @property

@@ -50,7 +50,7 @@ def shared_layer_costs(strategy: Strategy, module: "pl.LightningModule", name: s
 def planned_config(
     strategy: Strategy, requested: PipelineConfig, module: "pl.LightningModule", name: str
 ) -> PipelineConfig:
-    """``requested`` with the chunks, checkpoint mode, schedule and balance of ``plan="auto"``'s plan
+    """``requested`` with the chunks, checkpoint mode, schedule, virtual stages and balance of ``plan="auto"``'s plan
     (:func:`~lightning_gpipe.planning.api.plan_for_strategy`, profiled on global rank 0), kept with its report in
     ``strategy.plan_report`` and printed on global rank 0.
 
@@ -71,5 +71,5 @@ def planned_config(
         strategy.plan_report = report
         rank_zero_info(report.table())
     chosen = report.chosen.plan
-    options = {key: getattr(chosen, key) for key in ("chunks", "checkpoint", "schedule")}
+    options = {key: getattr(chosen, key) for key in ("chunks", "checkpoint", "schedule", "virtual_stages")}
     return replace(requested, balance=list(chosen.balance), **options)

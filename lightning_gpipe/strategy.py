@@ -70,7 +70,7 @@ class GPipeStrategy(MeshStrategy):
         start_method: ``"popen"`` (default) or ``"spawn"``.
         state_dict_type: checkpoints as one ``"full"`` file (default) or a ``"sharded"`` directory.
         schedule: ``"gpipe"`` (fill-drain; ``None``, default), ``"1f1b"`` or ``"zb-h1"`` (zero-bubble).
-        virtual_stages: model chunks per stage, interleaved (default 1).
+        virtual_stages: model chunks per stage, interleaved (``None``, default: 1, or the planner's choice).
         pipeline_parallel_size: K, the stages of each pipeline (default ``"auto"``).
         data_parallel_size: D, the pipeline replicas (default ``"auto"``).
         timeout: the process group's timeout (30 minutes by default).
@@ -108,7 +108,7 @@ class GPipeStrategy(MeshStrategy):
         start_method: Literal["popen", "spawn"] = "popen",
         state_dict_type: Literal["full", "sharded"] = "full",
         schedule: Optional[Literal["gpipe", "1f1b", "zb-h1"]] = None,
-        virtual_stages: int = 1,
+        virtual_stages: Optional[int] = None,
         pipeline_parallel_size: Size = "auto",
         data_parallel_size: Size = "auto",
         timeout: Optional[timedelta] = default_pg_timeout,

@@ -50,6 +50,19 @@ class DeferredWeightGradient:
         """Compute the weight gradients and add them to the parameters' ``.grad``."""
         run_together([self])
 
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the gradients kept for W (each storage once; the saved activations, kept too, are not counted);
+        0 once computed."""
+        storages = {
+            grad.untyped_storage().data_ptr(): grad.untyped_storage().nbytes()
+            for group in self._groups or ()
+            for _, grad_outputs in group.seeds
+            for grad in grad_outputs
+            if grad is not None
+        }
+        return sum(storages.values())
+
     def _take(self) -> list["_Group"]:
         """The groups, once (the graph is freed after them)."""
         groups, self._groups = self._groups, None

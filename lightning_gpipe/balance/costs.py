@@ -20,6 +20,13 @@ class LayerCost:
         transient_bytes: bytes the layer's forward or backward holds for a moment beyond what it keeps: the larger of
             the forward's peak over its end and the backward's peak over both its start and its end (the gradients
             of a cell's internal tensors, intermediates no operation saves), in tensors the operators create.
+        input_grad: seconds of the backward's B half when it is split into B and W (zero-bubble's input gradient,
+            :mod:`lightning_gpipe.weightgrad`); 0 (default) when not measured, or the layer's input has no gradient.
+        weight_grad: seconds of the W half of that split (the parameters' gradients); 0 (default) when not
+            measured. The two together cost more than ``backward``: W runs the parameters' side of the layer's
+            autograd nodes again.
+        kept_grad_bytes: bytes the B half keeps until the W half runs (the gradients arriving where the layer's
+            parameters branch off, :mod:`lightning_gpipe.weightgrad`); 0 (default) when not measured.
     """
 
     forward: float
@@ -30,3 +37,6 @@ class LayerCost:
     input_saved_bytes: int = 0
     output_saved_bytes: int = 0
     transient_bytes: int = 0
+    input_grad: float = 0.0
+    weight_grad: float = 0.0
+    kept_grad_bytes: int = 0

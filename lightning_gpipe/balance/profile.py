@@ -24,6 +24,7 @@ from lightning_gpipe.events import PeakBytes, SavedBytes
 from lightning_gpipe.microbatch import Value, leaves, tensors
 from lightning_gpipe.partition import Partition, materialize
 from lightning_gpipe.skip.tracker import SkipTracker, tracking
+from lightning_gpipe.weightgrad import backward_input
 
 
 def profile_layers(
@@ -32,6 +33,7 @@ def profile_layers(
     device: Union[torch.device, str] = "cpu",
     repeats: int = 5,
     warmup: int = 2,
+    split: bool = False,
 ) -> list[LayerCost]:
     """Measure the cost of each layer of ``layers`` for the micro-batch ``sample``.
 
@@ -53,13 +55,18 @@ def profile_layers(
         repeats: timed runs per layer (>= 1); the median is kept.
         warmup: untimed runs per layer before the timed ones (>= 0). One more forward and backward,
             untimed, counts the saved activations and the transient bytes.
+        split: also time the backward split into B and W, as zero-bubble schedules run it
+            (:func:`~lightning_gpipe.weightgrad.backward_input`, then the deferred W), after each timed run
+            (default ``False``: not measured, ``input_grad`` and ``weight_grad`` are 0). A layer whose input has no
+            gradient (the backbone's first, on data) has no B: its whole backward is W.
 
     Returns:
         One :class:`LayerCost` per layer, in order: ``forward`` and ``backward`` in seconds,
         ``activation_bytes`` (tensors autograd saves for the backward, excluding the layer's own
         parameters and buffers, each storage counted once), ``output_bytes``,
         ``parameter_bytes`` (parameters and buffers) and ``transient_bytes`` (the forward's or the
-        backward's peak beyond what it keeps), all in bytes.
+        backward's peak beyond what it keeps), all in bytes; with ``split``, ``input_grad`` and ``weight_grad`` in
+        seconds and ``kept_grad_bytes`` (what B keeps for W) in bytes.
 
     Raises:
         ValueError: if ``repeats`` is below 1 or ``warmup`` below 0, or a meta-device layer cannot be
@@ -77,7 +84,7 @@ def profile_layers(
             replica = copy.deepcopy(layer)
             materialize(replica, device)
             partition = Partition({name: replica.to(device).train()})
-            cost, output, stashed = _profile(partition, value, skips, device, repeats, warmup)
+            cost, output, stashed = _profile(partition, value, skips, device, repeats, warmup, split)
             costs.append(cost)
             value = leaves(output, requires_grad=None, device=device)
             skips.update({key: leaves(t, requires_grad=None, device=device) for key, t in stashed.items()})
@@ -85,10 +92,13 @@ def profile_layers(
     return costs
 
 
-def _profile(layer: Partition, value: Value, skips: dict, device: torch.device, repeats: int, warmup: int) -> tuple:
+def _profile(
+    layer: Partition, value: Value, skips: dict, device: torch.device, repeats: int, warmup: int, split: bool
+) -> tuple:
     saved, output, stashed, transient = _counted_run(layer, value, skips)
     grads = [torch.ones_like(t) for t in _differentiable(output, stashed)]
     runs = [_run(layer, value, skips, grads, device) for _ in range(warmup + repeats)][warmup:]
+    halves = [_split_run(layer, value, skips, grads, device) for _ in range(warmup + repeats)][warmup:] if split else []
     cost = LayerCost(
         forward=statistics.median(forward for forward, _ in runs),
         backward=statistics.median(backward for _, backward in runs),
@@ -98,6 +108,9 @@ def _profile(layer: Partition, value: Value, skips: dict, device: torch.device, 
         input_saved_bytes=_shared(saved, value),
         output_saved_bytes=_shared(saved, output),
         transient_bytes=transient,
+        input_grad=statistics.median(b for b, _, _ in halves) if halves else 0.0,
+        weight_grad=statistics.median(w for _, w, _ in halves) if halves else 0.0,
+        kept_grad_bytes=halves[0][2] if halves else 0,
     )
     return cost, output, stashed
 
@@ -115,6 +128,29 @@ def _run(layer: Partition, value: Value, skips: dict, grads: list[Tensor], devic
     for t in [*tensors(value), *skips.values()]:
         t.grad = None
     return middle - start, end - middle
+
+
+def _split_run(layer: Partition, value: Value, skips: dict, grads: list[Tensor], device: torch.device) -> tuple:
+    """One forward, then its backward timed in two halves as the engine splits it; returns (B seconds, W seconds,
+    bytes B keeps for W). Without a differentiable input (or output) the whole backward is W."""
+    clock = _clock(device)
+    with tracking(SkipTracker(skips)) as tracker:
+        output = layer.run(value)
+    outputs = _differentiable(output, tracker.stashed)
+    inputs = [t for t in [*tensors(value), *skips.values()] if t.requires_grad]
+    start, kept = clock(), 0
+    if outputs and inputs:
+        weight = backward_input(outputs, grads, inputs)
+        middle, kept = clock(), weight.kept_bytes
+        weight()
+    else:
+        middle = start
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+    end = clock()
+    for t in [*tensors(value), *skips.values()]:
+        t.grad = None
+    return middle - start, end - middle, kept
 
 
 def _counted_run(layer: Partition, value: Value, skips: dict) -> tuple[dict[int, int], Value, dict, int]:

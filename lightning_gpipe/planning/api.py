@@ -14,6 +14,7 @@ from lightning_gpipe.planning.costs import CostModel, ProfiledCosts, optimizer_s
 from lightning_gpipe.planning.profiling import module_state_factor, profile_module
 from lightning_gpipe.planning.report import PlanReport
 from lightning_gpipe.planning.search import Constraints, search
+from lightning_gpipe.skip.skippable import is_skippable
 
 ASSUMED_STATE_FACTOR = 2
 """Optimizer state tensors per parameter assumed when ``configure_optimizers`` cannot be read (Adam's)."""
@@ -34,6 +35,7 @@ def plan(
     checkpoint: Optional[str] = None,
     schedule: Optional[str] = None,
     balance: Union[None, str, Sequence[int]] = None,
+    virtual_stages: Optional[int] = None,
 ) -> PlanReport:
     """Plan a pipeline for ``module`` on ``world_size`` devices of ``memory_limit`` bytes each, without training.
 
@@ -58,7 +60,9 @@ def plan(
         chunks: M, fixed.
         checkpoint: the re-materialization mode, fixed.
         schedule: the schedule, fixed.
-        balance: layers per stage (a list), or a mode of :data:`lightning_gpipe.balance.MODES`.
+        balance: layers per (virtual) stage (a list), or a mode of :data:`lightning_gpipe.balance.MODES`.
+        virtual_stages: model chunks per stage, fixed. The planner tries 1 and 2 only where the strategy can run
+            them: on the CPU (gloo), for a backbone without skip connections.
 
     Returns:
         The :class:`~lightning_gpipe.planning.report.PlanReport`: ``report.chosen.plan.options()`` are the
@@ -74,10 +78,24 @@ def plan(
             " set the module's example_input_array."
         )
     name = _built_backbone(module, backbone)
-    constraints = Constraints(pipeline_parallel_size, data_parallel_size, chunks, checkpoint, schedule, balance)
+    constraints = Constraints(
+        pipeline_parallel_size, data_parallel_size, chunks, checkpoint, schedule, balance, virtual_stages
+    )
+    constraints = _interleaving(constraints, getattr(module, name), torch.device(device))
     profiled = profile_module(module, name, device, example_batch, chunks)
     factor = optimizer_state_factor(optimizer) if optimizer is not None else _state_factor(module)
     return search(world_size, profiled, memory_limit, factor, cost_model, constraints)
+
+
+def _interleaving(constraints: Constraints, layers: torch.nn.Sequential, device: torch.device) -> Constraints:
+    """``constraints`` with one model chunk per stage fixed where the strategy cannot interleave: on CUDA (NCCL,
+    see ``GPipeStrategy(virtual_stages=...)``) and for a backbone with skip connections (which may join two chunks
+    of one stage). A fixed ``virtual_stages`` is kept (the strategy then says why it cannot run it)."""
+    if constraints.virtual_stages is not None:
+        return constraints
+    if device.type != "cpu" or any(is_skippable(layer) for layer in layers):
+        return replace(constraints, virtual_stages=1)
+    return constraints
 
 
 def _built_backbone(module: LightningModule, backbone: Optional[str]) -> str:
@@ -131,6 +149,7 @@ def plan_for_strategy(
     if factor is None:
         factor = _state_factor(module)
     constraints = replace(config.constraints(), pipeline_parallel_size=mesh[0], data_parallel_size=mesh[1])
+    constraints = _interleaving(constraints, getattr(module, backbone), device)
     return search(mesh[0] * mesh[1], profiled, share(limit), factor, config.cost_model or CostModel(), constraints)
 
 

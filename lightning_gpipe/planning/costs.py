@@ -36,6 +36,12 @@ class CostModel:
             device, the stages run at once and may slow each other (on a CPU they share memory bandwidth and
             caches, see ``benchmarks/hardware.py``); default 1.1, fitted on the project's 2-core machine (the
             benchmark MLP's plans, measured while the machine was quiet, ran 4 to 15% slower than predicted at 1).
+        copy_bandwidth: bytes per second of a stage's own time that the activations and gradients it sends and
+            receives cost it, on top of ``transfer_latency`` and ``transfer_bandwidth`` (which only delay the
+            receiver): on a CPU, gloo's copies through the host's network stack run on the cores that compute (and
+            the stage allocates every buffer it receives into). This is what makes interleaving (``virtual_stages``,
+            v times the transfers) slower here; on GPUs, which copy by DMA, set ``math.inf``. Default 0.5 GB/s,
+            fitted on the project's 2-core machine (docs/planning.md, "Calibrating").
     """
 
     transfer_latency: float = 1e-3
@@ -46,10 +52,15 @@ class CostModel:
     all_reduce_bandwidth: float = 5e8
     memory_margin: float = 0.05
     compute_scale: float = 1.1
+    copy_bandwidth: float = 5e8
 
     def transfer_time(self, nbytes: float) -> float:
         """Seconds to move ``nbytes`` between neighbouring stages."""
         return self.transfer_latency + nbytes / self.transfer_bandwidth
+
+    def copy_time(self, nbytes: float) -> float:
+        """Seconds of a stage's own time to send or receive ``nbytes`` (see ``copy_bandwidth``)."""
+        return nbytes / self.copy_bandwidth
 
     def optimizer_time(self, parameter_bytes: float, state_factor: float) -> float:
         """Seconds of one optimizer step over ``parameter_bytes`` with ``state_factor`` state tensors per parameter."""
@@ -138,9 +149,12 @@ def _interpolate(big: LayerCost, small: LayerCost, big_rows: int, small_rows: in
         big,
         forward=affine(big.forward, small.forward),
         backward=affine(big.backward, small.backward),
+        input_grad=affine(big.input_grad, small.input_grad),
+        weight_grad=affine(big.weight_grad, small.weight_grad),
         activation_bytes=round(big.activation_bytes * scale),
         output_bytes=round(big.output_bytes * scale),
         input_saved_bytes=round(big.input_saved_bytes * scale),
         output_saved_bytes=round(big.output_saved_bytes * scale),
         transient_bytes=round(big.transient_bytes * scale),
+        kept_grad_bytes=round(big.kept_grad_bytes * scale),
     )

@@ -18,7 +18,7 @@ from lightning_gpipe.balance.costs import LayerCost
 from lightning_gpipe.balance.solver import stage_sums
 from lightning_gpipe.planning.costs import CostModel, ProfiledCosts
 from lightning_gpipe.planning.held import held_peak
-from lightning_gpipe.schedule import plans
+from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, Kind, plans
 from lightning_gpipe.simulator import StageCost, Transfer, simulate
 
 
@@ -31,8 +31,10 @@ class PipelinePlan:
         data_parallel_size: D, pipeline replicas.
         chunks: M, micro-batches per mini-batch.
         checkpoint: the re-materialization mode (``GPipeStrategy(checkpoint=...)``).
-        schedule: a name of :data:`lightning_gpipe.schedule.SCHEDULES`.
-        balance: backbone layers per stage.
+        schedule: a name of :data:`lightning_gpipe.schedule.SCHEDULES`, run with its default B/W split
+            (:data:`~lightning_gpipe.schedule.DEFERRED_BY_DEFAULT`).
+        balance: backbone layers per stage, ``K * virtual_stages`` entries (per virtual stage).
+        virtual_stages: v, model chunks per stage (``GPipeStrategy(virtual_stages=...)``); 1 by default.
     """
 
     pipeline_parallel_size: int
@@ -41,6 +43,7 @@ class PipelinePlan:
     checkpoint: str
     schedule: str
     balance: tuple[int, ...]
+    virtual_stages: int = 1
 
     def options(self) -> dict:
         """The plan as ``GPipeStrategy`` keyword arguments (``balance`` as a list)."""
@@ -111,35 +114,62 @@ class PlanPrediction:
         return self.step_time / (self.plan.data_parallel_size * self.batch_rows)
 
 
-def stage_costs(layers: Sequence[LayerCost], balance: Sequence[int], model: CostModel) -> list[StageCost]:
-    """Per-stage costs for the simulator, each storage counted once.
+def stage_costs(
+    layers: Sequence[LayerCost], balance: Sequence[int], model: CostModel, split: bool = False
+) -> list[StageCost]:
+    """Per-(virtual-)stage costs for the simulator, each storage counted once.
 
     A tensor a layer saves as its output and the next layer saves as its input (ReLU, then Linear) is one storage;
     a stage's first layer saving its input holds the stage's kept input, which the simulator counts already; the
     first stage's input is a view of the batch (counted with the buffers). Layer times are scaled by
-    ``model.compute_scale``; the engine's cost per micro-batch is added half to the forward, half to the backward.
+    ``model.compute_scale``; the engine's cost per micro-batch is added half to the forward, half to the backward,
+    and the cost of copying what the stage receives and sends (``model.copy_time``: in the forward the input and the
+    output, in the backward their gradients) to each.
+    With ``split`` (a schedule that splits its backwards into B and W), every stage after the first runs each
+    layer's measured B and W (``LayerCost.input_grad`` and ``weight_grad``; a layer not measured so keeps its whole
+    backward, with no W) and holds the gradients B keeps for W (``kept_grad_bytes``) with the micro-batch's saved
+    activations (from its forward: an upper bound, they exist from its B); the first stage sends no input gradient,
+    so it runs whole backwards (as the engine).
     """
-    stages, start = [], 0
+    stages: list[StageCost] = []
+    start, last = 0, len(balance) - 1
     for k, count in enumerate(balance):
         part = layers[start : start + count]
         start += count
         shared = sum(min(a.output_saved_bytes, b.input_saved_bytes) for a, b in zip(part, part[1:]))
+        halves = [_halves(c) if split and k > 0 else (c.backward, 0.0) for c in part]
+        received = 0 if k == 0 else stages[-1].output_bytes
+        moved = model.copy_time(received + (part[-1].output_bytes if k < last else 0))  # each way, per micro-batch
+        engine = model.micro_batch_overhead / 2 + moved
+        kept = sum(c.kept_grad_bytes for c in part) if split and k > 0 else 0  # B's gradients kept for W
         stages.append(
             StageCost(
-                forward=model.compute_scale * sum(c.forward for c in part) + model.micro_batch_overhead / 2,
-                backward=model.compute_scale * sum(c.backward for c in part) + model.micro_batch_overhead / 2,
-                input_bytes=0 if k == 0 else stages[-1].output_bytes,
-                activation_bytes=sum(c.activation_bytes for c in part) - shared - part[0].input_saved_bytes,
+                forward=model.compute_scale * sum(c.forward for c in part) + engine,
+                backward=model.compute_scale * sum(b + w for b, w in halves) + engine,
+                input_bytes=received,
+                activation_bytes=sum(c.activation_bytes for c in part) - shared - part[0].input_saved_bytes + kept,
                 output_bytes=part[-1].output_bytes,
+                weight=model.compute_scale * sum(w for _, w in halves),
             )
         )
     return stages
+
+
+def _halves(cost: LayerCost) -> tuple[float, float]:
+    """A layer's B and W seconds when its backward is split; its whole backward and no W if they were not
+    measured."""
+    if cost.input_grad or cost.weight_grad:
+        return cost.input_grad, cost.weight_grad
+    return cost.backward, 0.0
 
 
 def predict(
     plan: PipelinePlan, profiled: ProfiledCosts, model: CostModel, state_factor: int, limit: float
 ) -> PlanPrediction:
     """Predict ``plan``'s step and memory (see the module docstring).
+
+    With virtual stages a process's memory is the sum over its model chunks; what its chunks hold for their
+    transfers is each chunk's peak added up (an upper bound: the chunks' peaks need not coincide).
 
     Args:
         plan: the plan.
@@ -152,12 +182,16 @@ def predict(
     rows_n = profiled.batch_rows
     chunks = min(plan.chunks, rows_n)
     layers = profiled.for_chunks(chunks)
-    stages = stage_costs(layers, plan.balance, model)
-    params = [round(p) for p in stage_sums([c.parameter_bytes for c in layers], plan.balance)]
+    stages = stage_costs(layers, plan.balance, model, DEFERRED_BY_DEFAULT[plan.schedule])
+    per_virtual = stage_sums([c.parameter_bytes for c in layers], plan.balance)
+    params = [round(sum(per_virtual[s] for s in _chunks_of(plan, k))) for k in range(plan.pipeline_parallel_size)]
     replicas = plan.data_parallel_size
     optimizer = [model.optimizer_time(p, state_factor) + model.all_reduce_time(p, replicas) for p in params]
     transfer = Transfer(model.transfer_latency, model.transfer_bandwidth)
-    simulated = simulate(stages, chunks, plan.checkpoint, transfer, optimizer=optimizer, schedule=plan.schedule)
+    simulated = simulate(
+        stages, chunks, plan.checkpoint, transfer, optimizer=optimizer, schedule=plan.schedule,
+        virtual_stages=plan.virtual_stages,
+    )  # fmt: skip
     joined = profiled.at(rows_n)[-1].output_bytes
     held = _held(plan, chunks, stages, layers)
     memory = tuple(
@@ -166,9 +200,9 @@ def predict(
             gradients=p,
             optimizer=state_factor * p,
             activations=simulated.peak_activation_bytes[k],
-            buffers=_buffers(stages, k, profiled.input_bytes, joined) + p * (replicas > 1),
+            buffers=_buffers(plan, stages, k, profiled.input_bytes, joined) + p * (replicas > 1),
             transfers=max(held[k] - simulated.peak_activation_bytes[k], 0),
-            transient=max(c.transient_bytes for c in _stage_layers(layers, plan.balance, k)),
+            transient=max(c.transient_bytes for c in _process_layers(plan, layers, k)),
         )
         for k, p in enumerate(params)
     )
@@ -183,30 +217,46 @@ def predict(
     )
 
 
-def _stage_layers(layers: Sequence[LayerCost], balance: Sequence[int], k: int) -> Sequence[LayerCost]:
-    """Stage ``k``'s layers."""
-    start = sum(balance[:k])
-    return layers[start : start + balance[k]]
+def _chunks_of(plan: PipelinePlan, k: int) -> range:
+    """The virtual stages process ``k`` runs: ``k``, ``k + K``, ... (one without virtual stages)."""
+    num_stages = plan.pipeline_parallel_size
+    return range(k, num_stages * plan.virtual_stages, num_stages)
+
+
+def _stage_layers(layers: Sequence[LayerCost], balance: Sequence[int], s: int) -> Sequence[LayerCost]:
+    """(Virtual) stage ``s``'s layers."""
+    start = sum(balance[:s])
+    return layers[start : start + balance[s]]
+
+
+def _process_layers(plan: PipelinePlan, layers: Sequence[LayerCost], k: int) -> list[LayerCost]:
+    """The layers of process ``k``'s chunks."""
+    return [c for s in _chunks_of(plan, k) for c in _stage_layers(layers, plan.balance, s)]
 
 
 def _held(plan: PipelinePlan, chunks: int, stages: Sequence[StageCost], layers: Sequence[LayerCost]) -> list[int]:
-    """Per stage, the peak bytes of kept inputs, saved activations and what it holds for its transfers, walked over
-    the stage's own plan (:func:`~lightning_gpipe.planning.held.held_peak`)."""
-    every = plans(plan.schedule, plan.pipeline_parallel_size, chunks, plan.checkpoint)
+    """Per process, the peak bytes of kept inputs, saved activations and what it holds for its transfers, walked over
+    each chunk's actions of the process's own plan (:func:`~lightning_gpipe.planning.held.held_peak`) and added up
+    over its chunks."""
+    every = plans(plan.schedule, plan.pipeline_parallel_size, chunks, plan.checkpoint, None, plan.virtual_stages)
     peaks = []
-    for k, (stage, stage_plan) in enumerate(zip(stages, every)):
-        last = _stage_layers(layers, plan.balance, k)[-1]
-        per_micro = (stage.input_bytes, stage.activation_bytes, stage.output_bytes, last.output_saved_bytes)
-        peaks.append(held_peak(stage_plan.actions, k < len(stages) - 1, plan.checkpoint, chunks, per_micro))
+    for k, stage_plan in enumerate(every):
+        peak = 0
+        for c, s in enumerate(_chunks_of(plan, k)):
+            stage, last = stages[s], _stage_layers(layers, plan.balance, s)[-1]
+            per_micro = (stage.input_bytes, stage.activation_bytes, stage.output_bytes, last.output_saved_bytes)
+            actions = [a for a in stage_plan.actions if a.chunk == c or a.kind is Kind.FLUSH]  # a flush: every chunk's
+            peak += held_peak(actions, s < len(stages) - 1, plan.checkpoint, chunks, per_micro)
+        peaks.append(peak)
     return peaks
 
 
-def _buffers(stages: Sequence[StageCost], k: int, batch_bytes: int, joined: int) -> int:
-    """Bytes of stage ``k``'s buffers: two batches (every stage loads them: Lightning's loop fetches the next batch
-    before the step on the current one ends), two output gradients in flight (their
-    receives are posted one ahead), and on the last stage the whole mini-batch's output (``joined``) and its gradient:
-    measured under 1F1B too, whose user step takes one micro-batch at a time. The input gradients it sends are
-    ``StageMemory.transfers``."""
-    last = k == len(stages) - 1
-    received = 0 if last else 2 * stages[k].output_bytes
-    return 2 * batch_bytes + received + (2 * joined if last else 0)
+def _buffers(plan: PipelinePlan, stages: Sequence[StageCost], k: int, batch_bytes: int, joined: int) -> int:
+    """Bytes of process ``k``'s buffers: two batches (every stage loads them: Lightning's loop fetches the next batch
+    before the step on the current one ends), per chunk two output gradients in flight (their
+    receives are posted one ahead), and on the process with the last stage the whole mini-batch's output
+    (``joined``) and its gradient: measured under 1F1B too, whose user step takes one micro-batch at a time. The
+    input gradients it sends are ``StageMemory.transfers``."""
+    last = len(stages) - 1
+    received = sum(2 * stages[s].output_bytes for s in _chunks_of(plan, k) if s != last)
+    return 2 * batch_bytes + received + (2 * joined if last in _chunks_of(plan, k) else 0)

@@ -20,7 +20,7 @@ PROFILED_CHUNKS = 8
 def profile_sizes(
     layers: nn.Sequential, value: Value, device: Union[torch.device, str], chunks: Optional[int] = None
 ) -> ProfiledCosts:
-    """Profile ``layers`` (:func:`~lightning_gpipe.balance.profile_layers`) on two micro-batches of the mini-batch
+    """Profile ``layers`` (:func:`~lightning_gpipe.balance.profile_layers`, with the B/W split timed) on two micro-batches of the mini-batch
     ``value``: one of :data:`PROFILED_CHUNKS` and one of :data:`~lightning_gpipe.planning.search.MAX_CHUNKS` (or,
     when ``chunks`` is fixed, one of ``chunks`` micro-batches, twice the same size). Not the whole mini-batch: a
     layer's activations on all of it may not fit a device that trains the model in micro-batches.
@@ -32,8 +32,8 @@ def profile_sizes(
     rows = microbatch.batch_size(value)
     large_chunks, small_chunks = (chunks, chunks) if chunks is not None else (PROFILED_CHUNKS, MAX_CHUNKS)
     large, small = (microbatch.scatter(value, m)[0] for m in (large_chunks, small_chunks))
-    large_costs = profile_layers(layers, large, device)
-    small_costs = large_costs if small_chunks == large_chunks else profile_layers(layers, small, device)
+    large_costs = profile_layers(layers, large, device, split=True)
+    small_costs = large_costs if small_chunks == large_chunks else profile_layers(layers, small, device, split=True)
     sizes = (microbatch.batch_size(large), microbatch.batch_size(small))
     input_bytes = sum(t.numel() * t.element_size() for t in microbatch.tensors(value))
     return ProfiledCosts(sizes, large_costs, small_costs, rows, input_bytes)

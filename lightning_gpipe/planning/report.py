@@ -61,7 +61,8 @@ class PlanReport:
         }
 
     def table(self) -> str:
-        """The chosen plan and the runners-up as a text table, one row each, with each stage's predicted peak."""
+        """The chosen plan and the runners-up as a text table, one row each, with each stage's predicted peak
+        (``vN`` after a schedule: N model chunks per stage)."""
         head = (
             f"Pipeline plan: {sum(p.fits for p in self.predictions)} of {len(self.predictions)} plans fit"
             f" {self.memory_limit / MIB:,.0f} MiB per device ({self.world_size} processes); fastest per row first"
@@ -77,9 +78,10 @@ def _row(mark: str, p: PlanPrediction) -> str:
     balance = ",".join(map(str, plan.balance))
     balance = balance if len(balance) <= 15 else balance[:12] + "..."
     peaks = " / ".join(f"{stage.total / MIB:,.0f}" for stage in p.memory)
+    schedule = plan.schedule + (f" v{plan.virtual_stages}" if plan.virtual_stages > 1 else "")  # model chunks per stage
     return (
         f"{mark} {f'{plan.pipeline_parallel_size}x{plan.data_parallel_size}':<6}{plan.chunks:>7}  {plan.checkpoint:<12}"
-        f"{plan.schedule:<10}{balance:<16}{p.step_time:>9.4f}{1e3 * p.seconds_per_row:>8.3f}{p.bubble:>8.1%}  {peaks}"
+        f"{schedule:<10}{balance:<16}{p.step_time:>9.4f}{1e3 * p.seconds_per_row:>8.3f}{p.bubble:>8.1%}  {peaks}"
     )
 
 

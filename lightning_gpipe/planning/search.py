@@ -1,13 +1,16 @@
-"""Choosing the plan: every feasible (mesh, chunks, checkpoint, schedule) with its best balance, predicted, ranked.
+"""Choosing the plan: every feasible (mesh, chunks, checkpoint, schedule, virtual stages) with its best balance,
+predicted, ranked.
 
 The candidates are every pipeline x data-parallel size whose product is the world size, ``chunks`` in powers of two
-up to the mini-batch's rows (and :data:`MAX_CHUNKS`), every re-materialization mode and every schedule of
+up to the mini-batch's rows (and :data:`MAX_CHUNKS`), every re-materialization mode, every schedule of
 :data:`lightning_gpipe.schedule.SCHEDULES` that runs whole backwards by default (so a schedule added there is
-planned for too; the cost model has no weight-gradient share, so a schedule that needs the B/W split, ``"zb-h1"``,
-is planned only when the user names it), minus what the user fixed (:class:`Constraints`). For each, the balance is
-the time-optimal split (:func:`~lightning_gpipe.balance.solve`) if it fits the memory limit, else the fastest split
-whose stages fit by the additive part of their memory (parameters, gradients, optimizer state, saved activations;
-the boundaries' share is reserved for the largest layer output). Each plan is predicted
+planned for too; one that splits its backwards into B and W, ``"zb-h1"``, only when the user names it: its time is
+predicted from the profiled B and W, but its measured peak on the last stage exceeded the prediction by up to half,
+docs/planning.md) and each of :data:`VIRTUAL_STAGES` model chunks per stage that the layers allow, minus what the user fixed
+(:class:`Constraints`). For each, the balance is the time-optimal split into ``K * v`` (virtual) stages
+(:func:`~lightning_gpipe.balance.solve`) if it fits the memory limit, else (one chunk per stage only) the fastest
+split whose stages fit by the additive part of their memory (parameters, gradients, optimizer state, saved
+activations; the boundaries' share is reserved for the largest layer output). Each plan is predicted
 (:func:`~lightning_gpipe.planning.predict.predict`); the fastest per row that fits wins. PipeDream's planner
 (Narayanan et al. 2019, section 3.1) chose partition and replication from a profile alike."""
 
@@ -28,6 +31,11 @@ from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, SCHEDULES
 MAX_CHUNKS = 64
 """The most micro-batches the planner tries (unless the user fixes ``chunks``)."""
 
+VIRTUAL_STAGES = (1, 2)
+"""The model chunks per stage the planner tries (unless the user fixes ``virtual_stages``). Each chunk more adds a
+transfer per micro-batch each way; on the project's CPU machine two chunks were already slower than one
+(docs/benchmarks.md, "Interleaved virtual stages"), so more are not tried."""
+
 
 @dataclass(frozen=True)
 class Constraints:
@@ -39,8 +47,9 @@ class Constraints:
         chunks: M.
         checkpoint: the re-materialization mode.
         schedule: the schedule's name.
-        balance: layers per stage (a list fixes the split and K), or a mode of
+        balance: layers per (virtual) stage (a list fixes the split, and K with ``virtual_stages``), or a mode of
             :data:`lightning_gpipe.balance.MODES` that chooses the split.
+        virtual_stages: v, model chunks per stage (a list ``balance`` without it means 1).
     """
 
     pipeline_parallel_size: Optional[int] = None
@@ -49,6 +58,12 @@ class Constraints:
     checkpoint: Optional[str] = None
     schedule: Optional[str] = None
     balance: Union[None, str, Sequence[int]] = None
+    virtual_stages: Optional[int] = None
+
+    @property
+    def listed(self) -> bool:
+        """Whether ``balance`` is a list of layers per stage."""
+        return isinstance(self.balance, (list, tuple))
 
 
 def meshes(world_size: int, num_layers: int, constraints: Constraints) -> list[tuple[int, int]]:
@@ -57,7 +72,8 @@ def meshes(world_size: int, num_layers: int, constraints: Constraints) -> list[t
     Raises:
         ValueError: if none is left, naming the constraints that exclude them all.
     """
-    fixed_k = len(constraints.balance) if isinstance(constraints.balance, (list, tuple)) else None
+    listed = constraints.balance if constraints.listed else None
+    fixed_k = len(listed) / (constraints.virtual_stages or 1) if listed is not None else None  # no k if fractional
     pairs = [
         (k, world_size // k)
         for k in range(1, world_size + 1)
@@ -78,18 +94,24 @@ def meshes(world_size: int, num_layers: int, constraints: Constraints) -> list[t
 
 
 def candidates(world_size: int, profiled: ProfiledCosts, constraints: Constraints) -> Iterator[tuple]:
-    """Every ``(K, D, M, checkpoint, schedule)`` the constraints allow (see the module docstring)."""
-    rows = profiled.batch_rows
+    """Every ``(K, D, M, checkpoint, schedule, v)`` the constraints allow (see the module docstring)."""
+    rows, num_layers = profiled.batch_rows, len(profiled.large)
     powers = [2**i for i in range(MAX_CHUNKS.bit_length()) if 2**i <= min(rows, MAX_CHUNKS)]
     chunks = [constraints.chunks] if constraints.chunks is not None else powers
     modes = [constraints.checkpoint] if constraints.checkpoint is not None else list(CHECKPOINT_MODES)
-    whole = [name for name in SCHEDULES if not DEFERRED_BY_DEFAULT[name]]  # the model predicts no B/W split
+    whole = [name for name in SCHEDULES if not DEFERRED_BY_DEFAULT[name]]  # the split's memory is not yet trusted
     schedules = [constraints.schedule] if constraints.schedule is not None else whole
-    grid = product(meshes(world_size, len(profiled.large), constraints), chunks, modes, schedules)
-    for (k, d), m, mode, schedule in grid:
+    if constraints.virtual_stages is not None:
+        chunked = [constraints.virtual_stages]
+    else:
+        chunked = [1] if constraints.listed else list(VIRTUAL_STAGES)
+    grid = product(meshes(world_size, num_layers, constraints), chunks, modes, schedules, chunked)
+    for (k, d), m, mode, schedule, v in grid:
         if m == 1 and mode == "except_last" and constraints.checkpoint is None:
             continue  # the same plan as "never": one micro-batch, the last, is never recomputed
-        yield k, d, m, mode, schedule
+        if v > 1 and (k == 1 or k * v > num_layers):
+            continue  # interleaving needs two stages and a layer per virtual stage
+        yield k, d, m, mode, schedule, v
 
 
 def search(
@@ -116,10 +138,11 @@ def search(
             the smallest limit that would fit, see :func:`~lightning_gpipe.planning.report.no_plan_fits`).
     """
     predictions = []
-    for k, d, m, mode, schedule in candidates(world_size, profiled, constraints):
+    for k, d, m, mode, schedule, v in candidates(world_size, profiled, constraints):
         layers = profiled.for_chunks(m)
-        for balance in _balances(layers, k, m, mode, schedule, d, state_factor, memory_limit, model, constraints):
-            plan = PipelinePlan(k, d, m, mode, schedule, tuple(balance))
+        shape = (k, m, mode, schedule, d, v)
+        for balance in _balances(layers, shape, state_factor, memory_limit, model, constraints):
+            plan = PipelinePlan(k, d, m, mode, schedule, tuple(balance), v)
             predictions.append(predict(plan, profiled, model, state_factor, memory_limit))
     predictions.sort(key=lambda p: (not p.fits, p.seconds_per_row, p.peak_bytes))
     report = PlanReport(predictions, memory_limit, world_size, model, profiled, state_factor)
@@ -130,24 +153,24 @@ def search(
 
 def _balances(
     layers: Sequence[LayerCost],
-    k: int,
-    m: int,
-    mode: str,
-    schedule: str,
-    d: int,
+    shape: tuple[int, int, str, str, int, int],
     state_factor: int,
     limit: float,
     model: CostModel,
     constraints: Constraints,
 ) -> list[list[int]]:
-    """The splits to predict for one candidate: the user's, or the time-optimal one and, when the memory limit
-    binds, the fastest one whose stages fit by their additive memory (if any)."""
-    if isinstance(constraints.balance, (list, tuple)):
+    """The splits to predict for one candidate ``shape`` = ``(K, M, checkpoint, schedule, D, v)``: the user's, or
+    the time-optimal one into ``K * v`` stages and, with one chunk per stage when the memory limit binds, the
+    fastest one whose stages fit by their additive memory (if any)."""
+    k, m, mode, schedule, d, v = shape
+    if constraints.listed:
         return [list(constraints.balance)]
     if isinstance(constraints.balance, str):
-        return [balance_by(constraints.balance, layers, k)]
+        return [balance_by(constraints.balance, layers, k * v)]
     times = [c.forward + c.backward for c in layers]
-    fastest = solve(times, k)
+    fastest = solve(times, k * v)
+    if v > 1:
+        return [fastest]  # a process's memory is its chunks' together, which a split by stages cannot bound
     held = m if mode == "never" else (min(2, m) if schedule != "gpipe" and mode == "except_last" else 1)
     additive = _additive_memory(layers, held, state_factor + 2 + (d > 1))
     reserve = (m + 3) * max(c.output_bytes for c in layers)

@@ -29,7 +29,6 @@ ARGUMENTS = {
     "stall_timeout_zero": (dict(stall_timeout=timedelta(0)), "as a positive `datetime.timedelta`"),
     "schedule": (dict(schedule="zb-v"), "choose 'gpipe' (fill-drain), '1f1b' (one forward, one backward) or 'zb-h1'"),
     "virtual_stages_zero": (dict(virtual_stages=0), "give the model chunks per stage, an integer >= 1"),
-    "virtual_stages_planned": (dict(plan="auto", virtual_stages=2), "the planner plans one chunk per stage"),
     "zb_h1_without_split": (
         dict(schedule="zb-h1", defer_weight_grad=False),
         "ZB-H1 runs each weight gradient apart from its input gradient, so it needs the B/W split; leave"

@@ -89,6 +89,19 @@ def test_profiler_counts_saved_activations_outputs_and_parameters_exactly():
     assert all(c.forward > 0 and c.backward > 0 for c in costs)
 
 
+def test_profiler_times_the_weight_split_and_counts_what_b_keeps_for_w():
+    rows, width = 6, 8
+    backbone = nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, width))
+    costs = profile_layers(backbone, torch.randn(rows, width), repeats=1, warmup=0, split=True)
+    first, relu, linear = costs
+    assert first.input_grad == 0 and first.weight_grad > 0  # on data: no input gradient, the whole backward is W
+    assert relu.input_grad > 0 and relu.kept_grad_bytes == 0  # no parameters: nothing kept for W
+    assert linear.input_grad > 0 and linear.weight_grad > 0
+    assert linear.kept_grad_bytes == rows * width * 4  # the output gradient, for the weight's product
+    unsplit = profile_layers(backbone, torch.randn(rows, width), repeats=1)
+    assert all(c.input_grad == c.weight_grad == c.kept_grad_bytes == 0 for c in unsplit)
+
+
 def test_profiler_leaves_the_layers_and_random_state_untouched():
     torch.manual_seed(0)
     backbone = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))

@@ -1,4 +1,5 @@
-"""Distributed worker: GPipeStrategy(plan="auto") profiles on rank 0, every stage runs the same chosen plan.
+"""Distributed worker: GPipeStrategy(plan="auto", virtual_stages=2) profiles on rank 0, every stage runs the same
+chosen plan (two model chunks per stage: the planner keeps what the user fixed, and the strategy runs it).
 
 Usage: python planning.py OUT_DIR --devices K  (run with Lightning's launcher)
 Writes OUT_DIR/rank{r}.json: the plan report, the names of the stage's local layers, the options the strategy ran
@@ -37,9 +38,9 @@ parser.add_argument("out")
 parser.add_argument("--devices", type=int, required=True)
 args = parser.parse_args()
 
-planned, names, planned_state = train(args.devices, plan="auto", memory_limit=2**30)
+planned, names, planned_state = train(args.devices, plan="auto", memory_limit=2**30, virtual_stages=2)
 chosen = planned.plan_report.chosen.plan
-options = {key: getattr(chosen, key) for key in ("chunks", "checkpoint", "schedule")}
+options = {key: getattr(chosen, key) for key in ("chunks", "checkpoint", "schedule", "virtual_stages")}
 _, _, given_state = train(args.devices, balance=list(chosen.balance), **options)
 record = {
     "report": planned.plan_report.as_dict(),
