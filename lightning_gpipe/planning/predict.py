@@ -202,7 +202,7 @@ def predict(
             activations=simulated.peak_activation_bytes[k],
             buffers=_buffers(plan, stages, k, profiled.input_bytes, joined) + p * (replicas > 1),
             transfers=max(held[k] - simulated.peak_activation_bytes[k], 0),
-            transient=max(c.transient_bytes for c in _process_layers(plan, layers, k)),
+            transient=_transient(plan, layers, stages, k),
         )
         for k, p in enumerate(params)
     )
@@ -232,6 +232,16 @@ def _stage_layers(layers: Sequence[LayerCost], balance: Sequence[int], s: int) -
 def _process_layers(plan: PipelinePlan, layers: Sequence[LayerCost], k: int) -> list[LayerCost]:
     """The layers of process ``k``'s chunks."""
     return [c for s in _chunks_of(plan, k) for c in _stage_layers(layers, plan.balance, s)]
+
+
+def _transient(plan: PipelinePlan, layers: Sequence[LayerCost], stages: Sequence[StageCost], k: int) -> int:
+    """Process ``k``'s transient: its largest layer's, or where its chunks split their backwards, the weight-gradient
+    products of W (:func:`~lightning_gpipe.weightgrad.run_together` computes every linear layer's before adding them
+    to ``.grad``), as large as the parameters of those chunks, if that is larger."""
+    largest = max(c.transient_bytes for c in _process_layers(plan, layers, k))
+    split = [s for s in _chunks_of(plan, k) if stages[s].weight]
+    products = sum(c.parameter_bytes for s in split for c in _stage_layers(layers, plan.balance, s))
+    return max(largest, products)
 
 
 def _held(plan: PipelinePlan, chunks: int, stages: Sequence[StageCost], layers: Sequence[LayerCost]) -> list[int]:

@@ -5,8 +5,8 @@ The candidates are every pipeline x data-parallel size whose product is the worl
 up to the mini-batch's rows (and :data:`MAX_CHUNKS`), every re-materialization mode, every schedule of
 :data:`lightning_gpipe.schedule.SCHEDULES` that runs whole backwards by default (so a schedule added there is
 planned for too; one that splits its backwards into B and W, ``"zb-h1"``, only when the user names it: its time is
-predicted from the profiled B and W, but its measured peak on the last stage exceeded the prediction by up to half,
-docs/planning.md) and each of :data:`VIRTUAL_STAGES` model chunks per stage that the layers allow, minus what the user fixed
+predicted from the profiled B and W, but its last stage's measured peak still exceeds the prediction, by up to 14%
+on the benchmark MLP, docs/planning.md) and each of :data:`VIRTUAL_STAGES` model chunks per stage that the layers allow, minus what the user fixed
 (:class:`Constraints`). For each, the balance is the time-optimal split into ``K * v`` (virtual) stages
 (:func:`~lightning_gpipe.balance.solve`) if it fits the memory limit, else (one chunk per stage only) the fastest
 split whose stages fit by the additive part of their memory (parameters, gradients, optimizer state, saved

@@ -257,6 +257,9 @@ def test_split_stages_run_the_measured_b_and_w_and_hold_what_b_keeps_except_the_
     b_and_w = sum(c.input_grad + c.weight_grad for c in layers[4:])
     assert split[1].backward == pytest.approx(FREE.compute_scale * b_and_w) and split[1].backward > whole[1].backward
     assert split[1].activation_bytes == whole[1].activation_bytes + sum(c.kept_grad_bytes for c in linears)
+    memory = predict(PipelinePlan(2, 1, 4, "never", "zb-h1", (4, 4)), split_profiled(), FREE, 0, 2**40).memory
+    assert memory[1].transient == sum(c.parameter_bytes for c in layers[4:])  # W's products before .grad
+    assert memory[0].transient == max(c.transient_bytes for c in layers[:4])  # the first stage does not split
 
 
 def test_copies_cost_each_stage_what_it_receives_and_sends():
