@@ -72,9 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--plan-limit-mib",
         type=float,
         help="lightning gpipe only: GPipeStrategy(plan='auto', memory_limit=this many MiB); --chunks, --checkpoint,"
-        " --schedule, --virtual-stages are passed only if named in --plan-fix; every process reports model_peak_mib (its peak resident"
-        " set during training, less file-backed pages, over its anonymous memory before setup) and rank 0 the plan"
-        " and its prediction",
+        " --schedule, --virtual-stages are passed only if named in --plan-fix; every process reports model_peak_mib"
+        " (its peak resident set during training, less file-backed pages, over its anonymous memory before setup) and"
+        " rank 0 the plan and its prediction",
     )
     fixable = ("chunks", "checkpoint", "schedule", "virtual_stages")
     parser.add_argument("--plan-fix", nargs="*", default=[], choices=fixable)

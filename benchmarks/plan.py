@@ -1,13 +1,13 @@
 """Does ``GPipeStrategy(plan="auto")`` choose well, and are its predictions right? (issue 23)
 
 One run of ``GPipeStrategy(plan="auto", memory_limit=L)`` against a grid of plans, each the planner fixed to one
-``(chunks, checkpoint, schedule, virtual_stages)`` (``plan="auto"`` with those four given: the planner still chooses the balance and
-predicts the plan, and refuses it before step 1 if it does not fit L). Every run trains on ``--devices`` processes,
-each under ``RLIMIT_DATA`` = L + ``--reserve-mib`` (the process's own memory: Python, torch, Lightning, gloo; see
-benchmarks/capacity.py for the cap). The configurations run interleaved (auto, grid..., auto, grid...), and the
+``(chunks, checkpoint, schedule, virtual_stages)`` (``plan="auto"`` with those four given: the planner still chooses the
+balance and predicts the plan, and refuses it before step 1 if it does not fit L). Every run trains on ``--devices``
+processes, each under ``RLIMIT_DATA`` = L + ``--reserve-mib`` (the process's own memory: Python, torch, Lightning, gloo;
+see benchmarks/capacity.py for the cap). The configurations run interleaved (auto, grid..., auto, grid...), and the
 table gives per plan: the median measured step time on rank 0 against the planner's prediction, and each process's
-measured peak (its peak resident set during training over its resident set before setup, every allocation of 64 KiB
-or more in a mapping of its own, see benchmarks/_runs.py) against the predicted peak of its stage.
+measured peak (its peak resident set during training over its resident set before setup, every allocation of 64 KiB or
+more in a mapping of its own, see benchmarks/_runs.py) against the predicted peak of its stage.
 
 Usage::
 

@@ -2,12 +2,13 @@
 
 Time is the simulator's step (:func:`lightning_gpipe.simulator.simulate`, which replays the schedule's own plans)
 over the layers' costs at the plan's micro-batch size (:class:`~lightning_gpipe.planning.costs.ProfiledCosts`),
-with the engine's cost per micro-batch, the transfers between stages, the optimizer step and, with several
-replicas, the gradient all-reduce (:class:`~lightning_gpipe.planning.costs.CostModel`). Memory per stage is
-parameters + gradients + optimizer state (+ DDP's gradient buckets with several replicas) + the simulator's peak of
-kept inputs and saved activations + what it holds for its transfers on top (outputs, sent gradients:
-:mod:`~lightning_gpipe.planning.held`) + the largest layer's transient + transfer buffers and the batch every stage
-loads (:class:`StageMemory`).
+with the engine's cost per micro-batch, the transfers between stages and the stage's own copies of them, the
+optimizer step and, with several replicas, the gradient all-reduce (:class:`~lightning_gpipe.planning.costs.CostModel`).
+Memory per stage (per process: its model chunks together) is parameters + gradients + optimizer state (+ DDP's
+gradient buckets with several replicas) + the simulator's peak of kept inputs and saved activations (and, under a B/W
+split, the gradients B keeps for W) + what it holds for its transfers on top (outputs, sent gradients:
+:mod:`~lightning_gpipe.planning.held`) + the largest transient (a layer's, or W's products) + transfer buffers and the
+batch every stage loads (:class:`StageMemory`).
 PipeDream's planner (Narayanan et al. 2019, section 3.1) predicts from a per-layer profile the same way.
 """
 
@@ -62,7 +63,8 @@ class StageMemory:
         transfers: what the stage holds for its transfers on top of that, at its peak: outputs kept for the backward
             or by an unfinished send, input gradients sent (:func:`~lightning_gpipe.planning.held.held_peak`).
         transient: the largest transient of the stage's layers on one micro-batch (``LayerCost.transient_bytes``):
-            a layer's forward or backward runs on top of what the stage holds.
+            a layer's forward or backward runs on top of what the stage holds; under a B/W split, W's weight-gradient
+            products if larger (the split chunks' parameter bytes).
         buffers: the batches every stage loads (the current one and the next), transfer buffers, DDP's buckets, the
             last stage's joined output and its gradient.
     """

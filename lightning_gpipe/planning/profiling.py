@@ -20,9 +20,10 @@ PROFILED_CHUNKS = 8
 def profile_sizes(
     layers: nn.Sequential, value: Value, device: Union[torch.device, str], chunks: Optional[int] = None
 ) -> ProfiledCosts:
-    """Profile ``layers`` (:func:`~lightning_gpipe.balance.profile_layers`, with the B/W split timed) on two micro-batches of the mini-batch
-    ``value``: one of :data:`PROFILED_CHUNKS` and one of :data:`~lightning_gpipe.planning.search.MAX_CHUNKS` (or,
-    when ``chunks`` is fixed, one of ``chunks`` micro-batches, twice the same size). Not the whole mini-batch: a
+    """Profile ``layers`` (:func:`~lightning_gpipe.balance.profile_layers`, with the B/W split timed) on two
+    micro-batches of the mini-batch ``value``: one of :data:`PROFILED_CHUNKS` and one of
+    :data:`~lightning_gpipe.planning.search.MAX_CHUNKS` (or, when ``chunks`` is fixed, one of ``chunks`` micro-batches,
+    twice the same size). Not the whole mini-batch: a
     layer's activations on all of it may not fit a device that trains the model in micro-batches.
 
     Raises:
