@@ -63,7 +63,8 @@ def planned_config(
         device, zero = strategy.root_device, strategy.is_global_zero
 
         def profile():
-            return profile_module(module, name, device, chunks=requested.chunks) if zero else None
+            split = requested.constraints().splits
+            return profile_module(module, name, device, chunks=requested.chunks, split=split) if zero else None
 
         mesh = (strategy.topology.num_stages, strategy.topology.data_parallel_size)
         with _measuring(strategy, "planning"):

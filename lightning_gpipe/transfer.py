@@ -228,7 +228,8 @@ class Link:
         for send in self._pending_sends:
             (completed if all(work.is_completed() for work in send.works) else pending).append(send)
         self._pending_sends = pending
-        waiting.wait_in_flight(self.job, [work for send in completed for work in send.works])
+        if completed:  # on the per-micro-batch path: no failure scope to enter for nothing
+            waiting.wait_in_flight(self.job, [work for send in completed for work in send.works])
 
     def _wait(self, works: list[dist.Work], peer: Optional[int], in_flight: bool = False) -> None:
         """Wait for ``works`` of transfers with global rank ``peer`` (``None``: both neighbours), interruptibly.

@@ -135,8 +135,8 @@ class Watched:
 
     def wait(self) -> bool:
         """Block until the works have completed; raise the error of a failed one, every time this is called."""
-        with self._batch.done:
-            pass
+        self._batch.done.acquire()  # held by the helper thread until its wait() returned
+        self._batch.done.release()
         if self._batch.error is not None:
             raise self._batch.error
         return True

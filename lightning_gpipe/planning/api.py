@@ -82,7 +82,7 @@ def plan(
         pipeline_parallel_size, data_parallel_size, chunks, checkpoint, schedule, balance, virtual_stages
     )
     constraints = _interleaving(constraints, getattr(module, name), torch.device(device))
-    profiled = profile_module(module, name, device, example_batch, chunks)
+    profiled = profile_module(module, name, device, example_batch, chunks, constraints.splits)
     factor = optimizer_state_factor(optimizer) if optimizer is not None else _state_factor(module)
     return search(world_size, profiled, memory_limit, factor, cost_model, constraints)
 

@@ -18,13 +18,18 @@ PROFILED_CHUNKS = 8
 
 
 def profile_sizes(
-    layers: nn.Sequential, value: Value, device: Union[torch.device, str], chunks: Optional[int] = None
+    layers: nn.Sequential,
+    value: Value,
+    device: Union[torch.device, str],
+    chunks: Optional[int] = None,
+    split: bool = False,
 ) -> ProfiledCosts:
-    """Profile ``layers`` (:func:`~lightning_gpipe.balance.profile_layers`, with the B/W split timed) on two
-    micro-batches of the mini-batch ``value``: one of :data:`PROFILED_CHUNKS` and one of
+    """Profile ``layers`` (:func:`~lightning_gpipe.balance.profile_layers`; with ``split``, the B/W split timed too,
+    for a named schedule that splits its backwards, :attr:`~lightning_gpipe.planning.search.Constraints.splits`) on
+    two micro-batches of the mini-batch ``value``: one of :data:`PROFILED_CHUNKS` and one of
     :data:`~lightning_gpipe.planning.search.MAX_CHUNKS` (or, when ``chunks`` is fixed, one of ``chunks`` micro-batches,
-    twice the same size). Not the whole mini-batch: a
-    layer's activations on all of it may not fit a device that trains the model in micro-batches.
+    twice the same size). Not the whole mini-batch: a layer's activations on all of it may not fit a device that
+    trains the model in micro-batches.
 
     Raises:
         TypeError, ValueError: as :func:`~lightning_gpipe.microbatch.batch_size` and
@@ -33,8 +38,8 @@ def profile_sizes(
     rows = microbatch.batch_size(value)
     large_chunks, small_chunks = (chunks, chunks) if chunks is not None else (PROFILED_CHUNKS, MAX_CHUNKS)
     large, small = (microbatch.scatter(value, m)[0] for m in (large_chunks, small_chunks))
-    large_costs = profile_layers(layers, large, device, split=True)
-    small_costs = large_costs if small_chunks == large_chunks else profile_layers(layers, small, device, split=True)
+    large_costs = profile_layers(layers, large, device, split=split)
+    small_costs = large_costs if small_chunks == large_chunks else profile_layers(layers, small, device, split=split)
     sizes = (microbatch.batch_size(large), microbatch.batch_size(small))
     input_bytes = sum(t.numel() * t.element_size() for t in microbatch.tensors(value))
     return ProfiledCosts(sizes, large_costs, small_costs, rows, input_bytes)
@@ -46,6 +51,7 @@ def profile_module(
     device: Union[torch.device, str],
     batch: Any = None,
     chunks: Optional[int] = None,
+    split: bool = False,
 ) -> ProfiledCosts:
     """:func:`profile_sizes` of ``module``'s backbone ``backbone`` on the backbone input its step really produces
     (:func:`~lightning_gpipe.balance.backbone.sample_backbone_input`: ``training_step`` on ``batch``, else
@@ -56,7 +62,7 @@ def profile_module(
     """
     with unchanged_random_state():
         value = sample_backbone_input(module, backbone, batch)
-        return profile_sizes(getattr(module, backbone), value, device, chunks)
+        return profile_sizes(getattr(module, backbone), value, device, chunks, split)
 
 
 def module_state_factor(module: LightningModule) -> Optional[int]:

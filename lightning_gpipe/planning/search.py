@@ -61,6 +61,12 @@ class Constraints:
     virtual_stages: Optional[int] = None
 
     @property
+    def splits(self) -> bool:
+        """Whether the fixed schedule splits its backwards into B and W by default (its plans need the split
+        profiled; the planner chooses no such schedule on its own)."""
+        return self.schedule is not None and DEFERRED_BY_DEFAULT.get(self.schedule, False)
+
+    @property
     def listed(self) -> bool:
         """Whether ``balance`` is a list of layers per stage."""
         return isinstance(self.balance, (list, tuple))
