@@ -24,6 +24,7 @@ sys.path.insert(0, str(REPO / "examples"))  # translation
 
 from benchmarks import models  # noqa: E402
 from benchmarks._harness import StepClock, emit  # noqa: E402
+from lightning_gpipe.schedule import SCHEDULES  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -34,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--devices", type=int, default=2, help="K, pipeline stages")
     parser.add_argument("--chunks", type=int, default=4, help="M, micro-batches")
     parser.add_argument("--checkpoint", choices=("never", "except_last", "always"), default="except_last")
-    parser.add_argument("--schedule", choices=("gpipe", "1f1b", "zb-h1"), default="gpipe")
+    parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="gpipe")
     parser.add_argument("--batch-size", type=int, default=64, help="amoebanet: images per mini-batch")
     parser.add_argument("--max-tokens", type=int, default=2048, help="translation: padded tokens per side per batch")
     parser.add_argument("--steps", type=int, default=8, help="measured steps")

@@ -10,7 +10,8 @@ Kinds (every process prints one JSON line through :func:`_harness.emit` at the e
   process gives every allocation of 64 KiB or more its own mapping, returned to the system when freed
   (glibc's ``mallopt(M_MMAP_THRESHOLD)``), so that its resident set follows its live tensors, not the allocator's
   cache.
-  ``--schedule 1f1b`` or ``zb-h1`` (also for ``bare``) runs ``GPipeStrategy(schedule=...)``.
+  ``--schedule 1f1b``, ``zb-h1`` or ``zb-1p`` (also for ``bare``, where ``zb-1p`` places W by equal costs) runs
+  ``GPipeStrategy(schedule=...)``.
 - ``bare``: our engine (``Stage``, ``Partition``, ``Link``) driven directly, without the Trainer; one process per
   stage, started by the driver with torch.distributed's environment variables.
 - ``tp``: torch.distributed.pipelining's ``PipelineStage`` + ``ScheduleGPipe``; one process per stage, likewise.
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 from benchmarks import models  # noqa: E402
 from benchmarks._harness import StepClock, emit, peak_rss_mib  # noqa: E402
 from lightning_gpipe.microbatch import tensors  # noqa: E402
+from lightning_gpipe.schedule import SCHEDULES  # noqa: E402
 
 KINDS = ("lightning", "bare", "tp", "tp-1f1b", "tp-i1f1b", "tp-zb", "tp-zbv", "torchgpipe")
 
@@ -55,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--count-saved", action="store_true", help="lightning only: count autograd-saved bytes")
     parser.add_argument("--channels-last", action="store_true", help="lightning amoebanet only: channels_last")
-    parser.add_argument("--schedule", choices=("gpipe", "1f1b", "zb-h1"), default="gpipe", help="lightning gpipe, bare")
+    parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="gpipe", help="lightning gpipe, bare")
     parser.add_argument(
         "--virtual-stages", type=int, default=1, help="lightning gpipe only: GPipeStrategy(virtual_stages=...)"
     )

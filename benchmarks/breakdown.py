@@ -10,7 +10,8 @@ sends, and the final flush), relay (sharing the logged results), optimizer (the 
 after it), lightning in step (the rest of the batch: the user's step before the backbone call, zero_grad,
 Lightning's hooks) and between steps (data loading, the loop's bookkeeping). The parts add up to the period.
 Last, ``lightning_gpipe.simulate`` predicts the step from the measured compute parts (forward, recompute,
-backward, weight and loss per micro-batch; relay and optimizer per step) and is set beside the measured period.
+backward, weight and loss per micro-batch; relay, optimizer and Lightning's parts per step) and is set beside the
+measured period; what it leaves out is the time in transfers (recv and send beyond the waits its plans imply).
 
 Usage::
 
@@ -26,6 +27,7 @@ import statistics
 import _harness as harness
 
 from lightning_gpipe.rematerialization import recomputed_share
+from lightning_gpipe.schedule import SCHEDULES
 from lightning_gpipe.simulator import StageCost, simulate
 
 ORDER = (
@@ -55,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--defer-weight-grad", action="store_true", help="GPipeStrategy(defer_weight_grad=True): the B/W split"
     )
-    parser.add_argument("--schedule", choices=("gpipe", "1f1b", "zb-h1"), default="gpipe", help="default gpipe")
+    parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="gpipe", help="default gpipe")
     parser.add_argument(
         "--virtual-stages", type=int, default=1, help="GPipeStrategy(virtual_stages=...), model chunks per stage"
     )
@@ -142,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def simulated_ms(args: argparse.Namespace, parts: dict[tuple[int, str], float], stages: list[int]) -> float:
     """The step :func:`~lightning_gpipe.simulator.simulate` predicts, in ms, from each stage's measured compute
-    parts (``parts[(stage, part)]``, ms per step): the relay is a sync point before the optimizer step. With
+    parts (``parts[(stage, part)]``, ms per step); the parts each stage runs once per step (the relay, the
+    optimizer, Lightning's in the step and between steps) are put with the optimizer step, at the step's end. With
     virtual stages, each of a stage's chunks takes an equal share of its parts (the balanced MLP's are equal)."""
     v = args.virtual_stages
     recomputed = round(recomputed_share(args.checkpoint, args.chunks) * args.chunks) * v  # chunk recomputes
@@ -161,7 +164,8 @@ def simulated_ms(args: argparse.Namespace, parts: dict[tuple[int, str], float], 
         for _ in range(v)
         for k in stages
     ]
-    optimizer = [part(k, "relay") + part(k, "optimizer") for k in stages]
+    per_step = ("relay", "optimizer", "lightning in step", "between steps")  # each stage's work once per step
+    optimizer = [sum(part(k, name) for name in per_step) for k in stages]
     loss = part(stages[-1], "loss")
     prediction = simulate(
         costs, args.chunks, args.checkpoint, loss=loss, optimizer=optimizer, schedule=args.schedule, virtual_stages=v

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import _harness as harness
 
+from lightning_gpipe.schedule import SCHEDULES
+
 COMPILE_RUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_compile_run.py")
 """The script that makes one measurement."""
 
@@ -49,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     models = ("amoebanet", "translation")
     parser.add_argument("--models", nargs="+", choices=models, default=list(models))
-    parser.add_argument("--schedules", nargs="+", choices=("gpipe", "1f1b", "zb-h1"), default=["gpipe", "zb-h1"])
+    parser.add_argument("--schedules", nargs="+", choices=tuple(SCHEDULES), default=["gpipe", "zb-h1"])
     parser.add_argument("--chunks", type=int, default=4, help="M (default 4)")
     parser.add_argument("--batch-size", type=int, default=64, help="amoebanet images per batch (default 64)")
     parser.add_argument("--max-tokens", type=int, default=2048, help="translation tokens per side (default 2048)")

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 
 from lightning_gpipe.balance import LayerCost
 from lightning_gpipe.planning import CostModel, PipelinePlan, ProfiledCosts, predict
+from lightning_gpipe.schedule import SCHEDULES
 
 MIB = 2**20
 
@@ -50,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunks", type=int, nargs="+", default=[8, 16, 32])
     modes = ("never", "except_last", "always")
     parser.add_argument("--checkpoint", nargs="+", choices=modes, default=list(modes))
-    parser.add_argument("--schedule", nargs="+", choices=("gpipe", "1f1b", "zb-h1"), default=["gpipe", "1f1b"])
+    parser.add_argument("--schedule", nargs="+", choices=tuple(SCHEDULES), default=["gpipe", "1f1b"])
     parser.add_argument("--virtual-stages", type=int, nargs="+", default=[1], help="model chunks per stage (default 1)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a run counts as failed")
     harness.add_timing_args(parser, repeats=2, steps=3, warmup=1)

@@ -18,14 +18,15 @@ from lightning_gpipe.compilation import CompileOption, compile_options
 from lightning_gpipe.planning.costs import CostModel
 from lightning_gpipe.planning.search import Constraints
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES
-from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, SCHEDULES
+from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, PLACED_BY_COST, SCHEDULES
 from lightning_gpipe.topology import Size, checked_size
 
 CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     "checkpoint": (CHECKPOINT_MODES, f"choose one of {', '.join(CHECKPOINT_MODES)}"),
     "schedule": (
         tuple(SCHEDULES),
-        "choose 'gpipe' (fill-drain), '1f1b' (one forward, one backward) or 'zb-h1' (zero-bubble 1F1B)",
+        "choose 'gpipe' (fill-drain), '1f1b' (one forward, one backward), 'zb-h1' (zero-bubble 1F1B) or 'zb-1p'"
+        " (zero-bubble, W placed by measured costs)",
     ),
     "start_method": (("popen", "spawn"), "choose 'popen' or 'spawn'"),
     "state_dict_type": (("full", "sharded"), "choose 'full' or 'sharded'"),
@@ -75,18 +76,22 @@ class PipelineConfig:
             2023, section 3.1): 1F1B with each backward split into the input gradient (B) and the weight gradient
             (W), stage k running each W k micro-batches after its B, where it would otherwise wait; it runs the
             user's step like ``"1f1b"``, holds at most K micro-batches on each stage (1F1B's peak, on stage 0)
-            and needs the B/W split (``defer_weight_grad`` unset or ``True``). Evaluation is the same forward for
-            all three.
+            and needs the B/W split (``defer_weight_grad`` unset or ``True``). ``"zb-1p"`` is zero-bubble's automatic
+            schedule at the same memory (section 3.2): like ``"zb-h1"``, but each stage's W placed from the
+            backbone's profiled F, B and W times (profiled once on global rank 0, like ``balance="time"``; the
+            plans are never slower than ZB-H1's on the simulator's clock, and equal them for equal costs).
+            Evaluation is the same forward for all.
         virtual_stages: v, the model chunks of each stage (interleaved pipelines, Narayanan et al. 2021, section
             2.2): the backbone is split into ``K * v`` virtual stages and stage k holds virtual stages k, k + K,
             ..., so a micro-batch visits every stage v times and the bubble falls from ``(K - 1) / (M + K - 1)``
             towards ``(K - 1) / (v M + K - 1)``, at the price of v times as many transfers. ``"gpipe"`` runs the
             looped fill-drain, ``"1f1b"`` Megatron-LM's interleaved 1F1B, ``"zb-h1"`` the interleaved 1F1B order
-            with ZB-H1's W delay (see :mod:`lightning_gpipe.schedule`); a list ``balance`` gives ``K * v``
+            with ZB-H1's W delay, ``"zb-1p"`` that order with W placed by cost (see :mod:`lightning_gpipe.schedule`);
+            a list ``balance`` gives ``K * v``
             entries. Parameter names, and so checkpoints, are those of the unsplit module: a run resumes with
             another v or K. 1 (``None``, default): one chunk per stage; under ``plan="auto"`` the planner's choice.
-            Tested on gloo (CPU) only; refused on CUDA, where NCCL matches the point-to-point messages of two ranks
-            by order, not by tag.
+            Each virtual link has a process group of its own (:mod:`lightning_gpipe.channels`), since NCCL matches
+            the point-to-point messages of two ranks by order, not by tag; tested on gloo (CPU) only.
         deferred_batch_norm: ``True`` makes the backbone's ``nn.BatchNorm1d/2d/3d`` layers normalise with
             micro-batch statistics but update their running statistics once per mini-batch, equal to
             single-device batch norm's (see :class:`~lightning_gpipe.batchnorm.DeferredBatchNorm`); the
@@ -208,11 +213,11 @@ class PipelineConfig:
                 f"GPipeStrategy(defer_weight_grad={defer!r}): give True (the B/W split), False, or None for the"
                 " schedule's default."
             )
-        if defer is False and self.schedule == "zb-h1":
+        if defer is False and DEFERRED_BY_DEFAULT.get(self.schedule):  # the zero-bubble schedules: they need it
             raise ValueError(
-                "GPipeStrategy(schedule='zb-h1', defer_weight_grad=False): ZB-H1 runs each weight gradient apart from"
-                " its input gradient, so it needs the B/W split; leave defer_weight_grad unset (or True), or choose"
-                " schedule='1f1b'."
+                f"GPipeStrategy(schedule={self.schedule!r}, defer_weight_grad=False): a zero-bubble schedule runs each"
+                " weight gradient apart from its input gradient, so it needs the B/W split; leave defer_weight_grad"
+                " unset (or True), or choose schedule='1f1b'."
             )
 
     def _check_virtual_stages(self) -> None:
@@ -289,8 +294,15 @@ class PipelineConfig:
 
     @property
     def profiled(self) -> bool:
-        """Whether choosing the balance needs each layer's profiled cost (``"time"``, ``"memory"`` or a limit)."""
-        return self.balance in ("time", "memory") or self.balance_memory_limit is not None
+        """Whether the run needs each layer's profiled cost: to choose the balance (``"time"``, ``"memory"`` or a
+        limit), or to place the actions of a schedule by cost (``"zb-1p"``, see :attr:`placed_by_cost`)."""
+        return self.balance in ("time", "memory") or self.balance_memory_limit is not None or self.placed_by_cost
+
+    @property
+    def placed_by_cost(self) -> bool:
+        """Whether the schedule places its actions by the profiled B and W times
+        (:data:`~lightning_gpipe.schedule.PLACED_BY_COST`)."""
+        return self.schedule in PLACED_BY_COST
 
     def chunks_for(self, num_stages: int) -> int:
         """M for a pipeline of ``num_stages``: ``chunks`` if given, else ``4 * K`` for K > 1 (the paper's point from

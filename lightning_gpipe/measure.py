@@ -33,16 +33,18 @@ def _measuring(strategy: Strategy, what: str) -> Iterator[None]:
 
 
 def shared_layer_costs(strategy: Strategy, module: "pl.LightningModule", name: str) -> Optional[list[LayerCost]]:
-    """The backbone layers' costs where the balance needs them (``strategy.config.profiled``), else ``None``:
-    profiled on global rank 0 (:func:`~lightning_gpipe.balance.backbone.profile_backbone`), broadcast, and kept in
-    ``strategy.layer_costs``."""
+    """The backbone layers' costs where the balance or the schedule needs them (``strategy.config.profiled``), else
+    ``None``: profiled on global rank 0 (:func:`~lightning_gpipe.balance.backbone.profile_backbone`, with the B/W
+    split for a schedule placed by cost), broadcast, and kept in ``strategy.layer_costs``."""
     if not strategy.config.profiled:
         return None
-    costs = strategy.layer_costs
-    if costs is None or len(costs) != len(getattr(module, name)):
+    costs, split = strategy.layer_costs, strategy.config.placed_by_cost
+    unsplit = split and costs is not None and not any(cost.weight_grad for cost in costs)
+    if costs is None or len(costs) != len(getattr(module, name)) or unsplit:
         chunks = strategy.config.chunks_for(strategy.topology.num_stages)
         with _measuring(strategy, "profiling the backbone"):
-            own = profile_backbone(module, name, chunks, strategy.root_device) if strategy.is_global_zero else None
+            zero = strategy.is_global_zero
+            own = profile_backbone(module, name, chunks, strategy.root_device, split) if zero else None
         strategy.layer_costs = strategy.broadcast(own, src=0)
     return strategy.layer_costs
 

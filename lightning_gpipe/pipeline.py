@@ -15,12 +15,14 @@ from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gpipe import state_dict
 from lightning_gpipe.balance import LayerCost, resolve_balance
 from lightning_gpipe.batchnorm import convert_deferred_batch_norm, revert_deferred_batch_norm
 from lightning_gpipe.compilation import compile_layers, compile_options, uncompile_layers
+from lightning_gpipe.channels import LinkKey, link_groups
 from lightning_gpipe.config import PipelineConfig
 from lightning_gpipe.contract import BackboneCall
 from lightning_gpipe.data_parallel import GradientSync
@@ -28,9 +30,12 @@ from lightning_gpipe.events import Recorder
 from lightning_gpipe.gradients import StepGradients
 from lightning_gpipe.job import Job
 from lightning_gpipe.partition import Partition, Split, materialize
+from lightning_gpipe.planning.costs import CostModel
+from lightning_gpipe.planning.predict import stage_costs
 from lightning_gpipe.randomness import StageRandomness
 from lightning_gpipe.relay import LogRelay, share_step_output
 from lightning_gpipe.runtime import Runtime
+from lightning_gpipe.simulator import action_costs
 from lightning_gpipe.skip import SkipLayout
 from lightning_gpipe.skip.links import SkipLinks
 from lightning_gpipe.stage import Stage
@@ -269,16 +274,10 @@ def split_into_stage(
         job: the run's :class:`~lightning_gpipe.job.Job` (the links' waits, the ties' collectives, the position).
 
     Raises:
-        ValueError: if ``balance`` does not fit the backbone, the skip connections do not pair up or join two
-            chunks of one stage, or virtual stages run on another device than the CPU.
+        ValueError: if ``balance`` does not fit the backbone, or the skip connections do not pair up or join two
+            chunks of one stage.
     """
     layers, stage_index, num_stages = getattr(module, name), topology.stage_of(rank), topology.num_stages
-    if topology.virtual_stages > 1 and device.type != "cpu":
-        raise ValueError(
-            f"GPipeStrategy(virtual_stages={topology.virtual_stages}) runs on the CPU (gloo) only so far: NCCL matches"
-            " the point-to-point messages of two ranks by their order, not by the tags that keep the links of"
-            " several model chunks apart. Use virtual_stages=1 on GPUs."
-        )
     balance = resolve_balance(
         config.balance, layers, topology.num_virtual, costs, config.balance_memory_limit, topology.virtual_stages
     )
@@ -289,12 +288,15 @@ def split_into_stage(
     split = Split(module, name, balance, stage_index, num_stages)
     compile_layers(split.partition, compile_options(config.compile), config.splits_backward)
     recorder, chunks = job.recorder(), config.chunks_for(num_stages)
+    groups = link_groups(topology, skips, rank)  # a collective call: every process creates every link's group
     stages = []
     for chunk, (virtual, partition) in enumerate(zip(topology.virtual_of(stage_index), split.chunks)):
-        link, skip_links = _links(topology, rank, virtual, skips, device, job, recorder.for_chunk(chunk))
+        events = recorder.for_chunk(chunk)
+        link, skip_links = _links(topology, rank, virtual, skips, device, job, events, groups)
         defer, mode = config.splits_backward, config.checkpoint
         stages.append(Stage(partition, link, virtual, topology.num_virtual, chunks, mode, defer, skip_links))
-    runtime = Runtime(stages, config.schedule, num_stages, position=job.position)
+    placed = action_costs(stage_costs(costs, balance, CostModel(), split=True)) if config.placed_by_cost else None
+    runtime = Runtime(stages, config.schedule, num_stages, position=job.position, costs=placed)
     backbone_call = BackboneCall(runtime, runtime.is_last, share=share, randomness=randomness, position=job.position)
     split.partition.pipeline = backbone_call
     tied = TiedParameters(ties, module, topology, rank, job)
@@ -302,16 +304,24 @@ def split_into_stage(
 
 
 def _links(
-    topology: Topology, rank: int, virtual: int, skips: SkipLayout, device: torch.device, job: Job, events: Recorder
+    topology: Topology,
+    rank: int,
+    virtual: int,
+    skips: SkipLayout,
+    device: torch.device,
+    job: Job,
+    events: Recorder,
+    groups: dict[LinkKey, dist.ProcessGroup],
 ) -> tuple[Link, SkipLinks]:
     """The link of virtual stage ``virtual`` on ``rank`` to its neighbours in its pipeline, and to the virtual
-    stages its skips reach (``events``: the chunk's recorder).
+    stages its skips reach (``events``: the chunk's recorder; ``groups``: the links' own process groups, see
+    :mod:`lightning_gpipe.channels`).
 
     Raises:
         ValueError: for a skip between two chunks of one stage (a process would send to itself).
     """
     replica, last = topology.replica_of(rank), topology.num_virtual - 1
-    place = partial(_rank_of_virtual, topology, replica)
+    place = partial(topology.rank_of_virtual, replica=replica)
     link = Link(
         prev_rank=place(virtual - 1) if virtual > 0 else None,
         next_rank=place(virtual + 1) if virtual < last else None,
@@ -319,6 +329,7 @@ def _links(
         events=events,
         tag=(topology.link_tag(virtual - 1), topology.link_tag(virtual)),
         job=job,
+        groups=(groups.get((replica, virtual - 1, virtual)), groups.get((replica, virtual, virtual + 1))),
     )
     outgoing, incoming = skips.outgoing(virtual), skips.incoming(virtual)
     for other in [*outgoing, *incoming]:
@@ -332,9 +343,6 @@ def _links(
         "outgoing": {(place(t), topology.skip_tag(virtual, t)): keys for t, keys in outgoing.items()},
         "incoming": {(place(s), topology.skip_tag(s, virtual)): keys for s, keys in incoming.items()},
     }
-    return link, SkipLinks(**peers, device=device, events=events, job=job)
-
-
-def _rank_of_virtual(topology: Topology, replica: int, virtual: int) -> int:
-    """The global rank holding virtual stage ``virtual`` of data-parallel replica ``replica``."""
-    return topology.rank_of(virtual % topology.num_stages, replica)
+    own = {(place(t), topology.skip_tag(virtual, t)): groups.get((replica, virtual, t)) for t in outgoing}
+    own.update({(place(s), topology.skip_tag(s, virtual)): groups.get((replica, s, virtual)) for s in incoming})
+    return link, SkipLinks(**peers, device=device, events=events, job=job, groups=own)

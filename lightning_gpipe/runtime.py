@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Optional
 
 from lightning_gpipe.microbatch import Value
-from lightning_gpipe.schedule import Action, Kind, Plan, check, plans
+from lightning_gpipe.schedule import Action, ActionCost, Kind, Plan, check, plans
 from lightning_gpipe.stage import Stage
 from lightning_gpipe.watchdog import Position
 
@@ -35,15 +35,23 @@ class Runtime:
         num_stages: K, the processes of the pipeline.
         position: the process's position (its run's :attr:`lightning_gpipe.job.Job.position`), which records the
             action being executed (number, kind, micro-batch, chunk) for the stall watchdog; none by default.
+        costs: one :class:`~lightning_gpipe.schedule.ActionCost` per virtual stage, for a schedule that places its
+            actions by cost (``"zb-1p"``); ``None`` (default): equal costs.
 
     Raises:
         ValueError: for an unknown schedule.
     """
 
     def __init__(
-        self, stages: Sequence[Stage], schedule: str, num_stages: int, position: Optional[Position] = None
+        self,
+        stages: Sequence[Stage],
+        schedule: str,
+        num_stages: int,
+        position: Optional[Position] = None,
+        costs: Optional[Sequence[ActionCost]] = None,
     ) -> None:
         self.stages, self.schedule, self.num_stages, self.position = list(stages), schedule, num_stages, position
+        self.costs = costs
         self.stage_index = stages[0].stage_index  # the pipeline rank: chunk 0's virtual rank
         self._plans: dict[tuple[int, bool], Plan] = {}  # by (number of micro-batches, training)
         self.per_micro_batch_loss = self.plan(1).loss_per_micro_batch
@@ -69,7 +77,7 @@ class Runtime:
         if (count, training) not in self._plans:
             stage, v = self.stages[0], len(self.stages)
             schedule = self.schedule if training else "gpipe"
-            every = plans(schedule, self.num_stages, count, stage.checkpoint, stage.defer_weight_grad, v)
+            every = plans(schedule, self.num_stages, count, stage.checkpoint, stage.defer_weight_grad, v, self.costs)
             check(every)
             plan = every[self.stage_index]
             if not training:

@@ -86,8 +86,30 @@ class Plan:
         return sum(action.kind is kind for action in self.actions)
 
 
-ScheduleFunction = Callable[[int, int, int, str, bool, int], Plan]
-"""``schedule(stage_index, num_stages, count, checkpoint, defer_weight_grad, virtual_stages) -> Plan``."""
+@dataclass(frozen=True)
+class ActionCost:
+    """Seconds of one micro-batch's actions on one virtual stage, for a schedule that places actions by their cost
+    (``"zb-1p"``). The defaults are zero-bubble's assumption of equal forward, input gradient and weight gradient
+    times (Qi et al. 2023, section 2): what a plan is placed by when nothing was measured.
+
+    Args:
+        forward: F, the forward (and a recompute).
+        backward: B, the backward's input gradient (on the first virtual stage, which does not split its backwards,
+            the whole backward is ``backward + weight``).
+        weight: W, the backward's weight gradient.
+        loss: on the last virtual stage, the user's head and loss and their backward to the boundary (default 0).
+    """
+
+    forward: float = 1.0
+    backward: float = 1.0
+    weight: float = 1.0
+    loss: float = 0.0
+
+
+ScheduleFunction = Callable[[int, int, int, str, bool, int, Optional[tuple[ActionCost, ...]]], Plan]
+"""``schedule(stage_index, num_stages, count, checkpoint, defer_weight_grad, virtual_stages, costs) -> Plan``;
+``costs`` (one :class:`ActionCost` per virtual stage, or ``None``) matter only to the schedules that place actions
+by cost."""
 
 
 class ScheduleError(ValueError):
@@ -143,6 +165,7 @@ def gpipe(
     checkpoint: str,
     defer_weight_grad: bool,
     virtual_stages: int = 1,
+    costs: Optional[tuple[ActionCost, ...]] = None,
 ) -> Plan:
     """GPipe's fill-drain (Huang et al. 2019, section 2.2 and Figure 2); with ``virtual_stages`` v > 1 the looped
     fill-drain of interleaved pipelines (Lamy-Poirier 2023, "Breadth-First Pipeline Parallelism", section 3;
@@ -189,6 +212,7 @@ def one_f_one_b(
     checkpoint: str,
     defer_weight_grad: bool,
     virtual_stages: int = 1,
+    costs: Optional[tuple[ActionCost, ...]] = None,
 ) -> Plan:
     """The 1F1B schedule of PipeDream-Flush (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN
     Training", section 3; the default of Megatron-LM, DeepSpeed and torchtitan); with ``virtual_stages`` v > 1
@@ -224,6 +248,7 @@ def zero_bubble_h1(
     checkpoint: str,
     defer_weight_grad: bool,
     virtual_stages: int = 1,
+    costs: Optional[tuple[ActionCost, ...]] = None,
 ) -> Plan:
     """ZB-H1, the zero-bubble schedule of Qi et al. 2023 ("Zero Bubble Pipeline Parallelism", arXiv:2401.10241,
     section 3.1, Figure 3), with a fixed placement of the weight gradients.
@@ -237,7 +262,8 @@ def zero_bubble_h1(
     all, which is 1F1B's peak (on stage 0): the paper's "same memory as 1F1B". With equal stages of F, B and W
     seconds the step is ``M (F + B + W) + (K - 1)(F + B - W)`` (the paper's bubble ``(K - 1)(F + B - W)`` against
     1F1B's ``(K - 1)(F + B + W)``). The placement is fixed (the paper's handcrafted ZB-H1), not searched from
-    measured costs (its automatic scheduler, section 3.2). The first stage sends no input gradient, so its
+    measured costs (its automatic scheduler, section 3.2, is ``"zb-1p"``: :func:`zero_bubble_1p`; ``costs`` are
+    unused here). The first stage sends no input gradient, so its
     backwards stay whole (its W follows its B, as ZB-H1 places it).
 
     With ``virtual_stages`` v > 1: interleaved 1F1B's order (:func:`one_f_one_b`) with the same fixed delay, each
@@ -247,14 +273,19 @@ def zero_bubble_h1(
     Raises:
         ValueError: without ``defer_weight_grad``: the schedule places W apart from B, so it needs the split.
     """
-    if not defer_weight_grad:
-        raise ValueError(
-            "schedule 'zb-h1' runs each weight gradient apart from its input gradient: it needs the B/W"
-            " split (defer_weight_grad=True)."
-        )
+    _need_split("zb-h1", defer_weight_grad)
     return _one_forward_one_backward(
         stage_index, num_stages, count, checkpoint, True, delay=stage_index, virtual_stages=virtual_stages
     )
+
+
+def _need_split(schedule: str, defer_weight_grad: bool) -> None:
+    """Raise ValueError, naming ``schedule``, if it is to run without the B/W split."""
+    if not defer_weight_grad:
+        raise ValueError(
+            f"schedule {schedule!r} runs each weight gradient apart from its input gradient: it needs the B/W"
+            " split (defer_weight_grad=True)."
+        )
 
 
 def _one_forward_one_backward(
@@ -325,11 +356,198 @@ def _extra_warmup(num_stages: int, count: int, virtual_stages: int) -> int:
     return count * virtual_stages  # every forward first: the order of the looped fill-drain, which always runs
 
 
-SCHEDULES: dict[str, ScheduleFunction] = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1}
+def zero_bubble_1p(
+    stage_index: int,
+    num_stages: int,
+    count: int,
+    checkpoint: str,
+    defer_weight_grad: bool,
+    virtual_stages: int = 1,
+    costs: Optional[tuple[ActionCost, ...]] = None,
+) -> Plan:
+    """ZB-1p, zero-bubble's automatic schedule at 1F1B's memory (Qi et al. 2023, arXiv:2401.10241, section 3.2,
+    its heuristic algorithm): 1F1B's order of forwards and input gradients (B, :func:`one_f_one_b`, interleaved
+    with ``virtual_stages`` v > 1), each weight gradient W placed from the actions' costs.
+
+    The stages' plans are placed together on a clock (the simulator's rules: a forward or B starts once its
+    process is free and its input has arrived, with no transfer time). A stage that would wait for an activation
+    or a gradient at least a given share of its oldest outstanding W's time runs that W instead; before a forward
+    that would raise the micro-batches it holds (waiting for B or W) above 1F1B's peak on the first stage (K with
+    one chunk per stage), it runs its oldest W to free one; the remaining W follow its last B, or precede it where
+    that B is whole (every plan ends with its first chunk's backward, see :func:`gpipe`). Of the placements
+    with shares 1, 1/2 and 0 and ZB-H1's fixed one (:func:`zero_bubble_h1`), the plans take the one whose step
+    ends first on the clock (the first of them on a tie), so they are never slower there than ZB-H1's, and with
+    one chunk per stage and equal costs they are ZB-H1's. W are local, so only where a stage's W go depends on the
+    costs: every stage's transfers are 1F1B's whatever the costs, and stages that placed from different costs still
+    pair up. The paper's warm-up of as many forwards as memory allows is not taken.
+
+    Args:
+        costs: one :class:`ActionCost` per virtual stage, in pipeline order; ``None`` (default): equal F, B and W
+            everywhere.
+
+    Raises:
+        ValueError: without ``defer_weight_grad`` (the schedule places W apart from B), or with another number
+            of costs than virtual stages.
+    """
+    _need_split("zb-1p", defer_weight_grad)
+    num_virtual = num_stages * virtual_stages
+    if costs is not None and len(costs) != num_virtual:
+        raise ValueError(f"schedule 'zb-1p' takes one cost per virtual stage: {num_virtual}, not {len(costs)}.")
+    return _placed(num_stages, count, checkpoint, virtual_stages, costs or (ActionCost(),) * num_virtual)[stage_index]
+
+
+@functools.lru_cache(maxsize=64)
+def _placed(
+    num_stages: int, count: int, checkpoint: str, virtual_stages: int, costs: tuple[ActionCost, ...]
+) -> tuple[Plan, ...]:
+    """Every stage's ZB-1p plan (:func:`zero_bubble_1p`): 1F1B's plans with their W placed by ``costs``."""
+    base = [
+        _one_forward_one_backward(k, num_stages, count, checkpoint, False, 0, virtual_stages) for k in range(num_stages)
+    ]
+    fixed = [
+        _one_forward_one_backward(k, num_stages, count, checkpoint, True, k, virtual_stages) for k in range(num_stages)
+    ]
+    candidates = [_WeightPlacement(fixed, costs)] + [_WeightPlacement(base, costs, share) for share in _GAP_SHARES]
+    return min(candidates, key=lambda placement: placement.step_time).plans
+
+
+_GAP_SHARES = (1.0, 0.5, 0.0)
+"""The placements :func:`zero_bubble_1p` tries besides ZB-H1's: a W fills a wait of at least this share of its own
+time."""
+
+
+class _WeightPlacement:
+    """The clock on which :func:`zero_bubble_1p` places each stage's W into its plan without W (``base``), filling
+    waits of at least ``share`` of a W's time (and more than none); with ``share=None`` it only times ``base``,
+    whose W are placed already (ZB-H1's)."""
+
+    def __init__(self, base: Sequence[Plan], costs: Sequence[ActionCost], share: Optional[float] = None) -> None:
+        self.base, self.costs, self.num_stages, self.share = base, costs, len(base), share
+        self.limit = max(_peak_held(plan) for plan in base)
+        self.last_backward = [max(n for n, a in enumerate(plan.actions) if a.kind is Kind.BACKWARD) for plan in base]
+        self.free = [0.0] * self.num_stages  # when each stage is next free
+        self.position = [0] * self.num_stages  # the next action of each base plan
+        self.actions: list[list[Action]] = [[] for _ in base]
+        self.outstanding: list[list[tuple[int, int]]] = [[] for _ in base]  # (micro-batch, chunk) whose W waits
+        self.held = [0] * self.num_stages  # micro-batches forwarded whose B (or W) has not run
+        self.sent: dict[tuple[Kind, int, int], float] = {}  # (FORWARD | BACKWARD, virtual stage, i) -> end
+        self.plans = self._place()
+        self.step_time = max(self.free)
+
+    def _place(self) -> tuple[Plan, ...]:
+        """The placed plans: each stage advances in turn, the earliest free first, as far as its inputs are known."""
+        ended = [False] * self.num_stages
+        while not all(ended):
+            for k in sorted(range(self.num_stages), key=lambda k: (ended[k], self.free[k])):
+                if not ended[k] and self._advance(k, ended):
+                    break
+            else:
+                raise ScheduleError("zb-1p: the 1F1B plans it places W into wait for each other.")
+        return tuple(Plan(tuple(actions), cut=len(actions), loss_per_micro_batch=True) for actions in self.actions)
+
+    def _advance(self, k: int, ended: list[bool]) -> bool:
+        """Run stage ``k``'s next action, or a W instead; whether the stage moved (it does not while the input of
+        its next forward or B is not placed yet and no W fits before it could arrive)."""
+        base, start = self.base[k].actions, self.position[k]
+        following = next((n for n in range(start, len(base)) if base[n].kind in COMPUTE), None)
+        if following is None:  # every forward and B ran: the remaining W, then the closing flush
+            self.actions[k] += [self._weight(k) for _ in list(self.outstanding[k])] + list(base[start:])
+            ended[k] = True
+            return True
+        self.actions[k] += base[start:following]
+        self.position[k] = following
+        action = base[following]
+        arrival = self._arrival(k, action)
+        if self.outstanding[k] and self._weight_first(k, action, arrival):
+            self.actions[k].append(self._weight(k))
+            return True
+        if arrival is None:
+            return False
+        self._run(k, action, arrival)
+        self.position[k] += 1
+        return True
+
+    def _weight_first(self, k: int, action: Action, arrival: Optional[float]) -> bool:
+        """Whether stage ``k`` runs its oldest W before ``action``: memory is at the limit before a forward, or the
+        stage would wait for the action's input at least as long as the W takes (``arrival``: when the input
+        arrives; ``None``: not placed yet, so not before its sender is free and has computed it)."""
+        if action.kind is Kind.FORWARD and self.held[k] >= self.limit:
+            return True
+        if self.position[k] == self.last_backward[k] and not _splits(self._virtual(k, action.chunk), True):
+            return True  # the data-parallel sync starts after the plan's last backward
+        i, c = self.outstanding[k][0]
+        wait = (self._earliest(k, action) if arrival is None else arrival) - self.free[k]
+        return wait > 0 and wait >= self.share * self.costs[self._virtual(k, c)].weight
+
+    def _arrival(self, k: int, action: Action) -> Optional[float]:
+        """When ``action``'s input is there: now for work on the stage's own data, else when the neighbouring
+        virtual stage sent it (``None`` if it has not been placed yet)."""
+        s = self._virtual(k, action.chunk)
+        if action.kind is Kind.FORWARD and s > 0:
+            return self.sent.get((Kind.FORWARD, s - 1, action.micro_batch))
+        if action.kind is Kind.BACKWARD and s < len(self.costs) - 1:
+            return self.sent.get((Kind.BACKWARD, s + 1, action.micro_batch))
+        return self.free[k]
+
+    def _earliest(self, k: int, action: Action) -> float:
+        """A lower bound of when ``action``'s input, not placed yet, arrives: its sender free, then computing it."""
+        s = self._virtual(k, action.chunk)
+        sender = s - 1 if action.kind is Kind.FORWARD else s + 1
+        cost = self.costs[sender]
+        seconds = cost.forward if action.kind is Kind.FORWARD else cost.backward
+        return self.free[sender % self.num_stages] + seconds
+
+    def _run(self, k: int, action: Action, arrival: float) -> None:
+        """Place ``action`` on stage ``k`` once it is free and its input has arrived."""
+        s, cost = self._virtual(k, action.chunk), self.costs[self._virtual(k, action.chunk)]
+        seconds = {Kind.FORWARD: cost.forward, Kind.RECOMPUTE: cost.forward, Kind.LOSS: cost.loss}.get(action.kind)
+        seconds = cost.weight if action.kind is Kind.WEIGHT else seconds
+        if action.kind is Kind.BACKWARD:
+            seconds = cost.backward if _splits(s, True) else cost.backward + cost.weight
+            if not _splits(s, True):
+                self.held[k] -= 1
+            elif self.share is not None:
+                self.outstanding[k].append((action.micro_batch, action.chunk))
+        self.free[k] = max(self.free[k], arrival) + seconds
+        self.held[k] += action.kind is Kind.FORWARD
+        if action.kind in (Kind.FORWARD, Kind.BACKWARD):
+            self.sent[(action.kind, s, action.micro_batch)] = self.free[k]
+        self.actions[k].append(action)
+
+    def _weight(self, k: int) -> Action:
+        """Stage ``k``'s oldest outstanding W, placed now."""
+        i, c = self.outstanding[k].pop(0)
+        self.free[k] += self.costs[self._virtual(k, c)].weight
+        self.held[k] -= 1
+        return Action(Kind.WEIGHT, i, c)
+
+    def _virtual(self, k: int, chunk: int) -> int:
+        return chunk * self.num_stages + k
+
+
+def _peak_held(plan: Plan) -> int:
+    """The most micro-batches (of any chunk) ``plan`` holds between their forward and their backward."""
+    held = peak = 0
+    for action in plan.actions:
+        held += (action.kind is Kind.FORWARD) - (action.kind is Kind.BACKWARD)
+        peak = max(peak, held)
+    return peak
+
+
+SCHEDULES: dict[str, ScheduleFunction] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "zb-h1": zero_bubble_h1,
+    "zb-1p": zero_bubble_1p,
+}
 """The schedules by the name ``GPipeStrategy(schedule=...)`` takes."""
 
-DEFERRED_BY_DEFAULT: dict[str, bool] = {"gpipe": False, "1f1b": False, "zb-h1": True}
+DEFERRED_BY_DEFAULT: dict[str, bool] = {"gpipe": False, "1f1b": False, "zb-h1": True, "zb-1p": True}
 """Whether each schedule splits its backwards into B and W when ``GPipeStrategy(defer_weight_grad=None)``."""
+
+PLACED_BY_COST: frozenset[str] = frozenset({"zb-1p"})
+"""The schedules whose plans depend on the actions' costs (``plans(costs=...)``), for which the strategy profiles
+the backbone with its backwards split into B and W."""
 
 
 def plans(
@@ -339,18 +557,22 @@ def plans(
     checkpoint: str,
     defer_weight_grad: Optional[bool] = None,
     virtual_stages: int = 1,
+    costs: Optional[Sequence[ActionCost]] = None,
 ) -> list[Plan]:
     """Every stage's plan of one step of ``schedule`` (a name of :data:`SCHEDULES`); ``defer_weight_grad=None``
     (default): the schedule's default, :data:`DEFERRED_BY_DEFAULT`; ``virtual_stages``: model chunks per stage
-    (default 1).
+    (default 1); ``costs``: one :class:`ActionCost` per virtual stage, for ``"zb-1p"`` (default: equal costs).
 
     Raises:
-        ValueError: for an unknown schedule, or ``"zb-h1"`` with ``defer_weight_grad=False``.
+        ValueError: for an unknown schedule, a zero-bubble schedule with ``defer_weight_grad=False``, or another
+            number of costs than virtual stages.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"Unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
     defer = DEFERRED_BY_DEFAULT[schedule] if defer_weight_grad is None else defer_weight_grad
-    return [SCHEDULES[schedule](k, num_stages, count, checkpoint, defer, virtual_stages) for k in range(num_stages)]
+    placed = None if costs is None else tuple(costs)
+    function = SCHEDULES[schedule]
+    return [function(k, num_stages, count, checkpoint, defer, virtual_stages, placed) for k in range(num_stages)]
 
 
 def check(stage_plans: Sequence[Plan]) -> None:

@@ -43,13 +43,13 @@ compared span by span.
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from lightning_gpipe.balance.costs import LayerCost
 from lightning_gpipe.events import Span
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES, checkpointed
-from lightning_gpipe.schedule import COMPUTE, DEFERRED_BY_DEFAULT, SCHEDULES, plans
+from lightning_gpipe.schedule import COMPUTE, DEFERRED_BY_DEFAULT, SCHEDULES, ActionCost, plans
 from lightning_gpipe.trace import StageTrace, StepTrace
 
 
@@ -189,12 +189,21 @@ def simulate(
     defer = defer_weight_grad
     if defer is None:
         defer = DEFERRED_BY_DEFAULT[schedule] or any(cost.weight for cost in stages)
-    orders = _compute_orders(schedule, num_stages, chunks, checkpoint, defer, virtual_stages)
+    placed = action_costs(stages, loss / chunks)
+    orders = _compute_orders(schedule, num_stages, chunks, checkpoint, defer, virtual_stages, placed)
     spans, free = _replay(stages, orders, chunks, checkpoint, transfer, loss)
     for k in range(num_stages):
         spans[k].append(Span("optimizer", None, free[k], free[k] + optimizers[k]))
     trace = StepTrace(0, [StageTrace(k, spans[k], 0.0, spans[k][-1].end) for k in range(num_stages)])
     return Prediction(trace.wall, trace.bubble, [s.peak_activation_bytes for s in trace.stages], trace)
+
+
+def action_costs(stages: Sequence[StageCost], loss: float = 0.0) -> tuple[ActionCost, ...]:
+    """The costs a schedule placed by cost (``"zb-1p"``) takes, from per-(virtual-)stage costs: F, B (the backward
+    without its ``weight``) and W, and ``loss`` seconds per micro-batch on the last stage."""
+    placed = [ActionCost(cost.forward, cost.backward - cost.weight, cost.weight) for cost in stages]
+    placed[-1] = replace(placed[-1], loss=loss)
+    return tuple(placed)
 
 
 def _replay(
@@ -248,13 +257,20 @@ def _replay(
 
 
 def _compute_orders(
-    schedule: str, num_stages: int, chunks: int, checkpoint: str, defer: bool, virtual_stages: int = 1
+    schedule: str,
+    num_stages: int,
+    chunks: int,
+    checkpoint: str,
+    defer: bool,
+    virtual_stages: int = 1,
+    costs: Optional[Sequence[ActionCost]] = None,
 ) -> list[list[tuple[str, Optional[int], int]]]:
-    """Each process's compute actions, in the order of its plan (:func:`~lightning_gpipe.schedule.plans`), as
-    ``(kind, micro_batch, chunk)``: the one order that both the runtime and this simulator follow."""
+    """Each process's compute actions, in the order of its plan (:func:`~lightning_gpipe.schedule.plans`, placed by
+    ``costs`` where the schedule does), as ``(kind, micro_batch, chunk)``: the one order that both the runtime and
+    this simulator follow."""
     return [
         [(action.kind.value, action.micro_batch, action.chunk) for action in plan.actions if action.kind in COMPUTE]
-        for plan in plans(schedule, num_stages, chunks, checkpoint, defer, virtual_stages)
+        for plan in plans(schedule, num_stages, chunks, checkpoint, defer, virtual_stages, costs)
     ]
 
 

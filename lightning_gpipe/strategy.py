@@ -69,7 +69,7 @@ class GPipeStrategy(MeshStrategy):
         balance_memory_limit: bytes one stage may hold when choosing the balance (default: no limit).
         start_method: ``"popen"`` (default) or ``"spawn"``.
         state_dict_type: checkpoints as one ``"full"`` file (default) or a ``"sharded"`` directory.
-        schedule: ``"gpipe"`` (fill-drain; ``None``, default), ``"1f1b"`` or ``"zb-h1"`` (zero-bubble).
+        schedule: ``"gpipe"`` (fill-drain; ``None``, default), ``"1f1b"``, ``"zb-h1"`` or ``"zb-1p"`` (zero-bubble).
         virtual_stages: model chunks per stage, interleaved (``None``, default: 1, or the planner's choice).
         pipeline_parallel_size: K, the stages of each pipeline (default ``"auto"``).
         data_parallel_size: D, the pipeline replicas (default ``"auto"``).
@@ -107,7 +107,7 @@ class GPipeStrategy(MeshStrategy):
         balance_memory_limit: Optional[int] = None,
         start_method: Literal["popen", "spawn"] = "popen",
         state_dict_type: Literal["full", "sharded"] = "full",
-        schedule: Optional[Literal["gpipe", "1f1b", "zb-h1"]] = None,
+        schedule: Optional[Literal["gpipe", "1f1b", "zb-h1", "zb-1p"]] = None,
         virtual_stages: Optional[int] = None,
         pipeline_parallel_size: Size = "auto",
         data_parallel_size: Size = "auto",

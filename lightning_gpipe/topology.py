@@ -90,6 +90,11 @@ class Topology:
         """Global rank holding stage ``stage_index`` of data-parallel replica ``replica``."""
         return replica * self.num_stages + stage_index
 
+    def rank_of_virtual(self, virtual: int, replica: int) -> int:
+        """Global rank holding virtual stage ``virtual`` of data-parallel replica ``replica`` (see the class
+        docstring)."""
+        return self.rank_of(virtual % self.num_stages, replica)
+
     def name(self, rank: int) -> str:
         """How messages name global rank ``rank``: ``"stage 1"``, or ``"stage 1 of replica 0 (rank 1)"`` with
         several replicas."""

@@ -76,9 +76,11 @@ class Link:
             stage's neighbour link and a skip connection's, :mod:`lightning_gpipe.skip.links`, or two model
             chunks' links under virtual stages) do not mix; 0 by default. A pair ``(previous, next)`` gives the
             messages with each neighbour their own tag (under virtual stages, the two neighbours may be one
-            rank). Backends without tags (NCCL) need the two links' messages in one order on both ranks.
+            rank). NCCL ignores tags: there two such links need process groups of their own (``groups``).
         job: the run's :class:`~lightning_gpipe.job.Job`, whose waits the link's waits are (failure board, stall
             watchdog, names of the neighbours).
+        groups: the process groups of the messages with the previous and the next stage
+            (:mod:`lightning_gpipe.channels`); ``None`` (default): the default group.
     """
 
     def __init__(
@@ -90,12 +92,14 @@ class Link:
         tag: Union[int, tuple[int, int]] = 0,
         *,
         job: "Job",
+        groups: tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]] = (None, None),
     ) -> None:
         self.prev_rank = prev_rank
         self.next_rank = next_rank
         self.device = device
         self.events = events if events is not None else Recorder()
-        self.prev_tag, self.next_tag = tag if isinstance(tag, tuple) else (tag, tag)
+        prev_tag, next_tag = tag if isinstance(tag, tuple) else (tag, tag)
+        self._prev, self._next = _Peer(prev_rank, prev_tag, groups[0]), _Peer(next_rank, next_tag, groups[1])
         self.job = job
         self._pending_sends: list[_Send] = []  # posted, not known to have completed: their tensors kept alive
         self._next_header: Optional[tuple[dist.Work, Tensor]] = None
@@ -127,7 +131,7 @@ class Link:
         header += [0] * (HEADER_SLOTS - len(header))
         wires = [_wire(tensor.detach()) for tensor in tensors]  # before the header: nothing can fail between
         header_tensor = torch.tensor(header, dtype=torch.int64, device=self.device)
-        self._post([header_tensor, *wires], self.next_rank, self.next_tag, index)
+        self._post([header_tensor, *wires], self._next, index)
 
     def recv_activation(self) -> tuple[Value, int]:
         """Receive the next micro-batch's input from the previous stage.
@@ -152,7 +156,7 @@ class Link:
             pos += 2 + ndim
             wire_dtype = torch.uint8 if dtype is torch.bool else dtype
             buffers.append((torch.empty(shape, dtype=wire_dtype, device=self.device), dtype))
-        works = [dist.irecv(buffer, self.prev_rank, tag=self.prev_tag) for buffer, _ in buffers]
+        works = [self._prev.irecv(buffer) for buffer, _ in buffers]
         # posted after this micro-batch's payload, so it matches the next header on any backend
         self._next_header = self._post_header() if index + 1 < count else None
         self._wait(works, self.prev_rank, in_flight=True)  # sent with the header: only the bytes are on their way
@@ -168,7 +172,7 @@ class Link:
             PipelineFailure: if an earlier send of this link failed.
         """
         with self.events.span("send", index):
-            self._post([grad.contiguous() for grad in grads], self.prev_rank, self.prev_tag, index)
+            self._post([grad.contiguous() for grad in grads], self._prev, index)
 
     def post_grads(self, metas: Sequence[Meta]) -> None:
         """Post the receive of the gradients of one micro-batch's floating-point outputs (shapes and dtypes).
@@ -176,7 +180,7 @@ class Link:
         Receives are matched in posting order: post them in the order the next stage sends them.
         """
         buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in metas]
-        self._grads.append(([dist.irecv(buffer, self.next_rank, tag=self.next_tag) for buffer in buffers], buffers))
+        self._grads.append(([self._next.irecv(buffer) for buffer in buffers], buffers))
 
     def recv_grads(self, index: int) -> list[Tensor]:
         """Wait for the gradients posted first by :meth:`post_grads` (those of micro-batch ``index``) and return them.
@@ -202,15 +206,15 @@ class Link:
             self._pending_sends = [send for send in self._pending_sends if through is not None and send.index > through]
             self._wait([work for send in done for work in send.works], None)
 
-    def _post(self, tensors: list[Tensor], dst: Optional[int], tag: int, index: int) -> None:
-        """Drop the sends that have completed, then send ``tensors`` to ``dst`` in order, as micro-batch ``index``'s
+    def _post(self, tensors: list[Tensor], peer: "_Peer", index: int) -> None:
+        """Drop the sends that have completed, then send ``tensors`` to ``peer`` in order, as micro-batch ``index``'s
         one pending send (kept, with its tensors, until it is known to have completed)."""
         self._drop_completed()
         if not tensors:
             return
-        works = [dist.isend(tensor, dst, tag=tag) for tensor in tensors]
+        works = [dist.isend(tensor, peer.rank, group=peer.group, tag=peer.tag) for tensor in tensors]
         if not self._polled:  # gloo: is_completed() stays False until wait(), which only one call may make
-            works = [self.job.waiter.watch(works, (dst, tag))]
+            works = [self.job.waiter.watch(works, (peer.rank, peer.tag))]
         self._pending_sends.append(_Send(index, works, tensors))
 
     def _drop_completed(self) -> None:
@@ -248,7 +252,20 @@ class Link:
 
     def _post_header(self) -> tuple[dist.Work, Tensor]:
         header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-        return dist.irecv(header, self.prev_rank, tag=self.prev_tag), header
+        return self._prev.irecv(header), header
+
+
+class _Peer(NamedTuple):
+    """A neighbour of a link: its global rank (``None``: none), the messages' tag and process group (``None``: the
+    default group)."""
+
+    rank: Optional[int]
+    tag: int
+    group: Optional[dist.ProcessGroup]
+
+    def irecv(self, buffer: Tensor) -> dist.Work:
+        """Post the receive of the peer's next message into ``buffer``."""
+        return dist.irecv(buffer, self.rank, group=self.group, tag=self.tag)
 
 
 class _Send(NamedTuple):

@@ -31,8 +31,11 @@ class _InputRecorder(nn.Module):
         raise BackboneReached
 
 
-def profile_backbone(module: LightningModule, backbone: str, chunks: int, device: torch.device) -> list[LayerCost]:
-    """Measure each backbone layer on the first micro-batch of a sample batch (see :func:`sample_micro_batch`).
+def profile_backbone(
+    module: LightningModule, backbone: str, chunks: int, device: torch.device, split: bool = False
+) -> list[LayerCost]:
+    """Measure each backbone layer on the first micro-batch of a sample batch (see :func:`sample_micro_batch`);
+    with ``split``, also its backward's B and W halves (:func:`profile_layers`).
 
     Random number generators (torch, CUDA, NumPy, Python) are left as they were, so profiling
     changes neither the data order nor the training.
@@ -49,7 +52,7 @@ def profile_backbone(module: LightningModule, backbone: str, chunks: int, device
     """
     with unchanged_random_state():
         sample = sample_micro_batch(module, backbone, chunks)
-        return profile_layers(getattr(module, backbone), sample, device)
+        return profile_layers(getattr(module, backbone), sample, device, split=split)
 
 
 @contextmanager

@@ -88,9 +88,10 @@ def plan(
 
 
 def _interleaving(constraints: Constraints, layers: torch.nn.Sequential, device: torch.device) -> Constraints:
-    """``constraints`` with one model chunk per stage fixed where the strategy cannot interleave: on CUDA (NCCL,
-    see ``GPipeStrategy(virtual_stages=...)``) and for a backbone with skip connections (which may join two chunks
-    of one stage). A fixed ``virtual_stages`` is kept (the strategy then says why it cannot run it)."""
+    """``constraints`` with one model chunk per stage fixed where the planner does not interleave on its own: on
+    CUDA, where interleaving (one NCCL communicator per virtual link, :mod:`lightning_gpipe.channels`) has not been
+    run, and for a backbone with skip connections (which may join two chunks of one stage). A fixed
+    ``virtual_stages`` is kept (given by the user, who asked for it)."""
     if constraints.virtual_stages is not None:
         return constraints
     if device.type != "cpu" or any(is_skippable(layer) for layer in layers):

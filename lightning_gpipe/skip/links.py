@@ -1,9 +1,9 @@
 """Skip tensors between the stage that stashes them and the stage that pops them, point-to-point.
 
 One :class:`~lightning_gpipe.transfer.Link` per pair of stages a skip crosses, on its own tag
-(:meth:`Topology.skip_tag <lightning_gpipe.topology.Topology.skip_tag>`) so that it never mixes with the
-neighbour link's messages. Per micro-batch, the stashing
-stage sends a tuple of that pair's skip tensors (with the link's shape header) as soon as the micro-batch's
+(:meth:`Topology.skip_tag <lightning_gpipe.topology.Topology.skip_tag>`) and process group
+(:mod:`lightning_gpipe.channels`) so that it never mixes with the neighbour link's messages. Per micro-batch,
+the stashing stage sends a tuple of that pair's skip tensors (with the link's shape header) as soon as the micro-batch's
 forward has run; the popping stage receives it before running the micro-batch and, after the micro-batch's
 backward, sends back the gradients of the floating-point ones, which the stashing stage backpropagates with
 its output's. The stages in between take no part. Receives are posted ahead as on the neighbour link: the next
@@ -18,6 +18,7 @@ be several micro-batches behind. It waits for those of micro-batch ``j`` once ``
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gpipe import microbatch
@@ -40,6 +41,8 @@ class SkipLinks:
         device: this stage's device.
         events: the stage's recorder (skip transfers are ``send``/``recv`` spans like the neighbour link's).
         job: the run's :class:`~lightning_gpipe.job.Job`, for the links' waits.
+        groups: ``(global rank, tag)`` of a peer -> the process group of the link with it
+            (:mod:`lightning_gpipe.channels`); the default group for a peer not in it (default: every peer).
     """
 
     def __init__(
@@ -49,10 +52,16 @@ class SkipLinks:
         device: torch.device,
         events: Recorder,
         job: "Job",
+        groups: Optional[dict[tuple[int, int], Optional[dist.ProcessGroup]]] = None,
     ) -> None:
-        out, into = sorted(outgoing.items()), sorted(incoming.items())
-        self._out = [(keys, Link(None, rank, device, events, tag=tag, job=job)) for (rank, tag), keys in out]
-        self._in = [(keys, Link(rank, None, device, events, tag=tag, job=job)) for (rank, tag), keys in into]
+        out, into, groups = sorted(outgoing.items()), sorted(incoming.items()), groups or {}
+
+        def link(prev_rank: Optional[int], next_rank: Optional[int], peer: tuple[int, int]) -> Link:
+            group = groups.get(peer)
+            return Link(prev_rank, next_rank, device, events, tag=peer[1], job=job, groups=(group, group))
+
+        self._out = [(keys, link(None, peer[0], peer)) for peer, keys in out]
+        self._in = [(keys, link(peer[0], None, peer)) for peer, keys in into]
 
     def receive(self, training: bool) -> dict[Any, Tensor]:
         """The skip tensors of the next micro-batch from every earlier stage, by key (new leaves in training).

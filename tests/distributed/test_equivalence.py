@@ -33,14 +33,15 @@ def test_pipeline_equals_single_device(stages, reference_state, reference_1f1b_s
                 torch.testing.assert_close(state[key], expected, rtol=0, atol=1e-5, msg=f"{key}, M={chunks}, {mode}")
     threads = {int((out / f"threads_rank{r}.txt").read_text()) for r in range(stages)}
     assert threads == {max(1, (torch.multiprocessing.cpu_count() or 1) // stages)}
-    # schedule="1f1b" (and "zb-h1"), M = 4 >= K (uneven: 7, 6, 6, 6 rows), then M = 2 < K when K > 2
-    for schedule, mode in [("1f1b", mode) for mode in MODES] + [("zb-h1", "always"), ("zb-h1", "never")]:
+    # schedule="1f1b" (and the zero-bubble ones), M = 4 >= K (uneven: 7, 6, 6, 6 rows), then M = 2 < K when K > 2
+    zero_bubble = [("zb-h1", "always"), ("zb-h1", "never"), ("zb-1p", "except_last")]
+    for schedule, mode in [("1f1b", mode) for mode in MODES] + zero_bubble:
         state_1f1b = torch.load(out / f"{schedule}_{mode}.pt")
         for key, expected in reference_1f1b_state.items():
             torch.testing.assert_close(state_1f1b[key], expected, rtol=0, atol=1e-5, msg=f"{key}, {schedule}, {mode}")
     # virtual_stages=2: the looped fill-drain on fit()'s data, interleaved 1F1B and ZB-H1 on the 1F1B runs' batches
     interleaved = [("gpipe", "always"), ("gpipe", "never"), ("1f1b", "except_last"), ("1f1b", "never")]
-    for schedule, mode in interleaved + [("zb-h1", "always")]:
+    for schedule, mode in interleaved + [("zb-h1", "always"), ("zb-1p", "never")]:
         interleaved = torch.load(out / f"v2_{schedule}_{mode}.pt")
         for key, expected in (reference_state if schedule == "gpipe" else reference_1f1b_state).items():
             message = f"{key}, v=2 {schedule}, {mode}"

@@ -27,13 +27,14 @@ ARGUMENTS = {
     "state_dict_type": (dict(state_dict_type="distributed"), "choose 'full' or 'sharded'"),
     "stall_timeout_seconds": (dict(stall_timeout=30), "as a positive `datetime.timedelta`, e.g. timedelta(minutes=5)"),
     "stall_timeout_zero": (dict(stall_timeout=timedelta(0)), "as a positive `datetime.timedelta`"),
-    "schedule": (dict(schedule="zb-v"), "choose 'gpipe' (fill-drain), '1f1b' (one forward, one backward) or 'zb-h1'"),
+    "schedule": (dict(schedule="zb-v"), "choose 'gpipe' (fill-drain), '1f1b' (one forward, one backward), 'zb-h1'"),
     "virtual_stages_zero": (dict(virtual_stages=0), "give the model chunks per stage, an integer >= 1"),
     "zb_h1_without_split": (
         dict(schedule="zb-h1", defer_weight_grad=False),
-        "ZB-H1 runs each weight gradient apart from its input gradient, so it needs the B/W split; leave"
-        " defer_weight_grad unset (or True), or choose schedule='1f1b'",
+        "a zero-bubble schedule runs each weight gradient apart from its input gradient, so it needs the B/W split;"
+        " leave defer_weight_grad unset (or True), or choose schedule='1f1b'",
     ),
+    "zb_1p_without_split": (dict(schedule="zb-1p", defer_weight_grad=False), "schedule='zb-1p', defer_weight_grad"),
     "defer_weight_grad": (dict(defer_weight_grad="yes"), "give True (the B/W split), False, or None for the"),
 }
 

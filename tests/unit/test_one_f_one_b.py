@@ -21,8 +21,8 @@ from lightning_gpipe.job import Job
 from lightning_gpipe.partition import Split
 from lightning_gpipe.per_micro_batch import RowWeighted, batch_rows, check_input_rows, split_batch
 from lightning_gpipe.runtime import Runtime
-from lightning_gpipe.schedule import Kind, one_f_one_b
-from lightning_gpipe.simulator import StageCost, simulate
+from lightning_gpipe.schedule import Kind, one_f_one_b, plans
+from lightning_gpipe.simulator import StageCost, action_costs, simulate
 from lightning_gpipe.stage import Stage
 from lightning_gpipe.transfer import Link
 
@@ -119,14 +119,15 @@ class _FakeStage:
         return len(self.held)
 
 
-def _run_processes(processes: list[list[_FakeStage]], schedule: str) -> None:
-    """Run one step of ``schedule`` on each process's fake chunks, a thread per process; the last chunk of the
-    last process logs the user's head. Raises what a thread raised (a deadlock: its wait's assertion)."""
+def _run_processes(processes: list[list[_FakeStage]], schedule: str, costs=None) -> None:
+    """Run one step of ``schedule`` (placed by ``costs``) on each process's fake chunks, a thread per process; the
+    last chunk of the last process logs the user's head. Raises what a thread raised (a deadlock: its wait's
+    assertion)."""
     head, errors = processes[-1][-1], []
 
     def run(chunks: list[_FakeStage]) -> None:
         try:
-            runtime = Runtime(chunks, schedule, len(processes))
+            runtime = Runtime(chunks, schedule, len(processes), costs=costs)
             if runtime.per_micro_batch_loss:
                 runtime.step(None, lambda i, count, y: head.calls.append(("head", i)))
             else:
@@ -143,10 +144,10 @@ def _run_processes(processes: list[list[_FakeStage]], schedule: str) -> None:
     assert not errors, errors
 
 
-def _run_fake_pipeline(stages: int, chunks: int, schedule: str = "1f1b") -> list[_FakeStage]:
+def _run_fake_pipeline(stages: int, chunks: int, schedule: str = "1f1b", costs=None) -> list[_FakeStage]:
     wire = _Wire()
-    fakes = [_FakeStage(k, stages, chunks, wire, defer=schedule == "zb-h1") for k in range(stages)]
-    _run_processes([[fake] for fake in fakes], schedule)
+    fakes = [_FakeStage(k, stages, chunks, wire, defer=schedule.startswith("zb")) for k in range(stages)]
+    _run_processes([[fake] for fake in fakes], schedule, costs)
     return fakes
 
 
@@ -187,6 +188,27 @@ def test_zb_h1_never_deadlocks_and_runs_its_trailing_weight_gradients_in_one_cal
             assert calls.index(("backward", i)) < next(
                 n for n, c in enumerate(calls) if c[0] == "weights" and i in c[1]
             )
+
+
+def test_zb_1p_runs_each_w_where_the_costs_place_it():
+    """Stage 1 of 3 waits for its gradients longer than a W takes: it runs the W between a recompute and the B that
+    waits (ZB-H1 runs it after that B), and the runtime follows the placed plan, consecutive W in one call."""
+    costs = action_costs(
+        [StageCost(0.5, 1.5, weight=0.5), StageCost(0.5, 2.0, weight=1.0), StageCost(0.5, 2.5, weight=0.5)]
+    )
+    placed, fixed = plans("zb-1p", 3, 5, "always", True, 1, costs), plans("zb-h1", 3, 5, "always")
+    assert placed[1] != fixed[1]
+    for fake, plan in zip(_run_fake_pipeline(3, 5, "zb-1p", costs), placed):
+        expected, kinds = [], {Kind.FORWARD: "forward", Kind.RECOMPUTE: "recompute", Kind.BACKWARD: "backward"}
+        for action in plan.actions:
+            if action.kind is Kind.WEIGHT:
+                if expected and expected[-1][0] == "weights":
+                    expected[-1] = ("weights", (*expected[-1][1], action.micro_batch))
+                else:
+                    expected.append(("weights", (action.micro_batch,)))
+            elif action.kind in kinds:
+                expected.append((kinds[action.kind], action.micro_batch))
+        assert [c for c in fake.calls if c[0] in ("forward", "recompute", "backward", "weights")] == expected
 
 
 # --------------------------------------------------------------------------- one stage, real engine

@@ -2,10 +2,13 @@
 deferred weight gradients, pair their transfers, run to their end, hold each micro-batch's work once, and are what
 the simulator times; a broken plan is an error naming the stage and the action."""
 
+import random
+
 import pytest
 
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES, checkpointed
 from lightning_gpipe.schedule import (
+    DEFERRED_BY_DEFAULT,
     SCHEDULES,
     Action,
     Kind,
@@ -15,14 +18,14 @@ from lightning_gpipe.schedule import (
     format_plans,
     plans,
 )
-from lightning_gpipe.simulator import StageCost, simulate
+from lightning_gpipe.simulator import StageCost, action_costs, simulate
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("defer", [False, True])
 def test_every_plan_pairs_its_transfers_runs_to_its_end_and_is_what_the_simulator_times(schedule, defer):
-    if schedule == "zb-h1" and not defer:
-        with pytest.raises(ValueError, match="'zb-h1' runs each weight gradient apart .* needs the B/W split"):
+    if DEFERRED_BY_DEFAULT[schedule] and not defer:  # the zero-bubble schedules
+        with pytest.raises(ValueError, match=f"'{schedule}' runs each weight gradient apart .* needs the B/W split"):
             plans(schedule, 2, 4, "never", defer)
         return
     for num_stages in range(2, 9):
@@ -124,7 +127,7 @@ def test_a_broken_plan_is_an_error_naming_the_stage_and_the_action():
     (alone,) = plans("gpipe", 1, 3, "never")
     with pytest.raises(ScheduleError, match=r"stage 0 runs forwards \[0, 1, 2\] but backwards \[1, 2\]"):
         check([_without(alone, Action(Kind.BACKWARD, 0))])
-    with pytest.raises(ValueError, match="Unknown schedule '2f2b'; choose one of gpipe, 1f1b, zb-h1"):
+    with pytest.raises(ValueError, match="Unknown schedule '2f2b'; choose one of gpipe, 1f1b, zb-h1, zb-1p"):
         plans("2f2b", 2, 3, "never")
 
 
@@ -136,7 +139,7 @@ def test_every_interleaved_plan_runs_to_its_end_and_ends_with_its_first_chunk(sc
     for num_stages in range(2, 6):
         for virtual in range(2, 4):
             for count in range(1, 13):
-                for mode, defer in [("never", True), ("always", schedule == "zb-h1"), ("except_last", True)]:
+                for mode, defer in [("never", True), ("always", DEFERRED_BY_DEFAULT[schedule]), ("except_last", True)]:
                     stage_plans = plans(schedule, num_stages, count, mode, defer, virtual)
                     check(stage_plans)  # pairs every virtual link's transfers, including M not a multiple of K
                     for k, plan in enumerate(stage_plans):
@@ -188,3 +191,60 @@ def test_virtual_stages_hold_fill_drains_memory_or_interleaved_1f1bs_warm_up():
     assert looped.peak_activation_bytes == [2 * 8 * 6] * 2  # every micro-batch on both chunks, each chunk apart
     interleaved = simulate(costs, 8, "never", schedule="1f1b", virtual_stages=2)
     assert interleaved.peak_activation_bytes == [5 * 6, 3 * 6]  # 2 (K - k - 1) + (v - 1) K warm-up forwards + 1
+
+
+# --------------------------------------------------------------------------- ZB-1p: W placed by cost
+
+
+def _random_costs(rng: random.Random, num_virtual: int) -> list[StageCost]:
+    """F in [0.5, 2] s, B and W each 0.5-2 times F, per virtual stage."""
+    costs = []
+    for _ in range(num_virtual):
+        forward = rng.uniform(0.5, 2.0)
+        weight = forward * rng.uniform(0.5, 2.0)
+        costs.append(StageCost(forward, forward * rng.uniform(0.8, 1.5) + weight, weight=weight, activation_bytes=1))
+    return costs
+
+
+def test_zb_1p_with_equal_costs_is_zb_h1_and_interleaved_no_slower():
+    for num_stages in (2, 3, 4):
+        for count in (1, 3, 8):
+            for mode in CHECKPOINT_MODES:
+                assert plans("zb-1p", num_stages, count, mode) == plans("zb-h1", num_stages, count, mode)
+                costs = [StageCost(1.0, 2.0, weight=1.0)] * (2 * num_stages)
+                zb_1p, zb_h1 = (simulate(costs, count, mode, schedule=s, virtual_stages=2) for s in ("zb-1p", "zb-h1"))
+                assert zb_1p.step_time <= zb_h1.step_time
+
+
+def test_zb_1p_places_w_by_cost_never_slower_than_zb_h1_with_1f1bs_transfers_and_memory():
+    rng, faster = random.Random(0), 0
+    for _ in range(60):
+        num_stages, virtual = rng.choice([2, 3, 4]), rng.choice([1, 2])
+        count, mode = rng.choice([2, 4, 8]), rng.choice(CHECKPOINT_MODES)
+        costs, loss = _random_costs(rng, num_stages * virtual), rng.choice([0.0, count / 2])
+        placed = plans("zb-1p", num_stages, count, mode, True, virtual, action_costs(costs, loss / count))
+        check(placed)
+        for plan, one_f_one_b in zip(placed, plans("1f1b", num_stages, count, mode, False, virtual)):
+            assert [a for a in plan.actions if a.kind is not Kind.WEIGHT] == list(one_f_one_b.actions)
+        zb_1p, zb_h1 = (
+            simulate(costs, count, mode, loss=loss, schedule=name, virtual_stages=virtual)
+            for name in ("zb-1p", "zb-h1")
+        )
+        assert zb_1p.step_time <= zb_h1.step_time * (1 + 1e-9)
+        faster += zb_1p.step_time < zb_h1.step_time * 0.99
+        if mode == "never":  # at most 1F1B's peak on its first stage, on every stage
+            held = max(p.count(Kind.FORWARD) for p in plans("1f1b", num_stages, count, mode, False, virtual))
+            one_f_one_b = simulate(costs, count, mode, schedule="1f1b", defer_weight_grad=False, virtual_stages=virtual)
+            assert max(zb_1p.peak_activation_bytes) <= max(one_f_one_b.peak_activation_bytes) or held == count
+    assert faster >= 10  # 14 of these 60 draws: placing W by cost pays where stages differ
+
+
+def test_zb_1p_places_a_long_w_where_zb_h1_delays_the_next_forward():
+    """Stage 1's W (2 s) outlasts its F and B (0.5 and 1 s), and stage 0 is slower (F 2 s, whole backward 2 s):
+    ZB-H1 runs each W one backward late, before the next forward it then delays; placed by cost, the W go where
+    stage 1 waits for stage 0 anyway, and the step is 32 s instead of 33.5."""
+    costs = [StageCost(2.0, 2.0), StageCost(0.5, 3.0, weight=2.0)]
+    zb_1p, zb_h1 = (simulate(costs, 8, "never", schedule=name) for name in ("zb-1p", "zb-h1"))
+    assert (zb_1p.step_time, zb_h1.step_time) == (pytest.approx(32.0), pytest.approx(33.5))
+    with pytest.raises(ValueError, match="'zb-1p' takes one cost per virtual stage: 2, not 1"):
+        plans("zb-1p", 2, 8, "never", True, 1, action_costs(costs[:1]))

@@ -146,10 +146,30 @@ def test_virtual_stages_split_into_chunks_and_refuse_a_skip_within_one_stage():
     assert list(module.backbone._modules) == ["0", "2"]  # one module under the original names
     layout, job = SkipLayout(split.sequential, [1, 1, 1, 1]), Job()
     with pytest.raises(ValueError, match="joins virtual stages 0 and 2, two model chunks of stage 0; with"):
-        _links(topology, 0, 0, layout, _torch.device("cpu"), job, job.recorder())
+        _links(topology, 0, 0, layout, _torch.device("cpu"), job, job.recorder(), {})
     # a parameter two chunks of one stage use is one object there: no tie; across stages it is one
     shared = nn.Linear(FEATURES, FEATURES)
     tied = nn.Module()
     tied.backbone = nn.Sequential(shared, nn.Tanh(), shared, nn.Tanh())
     assert find_ties(tied, "backbone", [1, 1, 1, 1], num_stages=2) == []
     assert [t.stages for t in find_ties(tied, "backbone", [1, 1, 1, 1], num_stages=4)] == [(0, 2), (0, 2)]
+
+
+def test_every_link_that_may_share_a_pair_of_ranks_has_a_process_group_of_its_own(monkeypatch):
+    """NCCL matches one communicator's messages by order: each virtual link and each skip between two processes
+    gets a group, created by every process in one order; a pipeline of one chunk per stage keeps its neighbour
+    links on the default group."""
+    from lightning_gpipe import channels
+    from lightning_gpipe.topology import Topology
+
+    created = []
+    monkeypatch.setattr(channels.dist, "new_group", lambda ranks: created.append(tuple(ranks)) or len(created))
+    backbone = nn.Sequential(Stash(), dense(), dense(), Pop())
+    skips = SkipLayout(backbone, [1, 1, 1, 1])  # the skip goes from virtual stage 0 to 3
+    # 2 replicas x 2 stages x 2 chunks: links 0-1, 1-2, 2-3 and the skip 0-3 of each replica
+    groups = channels.link_groups(Topology(4, 2, virtual_stages=2), skips, rank=3)
+    assert created == [(0, 1), (0, 1), (0, 1), (0, 1), (2, 3), (2, 3), (2, 3), (2, 3)]
+    assert groups == {(1, 0, 1): 5, (1, 1, 2): 6, (1, 2, 3): 7, (1, 0, 3): 8}  # rank 3: stage 1 of replica 1
+    created.clear()
+    assert channels.link_groups(Topology(2, 2), SkipLayout(backbone, [2, 2]), rank=0) == {(0, 0, 1): 1}
+    assert created == [(0, 1)]  # the skip only: the neighbour link stays on the default group

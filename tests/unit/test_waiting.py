@@ -92,11 +92,11 @@ class FakeTransport:
         self.messages: list[torch.Tensor] = []
         self.works: list = []
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0):
+    def isend(self, tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
         self.messages.append(tensor.clone())
         return self._work(lambda: None)
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0):
+    def irecv(self, tensor: torch.Tensor, src: int, group=None, tag: int = 0):
         message = self.messages.pop(0)
         return self._work(lambda: tensor.copy_(message))
 
@@ -320,7 +320,7 @@ class SendLog:
         monkeypatch.setattr(dist, "isend", self.isend)
         self.link = Link(None, 1, torch.device("cpu"), job=job)
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0):
+    def isend(self, tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
         work = NcclLikeSend(tensor) if self.backend == "nccl" else GlooLikeSend(tensor)
         self.sent.append(work.sent)
         return work

@@ -6,9 +6,10 @@ Writes OUT_DIR/M{chunks}_{checkpoint}.pt (rank 0's module after fit: the full st
 OUT_DIR/threads_rank{r}.txt (torch threads of each stage process) and OUT_DIR/predictions_rank{r}.pt
 (what `trainer.predict` returns on each rank with the last trained module), and OUT_DIR/1f1b_{checkpoint}.pt
 (``schedule="1f1b"`` on batches of 25, 25 and 2 rows, 4 micro-batches: M >= K, uneven (7, 6, 6, 6), then
-M = 2 < K for K > 2), OUT_DIR/zb-h1_{always,never}.pt (``schedule="zb-h1"`` on the same batches), and
-OUT_DIR/v2_{schedule}_{checkpoint}.pt (``virtual_stages=2``: the looped fill-drain as the M{chunks} runs, 3
-micro-batches; interleaved 1F1B and ZB-H1 as the 1f1b runs), with and without re-materialization.
+M = 2 < K for K > 2), OUT_DIR/zb-h1_{always,never}.pt and OUT_DIR/zb-1p_except_last.pt (the zero-bubble
+schedules on the same batches; ``"zb-1p"`` places W by the profiled costs), and OUT_DIR/v2_{schedule}_{checkpoint}.pt
+(``virtual_stages=2``: the looped fill-drain as the M{chunks} runs, 3 micro-batches; interleaved 1F1B, ZB-H1 and
+ZB-1p as the 1f1b runs), with and without re-materialization.
 """
 
 import argparse
@@ -43,12 +44,13 @@ with open(os.path.join(args.out, f"threads_rank{rank}.txt"), "w") as f:
 trainer = L.Trainer(strategy=lightning_gpipe.GPipeStrategy(chunks=3), devices=args.devices, **trainer_kwargs())
 torch.save(trainer.predict(module, loader()), os.path.join(args.out, f"predictions_rank{rank}.pt"))
 one_f_one_b = [("1f1b", checkpoint) for checkpoint in ("always", "except_last", "never")]
-for schedule, checkpoint in one_f_one_b + [("zb-h1", "always"), ("zb-h1", "never")]:
+for schedule, checkpoint in one_f_one_b + [("zb-h1", "always"), ("zb-h1", "never"), ("zb-1p", "except_last")]:
     strategy = lightning_gpipe.GPipeStrategy(chunks=4, checkpoint=checkpoint, schedule=schedule)
     state = fit_batches(strategy, args.devices, batch_size=25).lightning_module.state_dict()
     if rank == 0:
         torch.save(state, os.path.join(args.out, f"{schedule}_{checkpoint}.pt"))
 interleaved = [("gpipe", "always"), ("gpipe", "never"), ("1f1b", "except_last"), ("1f1b", "never"), ("zb-h1", "always")]
+interleaved.append(("zb-1p", "never"))
 for schedule, checkpoint in interleaved:
     defer = True if checkpoint == "never" else None  # the B/W split; None: the schedule's default (on for zb-h1)
     options = dict(checkpoint=checkpoint, schedule=schedule, virtual_stages=2, defer_weight_grad=defer)
