@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Optional
 
 from lightning_gpipe.microbatch import Value
-from lightning_gpipe.schedule import Action, ActionCost, Kind, Plan, check, plans
+from lightning_gpipe.actions import Action, ActionCost, Kind, Plan
+from lightning_gpipe.schedule import check, plans
 from lightning_gpipe.stage import Stage
 from lightning_gpipe.watchdog import Position
 
@@ -35,7 +36,7 @@ class Runtime:
         num_stages: K, the processes of the pipeline.
         position: the process's position (its run's :attr:`lightning_gpipe.job.Job.position`), which records the
             action being executed (number, kind, micro-batch, chunk) for the stall watchdog; none by default.
-        costs: one :class:`~lightning_gpipe.schedule.ActionCost` per virtual stage, for a schedule that places its
+        costs: one :class:`~lightning_gpipe.actions.ActionCost` per virtual stage, for a schedule that places its
             actions by cost (``"zb-1p"``); ``None`` (default): equal costs.
 
     Raises:

@@ -8,102 +8,18 @@ times the same lists, and :func:`check` runs them abstractly before the first st
 receives do not pair up, or whose stages would wait for each other, is an error rather than a hang. A new schedule
 is one more function in :data:`SCHEDULES`.
 
-The vocabulary (:class:`Kind`): ``forward`` (take micro-batch i's input, scattered on the first stage or received
-from the previous one, and run the stage's layers), ``send`` (its output to the next stage, asynchronously),
-``loss`` (on the last stage, the user's head and loss on micro-batch i, backpropagated to the boundary; ``None``:
-on the whole mini-batch, in the user's ``training_step`` after the backbone call), ``expect`` (post the receive of
-micro-batch i's output gradient; receives match in posting order), ``recompute`` (re-materialize a checkpointed
-micro-batch's forward), ``backward`` (its input gradient, sent to the previous stage at once; with deferred weight
-gradients only that, B), ``weight`` (its deferred weight gradient, W) and ``flush`` (wait until this stage's sends
-have completed).
+The vocabulary (:class:`Kind`, :class:`Action`, :class:`Plan`) is :mod:`lightning_gpipe.actions`'s, importable
+from here too; ``"zb-1p"`` places its weight gradients with :mod:`lightning_gpipe.placement`.
 """
 
-import enum
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+from lightning_gpipe.actions import Action, ActionCost, Kind, Plan, splits_backward
+from lightning_gpipe.placement import place_weights
 from lightning_gpipe.rematerialization import checkpointed
-
-
-class Kind(str, enum.Enum):
-    """What an :class:`Action` does (see the module docstring); the value is the name spans and the simulator use."""
-
-    FORWARD = "forward"
-    SEND = "send"
-    LOSS = "loss"
-    EXPECT = "expect"
-    RECOMPUTE = "recompute"
-    BACKWARD = "backward"
-    WEIGHT = "weight"
-    FLUSH = "flush"
-
-
-COMPUTE = (Kind.FORWARD, Kind.LOSS, Kind.RECOMPUTE, Kind.BACKWARD, Kind.WEIGHT)
-"""The kinds that take compute time (the simulator times these; the others move or wait for data)."""
-
-_SHORT = {Kind.FORWARD: "F", Kind.SEND: "S", Kind.LOSS: "L", Kind.EXPECT: "E", Kind.RECOMPUTE: "R"}
-_SHORT.update({Kind.BACKWARD: "B", Kind.WEIGHT: "W", Kind.FLUSH: "flush"})
-
-
-@dataclass(frozen=True)
-class Action:
-    """One step of a stage's plan.
-
-    Args:
-        kind: what the action does.
-        micro_batch: the micro-batch index, 0-based; ``None`` for a flush and for a loss on the whole mini-batch.
-        chunk: the stage's model chunk (virtual stage) the action runs on; 0 for schedules with one chunk per stage.
-    """
-
-    kind: Kind
-    micro_batch: Optional[int] = None
-    chunk: int = 0
-
-    def __str__(self) -> str:
-        index = "" if self.micro_batch is None else str(self.micro_batch)
-        return f"{_SHORT[self.kind]}{index}" + (f".{self.chunk}" if self.chunk else "")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One stage's actions for one training step.
-
-    Args:
-        actions: in the order the stage runs them.
-        cut: ``actions[:cut]`` run in Lightning's ``training_step``, ``actions[cut:]`` in its ``backward``.
-        loss_per_micro_batch: whether the last stage runs the user's step once per micro-batch (``loss`` actions
-            with an index), rather than once on the whole mini-batch between the two parts.
-    """
-
-    actions: tuple[Action, ...]
-    cut: int
-    loss_per_micro_batch: bool = False
-
-    def count(self, kind: Kind) -> int:
-        """How many actions of ``kind`` the plan holds."""
-        return sum(action.kind is kind for action in self.actions)
-
-
-@dataclass(frozen=True)
-class ActionCost:
-    """Seconds of one micro-batch's actions on one virtual stage, for a schedule that places actions by their cost
-    (``"zb-1p"``). The defaults are zero-bubble's assumption of equal forward, input gradient and weight gradient
-    times (Qi et al. 2023, section 2): what a plan is placed by when nothing was measured.
-
-    Args:
-        forward: F, the forward (and a recompute).
-        backward: B, the backward's input gradient (on the first virtual stage, which does not split its backwards,
-            the whole backward is ``backward + weight``).
-        weight: W, the backward's weight gradient.
-        loss: on the last virtual stage, the user's head and loss and their backward to the boundary (default 0).
-    """
-
-    forward: float = 1.0
-    backward: float = 1.0
-    weight: float = 1.0
-    loss: float = 0.0
 
 
 ScheduleFunction = Callable[[int, int, int, str, bool, int, Optional[tuple[ActionCost, ...]]], Plan]
@@ -131,12 +47,6 @@ def weights_after_drain(is_last: bool, checkpoint: str) -> bool:
         checkpoint: the re-materialization mode (:data:`lightning_gpipe.rematerialization.CHECKPOINT_MODES`).
     """
     return is_last and checkpoint == "never"
-
-
-def _splits(virtual_index: int, defer: bool) -> bool:
-    """Whether a (virtual) stage splits its backwards into B and W: the first sends no input gradient, so it does
-    not."""
-    return defer and virtual_index > 0
 
 
 @dataclass(frozen=True)
@@ -192,7 +102,7 @@ def gpipe(
     drain = [Action(Kind.LOSS)] * last_process + [Action(Kind.EXPECT, *order[0])] * bool(order)
     at_end = []
     for n, (i, c) in enumerate(order):
-        split = _splits(place.virtual(c), defer_weight_grad)
+        split = splits_backward(place.virtual(c), defer_weight_grad)
         drain += [Action(Kind.RECOMPUTE, i, c)] * checkpointed(checkpoint, i, count)  # before waiting for the gradient
         if n + 1 < len(order):  # the next gradient's receive, one ahead: it lands while this one computes
             drain.append(Action(Kind.EXPECT, *order[n + 1]))
@@ -320,7 +230,7 @@ def _one_forward_one_backward(
             actions.extend(weight(*backwards[n - delay]))
 
     def weight(i: int, c: int) -> list[Action]:
-        return [Action(Kind.WEIGHT, i, c)] * _splits(place.virtual(c), defer)
+        return [Action(Kind.WEIGHT, i, c)] * splits_backward(place.virtual(c), defer)
 
     for n, (i, c) in enumerate(forwards):
         actions += [Action(Kind.FORWARD, i, c)] + [Action(Kind.FLUSH)] * (n > warmup)
@@ -407,131 +317,7 @@ def _placed(
     fixed = [
         _one_forward_one_backward(k, num_stages, count, checkpoint, True, k, virtual_stages) for k in range(num_stages)
     ]
-    candidates = [_WeightPlacement(fixed, costs)] + [_WeightPlacement(base, costs, share) for share in _GAP_SHARES]
-    return min(candidates, key=lambda placement: placement.step_time).plans
-
-
-_GAP_SHARES = (1.0, 0.5, 0.0)
-"""The placements :func:`zero_bubble_1p` tries besides ZB-H1's: a W fills a wait of at least this share of its own
-time."""
-
-
-class _WeightPlacement:
-    """The clock on which :func:`zero_bubble_1p` places each stage's W into its plan without W (``base``), filling
-    waits of at least ``share`` of a W's time (and more than none); with ``share=None`` it only times ``base``,
-    whose W are placed already (ZB-H1's)."""
-
-    def __init__(self, base: Sequence[Plan], costs: Sequence[ActionCost], share: Optional[float] = None) -> None:
-        self.base, self.costs, self.num_stages, self.share = base, costs, len(base), share
-        self.limit = max(_peak_held(plan) for plan in base)
-        self.last_backward = [max(n for n, a in enumerate(plan.actions) if a.kind is Kind.BACKWARD) for plan in base]
-        self.free = [0.0] * self.num_stages  # when each stage is next free
-        self.position = [0] * self.num_stages  # the next action of each base plan
-        self.actions: list[list[Action]] = [[] for _ in base]
-        self.outstanding: list[list[tuple[int, int]]] = [[] for _ in base]  # (micro-batch, chunk) whose W waits
-        self.held = [0] * self.num_stages  # micro-batches forwarded whose B (or W) has not run
-        self.sent: dict[tuple[Kind, int, int], float] = {}  # (FORWARD | BACKWARD, virtual stage, i) -> end
-        self.plans = self._place()
-        self.step_time = max(self.free)
-
-    def _place(self) -> tuple[Plan, ...]:
-        """The placed plans: each stage advances in turn, the earliest free first, as far as its inputs are known."""
-        ended = [False] * self.num_stages
-        while not all(ended):
-            for k in sorted(range(self.num_stages), key=lambda k: (ended[k], self.free[k])):
-                if not ended[k] and self._advance(k, ended):
-                    break
-            else:
-                raise ScheduleError("zb-1p: the 1F1B plans it places W into wait for each other.")
-        return tuple(Plan(tuple(actions), cut=len(actions), loss_per_micro_batch=True) for actions in self.actions)
-
-    def _advance(self, k: int, ended: list[bool]) -> bool:
-        """Run stage ``k``'s next action, or a W instead; whether the stage moved (it does not while the input of
-        its next forward or B is not placed yet and no W fits before it could arrive)."""
-        base, start = self.base[k].actions, self.position[k]
-        following = next((n for n in range(start, len(base)) if base[n].kind in COMPUTE), None)
-        if following is None:  # every forward and B ran: the remaining W, then the closing flush
-            self.actions[k] += [self._weight(k) for _ in list(self.outstanding[k])] + list(base[start:])
-            ended[k] = True
-            return True
-        self.actions[k] += base[start:following]
-        self.position[k] = following
-        action = base[following]
-        arrival = self._arrival(k, action)
-        if self.outstanding[k] and self._weight_first(k, action, arrival):
-            self.actions[k].append(self._weight(k))
-            return True
-        if arrival is None:
-            return False
-        self._run(k, action, arrival)
-        self.position[k] += 1
-        return True
-
-    def _weight_first(self, k: int, action: Action, arrival: Optional[float]) -> bool:
-        """Whether stage ``k`` runs its oldest W before ``action``: memory is at the limit before a forward, or the
-        stage would wait for the action's input at least as long as the W takes (``arrival``: when the input
-        arrives; ``None``: not placed yet, so not before its sender is free and has computed it)."""
-        if action.kind is Kind.FORWARD and self.held[k] >= self.limit:
-            return True
-        if self.position[k] == self.last_backward[k] and not _splits(self._virtual(k, action.chunk), True):
-            return True  # the data-parallel sync starts after the plan's last backward
-        i, c = self.outstanding[k][0]
-        wait = (self._earliest(k, action) if arrival is None else arrival) - self.free[k]
-        return wait > 0 and wait >= self.share * self.costs[self._virtual(k, c)].weight
-
-    def _arrival(self, k: int, action: Action) -> Optional[float]:
-        """When ``action``'s input is there: now for work on the stage's own data, else when the neighbouring
-        virtual stage sent it (``None`` if it has not been placed yet)."""
-        s = self._virtual(k, action.chunk)
-        if action.kind is Kind.FORWARD and s > 0:
-            return self.sent.get((Kind.FORWARD, s - 1, action.micro_batch))
-        if action.kind is Kind.BACKWARD and s < len(self.costs) - 1:
-            return self.sent.get((Kind.BACKWARD, s + 1, action.micro_batch))
-        return self.free[k]
-
-    def _earliest(self, k: int, action: Action) -> float:
-        """A lower bound of when ``action``'s input, not placed yet, arrives: its sender free, then computing it."""
-        s = self._virtual(k, action.chunk)
-        sender = s - 1 if action.kind is Kind.FORWARD else s + 1
-        cost = self.costs[sender]
-        seconds = cost.forward if action.kind is Kind.FORWARD else cost.backward
-        return self.free[sender % self.num_stages] + seconds
-
-    def _run(self, k: int, action: Action, arrival: float) -> None:
-        """Place ``action`` on stage ``k`` once it is free and its input has arrived."""
-        s, cost = self._virtual(k, action.chunk), self.costs[self._virtual(k, action.chunk)]
-        seconds = {Kind.FORWARD: cost.forward, Kind.RECOMPUTE: cost.forward, Kind.LOSS: cost.loss}.get(action.kind)
-        seconds = cost.weight if action.kind is Kind.WEIGHT else seconds
-        if action.kind is Kind.BACKWARD:
-            seconds = cost.backward if _splits(s, True) else cost.backward + cost.weight
-            if not _splits(s, True):
-                self.held[k] -= 1
-            elif self.share is not None:
-                self.outstanding[k].append((action.micro_batch, action.chunk))
-        self.free[k] = max(self.free[k], arrival) + seconds
-        self.held[k] += action.kind is Kind.FORWARD
-        if action.kind in (Kind.FORWARD, Kind.BACKWARD):
-            self.sent[(action.kind, s, action.micro_batch)] = self.free[k]
-        self.actions[k].append(action)
-
-    def _weight(self, k: int) -> Action:
-        """Stage ``k``'s oldest outstanding W, placed now."""
-        i, c = self.outstanding[k].pop(0)
-        self.free[k] += self.costs[self._virtual(k, c)].weight
-        self.held[k] -= 1
-        return Action(Kind.WEIGHT, i, c)
-
-    def _virtual(self, k: int, chunk: int) -> int:
-        return chunk * self.num_stages + k
-
-
-def _peak_held(plan: Plan) -> int:
-    """The most micro-batches (of any chunk) ``plan`` holds between their forward and their backward."""
-    held = peak = 0
-    for action in plan.actions:
-        held += (action.kind is Kind.FORWARD) - (action.kind is Kind.BACKWARD)
-        peak = max(peak, held)
-    return peak
+    return place_weights(base, costs, alternatives=[fixed])
 
 
 SCHEDULES: dict[str, ScheduleFunction] = {

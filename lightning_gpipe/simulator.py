@@ -49,7 +49,8 @@ from typing import Optional
 from lightning_gpipe.balance.costs import LayerCost
 from lightning_gpipe.events import Span
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES, checkpointed
-from lightning_gpipe.schedule import COMPUTE, DEFERRED_BY_DEFAULT, SCHEDULES, ActionCost, plans
+from lightning_gpipe.actions import COMPUTE, ActionCost
+from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, SCHEDULES, plans
 from lightning_gpipe.trace import StageTrace, StepTrace
 
 

@@ -96,7 +96,7 @@ class Position:
 
     def act(self, number: int, of: int, kind: str, micro_batch: Optional[int], chunk: int = 0) -> None:
         """Record that this stage executes action ``number`` (1-based) of its plan of ``of`` actions, ``kind`` of
-        ``micro_batch`` on model chunk ``chunk`` (see :class:`lightning_gpipe.schedule.Action`); the phase becomes
+        ``micro_batch`` on model chunk ``chunk`` (see :class:`lightning_gpipe.actions.Action`); the phase becomes
         that action's until a span inside it moves on."""
         self.action = (number, of, kind, micro_batch, chunk)
         self.move(kind, micro_batch)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lightning_gpipe.rematerialization import checkpointed
-from lightning_gpipe.schedule import Action, Kind
+from lightning_gpipe.actions import Action, Kind
 
 
 @dataclass
@@ -62,7 +62,7 @@ def held_peak(
     engine hold a send longer than this counts, until a later send or the flush.
 
     Args:
-        actions: the stage's plan (:attr:`lightning_gpipe.schedule.Plan.actions`), or one model chunk's actions of
+        actions: the stage's plan (:attr:`lightning_gpipe.actions.Plan.actions`), or one model chunk's actions of
             it with the flushes: the sends of one link.
         sends: whether the stage sends its outputs on (every stage but the last).
         checkpoint: the re-materialization mode.

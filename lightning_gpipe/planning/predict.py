@@ -19,7 +19,8 @@ from lightning_gpipe.balance.costs import LayerCost
 from lightning_gpipe.balance.solver import stage_sums
 from lightning_gpipe.planning.costs import CostModel, ProfiledCosts
 from lightning_gpipe.planning.held import held_peak
-from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, Kind, plans
+from lightning_gpipe.actions import Kind
+from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, plans
 from lightning_gpipe.simulator import StageCost, Transfer, simulate
 
 

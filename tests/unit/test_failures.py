@@ -14,7 +14,7 @@ import torch.distributed as dist
 from lightning_gpipe import PipelineFailure, waiting
 from lightning_gpipe.job import Job
 from lightning_gpipe.runtime import Runtime
-from lightning_gpipe.schedule import Action, Kind
+from lightning_gpipe.actions import Action, Kind
 from lightning_gpipe.watchdog import Position
 
 

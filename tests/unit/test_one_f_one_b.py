@@ -21,7 +21,8 @@ from lightning_gpipe.job import Job
 from lightning_gpipe.partition import Split
 from lightning_gpipe.per_micro_batch import RowWeighted, batch_rows, check_input_rows, split_batch
 from lightning_gpipe.runtime import Runtime
-from lightning_gpipe.schedule import Kind, one_f_one_b, plans
+from lightning_gpipe.actions import Kind
+from lightning_gpipe.schedule import one_f_one_b, plans
 from lightning_gpipe.simulator import StageCost, action_costs, simulate
 from lightning_gpipe.stage import Stage
 from lightning_gpipe.transfer import Link

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe import GPipeStrategy, schedule
+from lightning_gpipe import GPipeStrategy, actions, schedule
 from lightning_gpipe.balance import LayerCost, profile_layers
 from lightning_gpipe.config import PipelineConfig
 from lightning_gpipe.planning import (
@@ -141,12 +141,12 @@ def test_a_sent_output_is_held_until_the_next_send_not_through_the_drain(chunks)
     assert one_f_one_b.memory[0].transfers == fill_drain.memory[0].transfers
 
 
-def _actions(text: str) -> list[schedule.Action]:
+def _actions(text: str) -> list[actions.Action]:
     """A plan written as in the docs (``"F0 S0 B0 flush"``)."""
-    kinds = {"F": schedule.Kind.FORWARD, "S": schedule.Kind.SEND, "E": schedule.Kind.EXPECT}
-    kinds.update({"R": schedule.Kind.RECOMPUTE, "B": schedule.Kind.BACKWARD, "L": schedule.Kind.LOSS})
+    kinds = {"F": actions.Kind.FORWARD, "S": actions.Kind.SEND, "E": actions.Kind.EXPECT}
+    kinds.update({"R": actions.Kind.RECOMPUTE, "B": actions.Kind.BACKWARD, "L": actions.Kind.LOSS})
     return [
-        schedule.Action(schedule.Kind.FLUSH) if word == "flush" else schedule.Action(kinds[word[0]], int(word[1:]))
+        actions.Action(actions.Kind.FLUSH) if word == "flush" else actions.Action(kinds[word[0]], int(word[1:]))
         for word in text.split()
     ]
 

@@ -7,17 +7,8 @@ import random
 import pytest
 
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES, checkpointed
-from lightning_gpipe.schedule import (
-    DEFERRED_BY_DEFAULT,
-    SCHEDULES,
-    Action,
-    Kind,
-    Plan,
-    ScheduleError,
-    check,
-    format_plans,
-    plans,
-)
+from lightning_gpipe.actions import Action, Kind, Plan
+from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, SCHEDULES, ScheduleError, check, format_plans, plans
 from lightning_gpipe.simulator import StageCost, action_costs, simulate
 
 
