@@ -35,10 +35,16 @@ Usage::
     python benchmarks/compare.py                       # K=2, batch 1024, M in {8, 32}
     python benchmarks/compare.py --chunks 8 64 --width 256
     python benchmarks/compare.py --chunks 8 --only ours/L ours/L-1f1b --before f22351e
+    python benchmarks/compare.py --chunks 8 --only plain ours/L-zb tp --ceiling   # how close to the machine's limit
+
+With ``--ceiling`` the run first measures ``hardware.py``'s two facts on the same width and batch (what M
+micro-batches cost one thread, and what two processes side by side cost each other) and prints, for each ours/*,
+its speed-up over plain as a share of the ceiling they imply, with fill-drain's bubble and with none.
 """
 
 import argparse
 import os
+import statistics
 import subprocess
 import tarfile
 import tempfile
@@ -94,6 +100,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--only", nargs="+", choices=tuple(KINDS), default=[k for k in KINDS if k != "plain"], help="pipelines to run"
     )
     parser.add_argument("--before", metavar="REF", help="also run ours/L as git revision REF runs it (before/L)")
+    parser.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="first measure the machine's ceiling with hardware.py's probes (needs plain in --only)",
+    )
     harness.add_timing_args(parser)
     args = parser.parse_args(argv)
     harness.check_positive(parser, args, ("devices", "chunks", "batch_size", "width", "depth", "repeats"))
@@ -149,13 +160,60 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _drive(args: argparse.Namespace, grid: list[harness.Config]) -> None:
-    """Run ``grid`` interleaved and print the tables and ratios."""
+    """Run ``grid`` interleaved and print the tables and ratios (with ``--ceiling``, the machine's ceiling first)."""
     settings = (
         f"{args.depth} x (Linear({args.width}, {args.width}), ReLU) + Linear({args.width}, 10), cross-entropy,"
         f" batch {args.batch_size}, SGD, K={args.devices}, checkpoint {args.checkpoint}; {args.warmup} warm-up +"
         f" {args.steps} measured steps per run; {args.repeats} interleaved repeats"
     )
-    harness.drive(settings, grid, args, lambda results: summarise(args, results))
+    facts = machine_facts(args) if args.ceiling else None
+
+    def report(results: dict[str, harness.Series]) -> None:
+        summarise(args, results)
+        if facts is not None:
+            print_ceiling(args, results, facts)
+
+    harness.drive(settings, grid, args, report)
+
+
+def machine_facts(args: argparse.Namespace) -> dict[str, float]:
+    """``hardware.py``'s two facts on this model's width and batch, measured now (interleaved repeats, medians):
+    ``c(M)``, one thread's time for M micro-batches over one batch (``"M8"`` ...), and ``pairing``, two processes'
+    GEMM time side by side over one alone."""
+    import hardware
+
+    probe = argparse.Namespace(width=args.width, rows=args.batch_size, steps=6, gemms=40)
+    measures = {f"M{m}": (lambda m=m: hardware.micro(probe, m)) for m in (1, *args.chunks)}
+    measures |= {"alone": lambda: hardware.paired(probe, 1), "paired": lambda: hardware.paired(probe, 2)}
+    times: dict[str, list[float]] = {name: [] for name in measures}
+    for _ in range(args.repeats):
+        for name, measure in measures.items():
+            times[name].append(measure()["median_s"])
+    median = {name: statistics.median(values) for name, values in times.items()}
+    facts = {f"M{m}": median[f"M{m}"] / median["M1"] for m in args.chunks}
+    facts["pairing"] = median["paired"] / median["alone"]
+    return facts
+
+
+def print_ceiling(args: argparse.Namespace, results: dict[str, harness.Series], facts: dict[str, float]) -> None:
+    """Each ``ours/*`` speed-up over plain as a share of the machine's ceiling: K stages of equal cost, nothing but
+    micro-batching (``c(M)``) and pairing, and the schedule's bubble. One chunk per stage: fill-drain and 1F1B
+    ``K M / ((M + K - 1) c p)``; with no bubble (zero-bubble's ideal) ``K / (c p)``."""
+    k = args.devices
+    for m in args.chunks:
+        cost = facts[f"M{m}"] * facts["pairing"]
+        bubbled, ideal = k * m / ((m + k - 1) * cost), k / cost
+        print(
+            f"\nceiling, M={m}: micro-batching {facts[f'M{m}']:.2f}x, pairing {facts['pairing']:.2f}x ->"
+            f" {bubbled:.2f}x over plain with fill-drain's bubble, {ideal:.2f}x with none"
+        )
+        if f"plain/M{m}" not in results:
+            continue
+        plain = results[f"plain/M{m}"].median()
+        for label in (label for label in args.only if label.startswith("ours/")):
+            speedup = plain / results[f"{label}/M{m}"].median()
+            shares = f"{speedup / bubbled:.2f} of the first, {speedup / ideal:.2f} of the second"
+            print(f"  {label}: {speedup:.2f}x = {shares}")
 
 
 SPLITS = (

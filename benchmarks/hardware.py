@@ -115,12 +115,14 @@ def _collect(processes: list[subprocess.Popen]) -> list[dict]:
     return records
 
 
-def _micro(args, chunks: int, probe: str = "micro") -> dict:
+def micro(args, chunks: int, probe: str = "micro") -> dict:
+    """One probe in a fresh process: ``args.rows`` rows of ``args.width`` features in ``chunks`` micro-batches
+    (``probe``: ``"micro"`` forward and backward, ``"weights"``/``"together"`` the W one by one or together)."""
     argv = ["--probe", probe, f"--width={args.width}", f"--rows={args.rows}", f"--chunk={chunks}"]
     return _collect([_launch([*argv, f"--steps={args.steps}"])])[0]
 
 
-def _paired(args, processes: int) -> dict:
+def paired(args, processes: int) -> dict:
     """The slowest of ``processes`` GEMM probes started together (the figure a pipeline's stages share)."""
     start_at = time.time() + 2.0  # every process has imported torch by then
     argv = ["--probe", "gemm", f"--width={args.width}", f"--steps={args.gemms}", f"--start-at={start_at}"]
@@ -136,11 +138,11 @@ def _report(label: str, series: dict[str, list[dict]], numerator: str, denominat
 
 
 def _drive(args) -> None:
-    configs = {f"M={m}": (lambda m=m: _micro(args, m)) for m in (1, *args.chunks)}
-    configs |= {"GEMM alone": lambda: _paired(args, 1), "GEMM paired": lambda: _paired(args, 2)}
+    configs = {f"M={m}": (lambda m=m: micro(args, m)) for m in (1, *args.chunks)}
+    configs |= {"GEMM alone": lambda: paired(args, 1), "GEMM paired": lambda: paired(args, 2)}
     for m in args.chunks:
-        configs |= {f"W 1by1 M={m}": lambda m=m: _micro(args, m, "weights")}
-        configs |= {f"W tog. M={m}": lambda m=m: _micro(args, m, "together")}
+        configs |= {f"W 1by1 M={m}": lambda m=m: micro(args, m, "weights")}
+        configs |= {f"W tog. M={m}": lambda m=m: micro(args, m, "together")}
     series: dict[str, list[dict]] = {name: [] for name in configs}
     for _ in range(args.repeats):
         for name, measure in configs.items():
