@@ -92,6 +92,32 @@ def profile_layers(
     return costs
 
 
+def profile_together(layers: nn.Sequential, sample: Value, repeats: int = 5, warmup: int = 2) -> float:
+    """Seconds of one forward and backward of all of ``layers`` at once on the CPU, on the micro-batch ``sample``
+    (a copy of the layers; the calling thread's CPU time, median of ``repeats`` after ``warmup`` untimed runs; a
+    gradient of ones on the outputs that require grad): the time :func:`profile_layers`'s per-layer times add up
+    to when the layers run together, which differs by model (their caches, their autograd graph; see
+    docs/planning.md, "Calibrating"). The given layers, their gradients and the random number generators are left
+    unchanged.
+
+    Raises:
+        ValueError: if ``repeats`` is below 1 or ``warmup`` below 0, or a layer is on another device than the CPU
+            (the copy of every layer at once need not fit a device that trains the model in stages).
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"profile_together needs repeats >= 1 and warmup >= 0, got {repeats} and {warmup}.")
+    if any(t.device.type != "cpu" for t in _state(layers)):
+        raise ValueError("profile_together runs the whole backbone at once on the CPU: its layers must be there.")
+    device = torch.device("cpu")
+    value = leaves(sample, requires_grad=False, device=device)
+    with torch.random.fork_rng(devices=[]):
+        partition = Partition(dict(copy.deepcopy(layers).train().named_children()))
+        _, output, stashed, _ = _counted_run(partition, value, {})
+        grads = [torch.ones_like(t) for t in _differentiable(output, stashed)]
+        runs = [_run(partition, value, {}, grads, device) for _ in range(warmup + repeats)][warmup:]
+    return statistics.median(forward + backward for forward, backward in runs)
+
+
 def _profile(
     layer: Partition, value: Value, skips: dict, device: torch.device, repeats: int, warmup: int, split: bool
 ) -> tuple:

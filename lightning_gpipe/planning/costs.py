@@ -32,10 +32,11 @@ class CostModel:
         all_reduce_bandwidth: bytes per second of the data-parallel gradient all-reduce (default 0.5 GB/s).
         memory_margin: share of the memory limit kept free for what the model does not count (allocator slack,
             the user's head and loss); default 0.05.
-        compute_scale: profiled layer times are multiplied by this: the profile runs one layer alone on one
-            device, the stages run at once and may slow each other (on a CPU they share memory bandwidth and
-            caches, see ``benchmarks/hardware.py``); default 1.1, fitted on the project's 2-core machine (the
-            benchmark MLP's plans, measured while the machine was quiet, ran 4 to 15% slower than predicted at 1).
+        compute_scale: profiled layer times are multiplied by this, beyond the profile's own measure of the layers
+            run together (:attr:`ProfiledCosts.together`): the stages run at once and may slow each other (on a CPU
+            they share memory bandwidth and caches, see ``benchmarks/hardware.py``); default 1.0. (Before the
+            profile measured ``together``, 1.1 was fitted here on the benchmark MLP, whose ``together`` is about
+            that, and over-stated AmoebaNet's steps by 13 to 34%.)
         copy_bandwidth: bytes per second of a stage's own time that the activations and gradients it sends and
             receives cost it, on top of ``transfer_latency`` and ``transfer_bandwidth`` (which only delay the
             receiver): on a CPU, gloo's copies through the host's network stack run on the cores that compute (and
@@ -51,7 +52,7 @@ class CostModel:
     optimizer_bandwidth: float = 2e9
     all_reduce_bandwidth: float = 5e8
     memory_margin: float = 0.05
-    compute_scale: float = 1.1
+    compute_scale: float = 1.0
     copy_bandwidth: float = 5e8
 
     def transfer_time(self, nbytes: float) -> float:
@@ -107,6 +108,10 @@ class ProfiledCosts:
         small: the same at ``rows[1]``.
         batch_rows: N, the rows of one mini-batch of the backbone input (per replica).
         input_bytes: bytes of the whole mini-batch's backbone input.
+        together: the layers' forward and backward run all at once at ``rows[1]``
+            (:func:`~lightning_gpipe.balance.profile.profile_together`) over the sum of their times profiled one at
+            a time there: what running together adds (the benchmark MLP, about 1.1) or saves (AmoebaNet's cells,
+            about 0.95), by which the layers' times are scaled; 1 (default) when not measured.
 
     Raises:
         ValueError: if the two lists differ in length or a size is below 1.
@@ -117,6 +122,7 @@ class ProfiledCosts:
     small: Sequence[LayerCost]
     batch_rows: int
     input_bytes: int
+    together: float = 1.0
 
     def __post_init__(self) -> None:
         if len(self.large) != len(self.small) or min(*self.rows, self.batch_rows) < 1:

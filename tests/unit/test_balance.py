@@ -238,3 +238,19 @@ def test_time_balance_is_within_ten_percent_of_the_best_split(one_thread):
         f" best split {best} {slowest(best) * 1e3:.2f} ms; params split {by_params} {slowest(by_params) * 1e3:.2f} ms"
     )
     assert slowest(chosen) <= 1.10 * slowest(best)
+
+
+def test_profile_together_times_the_backbone_at_once_and_leaves_it_unchanged():
+    from lightning_gpipe.balance.profile import profile_together
+    from lightning_gpipe.planning.profiling import profile_sizes
+
+    layers = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+    state = {key: value.clone() for key, value in layers.state_dict().items()}
+    assert profile_together(layers, torch.randn(16, 8)) > 0
+    assert all(torch.equal(state[key], value) for key, value in layers.state_dict().items())  # running stats too
+    assert all(p.grad is None for p in layers.parameters())
+    assert profile_sizes(layers, torch.randn(256, 8), "cpu").together > 0  # measured on the CPU
+    with torch.device("meta"):
+        unmade = nn.Sequential(nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="its layers must be there"):
+        profile_together(unmade, torch.randn(2, 8))

@@ -56,6 +56,14 @@ def test_costs_are_affine_in_rows_between_the_profiled_sizes_and_bytes_proportio
     assert costs.for_chunks(3)[0].activation_bytes == 4 * 256 * 22  # the first of tensor_split's chunks: 22 rows
 
 
+def test_the_layers_run_together_scale_the_predicted_step():
+    """ProfiledCosts.together (the backbone run at once over its layers alone) scales every layer's time."""
+    plan_ = PipelinePlan(2, 1, 4, "never", "gpipe", (4, 4))
+    alone = predict(plan_, profiled(), FREE, 0, 2**40).step_time
+    together = predict(plan_, dataclasses.replace(profiled(), together=0.9), FREE, 0, 2**40).step_time
+    assert together == pytest.approx(0.9 * alone)
+
+
 def test_a_time_that_falls_with_the_rows_is_scaled_never_extrapolated_below_zero():
     noisy = LayerCost(forward=1e-3, backward=1e-3)
     costs = ProfiledCosts((64, 8), [noisy], [LayerCost(forward=2e-3, backward=2e-3)], 512, 4 * 512)
