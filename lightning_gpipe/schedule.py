@@ -277,19 +277,11 @@ def zero_bubble_1p(
 ) -> Plan:
     """ZB-1p, zero-bubble's automatic schedule at 1F1B's memory (Qi et al. 2023, arXiv:2401.10241, section 3.2,
     its heuristic algorithm): 1F1B's order of forwards and input gradients (B, :func:`one_f_one_b`, interleaved
-    with ``virtual_stages`` v > 1), each weight gradient W placed from the actions' costs.
-
-    The stages' plans are placed together on a clock (the simulator's rules: a forward or B starts once its
-    process is free and its input has arrived, with no transfer time). A stage that would wait for an activation
-    or a gradient at least a given share of its oldest outstanding W's time runs that W instead; before a forward
-    that would raise the micro-batches it holds (waiting for B or W) above 1F1B's peak on the first stage (K with
-    one chunk per stage), it runs its oldest W to free one; the remaining W follow its last B, or precede it where
-    that B is whole (every plan ends with its first chunk's backward, see :func:`gpipe`). Of the placements
-    with shares 1, 1/2 and 0 and ZB-H1's fixed one (:func:`zero_bubble_h1`), the plans take the one whose step
-    ends first on the clock (the first of them on a tie), so they are never slower there than ZB-H1's, and with
-    one chunk per stage and equal costs they are ZB-H1's. W are local, so only where a stage's W go depends on the
-    costs: every stage's transfers are 1F1B's whatever the costs, and stages that placed from different costs still
-    pair up. The paper's warm-up of as many forwards as memory allows is not taken.
+    with ``virtual_stages`` v > 1), each weight gradient W placed from the actions' costs on a clock of the stages'
+    plans (:func:`~lightning_gpipe.placement.place_weights`), ZB-H1's fixed placement (:func:`zero_bubble_h1`) among
+    the candidates: never slower than ZB-H1's on that clock, and with one chunk per stage and equal costs ZB-H1's.
+    W are local, so only where a stage's W go depends on the costs: every stage's transfers are 1F1B's whatever the
+    costs, and stages that placed from different costs still pair up.
 
     Args:
         costs: one :class:`ActionCost` per virtual stage, in pipeline order; ``None`` (default): equal F, B and W
