@@ -49,11 +49,17 @@ def profile_sizes(
 
 def _together(layers: nn.Sequential, small: Value, costs: list[LayerCost]) -> float:
     """:attr:`ProfiledCosts.together` at the small micro-batch: measured where every layer is on the CPU (where
-    global rank 0 holds the backbone whole anyway), else 1 (on a GPU the whole backbone need not fit)."""
+    global rank 0 holds the backbone whole anyway), else 1 (on a GPU the whole backbone need not fit); 1 too where
+    the process cannot hold the backbone's activations of that micro-batch at once (the planner then works on)."""
     alone = sum(cost.forward + cost.backward for cost in costs)
     if alone <= 0 or any(t.device.type != "cpu" for t in (*layers.parameters(), *layers.buffers())):
         return 1.0
-    return profile_together(layers, small) / alone
+    try:
+        return profile_together(layers, small) / alone
+    except (MemoryError, RuntimeError) as error:  # torch's CPU allocator raises a RuntimeError
+        if isinstance(error, RuntimeError) and "can't allocate memory" not in str(error):
+            raise
+        return 1.0
 
 
 def profile_module(

@@ -254,3 +254,17 @@ def test_profile_together_times_the_backbone_at_once_and_leaves_it_unchanged():
         unmade = nn.Sequential(nn.Linear(8, 8))
     with pytest.raises(ValueError, match="its layers must be there"):
         profile_together(unmade, torch.randn(2, 8))
+
+
+def test_the_planner_works_on_where_the_backbone_cannot_run_at_once(monkeypatch):
+    from lightning_gpipe.planning import profiling
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1024 bytes.")
+
+    monkeypatch.setattr(profiling, "profile_together", out_of_memory)
+    layers = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    assert profiling.profile_sizes(layers, torch.randn(256, 8), "cpu").together == 1.0
+    monkeypatch.setattr(profiling, "profile_together", lambda *args: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # anything else is not swallowed
+        profiling.profile_sizes(layers, torch.randn(256, 8), "cpu")
