@@ -3,8 +3,8 @@
 One :class:`~lightning_gpipe.transfer.Link` per pair of stages a skip crosses, on its own tag
 (:meth:`Topology.skip_tag <lightning_gpipe.topology.Topology.skip_tag>`) and process group
 (:mod:`lightning_gpipe.channels`) so that it never mixes with the neighbour link's messages. Per micro-batch,
-the stashing stage sends a tuple of that pair's skip tensors (with the link's shape header) as soon as the micro-batch's
-forward has run; the popping stage receives it before running the micro-batch and, after the micro-batch's
+the stashing stage sends a tuple of that pair's skip tensors (with the link's shape header) as soon as the
+micro-batch's forward has run; the popping stage receives it before running the micro-batch and, after the micro-batch's
 backward, sends back the gradients of the floating-point ones, which the stashing stage backpropagates with
 its output's. The stages in between take no part. Receives are posted ahead as on the neighbour link: the next
 micro-batch's header while the current one computes, a gradient's receive as the schedule posts its output
