@@ -250,7 +250,7 @@ if __name__ == "__main__":
     torch.save(own, os.path.join(args.out, f"state_rank{rank}.pt"))
     if losses.losses and rank == args.devices - 1 and dp == 1:
         torch.save(losses.losses, os.path.join(args.out, "losses.pt"))
-    costs = strategy.layer_costs
+    costs = strategy.layer_costs if args.balance is not None else None  # "zb-1p" profiles without a balance mode
     record = {
         "layers": recorder.layers,
         "precision_plugin": type(trainer.precision_plugin).__name__,
