@@ -94,8 +94,6 @@ class Link:
         job: "Job",
         groups: tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]] = (None, None),
     ) -> None:
-        self.prev_rank = prev_rank
-        self.next_rank = next_rank
         self.device = device
         self.events = events if events is not None else Recorder()
         prev_tag, next_tag = tag if isinstance(tag, tuple) else (tag, tag)
@@ -146,7 +144,7 @@ class Link:
         if self._next_header is None:
             self._next_header = self._post_header()
         work, header_tensor = self._next_header
-        self._wait([work], self.prev_rank)
+        self._wait([work], self._prev.rank)
         header = header_tensor.tolist()  # arrived (on CUDA: polled complete), so this reads without waiting for it
         count, index, is_tuple, n = header[:4]
         buffers, pos = [], 4
@@ -159,7 +157,7 @@ class Link:
         works = [self._prev.irecv(buffer) for buffer, _ in buffers]
         # posted after this micro-batch's payload, so it matches the next header on any backend
         self._next_header = self._post_header() if index + 1 < count else None
-        self._wait(works, self.prev_rank, in_flight=True)  # sent with the header: only the bytes are on their way
+        self._wait(works, self._prev.rank, in_flight=True)  # sent with the header: only the bytes are on their way
         self.events.add("recv", index, start, time.perf_counter())
         tensors = [buffer.view(dtype) for buffer, dtype in buffers]
         return (tuple(tensors) if is_tuple else tensors[0]), count
@@ -190,7 +188,7 @@ class Link:
         """
         works, buffers = self._grads.pop(0)
         with self.events.span("recv", index):
-            self._wait(works, self.next_rank)
+            self._wait(works, self._next.rank)
         return buffers
 
     def flush(self, through: Optional[int] = None) -> None:

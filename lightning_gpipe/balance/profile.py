@@ -158,14 +158,12 @@ def _run(layer: Partition, value: Value, skips: dict, grads: list[Tensor], devic
     """One timed forward and backward; returns (forward seconds, backward seconds)."""
     clock = _clock(device)
     start = clock()
-    with tracking(SkipTracker(skips)) as tracker:
-        output = layer.run(value)
+    outputs = _forward(layer, value, skips)
     middle = clock()
     if grads:
-        torch.autograd.backward(_differentiable(output, tracker.stashed), grads)
+        torch.autograd.backward(outputs, grads)
     end = clock()
-    for t in [*tensors(value), *skips.values()]:
-        t.grad = None
+    _clear_grads(value, skips)
     return middle - start, end - middle
 
 
@@ -173,10 +171,8 @@ def _split_run(layer: Partition, value: Value, skips: dict, grads: list[Tensor],
     """One forward, then its backward timed in two halves as the engine splits it; returns (B seconds, W seconds,
     bytes B keeps for W). Without a differentiable input (or output) the whole backward is W."""
     clock = _clock(device)
-    with tracking(SkipTracker(skips)) as tracker:
-        output = layer.run(value)
-    outputs = _differentiable(output, tracker.stashed)
-    inputs = [t for t in [*tensors(value), *skips.values()] if t.requires_grad]
+    outputs = _forward(layer, value, skips)
+    inputs = [t for t in _inputs(value, skips) if t.requires_grad]
     start, kept = clock(), 0
     if outputs and inputs:
         weight = backward_input(outputs, grads, inputs)
@@ -187,9 +183,27 @@ def _split_run(layer: Partition, value: Value, skips: dict, grads: list[Tensor],
         if outputs:
             torch.autograd.backward(outputs, grads)
     end = clock()
-    for t in [*tensors(value), *skips.values()]:
-        t.grad = None
+    _clear_grads(value, skips)
     return middle - start, end - middle, kept
+
+
+def _forward(layer: Partition, value: Value, skips: dict) -> list[Tensor]:
+    """The layer's forward on ``value`` (popping from ``skips``); its outputs and stashed tensors that require
+    grad."""
+    with tracking(SkipTracker(skips)) as tracker:
+        output = layer.run(value)
+    return _differentiable(output, tracker.stashed)
+
+
+def _inputs(value: Value, skips: dict) -> list[Tensor]:
+    """What a layer's run takes: the tensors of ``value`` and the skip tensors it may pop."""
+    return [*tensors(value), *skips.values()]
+
+
+def _clear_grads(value: Value, skips: dict) -> None:
+    """Drop the gradients a backward left on the layer's inputs."""
+    for t in _inputs(value, skips):
+        t.grad = None
 
 
 def _counted_run(layer: Partition, value: Value, skips: dict) -> tuple[dict[int, int], Value, dict, int]:
@@ -207,7 +221,7 @@ def _counted_run(layer: Partition, value: Value, skips: dict) -> tuple[dict[int,
             torch.autograd.backward(outputs, grads)
         backward = counted.peak - max(start, counted.live)
         del grads
-    for t in [*tensors(value), *skips.values(), *_state(layer)]:
+    for t in [*_inputs(value, skips), *_state(layer)]:
         t.grad = None
     return saved.storages, output, tracker.stashed, max(forward, backward)
 

@@ -4,15 +4,15 @@ predicted, ranked.
 The candidates are every pipeline x data-parallel size whose product is the world size, ``chunks`` in powers of two
 up to the mini-batch's rows (and :data:`MAX_CHUNKS`), every re-materialization mode, every schedule of
 :data:`lightning_gpipe.schedule.SCHEDULES` that runs whole backwards by default (so a schedule added there is
-planned for too; one that splits its backwards into B and W, ``"zb-h1"``, only when the user names it: its time is
-predicted from the profiled B and W, but its last stage's measured peak still exceeds the prediction, by up to 14%
-on the benchmark MLP, docs/planning.md) and each of :data:`VIRTUAL_STAGES` model chunks per stage that the layers
-allow, minus what the user fixed (:class:`Constraints`). For each, the balance is the time-optimal split into
-``K * v`` (virtual) stages (:func:`~lightning_gpipe.balance.solve`) if it fits the memory limit, else (one chunk per
-stage only) the fastest split whose stages fit by the additive part of their memory (parameters, gradients, optimizer
-state, saved activations; the boundaries' share is reserved for the largest layer output). Each plan is predicted
-(:func:`~lightning_gpipe.planning.predict.predict`); the fastest per row that fits wins. PipeDream's planner
-(Narayanan et al. 2019, section 3.1) chose partition and replication from a profile alike."""
+planned for too; one that splits its backwards into B and W, ``"zb-h1"`` or ``"zb-1p"``, only when the user names
+it: its time is predicted from the profiled B and W, but its last stage's measured peak still exceeds the
+prediction, by up to 14% on the benchmark MLP, docs/planning.md) and each of :data:`VIRTUAL_STAGES` model chunks per
+stage that the layers allow, minus what the user fixed (:class:`Constraints`). For each, the balance is the
+time-optimal split into ``K * v`` (virtual) stages (:func:`~lightning_gpipe.balance.solve`) if it fits the memory
+limit, else (one chunk per stage only) the fastest split whose stages fit by the additive part of their memory
+(parameters, gradients, optimizer state, saved activations; the boundaries' share is reserved for the largest layer
+output). Each plan is predicted (:func:`~lightning_gpipe.planning.predict.predict`); the fastest per row that fits
+wins. PipeDream's planner (Narayanan et al. 2019, section 3.1) chose partition and replication from a profile alike."""
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
