@@ -80,7 +80,7 @@ def profile_layers(
     skips: dict = {}  # what the layers so far stashed, for later layers to pop
     costs = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for name, layer in layers.named_children():
+        for name, layer in layers._modules.items():  # every position, a layer used at two (tied) included
             replica = copy.deepcopy(layer)
             materialize(replica, device)
             partition = Partition({name: replica.to(device).train()})
@@ -118,7 +118,7 @@ def profile_together(layers: nn.Sequential, sample: Value, repeats: int = 5, war
     )
     try:
         with torch.random.fork_rng(devices=[]):
-            partition = Partition(dict(layers.train().named_children()))
+            partition = Partition(dict(layers.train()._modules))  # every position, as profile_layers
             _, output, stashed, _ = _counted_run(partition, value, {})
             ones = [torch.ones_like(t) for t in _differentiable(output, stashed)]
             runs = [_run(partition, value, {}, ones, device) for _ in range(warmup + repeats)][warmup:]

@@ -268,3 +268,16 @@ def test_the_planner_works_on_where_the_backbone_cannot_run_at_once(monkeypatch)
     monkeypatch.setattr(profiling, "profile_together", lambda *args: 1 / 0)
     with pytest.raises(ZeroDivisionError):  # anything else is not swallowed
         profiling.profile_sizes(layers, torch.randn(256, 8), "cpu")
+
+
+def test_a_layer_at_two_positions_is_profiled_at_each():
+    """A module used at two backbone positions (tied) is one child but two layers: one cost per position, so that
+    ``balance="time"`` and the schedules placed by cost see every layer."""
+    from lightning_gpipe.balance.profile import profile_together
+
+    shared = nn.Linear(4, 4)
+    layers = nn.Sequential(shared, nn.Tanh(), shared)
+    assert len(list(layers.named_children())) == 2 and len(layers) == 3
+    costs = profile_layers(layers, torch.randn(8, 4), "cpu", repeats=1, warmup=0)
+    assert len(costs) == 3 and costs[0].parameter_bytes == costs[2].parameter_bytes == 80
+    assert profile_together(layers, torch.randn(8, 4), repeats=1, warmup=0) > 0
