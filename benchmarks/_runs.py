@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--channels-last", action="store_true", help="lightning amoebanet only: channels_last")
     parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="gpipe", help="lightning gpipe, bare")
     parser.add_argument(
-        "--virtual-stages", type=int, default=1, help="lightning gpipe only: GPipeStrategy(virtual_stages=...)"
+        "--virtual-stages", type=int, help="lightning gpipe only: GPipeStrategy(virtual_stages=...) (default: its own)"
     )
     parser.add_argument(
         "--defer-weight-grad",

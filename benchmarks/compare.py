@@ -18,6 +18,7 @@ the same mini-batch, the same M, the same initial weights, SGD, ``checkpoint="ne
   ours/LW-1f1b, ours/EW-1f1b   1F1B with the B/W split (``defer_weight_grad=True``)
   ours/L-zb, ours/E-zb   zero-bubble ZB-H1 (Qi et al. 2023): GPipeStrategy(schedule="zb-h1"), our engine's ZB-H1 plans
   ours/L-zb1p   zero-bubble ZB-1p: GPipeStrategy(schedule="zb-1p"), each W placed by the profiled B and W times
+  ours/L-zbv    zero-bubble ZB-V: GPipeStrategy(schedule="zb-v"), two chunks per process in a V, W placed by cost
   ours/L-1f1b, ours/E-1f1b, tp/1F1B   1F1B (PipeDream-Flush, Narayanan et al. 2021): GPipeStrategy(schedule="1f1b"),
            our engine's 1F1B plans, torch's Schedule1F1B; "1F1B over fill-drain" lines compare each
            with its fill-drain twin (the same bubble: about 1.00 expected)
@@ -69,6 +70,7 @@ KINDS = {
     "ours/L-zb": ("lightning", 1, ["--schedule", "zb-h1"], "ours/L with schedule='zb-h1' (zero-bubble ZB-H1)"),
     "ours/E-zb": ("bare", None, ["--schedule", "zb-h1"], "ours/E running ZB-H1 plans"),
     "ours/L-zb1p": ("lightning", 1, ["--schedule", "zb-1p"], "ours/L with schedule='zb-1p' (W placed by cost)"),
+    "ours/L-zbv": ("lightning", 1, ["--schedule", "zb-v"], "ours/L with schedule='zb-v' (two chunks in a V)"),
     "ours/L-v2": ("lightning", 1, ["--virtual-stages", "2"], "ours/L with virtual_stages=2 (looped fill-drain)"),
     "ours/L-1f1b-v2": (
         "lightning",

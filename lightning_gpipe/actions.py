@@ -64,11 +64,13 @@ class Plan:
         cut: ``actions[:cut]`` run in Lightning's ``training_step``, ``actions[cut:]`` in its ``backward``.
         loss_per_micro_batch: whether the last stage runs the user's step once per micro-batch (``loss`` actions
             with an index), rather than once on the whole mini-batch between the two parts.
+        v_shape: whether the stages' model chunks are placed in a V (:func:`virtual_stage`), not looped.
     """
 
     actions: tuple[Action, ...]
     cut: int
     loss_per_micro_batch: bool = False
+    v_shape: bool = False
 
     def count(self, kind: Kind) -> int:
         """How many actions of ``kind`` the plan holds."""
@@ -93,6 +95,24 @@ class ActionCost:
     backward: float = 1.0
     weight: float = 1.0
     loss: float = 0.0
+
+
+def virtual_stage(stage: int, chunk: int, num_stages: int, v_shape: bool = False) -> int:
+    """The virtual stage that model chunk ``chunk`` of pipeline rank ``stage`` runs, of ``K = num_stages`` ranks.
+
+    Looped (default): ``chunk * K + stage``, so rank k holds virtual stages k, k + K, ... (interleaved pipelines,
+    Narayanan et al. 2021, section 2.2). With ``v_shape`` the odd chunks run through the ranks backwards: rank k
+    holds virtual stages k and 2K - 1 - k, the micro-batches turn on rank K - 1 and the pipeline's last virtual
+    stage is on rank 0 with its first (ZB-V, Qi et al. 2023, arXiv:2401.10241, section 6).
+    """
+    offset = num_stages - 1 - stage if v_shape and chunk % 2 else stage
+    return chunk * num_stages + offset
+
+
+def stage_of_virtual(virtual: int, num_stages: int, v_shape: bool = False) -> tuple[int, int]:
+    """``(pipeline rank, chunk)`` of virtual stage ``virtual``: the inverse of :func:`virtual_stage`."""
+    chunk, offset = divmod(virtual, num_stages)
+    return (num_stages - 1 - offset if v_shape and chunk % 2 else offset), chunk
 
 
 def splits_backward(virtual_index: int, defer: bool) -> bool:

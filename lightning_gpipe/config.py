@@ -18,15 +18,15 @@ from lightning_gpipe.compilation import CompileOption, compile_options
 from lightning_gpipe.planning.costs import CostModel
 from lightning_gpipe.planning.search import Constraints
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES
-from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, PLACED_BY_COST, SCHEDULES
+from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, PLACED_BY_COST, SCHEDULES, V_SHAPED
 from lightning_gpipe.topology import Size, checked_size
 
 CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     "checkpoint": (CHECKPOINT_MODES, f"choose one of {', '.join(CHECKPOINT_MODES)}"),
     "schedule": (
         tuple(SCHEDULES),
-        "choose 'gpipe' (fill-drain), '1f1b' (one forward, one backward), 'zb-h1' (zero-bubble 1F1B) or 'zb-1p'"
-        " (zero-bubble, W placed by measured costs)",
+        "choose 'gpipe' (fill-drain), '1f1b' (one forward, one backward), 'zb-h1' (zero-bubble 1F1B), 'zb-1p'"
+        " (zero-bubble, W placed by measured costs) or 'zb-v' (zero-bubble, two chunks per stage in a V)",
     ),
     "start_method": (("popen", "spawn"), "choose 'popen' or 'spawn'"),
     "state_dict_type": (("full", "sharded"), "choose 'full' or 'sharded'"),
@@ -80,13 +80,17 @@ class PipelineConfig:
             schedule at the same memory (section 3.2): like ``"zb-h1"``, but each stage's W placed from the
             backbone's profiled F, B and W times (profiled once on global rank 0, like ``balance="time"``; the
             plans are never slower than ZB-H1's on the simulator's clock, and equal them for equal costs).
-            Evaluation is the same forward for all.
+            ``"zb-v"`` is zero-bubble's ZB-V (section 6): two model chunks per stage placed in a V, virtual stages
+            k and 2K - 1 - k on stage k (``virtual_stages`` is 2), so the backbone's input and the user's head and
+            loss are both on stage 0, with W placed by cost like ``"zb-1p"``; 1F1B's peak memory where the chunks
+            are equal. Evaluation is the same forward for all.
         virtual_stages: v, the model chunks of each stage (interleaved pipelines, Narayanan et al. 2021, section
             2.2): the backbone is split into ``K * v`` virtual stages and stage k holds virtual stages k, k + K,
             ..., so a micro-batch visits every stage v times and the bubble falls from ``(K - 1) / (M + K - 1)``
             towards ``(K - 1) / (v M + K - 1)``, at the price of v times as many transfers. ``"gpipe"`` runs the
             looped fill-drain, ``"1f1b"`` Megatron-LM's interleaved 1F1B, ``"zb-h1"`` the interleaved 1F1B order
-            with ZB-H1's W delay, ``"zb-1p"`` that order with W placed by cost (see :mod:`lightning_gpipe.schedule`);
+            with ZB-H1's W delay, ``"zb-1p"`` that order with W placed by cost (see :mod:`lightning_gpipe.schedule`),
+            ``"zb-v"`` its V (2 only, and its default);
             a list ``balance`` gives ``K * v``
             entries. Parameter names, and so checkpoints, are those of the unsplit module: a run resumes with
             another v or K. 1 (``None``, default): one chunk per stage; under ``plan="auto"`` the planner's choice.
@@ -182,6 +186,9 @@ class PipelineConfig:
         object.__setattr__(self, "_given", frozenset(k for k in DEFAULTS if getattr(self, k) is not None))
         for option, default in DEFAULTS.items():
             object.__setattr__(self, option, default if getattr(self, option) is None else getattr(self, option))
+        if self.schedule in V_SHAPED and "virtual_stages" not in self._given:  # the V's two arms, kept by the planner
+            object.__setattr__(self, "virtual_stages", 2)
+            object.__setattr__(self, "_given", self._given | {"virtual_stages"})
         chunks = self.chunks
         if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
             raise ValueError(
@@ -226,6 +233,17 @@ class PipelineConfig:
             raise ValueError(
                 f"GPipeStrategy(virtual_stages={v!r}): give the model chunks per stage, an integer >= 1 (1: none)."
             )
+        if self.schedule in V_SHAPED and v != 2:
+            raise ValueError(
+                f"GPipeStrategy(schedule={self.schedule!r}, virtual_stages={v}): ZB-V places two model chunks per stage"
+                " in a V; leave virtual_stages unset (or 2), or choose schedule='zb-1p' for other chunk counts."
+            )
+
+    @property
+    def v_shape(self) -> bool:
+        """Whether the schedule places each stage's two model chunks in a V (:data:`~lightning_gpipe.schedule.
+        V_SHAPED`: virtual stages k and 2K - 1 - k on stage k, the head on stage 0)."""
+        return self.schedule in V_SHAPED
 
     @property
     def splits_backward(self) -> bool:

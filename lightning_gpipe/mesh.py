@@ -105,7 +105,7 @@ class MeshStrategy(ParallelStrategy):
         """
         config = self.config
         sizes = (config.pipeline_parallel_size, config.data_parallel_size, config.balance)
-        return resolve_topology(*sizes, self.num_processes, self.num_nodes, config.virtual_stages)
+        return resolve_topology(*sizes, self.num_processes, self.num_nodes, config.virtual_stages, config.v_shape)
 
     @property
     def stage_index(self) -> int:
@@ -250,7 +250,7 @@ class MeshStrategy(ParallelStrategy):
 
     @property
     def _last_stage_rank(self) -> int:
-        return self.topology.rank_of(self.topology.num_stages - 1, self.replica_index)
+        return self.topology.rank_of(self.topology.last_stage, self.replica_index)
 
     def _share_from_last_stage(self, obj: Any) -> Any:
         """``obj`` of this pipeline's last stage, on every stage of the pipeline (a collective call)."""

@@ -6,8 +6,8 @@ of the stages' state dicts is the full model's (with virtual stages, stage k kee
 k, k + K, ..., one :class:`Partition` per chunk, all under one module). Other stages' layers go to the
 meta device (their memory is freed, their structure kept so that the split can
 be undone). Modules outside the backbone that hold parameters or buffers (heads,
-losses with weights) live on the last stage only; earlier stages hold a
-placeholder that names the contract if user code calls it.
+losses with weights) live only on the stage that ends the backbone (the last one; stage 0 in ZB-V's V); the
+others hold a placeholder that names the contract if user code calls it.
 
 A module or parameter used in several places (a layer at two backbone positions, an embedding tied to
 the output head) stays one object within a stage: only what no local layer uses goes to the meta device.
@@ -88,7 +88,7 @@ class Partition(nn.Module):
 
 
 class _LastStageOnly(nn.Module):
-    """Stands, on an earlier stage, for a module outside the backbone that lives on the last stage only."""
+    """Stands, on another stage, for a module outside the backbone that lives only on the stage ending the backbone."""
 
     def __init__(self, name: str, stage_index: int) -> None:
         super().__init__()
@@ -97,9 +97,9 @@ class _LastStageOnly(nn.Module):
     def forward(self, *args, **kwargs):
         raise RuntimeError(
             f"`self.{self.name}` was called on stage {self.stage_index}, before the backbone call. Modules outside the"
-            " backbone live on the last stage only, so code before the backbone call must hold no parameters (data"
-            f" preparation only). Move `{self.name}` into the backbone as its first layer, or call it after the"
-            " backbone."
+            " backbone live only on the stage that ends the backbone, so code before the backbone call must hold no"
+            f" parameters (data preparation only). Move `{self.name}` into the backbone as its first layer, or call it"
+            " after the backbone."
         )
 
 
@@ -147,9 +147,13 @@ class Split:
         num_stages: K, the pipeline's stages (processes); ``None`` (default): ``len(balance)``. With fewer,
             ``balance`` splits the backbone into ``len(balance)`` virtual stages and this stage holds virtual stages
             ``stage_index``, ``stage_index + K``, ... (its model chunks).
+        virtual: the virtual stages this stage holds, in chunk order, where they are placed otherwise (in a V:
+            :meth:`Topology.virtual_of <lightning_gpipe.topology.Topology.virtual_of>`); ``None`` (default): as
+            ``num_stages`` says. The stage that holds the last one holds the modules outside the backbone.
 
     Attributes:
-        partition: every layer this stage holds, under its original name, installed as the module's backbone.
+        partition: every layer this stage holds, under its original name (in backbone order), installed as the
+            module's backbone.
         chunks: one :class:`Partition` per model chunk, in chunk order (``[partition]`` with one chunk per stage);
             each runs its virtual stage's layers.
     """
@@ -161,16 +165,18 @@ class Split:
         balance: Sequence[int],
         stage_index: int,
         num_stages: Optional[int] = None,
+        virtual: Optional[Sequence[int]] = None,
     ) -> None:
         self.module, self.backbone, self.stage_index = module, backbone, stage_index
         self.sequential: nn.Sequential = getattr(module, backbone)
         self._aliases = _aliases(module)
         names = list(self.sequential._modules)
         num_stages = len(balance) if num_stages is None else num_stages
+        virtual = range(stage_index, len(balance), num_stages) if virtual is None else virtual
         starts = [sum(balance[:s]) for s in range(len(balance))]
-        chunks = [names[starts[s] : starts[s] + balance[s]] for s in range(stage_index, len(balance), num_stages)]
+        chunks = [names[starts[s] : starts[s] + balance[s]] for s in virtual]
         local = [name for chunk in chunks for name in chunk]
-        last = stage_index == num_stages - 1
+        last = len(balance) - 1 in virtual
         outside = [child for name, child in module.named_children() if name != backbone]
         kept = {sub for layer in [*(self.sequential._modules[n] for n in local), *(outside if last else [])]
                 for sub in layer.modules()}  # fmt: skip

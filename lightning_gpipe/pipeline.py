@@ -41,7 +41,7 @@ from lightning_gpipe.skip.links import SkipLinks
 from lightning_gpipe.stage import Stage
 from lightning_gpipe.ties import TiedParameters, find_ties
 from lightning_gpipe.topology import Topology
-from lightning_gpipe.transfer import Link
+from lightning_gpipe.transfer import Link, Turn
 
 
 @dataclass
@@ -284,15 +284,18 @@ def split_into_stage(
     skips = SkipLayout(layers, balance)  # checks the stash/pop pairs on every stage alike, before any step
     if config.deferred_batch_norm:
         convert_deferred_batch_norm(layers)  # the whole backbone, so that `Split.undo` puts it back
-    ties = find_ties(module, name, balance, num_stages)  # before the split, while every name leads to one object
-    split = Split(module, name, balance, stage_index, num_stages)
+    ties = find_ties(module, name, balance, num_stages, topology.v_shape)  # before the split: one object per name
+    split = Split(module, name, balance, stage_index, num_stages, topology.virtual_of(stage_index))
     compile_layers(split.partition, compile_options(config.compile), config.splits_backward)
     recorder, chunks = job.recorder(), config.chunks_for(num_stages)
     groups = link_groups(topology, skips, rank)  # a collective call: every process creates every link's group
+    held = topology.virtual_of(stage_index)
+    routes = [("link", s, s + 1) for s in held] + [("skip", r.src, r.dst) for r in skips.routes]
+    turns = {route: Turn() for route in routes if route[1] in held and route[2] in held}  # within this process
     stages = []
-    for chunk, (virtual, partition) in enumerate(zip(topology.virtual_of(stage_index), split.chunks)):
+    for chunk, (virtual, partition) in enumerate(zip(held, split.chunks)):
         events = recorder.for_chunk(chunk)
-        link, skip_links = _links(topology, rank, virtual, skips, device, job, events, groups)
+        link, skip_links = _links(topology, rank, virtual, skips, device, job, events, groups, turns)
         defer, mode = config.splits_backward, config.checkpoint
         stages.append(Stage(partition, link, virtual, topology.num_virtual, chunks, mode, defer, skip_links))
     placed = action_costs(stage_costs(costs, balance, CostModel(), split=True)) if config.placed_by_cost else None
@@ -312,14 +315,12 @@ def _links(
     job: Job,
     events: Recorder,
     groups: dict[LinkKey, dist.ProcessGroup],
+    turns: dict[tuple[str, int, int], Turn],
 ) -> tuple[Link, SkipLinks]:
     """The link of virtual stage ``virtual`` on ``rank`` to its neighbours in its pipeline, and to the virtual
     stages its skips reach (``events``: the chunk's recorder; ``groups``: the links' own process groups, see
-    :mod:`lightning_gpipe.channels`).
-
-    Raises:
-        ValueError: for a skip between two chunks of one stage (a process would send to itself).
-    """
+    :mod:`lightning_gpipe.channels`; ``turns``: the links between two model chunks of this process, by
+    ``("link" | "skip", sending virtual stage, receiving virtual stage)``)."""
     replica, last = topology.replica_of(rank), topology.num_virtual - 1
     place = partial(topology.rank_of_virtual, replica=replica)
     link = Link(
@@ -330,19 +331,16 @@ def _links(
         tag=(topology.link_tag(virtual - 1), topology.link_tag(virtual)),
         job=job,
         groups=(groups.get((replica, virtual - 1, virtual)), groups.get((replica, virtual, virtual + 1))),
+        turns=(turns.get(("link", virtual - 1, virtual)), turns.get(("link", virtual, virtual + 1))),
     )
     outgoing, incoming = skips.outgoing(virtual), skips.incoming(virtual)
-    for other in [*outgoing, *incoming]:
-        if place(other) == rank:
-            raise ValueError(
-                f"A skip connection joins virtual stages {min(virtual, other)} and {max(virtual, other)}, two model"
-                f" chunks of stage {topology.stage_of(rank)}; with virtual_stages={topology.virtual_stages} skips must"
-                " join chunks of different stages. Change balance, or use fewer virtual stages."
-            )
     peers = {
         "outgoing": {(place(t), topology.skip_tag(virtual, t)): keys for t, keys in outgoing.items()},
         "incoming": {(place(s), topology.skip_tag(s, virtual)): keys for s, keys in incoming.items()},
     }
     own = {(place(t), topology.skip_tag(virtual, t)): groups.get((replica, virtual, t)) for t in outgoing}
     own.update({(place(s), topology.skip_tag(s, virtual)): groups.get((replica, s, virtual)) for s in incoming})
-    return link, SkipLinks(**peers, device=device, events=events, job=job, groups=own)
+    routes = {(place(t), topology.skip_tag(virtual, t)): ("skip", virtual, t) for t in outgoing}
+    routes.update({(place(s), topology.skip_tag(s, virtual)): ("skip", s, virtual) for s in incoming})
+    local = {peer: turns[route] for peer, route in routes.items() if route in turns}
+    return link, SkipLinks(**peers, device=device, events=events, job=job, groups=own, turns=local)

@@ -20,7 +20,16 @@ stage's transfers are those of the plans without W, whatever the costs.
 from collections.abc import Sequence
 from typing import Optional
 
-from lightning_gpipe.actions import COMPUTE, Action, ActionCost, Kind, Plan, splits_backward
+from lightning_gpipe.actions import (
+    COMPUTE,
+    Action,
+    ActionCost,
+    Kind,
+    Plan,
+    splits_backward,
+    stage_of_virtual,
+    virtual_stage,
+)
 
 GAP_SHARES = (1.0, 0.5, 0.0)
 """The placements :func:`place_weights` tries: a W fills a wait of at least this share of its own time (and more
@@ -36,7 +45,8 @@ def place_weights(
 
     Args:
         base: one plan per stage (pipeline rank), its chunks' backwards whole in the plan (no W actions).
-        costs: one cost per virtual stage (chunk c of stage k is virtual stage ``c * K + k``).
+        costs: one cost per virtual stage (chunk c of stage k is virtual stage ``c * K + k``, or as
+            :func:`~lightning_gpipe.actions.virtual_stage` places it in a V where the plans say so).
         alternatives: complete plans to time beside the placements, preferred on a tie.
     """
     candidates = [_Clock(plans, costs) for plans in alternatives]
@@ -50,6 +60,7 @@ class _Clock:
 
     def __init__(self, base: Sequence[Plan], costs: Sequence[ActionCost], share: Optional[float] = None) -> None:
         self.base, self.costs, self.num_stages, self.share = base, costs, len(base), share
+        self.v_shape = base[0].v_shape
         self.limit = max(_peak_held(plan) for plan in base)
         self.last_backward = [max(n for n, a in enumerate(plan.actions) if a.kind is Kind.BACKWARD) for plan in base]
         self.free = [0.0] * self.num_stages  # when each stage is next free
@@ -70,7 +81,8 @@ class _Clock:
                     break
             else:
                 raise RuntimeError("The plans to place weight gradients into wait for each other.")
-        return tuple(Plan(tuple(actions), cut=len(actions), loss_per_micro_batch=True) for actions in self.actions)
+        v_shape = self.v_shape
+        return tuple(Plan(tuple(a), cut=len(a), loss_per_micro_batch=True, v_shape=v_shape) for a in self.actions)
 
     def _advance(self, k: int, ended: list[bool]) -> bool:
         """Run stage ``k``'s next action, or a W instead; whether the stage moved (it does not while the input of
@@ -123,7 +135,7 @@ class _Clock:
         sender = s - 1 if action.kind is Kind.FORWARD else s + 1
         cost = self.costs[sender]
         seconds = cost.forward if action.kind is Kind.FORWARD else cost.backward
-        return self.free[sender % self.num_stages] + seconds
+        return self.free[stage_of_virtual(sender, self.num_stages, self.v_shape)[0]] + seconds
 
     def _run(self, k: int, action: Action, arrival: float) -> None:
         """Place ``action`` on stage ``k`` once it is free and its input has arrived."""
@@ -156,7 +168,7 @@ class _Clock:
         return Action(Kind.WEIGHT, i, chunk)
 
     def _virtual(self, k: int, chunk: int) -> int:
-        return chunk * self.num_stages + k
+        return virtual_stage(k, chunk, self.num_stages, self.v_shape)
 
 
 def _peak_held(plan: Plan) -> int:

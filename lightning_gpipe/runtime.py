@@ -17,7 +17,7 @@ from typing import Optional
 
 from lightning_gpipe.microbatch import Value
 from lightning_gpipe.actions import Action, ActionCost, Kind, Plan
-from lightning_gpipe.schedule import check, plans
+from lightning_gpipe.schedule import V_SHAPED, check, evaluation, plans
 from lightning_gpipe.stage import Stage
 from lightning_gpipe.watchdog import Position
 
@@ -70,21 +70,20 @@ class Runtime:
     def plan(self, count: int, training: bool = True) -> Plan:
         """This process's plan of a step of ``count`` micro-batches, made once per ``count``, when every stage's
         plans are checked (see :func:`~lightning_gpipe.schedule.check`); with ``training=False`` the forwards and
-        sends of fill-drain's fill, then a flush.
+        sends of fill-drain's fill, then a flush (:func:`~lightning_gpipe.schedule.evaluation`).
 
         Raises:
             ScheduleError: if the plans could not run to their end, before any of their actions runs.
         """
         if (count, training) not in self._plans:
-            stage, v = self.stages[0], len(self.stages)
-            schedule = self.schedule if training else "gpipe"
-            every = plans(schedule, self.num_stages, count, stage.checkpoint, stage.defer_weight_grad, v, self.costs)
-            check(every)
-            plan = every[self.stage_index]
-            if not training:
-                fill = plan.actions[: plan.cut] + (Action(Kind.FLUSH),)
-                plan = Plan(fill, cut=len(fill))
-            self._plans[(count, training)] = plan
+            stage, v, num_stages = self.stages[0], len(self.stages), self.num_stages
+            if training:
+                defer = stage.defer_weight_grad
+                every = plans(self.schedule, num_stages, count, stage.checkpoint, defer, v, self.costs)
+            else:
+                every = evaluation(num_stages, count, v, self.schedule in V_SHAPED)
+            check(every, training)
+            self._plans[(count, training)] = every[self.stage_index]
         return self._plans[(count, training)]
 
     def forward(self, value: Value) -> Optional[Value]:

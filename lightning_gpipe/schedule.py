@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_gpipe.actions import Action, ActionCost, Kind, Plan, splits_backward
+from lightning_gpipe.actions import Action, ActionCost, Kind, Plan, splits_backward, stage_of_virtual, virtual_stage
 from lightning_gpipe.placement import place_weights
 from lightning_gpipe.rematerialization import checkpointed
 
@@ -53,15 +53,16 @@ def weights_after_drain(is_last: bool, checkpoint: str) -> bool:
 class _Chunks:
     """The model chunks (virtual stages) of pipeline rank ``stage_index``: chunk ``c`` is virtual stage
     ``c * K + stage_index`` of ``K * v`` (process k holds virtual stages k, k + K, ...; Narayanan et al. 2021,
-    section 2.2)."""
+    section 2.2), or placed in a V (:func:`~lightning_gpipe.actions.virtual_stage`)."""
 
     stage_index: int
     num_stages: int
     virtual_stages: int
+    v_shape: bool = False
 
     def virtual(self, chunk: int) -> int:
         """The virtual stage of ``chunk``."""
-        return chunk * self.num_stages + self.stage_index
+        return virtual_stage(self.stage_index, chunk, self.num_stages, self.v_shape)
 
     def is_last(self, chunk: int) -> bool:
         """Whether ``chunk`` is the pipeline's last virtual stage (where the user's head and loss follow)."""
@@ -312,20 +313,165 @@ def _placed(
     return place_weights(base, costs, alternatives=[fixed])
 
 
+def zero_bubble_v(
+    stage_index: int,
+    num_stages: int,
+    count: int,
+    checkpoint: str,
+    defer_weight_grad: bool,
+    virtual_stages: int = 2,
+    costs: Optional[tuple[ActionCost, ...]] = None,
+) -> Plan:
+    """ZB-V (Qi et al. 2023, arXiv:2401.10241, section 6): two model chunks per stage placed in a V, virtual stages
+    k and 2K - 1 - k on stage k (:func:`~lightning_gpipe.actions.virtual_stage`). A micro-batch goes through the
+    stages and back, turning on stage K - 1 (a transfer within the process), so the pipeline's first and last
+    virtual stages, the backbone input and the user's head and loss, are both on stage 0, and the last virtual
+    stage's backward starts on the stage that starts the next forward.
+
+    Each stage's forwards and whole backwards are ordered on a clock of the actions' costs (:func:`_v_order`), then
+    every weight gradient W is placed by cost as ``"zb-1p"`` places it (:func:`~lightning_gpipe.placement.
+    place_weights`): a W fills a wait or frees memory. Our construction from the paper's shape, not its schedule
+    figure: the order is the clock's greedy one, where a stage takes in a new micro-batch (its first chunk's
+    forward) only while it holds fewer than 2K chunk micro-batches (1F1B's peak on its first stage, K micro-batches
+    of a whole stage, with chunks of half a stage).
+
+    Args:
+        virtual_stages: must be 2 (the V's two arms).
+        costs: one :class:`ActionCost` per virtual stage, in pipeline order; ``None`` (default): equal F, B and W.
+
+    Raises:
+        ValueError: without ``defer_weight_grad``, with ``virtual_stages`` other than 2, or with another number of
+            costs than virtual stages.
+    """
+    _need_split("zb-v", defer_weight_grad)
+    if virtual_stages != 2:
+        raise ValueError(
+            f"schedule 'zb-v' places two model chunks per stage in a V: it needs virtual_stages=2, not"
+            f" {virtual_stages}."
+        )
+    if costs is not None and len(costs) != 2 * num_stages:
+        raise ValueError(f"schedule 'zb-v' takes one cost per virtual stage: {2 * num_stages}, not {len(costs)}.")
+    return _v_placed(num_stages, count, checkpoint, costs or (ActionCost(),) * (2 * num_stages))[stage_index]
+
+
+@functools.lru_cache(maxsize=64)
+def _v_placed(num_stages: int, count: int, checkpoint: str, costs: tuple[ActionCost, ...]) -> tuple[Plan, ...]:
+    """Every stage's ZB-V plan (:func:`zero_bubble_v`)."""
+    return place_weights(_v_order(num_stages, count, checkpoint, costs), costs)
+
+
+def _v_order(num_stages: int, count: int, checkpoint: str, costs: Sequence[ActionCost]) -> list[Plan]:
+    """Every stage's forwards and whole backwards in a V (:func:`zero_bubble_v`), in the order a clock of ``costs``
+    runs them: a free stage runs the backward whose gradient is there (the oldest micro-batch first), else a forward
+    whose input is there (its second chunk first, which leads to the loss; its first chunk, which takes in a new
+    micro-batch, only while it holds fewer than 2K chunk micro-batches), else waits for the next input to arrive.
+    Each virtual stage runs its micro-batches in order, so every link's transfers are in order."""
+    clock = _VClock(num_stages, count, costs)
+    while clock.step():
+        pass
+    return [clock.plan(k, checkpoint) for k in range(num_stages)]
+
+
+class _VClock:
+    """The clock of :func:`_v_order`: each stage's next forward and backward per chunk, and when each ended."""
+
+    def __init__(self, num_stages: int, count: int, costs: Sequence[ActionCost]) -> None:
+        self.num_stages, self.count, self.costs = num_stages, count, costs
+        self.last = 2 * num_stages - 1
+        self.free = [0.0] * num_stages
+        self.held = [0] * num_stages  # chunk micro-batches forwarded, not backwarded
+        self.forwarded, self.backwarded = [0] * (2 * num_stages), [0] * (2 * num_stages)  # per virtual stage
+        self.ended: dict[tuple[Kind, int, int], float] = {}
+        self.order: list[list[tuple[Kind, int, int]]] = [[] for _ in range(num_stages)]  # (kind, micro-batch, chunk)
+
+    def step(self) -> bool:
+        """Run one action on the earliest free stage that can run one then, or move the waiting stages' clocks to
+        the next arrival; whether anything is left."""
+        busy = [k for k in range(self.num_stages) if len(self.order[k]) < 4 * self.count]
+        if not busy:
+            return False
+        now = min(self.free[k] for k in busy)
+        for k in (k for k in busy if self.free[k] == now):
+            ready = [key for arrival, key in self._candidates(k) if arrival is not None and arrival <= now]
+            if ready:
+                self._run(k, *min(ready)[1:])
+                return True
+        later = [arrival for k in busy for arrival, _ in self._candidates(k) if arrival is not None and arrival > now]
+        later += [self.free[k] for k in busy if self.free[k] > now]
+        if not later:  # not for a V: a stage's second chunk, which leads to the loss, always runs
+            raise RuntimeError("The stages of the V would wait for each other.")
+        for k in busy:
+            self.free[k] = max(self.free[k], min(later))
+        return True
+
+    def _candidates(self, k: int) -> list[tuple[Optional[float], tuple[int, int, int, Kind, int]]]:
+        """Stage ``k``'s next actions as ``(arrival, (priority, micro-batch, virtual stage, kind, chunk))``, the
+        arrival of their input ``None`` while it is not computed."""
+        found = []
+        for chunk in (1, 0):
+            s = virtual_stage(k, chunk, self.num_stages, v_shape=True)
+            i = self.backwarded[s]
+            if i < self.forwarded[s]:
+                arrival = self.ended.get((Kind.FORWARD, s, i) if s == self.last else (Kind.BACKWARD, s + 1, i))
+                found.append((arrival, (0, i, s, Kind.BACKWARD, chunk)))
+            i = self.forwarded[s]
+            if i < self.count and (chunk == 1 or self.held[k] < 2 * self.num_stages):
+                arrival = 0.0 if s == 0 else self.ended.get((Kind.FORWARD, s - 1, i))
+                found.append((arrival, (2 - chunk, i, s, Kind.FORWARD, chunk)))
+        return found
+
+    def _run(self, k: int, i: int, s: int, kind: Kind, chunk: int) -> None:
+        """Run ``kind`` of micro-batch ``i`` on stage ``k``'s ``chunk`` (virtual stage ``s``) once it is free."""
+        cost = self.costs[s]
+        if kind is Kind.FORWARD:
+            seconds = cost.forward + (cost.loss if s == self.last else 0.0)
+            self.forwarded[s] += 1
+            self.held[k] += 1
+        else:
+            seconds = cost.backward + (cost.weight if s == 0 else 0.0)  # W goes where the stage would wait
+            self.backwarded[s] += 1
+            self.held[k] -= 1
+        self.free[k] += seconds
+        self.ended[(kind, s, i)] = self.free[k]
+        self.order[k].append((kind, i, chunk))
+
+    def plan(self, k: int, checkpoint: str) -> Plan:
+        """Stage ``k``'s plan of the clock's order: each forward sent on (its gradient's receive posted with it) or
+        followed by the loss, each backward after its recompute, a flush at the end."""
+        actions: list[Action] = []
+        for kind, i, chunk in self.order[k]:
+            if kind is Kind.FORWARD:
+                actions.append(Action(Kind.FORWARD, i, chunk))
+                if virtual_stage(k, chunk, self.num_stages, v_shape=True) == self.last:
+                    actions.append(Action(Kind.LOSS, i, chunk))
+                else:
+                    actions += [Action(Kind.SEND, i, chunk), Action(Kind.EXPECT, i, chunk)]
+            else:
+                actions += [Action(Kind.RECOMPUTE, i, chunk)] * checkpointed(checkpoint, i, self.count)
+                actions.append(Action(Kind.BACKWARD, i, chunk))
+        actions.append(Action(Kind.FLUSH))
+        return Plan(tuple(actions), cut=len(actions), loss_per_micro_batch=True, v_shape=True)
+
+
 SCHEDULES: dict[str, ScheduleFunction] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "zb-h1": zero_bubble_h1,
     "zb-1p": zero_bubble_1p,
+    "zb-v": zero_bubble_v,
 }
 """The schedules by the name ``GPipeStrategy(schedule=...)`` takes."""
 
-DEFERRED_BY_DEFAULT: dict[str, bool] = {"gpipe": False, "1f1b": False, "zb-h1": True, "zb-1p": True}
+DEFERRED_BY_DEFAULT: dict[str, bool] = {"gpipe": False, "1f1b": False, "zb-h1": True, "zb-1p": True, "zb-v": True}
 """Whether each schedule splits its backwards into B and W when ``GPipeStrategy(defer_weight_grad=None)``."""
 
-PLACED_BY_COST: frozenset[str] = frozenset({"zb-1p"})
+PLACED_BY_COST: frozenset[str] = frozenset({"zb-1p", "zb-v"})
 """The schedules whose plans depend on the actions' costs (``plans(costs=...)``), for which the strategy profiles
 the backbone with its backwards split into B and W."""
+
+V_SHAPED: frozenset[str] = frozenset({"zb-v"})
+"""The schedules that place each stage's two model chunks in a V (:func:`~lightning_gpipe.actions.virtual_stage`),
+so that the pipeline's last virtual stage, and the user's head, are on stage 0."""
 
 
 def plans(
@@ -353,7 +499,22 @@ def plans(
     return [function(k, num_stages, count, checkpoint, defer, virtual_stages, placed) for k in range(num_stages)]
 
 
-def check(stage_plans: Sequence[Plan]) -> None:
+def evaluation(num_stages: int, count: int, virtual_stages: int = 1, v_shape: bool = False) -> list[Plan]:
+    """Every stage's plan of an evaluation step, whatever the training schedule: fill-drain's fill (each chunk's
+    forwards of all micro-batches in turn, each sent on), then a flush; ``v_shape``: the chunks placed in a V
+    (:data:`V_SHAPED`)."""
+    every = []
+    for k in range(num_stages):
+        place, fill = _Chunks(k, num_stages, virtual_stages, v_shape), []
+        for c in range(virtual_stages):
+            for i in range(count):
+                fill += [Action(Kind.FORWARD, i, c)] + [Action(Kind.SEND, i, c)] * (not place.is_last(c))
+        actions = (*fill, Action(Kind.FLUSH))
+        every.append(Plan(actions, cut=len(actions), v_shape=v_shape))
+    return every
+
+
+def check(stage_plans: Sequence[Plan], training: bool = True) -> None:
     """Run the plans of a pipeline's stages abstractly and raise if they could not run to their end.
 
     Stage k's ``forward i`` needs stage k-1's ``send`` of micro-batch i next on their link (activations arrive in
@@ -363,7 +524,10 @@ def check(stage_plans: Sequence[Plan]) -> None:
     once its receive is posted); the last stage's ``backward i`` needs its ``loss``. Every stage must run
     each micro-batch's forward and backward once, the recompute (if any) and W (if any) between them. With
     several chunks per stage the same holds for every virtual stage (chunk c of stage k is virtual stage
-    ``c * K + k``), each pair of neighbouring virtual stages having a link of its own.
+    ``c * K + k``, or as :func:`~lightning_gpipe.actions.virtual_stage` places them in a V), each pair of
+    neighbouring virtual stages having a link of its own (within a process too, where a V turns).
+
+    With ``training=False``, plans of forwards only (:func:`evaluation`): no backward is asked for.
 
     Raises:
         ScheduleError: naming the stage, the action and what it waits for, for a transfer out of order, a missing
@@ -377,7 +541,8 @@ def check(stage_plans: Sequence[Plan]) -> None:
         where = "; ".join(f"stage {k} at {stage_plans[k].actions[state.done[k]]} ({state.why[k]})" for k in stuck)
         raise ScheduleError(f"The schedule cannot run to its end: the stages would wait for each other: {where}.")
     for k, plan in enumerate(stage_plans):
-        _check_counts(k, plan)
+        if training:
+            _check_counts(k, plan)
 
 
 class _Abstract:
@@ -385,8 +550,9 @@ class _Abstract:
 
     def __init__(self, stage_plans: Sequence[Plan]) -> None:
         self.plans, self.num_stages = stage_plans, len(stage_plans)
-        chunks = 1 + max((a.chunk for plan in stage_plans for a in plan.actions), default=0)
-        self.num_virtual = self.num_stages * chunks
+        self.chunks = 1 + max((a.chunk for plan in stage_plans for a in plan.actions), default=0)
+        self.num_virtual = self.num_stages * self.chunks
+        self.v_shape = any(plan.v_shape for plan in stage_plans)
         self.done = [0] * self.num_stages
         self.why = [""] * self.num_stages
         virtual = range(self.num_virtual)
@@ -399,7 +565,7 @@ class _Abstract:
 
     def name(self, s: int) -> str:
         """Virtual stage ``s`` as the messages name it: ``stage k``, or ``stage k chunk c`` with several chunks."""
-        k, c = s % self.num_stages, s // self.num_stages
+        k, c = stage_of_virtual(s, self.num_stages, self.v_shape)
         return f"stage {k}" + (f" chunk {c}" if self.num_virtual > self.num_stages else "")
 
     def advance(self) -> bool:
@@ -414,7 +580,7 @@ class _Abstract:
     def _run(self, k: int, action: Action) -> bool:
         """Run ``action`` on stage ``k`` if what it needs is there (else note why not); whether it ran."""
         kind, i = action.kind, action.micro_batch
-        s = action.chunk * self.num_stages + k
+        s = virtual_stage(k, action.chunk, self.num_stages, self.v_shape)
         last = s == self.num_virtual - 1
         if kind is Kind.FORWARD:
             if s > 0:
@@ -448,7 +614,7 @@ class _Abstract:
 
     def _flush(self, k: int) -> bool:
         """Stage ``k``'s flush: every activation it sent received, every gradient it sent with its receive posted."""
-        for t in range(k, self.num_virtual, self.num_stages):
+        for t in (virtual_stage(k, c, self.num_stages, self.v_shape) for c in range(self.chunks)):
             if t < self.num_virtual - 1 and self.activations[t]:
                 return self._wait(k, f"{self.name(t + 1)} has not received micro-batch {self.activations[t][0]} yet")
             unposted = [i for i in self.gradients[t] if i not in self.posted[t - 1]] if t > 0 else []

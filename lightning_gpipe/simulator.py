@@ -49,7 +49,7 @@ from typing import Optional
 from lightning_gpipe.balance.costs import LayerCost
 from lightning_gpipe.events import Span
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES, checkpointed
-from lightning_gpipe.actions import COMPUTE, ActionCost
+from lightning_gpipe.actions import COMPUTE, ActionCost, virtual_stage
 from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, SCHEDULES, plans
 from lightning_gpipe.trace import StageTrace, StepTrace
 
@@ -191,8 +191,9 @@ def simulate(
     if defer is None:
         defer = DEFERRED_BY_DEFAULT[schedule] or any(cost.weight for cost in stages)
     placed = action_costs(stages, loss / chunks)
-    orders = _compute_orders(schedule, num_stages, chunks, checkpoint, defer, virtual_stages, placed)
-    spans, free = _replay(stages, orders, chunks, checkpoint, transfer, loss)
+    every = plans(schedule, num_stages, chunks, checkpoint, defer, virtual_stages, placed)
+    orders = [[(a.kind.value, a.micro_batch, a.chunk) for a in plan.actions if a.kind in COMPUTE] for plan in every]
+    spans, free = _replay(stages, orders, chunks, checkpoint, transfer, loss, every[0].v_shape)
     for k in range(num_stages):
         spans[k].append(Span("optimizer", None, free[k], free[k] + optimizers[k]))
     trace = StepTrace(0, [StageTrace(k, spans[k], 0.0, spans[k][-1].end) for k in range(num_stages)])
@@ -214,12 +215,18 @@ def _replay(
     checkpoint: str,
     transfer: Transfer,
     loss: float,
+    v_shape: bool = False,
 ) -> tuple[list[list[Span]], list[float]]:
     """Run each process's ``orders`` on a clock, a work starting once its process is free and its input has
     arrived; returns each process's spans and when each is free again (the arguments are :func:`simulate`'s;
-    ``stages`` has one cost per virtual stage, chunk c of process k being virtual stage ``c * K + k``)."""
+    ``stages`` has one cost per virtual stage, chunk c of process k being virtual stage ``c * K + k``, or placed in
+    a V with ``v_shape``: :func:`~lightning_gpipe.actions.virtual_stage`)."""
     num_stages, num_virtual = len(orders), len(stages)
-    splits = {c * num_stages + k for k, order in enumerate(orders) for kind, _, c in order if kind == "weight"}
+
+    def virtual(k: int, chunk: int) -> int:
+        return virtual_stage(k, chunk, num_stages, v_shape)
+
+    splits = {virtual(k, c) for k, order in enumerate(orders) for kind, _, c in order if kind == "weight"}
     spans: list[list[Span]] = [[] for _ in orders]
     free = [0.0] * num_stages  # when each process is next free
     done = [0] * num_stages  # how much of its order each process has run
@@ -242,7 +249,7 @@ def _replay(
         for k, order in enumerate(orders):
             while done[k] < len(order):
                 kind, i, chunk = order[done[k]]
-                s = chunk * num_stages + k
+                s = virtual(k, chunk)
                 if (at := ready(k, kind, i, s)) is None:
                     break
                 cost = stages[s]
@@ -255,24 +262,6 @@ def _replay(
                 progressed = True
     assert done == [len(order) for order in orders], "a schedule whose stages wait for each other"
     return spans, free
-
-
-def _compute_orders(
-    schedule: str,
-    num_stages: int,
-    chunks: int,
-    checkpoint: str,
-    defer: bool,
-    virtual_stages: int = 1,
-    costs: Optional[Sequence[ActionCost]] = None,
-) -> list[list[tuple[str, Optional[int], int]]]:
-    """Each process's compute actions, in the order of its plan (:func:`~lightning_gpipe.schedule.plans`, placed by
-    ``costs`` where the schedule does), as ``(kind, micro_batch, chunk)``: the one order that both the runtime and
-    this simulator follow."""
-    return [
-        [(action.kind.value, action.micro_batch, action.chunk) for action in plan.actions if action.kind in COMPUTE]
-        for plan in plans(schedule, num_stages, chunks, checkpoint, defer, virtual_stages, costs)
-    ]
 
 
 def _work(

@@ -348,8 +348,8 @@ def _format(table: _Table, stages: list[StageSummary], precision_bits: int) -> s
         [
             layer_table,
             *(f"{value:<10}{label}" for value, label in totals),
-            f"Split into {_stages(table.num_stages, 'pipeline stage')} (the last one also holds the modules after the"
-            " backbone):",
+            f"Split into {_stages(table.num_stages, 'pipeline stage')} (the modules after the backbone are on its last"
+            " stage):",
             stage_table,
         ]
     )

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_gpipe import collectives
+from lightning_gpipe.actions import stage_of_virtual
 from lightning_gpipe.topology import Topology
 
 if TYPE_CHECKING:
@@ -48,11 +49,17 @@ class Tie:
         return self.names[self.stage_of_name.index(stage)]
 
 
-def find_ties(module: nn.Module, backbone: str, balance: Sequence[int], num_stages: Optional[int] = None) -> list[Tie]:
+def find_ties(
+    module: nn.Module,
+    backbone: str,
+    balance: Sequence[int],
+    num_stages: Optional[int] = None,
+    v_shape: bool = False,
+) -> list[Tie]:
     """The parameters of ``module`` used on more than one stage when its backbone is split by ``balance``.
 
-    A name under the backbone belongs to the stage of its layer; any other name to the last stage (heads live
-    there). Call it before the split, while the module is whole.
+    A name under the backbone belongs to the stage of its layer; any other name to the stage of the last virtual
+    stage (heads live there). Call it before the split, while the module is whole.
 
     Args:
         module: the LightningModule.
@@ -61,14 +68,16 @@ def find_ties(module: nn.Module, backbone: str, balance: Sequence[int], num_stag
         num_stages: K, the stages (processes); ``None`` (default): ``len(balance)``. With virtual stages,
             virtual stage s is on stage ``s % K``, and a parameter two chunks of one stage use is one object there,
             not a tie.
+        v_shape: whether the virtual stages are placed in a V (:func:`~lightning_gpipe.actions.stage_of_virtual`).
 
     Returns:
         The ties, in module order (the same on every process).
     """
     num_stages = len(balance) if num_stages is None else num_stages
     layers = list(getattr(module, backbone)._modules)
-    stage_of_layer = dict(zip(layers, (s % num_stages for s, n in enumerate(balance) for _ in range(n))))
-    last, prefix = num_stages - 1, backbone + "."
+    stages = [stage_of_virtual(s, num_stages, v_shape)[0] for s in range(len(balance))]
+    stage_of_layer = dict(zip(layers, (stages[s] for s, n in enumerate(balance) for _ in range(n))))
+    last, prefix = stages[-1], backbone + "."
 
     def stage_of(name: str) -> int:
         return stage_of_layer[name[len(prefix) :].split(".")[0]] if name.startswith(prefix) else last

@@ -12,6 +12,8 @@ from typing import Any, Optional, Union
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_gpipe.actions import stage_of_virtual, virtual_stage
+
 Size = Union[int, str]
 """A mesh dimension's size as the strategy takes it: a positive integer, or ``"auto"``."""
 
@@ -26,21 +28,24 @@ class Topology:
     all-reduce, once per optimizer step, crosses nodes.
 
     With ``virtual_stages`` v > 1 the backbone is split into ``K * v`` virtual stages and pipeline rank k holds
-    virtual stages k, k + K, k + 2K, ... (its model chunks 0, 1, 2, ...; Narayanan et al. 2021, section 2.2).
+    virtual stages k, k + K, k + 2K, ... (its model chunks 0, 1, 2, ...; Narayanan et al. 2021, section 2.2), or
+    with ``v_shape`` virtual stages k and 2K - 1 - k (ZB-V's V, :func:`~lightning_gpipe.actions.virtual_stage`).
 
     Args:
         world_size: number of processes in the job, ``num_nodes * devices``.
         num_stages: K, the number of pipeline stages (processes) of each replica.
         virtual_stages: v, the model chunks of each stage (default 1).
+        v_shape: whether the two chunks of each stage are placed in a V (default ``False``: looped).
 
     Raises:
-        ValueError: if ``world_size`` is not a positive multiple of ``num_stages``, or ``virtual_stages > 1`` with
-            one stage.
+        ValueError: if ``world_size`` is not a positive multiple of ``num_stages``, ``virtual_stages > 1`` with
+            one stage, or ``v_shape`` with other than two chunks per stage.
     """
 
     world_size: int
     num_stages: int
     virtual_stages: int = 1
+    v_shape: bool = False
 
     def __post_init__(self) -> None:
         if self.num_stages < 1 or self.world_size % self.num_stages:
@@ -53,6 +58,8 @@ class Topology:
                 f"GPipeStrategy(virtual_stages={self.virtual_stages}) interleaves model chunks between stages, but the"
                 " pipeline has one stage; use virtual_stages=1, or more devices per pipeline."
             )
+        if self.v_shape and self.virtual_stages != 2:
+            raise ValueError(f"A V places two model chunks per stage, not virtual_stages={self.virtual_stages}.")
 
     @property
     def num_virtual(self) -> int:
@@ -60,8 +67,15 @@ class Topology:
         return self.num_stages * self.virtual_stages
 
     def virtual_of(self, stage_index: int) -> list[int]:
-        """The virtual stages pipeline rank ``stage_index`` holds, in chunk order: ``k, k + K, ...``."""
-        return list(range(stage_index, self.num_virtual, self.num_stages))
+        """The virtual stages pipeline rank ``stage_index`` holds, in chunk order: ``k, k + K, ...`` (in a V:
+        ``k, 2K - 1 - k``)."""
+        return [virtual_stage(stage_index, c, self.num_stages, self.v_shape) for c in range(self.virtual_stages)]
+
+    @property
+    def last_stage(self) -> int:
+        """The pipeline rank that holds the last virtual stage, and with it the modules after the backbone: K - 1,
+        or 0 in a V."""
+        return stage_of_virtual(self.num_virtual - 1, self.num_stages, self.v_shape)[0]
 
     def link_tag(self, virtual: int) -> int:
         """The point-to-point tag of the link between virtual stages ``virtual`` and ``virtual + 1``: 0 with one
@@ -93,7 +107,7 @@ class Topology:
     def rank_of_virtual(self, virtual: int, replica: int) -> int:
         """Global rank holding virtual stage ``virtual`` of data-parallel replica ``replica`` (see the class
         docstring)."""
-        return self.rank_of(virtual % self.num_stages, replica)
+        return self.rank_of(stage_of_virtual(virtual, self.num_stages, self.v_shape)[0], replica)
 
     def name(self, rank: int) -> str:
         """How messages name global rank ``rank``: ``"stage 1"``, or ``"stage 1 of replica 0 (rank 1)"`` with
@@ -117,6 +131,7 @@ def resolve_topology(
     devices_per_node: int,
     num_nodes: int,
     virtual_stages: int = 1,
+    v_shape: bool = False,
 ) -> Topology:
     """The mesh the strategy's arguments ask for, checked against the job's size.
 
@@ -131,6 +146,7 @@ def resolve_topology(
         devices_per_node: processes per node (``devices``).
         num_nodes: nodes of the job.
         virtual_stages: model chunks per stage (default 1).
+        v_shape: whether they are placed in a V (:class:`Topology`).
 
     Raises:
         ValueError: if a size is neither a positive integer nor ``"auto"``, if the sizes' product is not
@@ -166,7 +182,7 @@ def resolve_topology(
             f" {pp * virtual_stages} (pipeline_parallel_size={pipeline_parallel_size!r} of {world} processes). Give one"
             f" balance entry per {per}, or set pipeline_parallel_size to the length of balance."
         )
-    return Topology(world_size=world, num_stages=pp, virtual_stages=virtual_stages)
+    return Topology(world_size=world, num_stages=pp, virtual_stages=virtual_stages, v_shape=v_shape)
 
 
 def _stages_listed(balance: Any, virtual_stages: int) -> Optional[int]:

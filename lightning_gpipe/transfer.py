@@ -33,13 +33,17 @@ which its sender sends in the same call as the header already received, with
 :func:`~lightning_gpipe.waiting.polls` says for the link's device. Either way a header is read on the host
 only once it has arrived, so that on CUDA the read cannot block on a neighbour.
 
+Where two neighbouring model chunks are on one process (where ZB-V's V turns, :func:`~lightning_gpipe.actions.
+virtual_stage`), their link is a :class:`Turn`: what one chunk sends the other takes, in order, without a transfer.
+
 Every send and every wait is recorded as a ``send`` or ``recv`` span of the link's
 :class:`~lightning_gpipe.events.Recorder` (shared with its stage), for the pipeline callbacks.
 """
 
 import time
+from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -81,6 +85,8 @@ class Link:
             watchdog, names of the neighbours).
         groups: the process groups of the messages with the previous and the next stage
             (:mod:`lightning_gpipe.channels`); ``None`` (default): the default group.
+        turns: the :class:`Turn` with the previous and the next stage where that stage is a model chunk of the same
+            process (``None``, default: a transfer).
     """
 
     def __init__(
@@ -93,8 +99,10 @@ class Link:
         *,
         job: "Job",
         groups: tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]] = (None, None),
+        turns: tuple[Optional["Turn"], Optional["Turn"]] = (None, None),
     ) -> None:
         self.device = device
+        self._turns = turns
         self.events = events if events is not None else Recorder()
         prev_tag, next_tag = tag if isinstance(tag, tuple) else (tag, tag)
         self._prev, self._next = _Peer(prev_rank, prev_tag, groups[0]), _Peer(next_rank, next_tag, groups[1])
@@ -112,7 +120,10 @@ class Link:
             PipelineFailure: if an earlier send of this link failed.
         """
         with self.events.span("send", index):
-            self._send_activation(value, index, count)
+            if self._turns[1] is not None:
+                self._turns[1].activations.append((_copy(value), count))
+            else:
+                self._send_activation(value, index, count)
 
     def _send_activation(self, value: Value, index: int, count: int) -> None:
         tensors = microbatch.tensors(value)
@@ -140,6 +151,9 @@ class Link:
         Raises:
             PipelineFailure: if the previous stage failed while this one waited for it.
         """
+        if self._turns[0] is not None:
+            with self.events.span("recv"):
+                return self._turns[0].take(self._turns[0].activations)
         start = time.perf_counter()
         if self._next_header is None:
             self._next_header = self._post_header()
@@ -170,13 +184,18 @@ class Link:
             PipelineFailure: if an earlier send of this link failed.
         """
         with self.events.span("send", index):
-            self._post([grad.contiguous() for grad in grads], self._prev, index)
+            if self._turns[0] is not None:
+                self._turns[0].gradients.append([_copy(grad) for grad in grads])
+            else:
+                self._post([grad.contiguous() for grad in grads], self._prev, index)
 
     def post_grads(self, metas: Sequence[Meta]) -> None:
         """Post the receive of the gradients of one micro-batch's floating-point outputs (shapes and dtypes).
 
         Receives are matched in posting order: post them in the order the next stage sends them.
         """
+        if self._turns[1] is not None:  # the gradients are taken from the turn as they are
+            return
         buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in metas]
         self._grads.append(([self._next.irecv(buffer) for buffer in buffers], buffers))
 
@@ -186,6 +205,9 @@ class Link:
         Raises:
             PipelineFailure: if the next stage failed while this one waited for it.
         """
+        if self._turns[1] is not None:
+            with self.events.span("recv", index):
+                return self._turns[1].take(self._turns[1].gradients)
         works, buffers = self._grads.pop(0)
         with self.events.span("recv", index):
             self._wait(works, self._next.rank)
@@ -253,6 +275,28 @@ class Link:
         return self._prev.irecv(header), header
 
 
+class Turn:
+    """The link between two neighbouring model chunks of one process (where a V turns): the activations one sends
+    and the gradients the other sends back, each taken in the order sent. Each is a copy, as a transfer would
+    deliver, so that the receiver can never change what the sender keeps for its backward."""
+
+    def __init__(self) -> None:
+        self.activations: deque[tuple[Value, int]] = deque()  # (activation, count)
+        self.gradients: deque[list[Tensor]] = deque()
+
+    @staticmethod
+    def take(queue: deque) -> Any:
+        """The oldest item of ``queue``.
+
+        Raises:
+            RuntimeError: if nothing was sent yet (a plan that receives before it sends; :func:`~lightning_gpipe.
+                schedule.check` refuses such plans before step 1).
+        """
+        if not queue:
+            raise RuntimeError("A model chunk took from the turn of its V before the other chunk sent to it.")
+        return queue.popleft()
+
+
 class _Peer(NamedTuple):
     """A neighbour of a link: its global rank (``None``: none), the messages' tag and process group (``None``: the
     default group)."""
@@ -273,6 +317,13 @@ class _Send(NamedTuple):
     index: int
     works: list
     tensors: list[Tensor]
+
+
+def _copy(value: Value) -> Value:
+    """A copy of ``value`` (a Tensor or tuple of tensors) without its graph."""
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    return tuple(tensor.detach().clone() for tensor in value)
 
 
 def _wire(tensor: Tensor) -> Tensor:

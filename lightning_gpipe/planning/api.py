@@ -14,7 +14,6 @@ from lightning_gpipe.planning.costs import CostModel, ProfiledCosts, optimizer_s
 from lightning_gpipe.planning.profiling import module_state_factor, profile_module
 from lightning_gpipe.planning.report import PlanReport
 from lightning_gpipe.planning.search import Constraints, search
-from lightning_gpipe.skip.skippable import is_skippable
 
 ASSUMED_STATE_FACTOR = 2
 """Optimizer state tensors per parameter assumed when ``configure_optimizers`` cannot be read (Adam's)."""
@@ -81,22 +80,19 @@ def plan(
     constraints = Constraints(
         pipeline_parallel_size, data_parallel_size, chunks, checkpoint, schedule, balance, virtual_stages
     )
-    constraints = _interleaving(constraints, getattr(module, name), torch.device(device))
+    constraints = _interleaving(constraints, torch.device(device))
     profiled = profile_module(module, name, device, example_batch, chunks, constraints.splits)
     factor = optimizer_state_factor(optimizer) if optimizer is not None else _state_factor(module)
     return search(world_size, profiled, memory_limit, factor, cost_model, constraints)
 
 
-def _interleaving(constraints: Constraints, layers: torch.nn.Sequential, device: torch.device) -> Constraints:
+def _interleaving(constraints: Constraints, device: torch.device) -> Constraints:
     """``constraints`` with one model chunk per stage fixed where the planner does not interleave on its own: on
     CUDA, where interleaving (one NCCL communicator per virtual link, :mod:`lightning_gpipe.channels`) has not been
-    run, and for a backbone with skip connections (which may join two chunks of one stage). A fixed
-    ``virtual_stages`` is kept (given by the user, who asked for it)."""
-    if constraints.virtual_stages is not None:
+    run. A fixed ``virtual_stages`` is kept (given by the user, who asked for it)."""
+    if constraints.virtual_stages is not None or device.type == "cpu":
         return constraints
-    if device.type != "cpu" or any(is_skippable(layer) for layer in layers):
-        return replace(constraints, virtual_stages=1)
-    return constraints
+    return replace(constraints, virtual_stages=1)
 
 
 def _built_backbone(module: LightningModule, backbone: Optional[str]) -> str:
@@ -150,7 +146,7 @@ def plan_for_strategy(
     if factor is None:
         factor = _state_factor(module)
     constraints = replace(config.constraints(), pipeline_parallel_size=mesh[0], data_parallel_size=mesh[1])
-    constraints = _interleaving(constraints, getattr(module, backbone), device)
+    constraints = _interleaving(constraints, device)
     return search(mesh[0] * mesh[1], profiled, share(limit), factor, config.cost_model or CostModel(), constraints)
 
 

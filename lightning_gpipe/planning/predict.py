@@ -19,8 +19,8 @@ from lightning_gpipe.balance.costs import LayerCost
 from lightning_gpipe.balance.solver import stage_sums
 from lightning_gpipe.planning.costs import CostModel, ProfiledCosts
 from lightning_gpipe.planning.held import held_peak
-from lightning_gpipe.actions import Kind
-from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, plans
+from lightning_gpipe.actions import Kind, virtual_stage
+from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, V_SHAPED, plans
 from lightning_gpipe.simulator import StageCost, Transfer, simulate
 
 
@@ -221,10 +221,11 @@ def predict(
     )
 
 
-def _chunks_of(plan: PipelinePlan, k: int) -> range:
-    """The virtual stages process ``k`` runs: ``k``, ``k + K``, ... (one without virtual stages)."""
-    num_stages = plan.pipeline_parallel_size
-    return range(k, num_stages * plan.virtual_stages, num_stages)
+def _chunks_of(plan: PipelinePlan, k: int) -> list[int]:
+    """The virtual stages process ``k`` runs, in chunk order: ``k``, ``k + K``, ... (one without virtual stages; in
+    a V, :func:`~lightning_gpipe.actions.virtual_stage`)."""
+    v_shape = plan.schedule in V_SHAPED
+    return [virtual_stage(k, c, plan.pipeline_parallel_size, v_shape) for c in range(plan.virtual_stages)]
 
 
 def _stage_layers(layers: Sequence[LayerCost], balance: Sequence[int], s: int) -> Sequence[LayerCost]:

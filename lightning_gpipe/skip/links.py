@@ -23,7 +23,7 @@ from torch import Tensor
 
 from lightning_gpipe import microbatch
 from lightning_gpipe.events import Recorder
-from lightning_gpipe.transfer import Link
+from lightning_gpipe.transfer import Link, Turn
 
 if TYPE_CHECKING:
     from lightning_gpipe.job import Job
@@ -43,6 +43,8 @@ class SkipLinks:
         job: the run's :class:`~lightning_gpipe.job.Job`, for the links' waits.
         groups: ``(global rank, tag)`` of a peer -> the process group of the link with it
             (:mod:`lightning_gpipe.channels`); the default group for a peer not in it (default: every peer).
+        turns: ``(global rank, tag)`` of a peer that is another model chunk of this process -> the
+            :class:`~lightning_gpipe.transfer.Turn` both chunks share, which that link goes through (default: none).
     """
 
     def __init__(
@@ -53,12 +55,14 @@ class SkipLinks:
         events: Recorder,
         job: "Job",
         groups: Optional[dict[tuple[int, int], Optional[dist.ProcessGroup]]] = None,
+        turns: Optional[dict[tuple[int, int], Turn]] = None,
     ) -> None:
-        out, into, groups = sorted(outgoing.items()), sorted(incoming.items()), groups or {}
+        out, into, groups, turns = sorted(outgoing.items()), sorted(incoming.items()), groups or {}, turns or {}
 
         def link(prev_rank: Optional[int], next_rank: Optional[int], peer: tuple[int, int]) -> Link:
-            group = groups.get(peer)
-            return Link(prev_rank, next_rank, device, events, tag=peer[1], job=job, groups=(group, group))
+            group, turn = groups.get(peer), turns.get(peer)
+            sides = (turn, None) if prev_rank is not None else (None, turn)
+            return Link(prev_rank, next_rank, device, events, tag=peer[1], job=job, groups=(group, group), turns=sides)
 
         self._out = [(keys, link(None, peer[0], peer)) for peer, keys in out]
         self._in = [(keys, link(peer[0], None, peer)) for peer, keys in into]

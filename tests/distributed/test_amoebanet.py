@@ -32,7 +32,7 @@ def test_example_trains_on_two_stages_and_logs_through_a_lightning_logger(tmp_pa
     output = result.stderr + result.stdout
     assert "173 K     Total params" in output and output.count("Total params") == 1
     lines = output.splitlines()
-    split = lines.index("Split into 2 pipeline stages (the last one also holds the modules after the backbone):")
+    split = lines.index("Split into 2 pipeline stages (the modules after the backbone are on its last stage):")
     stages = [[cell.strip() for cell in line.split("|")] for line in lines[split + 3 : split + 5]]
     assert [stage[0] for stage in stages] == ["0", "1"] and stages[0][1].startswith("stem .. ")
     assert stages[1][1].endswith(" .. head") and int(stages[0][2]) + int(stages[1][2]) == 10

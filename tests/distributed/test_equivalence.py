@@ -39,9 +39,11 @@ def test_pipeline_equals_single_device(stages, reference_state, reference_1f1b_s
         state_1f1b = torch.load(out / f"{schedule}_{mode}.pt")
         for key, expected in reference_1f1b_state.items():
             torch.testing.assert_close(state_1f1b[key], expected, rtol=0, atol=1e-5, msg=f"{key}, {schedule}, {mode}")
-    # virtual_stages=2: the looped fill-drain on fit()'s data, interleaved 1F1B and ZB-H1 on the 1F1B runs' batches
+    # virtual_stages=2: the looped fill-drain on fit()'s data, interleaved 1F1B, ZB-H1, ZB-1p and ZB-V (its chunks in
+    # a V, the head on stage 0) on the 1F1B runs' batches
     interleaved = [("gpipe", "always"), ("gpipe", "never"), ("1f1b", "except_last"), ("1f1b", "never")]
-    for schedule, mode in interleaved + [("zb-h1", "always"), ("zb-1p", "never")]:
+    interleaved += [("zb-h1", "always"), ("zb-1p", "never"), ("zb-v", "always"), ("zb-v", "never")]
+    for schedule, mode in interleaved:
         interleaved = torch.load(out / f"v2_{schedule}_{mode}.pt")
         for key, expected in (reference_state if schedule == "gpipe" else reference_1f1b_state).items():
             message = f"{key}, v=2 {schedule}, {mode}"

@@ -28,6 +28,7 @@ REFERENCE = {  # which single-device run each configuration of the worker must e
     "pp1_dp4_resumed": {},
     "pp4_dp1_sharded_resumed": {},
     "pp4_dp1_from_v2_resumed": {},
+    "pp4_dp1_from_zb_v_resumed": {},
 }
 
 

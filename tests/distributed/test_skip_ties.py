@@ -38,11 +38,13 @@ def one_device():
         ("skip_zb_h1_always", "skip"),
         ("skip_neighbour_1f1b", "skip"),
         ("skip_interleaved_1f1b", "skip"),
+        ("skip_zb_v", "skip"),
         ("tied_except_last", "tied"),
         ("tied_1f1b", "tied"),
         ("tied_zb_h1", "tied"),
         ("tied_clipped", "tied_clipped"),
         ("tied_interleaved_gpipe", "tied"),
+        ("tied_zb_v", "tied"),
     ],
 )
 def test_three_stages_train_like_one_device(three_stages, one_device, run, reference):

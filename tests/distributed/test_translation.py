@@ -88,7 +88,7 @@ def test_example_trains_on_two_stages_and_logs_bleu_and_throughput(tmp_path) -> 
     output = result.stderr + result.stdout
     assert f"{total / 1e6:.1f} M     Total params" in output and output.count("Total params") == 1
     lines = output.splitlines()
-    split = lines.index("Split into 2 pipeline stages (the last one also holds the modules after the backbone):")
+    split = lines.index("Split into 2 pipeline stages (the modules after the backbone are on its last stage):")
     stages = [[cell.strip() for cell in line.split("|")] for line in lines[split + 3 : split + 5]]
     assert [stage[0] for stage in stages] == ["0", "1"] and stages[0][1].startswith("0-")
     first_of_second = int(stages[1][1].split("-")[0]) if "-" in stages[1][1] else int(stages[1][1])

@@ -27,7 +27,8 @@ ARGUMENTS = {
     "state_dict_type": (dict(state_dict_type="distributed"), "choose 'full' or 'sharded'"),
     "stall_timeout_seconds": (dict(stall_timeout=30), "as a positive `datetime.timedelta`, e.g. timedelta(minutes=5)"),
     "stall_timeout_zero": (dict(stall_timeout=timedelta(0)), "as a positive `datetime.timedelta`"),
-    "schedule": (dict(schedule="zb-v"), "choose 'gpipe' (fill-drain), '1f1b' (one forward, one backward), 'zb-h1'"),
+    "schedule": (dict(schedule="zb-2p"), "choose 'gpipe' (fill-drain), '1f1b' (one forward, one backward), 'zb-h1'"),
+    "zb-v chunks": (dict(schedule="zb-v", virtual_stages=3), "ZB-V places two model chunks per stage in a V; leave"),
     "virtual_stages_zero": (dict(virtual_stages=0), "give the model chunks per stage, an integer >= 1"),
     "zb_h1_without_split": (
         dict(schedule="zb-h1", defer_weight_grad=False),

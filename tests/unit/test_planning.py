@@ -339,24 +339,18 @@ def test_plan_options_are_checked():
     assert PipelineConfig(plan="auto", memory_limit=1).constraints().virtual_stages is None  # the planner's choice
     assert PipelineConfig(plan="auto", memory_limit=1, virtual_stages=2).constraints().virtual_stages == 2
     assert PipelineConfig().virtual_stages == 1
+    assert PipelineConfig(schedule="zb-v").virtual_stages == 2  # the V's two arms, kept by the planner
+    assert PipelineConfig(plan="auto", memory_limit=1, schedule="zb-v").constraints().virtual_stages == 2
 
 
-def test_the_planner_interleaves_only_where_the_strategy_can():
-    """Virtual stages run on gloo only, and a skip may join two chunks of one stage: there v is fixed to 1."""
+def test_the_planner_interleaves_only_where_the_strategy_has_run():
+    """Virtual stages have run on gloo only: on CUDA v is fixed to 1 unless the user fixed it; a skip between two
+    chunks of one stage goes through a turn, so skips do not hold interleaving back."""
     from lightning_gpipe.planning.api import _interleaving
-    from lightning_gpipe.skip import skippable, stash
 
-    @skippable(stash=["x"])
-    class Stash(nn.Module):
-        def forward(self, x):
-            yield stash("x", x)
-            return x
-
-    plain, skipping = nn.Sequential(nn.Linear(2, 2)), nn.Sequential(Stash(), nn.Linear(2, 2))
-    assert _interleaving(Constraints(), plain, torch.device("cpu")).virtual_stages is None
-    assert _interleaving(Constraints(), plain, torch.device("cuda", 0)).virtual_stages == 1
-    assert _interleaving(Constraints(), skipping, torch.device("cpu")).virtual_stages == 1
-    assert _interleaving(Constraints(virtual_stages=2), skipping, torch.device("cpu")).virtual_stages == 2
+    assert _interleaving(Constraints(), torch.device("cpu")).virtual_stages is None
+    assert _interleaving(Constraints(), torch.device("cuda", 0)).virtual_stages == 1
+    assert _interleaving(Constraints(virtual_stages=2), torch.device("cuda", 0)).virtual_stages == 2
 
 
 def test_the_cpu_needs_a_memory_limit():

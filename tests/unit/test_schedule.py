@@ -7,12 +7,24 @@ import random
 import pytest
 
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES, checkpointed
-from lightning_gpipe.actions import Action, Kind, Plan
-from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, SCHEDULES, ScheduleError, check, format_plans, plans
+from lightning_gpipe.actions import Action, ActionCost, Kind, Plan, stage_of_virtual, virtual_stage
+from lightning_gpipe.schedule import (
+    DEFERRED_BY_DEFAULT,
+    SCHEDULES,
+    V_SHAPED,
+    ScheduleError,
+    check,
+    evaluation,
+    format_plans,
+    plans,
+)
 from lightning_gpipe.simulator import StageCost, action_costs, simulate
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+LOOPED = [name for name in SCHEDULES if name not in V_SHAPED]
+
+
+@pytest.mark.parametrize("schedule", LOOPED)
 @pytest.mark.parametrize("defer", [False, True])
 def test_every_plan_pairs_its_transfers_runs_to_its_end_and_is_what_the_simulator_times(schedule, defer):
     if DEFERRED_BY_DEFAULT[schedule] and not defer:  # the zero-bubble schedules
@@ -118,14 +130,14 @@ def test_a_broken_plan_is_an_error_naming_the_stage_and_the_action():
     (alone,) = plans("gpipe", 1, 3, "never")
     with pytest.raises(ScheduleError, match=r"stage 0 runs forwards \[0, 1, 2\] but backwards \[1, 2\]"):
         check([_without(alone, Action(Kind.BACKWARD, 0))])
-    with pytest.raises(ValueError, match="Unknown schedule '2f2b'; choose one of gpipe, 1f1b, zb-h1, zb-1p"):
+    with pytest.raises(ValueError, match="Unknown schedule '2f2b'; choose one of gpipe, 1f1b, zb-h1, zb-1p, zb-v"):
         plans("2f2b", 2, 3, "never")
 
 
 # --------------------------------------------------------------------------- virtual stages (model chunks)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", LOOPED)
 def test_every_interleaved_plan_runs_to_its_end_and_ends_with_its_first_chunk(schedule):
     for num_stages in range(2, 6):
         for virtual in range(2, 4):
@@ -239,3 +251,66 @@ def test_zb_1p_places_a_long_w_where_zb_h1_delays_the_next_forward():
     assert (zb_1p.step_time, zb_h1.step_time) == (pytest.approx(32.0), pytest.approx(33.5))
     with pytest.raises(ValueError, match="'zb-1p' takes one cost per virtual stage: 2, not 1"):
         plans("zb-1p", 2, 8, "never", True, 1, action_costs(costs[:1]))
+
+
+# --------------------------------------------------------------------------- ZB-V: two chunks per stage in a V
+
+
+def test_a_v_places_chunk_1_of_stage_k_at_virtual_stage_2k_minus_1_minus_k():
+    assert [virtual_stage(k, c, 3, v_shape=True) for k in range(3) for c in range(2)] == [0, 5, 1, 4, 2, 3]
+    assert [virtual_stage(k, c, 3) for k in range(3) for c in range(2)] == [0, 3, 1, 4, 2, 5]  # looped
+    for v_shape in (False, True):
+        for s in range(6):
+            assert virtual_stage(*stage_of_virtual(s, 3, v_shape), 3, v_shape) == s
+
+
+def test_zb_v_runs_to_its_end_and_holds_the_head_and_the_input_on_stage_0():
+    for num_stages in range(2, 7):
+        for count in range(1, 13):
+            for mode in CHECKPOINT_MODES:
+                stage_plans = plans("zb-v", num_stages, count, mode, None, 2)
+                check(stage_plans)
+                check(evaluation(num_stages, count, 2, v_shape=True), training=False)
+                for k, plan in enumerate(stage_plans):
+                    assert plan.v_shape and plan.loss_per_micro_batch
+                    for chunk in range(2):
+                        runs = [a for a in plan.actions if a.chunk == chunk]
+                        assert sum(a.kind is Kind.FORWARD for a in runs) == count
+                        split = virtual_stage(k, chunk, num_stages, True) > 0  # the first virtual stage's are whole
+                        assert sum(a.kind is Kind.WEIGHT for a in runs) == (count if split else 0)
+                        head = k == 0 and chunk == 1
+                        assert sum(a.kind is Kind.LOSS for a in runs) == (count if head else 0)
+                        assert sum(a.kind is Kind.SEND for a in runs) == (0 if head else count)
+                    last = [a for a in plan.actions if a.kind in (Kind.BACKWARD, Kind.WEIGHT)][-1]
+                    assert last.chunk == 0  # where the data-parallel sync starts
+
+
+def test_zb_v_is_faster_than_zb_1p_at_1f1bs_memory():
+    """Equal F, B and W on two stages' worth of work cut into 2K chunks: ZB-V's step is no longer than ZB-1p's with
+    one chunk per stage, and it holds no more than 1F1B's first stage (K micro-batches of a whole stage)."""
+    for num_stages in (2, 3, 4):
+        for count in (4, 8, 16):
+            halves = [StageCost(0.5, 1.0, weight=0.5, activation_bytes=50)] * (2 * num_stages)
+            wholes = [StageCost(1.0, 2.0, weight=1.0, activation_bytes=100)] * num_stages
+            zb_v = simulate(halves, count, "never", schedule="zb-v", virtual_stages=2)
+            zb_1p = simulate(wholes, count, "never", schedule="zb-1p")
+            one_f_one_b = simulate(wholes, count, "never", schedule="1f1b", defer_weight_grad=False)
+            assert zb_v.step_time <= zb_1p.step_time < one_f_one_b.step_time
+            assert max(zb_v.peak_activation_bytes) <= max(one_f_one_b.peak_activation_bytes)
+    assert simulate([StageCost(0.5, 1.0, weight=0.5)] * 4, 8, "never", schedule="zb-v", virtual_stages=2).step_time == (
+        pytest.approx(24.5)  # 8 micro-batches of 3 s per stage, and half a backward's bubble
+    )
+
+
+def test_zb_v_places_w_by_cost_and_refuses_other_chunk_counts():
+    rng = random.Random(1)
+    for _ in range(20):
+        num_stages, count, mode = rng.choice([2, 3, 4]), rng.choice([2, 5, 8]), rng.choice(CHECKPOINT_MODES)
+        costs = _random_costs(rng, 2 * num_stages)
+        check(plans("zb-v", num_stages, count, mode, True, 2, action_costs(costs, 0.1)))
+    with pytest.raises(ValueError, match="'zb-v' places two model chunks per stage in a V: it needs virtual_stages=2"):
+        plans("zb-v", 2, 4, "never", True, 1)
+    with pytest.raises(ValueError, match="'zb-v' takes one cost per virtual stage: 4, not 2"):
+        plans("zb-v", 2, 4, "never", True, 2, (ActionCost(),) * 2)
+    with pytest.raises(ValueError, match="'zb-v' runs each weight gradient apart"):
+        plans("zb-v", 2, 4, "never", False, 2)

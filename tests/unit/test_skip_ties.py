@@ -137,6 +137,7 @@ def test_virtual_stages_split_into_chunks_and_refuse_a_skip_within_one_stage():
     from lightning_gpipe.job import Job
     from lightning_gpipe.pipeline import _links
     from lightning_gpipe.topology import Topology
+    from lightning_gpipe.transfer import Turn
 
     module = nn.Module()
     module.backbone = nn.Sequential(Stash(), dense(), Pop(), dense())
@@ -144,9 +145,16 @@ def test_virtual_stages_split_into_chunks_and_refuse_a_skip_within_one_stage():
     split = Split(module, "backbone", [1, 1, 1, 1], stage_index=0, num_stages=2)
     assert [list(chunk._modules) for chunk in split.chunks] == [["0"], ["2"]]  # virtual stages 0 and 2
     assert list(module.backbone._modules) == ["0", "2"]  # one module under the original names
-    layout, job = SkipLayout(split.sequential, [1, 1, 1, 1]), Job()
-    with pytest.raises(ValueError, match="joins virtual stages 0 and 2, two model chunks of stage 0; with"):
-        _links(topology, 0, 0, layout, _torch.device("cpu"), job, job.recorder(), {})
+    layout, job, turn = SkipLayout(split.sequential, [1, 1, 1, 1]), Job(), Turn()
+    # a skip between two chunks of one stage goes through a turn both chunks share, not a transfer to itself
+    turns = {("skip", 0, 2): turn}
+    _, stashing = _links(topology, 0, 0, layout, _torch.device("cpu"), job, job.recorder(), {}, turns)
+    _, popping = _links(topology, 0, 2, layout, _torch.device("cpu"), job, job.recorder(), {}, turns)
+    stashed = {key: _torch.ones(3, FEATURES) for key in layout.outgoing(0)[2]}
+    stashing.send(stashed, 0, 1)
+    received = popping.receive(training=True)
+    assert received.keys() == stashed.keys() and all(t.requires_grad for t in received.values())
+    assert all(received[key] is not stashed[key] for key in stashed)  # a copy, as a transfer delivers
     # a parameter two chunks of one stage use is one object there: no tie; across stages it is one
     shared = nn.Linear(FEATURES, FEATURES)
     tied = nn.Module()

@@ -92,7 +92,7 @@ def test_printed_summary_shows_totals_and_the_split() -> None:
         "17        Modules in train mode",
         "0         Modules in eval mode",
     ]
-    assert lines[12] == "Split into 2 pipeline stages (the last one also holds the modules after the backbone):"
+    assert lines[12] == "Split into 2 pipeline stages (the modules after the backbone are on its last stage):"
     assert [cells(line) for line in (lines[13], *lines[15:17])] == [
         ["Stage", "Backbone layers", "Layers", "Params", "Share"],
         ["0", "0-1", "2", "545", "28%"],

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from lightning_gpipe import PipelineFailure, collectives, waiting
 from lightning_gpipe.job import Job
-from lightning_gpipe.transfer import Link
+from lightning_gpipe.transfer import Link, Turn
 
 
 class NcclLikeWork:
@@ -372,3 +372,30 @@ def test_a_flush_through_a_micro_batch_waits_for_its_sends_only_and_drops_later_
     log.link.flush(through=0)
     assert [sent.alive() for sent in first + second + third] == [False, False, True, True, False, False]
     assert [sent.waits for sent in first + second + third] == [1, 1, 0, 0, 1, 1]
+
+
+def test_a_turn_hands_copies_between_two_chunks_of_one_process_in_order(monkeypatch):
+    """Where a V turns, the two chunks' link is a Turn: no transfer (``isend`` would fail here), each activation and
+    gradient taken in the order sent, a copy the receiver cannot change the sender's tensors through."""
+    monkeypatch.setattr(dist, "isend", None)
+    monkeypatch.setattr(dist, "irecv", None)
+    turn, job = Turn(), Job()
+    sender = Link(None, 0, torch.device("cpu"), job=job, turns=(None, turn))
+    receiver = Link(0, None, torch.device("cpu"), job=job, turns=(turn, None))
+    with pytest.raises(RuntimeError, match="took from the turn of its V before the other chunk sent to it"):
+        receiver.recv_activation()
+    outputs = [torch.randn(2, 3), (torch.randn(2, 3), torch.ones(2, dtype=torch.bool))]
+    for index, output in enumerate(outputs):
+        sender.send_activation(output, index, 2)
+    first, count = receiver.recv_activation()
+    assert count == 2 and torch.equal(first, outputs[0]) and first.data_ptr() != outputs[0].data_ptr()
+    second, _ = receiver.recv_activation()
+    assert isinstance(second, tuple) and all(torch.equal(a, b) for a, b in zip(second, outputs[1]))
+    sender.post_grads([(torch.Size([2, 3]), torch.float32)])
+    gradient = torch.randn(2, 3)
+    receiver.send_grads([gradient], 0)
+    gradient.zero_()
+    (got,) = sender.recv_grads(0)
+    assert got.abs().sum() > 0
+    sender.flush()
+    receiver.flush()

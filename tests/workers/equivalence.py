@@ -9,7 +9,7 @@ OUT_DIR/threads_rank{r}.txt (torch threads of each stage process) and OUT_DIR/pr
 M = 2 < K for K > 2), OUT_DIR/zb-h1_{always,never}.pt and OUT_DIR/zb-1p_except_last.pt (the zero-bubble
 schedules on the same batches; ``"zb-1p"`` places W by the profiled costs), and OUT_DIR/v2_{schedule}_{checkpoint}.pt
 (``virtual_stages=2``: the looped fill-drain as the M{chunks} runs, 3 micro-batches; interleaved 1F1B, ZB-H1 and
-ZB-1p as the 1f1b runs), with and without re-materialization.
+ZB-1p, and ZB-V's two chunks in a V, as the 1f1b runs), with and without re-materialization.
 """
 
 import argparse
@@ -50,7 +50,7 @@ for schedule, checkpoint in one_f_one_b + [("zb-h1", "always"), ("zb-h1", "never
     if rank == 0:
         torch.save(state, os.path.join(args.out, f"{schedule}_{checkpoint}.pt"))
 interleaved = [("gpipe", "always"), ("gpipe", "never"), ("1f1b", "except_last"), ("1f1b", "never"), ("zb-h1", "always")]
-interleaved.append(("zb-1p", "never"))
+interleaved += [("zb-1p", "never"), ("zb-v", "always"), ("zb-v", "never")]
 for schedule, checkpoint in interleaved:
     defer = True if checkpoint == "never" else None  # the B/W split; None: the schedule's default (on for zb-h1)
     options = dict(checkpoint=checkpoint, schedule=schedule, virtual_stages=2, defer_weight_grad=defer)

@@ -57,6 +57,9 @@ CONFIGS = {
     # resumed with another K and v: 2 stages of 2 model chunks each, then 4 stages of one
     "pp2_dp2_v2_sharded_first4": (2, 2, {"state_dict_type": "sharded", "virtual_stages": 2}, {}, None, 4),
     "pp4_dp1_from_v2_resumed": (4, 1, {}, {}, "pp2_dp2_v2_sharded_first4", 6),
+    # ZB-V on (2, 2), its two chunks per stage in a V, resumed on 4 stages of one chunk
+    "pp2_dp2_zb_v_sharded_first4": (2, 2, {"state_dict_type": "sharded", "schedule": "zb-v", "chunks": 4}, {}, None, 4),
+    "pp4_dp1_from_zb_v_resumed": (4, 1, {}, {}, "pp2_dp2_zb_v_sharded_first4", 6),
 }
 
 

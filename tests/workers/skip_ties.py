@@ -4,10 +4,10 @@ Usage: python skip_ties.py OUT_DIR --devices=3  (run with Lightning's launcher)
 Writes, from rank 0 after each fit (the full state dict), OUT_DIR/{name}.pt for
 - SkipNet (``balance=[2, 2, 2]``: "skip" goes from stage 0 to stage 2) with every checkpoint mode, deferred weight
   gradients and ``schedule="1f1b"``, with ``balance=[3, 2, 1]`` (a skip to the neighbouring stage too), and
-  interleaved (``virtual_stages=2``, one layer per virtual stage):
+  interleaved (``virtual_stages=2``, one layer per virtual stage) and under ZB-V (the skips within a stage):
   skip_*.pt; its predictions on every rank: skip_predictions_rank{r}.pt;
 - TiedNet (``balance=[3, 2, 2]``: the embedding on stage 0 tied to the head on stage 2, one Linear on stages 0
-  and 2) under fill-drain, 1F1B, clipping by norm and looped fill-drain with 2 chunks per stage: tied_*.pt;
+  and 2) under fill-drain, 1F1B, clipping by norm, looped fill-drain with 2 chunks per stage and ZB-V: tied_*.pt;
   whether rank 0's module is tied again after fit: tied_again.txt; a full checkpoint written at the end of the
   first tied run: tied.ckpt;
 - the translation example with tied tables (``fit_tied_translation``): translation.pt; its greedy translations
@@ -60,7 +60,11 @@ skip_configs = {
     # 2 model chunks per stage, one layer each: "skip" from stage 0 chunk 0 to stage 2 chunk 1, the inner one from
     # stage 2 chunk 0 to stage 0 chunk 1
     "skip_interleaved_1f1b": dict(chunks=4, checkpoint="always", schedule="1f1b", virtual_stages=2, balance=[1] * 6),
+    # ZB-V, one layer per virtual stage: both skips join two chunks of one stage (0 and 5 on stage 0, 2 and 3 on
+    # stage 2), through the process's turns
+    "skip_zb_v": dict(chunks=4, checkpoint="always", schedule="zb-v", balance=[1] * 6),
     # the inner "skip" from stage 0 to its neighbour, beside the activation; the outer one from stage 0 to 2
+    # (last: its module is the one that predicts below)
     "skip_neighbour_1f1b": dict(chunks=3, checkpoint="except_last", schedule="1f1b", balance=[3, 2, 1]),
 }
 for i, (name, config) in enumerate(skip_configs.items()):
@@ -86,6 +90,8 @@ tied_configs = {
     "tied_clipped": (dict(chunks=3, checkpoint="always"), dict(gradient_clip_val=0.05)),
     # looped fill-drain, 2 model chunks per stage: the shared Linear on stage 0 chunk 0 and stage 1 chunk 1
     "tied_interleaved_gpipe": (dict(chunks=3, checkpoint="never", virtual_stages=2, balance=[2, 1, 1, 1, 1, 1]), {}),
+    # ZB-V: the embedding and the head both on stage 0 (one object there), the shared Linear on stages 0 and 1
+    "tied_zb_v": (dict(chunks=3, checkpoint="never", schedule="zb-v", balance=[2, 1, 1, 1, 1, 1]), {}),
 }
 for name, (config, fit_args) in tied_configs.items():
     strategy = lightning_gpipe.GPipeStrategy(**{"balance": [3, 2, 2], **config})
