@@ -27,7 +27,8 @@ import statistics
 import _harness as harness
 
 from lightning_gpipe.rematerialization import recomputed_share
-from lightning_gpipe.schedule import SCHEDULES
+from lightning_gpipe.actions import stage_of_virtual
+from lightning_gpipe.schedule import SCHEDULES, V_SHAPED
 from lightning_gpipe.simulator import StageCost, simulate
 
 ORDER = (
@@ -59,10 +60,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="gpipe", help="default gpipe")
     parser.add_argument(
-        "--virtual-stages", type=int, default=1, help="GPipeStrategy(virtual_stages=...), model chunks per stage"
+        "--virtual-stages",
+        type=int,
+        help="GPipeStrategy(virtual_stages=...), model chunks per stage (default: 1; 2 for zb-v)",
     )
     harness.add_timing_args(parser)
     args = parser.parse_args(argv)
+    if args.virtual_stages is None:
+        args.virtual_stages = 2 if args.schedule in V_SHAPED else 1
     harness.check_positive(parser, args, ("devices", "chunks", "batch_size", "width", "repeats", "virtual_stages"))
     return args
 
@@ -146,8 +151,10 @@ def simulated_ms(args: argparse.Namespace, parts: dict[tuple[int, str], float], 
     """The step :func:`~lightning_gpipe.simulator.simulate` predicts, in ms, from each stage's measured compute
     parts (``parts[(stage, part)]``, ms per step); the parts each stage runs once per step (the relay, the
     optimizer, Lightning's in the step and between steps) are put with the optimizer step, at the step's end. With
-    virtual stages, each of a stage's chunks takes an equal share of its parts (the balanced MLP's are equal)."""
-    v = args.virtual_stages
+    virtual stages, each of a stage's chunks takes an equal share of its parts (the balanced MLP's are equal); in
+    ZB-V's V, the stage of each virtual stage is the V's."""
+    v, v_shape = args.virtual_stages, args.schedule in V_SHAPED
+    owners = [stages[stage_of_virtual(s, len(stages), v_shape)[0]] for s in range(len(stages) * v)]
     recomputed = round(recomputed_share(args.checkpoint, args.chunks) * args.chunks) * v  # chunk recomputes
 
     def part(k: int, kind: str) -> float:
@@ -161,12 +168,11 @@ def simulated_ms(args: argparse.Namespace, parts: dict[tuple[int, str], float], 
             part(k, "recompute") / recomputed if recomputed else None,
             weight=part(k, "weight") / runs,
         )
-        for _ in range(v)
-        for k in stages
+        for k in owners
     ]
     per_step = ("relay", "optimizer", "lightning in step", "between steps")  # each stage's work once per step
     optimizer = [sum(part(k, name) for name in per_step) for k in stages]
-    loss = part(stages[-1], "loss")
+    loss = part(owners[-1], "loss")
     prediction = simulate(
         costs, args.chunks, args.checkpoint, loss=loss, optimizer=optimizer, schedule=args.schedule, virtual_stages=v
     )

@@ -324,12 +324,12 @@ def zero_bubble_v(
 ) -> Plan:
     """ZB-V (Qi et al. 2023, arXiv:2401.10241, section 6): two model chunks per stage placed in a V, virtual stages
     k and 2K - 1 - k on stage k (:func:`~lightning_gpipe.actions.virtual_stage`). A micro-batch goes through the
-    stages and back, turning on stage K - 1 (a transfer within the process), so the pipeline's first and last
-    virtual stages, the backbone input and the user's head and loss, are both on stage 0, and the last virtual
-    stage's backward starts on the stage that starts the next forward.
+    stages and back, turning on stage K - 1 (within the process: a :class:`~lightning_gpipe.transfer.Turn`), so the
+    pipeline's first and last virtual stages, the backbone input and the user's head and loss, are both on stage 0,
+    and the last virtual stage's backward starts on the stage that starts the next forward.
 
-    Each stage's forwards and whole backwards are ordered on a clock of the actions' costs (:func:`_v_order`), then
-    every weight gradient W is placed by cost as ``"zb-1p"`` places it (:func:`~lightning_gpipe.placement.
+    Each stage's forwards and input gradients B are ordered on a clock of the actions' costs (:func:`_v_order`),
+    then every weight gradient W is placed by cost as ``"zb-1p"`` places it (:func:`~lightning_gpipe.placement.
     place_weights`): a W fills a wait or frees memory. Our construction from the paper's shape, not its schedule
     figure: the order is the clock's greedy one, where a stage takes in a new micro-batch (its first chunk's
     forward) only while it holds fewer than 2K chunk micro-batches (1F1B's peak on its first stage, K micro-batches
@@ -361,8 +361,9 @@ def _v_placed(num_stages: int, count: int, checkpoint: str, costs: tuple[ActionC
 
 
 def _v_order(num_stages: int, count: int, checkpoint: str, costs: Sequence[ActionCost]) -> list[Plan]:
-    """Every stage's forwards and whole backwards in a V (:func:`zero_bubble_v`), in the order a clock of ``costs``
-    runs them: a free stage runs the backward whose gradient is there (the oldest micro-batch first), else a forward
+    """Every stage's forwards and backwards in a V (:func:`zero_bubble_v`), in the order a clock of ``costs`` runs
+    them, each backward timed as its B alone (its W is to fill a wait; the first virtual stage's backwards stay
+    whole): a free stage runs the backward whose gradient is there (the oldest micro-batch first), else a forward
     whose input is there (its second chunk first, which leads to the loss; its first chunk, which takes in a new
     micro-batch, only while it holds fewer than 2K chunk micro-batches), else waits for the next input to arrive.
     Each virtual stage runs its micro-batches in order, so every link's transfers are in order."""
