@@ -217,7 +217,7 @@ def _local_part(module: nn.Module, partition: nn.Module, stage: int, max_depth: 
     return _Local(
         stage=stage,
         backbone=names[partition],
-        layers=tuple(name for name, _ in partition.named_children()),
+        layers=tuple(partition._modules),  # every position, a layer used at two included
         rows=tuple(
             _Row(name, type(sub).__name__, sum(_numel(p) for p in sub.parameters()), sub.training)
             for name, sub in _named_layers(module, max_depth)
@@ -295,13 +295,19 @@ def _stages(count: int, noun: str = "stage") -> str:
 
 
 def _layer_range(layers: tuple[str, ...]) -> str:
-    """``0-4`` for numbered layers, ``stem .. reduction1`` for named ones, the name alone for one layer."""
+    """``0-4`` for numbered layers (``0-1, 6-7`` for a stage of several model chunks), ``stem .. reduction1`` for
+    named ones, the name alone for one layer."""
     if not layers:
         return "-"
-    if len(layers) == 1:
-        return layers[0]
-    separator = "-" if layers[0].isdigit() and layers[-1].isdigit() else " .. "
-    return f"{layers[0]}{separator}{layers[-1]}"
+    if not all(name.isdigit() for name in layers):
+        return layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]}"
+    runs: list[list[int]] = []
+    for position in map(int, layers):
+        if runs and position == runs[-1][-1] + 1:
+            runs[-1].append(position)
+        else:
+            runs.append([position])
+    return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
 def _columns(*columns: tuple[str, list[str]]) -> str:

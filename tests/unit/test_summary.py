@@ -107,6 +107,8 @@ def cells(line: str) -> list[str]:
 
 def test_layer_ranges_name_the_first_and_last_layer() -> None:
     assert _layer_range(("0", "1", "2", "3", "4")) == "0-4"
+    assert _layer_range(("0", "1", "6", "7")) == "0-1, 6-7"  # two model chunks (ZB-V's stage 0 of K = 2, M = 8)
+    assert _layer_range(("3", "5", "6")) == "3, 5-6"
     assert _layer_range(("stem", "normal1_1", "reduction1")) == "stem .. reduction1"
     assert _layer_range(("head",)) == "head" and _layer_range(()) == "-"
 
