@@ -108,7 +108,7 @@ class Link:
         self._prev, self._next = _Peer(prev_rank, prev_tag, groups[0]), _Peer(next_rank, next_tag, groups[1])
         self.job = job
         self._pending_sends: list[_Send] = []  # posted, not known to have completed: their tensors kept alive
-        self._next_header: Optional[tuple[dist.Work, Tensor]] = None
+        self._arrival: Optional[tuple[_Arrival, Optional[waiting.Watched]]] = None  # the next activation expected
         self._grads: list[tuple[list[dist.Work], list[Tensor]]] = []
         self._polled = waiting.polls(device)  # how its waits end: polled on NCCL, a helper thread on gloo
 
@@ -155,26 +155,19 @@ class Link:
             with self.events.span("recv"):
                 return self._turns[0].take(self._turns[0].activations)
         start = time.perf_counter()
-        if self._next_header is None:
-            self._next_header = self._post_header()
-        work, header_tensor = self._next_header
-        self._wait([work], self._prev.rank)
-        header = header_tensor.tolist()  # arrived (on CUDA: polled complete), so this reads without waiting for it
-        count, index, is_tuple, n = header[:4]
-        buffers, pos = [], 4
-        for _ in range(n):
-            dtype, ndim = _DTYPES[header[pos]], header[pos + 1]
-            shape = header[pos + 2 : pos + 2 + ndim]
-            pos += 2 + ndim
-            wire_dtype = torch.uint8 if dtype is torch.bool else dtype
-            buffers.append((torch.empty(shape, dtype=wire_dtype, device=self.device), dtype))
-        works = [self._prev.irecv(buffer) for buffer, _ in buffers]
-        # posted after this micro-batch's payload, so it matches the next header on any backend
-        self._next_header = self._post_header() if index + 1 < count else None
-        self._wait(works, self._prev.rank, in_flight=True)  # sent with the header: only the bytes are on their way
-        self.events.add("recv", index, start, time.perf_counter())
-        tensors = [buffer.view(dtype) for buffer, dtype in buffers]
-        return (tuple(tensors) if is_tuple else tensors[0]), count
+        if self._arrival is None:
+            self._arrival = self._expect()
+        arrival, watched = self._arrival
+        if self._polled:
+            arrival.take_polled(self)
+        elif watched.is_completed():
+            waiting.wait_in_flight(self.job, [watched])
+        else:
+            self._wait([watched], self._prev.rank)
+        # the next one expected once this one's payload is posted, so that it matches the next header on any backend
+        self._arrival = self._expect() if arrival.index + 1 < arrival.count else None
+        self.events.add("recv", arrival.index, start, time.perf_counter())
+        return arrival.value(), arrival.count
 
     def send_grads(self, grads: list[Tensor], index: int) -> None:
         """Send the gradients of micro-batch ``index``'s floating-point inputs back to the previous stage,
@@ -270,9 +263,63 @@ class Link:
         else:
             waiting.wait(job, works, job.watchdog.name_of(peer))
 
-    def _post_header(self) -> tuple[dist.Work, Tensor]:
-        header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-        return self._prev.irecv(header), header
+    def _expect(self) -> tuple["_Arrival", Optional["waiting.Watched"]]:
+        """Post the receive of the next activation's header; on gloo, have a helper thread of the run wait for it,
+        post the payload's receives as soon as it is there and wait for them, while this stage computes
+        (:meth:`Waiter.watch <lightning_gpipe.waiting.Waiter.watch>`): the payload then moves before the stage
+        asks for it, where it would otherwise move only once the stage had read the header. On NCCL the stage reads
+        the header itself once it has arrived (polled; an NCCL communicator is not for two threads at once)."""
+        arrival = _Arrival(self._prev, self.device)
+        if self._polled:
+            return arrival, None
+        return arrival, self.job.waiter.watch([arrival], ("recv", self._prev.rank, self._prev.tag))
+
+
+class _Arrival:
+    """One activation on its way from the previous stage: its header's receive, posted when made, then its payload's
+    into buffers of the shapes the header gives (see the module docstring for the wire format)."""
+
+    def __init__(self, peer: "_Peer", device: torch.device) -> None:
+        self._peer, self._device = peer, device
+        self._header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=device)
+        self._header_work = peer.irecv(self._header)
+        self.count = self.index = 0
+        self._tuple = False
+        self._buffers: list[tuple[Tensor, torch.dtype]] = []
+        self._works: list[dist.Work] = []
+
+    def wait(self) -> bool:
+        """Wait for the header, post the payload's receives, wait for them (on gloo: a helper thread's call)."""
+        self._header_work.wait()
+        self._post_payload()
+        for work in self._works:
+            work.wait()
+        return True
+
+    def take_polled(self, link: "Link") -> None:
+        """On NCCL: wait (polled) for the header, read it once it has arrived (so that the host read cannot block on
+        the peer), post the payload's receives and wait for them (sent with the header: only the bytes are on their
+        way)."""
+        link._wait([self._header_work], self._peer.rank)
+        self._post_payload()
+        link._wait(self._works, self._peer.rank, in_flight=True)
+
+    def _post_payload(self) -> None:
+        header = self._header.tolist()
+        self.count, self.index, is_tuple, n = header[:4]
+        self._tuple, pos = bool(is_tuple), 4
+        for _ in range(n):
+            dtype, ndim = _DTYPES[header[pos]], header[pos + 1]
+            shape = header[pos + 2 : pos + 2 + ndim]
+            pos += 2 + ndim
+            wire_dtype = torch.uint8 if dtype is torch.bool else dtype
+            self._buffers.append((torch.empty(shape, dtype=wire_dtype, device=self._device), dtype))
+        self._works = [self._peer.irecv(buffer) for buffer, _ in self._buffers]
+
+    def value(self) -> Value:
+        """The activation received, a Tensor or a tuple as sent."""
+        tensors = [buffer.view(dtype) for buffer, dtype in self._buffers]
+        return tuple(tensors) if self._tuple else tensors[0]
 
 
 class Turn:
