@@ -16,7 +16,10 @@ Latency matters as much as bandwidth: a blocked receive costs a wake-up (up to a
 scheduler tick on a busy CPU), and gloo moves a payload only once its receive is
 posted. So receives are posted ahead: the next micro-batch's header while this
 one computes, all payload tensors of a micro-batch at once, and a gradient before
-the drain needs it. Sends are asynchronous and overlap compute. A send keeps its
+the drain needs it. On gloo a helper thread of the run waits for each expected header and posts its payload's
+receives as soon as it has arrived (:class:`_Arrival`), so the payload too moves while the stage computes, not
+once the stage reads the header; on NCCL, whose communicator is not for two threads, the stage reads it itself.
+Sends are asynchronous and overlap compute. A send keeps its
 tensors alive until it has completed (once its receiver has posted the receive, and
 the bytes have gone); the link drops the sends that have completed whenever it posts
 a new one and at a flush, so a sent output or gradient is freed soon after its
