@@ -161,8 +161,10 @@ class Link:
         if self._arrival is None:
             self._arrival = self._expect()
         arrival, watched = self._arrival
-        if self._polled:
-            arrival.take_polled(self)
+        if self._polled:  # the header read once it has arrived, so that the host read cannot block on the peer
+            self._wait([arrival.header_work], self._prev.rank)
+            arrival.post_payload()
+            self._wait(arrival.works, self._prev.rank, in_flight=True)  # sent with the header: only bytes to come
         elif watched.is_completed():
             waiting.wait_in_flight(self.job, [watched])
         else:
@@ -285,29 +287,22 @@ class _Arrival:
     def __init__(self, peer: "_Peer", device: torch.device) -> None:
         self._peer, self._device = peer, device
         self._header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=device)
-        self._header_work = peer.irecv(self._header)
+        self.header_work = peer.irecv(self._header)
         self.count = self.index = 0
         self._tuple = False
         self._buffers: list[tuple[Tensor, torch.dtype]] = []
-        self._works: list[dist.Work] = []
+        self.works: list[dist.Work] = []  # the payload's receives, once posted
 
     def wait(self) -> bool:
         """Wait for the header, post the payload's receives, wait for them (on gloo: a helper thread's call)."""
-        self._header_work.wait()
-        self._post_payload()
-        for work in self._works:
+        self.header_work.wait()
+        self.post_payload()
+        for work in self.works:
             work.wait()
         return True
 
-    def take_polled(self, link: "Link") -> None:
-        """On NCCL: wait (polled) for the header, read it once it has arrived (so that the host read cannot block on
-        the peer), post the payload's receives and wait for them (sent with the header: only the bytes are on their
-        way)."""
-        link._wait([self._header_work], self._peer.rank)
-        self._post_payload()
-        link._wait(self._works, self._peer.rank, in_flight=True)
-
-    def _post_payload(self) -> None:
+    def post_payload(self) -> None:
+        """Read the header (it has arrived) and post the payload's receives into buffers of the shapes it gives."""
         header = self._header.tolist()
         self.count, self.index, is_tuple, n = header[:4]
         self._tuple, pos = bool(is_tuple), 4
@@ -317,7 +312,7 @@ class _Arrival:
             pos += 2 + ndim
             wire_dtype = torch.uint8 if dtype is torch.bool else dtype
             self._buffers.append((torch.empty(shape, dtype=wire_dtype, device=self._device), dtype))
-        self._works = [self._peer.irecv(buffer) for buffer, _ in self._buffers]
+        self.works = [self._peer.irecv(buffer) for buffer, _ in self._buffers]
 
     def value(self) -> Value:
         """The activation received, a Tensor or a tuple as sent."""
