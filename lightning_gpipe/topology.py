@@ -39,7 +39,7 @@ class Topology:
 
     Raises:
         ValueError: if ``world_size`` is not a positive multiple of ``num_stages``, ``virtual_stages > 1`` with
-            one stage, or ``v_shape`` with other than two chunks per stage.
+            one stage (``v_shape``: with one stage, or other than two chunks per stage).
     """
 
     world_size: int
@@ -52,6 +52,11 @@ class Topology:
             raise ValueError(
                 f"{self.world_size} processes cannot hold pipelines of {self.num_stages} stages:"
                 " the number of devices must be a multiple of the number of stages."
+            )
+        if self.v_shape and self.num_stages == 1:
+            raise ValueError(
+                "GPipeStrategy(schedule='zb-v') places two model chunks per stage in a V across the stages, but the"
+                " pipeline has one stage; use more devices per pipeline, or another schedule."
             )
         if self.virtual_stages > 1 and self.num_stages == 1:
             raise ValueError(

@@ -50,6 +50,7 @@ def test_a_v_holds_virtual_stages_k_and_2k_minus_1_minus_k_and_the_head_on_stage
         (dict(virtual_stages=2, balance=[1, 2, 5]), 4, r"3 is not a multiple of 2"),
         (dict(virtual_stages=2, pipeline_parallel_size=4, balance=[1, 2, 5, 1]), 4, r"per virtual stage \(4 stages x"),
         (dict(virtual_stages=2), 1, "the pipeline has one stage; use virtual_stages=1"),
+        (dict(schedule="zb-v"), 1, "in a V across the stages, but the pipeline has one stage; use more devices"),
     ],
 )
 def test_a_mesh_that_does_not_fit_fails_before_any_process_starts(kwargs, devices, match):
