@@ -22,6 +22,9 @@ backwards; on the last stage each micro-batch's forward is followed by its share
 and at once by its backward.
 ``schedule="zb-h1"`` is zero-bubble's ZB-H1 (Qi et al. 2023, :func:`lightning_gpipe.schedule.zero_bubble_h1`): 1F1B's
 order with the B/W split, stage k running each W ``k`` micro-batches after its B.
+``"zb-1p"`` and ``"zb-v"`` (:func:`lightning_gpipe.schedule.zero_bubble_1p`, :func:`~lightning_gpipe.schedule.
+zero_bubble_v`) place their W by the stages' costs (:func:`action_costs`); ZB-V's two chunks per process are placed
+in a V (:func:`lightning_gpipe.actions.virtual_stage`).
 Dependencies and recomputes are as above.
 
 With K equal stages, M micro-batches and only forward and backward, the step takes ``(M + K - 1)`` micro-batch
@@ -169,15 +172,18 @@ def simulate(
         loss: seconds of the last stage's head and loss and their backward to the boundary, for the whole
             mini-batch (under 1F1B, ``loss / M`` after each micro-batch's forward).
         optimizer: seconds of the optimizer step, one number for every stage or one per stage.
-        schedule: ``"gpipe"`` (default, fill-drain), ``"1f1b"`` or ``"zb-h1"``, as for ``GPipeStrategy``.
+        schedule: a name of :data:`~lightning_gpipe.schedule.SCHEDULES` (default ``"gpipe"``, fill-drain), as for
+            ``GPipeStrategy``; ``"zb-1p"`` and ``"zb-v"`` place their W by these stages' costs.
         defer_weight_grad: whether the stages after the first split their backwards into B and W, as for
             ``GPipeStrategy``; ``None`` (default): when a stage's ``weight`` is set, or the schedule splits by
             default (``"zb-h1"``).
-        virtual_stages: model chunks per process, as for ``GPipeStrategy`` (default 1).
+        virtual_stages: model chunks per process, as for ``GPipeStrategy`` (default 1; 2 for ``"zb-v"``, whose
+            chunks are placed in a V).
 
     Raises:
-        ValueError: for no stages, ``chunks < 1``, an unknown ``checkpoint`` mode or ``schedule``, ``"zb-h1"``
-            with ``defer_weight_grad=False``, or a number of stages that ``virtual_stages`` does not divide.
+        ValueError: for no stages, ``chunks < 1``, an unknown ``checkpoint`` mode or ``schedule``, a zero-bubble
+            schedule with ``defer_weight_grad=False``, ``"zb-v"`` with other than 2 chunks per process, or a number
+            of stages that ``virtual_stages`` does not divide.
     """
     if not stages or chunks < 1 or checkpoint not in CHECKPOINT_MODES or schedule not in SCHEDULES:
         raise ValueError(
