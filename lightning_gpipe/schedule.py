@@ -69,6 +69,28 @@ class _Chunks:
         return self.virtual(chunk) == self.num_stages * self.virtual_stages - 1
 
 
+def _fill(place: _Chunks, count: int) -> list[Action]:
+    """Fill-drain's fill on one stage: each chunk's forwards of all ``count`` micro-batches in turn, each sent on."""
+    fill = []
+    for c in range(place.virtual_stages):
+        for i in range(count):
+            fill += [Action(Kind.FORWARD, i, c)] + [Action(Kind.SEND, i, c)] * (not place.is_last(c))
+    return fill
+
+
+def _after_forward(place: _Chunks, i: int, c: int) -> list[Action]:
+    """What follows forward ``i`` on chunk ``c`` in a schedule with a loss per micro-batch: the loss on the last
+    virtual stage, else the send and, at once, the receive of its gradient."""
+    if place.is_last(c):
+        return [Action(Kind.LOSS, i, c)]
+    return [Action(Kind.SEND, i, c), Action(Kind.EXPECT, i, c)]
+
+
+def _backward(i: int, c: int, checkpoint: str, count: int) -> list[Action]:
+    """Backward ``i`` on chunk ``c``, after its recompute if ``checkpoint`` re-materializes it."""
+    return [Action(Kind.RECOMPUTE, i, c)] * checkpointed(checkpoint, i, count) + [Action(Kind.BACKWARD, i, c)]
+
+
 def gpipe(
     stage_index: int,
     num_stages: int,
@@ -94,10 +116,7 @@ def gpipe(
     ``(K - 1) / (v M + K - 1)`` when M >= K; every stage still holds all M micro-batches.
     """
     place = _Chunks(stage_index, num_stages, virtual_stages)
-    fill = []
-    for c in range(virtual_stages):
-        for i in range(count):
-            fill += [Action(Kind.FORWARD, i, c)] + [Action(Kind.SEND, i, c)] * (not place.is_last(c))
+    fill = _fill(place, count)
     order = [(i, c) for c in reversed(range(virtual_stages)) for i in reversed(range(count))]
     last_process = stage_index == num_stages - 1
     drain = [Action(Kind.LOSS)] * last_process + [Action(Kind.EXPECT, *order[0])] * bool(order)
@@ -224,9 +243,7 @@ def _one_forward_one_backward(
     actions: list[Action] = []
 
     def backward(n: int) -> None:
-        i, c = backwards[n]
-        actions.extend([Action(Kind.RECOMPUTE, i, c)] * checkpointed(checkpoint, i, count))
-        actions.append(Action(Kind.BACKWARD, i, c))
+        actions.extend(_backward(*backwards[n], checkpoint, count))
         if n >= delay:
             actions.extend(weight(*backwards[n - delay]))
 
@@ -234,11 +251,7 @@ def _one_forward_one_backward(
         return [Action(Kind.WEIGHT, i, c)] * splits_backward(place.virtual(c), defer)
 
     for n, (i, c) in enumerate(forwards):
-        actions += [Action(Kind.FORWARD, i, c)] + [Action(Kind.FLUSH)] * (n > warmup)
-        if place.is_last(c):
-            actions.append(Action(Kind.LOSS, i, c))
-        else:
-            actions += [Action(Kind.SEND, i, c), Action(Kind.EXPECT, i, c)]
+        actions += [Action(Kind.FORWARD, i, c)] + [Action(Kind.FLUSH)] * (n > warmup) + _after_forward(place, i, c)
         if n >= warmup:
             backward(n - warmup)
     for n in range(len(forwards) - warmup, len(forwards)):
@@ -368,8 +381,7 @@ def _v_order(num_stages: int, count: int, checkpoint: str, costs: Sequence[Actio
     micro-batch, only while it holds fewer than 2K chunk micro-batches), else waits for the next input to arrive.
     Each virtual stage runs its micro-batches in order, so every link's transfers are in order."""
     clock = _VClock(num_stages, count, costs)
-    while clock.step():
-        pass
+    clock.run()
     return [clock.plan(k, checkpoint) for k in range(num_stages)]
 
 
@@ -385,25 +397,26 @@ class _VClock:
         self.ended: dict[tuple[Kind, int, int], float] = {}
         self.order: list[list[tuple[Kind, int, int]]] = [[] for _ in range(num_stages)]  # (kind, micro-batch, chunk)
 
-    def step(self) -> bool:
-        """Run one action on the earliest free stage that can run one then, or move the waiting stages' clocks to
-        the next arrival; whether anything is left."""
-        busy = [k for k in range(self.num_stages) if len(self.order[k]) < 4 * self.count]
-        if not busy:
-            return False
+    def run(self) -> None:
+        """Run every stage's forwards and backwards (two chunks of M micro-batches each: 4M actions)."""
+        while busy := [k for k in range(self.num_stages) if len(self.order[k]) < 4 * self.count]:
+            self._step(busy)
+
+    def _step(self, busy: list[int]) -> None:
+        """Run one action on the earliest free stage of ``busy`` that can run one then, or move the waiting stages'
+        clocks to the next arrival."""
         now = min(self.free[k] for k in busy)
         for k in (k for k in busy if self.free[k] == now):
             ready = [key for arrival, key in self._candidates(k) if arrival is not None and arrival <= now]
             if ready:
                 self._run(k, *min(ready)[1:])
-                return True
+                return
         later = [arrival for k in busy for arrival, _ in self._candidates(k) if arrival is not None and arrival > now]
         later += [self.free[k] for k in busy if self.free[k] > now]
         if not later:  # not for a V: a stage's second chunk, which leads to the loss, always runs
             raise RuntimeError("The stages of the V would wait for each other.")
         for k in busy:
             self.free[k] = max(self.free[k], min(later))
-        return True
 
     def _candidates(self, k: int) -> list[tuple[Optional[float], tuple[int, int, int, Kind, int]]]:
         """Stage ``k``'s next actions as ``(arrival, (priority, micro-batch, virtual stage, kind, chunk))``, the
@@ -439,17 +452,12 @@ class _VClock:
     def plan(self, k: int, checkpoint: str) -> Plan:
         """Stage ``k``'s plan of the clock's order: each forward sent on (its gradient's receive posted with it) or
         followed by the loss, each backward after its recompute, a flush at the end."""
-        actions: list[Action] = []
+        place, actions = _Chunks(k, self.num_stages, 2, v_shape=True), []
         for kind, i, chunk in self.order[k]:
             if kind is Kind.FORWARD:
-                actions.append(Action(Kind.FORWARD, i, chunk))
-                if virtual_stage(k, chunk, self.num_stages, v_shape=True) == self.last:
-                    actions.append(Action(Kind.LOSS, i, chunk))
-                else:
-                    actions += [Action(Kind.SEND, i, chunk), Action(Kind.EXPECT, i, chunk)]
+                actions += [Action(Kind.FORWARD, i, chunk), *_after_forward(place, i, chunk)]
             else:
-                actions += [Action(Kind.RECOMPUTE, i, chunk)] * checkpointed(checkpoint, i, self.count)
-                actions.append(Action(Kind.BACKWARD, i, chunk))
+                actions += _backward(i, chunk, checkpoint, self.count)
         actions.append(Action(Kind.FLUSH))
         return Plan(tuple(actions), cut=len(actions), loss_per_micro_batch=True, v_shape=True)
 
@@ -506,11 +514,7 @@ def evaluation(num_stages: int, count: int, virtual_stages: int = 1, v_shape: bo
     (:data:`V_SHAPED`)."""
     every = []
     for k in range(num_stages):
-        place, fill = _Chunks(k, num_stages, virtual_stages, v_shape), []
-        for c in range(virtual_stages):
-            for i in range(count):
-                fill += [Action(Kind.FORWARD, i, c)] + [Action(Kind.SEND, i, c)] * (not place.is_last(c))
-        actions = (*fill, Action(Kind.FLUSH))
+        actions = (*_fill(_Chunks(k, num_stages, virtual_stages, v_shape), count), Action(Kind.FLUSH))
         every.append(Plan(actions, cut=len(actions), v_shape=v_shape))
     return every
 
