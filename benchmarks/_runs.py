@@ -9,7 +9,8 @@ Kinds (every process prints one JSON line through :func:`_harness.emit` at the e
   ``rss_growth_mib``, its peak resident set during ``fit`` over the resident set at ``on_train_start``; such a
   process gives every allocation of 64 KiB or more its own mapping, returned to the system when freed
   (glibc's ``mallopt(M_MMAP_THRESHOLD)``), so that its resident set follows its live tensors, not the allocator's
-  cache.
+  cache. That makes every such allocation fault its pages in anew, which slows the steps (AmoebaNet's layers ran
+  1.6-2.2x slower): ``--default-allocator`` keeps glibc's own, for runs that measure time.
   ``--schedule 1f1b``, ``zb-h1`` or ``zb-1p`` (also for ``bare``, where ``zb-1p`` places W by equal costs) runs
   ``GPipeStrategy(schedule=...)``.
 - ``bare``: our engine (``Stage``, ``Partition``, ``Link``) driven directly, without the Trainer; one process per
@@ -80,6 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     fixable = ("chunks", "checkpoint", "schedule", "virtual_stages")
     parser.add_argument("--plan-fix", nargs="*", default=[], choices=fixable)
+    parser.add_argument(
+        "--default-allocator",
+        action="store_true",
+        help="with --count-saved or --plan-limit-mib: keep glibc's allocator as a user has it, so that the step time"
+        " is a user's (mapping every large allocation of its own makes each one fault its pages in: AmoebaNet's layers"
+        " ran 1.6-2.2x slower so); the measured peak then includes the memory the allocator keeps",
+    )
     return parser.parse_args(argv)
 
 
@@ -521,7 +529,7 @@ def main(argv: list[str] | None = None) -> None:
     """Make the measurement the arguments describe."""
     args = parse_args(argv)
     torch.set_num_threads(1)
-    if args.count_saved or args.plan_limit_mib is not None:
+    if (args.count_saved or args.plan_limit_mib is not None) and not args.default_allocator:
         _map_large_allocations()
     runs = {"lightning": run_lightning, "bare": run_bare, "tp": run_tp, "torchgpipe": run_torchgpipe}
     runs.update({"tp-zb": run_tp_zero_bubble, "tp-zbv": run_tp_zero_bubble, "tp-i1f1b": run_tp_zero_bubble})

@@ -6,8 +6,12 @@ balance and predicts the plan, and refuses it before step 1 if it does not fit L
 processes, each under ``RLIMIT_DATA`` = L + ``--reserve-mib`` (the process's own memory: Python, torch, Lightning, gloo;
 see benchmarks/capacity.py for the cap). The configurations run interleaved (auto, grid..., auto, grid...), and the
 table gives per plan: the median measured step time on rank 0 against the planner's prediction, and each process's
-measured peak (its peak resident set during training over its resident set before setup, every allocation of 64 KiB or
-more in a mapping of its own, see benchmarks/_runs.py) against the predicted peak of its stage.
+measured peak (its peak resident set during training over its resident set before setup) against the predicted peak of
+its stage. Time and memory come from separate runs: time from runs with glibc's allocator as a user has it, every
+repeat; memory from one run per plan (in the first repeat) that gives every allocation of 64 KiB or more a mapping of
+its own, so that the resident set follows the live memory, not the allocator's cache (benchmarks/_runs.py). Such a
+mapping faults its pages in anew at every allocation, which slowed AmoebaNet's layers 1.6-2.2x here: a time measured
+so, and the profile the planner takes in that process, are not a user's.
 
 Usage::
 
@@ -23,7 +27,7 @@ import math
 import os
 import statistics
 import sys
-from itertools import product
+from itertools import combinations, product
 from pathlib import Path
 
 import _harness as harness
@@ -75,11 +79,13 @@ def configs(args: argparse.Namespace) -> list[harness.Config]:
     return found
 
 
-def measure(args: argparse.Namespace, config: harness.Config) -> dict:
+def measure(args: argparse.Namespace, config: harness.Config, memory: bool = False) -> dict:
     """One run under the cap: rank 0's median step, each process's measured peak (MiB), the plan and its
-    prediction; or why it did not train."""
+    prediction; or why it did not train. ``memory``: the run that measures the peak (every large allocation mapped
+    on its own, see the module docstring); else glibc's allocator as a user has it, for the time."""
     cap = int((args.limit_mib + args.reserve_mib) * MIB)
-    outcome = harness.run(config, memory_cap=cap, timeout=args.timeout)
+    run = dataclasses.replace(config, args=[*config.args, *([] if memory else ["--default-allocator"])])
+    outcome = harness.run(run, memory_cap=cap, timeout=args.timeout)
     if not outcome.ok or len(outcome.records) != args.devices:
         refused = "No pipeline plan fits" in outcome.log
         return {"failed": "refused: predicted not to fit" if refused else _cause(outcome.log)}
@@ -93,6 +99,7 @@ def measure(args: argparse.Namespace, config: harness.Config) -> dict:
         "predicted_mib": [b / MIB for b in plan["peak_bytes"]],
         "plan": plan,
         "runq": max(r["runq_wait"] for r in outcome.records),
+        "memory_run": memory,
     }
 
 
@@ -111,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
         f" {args.limit_mib:g} MiB, RLIMIT_DATA {args.limit_mib + args.reserve_mib:g} MiB per process;"
         f" {len(grid) - 1} grid plans + auto; {args.repeats} interleaved repeats"
     )
-    runs: dict[str, list[dict]] = {config.name: [] for config in grid}
+    runs: dict[str, list[dict]] = {config.name: [] for config in grid}  # the time runs
+    peaks: dict[str, dict] = {}  # the memory run of each plan that trained
 
     def body() -> None:
         for repeat in range(args.repeats):
@@ -120,30 +128,39 @@ def main(argv: list[str] | None = None) -> None:
                     continue  # refused before step 1: the planner predicts the same every time
                 result = measure(args, config)
                 runs[config.name].append(result)
-                print(
-                    f"repeat {repeat + 1} {config.name:<24} {_line(result)}  load {os.getloadavg()[0]:.2f}", flush=True
-                )
-        summarise(args, runs)
+                _print(repeat, config.name, result)
+                if repeat == 0 and "failed" not in result:
+                    peaks[config.name] = measure(args, config, memory=True)
+                    _print(repeat, config.name, peaks[config.name])
+        summarise(args, runs, peaks)
 
     harness.timed(body)
+
+
+def _print(repeat: int, name: str, result: dict) -> None:
+    print(f"repeat {repeat + 1} {name:<24} {_line(result)}  load {os.getloadavg()[0]:.2f}", flush=True)
 
 
 def _line(result: dict) -> str:
     if "failed" in result:
         return result["failed"]
-    measured = "/".join(f"{m:.0f}" for m in result["measured_mib"])
-    predicted = "/".join(f"{m:.0f}" for m in result["predicted_mib"])
     plan = result["plan"]
+    chosen = (
+        f"M={plan['chunks']} {plan['checkpoint']} {plan['schedule']} v={plan.get('virtual_stages', 1)}"
+        f" balance {plan['balance']}"
+    )
+    if result["memory_run"]:
+        measured = "/".join(f"{m:.0f}" for m in result["measured_mib"])
+        predicted = "/".join(f"{m:.0f}" for m in result["predicted_mib"])
+        return f"memory run: peak MiB {measured} (predicted {predicted}); {chosen}"
     return (
-        f"{result['median_s']:.3f} s/step (predicted {result['predicted_s']:.3f}); peak MiB {measured} (predicted"
-        f" {predicted}); M={plan['chunks']} {plan['checkpoint']} {plan['schedule']} v={plan.get('virtual_stages', 1)}"
-        f" balance {plan['balance']};"
+        f"{result['median_s']:.3f} s/step (predicted {result['predicted_s']:.3f}); {chosen};"
         f" waited {100 * result['runq']:.0f}%"
     )
 
 
-def summarise(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
-    """The table (medians over the repeats) and the issue's figures."""
+def summarise(args: argparse.Namespace, runs: dict[str, list[dict]], peaks: dict[str, dict]) -> None:
+    """The table (medians over the time runs; the memory run's peaks) and the issue's figures."""
     print()
     print(f"{'plan':<24}{'measured s':>11}{'predicted':>10}{'ratio':>7}  {'peak MiB measured / predicted per stage'}")
     rows = {}
@@ -153,8 +170,12 @@ def summarise(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
             print(f"{name:<24}  {results[0]['failed']}")
             continue
         median = statistics.median(r["median_s"] for r in good)
-        measured = [max(r["measured_mib"][k] for r in good) for k in range(args.devices)]
-        predicted, step = good[0]["predicted_mib"], good[0]["predicted_s"]
+        step = statistics.median(r["predicted_s"] for r in good)
+        memory = peaks.get(name, {"failed": "no memory run"})
+        if "failed" in memory:
+            print(f"{name:<24}{median:>11.3f}{step:>10.3f}{step / median:>7.2f}  memory run: {memory['failed']}")
+            continue
+        measured, predicted = memory["measured_mib"], memory["predicted_mib"]
         rows[name] = (median, step, measured, predicted)
         pairs = "  ".join(f"{m:.0f}/{p:.0f} ({m / p:.2f})" for m, p in zip(measured, predicted))
         print(f"{name:<24}{median:>11.3f}{step:>10.3f}{step / median:>7.2f}  {pairs}")
@@ -171,11 +192,11 @@ def figures(args: argparse.Namespace, rows: dict, auto_runs: list[dict]) -> None
         return
     fastest = min(grid, key=lambda name: grid[name][0])
     auto = rows["auto"][0]
-    chosen = next(r["plan"] for r in auto_runs if "plan" in r)
-    print(
-        f"auto chose M={chosen['chunks']} {chosen['checkpoint']} {chosen['schedule']}"
-        f" v={chosen.get('virtual_stages', 1)} balance {chosen['balance']}"
-    )
+    for chosen in (r["plan"] for r in auto_runs if "plan" in r):
+        print(
+            f"auto chose M={chosen['chunks']} {chosen['checkpoint']} {chosen['schedule']}"
+            f" v={chosen.get('virtual_stages', 1)} balance {chosen['balance']}"
+        )
     best = grid[fastest][0]
     print(f"auto / fastest of {len(grid)} feasible grid plans ({fastest}): {auto:.3f} / {best:.3f} = {auto / best:.3f}")
     times = [step / median for median, step, _, _ in grid.values()]
@@ -206,8 +227,7 @@ def refit(runs: dict[str, list[dict]]) -> None:
         rows.append((result["median_s"], [1.0, zero, micro, copy]))
     if len(rows) < 4:
         return
-    fitted = _least_squares([[x / m for x in xs] for m, xs in rows], [1.0] * len(rows))
-    step_s, scale, micro_s, copy_s = (max(v, 0.0) for v in fitted)
+    step_s, scale, micro_s, copy_s = _non_negative_least_squares([[x / m for x in xs] for m, xs in rows])
     ratios = [(step_s + scale * xs[1] + micro_s * xs[2] + copy_s * xs[3]) / m for m, xs in rows]
     bandwidth = f"{1 / copy_s:.3g}" if copy_s else "math.inf"
     print(
@@ -215,6 +235,26 @@ def refit(runs: dict[str, list[dict]]) -> None:
         f" micro_batch_overhead={micro_s:.5f}, copy_bandwidth={bandwidth}); predicted / measured step time with it:"
         f" {min(ratios):.2f} .. {max(ratios):.2f}"
     )
+
+
+def _non_negative_least_squares(a: list[list[float]]) -> list[float]:
+    """The x >= 0 minimising |a x - 1|: the best least-squares fit over every subset of the unknowns left free (the
+    others 0) whose solution has no negative part (a few unknowns: 2^n subsets)."""
+    n, best, best_error = len(a[0]), [0.0] * len(a[0]), float(len(a))
+    for free in (s for size in range(1, n + 1) for s in combinations(range(n), size)):
+        try:
+            solved = _least_squares([[row[i] for i in free] for row in a], [1.0] * len(a))
+        except ZeroDivisionError:  # a singular subset: some other subset covers it
+            continue
+        if min(solved) < 0:
+            continue
+        x = [0.0] * n
+        for i, value in zip(free, solved):
+            x[i] = value
+        error = sum((sum(r * v for r, v in zip(row, x)) - 1) ** 2 for row in a)
+        if error < best_error:
+            best, best_error = x, error
+    return best
 
 
 def _least_squares(a: list[list[float]], b: list[float]) -> list[float]:
