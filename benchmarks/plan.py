@@ -23,6 +23,7 @@ Usage::
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import statistics
@@ -58,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--schedule", nargs="+", choices=tuple(SCHEDULES), default=["gpipe", "1f1b"])
     parser.add_argument("--virtual-stages", type=int, nargs="+", default=[1], help="model chunks per stage (default 1)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a run counts as failed")
+    parser.add_argument(
+        "--save", type=Path, help="write every run (its profile, plan, prediction and measurements) to this JSON file"
+    )
     harness.add_timing_args(parser, repeats=2, steps=3, warmup=1)
     args = parser.parse_args(argv)
     positive = ("devices", "batch_size", "width", "depth", "chunks", "virtual_stages", "repeats", "steps")
@@ -132,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
                 if repeat == 0 and "failed" not in result:
                     peaks[config.name] = measure(args, config, memory=True)
                     _print(repeat, config.name, peaks[config.name])
+        if args.save is not None:
+            args.save.write_text(json.dumps({"command": sys.argv, "time_runs": runs, "memory_runs": peaks}))
         summarise(args, runs, peaks)
 
     harness.timed(body)
