@@ -279,8 +279,7 @@ def _least_squares(a: list[list[float]], b: list[float]) -> list[float]:
 
 def _profiled(data: dict) -> ProfiledCosts:
     large, small = ([LayerCost(**c) for c in data[key]] for key in ("large", "small"))
-    together = data.get("together", 1.0)
-    return ProfiledCosts(tuple(data["rows"]), large, small, data["batch_rows"], data["input_bytes"], together)
+    return ProfiledCosts(tuple(data["rows"]), large, small, data["batch_rows"], data["input_bytes"])
 
 
 def _plan(result: dict) -> PipelinePlan:

@@ -92,45 +92,6 @@ def profile_layers(
     return costs
 
 
-def profile_together(layers: nn.Sequential, sample: Value, repeats: int = 5, warmup: int = 2) -> float:
-    """Seconds of one forward and backward of all of ``layers`` at once on the CPU, on the micro-batch ``sample``
-    (the calling thread's CPU time, median of ``repeats`` after ``warmup`` untimed runs; a gradient of ones on the
-    outputs that require grad): the time :func:`profile_layers`'s per-layer times add up to when the layers run
-    together, which differs by model (their caches, their autograd graph; see docs/planning.md, "Calibrating").
-    The layers run in place, in training mode, not copied (the backbone may be most of the process's memory);
-    their buffers (batch norm's running statistics), gradients and mode, and the random number generators, are
-    put back afterwards.
-
-    Raises:
-        ValueError: if ``repeats`` is below 1 or ``warmup`` below 0, or a layer is on another device than the CPU
-            (the copy of every layer at once need not fit a device that trains the model in stages).
-    """
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"profile_together needs repeats >= 1 and warmup >= 0, got {repeats} and {warmup}.")
-    if any(t.device.type != "cpu" for t in _state(layers)):
-        raise ValueError("profile_together runs the whole backbone at once on the CPU: its layers must be there.")
-    device = torch.device("cpu")
-    value = leaves(sample, requires_grad=False, device=device)
-    buffers, grads, training = (
-        [b.clone() for b in layers.buffers()],
-        [p.grad for p in layers.parameters()],
-        layers.training,
-    )
-    try:
-        with torch.random.fork_rng(devices=[]):
-            partition = Partition(dict(layers.train()._modules))  # every position, as profile_layers
-            _, output, stashed, _ = _counted_run(partition, value, {})
-            ones = [torch.ones_like(t) for t in _differentiable(output, stashed)]
-            runs = [_run(partition, value, {}, ones, device) for _ in range(warmup + repeats)][warmup:]
-    finally:
-        for buffer, saved in zip(layers.buffers(), buffers):
-            buffer.copy_(saved)
-        for parameter, grad in zip(layers.parameters(), grads):
-            parameter.grad = grad
-        layers.train(training)
-    return statistics.median(forward + backward for forward, backward in runs)
-
-
 def _profile(
     layer: Partition, value: Value, skips: dict, device: torch.device, repeats: int, warmup: int, split: bool
 ) -> tuple:

@@ -25,35 +25,36 @@ class CostModel:
         transfer_latency: seconds per point-to-point message between stages (default 1 ms: gloo on one host).
         transfer_bandwidth: bytes per second of those messages (default 1 GB/s).
         micro_batch_overhead: seconds the engine adds on a stage per micro-batch (spans, sends, receives, records;
-            default 1 ms).
-        step_overhead: seconds Lightning's loop and the package's agreement add per step (default 10 ms).
+            default 2 ms).
+        step_overhead: seconds Lightning's loop and the package's agreement add per step (default 20 ms).
         optimizer_bandwidth: bytes per second the optimizer step streams (parameters, gradients and state once
             each; default 2 GB/s).
         all_reduce_bandwidth: bytes per second of the data-parallel gradient all-reduce (default 0.5 GB/s).
         memory_margin: share of the memory limit kept free for what the model does not count (allocator slack,
             the user's head and loss); default 0.05.
-        compute_scale: profiled layer times are multiplied by this, beyond the profile's own measure of the layers
-            run together (:attr:`ProfiledCosts.together`): the stages run at once and may slow each other (on a CPU
-            they share memory bandwidth and caches, see ``benchmarks/hardware.py``); default 1.0. (Before the
-            profile measured ``together``, 1.1 was fitted here on the benchmark MLP, whose ``together`` is about
-            that, and over-stated AmoebaNet's steps by 13 to 34%.)
+        compute_scale: profiled layer times are multiplied by this: how much faster or slower a layer runs in the
+            pipeline than profiled alone (the stages run at once and may slow each other: on a CPU they share memory
+            bandwidth and caches, see ``benchmarks/hardware.py``); default 0.96.
         copy_bandwidth: bytes per second of a stage's own time that the activations and gradients it sends and
             receives cost it, on top of ``transfer_latency`` and ``transfer_bandwidth`` (which only delay the
             receiver): on a CPU, gloo's copies through the host's network stack run on the cores that compute (and
             the stage allocates every buffer it receives into). This is what makes interleaving (``virtual_stages``,
-            v times the transfers) slower here; on GPUs, which copy by DMA, set ``math.inf``. Default 0.5 GB/s,
-            fitted on the project's 2-core machine (docs/planning.md, "Calibrating").
+            v times the transfers) slower here; on GPUs, which copy by DMA, set ``math.inf``. Default 1.2 GB/s.
+
+    The defaults of ``micro_batch_overhead``, ``step_overhead``, ``compute_scale`` and ``copy_bandwidth`` were fitted
+    together on the project's 2-core CPU machine, to 29 measured runs of the benchmark MLP and AmoebaNet-D
+    (docs/planning.md, "Calibrating" and "A user's allocator").
     """
 
     transfer_latency: float = 1e-3
     transfer_bandwidth: float = 1e9
-    micro_batch_overhead: float = 1e-3
-    step_overhead: float = 1e-2
+    micro_batch_overhead: float = 2e-3
+    step_overhead: float = 2e-2
     optimizer_bandwidth: float = 2e9
     all_reduce_bandwidth: float = 5e8
     memory_margin: float = 0.05
-    compute_scale: float = 1.0
-    copy_bandwidth: float = 5e8
+    compute_scale: float = 0.96
+    copy_bandwidth: float = 1.2e9
 
     def transfer_time(self, nbytes: float) -> float:
         """Seconds to move ``nbytes`` between neighbouring stages."""
@@ -108,10 +109,6 @@ class ProfiledCosts:
         small: the same at ``rows[1]``.
         batch_rows: N, the rows of one mini-batch of the backbone input (per replica).
         input_bytes: bytes of the whole mini-batch's backbone input.
-        together: the layers' forward and backward run all at once at ``rows[1]``
-            (:func:`~lightning_gpipe.balance.profile.profile_together`) over the sum of their times profiled one at
-            a time there: what running together adds (the benchmark MLP, about 1.1) or saves (AmoebaNet's cells,
-            about 0.95), by which the layers' times are scaled; 1 (default) when not measured.
 
     Raises:
         ValueError: if the two lists differ in length or a size is below 1.
@@ -122,7 +119,6 @@ class ProfiledCosts:
     small: Sequence[LayerCost]
     batch_rows: int
     input_bytes: int
-    together: float = 1.0
 
     def __post_init__(self) -> None:
         if len(self.large) != len(self.small) or min(*self.rows, self.batch_rows) < 1:

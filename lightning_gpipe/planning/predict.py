@@ -13,7 +13,7 @@ PipeDream's planner (Narayanan et al. 2019, section 3.1) predicts from a per-lay
 """
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from lightning_gpipe.balance.costs import LayerCost
 from lightning_gpipe.balance.solver import stage_sums
@@ -189,8 +189,7 @@ def predict(
     rows_n = profiled.batch_rows
     chunks = min(plan.chunks, rows_n)
     layers = profiled.for_chunks(chunks)
-    scaled = replace(model, compute_scale=model.compute_scale * profiled.together)
-    stages = stage_costs(layers, plan.balance, scaled, DEFERRED_BY_DEFAULT[plan.schedule])
+    stages = stage_costs(layers, plan.balance, model, DEFERRED_BY_DEFAULT[plan.schedule])
     per_virtual = stage_sums([c.parameter_bytes for c in layers], plan.balance)
     params = [round(sum(per_virtual[s] for s in _chunks_of(plan, k))) for k in range(plan.pipeline_parallel_size)]
     replicas = plan.data_parallel_size

@@ -8,8 +8,7 @@ from torch import nn
 
 from lightning_gpipe import microbatch
 from lightning_gpipe.balance.backbone import sample_backbone_input, unchanged_random_state
-from lightning_gpipe.balance.costs import LayerCost
-from lightning_gpipe.balance.profile import profile_layers, profile_together
+from lightning_gpipe.balance.profile import profile_layers
 from lightning_gpipe.microbatch import Value
 from lightning_gpipe.planning.costs import ProfiledCosts, optimizer_state_factor
 from lightning_gpipe.planning.search import MAX_CHUNKS
@@ -30,8 +29,7 @@ def profile_sizes(
     two micro-batches of the mini-batch ``value``: one of :data:`PROFILED_CHUNKS` and one of
     :data:`~lightning_gpipe.planning.search.MAX_CHUNKS` (or, when ``chunks`` is fixed, one of ``chunks`` micro-batches,
     twice the same size). Not the whole mini-batch: a layer's activations on all of it may not fit a device that
-    trains the model in micro-batches. On the CPU the whole backbone also runs at once on the smaller micro-batch
-    (:attr:`~lightning_gpipe.planning.costs.ProfiledCosts.together`).
+    trains the model in micro-batches.
 
     Raises:
         TypeError, ValueError: as :func:`~lightning_gpipe.microbatch.batch_size` and
@@ -44,22 +42,7 @@ def profile_sizes(
     small_costs = large_costs if small_chunks == large_chunks else profile_layers(layers, small, device, split=split)
     sizes = (microbatch.batch_size(large), microbatch.batch_size(small))
     input_bytes = sum(t.numel() * t.element_size() for t in microbatch.tensors(value))
-    return ProfiledCosts(sizes, large_costs, small_costs, rows, input_bytes, _together(layers, small, small_costs))
-
-
-def _together(layers: nn.Sequential, small: Value, costs: list[LayerCost]) -> float:
-    """:attr:`ProfiledCosts.together` at the small micro-batch: measured where every layer is on the CPU (where
-    global rank 0 holds the backbone whole anyway), else 1 (on a GPU the whole backbone need not fit); 1 too where
-    the process cannot hold the backbone's activations of that micro-batch at once (the planner then works on)."""
-    alone = sum(cost.forward + cost.backward for cost in costs)
-    if alone <= 0 or any(t.device.type != "cpu" for t in (*layers.parameters(), *layers.buffers())):
-        return 1.0
-    try:
-        return profile_together(layers, small) / alone
-    except (MemoryError, RuntimeError) as error:  # torch's CPU allocator raises a RuntimeError
-        if isinstance(error, RuntimeError) and "can't allocate memory" not in str(error):
-            raise
-        return 1.0
+    return ProfiledCosts(sizes, large_costs, small_costs, rows, input_bytes)
 
 
 def profile_module(

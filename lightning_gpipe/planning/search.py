@@ -11,11 +11,12 @@ stage that the layers allow, minus what the user fixed (:class:`Constraints`). F
 time-optimal split into ``K * v`` (virtual) stages (:func:`~lightning_gpipe.balance.solve`) if it fits the memory
 limit, else (one chunk per stage only) the fastest split whose stages fit by the additive part of their memory
 (parameters, gradients, optimizer state, saved activations; the boundaries' share is reserved for the largest layer
-output). Each plan is predicted (:func:`~lightning_gpipe.planning.predict.predict`); the fastest per row that fits
-wins. PipeDream's planner (Narayanan et al. 2019, section 3.1) chose partition and replication from a profile alike."""
+output), walked a layer at a time towards one that fits by the whole prediction if neither does. Each plan is predicted
+(:func:`~lightning_gpipe.planning.predict.predict`); the fastest per row that fits wins. PipeDream's planner
+(Narayanan et al. 2019, section 3.1) chose partition and replication from a profile alike."""
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 from typing import Optional, Union
 
@@ -23,7 +24,7 @@ from lightning_gpipe.balance.choose import balance_by
 from lightning_gpipe.balance.costs import LayerCost
 from lightning_gpipe.balance.solver import solve, stage_sums
 from lightning_gpipe.planning.costs import CostModel, ProfiledCosts
-from lightning_gpipe.planning.predict import PipelinePlan, predict
+from lightning_gpipe.planning.predict import PipelinePlan, PlanPrediction, predict
 from lightning_gpipe.planning.report import PlanReport, no_plan_fits
 from lightning_gpipe.rematerialization import CHECKPOINT_MODES
 from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, SCHEDULES
@@ -145,16 +146,74 @@ def search(
     """
     predictions = []
     for k, d, m, mode, schedule, v in candidates(world_size, profiled, constraints):
-        layers = profiled.for_chunks(m)
         shape = (k, m, mode, schedule, d, v)
-        for balance in _balances(layers, shape, state_factor, memory_limit, model, constraints):
-            plan = PipelinePlan(k, d, m, mode, schedule, tuple(balance), v)
-            predictions.append(predict(plan, profiled, model, state_factor, memory_limit))
+        predictions += _shape_predictions(shape, profiled, state_factor, memory_limit, model, constraints)
     predictions.sort(key=lambda p: (not p.fits, p.seconds_per_row, p.peak_bytes))
     report = PlanReport(predictions, memory_limit, world_size, model, profiled, state_factor)
     if not predictions[0].fits:
         raise no_plan_fits(report)
     return report
+
+
+WALK_MOVES = 32
+"""The most layers :func:`_walk` moves across stage boundaries for one candidate."""
+
+
+def _shape_predictions(
+    shape: tuple[int, int, str, str, int, int],
+    profiled: ProfiledCosts,
+    state_factor: int,
+    limit: float,
+    model: CostModel,
+    constraints: Constraints,
+) -> list[PlanPrediction]:
+    """The predictions of one candidate ``shape`` = ``(K, M, checkpoint, schedule, D, v)``: of its splits
+    (:func:`_balances`) and, where none of them fits by the whole prediction (buffers, transfers and transients are
+    not additive and differ by stage), of the splits :func:`_walk` tries towards one that does, so that a candidate
+    some split fits is not refused for the first splits' sake."""
+    k, m, mode, schedule, d, v = shape
+    balances = _balances(profiled.for_chunks(m), shape, state_factor, limit, model, constraints)
+    found = [
+        predict(PipelinePlan(k, d, m, mode, schedule, tuple(b), v), profiled, model, state_factor, limit)
+        for b in balances
+    ]
+    if any(p.fits for p in found) or v > 1 or constraints.balance is not None:
+        return found
+    return found + _walk(min(found, key=lambda p: p.peak_bytes), profiled, state_factor, limit, model)
+
+
+def _walk(
+    start: PlanPrediction, profiled: ProfiledCosts, state_factor: int, limit: float, model: CostModel
+) -> list[PlanPrediction]:
+    """From ``start`` (one chunk per stage), move one layer across one stage boundary at a time, the move that lowers
+    the largest stage's predicted peak most, while the plan does not fit and a move lowers it, at most
+    :data:`WALK_MOVES` times (the part of a stage's memory that is not additive, its buffers and transfers, moves with
+    the boundary); every split tried, predicted."""
+    tried, current = [], start
+    for _ in range(WALK_MOVES):
+        if current.fits:
+            return tried
+        plans = [replace(current.plan, balance=moved) for moved in _one_layer_moves(current.plan.balance)]
+        predicted = [predict(plan, profiled, model, state_factor, limit) for plan in plans]
+        tried += predicted
+        best = min(predicted, key=lambda p: p.peak_bytes, default=None)
+        if best is None or best.peak_bytes >= current.peak_bytes:
+            return tried
+        current = best
+    return tried
+
+
+def _one_layer_moves(balance: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every split one layer away from ``balance`` across one boundary, no stage left empty."""
+    moves = []
+    for j in range(len(balance) - 1):
+        for source, to in ((j, j + 1), (j + 1, j)):
+            if balance[source] > 1:
+                moved = list(balance)
+                moved[source] -= 1
+                moved[to] += 1
+                moves.append(tuple(moved))
+    return moves
 
 
 def _balances(

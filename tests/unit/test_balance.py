@@ -240,44 +240,11 @@ def test_time_balance_is_within_ten_percent_of_the_best_split(one_thread):
     assert slowest(chosen) <= 1.10 * slowest(best)
 
 
-def test_profile_together_times_the_backbone_at_once_and_leaves_it_unchanged():
-    from lightning_gpipe.balance.profile import profile_together
-    from lightning_gpipe.planning.profiling import profile_sizes
-
-    layers = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
-    state = {key: value.clone() for key, value in layers.state_dict().items()}
-    assert profile_together(layers, torch.randn(16, 8)) > 0
-    assert all(torch.equal(state[key], value) for key, value in layers.state_dict().items())  # running stats too
-    assert all(p.grad is None for p in layers.parameters())
-    assert profile_sizes(layers, torch.randn(256, 8), "cpu").together > 0  # measured on the CPU
-    with torch.device("meta"):
-        unmade = nn.Sequential(nn.Linear(8, 8))
-    with pytest.raises(ValueError, match="its layers must be there"):
-        profile_together(unmade, torch.randn(2, 8))
-
-
-def test_the_planner_works_on_where_the_backbone_cannot_run_at_once(monkeypatch):
-    from lightning_gpipe.planning import profiling
-
-    def out_of_memory(*args, **kwargs):
-        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1024 bytes.")
-
-    monkeypatch.setattr(profiling, "profile_together", out_of_memory)
-    layers = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
-    assert profiling.profile_sizes(layers, torch.randn(256, 8), "cpu").together == 1.0
-    monkeypatch.setattr(profiling, "profile_together", lambda *args: 1 / 0)
-    with pytest.raises(ZeroDivisionError):  # anything else is not swallowed
-        profiling.profile_sizes(layers, torch.randn(256, 8), "cpu")
-
-
 def test_a_layer_at_two_positions_is_profiled_at_each():
     """A module used at two backbone positions (tied) is one child but two layers: one cost per position, so that
     ``balance="time"`` and the schedules placed by cost see every layer."""
-    from lightning_gpipe.balance.profile import profile_together
-
     shared = nn.Linear(4, 4)
     layers = nn.Sequential(shared, nn.Tanh(), shared)
     assert len(list(layers.named_children())) == 2 and len(layers) == 3
     costs = profile_layers(layers, torch.randn(8, 4), "cpu", repeats=1, warmup=0)
     assert len(costs) == 3 and costs[0].parameter_bytes == costs[2].parameter_bytes == 80
-    assert profile_together(layers, torch.randn(8, 4), repeats=1, warmup=0) > 0

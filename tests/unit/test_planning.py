@@ -56,14 +56,6 @@ def test_costs_are_affine_in_rows_between_the_profiled_sizes_and_bytes_proportio
     assert costs.for_chunks(3)[0].activation_bytes == 4 * 256 * 22  # the first of tensor_split's chunks: 22 rows
 
 
-def test_the_layers_run_together_scale_the_predicted_step():
-    """ProfiledCosts.together (the backbone run at once over its layers alone) scales every layer's time."""
-    plan_ = PipelinePlan(2, 1, 4, "never", "gpipe", (4, 4))
-    alone = predict(plan_, profiled(), FREE, 0, 2**40).step_time
-    together = predict(plan_, dataclasses.replace(profiled(), together=0.9), FREE, 0, 2**40).step_time
-    assert together == pytest.approx(0.9 * alone)
-
-
 def test_a_time_that_falls_with_the_rows_is_scaled_never_extrapolated_below_zero():
     noisy = LayerCost(forward=1e-3, backward=1e-3)
     costs = ProfiledCosts((64, 8), [noisy], [LayerCost(forward=2e-3, backward=2e-3)], 512, 4 * 512)
@@ -196,6 +188,40 @@ def test_the_chosen_plan_is_the_fastest_that_fits_and_no_faster_one_fits():
     assert faster and not any(p.fits for p in faster)
 
 
+@pytest.mark.parametrize("limit_mib", [4.5, 5.5, 6.5, 7.5])
+def test_a_candidate_some_split_fits_is_not_refused(limit_mib):
+    """Every split of every two-stage candidate predicted by brute force: where one fits, the planner has one too."""
+    costs = dataclasses.replace(profiled(pairs=8, rows=256, small=4), large=_wide_outputs(profiled(8, 256).large))
+    limit = limit_mib * MIB
+    found = search(2, costs, 2**40, 1, FREE, Constraints(pipeline_parallel_size=2, virtual_stages=1)).predictions
+    planned = {(p.plan.chunks, p.plan.checkpoint, p.plan.schedule) for p in found}
+    chosen = {}
+    for m, mode, name in planned:
+        shape = Constraints(2, 1, m, mode, name, virtual_stages=1)
+        chosen[m, mode, name] = any(p.fits for p in _predictions_or_none(costs, limit, shape))
+    every = {
+        (m, mode, name): any(
+            predict(PipelinePlan(2, 1, m, mode, name, (j, 16 - j)), costs, FREE, 1, limit).fits for j in range(1, 16)
+        )
+        for m, mode, name in planned
+    }
+    assert any(every.values()) and chosen == every
+
+
+def _wide_outputs(layers: list[LayerCost]) -> list[LayerCost]:
+    """The first half's outputs four times as large: a split's boundary buffers, which the additive memory does not
+    see, then decide whether it fits."""
+    half = len(layers) // 2
+    return [dataclasses.replace(c, output_bytes=4 * c.output_bytes) if j < half else c for j, c in enumerate(layers)]
+
+
+def _predictions_or_none(costs: ProfiledCosts, limit: float, constraints: Constraints) -> list:
+    try:
+        return search(2, costs, limit, 1, FREE, constraints).predictions
+    except ValueError:  # nothing fits
+        return []
+
+
 def test_no_plan_fits_names_the_smallest_limit_that_does():
     costs = profiled()
     with pytest.raises(ValueError, match="smallest limit that fits is") as error:
@@ -285,6 +311,9 @@ def test_copies_cost_each_stage_what_it_receives_and_sends():
     assert [c.backward - f.backward for c, f in zip(copied, free)] == pytest.approx(
         [c.forward - f.forward for c, f in zip(copied, free)]
     )
+    # a recompute receives and sends nothing, and is none of the engine's bookkeeping: the forward's compute alone
+    busy = dataclasses.replace(model, micro_batch_overhead=1e-3)
+    assert [c.recompute for c in stage_costs(layers, (2, 3, 3), busy)] == pytest.approx([f.forward for f in free])
 
 
 def test_virtual_stages_are_planned_where_the_layers_allow_and_kept_when_fixed():
