@@ -10,7 +10,8 @@ Kinds (every process prints one JSON line through :func:`_harness.emit` at the e
   process gives every allocation of 64 KiB or more its own mapping, returned to the system when freed
   (glibc's ``mallopt(M_MMAP_THRESHOLD)``), so that its resident set follows its live tensors, not the allocator's
   cache. That makes every such allocation fault its pages in anew, which slows the steps (AmoebaNet's layers ran
-  1.6-2.2x slower): ``--default-allocator`` keeps glibc's own, for runs that measure time.
+  1.6-2.2x slower): ``--default-allocator`` keeps glibc's own, for runs that measure time. A ``--plan-limit-mib`` run
+  without it also reports ``live_peak_mib``, the peak of its live tensors during training (:class:`LiveBytes`).
   ``--schedule 1f1b``, ``zb-h1`` or ``zb-1p`` (also for ``bare``, where ``zb-1p`` places W by equal costs) runs
   ``GPipeStrategy(schedule=...)``.
 - ``bare``: our engine (``Stage``, ``Partition``, ``Link``) driven directly, without the Trainer; one process per
@@ -29,6 +30,8 @@ import weakref
 from pathlib import Path
 
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: lightning_gpipe, benchmarks
 
@@ -155,6 +158,47 @@ class SavedBytes:
             self.live -= self.sizes.pop(key)
 
 
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the tensors alive in this process, now and at their peak: what a memory limit for the model
+    covers (parameters, gradients, optimizer state, activations, batches, transfer buffers), without the process's
+    own memory (the allocator's, the libraries', Python's), as ``torch.cuda.max_memory_allocated`` reads it on a GPU.
+
+    A dispatch mode of the thread that enters it: every storage an operator returns or reads is counted once, from
+    then until it is freed (``weakref.finalize`` on the storage, whose Python object torch keeps while the storage
+    lives). A tensor another thread makes (a received payload) counts from its first use here. ``reset()`` starts
+    a new peak from the bytes alive.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.counted: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for value in (*pytree.tree_leaves(out), *pytree.tree_leaves((args, kwargs))):
+            if isinstance(value, torch.Tensor) and value.device.type != "meta":
+                self._count(value.untyped_storage())
+        return out
+
+    def _count(self, storage: torch.UntypedStorage) -> None:
+        key, size = storage.data_ptr(), storage.nbytes()
+        if not key or key in self.counted:
+            return
+        self.counted.add(key)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key, size)
+
+    def _free(self, key: int, size: int) -> None:
+        self.counted.discard(key)
+        self.live -= size
+
+    def reset(self) -> None:
+        """Start the peak again from the bytes alive now."""
+        self.peak = self.live
+
+
 class _Handle:
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
@@ -181,6 +225,8 @@ def run_lightning(args: argparse.Namespace) -> None:
         def on_train_start(self, trainer, pl_module) -> None:
             self.rss_start = _reset_peak_rss()
             self.anon_start = _status_mib("RssAnon")
+            if live is not None:
+                live.reset()  # the planner's profile is not training
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.clock.mark()
@@ -193,6 +239,8 @@ def run_lightning(args: argparse.Namespace) -> None:
                 # file-backed pages (code, libraries) and shared memory resident at the end
                 files = _status_mib("RssFile") + _status_mib("RssShmem")
                 self.model_peak = _status_mib("VmHWM") - files - self.anon_setup
+            if live is not None:
+                self.live_peak = live.peak / 2**20
             emit(trainer.global_rank, event="trained", steps=len(self.clock.ends), peak_rss_mib=peak_rss_mib())
 
         def on_before_backward(self, trainer, pl_module, loss) -> None:
@@ -205,6 +253,8 @@ def run_lightning(args: argparse.Namespace) -> None:
     else:
         module = models.MLPClassifier(args.width, args.depth, momentum=args.momentum)
     counter = _Deferred(module, lambda: getattr(trainer.strategy, "stage", None)) if args.count_saved else None
+    memory_run = args.plan_limit_mib is not None and not args.default_allocator
+    live = LiveBytes() if memory_run else None
     callback = Clock()
     breakdown = step_breakdown(args.warmup) if args.breakdown else None
     trainer_kwargs = {
@@ -238,6 +288,9 @@ def run_lightning(args: argparse.Namespace) -> None:
     if counter is not None:
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
             trainer.fit(module, loader)
+    elif live is not None:
+        with live:
+            trainer.fit(module, loader)
     else:
         trainer.fit(module, loader)
     record = {**callback.clock.summary(), "threads": torch.get_num_threads(), "world_size": trainer.world_size}
@@ -246,6 +299,8 @@ def run_lightning(args: argparse.Namespace) -> None:
     if callback.rss_growth is not None:
         record.update(rss_growth_mib=callback.rss_growth)
         record.update(model_peak_mib=callback.model_peak, anon_mib=[callback.anon_setup, callback.anon_start])
+    if live is not None:
+        record.update(live_peak_mib=callback.live_peak)
     if args.plan_limit_mib is not None and trainer.global_rank == 0:
         report = trainer.strategy.plan_report
         record.update(plan=report.as_dict()["chosen"], profiled=dataclasses.asdict(report.profiled))

@@ -6,8 +6,10 @@ balance and predicts the plan, and refuses it before step 1 if it does not fit L
 processes, each under ``RLIMIT_DATA`` = L + ``--reserve-mib`` (the process's own memory: Python, torch, Lightning, gloo;
 see benchmarks/capacity.py for the cap). The configurations run interleaved (auto, grid..., auto, grid...), and the
 table gives per plan: the median measured step time on rank 0 against the planner's prediction, and each process's
-measured peak (its peak resident set during training over its resident set before setup) against the predicted peak of
-its stage. Time and memory come from separate runs: time from runs with glibc's allocator as a user has it, every
+measured peaks against the predicted peak of its stage: of its live tensors during training (what ``memory_limit``
+covers, as ``torch.cuda.max_memory_allocated`` reads it on a GPU; ``_runs.LiveBytes``), and of its resident set
+during training over its resident set before setup (the process's own memory too: the allocator's, the
+libraries'). Time and memory come from separate runs: time from runs with glibc's allocator as a user has it, every
 repeat; memory from one run per plan (in the first repeat) that gives every allocation of 64 KiB or more a mapping of
 its own, so that the resident set follows the live memory, not the allocator's cache (benchmarks/_runs.py). Such a
 mapping faults its pages in anew at every allocation, which slowed AmoebaNet's layers 1.6-2.2x here: a time measured
@@ -99,6 +101,7 @@ def measure(args: argparse.Namespace, config: harness.Config, memory: bool = Fal
         "state_factor": outcome.records[0]["state_factor"],
         "median_s": outcome.records[0]["median_s"],
         "measured_mib": [r["model_peak_mib"] for r in outcome.records],
+        "live_mib": [r.get("live_peak_mib") for r in outcome.records],
         "predicted_s": plan["step_time"],
         "predicted_mib": [b / MIB for b in plan["peak_bytes"]],
         "plan": plan,
@@ -156,9 +159,9 @@ def _line(result: dict) -> str:
         f" balance {plan['balance']}"
     )
     if result["memory_run"]:
-        measured = "/".join(f"{m:.0f}" for m in result["measured_mib"])
+        resident, live = ("/".join(f"{m:.0f}" for m in result[key]) for key in ("measured_mib", "live_mib"))
         predicted = "/".join(f"{m:.0f}" for m in result["predicted_mib"])
-        return f"memory run: peak MiB {measured} (predicted {predicted}); {chosen}"
+        return f"memory run: peak MiB tensors {live}, resident {resident} (predicted {predicted}); {chosen}"
     return (
         f"{result['median_s']:.3f} s/step (predicted {result['predicted_s']:.3f}); {chosen};"
         f" waited {100 * result['runq']:.0f}%"
@@ -168,7 +171,8 @@ def _line(result: dict) -> str:
 def summarise(args: argparse.Namespace, runs: dict[str, list[dict]], peaks: dict[str, dict]) -> None:
     """The table (medians over the time runs; the memory run's peaks) and the issue's figures."""
     print()
-    print(f"{'plan':<24}{'measured s':>11}{'predicted':>10}{'ratio':>7}  {'peak MiB measured / predicted per stage'}")
+    header = f"{'plan':<24}{'measured s':>11}{'predicted':>10}{'ratio':>7}"
+    print(f"{header}  peak MiB per stage: tensors | resident / predicted")
     rows = {}
     for name, results in runs.items():
         good = [r for r in results if "failed" not in r]
@@ -181,9 +185,12 @@ def summarise(args: argparse.Namespace, runs: dict[str, list[dict]], peaks: dict
         if "failed" in memory:
             print(f"{name:<24}{median:>11.3f}{step:>10.3f}{step / median:>7.2f}  memory run: {memory['failed']}")
             continue
-        measured, predicted = memory["measured_mib"], memory["predicted_mib"]
-        rows[name] = (median, step, measured, predicted)
-        pairs = "  ".join(f"{m:.0f}/{p:.0f} ({m / p:.2f})" for m, p in zip(measured, predicted))
+        peaks = {"tensors": memory["live_mib"], "resident": memory["measured_mib"]}
+        rows[name] = (median, step, peaks, memory["predicted_mib"])
+        pairs = "  ".join(
+            f"{t:.0f} | {r:.0f} / {p:.0f} ({t / p:.2f} | {r / p:.2f})"
+            for t, r, p in zip(peaks["tensors"], peaks["resident"], memory["predicted_mib"])
+        )
         print(f"{name:<24}{median:>11.3f}{step:>10.3f}{step / median:>7.2f}  {pairs}")
     figures(args, rows, runs["auto"])
     refit(runs)
@@ -206,11 +213,14 @@ def figures(args: argparse.Namespace, rows: dict, auto_runs: list[dict]) -> None
     best = grid[fastest][0]
     print(f"auto / fastest of {len(grid)} feasible grid plans ({fastest}): {auto:.3f} / {best:.3f} = {auto / best:.3f}")
     times = [step / median for median, step, _, _ in grid.values()]
-    memory = [m / p for _, _, measured, predicted in grid.values() for m, p in zip(measured, predicted)]
     print(f"predicted / measured step time over the grid: {min(times):.2f} .. {max(times):.2f}")
-    print(f"measured / predicted peak per stage over the grid: {min(memory):.2f} .. {max(memory):.2f}")
-    worst = max(m for _, _, measured, _ in rows.values() for m in measured)
-    print(f"largest measured peak of any plan: {worst:.0f} MiB against the limit {args.limit_mib:g} MiB")
+    for kind in ("tensors", "resident"):
+        memory = [m / p for _, _, peaks, predicted in grid.values() for m, p in zip(peaks[kind], predicted)]
+        worst = max(m for _, _, peaks, _ in rows.values() for m in peaks[kind])
+        print(
+            f"measured / predicted peak per stage over the grid, {kind}: {min(memory):.2f} .. {max(memory):.2f};"
+            f" largest of any plan {worst:.0f} MiB against the limit {args.limit_mib:g} MiB"
+        )
 
 
 def refit(runs: dict[str, list[dict]]) -> None:
