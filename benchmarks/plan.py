@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--save", type=Path, help="write every run (its profile, plan, prediction and measurements) to this JSON file"
     )
+    parser.add_argument(
+        "--load", type=Path, help="run nothing: print the table and figures of the runs a --save wrote to this file"
+    )
     harness.add_timing_args(parser, repeats=2, steps=3, warmup=1)
     args = parser.parse_args(argv)
     positive = ("devices", "batch_size", "width", "depth", "chunks", "virtual_stages", "repeats", "steps")
@@ -118,6 +121,10 @@ def _cause(log: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Run the configurations interleaved, print each run, then the table and the figures."""
     args = parse_args(argv)
+    if args.load is not None:
+        saved = json.loads(args.load.read_text())
+        summarise(parse_args(saved["command"][1:]), saved["time_runs"], saved["memory_runs"])
+        return
     grid = configs(args)
     model = "AmoebaNet-D (6, 16)" if args.model == "amoebanet" else f"{args.depth} x (Linear({args.width}), ReLU)"
     harness.print_command(
@@ -185,11 +192,11 @@ def summarise(args: argparse.Namespace, runs: dict[str, list[dict]], peaks: dict
         if "failed" in memory:
             print(f"{name:<24}{median:>11.3f}{step:>10.3f}{step / median:>7.2f}  memory run: {memory['failed']}")
             continue
-        peaks = {"tensors": memory["live_mib"], "resident": memory["measured_mib"]}
-        rows[name] = (median, step, peaks, memory["predicted_mib"])
+        measured = {"tensors": memory["live_mib"], "resident": memory["measured_mib"]}
+        rows[name] = (median, step, measured, memory["predicted_mib"])
         pairs = "  ".join(
             f"{t:.0f} | {r:.0f} / {p:.0f} ({t / p:.2f} | {r / p:.2f})"
-            for t, r, p in zip(peaks["tensors"], peaks["resident"], memory["predicted_mib"])
+            for t, r, p in zip(measured["tensors"], measured["resident"], memory["predicted_mib"])
         )
         print(f"{name:<24}{median:>11.3f}{step:>10.3f}{step / median:>7.2f}  {pairs}")
     figures(args, rows, runs["auto"])

@@ -169,8 +169,8 @@ def _shape_predictions(
 ) -> list[PlanPrediction]:
     """The predictions of one candidate ``shape`` = ``(K, M, checkpoint, schedule, D, v)``: of its splits
     (:func:`_balances`) and, where none of them fits by the whole prediction (buffers, transfers and transients are
-    not additive and differ by stage), of the splits :func:`_walk` tries towards one that does, so that a candidate
-    some split fits is not refused for the first splits' sake."""
+    not additive and differ by stage), of the split :func:`_walk` reaches from the closest, so that a candidate some
+    split fits is not refused for the first splits' sake."""
     k, m, mode, schedule, d, v = shape
     balances = _balances(profiled.for_chunks(m), shape, state_factor, limit, model, constraints)
     found = [
@@ -179,28 +179,29 @@ def _shape_predictions(
     ]
     if any(p.fits for p in found) or v > 1 or constraints.balance is not None:
         return found
-    return found + _walk(min(found, key=lambda p: p.peak_bytes), profiled, state_factor, limit, model)
+    closest = min(found, key=lambda p: p.peak_bytes)
+    reached = _walk(closest, profiled, state_factor, limit, model)
+    return found if reached is closest else [*found, reached]
 
 
 def _walk(
     start: PlanPrediction, profiled: ProfiledCosts, state_factor: int, limit: float, model: CostModel
-) -> list[PlanPrediction]:
+) -> PlanPrediction:
     """From ``start`` (one chunk per stage), move one layer across one stage boundary at a time, the move that lowers
     the largest stage's predicted peak most, while the plan does not fit and a move lowers it, at most
     :data:`WALK_MOVES` times (the part of a stage's memory that is not additive, its buffers and transfers, moves with
-    the boundary); every split tried, predicted."""
-    tried, current = [], start
+    the boundary); returns the prediction reached (``start`` if no move lowers its peak)."""
+    current = start
     for _ in range(WALK_MOVES):
         if current.fits:
-            return tried
+            break
         plans = [replace(current.plan, balance=moved) for moved in _one_layer_moves(current.plan.balance)]
-        predicted = [predict(plan, profiled, model, state_factor, limit) for plan in plans]
-        tried += predicted
-        best = min(predicted, key=lambda p: p.peak_bytes, default=None)
-        if best is None or best.peak_bytes >= current.peak_bytes:
-            return tried
+        tried = (predict(plan, profiled, model, state_factor, limit) for plan in plans)
+        best = min(tried, key=lambda p: p.peak_bytes, default=current)  # one stage: no boundary to move
+        if best.peak_bytes >= current.peak_bytes:
+            break
         current = best
-    return tried
+    return current
 
 
 def _one_layer_moves(balance: tuple[int, ...]) -> list[tuple[int, ...]]:
