@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import sys
 import weakref
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -167,12 +168,16 @@ class LiveBytes(TorchDispatchMode):
     then until it is freed (``weakref.finalize`` on the storage, whose Python object torch keeps while the storage
     lives). A tensor another thread makes (a received payload) counts from its first use here. ``reset()`` starts
     a new peak from the bytes alive.
+
+    Args:
+        excluded: tensors made before the mode whose storages are not the model's and are never counted (the data
+            set's own copy of the batch, which the loader copies from).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, excluded: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
         self.live = self.peak = 0
-        self.counted: set[int] = set()
+        self.counted: set[int] = {t.untyped_storage().data_ptr() for t in excluded}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -254,7 +259,8 @@ def run_lightning(args: argparse.Namespace) -> None:
         module = models.MLPClassifier(args.width, args.depth, momentum=args.momentum)
     counter = _Deferred(module, lambda: getattr(trainer.strategy, "stage", None)) if args.count_saved else None
     memory_run = args.plan_limit_mib is not None and not args.default_allocator
-    live = LiveBytes() if memory_run else None
+    batch = _batch(args)
+    live = LiveBytes(excluded=tensors(batch)) if memory_run else None
     callback = Clock()
     breakdown = step_breakdown(args.warmup) if args.breakdown else None
     trainer_kwargs = {
@@ -284,7 +290,7 @@ def run_lightning(args: argparse.Namespace) -> None:
             options.update(balance=args.balance)
         strategy = GPipeStrategy(defer_weight_grad=args.defer_weight_grad, **options)
         trainer = pl.Trainer(strategy=strategy, devices=args.devices, **trainer_kwargs)
-    loader = models.repeat_loader(_batch(args), args.warmup + args.steps, fresh=args.plan_limit_mib is not None)
+    loader = models.repeat_loader(batch, args.warmup + args.steps, fresh=args.plan_limit_mib is not None)
     if counter is not None:
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
             trainer.fit(module, loader)
