@@ -190,13 +190,15 @@ def _walk(
     """From ``start`` (one chunk per stage), move one layer across one stage boundary at a time, the move that lowers
     the largest stage's predicted peak most, while the plan does not fit and a move lowers it, at most
     :data:`WALK_MOVES` times (the part of a stage's memory that is not additive, its buffers and transfers, moves with
-    the boundary); returns the prediction reached (``start`` if no move lowers its peak)."""
-    current = start
+    the boundary); returns the fastest of the first moves that fit, else the prediction reached (``start`` if no
+    move lowers its peak)."""
+    current = start  # does not fit
     for _ in range(WALK_MOVES):
-        if current.fits:
-            break
         plans = [replace(current.plan, balance=moved) for moved in _one_layer_moves(current.plan.balance)]
-        tried = (predict(plan, profiled, model, state_factor, limit) for plan in plans)
+        tried = [predict(plan, profiled, model, state_factor, limit) for plan in plans]
+        fitting = [p for p in tried if p.fits]
+        if fitting:
+            return min(fitting, key=lambda p: p.step_time)
         best = min(tried, key=lambda p: p.peak_bytes, default=current)  # one stage: no boundary to move
         if best.peak_bytes >= current.peak_bytes:
             break
