@@ -10,8 +10,8 @@ Kinds (every process prints one JSON line through :func:`_harness.emit` at the e
   process gives every allocation of 64 KiB or more its own mapping, returned to the system when freed
   (glibc's ``mallopt(M_MMAP_THRESHOLD)``), so that its resident set follows its live tensors, not the allocator's
   cache. That makes every such allocation fault its pages in anew, which slows the steps (AmoebaNet's layers ran
-  1.6-2.2x slower): ``--default-allocator`` keeps glibc's own, for runs that measure time. A ``--plan-limit-mib`` run
-  without it also reports ``live_peak_mib``, the peak of its live tensors during training (:class:`LiveBytes`).
+  1.6-2.2x slower): ``--default-allocator`` keeps glibc's own, for runs that measure time. ``--count-live``: every
+  process also reports ``live_peak_mib``, the peak of its live tensors during training (:class:`LiveBytes`).
   ``--schedule 1f1b``, ``zb-h1`` or ``zb-1p`` (also for ``bare``, where ``zb-1p`` places W by equal costs) runs
   ``GPipeStrategy(schedule=...)``.
 - ``bare``: our engine (``Stage``, ``Partition``, ``Link``) driven directly, without the Trainer; one process per
@@ -91,6 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --count-saved or --plan-limit-mib: keep glibc's allocator as a user has it, so that the step time"
         " is a user's (mapping every large allocation of its own makes each one fault its pages in: AmoebaNet's layers"
         " ran 1.6-2.2x slower so); the measured peak then includes the memory the allocator keeps",
+    )
+    parser.add_argument(
+        "--count-live",
+        action="store_true",
+        help="lightning only: every process reports live_peak_mib, the peak of its live tensors during training"
+        " (LiveBytes; it slows the run)",
     )
     return parser.parse_args(argv)
 
@@ -258,9 +264,8 @@ def run_lightning(args: argparse.Namespace) -> None:
     else:
         module = models.MLPClassifier(args.width, args.depth, momentum=args.momentum)
     counter = _Deferred(module, lambda: getattr(trainer.strategy, "stage", None)) if args.count_saved else None
-    memory_run = args.plan_limit_mib is not None and not args.default_allocator
     batch = _batch(args)
-    live = LiveBytes(excluded=tensors(batch)) if memory_run else None
+    live = LiveBytes(excluded=tensors(batch)) if args.count_live else None
     callback = Clock()
     breakdown = step_breakdown(args.warmup) if args.breakdown else None
     trainer_kwargs = {

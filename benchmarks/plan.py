@@ -93,7 +93,7 @@ def measure(args: argparse.Namespace, config: harness.Config, memory: bool = Fal
     prediction; or why it did not train. ``memory``: the run that measures the peak (every large allocation mapped
     on its own, see the module docstring); else glibc's allocator as a user has it, for the time."""
     cap = int((args.limit_mib + args.reserve_mib) * MIB)
-    run = dataclasses.replace(config, args=[*config.args, *([] if memory else ["--default-allocator"])])
+    run = dataclasses.replace(config, args=[*config.args, *(["--count-live"] if memory else ["--default-allocator"])])
     outcome = harness.run(run, memory_cap=cap, timeout=args.timeout)
     if not outcome.ok or len(outcome.records) != args.devices:
         refused = "No pipeline plan fits" in outcome.log
