@@ -392,7 +392,6 @@ class _VClock:
         self.num_stages, self.count, self.costs = num_stages, count, costs
         self.last = 2 * num_stages - 1
         self.free = [0.0] * num_stages
-        self.held = [0] * num_stages  # chunk micro-batches forwarded, not backwarded
         self.forwarded, self.backwarded = [0] * (2 * num_stages), [0] * (2 * num_stages)  # per virtual stage
         self.ended: dict[tuple[Kind, int, int], float] = {}
         self.order: list[list[tuple[Kind, int, int]]] = [[] for _ in range(num_stages)]  # (kind, micro-batch, chunk)
@@ -429,10 +428,15 @@ class _VClock:
                 arrival = self.ended.get((Kind.FORWARD, s, i) if s == self.last else (Kind.BACKWARD, s + 1, i))
                 found.append((arrival, (0, i, s, Kind.BACKWARD, chunk)))
             i = self.forwarded[s]
-            if i < self.count and (chunk == 1 or self.held[k] < 2 * self.num_stages):
+            if i < self.count and (chunk == 1 or self._held(k) < 2 * self.num_stages):
                 arrival = 0.0 if s == 0 else self.ended.get((Kind.FORWARD, s - 1, i))
                 found.append((arrival, (2 - chunk, i, s, Kind.FORWARD, chunk)))
         return found
+
+    def _held(self, k: int) -> int:
+        """Chunk micro-batches stage ``k`` has forwarded and not yet backwarded."""
+        virtual = [virtual_stage(k, chunk, self.num_stages, v_shape=True) for chunk in (0, 1)]
+        return sum(self.forwarded[s] - self.backwarded[s] for s in virtual)
 
     def _run(self, k: int, i: int, s: int, kind: Kind, chunk: int) -> None:
         """Run ``kind`` of micro-batch ``i`` on stage ``k``'s ``chunk`` (virtual stage ``s``) once it is free."""
@@ -440,11 +444,9 @@ class _VClock:
         if kind is Kind.FORWARD:
             seconds = cost.forward + (cost.loss if s == self.last else 0.0)
             self.forwarded[s] += 1
-            self.held[k] += 1
         else:
             seconds = cost.backward + (cost.weight if s == 0 else 0.0)  # W goes where the stage would wait
             self.backwarded[s] += 1
-            self.held[k] -= 1
         self.free[k] += seconds
         self.ended[(kind, s, i)] = self.free[k]
         self.order[k].append((kind, i, chunk))

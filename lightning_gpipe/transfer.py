@@ -124,7 +124,7 @@ class Link:
         """
         with self.events.span("send", index):
             if self._turns[1] is not None:
-                self._turns[1].activations.append((_copy(value), count))
+                self._turns[1].activations.append((microbatch.leaves(value, False, self.device), count))
             else:
                 self._send_activation(value, index, count)
 
@@ -183,7 +183,7 @@ class Link:
         """
         with self.events.span("send", index):
             if self._turns[0] is not None:
-                self._turns[0].gradients.append([_copy(grad) for grad in grads])
+                self._turns[0].gradients.append([microbatch.leaves(grad, False, self.device) for grad in grads])
             else:
                 self._post([grad.contiguous() for grad in grads], self._prev, index)
 
@@ -362,13 +362,6 @@ class _Send(NamedTuple):
     index: int
     works: list
     tensors: list[Tensor]
-
-
-def _copy(value: Value) -> Value:
-    """A copy of ``value`` (a Tensor or tuple of tensors) without its graph."""
-    if isinstance(value, Tensor):
-        return value.detach().clone()
-    return tuple(tensor.detach().clone() for tensor in value)
 
 
 def _wire(tensor: Tensor) -> Tensor:
