@@ -2,7 +2,7 @@
 _runs.py]``.
 
 MODE ``agreeing`` runs the package as it is: before every step the processes all-reduce the batch fingerprints and
-the stop requests (:mod:`lightning_gpipe.agreement`). ``trusting`` replaces that agreement by one that passes this
+the stop requests (:mod:`lightning_gpipe.lightning.agreement`). ``trusting`` replaces that agreement by one that passes this
 process's requests through, with no fingerprint and no collective, as before the check existed. The mode is kept in
 ``LIGHTNING_GPIPE_BENCH_AGREEMENT`` for the stage processes Lightning's launcher starts (it re-runs this script
 without the mode argument).
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
 
 
 def _trusting() -> None:
-    from lightning_gpipe.agreement import StepAgreement
+    from lightning_gpipe.lightning.agreement import StepAgreement
 
     StepAgreement.agree = lambda self, batch, requests, where: list(requests)
 

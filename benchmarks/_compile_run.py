@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO / "examples"))  # translation
 
 from benchmarks import models  # noqa: E402
 from benchmarks._harness import StepClock, emit  # noqa: E402
-from lightning_gpipe.schedule import SCHEDULES  # noqa: E402
+from lightning_gpipe.engine.schedule import SCHEDULES  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

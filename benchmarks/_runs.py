@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 
 from benchmarks import models  # noqa: E402
 from benchmarks._harness import StepClock, emit, peak_rss_mib  # noqa: E402
-from lightning_gpipe.microbatch import tensors  # noqa: E402
-from lightning_gpipe.schedule import SCHEDULES  # noqa: E402
+from lightning_gpipe.engine.microbatch import tensors  # noqa: E402
+from lightning_gpipe.engine.schedule import SCHEDULES  # noqa: E402
 
 KINDS = ("lightning", "bare", "tp", "tp-1f1b", "tp-i1f1b", "tp-zb", "tp-zbv", "torchgpipe")
 
@@ -149,7 +149,7 @@ class SavedBytes:
         return handle.tensor
 
     def kept_inputs(self, stage) -> int:
-        """Bytes of the micro-batch inputs ``stage`` (a ``lightning_gpipe.stage.Stage``, or ``None``) keeps for
+        """Bytes of the micro-batch inputs ``stage`` (a ``lightning_gpipe.engine.stage.Stage``, or ``None``) keeps for
         re-computation now, in storages autograd does not already hold (read from its records, not changed)."""
         storages = {}
         for record in stage._records.values() if stage is not None else []:
@@ -448,7 +448,7 @@ def _local_layers(args: argparse.Namespace, rank: int, world: int) -> tuple[dict
 def _parts(args: argparse.Namespace, count: int) -> tuple[list[dict], torch.nn.Module]:
     """The backbone split into ``count`` parts by parameters as GPipeStrategy splits it (layers by original
     name), and the head; the same initial weights for every ``count``."""
-    from lightning_gpipe.balance import resolve_balance
+    from lightning_gpipe.planning.balance import resolve_balance
 
     torch.manual_seed(0)
     backbone = models.mlp_backbone(args.width, args.depth)
@@ -478,12 +478,12 @@ def run_bare(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from lightning_gpipe.partition import Partition
-    from lightning_gpipe.runtime import Runtime
-    from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT
-    from lightning_gpipe.stage import Stage
-    from lightning_gpipe.job import Job
-    from lightning_gpipe.transfer import Link
+    from lightning_gpipe.engine.partition import Partition
+    from lightning_gpipe.engine.runtime import Runtime
+    from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT
+    from lightning_gpipe.engine.stage import Stage
+    from lightning_gpipe.faults.job import Job
+    from lightning_gpipe.engine.transfer import Link
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -582,7 +582,7 @@ def run_torchgpipe(args: argparse.Namespace) -> None:
 
     layers, head = _local_layers(args, 0, 1)
     sequential = torch.nn.Sequential(*layers.values(), head)
-    from lightning_gpipe.balance import resolve_balance
+    from lightning_gpipe.planning.balance import resolve_balance
 
     balance = resolve_balance(None, torch.nn.Sequential(*layers.values()), args.devices)
     balance[-1] += 1  # the head, on the last partition as in the other pipelines

@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
 
 
 def _blocking_waits() -> None:
-    from lightning_gpipe import events, waiting, watchdog
+    from lightning_gpipe.engine import events
+    from lightning_gpipe.faults import waiting
 
     def wait(job, works, peer):
         with job.board.as_pipeline_failure():
@@ -29,7 +30,7 @@ def _blocking_waits() -> None:
                 work.wait()
 
     waiting.wait = wait  # looked up at each call by the links and the collectives
-    watchdog.TrackingRecorder.span = events.Recorder.span
+    events.TrackingRecorder.span = events.Recorder.span
 
 
 def ping_pong(argv: list[str]) -> None:
@@ -41,8 +42,8 @@ def ping_pong(argv: list[str]) -> None:
     import torch.distributed as dist
 
     import _harness as harness
-    from lightning_gpipe import waiting
-    from lightning_gpipe.job import Job
+    from lightning_gpipe.faults import waiting
+    from lightning_gpipe.faults.job import Job
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=200)

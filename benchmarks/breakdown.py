@@ -2,7 +2,7 @@
 
 One configuration of the balanced MLP (benchmarks/models.py) runs as plain Lightning (1 process x 1 thread)
 and as ``GPipeStrategy`` (K processes x 1 thread), interleaved fresh processes. In every stage process a
-callback reads the stage's own spans (``lightning_gpipe.events``) for each measured step and splits the
+callback reads the stage's own spans (``lightning_gpipe.engine.events``) for each measured step and splits the
 step's period (one ``on_train_batch_start`` to the next) into: forward, recompute, backward, weight (the
 deferred weight gradients, with ``--defer-weight-grad``), loss (the last
 stage's head and loss, and their backward to the boundary), recv (waiting for a neighbour), send (posting
@@ -26,10 +26,10 @@ import statistics
 
 import _harness as harness
 
-from lightning_gpipe.rematerialization import recomputed_share
-from lightning_gpipe.actions import stage_of_virtual
-from lightning_gpipe.schedule import SCHEDULES, V_SHAPED
-from lightning_gpipe.simulator import StageCost, simulate
+from lightning_gpipe.engine.rematerialization import recomputed_share
+from lightning_gpipe.engine.actions import stage_of_virtual
+from lightning_gpipe.engine.schedule import SCHEDULES, V_SHAPED
+from lightning_gpipe.planning.simulator import StageCost, simulate
 
 ORDER = (
     "forward",
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def simulated_ms(args: argparse.Namespace, parts: dict[tuple[int, str], float], stages: list[int]) -> float:
-    """The step :func:`~lightning_gpipe.simulator.simulate` predicts, in ms, from each stage's measured compute
+    """The step :func:`~lightning_gpipe.planning.simulator.simulate` predicts, in ms, from each stage's measured compute
     parts (``parts[(stage, part)]``, ms per step); the parts each stage runs once per step (the relay, the
     optimizer, Lightning's in the step and between steps) are put with the optimizer step, at the step's end. With
     virtual stages, each of a stage's chunks takes an equal share of its parts (the balanced MLP's are equal); in

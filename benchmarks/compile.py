@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import _harness as harness
 
-from lightning_gpipe.schedule import SCHEDULES
+from lightning_gpipe.engine.schedule import SCHEDULES
 
 COMPILE_RUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_compile_run.py")
 """The script that makes one measurement."""

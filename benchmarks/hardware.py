@@ -7,7 +7,7 @@
    processes timing the same GEMMs at the same moment. Above 1.00x, a stage runs slower when its
    neighbour computes, and K stages on K CPUs cannot reach K times one process's speed.
 3. **What several weight gradients at once save** (issue 21): the deferred weight gradients (W,
-   ``lightning_gpipe.weightgrad``) of the same 4-layer stack over M micro-batches, run one by one against
+   ``lightning_gpipe.engine.weightgrad``) of the same 4-layer stack over M micro-batches, run one by one against
    ``run_together`` (one GEMM per Linear over the mini-batch's rows). Below 1.00x, running them together is faster.
 
 Every probe runs in a fresh process with one torch thread, the configurations interleaved, medians over
@@ -49,7 +49,7 @@ def _micro_batched(width: int, rows: int, chunks: int, steps: int) -> list[float
 
 def _weights(width: int, rows: int, chunks: int, steps: int, together: bool) -> list[float]:
     """Seconds of the W of the 4-layer stack over ``rows`` rows in ``chunks`` micro-batches, one by one or together."""
-    from lightning_gpipe.weightgrad import backward_input, run_together
+    from lightning_gpipe.engine.weightgrad import backward_input, run_together
 
     torch.manual_seed(0)
     layers = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(width, width), torch.nn.ReLU())])

@@ -15,8 +15,8 @@ import argparse
 import random
 import statistics
 
-from lightning_gpipe.rematerialization import CHECKPOINT_MODES
-from lightning_gpipe.simulator import StageCost, simulate
+from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES
+from lightning_gpipe.planning.simulator import StageCost, simulate
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -37,9 +37,9 @@ import _harness as harness
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's lightning_gpipe
 
-from lightning_gpipe.balance import LayerCost
+from lightning_gpipe.planning.balance import LayerCost
 from lightning_gpipe.planning import CostModel, PipelinePlan, ProfiledCosts, predict
-from lightning_gpipe.schedule import SCHEDULES
+from lightning_gpipe.engine.schedule import SCHEDULES
 
 MIB = 2**20
 

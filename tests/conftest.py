@@ -179,16 +179,16 @@ def one_stage_pipeline(module, chunks: int, checkpoint: str, defer_weight_grad: 
     """Split ``module.backbone`` into a one-stage pipeline in this process.
 
     Calling ``module.backbone`` then runs the fill (straight through the runtime: there is no user step around
-    the calls here); the returned fill-drain :class:`~lightning_gpipe.runtime.Runtime`'s ``backward()`` runs the
+    the calls here); the returned fill-drain :class:`~lightning_gpipe.engine.runtime.Runtime`'s ``backward()`` runs the
     drain, and its ``stages[0].events`` records the spans.
     """
     import torch
 
-    from lightning_gpipe.partition import Split
-    from lightning_gpipe.runtime import Runtime
-    from lightning_gpipe.stage import Stage
-    from lightning_gpipe.job import Job
-    from lightning_gpipe.transfer import Link
+    from lightning_gpipe.engine.partition import Split
+    from lightning_gpipe.engine.runtime import Runtime
+    from lightning_gpipe.engine.stage import Stage
+    from lightning_gpipe.faults.job import Job
+    from lightning_gpipe.engine.transfer import Link
 
     split = Split(module, "backbone", [len(module.backbone)], stage_index=0)
     link = Link(None, None, torch.device("cpu"), job=Job())
@@ -199,7 +199,7 @@ def one_stage_pipeline(module, chunks: int, checkpoint: str, defer_weight_grad: 
 
 
 class _ThroughSchedule:
-    """A :class:`~lightning_gpipe.partition.PipelinedCall` that runs the schedule's forward on every call."""
+    """A :class:`~lightning_gpipe.engine.partition.PipelinedCall` that runs the schedule's forward on every call."""
 
     def __init__(self, schedule) -> None:
         self.schedule = schedule

@@ -11,7 +11,7 @@ from tiny_translation import TINY, tiny_datamodule, tiny_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gpipe.skip import Namespace, pop, skippable, stash
+from lightning_gpipe.engine.skip import Namespace, pop, skippable, stash
 from translation.module import TranslationModule
 
 VOCAB = 11

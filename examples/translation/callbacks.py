@@ -8,7 +8,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 def batch_tokens(batch: dict) -> int:
     """Non-padding source and target tokens of a ``TranslationDataModule`` batch (the target with its ``</s>``).
 
-    The ``length_fn`` of ``lightning_gpipe.callbacks.PipelineThroughput``, which then logs
+    The ``length_fn`` of ``lightning_gpipe.lightning.callbacks.PipelineThroughput``, which then logs
     ``throughput/device/items_per_sec``: tokens per second of the pipeline. Padding is id 0.
     """
     tokens = int((batch["src"] != 0).sum())

@@ -35,7 +35,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 
 import lightning_gpipe  # noqa: F401  (registers the "gpipe" strategy)
 from example_cli import DEFAULT_ROOT_DIR, ExampleCLI, run_cli
-from lightning_gpipe.callbacks import PipelineThroughput
+from lightning_gpipe.lightning.callbacks import PipelineThroughput
 from translation.callbacks import WriteTranslations, batch_tokens
 from translation.data import TranslationDataModule
 from translation.module import TranslationModule

@@ -5,7 +5,7 @@ layers hold the model's own modules (no weight is copied): each layer holds its 
 model, so a layer's state-dict names are the model's (``backbone.3.model.layers.2.mlp.up_proj.weight`` is
 ``model.layers.2.mlp.up_proj.weight`` of the model, behind the layer's ``backbone.3.`` prefix), and a parameter the
 model ties (input embedding and output projection) is one ``nn.Parameter`` in two layers, which the strategy's tie
-mechanism (:mod:`lightning_gpipe.ties`) finds by itself.
+mechanism (:mod:`lightning_gpipe.engine.ties`) finds by itself.
 
 Between layers only tensors travel, each with the batch in dim 0: the hidden states, the ``(N, S)`` padding mask and
 (decoders) the ``(N, S)`` position ids. Each block rebuilds what the model's own ``forward`` builds once for all
@@ -118,7 +118,7 @@ class HFLayer(nn.Module):
         """Give this layer's parameters and buffers their values, in place: the tensors of :attr:`weights` (a
         checkpoint's, read for this layer's names only), else the model's own initialisation of new weights.
 
-        Called by :func:`lightning_gpipe.partition.materialize` for a model built on the meta device (each stage
+        Called by :func:`lightning_gpipe.engine.partition.materialize` for a model built on the meta device (each stage
         initialises or loads only its own layers). Buffers that no checkpoint holds (rotary frequencies, BERT's
         position ids) are recomputed by the model's ``_init_weights``.
 

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_gpipe.contract import forward_and_share
+from lightning_gpipe.engine.contract import forward_and_share
 from lightning_gpipe.hf.adapter import clear_kv_caches, hf_name, positions_from_mask, to_sequential
 from lightning_gpipe.hf.weights import SafetensorsWeights, save_stage_shards
-from lightning_gpipe.partition import Partition, materialize
+from lightning_gpipe.engine.partition import Partition, materialize
 
 try:
     from huggingface_hub import snapshot_download

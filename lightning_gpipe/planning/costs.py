@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Union
 
-from lightning_gpipe.balance.costs import LayerCost
+from lightning_gpipe.planning.balance.costs import LayerCost
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class ProfiledCosts:
 
     Args:
         rows: the rows of the two profiled micro-batches, ``(large, small)``; may be equal.
-        large: one :class:`~lightning_gpipe.balance.LayerCost` per layer at ``rows[0]``.
+        large: one :class:`~lightning_gpipe.planning.balance.LayerCost` per layer at ``rows[0]``.
         small: the same at ``rows[1]``.
         batch_rows: N, the rows of one mini-batch of the backbone input (per replica).
         input_bytes: bytes of the whole mini-batch's backbone input.

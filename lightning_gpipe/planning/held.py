@@ -1,21 +1,21 @@
 """What a stage holds for its transfers beyond what autograd saves: outputs and input gradients whose send is pending.
 
-The simulator counts a stage's kept inputs and saved activations (:mod:`lightning_gpipe.simulator`). The engine holds
+The simulator counts a stage's kept inputs and saved activations (:mod:`lightning_gpipe.planning.simulator`). The engine holds
 more: a micro-batch's output stays alive while its record keeps it for the backward (its part that autograd does not
 save: AmoebaNet's cell output is a concatenation no later operation saves) and while its send is pending, and so does
 an input gradient the stage sends back. A send completes once its receiver has posted the matching receive (gloo
 moves a payload only then; an activation's is posted when the receiver runs that micro-batch's forward, a gradient's
 ahead, by an ``expect`` action), and the stage drops its completed sends when it posts its next send and at a
-``flush`` (:mod:`lightning_gpipe.transfer`). :func:`held_peak` walks a stage's own plan
-(:func:`lightning_gpipe.schedule.plans`, the list the runtime executes) and returns the peak of inputs, activations
+``flush`` (:mod:`lightning_gpipe.engine.transfer`). :func:`held_peak` walks a stage's own plan
+(:func:`lightning_gpipe.engine.schedule.plans`, the list the runtime executes) and returns the peak of inputs, activations
 and these together, in bytes.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_gpipe.rematerialization import checkpointed
-from lightning_gpipe.actions import Action, Kind
+from lightning_gpipe.engine.rematerialization import checkpointed
+from lightning_gpipe.engine.actions import Action, Kind
 
 
 @dataclass
@@ -62,7 +62,7 @@ def held_peak(
     engine hold a send longer than this counts, until a later send or the flush.
 
     Args:
-        actions: the stage's plan (:attr:`lightning_gpipe.actions.Plan.actions`), or one model chunk's actions of
+        actions: the stage's plan (:attr:`lightning_gpipe.engine.actions.Plan.actions`), or one model chunk's actions of
             it with the flushes: the sends of one link.
         sends: whether the stage sends its outputs on (every stage but the last).
         checkpoint: the re-materialization mode.

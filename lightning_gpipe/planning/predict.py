@@ -1,6 +1,6 @@
 """Predicting one pipeline plan: its step time, its bubble and every stage's peak memory.
 
-Time is the simulator's step (:func:`lightning_gpipe.simulator.simulate`, which replays the schedule's own plans)
+Time is the simulator's step (:func:`lightning_gpipe.planning.simulator.simulate`, which replays the schedule's own plans)
 over the layers' costs at the plan's micro-batch size (:class:`~lightning_gpipe.planning.costs.ProfiledCosts`),
 with the engine's cost per micro-batch, the transfers between stages and the stage's own copies of them, the
 optimizer step and, with several replicas, the gradient all-reduce (:class:`~lightning_gpipe.planning.costs.CostModel`).
@@ -15,13 +15,13 @@ PipeDream's planner (Narayanan et al. 2019, section 3.1) predicts from a per-lay
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from lightning_gpipe.balance.costs import LayerCost
-from lightning_gpipe.balance.solver import stage_sums
+from lightning_gpipe.planning.balance.costs import LayerCost
+from lightning_gpipe.planning.balance.solver import stage_sums
 from lightning_gpipe.planning.costs import CostModel, ProfiledCosts
 from lightning_gpipe.planning.held import held_peak
-from lightning_gpipe.actions import Kind, virtual_stage
-from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, V_SHAPED, plans
-from lightning_gpipe.simulator import StageCost, Transfer, simulate
+from lightning_gpipe.engine.actions import Kind, virtual_stage
+from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, V_SHAPED, plans
+from lightning_gpipe.planning.simulator import StageCost, Transfer, simulate
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,8 @@ class PipelinePlan:
         data_parallel_size: D, pipeline replicas.
         chunks: M, micro-batches per mini-batch.
         checkpoint: the re-materialization mode (``GPipeStrategy(checkpoint=...)``).
-        schedule: a name of :data:`lightning_gpipe.schedule.SCHEDULES`, run with its default B/W split
-            (:data:`~lightning_gpipe.schedule.DEFERRED_BY_DEFAULT`).
+        schedule: a name of :data:`lightning_gpipe.engine.schedule.SCHEDULES`, run with its default B/W split
+            (:data:`~lightning_gpipe.engine.schedule.DEFERRED_BY_DEFAULT`).
         balance: backbone layers per stage, ``K * virtual_stages`` entries (per virtual stage).
         virtual_stages: v, model chunks per stage (``GPipeStrategy(virtual_stages=...)``); 1 by default.
     """
@@ -226,7 +226,7 @@ def predict(
 
 def _chunks_of(plan: PipelinePlan, k: int) -> list[int]:
     """The virtual stages process ``k`` runs, in chunk order: ``k``, ``k + K``, ... (one without virtual stages; in
-    a V, :func:`~lightning_gpipe.actions.virtual_stage`)."""
+    a V, :func:`~lightning_gpipe.engine.actions.virtual_stage`)."""
     v_shape = plan.schedule in V_SHAPED
     return [virtual_stage(k, c, plan.pipeline_parallel_size, v_shape) for c in range(plan.virtual_stages)]
 
@@ -244,7 +244,7 @@ def _process_layers(plan: PipelinePlan, layers: Sequence[LayerCost], k: int) -> 
 
 def _transient(plan: PipelinePlan, layers: Sequence[LayerCost], stages: Sequence[StageCost], k: int) -> int:
     """Process ``k``'s transient: its largest layer's, or where its chunks split their backwards, the weight-gradient
-    products of W (:func:`~lightning_gpipe.weightgrad.run_together` computes every linear layer's before adding them
+    products of W (:func:`~lightning_gpipe.engine.weightgrad.run_together` computes every linear layer's before adding them
     to ``.grad``), as large as the parameters of those chunks, if that is larger."""
     largest = max(c.transient_bytes for c in _process_layers(plan, layers, k))
     split = [s for s in _chunks_of(plan, k) if stages[s].weight]

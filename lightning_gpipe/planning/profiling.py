@@ -1,15 +1,13 @@
-"""The planner's measurements of a module: its backbone's layers at two micro-batch sizes, and its optimizer."""
+"""The planner's measurements: a backbone's layers at two micro-batch sizes, and a module's optimizer state."""
 
 from typing import Any, Optional, Union
 
 import torch
-from lightning.pytorch import LightningModule
 from torch import nn
 
-from lightning_gpipe import microbatch
-from lightning_gpipe.balance.backbone import sample_backbone_input, unchanged_random_state
-from lightning_gpipe.balance.profile import profile_layers
-from lightning_gpipe.microbatch import Value
+from lightning_gpipe.engine import microbatch
+from lightning_gpipe.planning.balance.profile import profile_layers
+from lightning_gpipe.engine.microbatch import Value
 from lightning_gpipe.planning.costs import ProfiledCosts, optimizer_state_factor
 from lightning_gpipe.planning.search import MAX_CHUNKS
 
@@ -24,7 +22,7 @@ def profile_sizes(
     chunks: Optional[int] = None,
     split: bool = False,
 ) -> ProfiledCosts:
-    """Profile ``layers`` (:func:`~lightning_gpipe.balance.profile_layers`; with ``split``, the B/W split timed too,
+    """Profile ``layers`` (:func:`~lightning_gpipe.planning.balance.profile_layers`; with ``split``, the B/W split timed too,
     for a named schedule that splits its backwards, :attr:`~lightning_gpipe.planning.search.Constraints.splits`) on
     two micro-batches of the mini-batch ``value``: one of :data:`PROFILED_CHUNKS` and one of
     :data:`~lightning_gpipe.planning.search.MAX_CHUNKS` (or, when ``chunks`` is fixed, one of ``chunks`` micro-batches,
@@ -32,8 +30,8 @@ def profile_sizes(
     trains the model in micro-batches.
 
     Raises:
-        TypeError, ValueError: as :func:`~lightning_gpipe.microbatch.batch_size` and
-            :func:`~lightning_gpipe.balance.profile_layers`.
+        TypeError, ValueError: as :func:`~lightning_gpipe.engine.microbatch.batch_size` and
+            :func:`~lightning_gpipe.planning.balance.profile_layers`.
     """
     rows = microbatch.batch_size(value)
     large_chunks, small_chunks = (chunks, chunks) if chunks is not None else (PROFILED_CHUNKS, MAX_CHUNKS)
@@ -45,27 +43,7 @@ def profile_sizes(
     return ProfiledCosts(sizes, large_costs, small_costs, rows, input_bytes)
 
 
-def profile_module(
-    module: LightningModule,
-    backbone: str,
-    device: Union[torch.device, str],
-    batch: Any = None,
-    chunks: Optional[int] = None,
-    split: bool = False,
-) -> ProfiledCosts:
-    """:func:`profile_sizes` of ``module``'s backbone ``backbone`` on the backbone input its step really produces
-    (:func:`~lightning_gpipe.balance.backbone.sample_backbone_input`: ``training_step`` on ``batch``, else
-    ``example_input_array``, else the first training batch). The random number generators are left unchanged.
-
-    Raises:
-        ValueError, RuntimeError: as :func:`~lightning_gpipe.balance.backbone.sample_backbone_input`.
-    """
-    with unchanged_random_state():
-        value = sample_backbone_input(module, backbone, batch)
-        return profile_sizes(getattr(module, backbone), value, device, chunks, split)
-
-
-def module_state_factor(module: LightningModule) -> Optional[int]:
+def module_state_factor(module: Any) -> Optional[int]:
     """The optimizer state factor (:func:`~lightning_gpipe.planning.costs.optimizer_state_factor`) of the optimizer
     ``module.configure_optimizers()`` returns (the first one); ``None`` if it cannot be called here (it needs the
     trainer, say) or returns no optimizer. The optimizer made is dropped (it holds no state yet)."""

@@ -3,12 +3,12 @@ predicted, ranked.
 
 The candidates are every pipeline x data-parallel size whose product is the world size, ``chunks`` in powers of two
 up to the mini-batch's rows (and :data:`MAX_CHUNKS`), every re-materialization mode, every schedule of
-:data:`lightning_gpipe.schedule.SCHEDULES` that runs whole backwards by default (so a schedule added there is
+:data:`lightning_gpipe.engine.schedule.SCHEDULES` that runs whole backwards by default (so a schedule added there is
 planned for too; one that splits its backwards into B and W, ``"zb-h1"`` or ``"zb-1p"``, only when the user names
 it: its time is predicted from the profiled B and W, but its last stage's measured peak still exceeds the
 prediction, by up to 14% on the benchmark MLP, docs/planning.md) and each of :data:`VIRTUAL_STAGES` model chunks per
 stage that the layers allow, minus what the user fixed (:class:`Constraints`). For each, the balance is the
-time-optimal split into ``K * v`` (virtual) stages (:func:`~lightning_gpipe.balance.solve`) if it fits the memory
+time-optimal split into ``K * v`` (virtual) stages (:func:`~lightning_gpipe.planning.balance.solve`) if it fits the memory
 limit, else (one chunk per stage only) the fastest split whose stages fit by the additive part of their memory
 (parameters, gradients, optimizer state, saved activations; the boundaries' share is reserved for the largest layer
 output), walked a layer at a time towards one that fits by the whole prediction if neither does. Each plan is predicted
@@ -20,14 +20,14 @@ from dataclasses import dataclass, replace
 from itertools import product
 from typing import Optional, Union
 
-from lightning_gpipe.balance.choose import balance_by
-from lightning_gpipe.balance.costs import LayerCost
-from lightning_gpipe.balance.solver import solve, stage_sums
+from lightning_gpipe.planning.balance.choose import balance_by
+from lightning_gpipe.planning.balance.costs import LayerCost
+from lightning_gpipe.planning.balance.solver import solve, stage_sums
 from lightning_gpipe.planning.costs import CostModel, ProfiledCosts
 from lightning_gpipe.planning.predict import PipelinePlan, PlanPrediction, predict
 from lightning_gpipe.planning.report import PlanReport, no_plan_fits
-from lightning_gpipe.rematerialization import CHECKPOINT_MODES
-from lightning_gpipe.schedule import DEFERRED_BY_DEFAULT, SCHEDULES
+from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES
+from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, SCHEDULES
 
 MAX_CHUNKS = 64
 """The most micro-batches the planner tries (unless the user fixes ``chunks``)."""
@@ -49,7 +49,7 @@ class Constraints:
         checkpoint: the re-materialization mode.
         schedule: the schedule's name.
         balance: layers per (virtual) stage (a list fixes the split, and K with ``virtual_stages``), or a mode of
-            :data:`lightning_gpipe.balance.MODES` that chooses the split.
+            :data:`lightning_gpipe.planning.balance.MODES` that chooses the split.
         virtual_stages: v, model chunks per stage (a list ``balance`` without it means 1).
     """
 

@@ -17,7 +17,7 @@ import torch
 from conftest import assert_states_close, shared_run
 
 import lightning_gpipe
-from lightning_gpipe.consolidate import COMMAND, load_from_checkpoint, main
+from lightning_gpipe.lightning.consolidate import COMMAND, load_from_checkpoint, main
 from models import TupleNet, fit_trainer
 
 TWO_STAGES = shared_run("consolidate.py", devices=2, timeout=300)
@@ -33,7 +33,7 @@ def run():
 def consolidated(run, tmp_path_factory):
     """The file ``python -m lightning_gpipe.consolidate`` writes from the run's sharded directory."""
     output = tmp_path_factory.mktemp("command") / "model.ckpt"
-    command = [sys.executable, "-m", "lightning_gpipe.consolidate", str(run / "sharded.ckpt"), str(output)]
+    command = [sys.executable, "-m", "lightning_gpipe.lightning.consolidate", str(run / "sharded.ckpt"), str(output)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith(f"Wrote {output}: 16 weight tensors"), result.stdout

@@ -283,7 +283,7 @@ def test_balance_memory_splits_as_balance_by_memory_of_the_profiled_costs_and_eq
     parameters, every stage holds the layers ``balance_by("memory", layer_costs, 3)`` gives it, and the fit equals
     the model trained on one device."""
     from lightning_gpipe import balance_by
-    from lightning_gpipe.balance import LayerCost
+    from lightning_gpipe.planning.balance import LayerCost
 
     out = MEMORY_BALANCED()
     records = _records(out, 3)

@@ -7,10 +7,10 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_gpipe.agreement import StepAgreement, fingerprint
-from lightning_gpipe.data import same_batches
-from lightning_gpipe.job import Job
-from lightning_gpipe.randomness import StageRandomness, stage_states
+from lightning_gpipe.lightning.agreement import StepAgreement, fingerprint
+from lightning_gpipe.lightning.data import same_batches
+from lightning_gpipe.faults.job import Job
+from lightning_gpipe.lightning.randomness import StageRandomness, stage_states
 
 
 def test_the_fingerprint_sees_the_order_and_content_of_rows_but_not_memory_addresses():

@@ -11,9 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe import GPipeStrategy, forward_and_share, microbatch
-from lightning_gpipe.contract import BackboneCall
-from lightning_gpipe.partition import Partition
+from lightning_gpipe import GPipeStrategy, forward_and_share
+
+from lightning_gpipe.engine import microbatch
+from lightning_gpipe.engine.contract import BackboneCall
+from lightning_gpipe.engine.partition import Partition
 
 ARGUMENTS = {
     "chunks_zero": (dict(chunks=0), "chunks is the number of micro-batches, an integer >= 1"),

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from lightning_gpipe import GPipeStrategy, balance_by, profile_layers, solve
-from lightning_gpipe.balance import LayerCost, layer_weights, stage_sums
-from lightning_gpipe.balance.backbone import sample_micro_batch
-from lightning_gpipe.balance import resolve_balance
+from lightning_gpipe.planning.balance import LayerCost, layer_weights, stage_sums
+from lightning_gpipe.lightning.backbone import sample_micro_batch
+from lightning_gpipe.planning.balance import resolve_balance
 from models import TupleNet
 
 

@@ -1,4 +1,4 @@
-"""GPipeStrategy(compile=...) in one process (:mod:`lightning_gpipe.compilation`): compiled layers give the
+"""GPipeStrategy(compile=...) in one process (:mod:`lightning_gpipe.engine.compilation`): compiled layers give the
 uncompiled run's gradients through the fill, the recompute and the drain, and through the B/W split; names stay;
 bad values fail before any step. Two stages under ZB-H1: tests/distributed/test_compile.py."""
 
@@ -12,8 +12,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from lightning_gpipe import GPipeStrategy
-from lightning_gpipe.compilation import compile_layers, compile_options, is_compiled, uncompile_layers
-from lightning_gpipe.weightgrad import backward_input
+from lightning_gpipe.engine.compilation import compile_layers, compile_options, is_compiled, uncompile_layers
+from lightning_gpipe.engine.weightgrad import backward_input
 
 STATIC = {"dynamic": False}
 """Compile options of the tests: one graph per shape, no dynamic-shape analysis (faster to compile)."""

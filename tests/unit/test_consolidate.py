@@ -3,7 +3,7 @@ tests/distributed/test_consolidate.py)."""
 
 import pytest
 
-from lightning_gpipe.consolidate import COMMAND, main
+from lightning_gpipe.lightning.consolidate import COMMAND, main
 
 
 def test_the_command_explains_itself(capsys):

@@ -16,11 +16,11 @@ from mkdocs_sphinx_roles import plain_roles  # noqa: E402
 @pytest.mark.parametrize(
     ("docstring", "shown"),
     [
-        (":func:`~lightning_gpipe.balance.solve` chooses", "`solve()` chooses"),
-        ("see :class:`lightning_gpipe.stage.Stage`.", "see `lightning_gpipe.stage.Stage`."),
+        (":func:`~lightning_gpipe.planning.balance.solve` chooses", "`solve()` chooses"),
+        ("see :class:`lightning_gpipe.engine.stage.Stage`.", "see `lightning_gpipe.engine.stage.Stage`."),
         (":meth:`attach` and :attr:`stages`", "`attach()` and `stages`"),
-        (":py:mod:`lightning_gpipe.events`", "`lightning_gpipe.events`"),
-        (":func:`the solver <lightning_gpipe.balance.solve>`", "`the solver`"),
+        (":py:mod:`lightning_gpipe.engine.events`", "`lightning_gpipe.engine.events`"),
+        (":func:`the solver <lightning_gpipe.planning.balance.solve>`", "`the solver`"),
         ("``code`` and `markdown` stay", "``code`` and `markdown` stay"),
     ],
 )

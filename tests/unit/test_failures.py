@@ -11,11 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_gpipe import PipelineFailure, waiting
-from lightning_gpipe.job import Job
-from lightning_gpipe.runtime import Runtime
-from lightning_gpipe.actions import Action, Kind
-from lightning_gpipe.watchdog import Position
+from lightning_gpipe import PipelineFailure
+
+from lightning_gpipe.faults import waiting
+from lightning_gpipe.faults.job import Job
+from lightning_gpipe.engine.runtime import Runtime
+from lightning_gpipe.engine.actions import Action, Kind
+from lightning_gpipe.faults.watchdog import Position
 
 
 class _BlockingWork:

@@ -69,19 +69,19 @@ def test_the_cycle_finder_finds_a_circle():
 
 def test_the_package_imports_one_way():
     graph = import_graph()
-    assert "lightning_gpipe.stage" in graph["lightning_gpipe.runtime"]  # the graph is read at all
+    assert "lightning_gpipe.engine.stage" in graph["lightning_gpipe.engine.runtime"]  # the graph is read at all
     assert cycles(graph) == []
 
 
 def test_the_partition_knows_nothing_of_the_engine():
     engine = {
-        "lightning_gpipe.stage",
-        "lightning_gpipe.schedule",
-        "lightning_gpipe.runtime",
-        "lightning_gpipe.contract",
-        "lightning_gpipe.balance",
+        "lightning_gpipe.engine.stage",
+        "lightning_gpipe.engine.schedule",
+        "lightning_gpipe.engine.runtime",
+        "lightning_gpipe.engine.contract",
+        "lightning_gpipe.planning.balance",
     }
-    assert import_graph()["lightning_gpipe.partition"].isdisjoint(engine)
+    assert import_graph()["lightning_gpipe.engine.partition"].isdisjoint(engine)
 
 
 def mutable_globals(source: str) -> list[str]:
@@ -135,7 +135,7 @@ class Board:
 
 
 def test_the_engine_keeps_no_process_wide_state():
-    """The failure board, the position, the watchdog and the waiter are one run's (:class:`lightning_gpipe.job.Job`):
+    """The failure board, the position, the watchdog and the waiter are one run's (:class:`lightning_gpipe.faults.job.Job`):
     no module keeps state in module-level or class-level variables."""
     found = {name: mutable_globals(path.read_text()) for name, path in _modules().items()}
     assert {name: where for name, where in found.items() if where} == {}

@@ -14,18 +14,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_gpipe import GPipeStrategy
-from lightning_gpipe.batchnorm import convert_deferred_batch_norm
-from lightning_gpipe.contract import BackboneCall
-from lightning_gpipe.events import Recorder
-from lightning_gpipe.job import Job
-from lightning_gpipe.partition import Split
-from lightning_gpipe.per_micro_batch import RowWeighted, batch_rows, check_input_rows, split_batch
-from lightning_gpipe.runtime import Runtime
-from lightning_gpipe.actions import Kind
-from lightning_gpipe.schedule import one_f_one_b, plans
-from lightning_gpipe.simulator import StageCost, action_costs, simulate
-from lightning_gpipe.stage import Stage
-from lightning_gpipe.transfer import Link
+from lightning_gpipe.engine.batchnorm import convert_deferred_batch_norm
+from lightning_gpipe.engine.contract import BackboneCall
+from lightning_gpipe.engine.events import Recorder
+from lightning_gpipe.faults.job import Job
+from lightning_gpipe.engine.partition import Split
+from lightning_gpipe.engine.per_micro_batch import RowWeighted, batch_rows, check_input_rows, split_batch
+from lightning_gpipe.engine.runtime import Runtime
+from lightning_gpipe.engine.actions import Kind
+from lightning_gpipe.engine.schedule import one_f_one_b, plans
+from lightning_gpipe.planning.simulator import StageCost, action_costs, simulate
+from lightning_gpipe.engine.stage import Stage
+from lightning_gpipe.engine.transfer import Link
 
 # --------------------------------------------------------------------------- the order, on fake stages
 
@@ -343,7 +343,7 @@ def test_simulated_1f1b_has_fill_drains_time_and_k_minus_k_memory(stages, chunks
 
 
 def test_a_1f1b_prediction_draws_loss_per_micro_batch():
-    from lightning_gpipe.callbacks import draw_timeline
+    from lightning_gpipe.lightning.callbacks import draw_timeline
 
     prediction = simulate([StageCost(1e-3, 2e-3)] * 3, 4, "never", loss=4e-4, schedule="1f1b")
     events = prediction.trace.to_chrome()["traceEvents"]

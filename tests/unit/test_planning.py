@@ -8,24 +8,25 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe import GPipeStrategy, actions, schedule
-from lightning_gpipe.balance import LayerCost, profile_layers
-from lightning_gpipe.config import PipelineConfig
+from lightning_gpipe import GPipeStrategy, plan
+
+from lightning_gpipe.engine import actions, schedule
+from lightning_gpipe.planning.balance import LayerCost, profile_layers
+from lightning_gpipe.lightning.config import PipelineConfig
 from lightning_gpipe.planning import (
     Constraints,
     CostModel,
     PipelinePlan,
     ProfiledCosts,
     optimizer_state_factor,
-    plan,
     predict,
     search,
 )
-from lightning_gpipe.planning.api import plan_for_strategy
+from lightning_gpipe.lightning.planner import plan_for_strategy
 from lightning_gpipe.planning.held import held_peak
 from lightning_gpipe.planning.predict import stage_costs
 from lightning_gpipe.planning.search import meshes
-from lightning_gpipe.simulator import simulate
+from lightning_gpipe.planning.simulator import simulate
 
 MIB = 2**20
 FREE = CostModel(0.0, float("inf"), 0.0, 0.0, float("inf"), float("inf"), 0.0, copy_bandwidth=float("inf"))
@@ -375,7 +376,7 @@ def test_plan_options_are_checked():
 def test_the_planner_interleaves_only_where_the_strategy_has_run():
     """Virtual stages have run on gloo only: on CUDA v is fixed to 1 unless the user fixed it; a skip between two
     chunks of one stage goes through a turn, so skips do not hold interleaving back."""
-    from lightning_gpipe.planning.api import _interleaving
+    from lightning_gpipe.lightning.planner import _interleaving
 
     assert _interleaving(Constraints(), torch.device("cpu")).virtual_stages is None
     assert _interleaving(Constraints(), torch.device("cuda", 0)).virtual_stages == 1

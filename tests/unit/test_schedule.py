@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from lightning_gpipe.rematerialization import CHECKPOINT_MODES, checkpointed
-from lightning_gpipe.actions import Action, ActionCost, Kind, Plan, stage_of_virtual, virtual_stage
-from lightning_gpipe.schedule import (
+from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, checkpointed
+from lightning_gpipe.engine.actions import Action, ActionCost, Kind, Plan, stage_of_virtual, virtual_stage
+from lightning_gpipe.engine.schedule import (
     DEFERRED_BY_DEFAULT,
     SCHEDULES,
     V_SHAPED,
@@ -18,7 +18,7 @@ from lightning_gpipe.schedule import (
     format_plans,
     plans,
 )
-from lightning_gpipe.simulator import StageCost, action_costs, simulate
+from lightning_gpipe.planning.simulator import StageCost, action_costs, simulate
 
 
 LOOPED = [name for name in SCHEDULES if name not in V_SHAPED]

@@ -4,11 +4,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.balance.costs import LayerCost
-from lightning_gpipe.events import peak_activation_bytes
-from lightning_gpipe.simulator import StageCost, Transfer, simulate, stage_costs
+from lightning_gpipe.planning.balance.costs import LayerCost
+from lightning_gpipe.engine.events import peak_activation_bytes
+from lightning_gpipe.planning.simulator import StageCost, Transfer, simulate, stage_costs
 from conftest import one_stage_pipeline
-from lightning_gpipe.stage import Stage
+from lightning_gpipe.engine.stage import Stage
 
 
 @pytest.mark.parametrize("stages, chunks", [(2, 8), (4, 4), (3, 1), (4, 16)])
@@ -100,7 +100,7 @@ def test_disabled_recorder_records_nothing():
 
 
 def test_a_prediction_exports_and_draws_like_a_measurement():
-    from lightning_gpipe.callbacks import draw_timeline
+    from lightning_gpipe.lightning.callbacks import draw_timeline
 
     prediction = simulate([StageCost(1e-3, 2e-3)] * 2, 4, "except_last", loss=1e-3)
     events = [e for e in prediction.trace.to_chrome()["traceEvents"] if e["ph"] == "X"]

@@ -1,5 +1,5 @@
-"""Models that are not a plain chain: skip connections across stages (lightning_gpipe.skip) and parameters tied
-across stages (lightning_gpipe.ties), checked in this process (the 3-stage runs:
+"""Models that are not a plain chain: skip connections across stages (lightning_gpipe.engine.skip) and parameters tied
+across stages (lightning_gpipe.engine.ties), checked in this process (the 3-stage runs:
 tests/distributed/test_skip_ties.py)."""
 
 import copy
@@ -14,11 +14,11 @@ from nonchain import Pop, SkipNet, Stash, TiedNet, dense, skip_loader
 from torch import nn
 
 import lightning_gpipe
-from lightning_gpipe.balance import profile_layers
-from lightning_gpipe.optimization import clip_grad_norm_
-from lightning_gpipe.partition import Split
-from lightning_gpipe.skip import Namespace, SkipLayout, pop, skippable, stash, verify_skippables
-from lightning_gpipe.ties import find_ties
+from lightning_gpipe.planning.balance import profile_layers
+from lightning_gpipe.lightning.optimization import clip_grad_norm_
+from lightning_gpipe.engine.partition import Split
+from lightning_gpipe.engine.skip import Namespace, SkipLayout, pop, skippable, stash, verify_skippables
+from lightning_gpipe.engine.ties import find_ties
 
 
 def test_skippable_backbone_runs_unchanged_on_one_device_and_in_a_one_stage_pipeline():
@@ -134,10 +134,11 @@ def test_clipping_leaves_uncounted_copies_out_of_the_norm():
 def test_virtual_stages_split_into_chunks_and_refuse_a_skip_within_one_stage():
     import torch as _torch
 
-    from lightning_gpipe.job import Job
-    from lightning_gpipe.pipeline import _links
-    from lightning_gpipe.topology import Topology
-    from lightning_gpipe.transfer import Turn
+    from lightning_gpipe.faults.job import Job
+    from lightning_gpipe.lightning.run import _links
+    from lightning_gpipe.engine.topology import Topology
+    from lightning_gpipe.engine.events import TrackingRecorder
+    from lightning_gpipe.engine.transfer import Turn
 
     module = nn.Module()
     module.backbone = nn.Sequential(Stash(), dense(), Pop(), dense())
@@ -148,8 +149,8 @@ def test_virtual_stages_split_into_chunks_and_refuse_a_skip_within_one_stage():
     layout, job, turn = SkipLayout(split.sequential, [1, 1, 1, 1]), Job(), Turn()
     # a skip between two chunks of one stage goes through a turn both chunks share, not a transfer to itself
     turns = {("skip", 0, 2): turn}
-    _, stashing = _links(topology, 0, 0, layout, _torch.device("cpu"), job, job.recorder(), {}, turns)
-    _, popping = _links(topology, 0, 2, layout, _torch.device("cpu"), job, job.recorder(), {}, turns)
+    _, stashing = _links(topology, 0, 0, layout, _torch.device("cpu"), job, TrackingRecorder(job.position), {}, turns)
+    _, popping = _links(topology, 0, 2, layout, _torch.device("cpu"), job, TrackingRecorder(job.position), {}, turns)
     stashed = {key: _torch.ones(3, FEATURES) for key in layout.outgoing(0)[2]}
     stashing.send(stashed, 0, 1)
     received = popping.receive(training=True)
@@ -167,8 +168,8 @@ def test_every_link_that_may_share_a_pair_of_ranks_has_a_process_group_of_its_ow
     """NCCL matches one communicator's messages by order: each virtual link and each skip between two processes
     gets a group, created by every process in one order; a pipeline of one chunk per stage keeps its neighbour
     links on the default group."""
-    from lightning_gpipe import channels
-    from lightning_gpipe.topology import Topology
+    from lightning_gpipe.engine import channels
+    from lightning_gpipe.engine.topology import Topology
 
     created = []
     monkeypatch.setattr(channels.dist, "new_group", lambda ranks: created.append(tuple(ranks)) or len(created))

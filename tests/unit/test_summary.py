@@ -18,9 +18,9 @@ from models import TupleNet, fit_trainer
 from torch import nn
 
 from lightning_gpipe import PipelineModelSummary
-from lightning_gpipe.callbacks import replace_model_summary
-from lightning_gpipe.job import Job
-from lightning_gpipe.summary import StageSummary, _format, _layer_range, _local_part, _merge
+from lightning_gpipe.lightning.callbacks import replace_model_summary
+from lightning_gpipe.faults.job import Job
+from lightning_gpipe.lightning.summary import StageSummary, _format, _layer_range, _local_part, _merge
 
 
 class Net(TupleNet):

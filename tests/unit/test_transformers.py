@@ -36,8 +36,8 @@ from lightning_gpipe.hf import (  # noqa: E402
     positions_from_mask,
     to_sequential,
 )
-from lightning_gpipe.partition import Split, materialize  # noqa: E402
-from lightning_gpipe.ties import find_ties  # noqa: E402
+from lightning_gpipe.engine.partition import Split, materialize  # noqa: E402
+from lightning_gpipe.engine.ties import find_ties  # noqa: E402
 
 VOCAB = 61
 DECODER = dict(

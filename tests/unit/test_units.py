@@ -4,9 +4,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe import GPipeStrategy, microbatch, solve
-from lightning_gpipe.balance import resolve_balance
-from lightning_gpipe.partition import Split, find_backbone
+from lightning_gpipe import GPipeStrategy, solve
+
+from lightning_gpipe.engine import microbatch
+from lightning_gpipe.planning.balance import resolve_balance
+from lightning_gpipe.engine.partition import Split, find_backbone
 from conftest import one_stage_pipeline
 from models import TupleNet  # noqa: E402
 
@@ -188,7 +190,7 @@ def test_one_stage_equals_plain_backward():
 
 
 def test_materialize_keeps_a_parameter_tied_on_one_stage_one_parameter():
-    from lightning_gpipe.partition import materialize
+    from lightning_gpipe.engine.partition import materialize
 
     with torch.device("meta"):
         embedding, head = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
@@ -202,7 +204,7 @@ def test_the_strategy_takes_every_option_of_the_config_with_its_default():
     import dataclasses
     import inspect
 
-    from lightning_gpipe.config import PipelineConfig
+    from lightning_gpipe.lightning.config import PipelineConfig
 
     signature = inspect.signature(GPipeStrategy).parameters
     for field in dataclasses.fields(PipelineConfig):

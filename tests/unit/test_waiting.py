@@ -1,4 +1,4 @@
-"""The two waits of :mod:`lightning_gpipe.waiting`, on fake works that behave like NCCL's and like gloo's, in this
+"""The two waits of :mod:`lightning_gpipe.faults.waiting`, on fake works that behave like NCCL's and like gloo's, in this
 process (no GPU, no process group): an NCCL-like wait polls until its works complete, handles signals, reads the
 failure board and the stall limit meanwhile, and calls ``wait()`` only on works that have completed, so that a host
 read of a received header or size (``transfer.Link``, ``collectives``) comes after the bytes.
@@ -18,9 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_gpipe import PipelineFailure, collectives, waiting
-from lightning_gpipe.job import Job
-from lightning_gpipe.transfer import Link, Turn
+from lightning_gpipe import PipelineFailure
+
+from lightning_gpipe.faults import collectives, waiting
+from lightning_gpipe.faults.job import Job
+from lightning_gpipe.engine.transfer import Link, Turn
 
 
 class NcclLikeWork:

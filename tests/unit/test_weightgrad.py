@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.weightgrad import backward_input, run_together
+from lightning_gpipe.engine.weightgrad import backward_input, run_together
 
 
 class SharedTwice(nn.Module):

@@ -19,7 +19,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
-from lightning_gpipe.compilation import is_compiled  # noqa: E402
+from lightning_gpipe.engine.compilation import is_compiled  # noqa: E402
 from models import TupleNet  # noqa: E402
 from rowwise import fit_batches  # noqa: E402
 

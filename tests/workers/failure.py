@@ -285,7 +285,7 @@ def announce_the_endless_wait() -> None:
     that cannot end, in which the test interrupts it."""
     import threading
 
-    from lightning_gpipe.watchdog import Position
+    from lightning_gpipe.faults.watchdog import Position
 
     waiting, inside = Position.waiting, threading.Event()
 

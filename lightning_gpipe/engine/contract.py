@@ -1,0 +1,300 @@
+"""The user contract at the backbone call: one pipelined call per step, and the step ends there on early stages.
+
+Every stage runs the user's step (``training_step``, ``validation_step``...) up to the backbone
+call. That call runs the pipeline (:class:`BackboneCall`, installed in the stage's
+:class:`~lightning_gpipe.engine.partition.Partition`); on every stage but the last it then raises
+:class:`BackboneReached`, which ends the user's step there: the rest of the step (head, loss,
+logging) belongs to the last stage. :meth:`BackboneCall.user_step` runs one step of the user's
+under that contract and checks it called the backbone exactly once.
+
+Under 1F1B (:meth:`BackboneCall.micro_batch_steps`) the step on the whole batch ends at the backbone
+call on every stage, giving the backbone input; the stage's runtime then runs the whole step, and the last
+stage runs the user's step once more per micro-batch, on its rows of the batch, the backbone call
+answering with that micro-batch's output (:mod:`lightning_gpipe.engine.per_micro_batch`).
+
+The part of a step before the backbone call runs alike on every stage and draws random numbers from the
+stream the stages share; from the backbone call on, a stage draws from its own
+(:class:`RandomStreams`; the adapter's is :class:`~lightning_gpipe.lightning.randomness.StageRandomness`).
+"""
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import Any, Callable, ContextManager, Optional, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from lightning_gpipe.engine import per_micro_batch
+from lightning_gpipe.engine.microbatch import Value
+from lightning_gpipe.engine.partition import Partition
+from lightning_gpipe.faults.watchdog import Position
+
+
+class RandomStreams(Protocol):
+    """A stage's random streams as the backbone call sees them: ``stage()`` is a context in which code draws from the
+    stage's own stream (the backbone call and the rest of the step after it); outside it, from the stream the stages
+    share."""
+
+    def stage(self) -> ContextManager[None]:
+        """Draw from the stage's own stream inside the block."""
+
+
+class OneStream:
+    """One random stream for everything (one process, the bare engine): :meth:`stage` changes nothing."""
+
+    def stage(self) -> ContextManager[None]:
+        """A block that draws from the one stream."""
+        return nullcontext()
+
+
+class BackboneReached(BaseException):
+    """Ends a user's step at the backbone call, on stages where the rest of the step does not run.
+
+    A ``BaseException``, so that a user's ``except Exception`` cannot swallow it. Raised by
+    :class:`BackboneCall` on stages before the last, and by the balance profiler's stand-in backbone
+    (:mod:`lightning_gpipe.lightning.backbone`), which needs only the backbone's input.
+    """
+
+
+class Pipeline(Protocol):
+    """This stage's part of the pipeline, as the contract sees it (:class:`lightning_gpipe.engine.runtime.Runtime`)."""
+
+    per_micro_batch_loss: bool
+    """Whether the schedule needs each micro-batch's loss during the step (then the step runs in :meth:`step`)."""
+
+    def forward(self, value: Value) -> Optional[Value]:
+        """Run the forward of every micro-batch of ``value``; the backbone output on the last stage, else ``None``."""
+
+    def step(self, value: Optional[Value], head: Callable[[int, int, Value], None]) -> None:
+        """Run every micro-batch's forward and backward of the backbone input ``value``; on the last stage,
+        ``head(index, count, output)`` backpropagates each micro-batch's loss to its output."""
+
+
+Answer = Callable[[Value], Optional[Value]]
+"""What answers a plain backbone call: the pipeline's forward, or a stand-in of
+:meth:`BackboneCall.micro_batch_steps`."""
+
+
+class BackboneCall:
+    """The call a stage's :class:`~lightning_gpipe.engine.partition.Partition` goes through, and the step guard around it.
+
+    Args:
+        pipeline: this stage's part of the pipeline.
+        is_last: whether this is the last stage, where the user's step goes on after the backbone call.
+        share: sends a picklable object from the last stage to every stage of the pipeline and returns it
+            (a collective call); the identity by default, for a single process.
+        randomness: the stage's random streams; the backbone call and the rest of the step draw from the stage's
+            own. One stream by default.
+        position: the stage's position (its run's :attr:`lightning_gpipe.faults.job.Job.position`), moved before and
+            after the backbone call; one nobody reads by default.
+    """
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        is_last: bool,
+        share: Callable[[Any], Any] = lambda obj: obj,
+        randomness: Optional["RandomStreams"] = None,
+        position: Optional[Position] = None,
+    ) -> None:
+        self.pipeline, self.is_last, self.share = pipeline, is_last, share
+        self.position = position if position is not None else Position()
+        self._answer: Answer = pipeline.forward
+        self.randomness = randomness if randomness is not None else OneStream()
+        self._plain = self._shared = 0
+        self._hook = "training_step"
+        self._rest_of_step: Optional[ExitStack] = None  # what ends with the user's step (see `user_step`)
+
+    def __call__(self, value: Value) -> Value:
+        """The pipelined forward of the backbone input ``value`` (ignored on stages after the first).
+
+        Returns:
+            On the last stage, the backbone output of the whole mini-batch.
+
+        Raises:
+            BackboneReached: on every stage but the last, once its micro-batches are sent.
+            RuntimeError: at once, before any transfer, for a second plain call in one step.
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
+        if self._plain:
+            raise RuntimeError(
+                f"`{self._hook}` called the pipelined backbone a second time in one step; it must call it exactly"
+                " once per step (GPipeStrategy splits that one call into micro-batches, and the call ends the step on"
+                " every stage but the last). Concatenate the inputs into one call, or, in evaluation, use"
+                " `lightning_gpipe.forward_and_share` for each call."
+            )
+        self._plain += 1
+        if self._rest_of_step is not None:
+            self._rest_of_step.enter_context(self.randomness.stage())  # until the user's step ends
+        output = self._answer(value)
+        if not self.is_last:
+            raise BackboneReached
+        self.position.at(f"`{self._hook}` after the backbone call")
+        return output
+
+    def forward_and_share(self, value: Value, fn: Callable[[Value], Any]) -> Any:
+        """Run the backbone on ``value`` without gradients, apply ``fn`` to its output on the last stage,
+        and return ``fn``'s result on every stage. See :func:`forward_and_share`.
+
+        Raises:
+            RuntimeError: with gradients enabled, or after this step's plain backbone call.
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "`forward_and_share` runs the backbone without gradients, for evaluation and decoding; call it"
+                " under `torch.no_grad()` or from `validation_step`, `test_step` or `predict_step`."
+            )
+        if self._plain:
+            raise RuntimeError(
+                "`forward_and_share` was called after this step's plain backbone call, which ends the step on"
+                " every stage but the last; call the backbone plainly last, or only through `forward_and_share`."
+            )
+        self._shared += 1
+        with self.randomness.stage():
+            output = self.pipeline.forward(value)
+            result = fn(output) if self.is_last else None
+        return self.share(result)
+
+    def micro_batch_steps(
+        self,
+        module: Any,
+        hook: str,
+        args: tuple,
+        kwargs: dict,
+        backward: Callable[[Tensor, bool], None],
+    ) -> Any:
+        """Run one training step whose schedule needs each micro-batch's loss before the next forwards (1F1B).
+
+        Every stage runs the user's step on the whole batch up to its backbone call, which ends it there and
+        gives the backbone input. The pipeline's ``step`` then runs the stage's forwards and backwards. On the last
+        stage, after each micro-batch's forward, the user's step runs again on that micro-batch's rows of the
+        batch (``args[0]``, split by :func:`~lightning_gpipe.engine.per_micro_batch.split_batch`), its backbone call
+        returning the micro-batch's output; the loss it returns, times the micro-batch's share of the rows,
+        goes to ``backward``. What the steps log and return is combined by
+        :class:`~lightning_gpipe.engine.per_micro_batch.RowWeighted` (row-weighted means).
+
+        Args:
+            module: the LightningModule, whose method ``hook`` is the step.
+            hook: ``"training_step"``.
+            args: the step's positional arguments; ``args[0]`` is the batch.
+            kwargs: the step's keyword arguments.
+            backward: backpropagates one weighted micro-batch loss to the micro-batch's output; its second argument
+                says whether the micro-batch is the step's last.
+
+        Returns:
+            On the last stage, the combined output (see :meth:`~lightning_gpipe.engine.per_micro_batch.RowWeighted.finish`);
+            ``None`` on the others.
+
+        Raises:
+            TypeError, ValueError: on every stage alike before any micro-batch runs, for a batch whose tensors do
+                not share dim 0 or a backbone input without the batch's rows (see
+                :func:`~lightning_gpipe.engine.per_micro_batch.batch_rows`).
+            RuntimeError: if a step does not call the backbone exactly once, or a micro-batch's step returns no loss.
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
+        step, (batch, *rest) = getattr(module, hook), args
+        rows = per_micro_batch.batch_rows(batch)
+        results, captured, parts = per_micro_batch.RowWeighted(module, rows), [], []
+        with self._answering(lambda value: _capture(captured, value)):
+            results.run(0, lambda: self.user_step(hook, lambda: step(*args, **kwargs)))
+        value = captured[0] if captured else None
+        per_micro_batch.check_input_rows(value, rows)
+
+        def head(index: int, count: int, output: Value) -> None:
+            if not parts:
+                parts.extend(per_micro_batch.split_batch(batch, count))
+            part, part_rows = parts[index], per_micro_batch.batch_rows(parts[index])
+            with self._answering(lambda _: output):
+                returned = results.run(part_rows, lambda: self.user_step(hook, lambda: step(part, *rest, **kwargs)))
+            backward(per_micro_batch.loss_of(returned, hook, index) * (part_rows / rows), index == count - 1)
+
+        with self.randomness.stage():
+            self.pipeline.step(value, head)
+        return results.finish() if self.is_last else None
+
+    @contextmanager
+    def _answering(self, answer: Answer) -> Iterator[None]:
+        """Let ``answer`` answer the plain backbone calls inside the block."""
+        saved, self._answer = self._answer, answer
+        try:
+            yield
+        finally:
+            self._answer = saved
+
+    def user_step(self, hook: str, step: Callable[[], Any]) -> Any:
+        """Run one call of the user's ``hook`` (``"training_step"``...) as ``step()``, ending early stages at the
+        backbone call.
+
+        Returns:
+            The step's output on the last stage; ``None`` on the others.
+
+        Raises:
+            RuntimeError: if the step called the backbone more than once (at the second call), or never (plainly
+                or through :func:`forward_and_share`).
+        """
+        self._plain = self._shared = 0
+        self._hook = hook
+        self.position.at(f"`{hook}` before the backbone call")
+        outer = self._rest_of_step
+        with ExitStack() as self._rest_of_step:
+            try:
+                output = step()
+            except BackboneReached:
+                output = None
+            finally:
+                self._rest_of_step = outer
+        if self._plain == 0 and self._shared == 0:
+            raise RuntimeError(
+                f"`{hook}` did not call the pipelined backbone; it must call it exactly once per step, on every stage"
+                " alike (GPipeStrategy splits that one call into micro-batches, and the other stages wait for them)."
+                " Call `self.backbone(...)` unconditionally, or skip the batch in the data instead."
+            )
+        return output
+
+
+def _capture(captured: list, value: Value) -> None:
+    """Answers the backbone call of a step on the whole batch: keeps the backbone input and ends the step there."""
+    captured.append(value)
+    raise BackboneReached
+
+
+def forward_and_share(backbone: nn.Module, value: Value, fn: Callable[[Value], Any]) -> Any:
+    """Call ``backbone(value)``, apply ``fn`` to its output, and return the result on every stage.
+
+    A pipelined backbone's output exists on the last stage only, and a plain backbone call ends
+    the user's step on the other stages. Loops that feed an output back into the backbone, such as
+    greedy or beam decoding, need that output everywhere: this runs the pipelined forward
+    (micro-batched, no gradients), applies ``fn`` on the last stage and sends its result (keep it
+    small, e.g. the next token ids) to every stage, so all stages go round the loop together. The
+    same approach as Megatron-LM's text generation, which broadcasts new tokens from the last stage.
+    Without a pipeline (one device, other strategies) it is ``fn(backbone(value))``.
+
+    Args:
+        backbone: the module's backbone attribute (``self.backbone``).
+        value: the backbone input, as for a plain call.
+        fn: maps the backbone output of the whole batch to a picklable result.
+
+    Raises:
+        RuntimeError: with gradients enabled, or when called after the step's plain backbone call.
+        PipelineFailure: if another stage failed while this one waited for it.
+    """
+    pipeline = backbone.pipeline if isinstance(backbone, Partition) else None
+    if pipeline is None:
+        return fn(backbone(value))
+    return pipeline.forward_and_share(value, fn)
+
+
+def check_automatic_optimization(module: Any) -> None:
+    """Refuse a LightningModule with manual optimization, before any step.
+
+    Raises:
+        RuntimeError: if ``module.automatic_optimization`` is ``False``, naming the fix.
+    """
+    if not module.automatic_optimization:
+        raise RuntimeError(
+            "GPipeStrategy supports automatic optimization only: with `automatic_optimization = False` the"
+            " user's step would have to run backward and the optimizer on every stage, but it stops at the"
+            " backbone call on all stages but the last. Remove `self.automatic_optimization = False` and return"
+            " the loss from `training_step`."
+        )

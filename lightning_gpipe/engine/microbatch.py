@@ -1,0 +1,150 @@
+"""The activation vocabulary: values, their tensors, and micro-batches of them.
+
+A :data:`Value` is what flows between backbone layers and stages: a Tensor, or a tuple whose
+items are tensors (other items, e.g. a flag, are allowed in a backbone input and repeated
+unchanged in every micro-batch). Tensors carry the batch in dim 0.
+
+:func:`scatter` splits a mini-batch into micro-batches with :func:`torch.tensor_split` semantics,
+so a batch that does not divide by ``chunks`` gives uneven micro-batches (the first ones one row
+longer); :func:`gather` joins them back. :class:`MicroBatch` and :func:`current_micro_batch` tell a
+layer which micro-batch it is running on. The names follow torchgpipe's ``microbatch`` module.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor
+
+Value = Union[Tensor, tuple]
+"""A backbone activation: a Tensor or a tuple of tensors (and, in a backbone input, other items)."""
+
+
+def tensors(value: Value) -> list[Tensor]:
+    """The tensors of ``value``, in order (non-tensor items of a tuple left out)."""
+    return [value] if isinstance(value, Tensor) else [x for x in value if isinstance(x, Tensor)]
+
+
+def floats(value: Value) -> list[Tensor]:
+    """The floating-point tensors of ``value``, in order: the ones that carry gradients between stages."""
+    return [t for t in tensors(value) if t.is_floating_point()]
+
+
+def leaves(value: Value, requires_grad: Optional[bool] = True, device: Optional[torch.device] = None) -> Value:
+    """``value`` with its tensors cut from their autograd history, as new leaves.
+
+    Args:
+        value: a Tensor or a tuple; non-tensor items are kept as they are.
+        requires_grad: ``True`` (default): floating-point tensors require grad (they will receive
+            gradients); ``False``: none does; ``None``: each keeps its own flag.
+        device: ``None`` (default) shares the tensors' storage; a device makes copies there.
+    """
+
+    def leaf(t: Tensor) -> Tensor:
+        flag = t.requires_grad if requires_grad is None else requires_grad
+        fresh = t.detach() if device is None else t.detach().to(device, copy=True)
+        return fresh.requires_grad_(flag and t.is_floating_point())
+
+    if isinstance(value, Tensor):
+        return leaf(value)
+    return tuple(leaf(x) if isinstance(x, Tensor) else x for x in value)
+
+
+def batch_size(value: Value) -> int:
+    """Size of dim 0 shared by the tensors of ``value``.
+
+    Raises:
+        TypeError: if ``value`` holds no tensor.
+        ValueError: if its tensors disagree on dim 0 or are 0-dimensional.
+    """
+    found = tensors(value) if isinstance(value, (Tensor, tuple, list)) else []
+    if not found:
+        raise TypeError(
+            f"Expected a Tensor or a tuple holding tensors to split into micro-batches, got {_kind(value)}."
+        )
+    sizes = {t.shape[0] if t.dim() else None for t in found}
+    if None in sizes or len(sizes) != 1:
+        shapes = [tuple(t.shape) for t in found]
+        raise ValueError(
+            f"Every tensor passed to the backbone needs the same batch size in dim 0; got shapes {shapes}."
+        )
+    return sizes.pop()
+
+
+def scatter(value: Value, chunks: int) -> list[Value]:
+    """Split ``value`` into ``min(chunks, batch size)`` micro-batches along dim 0.
+
+    Args:
+        value: a Tensor of shape (N, ...) or a tuple whose tensors all have N rows.
+        chunks: M, the requested number of micro-batches (>= 1).
+
+    Returns:
+        A list of values of the same kind as ``value``; rows keep their order.
+
+    Raises:
+        TypeError, ValueError: as :func:`batch_size`.
+    """
+    count = min(chunks, batch_size(value))
+    if isinstance(value, Tensor):
+        return list(torch.tensor_split(value, count))
+    columns = [torch.tensor_split(x, count) if isinstance(x, Tensor) else [x] * count for x in value]
+    return [tuple(column[i] for column in columns) for i in range(count)]
+
+
+def gather(parts: list[Value]) -> Value:
+    """Concatenate micro-batches along dim 0; the inverse of :func:`scatter`.
+
+    Non-tensor items are taken from the first micro-batch; a single micro-batch is returned as it is (no copy).
+    """
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if isinstance(first, Tensor):
+        return torch.cat(parts)
+    return tuple(
+        torch.cat([part[i] for part in parts]) if isinstance(item, Tensor) else item for i, item in enumerate(first)
+    )
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The micro-batch a stage's layers are running on; see :func:`current_micro_batch`.
+
+    Attributes:
+        index: its position in the mini-batch, from 0.
+        count: M, the micro-batches of this mini-batch (fewer than ``chunks`` for a batch with fewer rows).
+        recompute: ``True`` for the drain's re-materialization of a forward that already ran in the fill.
+    """
+
+    index: int
+    count: int
+    recompute: bool = False
+
+
+_current: ContextVar[Optional[MicroBatch]] = ContextVar("lightning_gpipe_micro_batch", default=None)
+
+
+def current_micro_batch() -> Optional[MicroBatch]:
+    """The micro-batch the calling layer runs on inside a stage, or ``None`` outside a pipelined forward.
+
+    For layers whose forward has effects beyond its output, such as batch norm's running statistics
+    (:class:`lightning_gpipe.engine.batchnorm.DeferredBatchNorm`), which must happen once per mini-batch.
+    """
+    return _current.get()
+
+
+@contextmanager
+def running(micro: MicroBatch) -> Iterator[None]:
+    """Make ``micro`` the :func:`current_micro_batch` inside the block."""
+    token = _current.set(micro)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def _kind(value: Any) -> str:
+    return type(value).__name__

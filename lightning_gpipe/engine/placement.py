@@ -1,0 +1,180 @@
+"""Zero-bubble's weight gradients placed by cost (Qi et al. 2023, arXiv:2401.10241, section 3.2, its heuristic).
+
+:func:`place_weights` takes each stage's plan without W (1F1B's order of forwards and input gradients B) and
+places every deferred weight gradient W into it on a clock that runs the stages' plans together by the actions'
+costs (:class:`~lightning_gpipe.engine.actions.ActionCost`; the simulator's rules: a forward or B starts once its process
+is free and its input has arrived, with no transfer time):
+
+- a stage that would wait for an activation or a gradient at least a given share of its oldest outstanding W's
+  time runs that W instead;
+- before a forward that would make it hold more micro-batches (waiting for B or W) than any stage of the plans
+  without W does (1F1B's first stage: K), it runs its oldest W to free one;
+- before a last backward that is whole (the first virtual stage's, after which the data-parallel sync starts) it
+  runs every outstanding W, else the remaining W follow its last B.
+
+The placements of each share in :data:`GAP_SHARES`, and the given alternatives (ZB-H1's fixed one), are timed on
+that clock, and the one whose step ends first wins (the first of them on a tie). W are local to a stage: every
+stage's transfers are those of the plans without W, whatever the costs.
+"""
+
+from collections.abc import Sequence
+from typing import Optional
+
+from lightning_gpipe.engine.actions import (
+    COMPUTE,
+    Action,
+    ActionCost,
+    Kind,
+    Plan,
+    splits_backward,
+    stage_of_virtual,
+    virtual_stage,
+)
+
+GAP_SHARES = (1.0, 0.5, 0.0)
+"""The placements :func:`place_weights` tries: a W fills a wait of at least this share of its own time (and more
+than none)."""
+
+
+def place_weights(
+    base: Sequence[Plan], costs: Sequence[ActionCost], alternatives: Sequence[Sequence[Plan]] = ()
+) -> tuple[Plan, ...]:
+    """The plans whose step ends first on the clock: ``base`` (every stage's plan without W, in 1F1B's order) with
+    its W placed for each of :data:`GAP_SHARES`, or one of ``alternatives`` (every stage's plan with its W placed
+    already), tried first.
+
+    Args:
+        base: one plan per stage (pipeline rank), its chunks' backwards whole in the plan (no W actions).
+        costs: one cost per virtual stage (chunk c of stage k is virtual stage ``c * K + k``, or as
+            :func:`~lightning_gpipe.engine.actions.virtual_stage` places it in a V where the plans say so).
+        alternatives: complete plans to time beside the placements, preferred on a tie.
+    """
+    candidates = [_Clock(plans, costs) for plans in alternatives]
+    candidates += [_Clock(base, costs, share) for share in GAP_SHARES]
+    return min(candidates, key=lambda clock: clock.step_time).plans
+
+
+class _Clock:
+    """Runs the stages' plans (``base``) together on a clock of the actions' costs, placing each stage's W with a
+    ``share`` (see the module docstring); with ``share=None`` it only times ``base``, whose W are placed already."""
+
+    def __init__(self, base: Sequence[Plan], costs: Sequence[ActionCost], share: Optional[float] = None) -> None:
+        self.base, self.costs, self.num_stages, self.share = base, costs, len(base), share
+        self.v_shape = base[0].v_shape
+        self.limit = max(_peak_held(plan) for plan in base)
+        self.last_backward = [max(n for n, a in enumerate(plan.actions) if a.kind is Kind.BACKWARD) for plan in base]
+        self.free = [0.0] * self.num_stages  # when each stage is next free
+        self.position = [0] * self.num_stages  # the next action of each base plan
+        self.actions: list[list[Action]] = [[] for _ in base]
+        self.outstanding: list[list[tuple[int, int]]] = [[] for _ in base]  # (micro-batch, chunk) whose W waits
+        self.held = [0] * self.num_stages  # micro-batches forwarded whose B (or W) has not run
+        self.sent: dict[tuple[Kind, int, int], float] = {}  # (FORWARD | BACKWARD, virtual stage, i) -> end
+        self.plans = self._place()
+        self.step_time = max(self.free)
+
+    def _place(self) -> tuple[Plan, ...]:
+        """The placed plans: each stage advances in turn, the earliest free first, as far as its inputs are known."""
+        ended = [False] * self.num_stages
+        while not all(ended):
+            for k in sorted(range(self.num_stages), key=lambda k: (ended[k], self.free[k])):
+                if not ended[k] and self._advance(k, ended):
+                    break
+            else:
+                raise RuntimeError("The plans to place weight gradients into wait for each other.")
+        v_shape = self.v_shape
+        return tuple(Plan(tuple(a), cut=len(a), loss_per_micro_batch=True, v_shape=v_shape) for a in self.actions)
+
+    def _advance(self, k: int, ended: list[bool]) -> bool:
+        """Run stage ``k``'s next action, or a W instead; whether the stage moved (it does not while the input of
+        its next forward or B is not placed yet and no W fits before it could arrive)."""
+        base, start = self.base[k].actions, self.position[k]
+        following = next((n for n in range(start, len(base)) if base[n].kind in COMPUTE), None)
+        if following is None:  # every forward and B ran: the remaining W, then the closing flush
+            self.actions[k] += [self._weight(k) for _ in list(self.outstanding[k])] + list(base[start:])
+            ended[k] = True
+            return True
+        self.actions[k] += base[start:following]
+        self.position[k] = following
+        action = base[following]
+        arrival = self._arrival(k, action)
+        if self.outstanding[k] and self._weight_first(k, action, arrival):
+            self.actions[k].append(self._weight(k))
+            return True
+        if arrival is None:
+            return False
+        self._run(k, action, arrival)
+        self.position[k] += 1
+        return True
+
+    def _weight_first(self, k: int, action: Action, arrival: Optional[float]) -> bool:
+        """Whether stage ``k`` runs its oldest W before ``action``: memory is at the limit before a forward, the
+        action is a whole last backward, or the stage would wait for the action's input at least ``share`` of the
+        W's time (``arrival``: when the input arrives; ``None``: not placed yet, so not before its sender is free
+        and has computed it)."""
+        if action.kind is Kind.FORWARD and self.held[k] >= self.limit:
+            return True
+        if self.position[k] == self.last_backward[k] and not splits_backward(self._virtual(k, action.chunk), True):
+            return True  # the data-parallel sync starts after the plan's last backward
+        _, chunk = self.outstanding[k][0]
+        wait = (self._earliest(k, action) if arrival is None else arrival) - self.free[k]
+        return wait > 0 and wait >= self.share * self.costs[self._virtual(k, chunk)].weight
+
+    def _arrival(self, k: int, action: Action) -> Optional[float]:
+        """When ``action``'s input is there: now for work on the stage's own data, else when the neighbouring
+        virtual stage sent it (``None`` if it has not been placed yet)."""
+        s = self._virtual(k, action.chunk)
+        if action.kind is Kind.FORWARD and s > 0:
+            return self.sent.get((Kind.FORWARD, s - 1, action.micro_batch))
+        if action.kind is Kind.BACKWARD and s < len(self.costs) - 1:
+            return self.sent.get((Kind.BACKWARD, s + 1, action.micro_batch))
+        return self.free[k]
+
+    def _earliest(self, k: int, action: Action) -> float:
+        """A lower bound of when ``action``'s input, not placed yet, arrives: its sender free, then computing it."""
+        s = self._virtual(k, action.chunk)
+        sender = s - 1 if action.kind is Kind.FORWARD else s + 1
+        cost = self.costs[sender]
+        seconds = cost.forward if action.kind is Kind.FORWARD else cost.backward
+        return self.free[stage_of_virtual(sender, self.num_stages, self.v_shape)[0]] + seconds
+
+    def _run(self, k: int, action: Action, arrival: float) -> None:
+        """Place ``action`` on stage ``k`` once it is free and its input has arrived."""
+        s = self._virtual(k, action.chunk)
+        self.free[k] = max(self.free[k], arrival) + self._seconds(action, s)
+        if action.kind is Kind.FORWARD:
+            self.held[k] += 1
+        elif action.kind is Kind.WEIGHT or (action.kind is Kind.BACKWARD and not splits_backward(s, True)):
+            self.held[k] -= 1
+        elif action.kind is Kind.BACKWARD and self.share is not None:
+            self.outstanding[k].append((action.micro_batch, action.chunk))
+        if action.kind in (Kind.FORWARD, Kind.BACKWARD):
+            self.sent[(action.kind, s, action.micro_batch)] = self.free[k]
+        self.actions[k].append(action)
+
+    def _seconds(self, action: Action, s: int) -> float:
+        """The time of ``action`` on virtual stage ``s`` (a B of the first virtual stage is whole: B and W)."""
+        cost = self.costs[s]
+        if action.kind is Kind.BACKWARD:
+            return cost.backward + (0.0 if splits_backward(s, True) else cost.weight)
+        return {Kind.FORWARD: cost.forward, Kind.RECOMPUTE: cost.forward, Kind.LOSS: cost.loss}.get(
+            action.kind, cost.weight
+        )
+
+    def _weight(self, k: int) -> Action:
+        """Stage ``k``'s oldest outstanding W, placed now."""
+        i, chunk = self.outstanding[k].pop(0)
+        self.free[k] += self.costs[self._virtual(k, chunk)].weight
+        self.held[k] -= 1
+        return Action(Kind.WEIGHT, i, chunk)
+
+    def _virtual(self, k: int, chunk: int) -> int:
+        return virtual_stage(k, chunk, self.num_stages, self.v_shape)
+
+
+def _peak_held(plan: Plan) -> int:
+    """The most micro-batches (of any chunk) ``plan`` holds between their forward and their backward."""
+    held = peak = 0
+    for action in plan.actions:
+        held += (action.kind is Kind.FORWARD) - (action.kind is Kind.BACKWARD)
+        peak = max(peak, held)
+    return peak

@@ -1,0 +1,299 @@
+"""One stage's primitives: take the micro-batches, forward one, send it, receive a gradient, backward one.
+
+A schedule (:mod:`lightning_gpipe.engine.schedule`) decides the order of these calls, which the runtime
+(:mod:`lightning_gpipe.engine.runtime`) makes; the stage does each
+one and keeps what a micro-batch's backward needs: its input, its output (or, when re-materialized,
+the random state to recompute it from), and the shapes of the gradients that will come back.
+Parameter gradients accumulate over the micro-batches, so a mini-batch's micro-batches together
+give the gradients of mini-batch training (GPipe, Huang et al. 2019, section 2.2).
+
+On the last stage, a training forward returns the micro-batch's output as detached leaves that
+require grad (the boundary): the user's loss runs on their concatenation, and its backward leaves
+each micro-batch's output gradient in the leaves' ``.grad``, where the micro-batch's backward takes it.
+
+Re-materialization (section 2.2, :mod:`lightning_gpipe.engine.rematerialization`): a checkpointed
+micro-batch runs forward without autograd, keeping only its input; :meth:`Stage.recompute` runs it
+again with autograd before its backward. Timing spans (:mod:`lightning_gpipe.engine.events`) of forwards,
+recomputes and backwards are taken here; those of transfers in :class:`~lightning_gpipe.engine.transfer.Link`.
+
+Deferred weight gradients (zero-bubble pipelines, Qi et al. 2023; :mod:`lightning_gpipe.engine.weightgrad`): with
+``defer_weight_grad``, :meth:`Stage.backward` computes and sends the input gradient (B) and queues the weight
+gradient (W), which :meth:`Stage.backward_weights` runs later, where the schedule places it.
+
+Skip connections (:mod:`lightning_gpipe.engine.skip`): each micro-batch's forward runs under its own skip tracker,
+given the tensors earlier stages stashed for it (received before it runs); what is still stashed after the
+stage's layers ran goes straight to the stages that pop it (:class:`~lightning_gpipe.engine.skip.links.SkipLinks`).
+Those tensors are outputs of the micro-batch like its activation (their gradients come back and are
+backpropagated with the activation's), and the received ones inputs (their gradients are sent back).
+"""
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lightning_gpipe.engine import microbatch
+from lightning_gpipe.engine.microbatch import MicroBatch, Value
+from lightning_gpipe.engine.partition import Partition
+from lightning_gpipe.engine.rematerialization import RngState, checkpointed
+from lightning_gpipe.engine.skip import tracker
+from lightning_gpipe.engine.skip.links import SkipLinks, no_skips
+from lightning_gpipe.engine.transfer import Link, Meta
+from lightning_gpipe.engine.weightgrad import DeferredWeightGradient, backward_input, run_together
+
+
+@dataclass
+class _Record:
+    """What the backward of one micro-batch needs."""
+
+    input: Value
+    output: Optional[Value]  # None while checkpointed: recomputed before the backward
+    metas: list[Meta]  # shapes and dtypes of the floating-point outputs, whose gradients come back
+    micro: MicroBatch
+    rng: Optional[RngState] = None
+    boundary: list[Tensor] = field(default_factory=list)  # last stage: the leaves handed to the user's loss
+    skip_in: dict = field(default_factory=dict)  # skip tensors received from earlier stages (leaves), by key
+    skip_out: dict = field(default_factory=dict)  # skip tensors stashed for later stages, by key
+
+
+class Stage:
+    """Executes the work of one stage, one micro-batch at a time, in the order a schedule calls it.
+
+    Args:
+        partition: this stage's layers.
+        link: transfers to the neighbouring stages; its ``events`` recorder is the stage's.
+        stage_index: pipeline rank of this stage (0-based).
+        num_stages: K.
+        chunks: M, micro-batches per mini-batch (fewer when the batch has fewer rows).
+        checkpoint: ``"always"``, ``"except_last"`` (all micro-batches but the last) or ``"never"``.
+        defer_weight_grad: ``True`` splits each backward of a stage that sends input gradients into B (sent at
+            once) and W (queued for :meth:`backward_weights`); ``False`` (default) runs them together.
+        skips: the stage's skip connections to other stages (:class:`~lightning_gpipe.engine.skip.links.SkipLinks`);
+            none by default.
+
+    Attributes:
+        events: the :class:`~lightning_gpipe.engine.events.Recorder` the pipeline callbacks read.
+        training: whether the current forward keeps what a backward needs (gradients were enabled when
+            :meth:`micro_batches` started).
+        before_last_backward: called with the outputs of the step's last backward right before its autograd
+            call, the one that completes this stage's parameter gradients (the weight gradient W when deferred);
+            the data-parallel gradient sync (:class:`~lightning_gpipe.lightning.data_parallel.GradientSync`) sets it.
+    """
+
+    def __init__(
+        self,
+        partition: Partition,
+        link: Link,
+        stage_index: int,
+        num_stages: int,
+        chunks: int,
+        checkpoint: str,
+        defer_weight_grad: bool = False,
+        skips: Optional[SkipLinks] = None,
+    ) -> None:
+        self.partition, self.link = partition, link
+        self.skips = skips if skips is not None else no_skips(link.device, link.job, link.events)
+        self.stage_index = stage_index
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.chunks, self.checkpoint, self.defer_weight_grad = chunks, checkpoint, defer_weight_grad
+        self.events = link.events
+        self.training = False
+        self.before_last_backward: Optional[Callable[[list[Tensor]], None]] = None
+        self._records: dict[int, _Record] = {}
+        self._weights: deque[tuple[int, DeferredWeightGradient, list[Tensor]]] = deque()
+        self._backwards = 0  # of the current step
+        self._filled = 0.0  # when the last stage's forward ended: its "loss" span runs from there to the backward
+
+    def micro_batches(self, value: Value) -> Iterator[tuple[int, Value, int]]:
+        """This stage's inputs of one mini-batch as ``(index, input, count)``, count being M.
+
+        The first stage scatters ``value`` (the backbone input); the others receive their inputs from the
+        previous stage and ignore ``value``. Starting it starts a new forward: what the last one kept is dropped.
+
+        Raises:
+            TypeError, ValueError: for a backbone input that cannot be split (see
+                :func:`lightning_gpipe.engine.microbatch.scatter`).
+            PipelineFailure: if the previous stage failed while this one waited for it.
+        """
+        self.training, self._records, self._backwards = torch.is_grad_enabled(), {}, 0
+        if self.is_first:
+            parts = microbatch.scatter(value, self.chunks)
+            yield from ((i, x, len(parts)) for i, x in enumerate(parts))
+            return
+        index, count = 0, 1
+        while index < count:
+            x, count = self.link.recv_activation()
+            yield index, (microbatch.leaves(x) if self.training else x), count
+            index += 1
+
+    def forward(self, index: int, x: Value, count: int) -> Value:
+        """Run micro-batch ``index`` of ``count`` through this stage's layers and return its output.
+
+        In training, keeps what its backward needs; a checkpointed micro-batch runs without autograd. Skip tensors
+        popped here are received from their stashing stages first; those stashed here for later stages are sent
+        to them at once.
+        On the last stage in training, the output is returned as boundary leaves (see the module docstring),
+        except on a pipeline of one stage running one micro-batch without re-materialization: there is nothing
+        to schedule, so the output keeps its graph and the user's backward runs through the layers directly.
+
+        Raises:
+            TypeError: if a layer returns anything but a Tensor or a tuple of Tensors.
+            PipelineFailure: if a stage this one pops a skip from failed while this one waited for it.
+        """
+        training = self.training
+        received = self.skips.receive(training)
+        skips = tracker.SkipTracker(received)
+        remat = training and checkpointed(self.checkpoint, index, count)
+        rng = RngState.capture(self.link.device) if remat else None
+        micro = MicroBatch(index, count)
+        memory_of = (self.partition, x) if training else None
+        with (
+            torch.set_grad_enabled(training and not remat),
+            microbatch.running(micro),
+            tracker.tracking(skips),
+            self.events.span("forward", index, memory_of),
+        ):
+            y = self.partition.run(x)
+        self.skips.send(skips.stashed, index, count)
+        if not training or (self.is_first and self.is_last and count == 1 and not remat):
+            return y
+        metas = [(t.shape, t.dtype) for t in microbatch.floats(y)]
+        record = self._records[index] = _Record(x, None if remat else y, metas, micro, rng)
+        record.skip_in, record.skip_out = received, skips.stashed
+        if self.is_last:
+            y = microbatch.leaves(y)
+            record.boundary = microbatch.floats(y)
+        return y
+
+    def send(self, y: Value, index: int, count: int) -> None:
+        """Send micro-batch ``index`` of ``count``'s output to the next stage, asynchronously."""
+        self.link.send_activation(y, index, count)
+
+    def output(self, parts: list[Value]) -> Value:
+        """The last stage's backbone output of the whole mini-batch, from its micro-batch outputs in order."""
+        self._filled = time.perf_counter()
+        return microbatch.gather(parts)
+
+    def flush(self) -> None:
+        """Wait until every send of this stage has completed; in training, skip tensors sent to a later stage
+        are waited for by the backward of their micro-batch instead (:meth:`SkipLinks.backward
+        <lightning_gpipe.engine.skip.links.SkipLinks.backward>`), since under 1F1B their receiver may be micro-batches
+        behind.
+
+        Raises:
+            PipelineFailure: if a neighbour failed while this one waited for it.
+        """
+        self.link.flush()
+        self.skips.flush(sent=not self.training)
+
+    def begin_backward(self) -> int:
+        """Start the backward of the last forward; returns its number of micro-batches, M.
+
+        On the last stage, the user's loss must have been backpropagated to the boundary first.
+        """
+        if self._records and self.is_last:
+            self.events.add("loss", None, self._filled, time.perf_counter())
+        return len(self._records)
+
+    @property
+    def draining(self) -> bool:
+        """Whether micro-batches of the last training forward wait for their backward on this stage (not so on a
+        one-stage pipeline that ran one micro-batch without re-materialization: the user's backward covers it)."""
+        return bool(self._records)
+
+    def expect_grad(self, index: int) -> None:
+        """Post the receive of micro-batch ``index``'s output gradients (nothing on the last stage), and of its
+        stashed skip tensors' from the stages that pop them.
+
+        Receives are matched in posting order: post them in the order the next stage sends them.
+        """
+        record = self._records[index]
+        if not self.is_last:
+            self.link.post_grads(record.metas)
+        self.skips.expect_grads(record.skip_out)
+
+    def recompute(self, index: int) -> None:
+        """Re-materialize micro-batch ``index``'s forward with autograd, if it was checkpointed.
+
+        Replays the random state of its first forward, so dropout draws the same masks, and runs under
+        :func:`~lightning_gpipe.engine.microbatch.current_micro_batch` with ``recompute=True``.
+        """
+        record = self._records[index]
+        if record.output is not None:
+            return
+        micro = replace(record.micro, recompute=True)
+        with (
+            self.events.span("recompute", index, (self.partition, record.input)),
+            record.rng.restored(),
+            torch.enable_grad(),
+            microbatch.running(micro),
+            tracker.tracking(tracker.SkipTracker(record.skip_in)) as skips,
+        ):
+            record.output = self.partition.run(record.input)
+        record.skip_out = skips.stashed
+
+    def backward(self, index: int) -> None:
+        """Backpropagate micro-batch ``index`` (recomputed first, if checkpointed) and send its input gradients.
+
+        The output gradients come from the boundary on the last stage, else from the next stage (posted with
+        :meth:`expect_grad`). With ``defer_weight_grad`` on a stage after the first, only the input gradient
+        is computed here and the weight gradient is queued (see :meth:`backward_weights`); the first stage
+        sends nothing back, so it has nothing to gain from the split.
+
+        Raises:
+            PipelineFailure: if the next stage failed while this one waited for it.
+        """
+        self.recompute(index)
+        record = self._records.pop(index)
+        outputs = microbatch.floats(record.output) + self.skips.outputs(record.skip_out)
+        grads = [b.grad for b in record.boundary] if self.is_last else self.link.recv_grads(index)
+        grads = grads + self.skips.backward(index)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
+        inputs = microbatch.floats(record.input)
+        skip_inputs = microbatch.floats(tuple(record.skip_in.values()))
+        needed = [x for x in inputs + skip_inputs if x.requires_grad]
+        self._backwards += 1
+        last = self._backwards == record.micro.count
+        if pairs:
+            with self.events.span("backward", index):
+                if self.defer_weight_grad and needed:
+                    self._weights.append((index, backward_input(*zip(*pairs), needed), outputs if last else []))
+                else:
+                    if last:
+                        self._announce_last_backward(outputs)
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if not self.is_first:
+            self.link.send_grads([x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs], index)
+        self.skips.send_grads(record.skip_in, index)
+
+    def backward_weights(self, indices: Sequence[int]) -> None:
+        """W: add the weight gradients of micro-batches ``indices`` (in the order of their B), queued by their
+        :meth:`backward`, to the parameters' ``.grad``; several at once run each plain linear layer's as one matrix
+        product over their rows (:func:`~lightning_gpipe.engine.weightgrad.run_together`). Nothing for a micro-batch
+        whose W was not deferred (W runs in the order of the B's).
+
+        The time of several W run at once is recorded as one ``weight`` span per micro-batch, each an equal share.
+        """
+        weights, announce = [], []
+        for index in indices:
+            if self._weights and self._weights[0][0] == index:
+                _, weight, last_outputs = self._weights.popleft()
+                weights.append((index, weight))
+                announce += last_outputs
+        if not weights:
+            return
+        start = time.perf_counter()
+        run_together(
+            [weight for _, weight in weights], (lambda: self._announce_last_backward(announce)) if announce else None
+        )
+        share = (time.perf_counter() - start) / len(weights)
+        for n, (index, _) in enumerate(weights):
+            self.events.add("weight", index, start + n * share, start + (n + 1) * share)
+
+    def _announce_last_backward(self, outputs: list[Tensor]) -> None:
+        if self.before_last_backward is not None:
+            self.before_last_backward(outputs)

@@ -1,0 +1,168 @@
+"""Tied parameters: one ``nn.Parameter`` used by modules on several stages.
+
+A language model's input embedding and output projection often share one weight (Press & Wolf 2017), and a
+backbone may use one layer at two positions. When the split puts those users on different stages, every
+stage that uses the parameter holds a copy of it. The copies start equal (:meth:`TiedParameters.synchronize`
+sends the first holder's values to the others, as modules created on the meta device are initialised on each
+stage), their gradients are summed over the holding stages before the optimizer step
+(:meth:`TiedParameters.reduce_grads`), so every copy gets the gradient of the whole model and steps alike.
+One process group per tie and data-parallel replica, made with ``dist.new_group`` on every rank: the same
+approach as Megatron-LM's embedding group (Shoeybi et al. 2019, and ``megatron/core/parallel_state.py``).
+
+Ties are found from the module itself (:func:`find_ties`): a parameter reachable under several state-dict
+names whose owners fall on different stages. Each stage keeps its copy under its own names, so a checkpoint
+has one entry per name, as the module without the strategy, and loads into it.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_gpipe.faults import collectives
+from lightning_gpipe.engine.actions import stage_of_virtual
+from lightning_gpipe.engine.topology import Topology
+
+if TYPE_CHECKING:
+    from lightning_gpipe.faults.job import Job
+
+
+@dataclass(frozen=True)
+class Tie:
+    """One parameter used on several stages.
+
+    Attributes:
+        names: its state-dict names in the whole module, in module order.
+        stages: the stages holding one of those names, ascending (at least two).
+        stage_of_name: the stage of each name, in the order of ``names``.
+    """
+
+    names: tuple[str, ...]
+    stages: tuple[int, ...]
+    stage_of_name: tuple[int, ...]
+
+    def local_name(self, stage: int) -> str:
+        """A name of the tie held on ``stage`` (the first)."""
+        return self.names[self.stage_of_name.index(stage)]
+
+
+def find_ties(
+    module: nn.Module,
+    backbone: str,
+    balance: Sequence[int],
+    num_stages: Optional[int] = None,
+    v_shape: bool = False,
+) -> list[Tie]:
+    """The parameters of ``module`` used on more than one stage when its backbone is split by ``balance``.
+
+    A name under the backbone belongs to the stage of its layer; any other name to the stage of the last virtual
+    stage (heads live there). Call it before the split, while the module is whole.
+
+    Args:
+        module: the LightningModule.
+        backbone: the attribute name of its ``nn.Sequential`` backbone.
+        balance: layers per (virtual) stage.
+        num_stages: K, the stages (processes); ``None`` (default): ``len(balance)``. With virtual stages,
+            virtual stage s is on stage ``s % K``, and a parameter two chunks of one stage use is one object there,
+            not a tie.
+        v_shape: whether the virtual stages are placed in a V (:func:`~lightning_gpipe.engine.actions.stage_of_virtual`).
+
+    Returns:
+        The ties, in module order (the same on every process).
+    """
+    num_stages = len(balance) if num_stages is None else num_stages
+    layers = list(getattr(module, backbone)._modules)
+    stages = [stage_of_virtual(s, num_stages, v_shape)[0] for s in range(len(balance))]
+    stage_of_layer = dict(zip(layers, (stages[s] for s, n in enumerate(balance) for _ in range(n))))
+    last, prefix = stages[-1], backbone + "."
+
+    def stage_of(name: str) -> int:
+        return stage_of_layer[name[len(prefix) :].split(".")[0]] if name.startswith(prefix) else last
+
+    names: dict[int, list[str]] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    ties = []
+    for group in names.values():
+        stages = tuple(stage_of(name) for name in group)
+        if len(set(stages)) > 1:
+            ties.append(Tie(tuple(group), tuple(sorted(set(stages))), stages))
+    return ties
+
+
+class TiedParameters:
+    """This stage's part in the model's ties: a process group per tie it holds, to sync values and sum gradients.
+
+    Makes every tie's group on every rank (``dist.new_group`` is collective over the whole job), for every
+    data-parallel replica: the group of a tie is the ranks of its holding stages within one replica.
+
+    Args:
+        ties: every tie of the model (:func:`find_ties`), the same list on every rank.
+        module: this stage's LightningModule, after the split.
+        topology: the job's mesh.
+        rank: this process's global rank.
+        job: the run's :class:`~lightning_gpipe.faults.job.Job`, whose waits the collectives use.
+    """
+
+    def __init__(self, ties: list[Tie], module: nn.Module, topology: Topology, rank: int, job: "Job") -> None:
+        self.module, self.stage, self.job = module, topology.stage_of(rank), job
+        self._held: list[tuple[Tie, Optional[dist.ProcessGroup], int]] = []
+        replica = topology.replica_of(rank)
+        for r in range(topology.data_parallel_size):
+            for tie in ties:
+                ranks = [topology.rank_of(stage, r) for stage in tie.stages]
+                group = dist.new_group(ranks) if dist.is_initialized() else None
+                if r == replica and rank in ranks:
+                    self._held.append((tie, group, ranks[0]))
+
+    def _parameter(self, tie: Tie) -> nn.Parameter:
+        return self.module.get_parameter(tie.local_name(self.stage))
+
+    def synchronize(self) -> None:
+        """Give every copy of each tie the values of its first holding stage's copy (a collective call).
+
+        Raises:
+            PipelineFailure: if another stage failed or stalled meanwhile.
+        """
+        for tie, group, first in self._held:
+            with torch.no_grad():
+                collectives.broadcast(self.job, self._parameter(tie).data, first, group)
+
+    def reduce_grads(self) -> None:
+        """Sum each tie's gradients over its holding stages, in place. A copy without a gradient counts as zeros
+        and gets the sum; when no copy has one, all keep none (as the one parameter on one device). One
+        all-reduce per tie, of the gradient and a has-gradient count together. Call once per optimizer step,
+        after the last backward of the step (a collective call).
+
+        Raises:
+            PipelineFailure: if another stage failed or stalled meanwhile.
+        """
+        for tie, group, _ in self._held:
+            parameter = self._parameter(tie)
+            has = parameter.grad is not None
+            grad = parameter.grad if has else torch.zeros_like(parameter)
+            flat = torch.cat([grad.flatten(), grad.new_full((1,), float(has))])
+            collectives.all_reduce(self.job, flat, group=group)
+            if flat[-1].item() > 0:
+                if not has:
+                    parameter.grad = torch.empty_like(parameter)
+                parameter.grad.copy_(flat[:-1].view_as(parameter))
+
+    def after(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure`` (Lightning's step closure: the step's forward and backward), then :meth:`reduce_grads`, so that
+        the optimizer steps every copy of a tie with the summed gradient."""
+
+        def closure_and_ties() -> Any:
+            result = closure()
+            self.reduce_grads()
+            return result
+
+        return closure_and_ties
+
+    def uncounted(self) -> list[Tensor]:
+        """This stage's copies that the global gradient norm must not count: every tie's copies but those of its
+        first holding stage, so a tied parameter is counted once."""
+        return [self._parameter(tie) for tie, _, _ in self._held if tie.stages[0] != self.stage]

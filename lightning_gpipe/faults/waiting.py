@@ -1,0 +1,308 @@
+"""Waiting for transfers and collectives so that signals are handled, a failed stage is noticed, and a stall named.
+
+A wait must not block in C++ for a transfer that may never come: there Python runs no signal handler, so a
+stage blocked on a neighbour that hangs could not be stopped by Ctrl-C, SIGTERM or SLURM's requeue signal, nor
+read the failure board or the stall limit. How a wait ends depends on the backend, so there are two mechanisms,
+and :func:`polls`, the one rule :mod:`lightning_gpipe.engine.transfer` and :mod:`lightning_gpipe.faults.collectives` ask, says
+which one the works on a device's tensors over a process group need:
+
+- gloo (and every other backend whose ``Work.wait()`` returns once the transfer has completed): :func:`wait`.
+  gloo's point-to-point works cannot be polled (``is_completed()`` stays ``False`` until ``wait()`` returns) and
+  a ``wait(timeout)`` that times out closes the connection. So a helper thread of the run (a :class:`Waiter`,
+  with those signals blocked) calls ``wait()``, and the main thread waits for the helper on a lock, which Python
+  interrupts for signal handlers. The cost is one thread hand-off per wait (tens of microseconds);
+  ``benchmarks/waits.py`` measures it against plain blocking waits. A receive whose sender has already issued
+  the matching send in the same call as a message already received (an activation's payload after its header)
+  ends with the transport alone, so :func:`wait_in_flight` waits for it on the calling thread, without the
+  hand-off. A send is also watched as it goes (:meth:`Waiter.watch`): a helper thread per stream of sends calls
+  its ``wait()`` at once, so that whether it has completed can be asked without blocking (a :class:`Watched`),
+  and its tensors freed once it has, long before the stage waits for it at a flush.
+- NCCL: :func:`poll`. ``WorkNCCL.wait()`` does not wait for the transfer: it makes the calling thread's current
+  CUDA stream wait for the NCCL stream and returns (for a barrier it synchronizes the stream on the host, in
+  C++), and a later host read of a received tensor (``.tolist()``, ``.item()``) would block inside a CUDA
+  synchronization. ``WorkNCCL.is_completed()`` instead queries the work's end event without blocking (and reports
+  an asynchronous NCCL error as completion, which ``wait()`` then raises). So the calling thread polls
+  ``is_completed()``, sleeping between two looks (Python runs signal handlers during ``time.sleep``), and calls
+  ``wait()`` only once the work has completed: on the thread, hence the stream, that uses the tensors, and
+  when it can no longer block. The current stream then only waits for transfers that have arrived, so a host
+  read after the wait cannot hang on the neighbour.
+
+Every :data:`TICK` seconds of a long wait, either way, the waiting thread also reads the failure board (a stage
+that failed stops the others even when it cannot exit) and asks the stall watchdog (:mod:`lightning_gpipe.faults.watchdog`)
+whether the wait has lasted too long. ``docs/scaling.md`` says how this meets NCCL's own watchdog and timeouts.
+
+The waits take the run's :class:`lightning_gpipe.faults.job.Job` (its failure board, position, stall watchdog and
+:class:`Waiter`; see :class:`WaitingJob`) as their first argument; the module keeps no state of its own.
+"""
+
+import queue
+import signal
+import threading
+import time
+from collections.abc import Hashable
+from typing import Any, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from lightning_gpipe.faults.failure import FailureBoard
+from lightning_gpipe.faults.watchdog import Position, Watchdog
+
+TICK = 1.0
+"""Seconds between two looks at the failure board and the stall limit while a wait lasts."""
+
+EVERY_STAGE = "every stage"
+"""The peer of a collective."""
+
+POLLED_BACKENDS = frozenset({"nccl"})
+"""Backends whose ``Work.wait()`` orders a device stream instead of waiting for the transfer: :func:`poll`."""
+
+_FIRST_PAUSE = 20e-6
+"""Seconds :func:`poll` sleeps after its first look at a work that has not completed; each pause doubles the last."""
+
+_LONGEST_PAUSE = 1e-3
+"""Seconds of :func:`poll`'s longest pause: a long wait costs about a thousand looks (a CUDA event query) a second."""
+
+
+def polls(device: torch.device, group: Optional[dist.ProcessGroup] = None) -> bool:
+    """Whether works on tensors of ``device`` over ``group`` are waited for with :func:`poll` (else :func:`wait`).
+
+    The one place that chooses the mechanism: :func:`poll` for a backend in :data:`POLLED_BACKENDS` (NCCL), whose
+    ``Work.wait()`` returns before the transfer has completed; :func:`wait` for the others (gloo). Tensors on the
+    CPU never go through NCCL, so the answer for them needs no process group.
+
+    Args:
+        device: the device of the tensors the works send or receive.
+        group: the process group of the works (``None``: the default group); for a group with a backend per device
+            type (``"cpu:gloo,cuda:nccl"``) the backend of ``device``'s type counts.
+
+    Raises:
+        ValueError: for a device other than the CPU, if the default process group is not initialised or this
+            process is not in ``group``.
+    """
+    if device.type == "cpu":
+        return False
+    config = dist.get_backend_config(group)  # "cuda:nccl", "cpu:gloo,cuda:gloo", "cpu:gloo,cuda:nccl"
+    backends = dict(part.split(":", 1) if ":" in part else (device.type, part) for part in config.split(","))
+    return backends.get(device.type) in POLLED_BACKENDS
+
+
+class _Works:
+    """Works to wait for, and how the waiter tells it is done."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self.works = works
+        self.error: Optional[BaseException] = None
+        self.done = threading.Lock()
+        self.done.acquire()
+
+
+class _Thread(threading.Thread):
+    """Waits for the works of each batch in turn, then releases the batch's lock; ends at a ``None``."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True, name="lightning-gpipe-waiter")
+        self.batches: "queue.SimpleQueue[Optional[_Works]]" = queue.SimpleQueue()
+
+    def run(self) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP})
+        for batch in iter(self.batches.get, None):
+            _finish(batch)
+
+
+def _finish(batch: _Works) -> None:
+    """Wait for ``batch``'s works, keep the first error for the main thread, then drop the works (a gloo work holds
+    its tensor: the batch that stays referenced until the next one arrives must not keep it alive) and release."""
+    try:
+        for work in batch.works:
+            work.wait()
+    except BaseException as error:  # handed to the main thread, which raises it
+        batch.error = error
+    batch.works = []
+    batch.done.release()
+
+
+class Watched:
+    """A work a helper thread of a :class:`Waiter` waits for (see :meth:`Waiter.watch`), as a work whose completion
+    can be asked without blocking and that can be waited for any number of times: what a gloo work is not."""
+
+    def __init__(self, batch: _Works) -> None:
+        self._batch = batch
+
+    def is_completed(self) -> bool:
+        """Whether the helper thread's ``wait()`` of the works has returned (or raised)."""
+        return not self._batch.done.locked()
+
+    def wait(self) -> bool:
+        """Block until the works have completed; raise the error of a failed one, every time this is called."""
+        self._batch.done.acquire()  # held by the helper thread until its wait() returned
+        self._batch.done.release()
+        if self._batch.error is not None:
+            raise self._batch.error
+        return True
+
+
+class Waiter:
+    """The helper threads that call ``Work.wait()`` for :func:`wait` and :meth:`watch`, one set per run (part of its
+    :class:`~lightning_gpipe.faults.job.Job`): one thread for the waits, one per stream of watched sends, each started at
+    its first batch and ended by :meth:`close`. A batch after :meth:`close` starts a new thread. A copy in another
+    process (a pickled strategy) starts its own."""
+
+    def __init__(self) -> None:
+        self._threads: dict[Optional[Hashable], _Thread] = {}
+
+    def submit(self, works: list[dist.Work], stream: Optional[Hashable] = None) -> _Works:
+        """Hand ``works`` to the thread of ``stream`` (``None``: the waits'); the returned batch's ``done`` lock is
+        released once they completed. A thread waits for its batches in the order they were handed."""
+        batch = _Works(works)
+        thread = self._threads.get(stream)
+        if thread is None or not thread.is_alive():
+            thread = self._threads[stream] = _Thread()
+            thread.start()
+        thread.batches.put(batch)
+        return batch
+
+    def watch(self, works: list[dist.Work], stream: Hashable) -> Watched:
+        """Have ``works``, sends of one ``stream`` (a destination and tag), waited for at once by that stream's
+        thread, for backends whose works cannot be polled (gloo: ``is_completed()`` stays ``False`` until ``wait()``
+        returns, and a second ``wait()`` of a completed send blocks). The stream's sends complete in the order
+        they were posted (their receives are posted in that order), so its thread adds no wait to any of them.
+
+        Returns:
+            The works as one :class:`Watched`: ask it, rather than the works, whether they completed, and wait for
+            it rather than for them.
+        """
+        return Watched(self.submit(works, stream))
+
+    def close(self) -> None:
+        """End the helper threads once each has waited for what it was handed (it does not wait for that here)."""
+        threads, self._threads = self._threads, {}
+        for thread in threads.values():
+            thread.batches.put(None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_threads": {}}  # a thread does not cross processes
+
+
+class WaitingJob(Protocol):
+    """What the waits need of the run's :class:`lightning_gpipe.faults.job.Job` (which imports this module)."""
+
+    board: FailureBoard
+    position: Position
+    watchdog: Watchdog
+    waiter: Waiter
+
+
+def wait(job: WaitingJob, works: list[dist.Work], peer: str) -> None:
+    """Wait until every work in ``works`` has completed, handling signals meanwhile: the job's helper thread
+    (:class:`Waiter`) calls ``Work.wait()``, for backends whose ``wait()`` returns once the transfer has completed
+    (gloo; see :func:`polls`).
+
+    Args:
+        job: the run's job: its waiter, failure board, position and stall watchdog.
+        works: works of point-to-point transfers or asynchronous collectives (``async_op=True``).
+        peer: whom the works wait for, for the position and messages: ``"stage 0"``, or :data:`EVERY_STAGE`.
+
+    Raises:
+        PipelineFailure: if a transfer failed (naming the published cause), another stage published a
+            failure while this one waited, or the wait lasted longer than the stall limit (naming the
+            stage that stopped progressing).
+    """
+    if not works:
+        return
+    batch = job.waiter.submit(works)
+    started = time.monotonic()
+    with job.position.waiting(peer), job.board.as_pipeline_failure(detail=job.watchdog.last_positions):
+        while not batch.done.acquire(timeout=TICK):
+            _check(job, peer, time.monotonic() - started)
+        if batch.error is not None:
+            raise batch.error
+
+
+def wait_in_flight(job: WaitingJob, works: list[dist.Work]) -> None:
+    """Wait for ``works`` on this thread, without :func:`wait`'s hand-off to the helper thread.
+
+    Only for receives whose sender has already issued the matching sends, in the same call as a message this
+    stage has received (an activation's payload, sent right after its header): their end depends on the
+    transport alone, not on the peer's progress, and a peer that dies closes the connection, which ends the
+    wait. Signals are handled once the bytes have arrived. Not for works that :func:`polls`: an NCCL receive
+    from a sender that died is not ended by the transport, so wait for those with :func:`poll`. And for works
+    that have completed, on any backend (an NCCL work or a :class:`Watched` whose ``is_completed()`` said so):
+    their ``wait()`` returns at once, or raises the error of a failed transfer.
+
+    Args:
+        job: the run's job (its failure board names the cause of a failed transfer).
+        works: works of point-to-point receives in flight, or works that have completed.
+
+    Raises:
+        PipelineFailure: if a transfer failed (naming the published cause).
+    """
+    with job.board.as_pipeline_failure(detail=job.watchdog.last_positions):
+        for work in works:
+            work.wait()
+
+
+def poll(job: WaitingJob, works: list[dist.Work], peer: str) -> None:
+    """Wait until every work in ``works`` has completed by polling ``Work.is_completed()`` on this thread, handling
+    signals meanwhile, then call each work's ``wait()``: for backends whose ``wait()`` returns before the transfer
+    has completed (NCCL; see :func:`polls`).
+
+    The first look costs no sleep; after it the thread sleeps between two looks (from 20 microseconds, doubling up
+    to a millisecond), and reads the failure board and the stall limit every :data:`TICK` seconds. ``wait()`` is
+    called only once a work has completed, on the calling thread: it then makes the current CUDA stream wait for
+    a transfer that has arrived (it cannot block), and raises the work's error. So a host read of a received
+    tensor afterwards (``.tolist()``, ``.item()``) waits for the kernels queued on the stream, not for the peer.
+
+    Args:
+        job: the run's job: its failure board, position and stall watchdog.
+        works: works of point-to-point transfers or asynchronous collectives (``async_op=True``).
+        peer: whom the works wait for, for the position and messages: ``"stage 0"``, or :data:`EVERY_STAGE`.
+
+    Raises:
+        PipelineFailure: if a transfer failed (naming the published cause; NCCL reports an asynchronous error as
+            completion, and ``wait()`` raises it), another stage published a failure while this one waited, or the
+            wait lasted longer than the stall limit (naming the stage that stopped progressing).
+    """
+    if not works:
+        return
+    with job.position.waiting(peer), job.board.as_pipeline_failure(detail=job.watchdog.last_positions):
+        pending = _pending(works)
+        if pending:
+            started = time.monotonic()
+            pause, look = _FIRST_PAUSE, started + TICK
+            while pending:
+                time.sleep(pause)  # Python runs signal handlers here; a handler's exception ends the wait
+                pending = _pending(pending)
+                pause = min(2 * pause, _LONGEST_PAUSE)
+                now = time.monotonic()
+                if pending and now >= look:
+                    _check(job, peer, now - started)
+                    look = now + TICK
+        for work in works:
+            work.wait()  # completed: orders the current stream after the transfer without blocking; raises its error
+
+
+def _pending(works: list[dist.Work]) -> list[dist.Work]:
+    """``works`` from the first one that has not completed on (the later ones are looked at once it has)."""
+    for i, work in enumerate(works):
+        if not work.is_completed():
+            return works[i:]
+    return []
+
+
+def _check(job: WaitingJob, peer: str, waited: float) -> None:
+    """Raise if the job failed elsewhere or this wait counts as a stall."""
+    board, watchdog = job.board, job.watchdog
+    cause = board.published_cause()
+    if cause is not None:
+        raise board.stopped_because(cause)
+    if waited <= watchdog.limit:
+        return
+    stall = watchdog.diagnose(peer, waited)
+    if stall is None:
+        return
+    message, culprit = stall
+    cause = board.publish(message) or message
+    if culprit is not None:
+        watchdog.mark_stalled(culprit)
+    raise board.stopped_because(cause)

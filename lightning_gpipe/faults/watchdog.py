@@ -1,0 +1,319 @@
+"""Where each stage is, for the others to read, and the stall watchdog that names a stage that stopped progressing.
+
+Each stage process keeps its :class:`Position`: the step, the phase (the forward of micro-batch 3, the user's
+``training_step`` after the backbone call, writing a checkpoint...), the action of the stage's plan it executes
+(:mod:`lightning_gpipe.engine.runtime`: "action 5 of 24"), since when, and the stage it waits for, if it waits. Setting it
+costs a few attribute writes; a heartbeat thread of the :class:`Watchdog` publishes it to the job's c10d store once
+a second when it changed (:meth:`Watchdog.start`), so a stage stuck in user code is still described by its last
+position.
+
+A stage that has waited for another longer than the stall limit (:mod:`lightning_gpipe.faults.waiting` checks)
+asks :meth:`Watchdog.diagnose` who stopped: the stage that is not waiting and has been in its position longest,
+and publishes that as the job's failure (:mod:`lightning_gpipe.faults.failure`). Phases that may legitimately
+last long (writing a checkpoint, profiling the backbone) are marked :meth:`Position.unbounded` and are not stalls.
+
+The heartbeat thread also ends its process when the job failed elsewhere and this process did not follow
+within :data:`GRACE` seconds (it is stuck outside the package's waits, e.g. in user code), or at once when
+it is the stage the watchdog named, so that no process is left behind.
+
+Both are instance state of one run (:class:`lightning_gpipe.faults.job.Job` creates them); the module keeps no state.
+"""
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Optional
+
+from lightning_gpipe.faults.failure import FailureBoard
+
+INTERVAL = 1.0
+"""Seconds between two publications of a stage's position (and two looks at the failure board)."""
+
+GRACE = 10.0
+"""Seconds a process may take to fail by itself once the job has failed elsewhere, before its heartbeat ends it."""
+
+_KINDS = {
+    "forward": "the forward of micro-batch {}",
+    "recompute": "the recompute of micro-batch {}",
+    "backward": "the backward of micro-batch {}",
+    "weight": "the weight gradient of micro-batch {}",
+    "send": "sending micro-batch {}",
+    "recv": "receiving the gradients of micro-batch {}",
+    "loss": "the loss of micro-batch {}",
+    "expect": "posting the receive of the gradients of micro-batch {}",
+}
+
+_WHOLE_STEP = {
+    "send": "waiting for its sends to complete",
+    "flush": "waiting for its sends to complete",
+    "relay": "sharing the last stage's logged values",
+    "loss": "the loss of the whole mini-batch",
+}
+
+
+class Position:
+    """This process's position (set by the main thread, read by the heartbeat thread of a :class:`Watchdog`).
+
+    Attributes:
+        step: the step, e.g. ``"step 17"`` (``"setup"`` before the first).
+        phase: what the stage does: a span's kind (``"forward"``) or a phrase (``"writing a checkpoint"``).
+        micro_batch: the micro-batch of ``phase``, or ``None``.
+        action: the action of the stage's plan being executed, as ``(number, of, kind, micro_batch, chunk)``
+            (``number`` 1-based, ``of`` the plan's length, ``chunk`` the model chunk), or ``None`` outside the
+            runtime's plan.
+        since: when the position last changed (``time.time()``).
+        waits_for: whom the stage waits for (``"stage 0"``), or ``None``.
+        unbounded: whether ``phase`` may last long without counting as a stall.
+        version: counts the changes (the heartbeat publishes a position when it changed).
+    """
+
+    def __init__(self) -> None:
+        self.step, self.phase = "setup", "setup"
+        self.micro_batch: Optional[int] = None
+        self.action: Optional[tuple[int, int, str, Optional[int], int]] = None
+        self.since = time.time()
+        self.waits_for: Optional[str] = None
+        self.unbounded = False
+        self.version = 0
+
+    def move(self, phase: str, micro_batch: Optional[int] = None, unbounded: bool = False) -> None:
+        """Record that this stage is now in ``phase`` (of ``micro_batch``), not waiting."""
+        self.phase, self.micro_batch, self.unbounded, self.waits_for = phase, micro_batch, unbounded, None
+        self.since = time.time()
+        self.version += 1
+
+    def begin_step(self, step: str) -> None:
+        """Record that this stage starts ``step`` (e.g. ``"step 17"``)."""
+        self.step = step
+
+    def at(self, phase: str) -> None:
+        """Record that this stage is now in ``phase`` (a phrase: ``"`training_step` after the backbone call"``)."""
+        self.move(phase)
+
+    def act(self, number: int, of: int, kind: str, micro_batch: Optional[int], chunk: int = 0) -> None:
+        """Record that this stage executes action ``number`` (1-based) of its plan of ``of`` actions, ``kind`` of
+        ``micro_batch`` on model chunk ``chunk`` (see :class:`lightning_gpipe.engine.actions.Action`); the phase becomes
+        that action's until a span inside it moves on."""
+        self.action = (number, of, kind, micro_batch, chunk)
+        self.move(kind, micro_batch)
+
+    def leave_plan(self) -> None:
+        """Record that this stage no longer executes an action of its plan."""
+        self.action = None
+        self.version += 1
+
+    @contextmanager
+    def unbounded_phase(self, phase: str) -> Iterator[None]:
+        """Mark ``phase`` (e.g. ``"writing a checkpoint"``) as one that may last long: stages waiting meanwhile do
+        not count it as a stall."""
+        self.move(phase, unbounded=True)
+        try:
+            yield
+        finally:
+            self.move(f"the end of {phase}")
+
+    @contextmanager
+    def waiting(self, peer: str) -> Iterator[None]:
+        """Record that this stage waits for ``peer`` (``"stage 0"``, ``"every stage"``) inside the block."""
+        self.waits_for, self.since = peer, time.time()
+        self.version += 1
+        try:
+            yield
+        finally:
+            self.waits_for, self.since = None, time.time()
+            self.version += 1
+
+    def record(self) -> dict[str, Any]:
+        """The position as published to the store (JSON-serialisable)."""
+        return {
+            "step": self.step,
+            "phase": self.phase,
+            "micro_batch": self.micro_batch,
+            "since": self.since,
+            "waits_for": self.waits_for,
+            "unbounded": self.unbounded,
+            "action": None if self.action is None else dict(zip(_ACTION, self.action)),
+        }
+
+
+def describe(phase: str, micro_batch: Optional[int]) -> str:
+    """The phrase of a position: ``describe("forward", 3)`` is ``"the forward of micro-batch 3"``."""
+    if phase in _KINDS and micro_batch is not None:
+        return _KINDS[phase].format(micro_batch)
+    if phase in _WHOLE_STEP:
+        return _WHOLE_STEP[phase]
+    return phase if micro_batch is None else f"{phase} of micro-batch {micro_batch}"
+
+
+_ACTION = ("number", "of", "kind", "micro_batch", "chunk")
+"""The fields of :attr:`Position.action`, as published."""
+
+
+def phrase(position: dict[str, Any]) -> str:
+    """Where a published position (:meth:`Position.record`) is, for messages: ``"the forward of micro-batch 3 at
+    step 17"``, or inside the runtime's plan ``"action 5 of 24 of its plan, the forward of micro-batch 3, at step
+    17"`` (the phase follows in parentheses when it is not the action's own: ``"action 7 of 24 of its plan, the
+    backward of micro-batch 2 (receiving the gradients of micro-batch 2), at step 17"``; with virtual stages the
+    model chunk follows the action: ``"the forward of micro-batch 3 on model chunk 1"``)."""
+    where = describe(position["phase"], position["micro_batch"])
+    action = position.get("action")
+    if action is None:
+        return f"{where} at {position['step']}"
+    planned = describe(action["kind"], action["micro_batch"])
+    inside = "" if planned == where else f" ({where})"
+    chunk = f" on model chunk {action['chunk']}" if action.get("chunk") else ""
+    return f"action {action['number']} of {action['of']} of its plan, {planned}{chunk}{inside}, at {position['step']}"
+
+
+class Watchdog:
+    """This process's stall watchdog for one run: publishes its :class:`Position` and reads the other stages'.
+
+    Args:
+        board: this run's failure board (positions live next to the failure cause).
+        position: this process's position.
+        rank: this process's global rank.
+        names: global rank -> name of every process of this pipeline (this one included); only this process's
+            by default.
+        limit: seconds a stage may wait for another before the wait counts as a stall (no limit by default).
+    """
+
+    def __init__(
+        self,
+        board: FailureBoard,
+        position: Position,
+        rank: int = 0,
+        names: Optional[dict[int, str]] = None,
+        limit: float = float("inf"),
+    ) -> None:
+        self.board, self.position, self.rank = board, position, rank
+        self.names = dict(names) if names is not None else {rank: board.name}
+        self.limit = limit
+        self._heartbeat: Optional[_Heartbeat] = None
+
+    def start(self) -> None:
+        """Publish the position from a heartbeat thread, until :meth:`stop` (does nothing without a store, or when
+        the thread runs already)."""
+        if self._heartbeat is None and self.board.store is not None:
+            self._heartbeat = _Heartbeat(self)
+            self._heartbeat.start()
+
+    def stop(self) -> None:
+        """Stop the heartbeat thread (at the end of a run); the stall limit is then infinite."""
+        heartbeat, self._heartbeat = self._heartbeat, None
+        if heartbeat is not None:
+            heartbeat.stopped.set()
+            heartbeat.join(timeout=5 * INTERVAL)
+        self.limit = float("inf")
+
+    def name_of(self, rank: Optional[int]) -> str:
+        """The name of global rank ``rank`` in messages (``"stage 0"``); ``None`` stands for both neighbours."""
+        if rank is None:
+            return "its neighbours"
+        return self.names.get(rank, f"rank {rank}")
+
+    def diagnose(self, peer: str, waited: float) -> Optional[tuple[str, Optional[int]]]:
+        """Name the stage that stopped progressing, for a stage that has waited ``waited`` s for ``peer``.
+
+        Reads every stage's published position: the stage that is not waiting and has been in its position
+        longest stopped progressing; if every stage waits, they wait for each other.
+
+        Returns:
+            ``(message, rank of that stage)`` (rank ``None`` when the stages wait for each other), or ``None``
+            while that stage is in an unbounded phase (a long wait is then no stall).
+
+        Raises:
+            RuntimeError: if the store cannot be reached (global rank 0's process is gone).
+        """
+        names = self.names
+        now, me = time.time(), names.get(self.rank, self.board.name)
+        positions = {rank: self._read(rank) for rank in names if rank != self.rank}
+        gave_up = (
+            f"{me} gave up after waiting {waited:.0f} s for {peer} (stall limit {self.limit:.0f} s, the shorter of"
+            " GPipeStrategy's stall_timeout and 90% of its timeout: raise them if a step may legitimately take that"
+            " long)"
+        )
+        silent = [rank for rank, position in positions.items() if position is None]
+        if silent:
+            return f"{names[silent[0]]} has published no position; {gave_up}", silent[0]
+        working = {rank: p for rank, p in positions.items() if p["waits_for"] is None}
+        if not working:
+            waits = "; ".join(f"{names[r]} waits for {p['waits_for']} in {phrase(p)}" for r, p in positions.items())
+            return f"the stages wait for each other: {waits}; {gave_up}", None
+        rank, position = min(working.items(), key=lambda item: item[1]["since"])
+        if position["unbounded"]:
+            return None
+        age = now - position["since"]
+        return f"{names[rank]} has been in {phrase(position)} for {age:.0f} s; {gave_up}", rank
+
+    def last_positions(self) -> str:
+        """Where the other stages of this pipeline were last seen, e.g. after a transport error that no stage
+        explained: ``"stage 1 was last seen in the forward of micro-batch 2 at step 4, 0 s before"``."""
+        now, seen = time.time(), []
+        if self.board.store is None:
+            return "no position is known outside a run"
+        try:
+            for rank in self.names:
+                position = self._read(rank) if rank != self.rank else None
+                if position is not None:
+                    age = now - position["since"]
+                    seen.append(f"{self.names[rank]} was last seen in {phrase(position)}, {age:.0f} s before")
+        except RuntimeError:
+            return "the job's store cannot be reached (global rank 0's process has ended)"
+        return "; ".join(seen) or "no other stage published its position"
+
+    def mark_stalled(self, rank: int) -> None:
+        """Tell the heartbeat of global rank ``rank`` that it is the stage the watchdog named, so it ends at once."""
+        if self.board.store is not None:
+            self.board.store.compare_set(self.board.key("stalled"), "", str(rank))
+
+    def _read(self, rank: int) -> Optional[dict]:
+        where, store = self.board.key(f"where/{rank}"), self.board.store
+        if not store.check([where]):
+            return None
+        return json.loads(store.get(where))
+
+
+class _Heartbeat(threading.Thread):
+    """Publishes the position while it changes; ends the process when the job failed and it did not follow."""
+
+    def __init__(self, watchdog: Watchdog) -> None:
+        super().__init__(daemon=True, name="lightning-gpipe-heartbeat")
+        self.board, self.position, self.rank = watchdog.board, watchdog.position, watchdog.rank
+        self.store = watchdog.board.store
+        self.stopped = threading.Event()
+        self.published = -1
+        self.trouble_since: Optional[float] = None
+
+    def run(self) -> None:
+        while not self.stopped.wait(INTERVAL):
+            try:
+                self._publish()
+                cause, named = self.board.published_cause(), self._named()
+            except RuntimeError:
+                cause, named = "the job's store, in global rank 0's process, cannot be reached: rank 0 has ended", False
+            if cause is not None:
+                self._end_if_left_behind(cause, named)
+
+    def _publish(self) -> None:
+        position = self.position
+        if position.version == self.published:
+            return
+        self.published = position.version
+        self.store.set(self.board.key(f"where/{self.rank}"), json.dumps(position.record()))
+
+    def _named(self) -> bool:
+        stalled = self.board.key("stalled")
+        return self.store.check([stalled]) and self.store.get(stalled).decode() == str(self.rank)
+
+    def _end_if_left_behind(self, cause: str, named: bool) -> None:
+        now = time.monotonic()
+        if self.trouble_since is None and not cause.startswith(f"{self.board.name} "):
+            self.board.say(f"stopping: {cause}")  # at once, in case this process is killed before it says more
+        self.trouble_since = self.trouble_since if self.trouble_since is not None else now
+        if named or now - self.trouble_since > GRACE:
+            left = "" if named else f" {now - self.trouble_since:.0f} s after the job failed"
+            self.board.say(f"ending this process{left}: {cause}")
+            os._exit(1)

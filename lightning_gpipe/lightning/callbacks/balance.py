@@ -1,0 +1,216 @@
+"""PipelineBalance: how the work is spread over the stages, and a better ``balance`` when it is uneven."""
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_gpipe.planning.balance import solve
+from lightning_gpipe.planning.balance.costs import LayerCost
+from lightning_gpipe.engine.events import TRANSFER, WORK
+from lightning_gpipe.lightning.callbacks._pipeline import PipelineCallback, log_dir, log_metrics
+from lightning_gpipe.engine.rematerialization import recomputed_share
+from lightning_gpipe.planning.simulator import simulate, stage_costs
+from lightning_gpipe.engine.trace import StepTrace
+
+
+@dataclass
+class StageLoad:
+    """One stage's mean cost per training step (all micro-batches together).
+
+    Args:
+        stage: pipeline rank.
+        layers: backbone layers of the stage.
+        parameters: parameter elements of those layers.
+        forward: seconds per step of forwards.
+        recompute: seconds per step of re-materializations.
+        backward: seconds per step of backwards (deferred weight gradients included).
+        loss: seconds per step of the last stage's head and loss (0 elsewhere).
+        waiting: seconds per step blocked on a transfer.
+        activation_bytes: peak bytes of kept inputs and saved activations in a step.
+    """
+
+    stage: int
+    layers: int
+    parameters: int
+    forward: float
+    recompute: float
+    backward: float
+    loss: float
+    waiting: float
+    activation_bytes: int
+
+    @property
+    def work(self) -> float:
+        """Seconds of computing per step: forward, recompute, backward and loss."""
+        return self.forward + self.recompute + self.backward + self.loss
+
+
+def stage_loads(steps: Sequence[StepTrace]) -> list[StageLoad]:
+    """The mean :class:`StageLoad` of every stage over ``steps`` (peak memory: the maximum)."""
+    loads = []
+    for k, first in enumerate(steps[0].stages):
+        traces = [step.stages[k] for step in steps]
+        mean = {kind: sum(t.total(kind) for t in traces) / len(traces) for kind in (*WORK, *TRANSFER)}
+        loads.append(
+            StageLoad(
+                stage=k,
+                layers=first.layers,
+                parameters=first.parameters,
+                forward=mean["forward"],
+                recompute=mean["recompute"],
+                backward=mean["backward"] + mean["weight"],
+                loss=mean["loss"],
+                waiting=mean["recv"] + mean["send"] + mean["relay"],
+                activation_bytes=max(t.peak_activation_bytes for t in traces),
+            )
+        )
+    return loads
+
+
+def imbalance(loads: Sequence[StageLoad]) -> float:
+    """The slowest stage's work over the mean work of the stages (1.0 is perfectly balanced)."""
+    mean = sum(load.work for load in loads) / len(loads)
+    return max(load.work for load in loads) / mean if mean > 0 else 1.0
+
+
+def layer_estimates(loads: Sequence[StageLoad], chunks: int) -> list[LayerCost]:
+    """Per-layer costs for one micro-batch, spreading each stage's measured time evenly over its layers.
+
+    The recompute is counted as forward time (it is one), so the estimate holds for any checkpoint mode.
+    """
+    costs = []
+    for load in loads:
+        forward = (load.forward + load.recompute) / 2 if load.recompute else load.forward
+        costs += [LayerCost(forward / load.layers / chunks, load.backward / load.layers / chunks)] * load.layers
+    return costs
+
+
+def suggest_balance(
+    costs: Sequence[LayerCost], num_stages: int, checkpoint: str, chunks: int, loss: float = 0.0
+) -> list[int]:
+    """The ``balance`` minimising the slowest stage's time per micro-batch (:func:`lightning_gpipe.solve`).
+
+    Args:
+        costs: per-layer costs for one micro-batch.
+        num_stages: K.
+        checkpoint: the checkpoint mode, which decides how many forwards are recomputed.
+        chunks: M.
+        loss: seconds per step of the head and loss, which always run with the last layer.
+    """
+    recomputed = recomputed_share(checkpoint, chunks)
+    times = [c.forward * (1 + recomputed) + c.backward for c in costs]
+    times[-1] += loss / chunks
+    return solve(times, num_stages)
+
+
+class PipelineBalance(PipelineCallback):
+    """Per stage: parameters, forward, backward and recompute time, waiting, activation memory; the imbalance.
+
+    Measures training steps ``warmup`` to ``warmup + steps - 1`` (batches counted from 0 across epochs), then,
+    on global rank 0: prints a table (so it appears after the first measured steps, not before the first
+    step), logs ``pipeline/imbalance`` and ``pipeline/stage{k}/{forward,recompute,backward,loss,waiting}_s``
+    and ``.../activation_bytes`` to the trainer's loggers, and writes ``pipeline_balance.json`` into the
+    logger's ``log_dir`` (or ``default_root_dir``).
+
+    When the imbalance (the slowest stage's work over the mean) exceeds ``threshold``, it suggests a better
+    ``balance`` with :func:`lightning_gpipe.solve`, on the strategy's profiled per-layer costs
+    (``strategy.layer_costs``, a list of :class:`~lightning_gpipe.planning.balance.costs.LayerCost`) when it has them,
+    else on the measured stage times spread evenly over each stage's layers, and predicts the step time
+    of both splits with :func:`lightning_gpipe.planning.simulator.simulate`. With ``virtual_stages > 1`` it reports the
+    stages (``balance``: the layers each stage holds over all its chunks) and suggests nothing.
+
+    Activation memory is counted in the measured steps only (a hook per saved tensor, a few percent of
+    those steps' time).
+
+    Args:
+        warmup: steps not measured at the start (default 1: the first step sets up connections).
+        steps: steps measured (default 3).
+        threshold: imbalance above which a balance is suggested (default 1.1).
+
+    Raises:
+        ValueError: for ``warmup < 0``, ``steps < 1`` or ``threshold < 1``.
+    """
+
+    counts_memory = True
+
+    def __init__(self, warmup: int = 1, steps: int = 3, threshold: float = 1.1) -> None:
+        if warmup < 0 or steps < 1 or threshold < 1:
+            raise ValueError(f"PipelineBalance(warmup={warmup}, steps={steps}, threshold={threshold}) is invalid.")
+        self.warmup, self.steps, self.threshold = warmup, steps, threshold
+        self.measured: list[StepTrace] = []
+        self.report: dict | None = None
+
+    @override
+    def wants(self, batch: int) -> bool:
+        """The measured steps."""
+        return self.warmup <= batch < self.warmup + self.steps
+
+    @override
+    def on_step(self, trainer: "pl.Trainer", step: StepTrace) -> None:
+        """Keep the step; after the last measured one, report."""
+        self.measured.append(step)
+        if len(self.measured) == self.steps:
+            self.report = self._report(trainer)
+            with open(os.path.join(log_dir(trainer), "pipeline_balance.json"), "w") as f:
+                json.dump(self.report, f, indent=1)
+            rank_zero_info(format_table(self.report))
+
+    def _report(self, trainer: "pl.Trainer") -> dict:
+        loads = stage_loads(self.measured)
+        chunks, checkpoint = self.measured[0].micro_batches, trainer.strategy.config.checkpoint
+        report = {
+            "steps": [s.step for s in self.measured],
+            "chunks": chunks,
+            "checkpoint": checkpoint,
+            "balance": [load.layers for load in loads],
+            "stages": [asdict(load) for load in loads],
+            "imbalance": imbalance(loads),
+            "suggested_balance": None,
+        }
+        metrics = {"pipeline/imbalance": report["imbalance"]}
+        for load in loads:
+            for name in ("forward", "recompute", "backward", "loss", "waiting"):
+                metrics[f"pipeline/stage{load.stage}/{name}_s"] = getattr(load, name)
+            metrics[f"pipeline/stage{load.stage}/activation_bytes"] = load.activation_bytes
+        log_metrics(trainer, metrics)
+        if report["imbalance"] <= self.threshold or trainer.strategy.config.virtual_stages > 1:
+            return report  # with virtual stages a stage's layers are not contiguous: no split is suggested
+        profiled = getattr(trainer.strategy, "layer_costs", None)
+        costs = list(profiled) if profiled else layer_estimates(loads, chunks)
+        loss = loads[-1].loss
+        suggested = suggest_balance(costs, len(loads), checkpoint, chunks, loss)
+        report["suggested_balance"] = suggested
+        report["cost_source"] = "profiled layer costs" if profiled else "measured stage times"
+        for name, balance in (("predicted_step_s", report["balance"]), ("suggested_step_s", suggested)):
+            report[name] = simulate(stage_costs(costs, balance), chunks, checkpoint, loss=loss).step_time
+        return report
+
+
+def format_table(report: dict) -> str:
+    """The readable table of a :class:`PipelineBalance` report."""
+    steps = report["steps"]
+    lines = [
+        f"Pipeline balance, mean per step over training steps {steps[0]}-{steps[-1]}"
+        f" (M={report['chunks']}, checkpoint={report['checkpoint']!r}):",
+        f"{'stage':>5} {'layers':>6} {'params':>9} {'forward':>9} {'recompute':>9} {'backward':>9} {'loss':>9}"
+        f" {'waiting':>9} {'act. mem':>9}",
+    ]
+    for s in report["stages"]:
+        times = " ".join(f"{1e3 * s[k]:7.1f}ms" for k in ("forward", "recompute", "backward", "loss", "waiting"))
+        lines.append(
+            f"{s['stage']:>5} {s['layers']:>6} {s['parameters'] / 1e6:8.2f}M {times}"
+            f" {s['activation_bytes'] / 2**20:6.1f}MiB"
+        )
+    lines.append(f"imbalance (slowest stage's work over the mean): {report['imbalance']:.2f}")
+    if report["suggested_balance"] is not None:
+        lines.append(
+            f"suggested balance={report['suggested_balance']} instead of {report['balance']}"
+            f" (from {report['cost_source']}; simulated step {report['suggested_step_s']:.3f}s vs"
+            f" {report['predicted_step_s']:.3f}s)"
+        )
+    return "\n".join(lines)

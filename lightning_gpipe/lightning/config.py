@@ -1,0 +1,337 @@
+"""GPipeStrategy's options, checked once: one frozen object, one table of allowed values per option.
+
+:class:`PipelineConfig` holds what ``GPipeStrategy(...)`` was given (see its docstring for each option) and raises
+a ``ValueError`` naming the fix for a bad value, before any process starts. Whether the mesh and a list
+``balance`` fit the devices is checked when the launcher is configured (:mod:`lightning_gpipe.engine.topology`), and
+whether ``balance`` fits the backbone at setup (:mod:`lightning_gpipe.planning.balance`).
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional, Union
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+
+from lightning_gpipe.planning.balance import MODES
+from lightning_gpipe.engine.compilation import CompileOption, compile_options
+from lightning_gpipe.planning.costs import CostModel
+from lightning_gpipe.planning.search import Constraints
+from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES
+from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, PLACED_BY_COST, SCHEDULES, V_SHAPED
+from lightning_gpipe.engine.topology import Size, checked_size
+
+CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
+    "checkpoint": (CHECKPOINT_MODES, f"choose one of {', '.join(CHECKPOINT_MODES)}"),
+    "schedule": (
+        tuple(SCHEDULES),
+        "choose 'gpipe' (fill-drain), '1f1b' (one forward, one backward), 'zb-h1' (zero-bubble 1F1B), 'zb-1p'"
+        " (zero-bubble, W placed by measured costs) or 'zb-v' (zero-bubble, two chunks per stage in a V)",
+    ),
+    "start_method": (("popen", "spawn"), "choose 'popen' or 'spawn'"),
+    "state_dict_type": (("full", "sharded"), "choose 'full' or 'sharded'"),
+}
+"""The options that take one of a few names: option -> (allowed values, how the error names them)."""
+
+
+DEFAULTS = {"checkpoint": "except_last", "schedule": "gpipe", "virtual_stages": 1}
+"""The values of the options whose ``None`` stands for them (``None`` under ``plan="auto"``: the planner's choice)."""
+
+Balance = Union[None, str, Sequence[int]]
+"""``balance``: ``None``, a mode of :data:`lightning_gpipe.planning.balance.MODES`, or layers per stage."""
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The options of :class:`~lightning_gpipe.lightning.strategy.GPipeStrategy`: what a pipeline is made of and how it runs.
+
+    Args:
+        balance: how many consecutive backbone layers each stage holds. A list gives them, one entry per
+            device, e.g. ``[3, 5]``. A mode chooses the contiguous split whose costliest stage is cheapest
+            (exactly, see :func:`~lightning_gpipe.planning.balance.solve`): ``"params"`` by parameter count,
+            ``"time"`` by forward + backward time, ``"memory"`` by saved activations + parameters. ``None``
+            (default) means ``"params"``. ``"time"`` and ``"memory"`` profile each layer, one at a time on
+            global rank 0's device, on the first micro-batch of the module's ``example_input_array`` (the
+            input of ``forward``) or else of the first training batch; the costs are kept in
+            :attr:`layer_costs` and reused by later runs of the same strategy. See docs/balance.md.
+        balance_memory_limit: bytes one stage may hold, counted as its layers' profiled saved activations
+            and parameters for one micro-batch (see :func:`~lightning_gpipe.planning.balance.balance_by`); the
+            split is the best one within it. ``None`` (default) for no limit. Profiles like ``"time"``.
+        chunks: M, the number of micro-batches per mini-batch. ``None`` (default) uses ``4 * K`` for K > 1
+            stages, the point from which the paper finds the bubble negligible, and 1 for a single stage (no
+            bubble to hide, so micro-batches would only cost time; set ``chunks`` to trade time for
+            activation memory with re-materialization on one device). A batch with fewer rows
+            than ``chunks`` runs as one micro-batch per row; a batch that does not divide evenly gives
+            uneven micro-batches (as :func:`torch.tensor_split`).
+        checkpoint: re-materialization: ``"always"`` recomputes every micro-batch's forward in the
+            drain, ``"except_last"`` all but the last micro-batch, ``"never"`` keeps all activations. ``None``
+            (default): ``"except_last"``, or the planner's choice under ``plan="auto"``.
+        schedule: ``"gpipe"`` is GPipe's fill-drain (``None``, the default, means it, or the planner's choice under
+            ``plan="auto"``): all M forwards, then all M backwards, so a
+            stage holds M micro-batches. ``"1f1b"`` is PipeDream-Flush's one-forward-one-backward schedule
+            (Narayanan et al. 2021): each micro-batch's backward starts as soon as its loss exists, so stage k
+            of K holds at most ``K - k`` micro-batches; same gradients, same bubble. Under ``"1f1b"`` the last
+            stage runs ``training_step`` once per micro-batch on its rows of the batch, weighting each loss
+            by its share of the rows (see docs/contract.md, "1F1B"). ``"zb-h1"`` is zero-bubble's ZB-H1 (Qi et al.
+            2023, section 3.1): 1F1B with each backward split into the input gradient (B) and the weight gradient
+            (W), stage k running each W k micro-batches after its B, where it would otherwise wait; it runs the
+            user's step like ``"1f1b"``, holds at most K micro-batches on each stage (1F1B's peak, on stage 0)
+            and needs the B/W split (``defer_weight_grad`` unset or ``True``). ``"zb-1p"`` is zero-bubble's automatic
+            schedule at the same memory (section 3.2): like ``"zb-h1"``, but each stage's W placed from the
+            backbone's profiled F, B and W times (profiled once on global rank 0, like ``balance="time"``; the
+            plans are never slower than ZB-H1's on the simulator's clock, and equal them for equal costs).
+            ``"zb-v"`` is zero-bubble's ZB-V (section 6): two model chunks per stage placed in a V, virtual stages
+            k and 2K - 1 - k on stage k (``virtual_stages`` is 2), so the backbone's input and the user's head and
+            loss are both on stage 0, with W placed by cost like ``"zb-1p"``; 1F1B's peak memory where the chunks
+            are equal. Evaluation is the same forward for all.
+        virtual_stages: v, the model chunks of each stage (interleaved pipelines, Narayanan et al. 2021, section
+            2.2): the backbone is split into ``K * v`` virtual stages and stage k holds virtual stages k, k + K,
+            ..., so a micro-batch visits every stage v times and the bubble falls from ``(K - 1) / (M + K - 1)``
+            towards ``(K - 1) / (v M + K - 1)``, at the price of v times as many transfers. ``"gpipe"`` runs the
+            looped fill-drain, ``"1f1b"`` Megatron-LM's interleaved 1F1B, ``"zb-h1"`` the interleaved 1F1B order
+            with ZB-H1's W delay, ``"zb-1p"`` that order with W placed by cost (see :mod:`lightning_gpipe.engine.schedule`),
+            ``"zb-v"`` its V (2 only, and its default);
+            a list ``balance`` gives ``K * v``
+            entries. Parameter names, and so checkpoints, are those of the unsplit module: a run resumes with
+            another v or K. 1 (``None``, default): one chunk per stage; under ``plan="auto"`` the planner's choice.
+            Each virtual link has a process group of its own (:mod:`lightning_gpipe.engine.channels`), since NCCL matches
+            the point-to-point messages of two ranks by order, not by tag; tested on gloo (CPU) only.
+        deferred_batch_norm: ``True`` makes the backbone's ``nn.BatchNorm1d/2d/3d`` layers normalise with
+            micro-batch statistics but update their running statistics once per mini-batch, equal to
+            single-device batch norm's (see :class:`~lightning_gpipe.engine.batchnorm.DeferredBatchNorm`); the
+            plain layers are back in the module after the run. ``False`` (default) leaves batch norm as
+            it is: every micro-batch, and every recompute, updates the running statistics.
+        defer_weight_grad: ``True`` splits each micro-batch's backward on the stages after the first into the
+            input gradient, sent to the previous stage at once, and the weight gradient, computed after the send
+            (zero-bubble pipeline parallelism's B/W split, Qi et al. 2023), so the previous stage starts each
+            backward one weight gradient earlier. Same gradients. Under fill-drain with ``checkpoint="never"``
+            the last stage runs every weight gradient after its last input gradient (its graphs are all held
+            at the fill's end anyway); elsewhere a micro-batch's graph is held no longer than without the
+            split (docs/how-it-works.md). ``False`` computes both in one backward. ``None`` (default): the
+            schedule's default, :data:`~lightning_gpipe.engine.schedule.DEFERRED_BY_DEFAULT`.
+        pipeline_parallel_size: K, the stages of each pipeline. ``"auto"`` (default): the length of a list
+            ``balance``, else ``devices * num_nodes / data_parallel_size`` if that is given, else ``devices`` (one
+            pipeline per node).
+        data_parallel_size: D, the pipeline replicas, each training on its own shard of every batch.
+            ``"auto"`` (default): ``devices * num_nodes / K``. ``K * D`` must equal ``devices * num_nodes``.
+        backbone: name of the ``nn.Sequential`` attribute to pipeline; ``None`` finds the only one.
+        start_method: ``"popen"`` (default) re-runs the user's script once per extra stage, like
+            ``torchrun``; ``"spawn"`` starts worker processes from the main one and loads every
+            stage's trained weights back into the main process's module.
+        state_dict_type: ``"full"`` (default) writes a checkpoint as one file holding every stage's weights and
+            optimizer state, gathered on global rank 0; it loads into the plain LightningModule without the
+            strategy. ``"sharded"`` writes a directory with torch.distributed.checkpoint, each stage its own
+            part, for models too large to gather. Both resume with any number of stages and any ``balance``.
+        timeout: the process group's timeout: how long a collective or transfer may wait before
+            torch.distributed gives up (30 minutes by default); it also caps ``stall_timeout``.
+        stall_timeout: how long a stage may wait for another (a transfer, or a collective of the package's)
+            before the job ends, naming the stage that stopped progressing and where it was, e.g. "stage 1 has
+            been in the forward of micro-batch 3 at step 17 for 300 s". 5 minutes by default, and at most 90% of
+            ``timeout`` (so that it speaks before torch.distributed gives up); ``None`` leaves only that. Writing
+            a checkpoint and profiling the backbone do not count as stalls. See docs/training.md, "Failures and
+            stalls".
+        process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
+        plan: ``"auto"`` plans the pipeline before the first step (see docs/planning.md): global rank 0 profiles the
+            backbone's layers once, at two micro-batch sizes, and every process predicts each candidate plan
+            (``chunks``, ``checkpoint``, ``schedule``, the best ``balance``) on the mesh the job was launched with,
+            and runs the fastest one whose every stage fits ``memory_limit``; what it chose and why is printed at fit
+            start and kept in ``GPipeStrategy.plan_report``. Options given explicitly (``chunks``, ``balance``,
+            ``checkpoint``, ``schedule``, even at their default values) are kept. ``None`` (default): no planning.
+        memory_limit: bytes one device may hold under ``plan="auto"``: parameters, gradients, optimizer state,
+            activations and transfer buffers. ``None`` (default): the free memory CUDA reports on global rank 0's
+            device; on the CPU it must be given.
+        cost_model: the planner's constants for this machine
+            (:class:`~lightning_gpipe.planning.CostModel`); ``None`` (default): the ones measured for the package.
+        compile: ``True`` compiles each backbone layer of every stage with :func:`torch.compile` (its defaults), in
+            place: the forward, the re-materialization's recompute and the backward (one compiled backward per
+            layer) run compiled code, and parameter names stay (``backbone.7.weight``). A dict gives
+            ``torch.compile``'s keyword arguments, e.g. ``{"dynamic": False}``. ``False`` (default) compiles
+            nothing. Under the B/W split (``defer_weight_grad``, ``schedule="zb-h1"``) each compiled layer's
+            backward runs twice, once for B and once for W (same gradients; see :mod:`lightning_gpipe.engine.compilation`
+            and docs/how-it-works.md, "torch.compile").
+
+    Raises:
+        ValueError: naming the option and the fix, for ``chunks < 1``, a value outside :data:`CHOICES`, a ``balance``
+            that is neither a mode nor a list of integers, a ``balance_memory_limit`` that is not a positive integer
+            or comes with a list ``balance``, a ``stall_timeout`` that is not a positive ``timedelta``, or a mesh
+            size that is neither a positive integer nor ``"auto"``; a ``plan`` other than ``"auto"`` or ``None``, a
+            ``memory_limit`` that is not a positive integer, ``memory_limit`` or ``cost_model`` without
+            ``plan="auto"``, or ``plan="auto"`` with ``balance_memory_limit``; ``virtual_stages`` that is not a
+            positive integer; a ``compile`` that is neither a bool nor a dict of
+            ``torch.compile``'s keyword arguments.
+    """
+
+    balance: Balance = None
+    chunks: Optional[int] = None
+    checkpoint: Optional[str] = None
+    schedule: Optional[str] = None
+    deferred_batch_norm: bool = False
+    defer_weight_grad: Optional[bool] = None
+    virtual_stages: Optional[int] = None
+    backbone: Optional[str] = None
+    balance_memory_limit: Optional[int] = None
+    start_method: str = "popen"
+    state_dict_type: str = "full"
+    pipeline_parallel_size: Size = "auto"
+    data_parallel_size: Size = "auto"
+    timeout: Optional[timedelta] = default_pg_timeout
+    stall_timeout: Optional[timedelta] = timedelta(minutes=5)
+    process_group_backend: Optional[str] = None
+    plan: Optional[str] = None
+    memory_limit: Optional[int] = None
+    cost_model: Optional[CostModel] = None
+    compile: CompileOption = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_given", frozenset(k for k in DEFAULTS if getattr(self, k) is not None))
+        for option, default in DEFAULTS.items():
+            object.__setattr__(self, option, default if getattr(self, option) is None else getattr(self, option))
+        if self.schedule in V_SHAPED and "virtual_stages" not in self._given:  # the V's two arms, kept by the planner
+            object.__setattr__(self, "virtual_stages", 2)
+            object.__setattr__(self, "_given", self._given | {"virtual_stages"})
+        chunks = self.chunks
+        if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
+            raise ValueError(
+                f"GPipeStrategy(chunks={chunks!r}): chunks is the number of micro-batches, an integer >= 1."
+            )
+        for option, (allowed, fix) in CHOICES.items():
+            if getattr(self, option) not in allowed:
+                raise ValueError(f"GPipeStrategy({option}={getattr(self, option)!r}): {fix}.")
+        self._check_weight_split()
+        self._check_virtual_stages()
+        self._check_balance()
+        self._check_plan()
+        compile_options(self.compile)  # raises ValueError for a bad value, before any process starts
+        stall = self.stall_timeout
+        if stall is not None and (not isinstance(stall, timedelta) or stall <= timedelta(0)):
+            raise ValueError(
+                f"GPipeStrategy(stall_timeout={stall!r}): give how long a stage may wait for another as a positive"
+                " `datetime.timedelta`, e.g. timedelta(minutes=5), or None to leave only the process group's `timeout`."
+            )
+        checked_size(self.pipeline_parallel_size, "pipeline_parallel_size")
+        checked_size(self.data_parallel_size, "data_parallel_size")
+        if self.balance is not None and not isinstance(self.balance, str):
+            object.__setattr__(self, "balance", list(self.balance))
+
+    def _check_weight_split(self) -> None:
+        defer = self.defer_weight_grad
+        if defer is not None and not isinstance(defer, bool):
+            raise ValueError(
+                f"GPipeStrategy(defer_weight_grad={defer!r}): give True (the B/W split), False, or None for the"
+                " schedule's default."
+            )
+        if defer is False and DEFERRED_BY_DEFAULT.get(self.schedule):  # the zero-bubble schedules: they need it
+            raise ValueError(
+                f"GPipeStrategy(schedule={self.schedule!r}, defer_weight_grad=False): a zero-bubble schedule runs each"
+                " weight gradient apart from its input gradient, so it needs the B/W split; leave defer_weight_grad"
+                " unset (or True), or choose schedule='1f1b'."
+            )
+
+    def _check_virtual_stages(self) -> None:
+        v = self.virtual_stages
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(
+                f"GPipeStrategy(virtual_stages={v!r}): give the model chunks per stage, an integer >= 1 (1: none)."
+            )
+        if self.schedule in V_SHAPED and v != 2:
+            raise ValueError(
+                f"GPipeStrategy(schedule={self.schedule!r}, virtual_stages={v}): ZB-V places two model chunks per stage"
+                " in a V; leave virtual_stages unset (or 2), or choose schedule='zb-1p' for other chunk counts."
+            )
+
+    @property
+    def v_shape(self) -> bool:
+        """Whether the schedule places each stage's two model chunks in a V (:data:`~lightning_gpipe.engine.schedule.
+        V_SHAPED`: virtual stages k and 2K - 1 - k on stage k, the head on stage 0)."""
+        return self.schedule in V_SHAPED
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the stages after the first split each backward into B and W: ``defer_weight_grad``, or if
+        ``None``, the schedule's default (:data:`~lightning_gpipe.engine.schedule.DEFERRED_BY_DEFAULT`)."""
+        if self.defer_weight_grad is None:
+            return DEFERRED_BY_DEFAULT[self.schedule]
+        return self.defer_weight_grad
+
+    def _check_balance(self) -> None:
+        balance, limit = self.balance, self.balance_memory_limit
+        automatic = balance is None or balance in MODES
+        if not automatic and (
+            isinstance(balance, (str, bytes))
+            or not all(isinstance(n, int) and not isinstance(n, bool) for n in balance)
+        ):
+            raise ValueError(
+                f"GPipeStrategy(balance={balance!r}): choose 'params', 'time' or 'memory', or give the number of"
+                " backbone layers of each stage as a list of integers, e.g. balance=[3, 5]."
+            )
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise ValueError(
+                f"GPipeStrategy(balance_memory_limit={limit!r}): give the bytes one stage may hold, an integer >= 1,"
+                " or None for no limit."
+            )
+        if limit is not None and not automatic:
+            raise ValueError(
+                f"GPipeStrategy(balance={balance!r}, balance_memory_limit=...): the memory limit steers an automatic"
+                " balance; use balance='time' (or 'params', 'memory') with it, or drop the limit."
+            )
+
+    def _check_plan(self) -> None:
+        plan, limit = self.plan, self.memory_limit
+        if plan not in (None, "auto"):
+            raise ValueError(f"GPipeStrategy(plan={plan!r}): choose 'auto' (plan the pipeline) or None.")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise ValueError(
+                f"GPipeStrategy(memory_limit={limit!r}): give the bytes one device may hold, an integer >= 1, or None"
+                " for what the accelerator reports."
+            )
+        if plan is None and (limit is not None or self.cost_model is not None):
+            raise ValueError(
+                "GPipeStrategy(memory_limit=..., cost_model=...) steer the planner; add plan='auto', or drop them"
+                " (balance_memory_limit limits the balance alone)."
+            )
+        if plan == "auto" and self.balance_memory_limit is not None:
+            raise ValueError(
+                "GPipeStrategy(plan='auto', balance_memory_limit=...): the planner takes the whole memory of a device"
+                " as memory_limit=BYTES (parameters, gradients, optimizer state, activations); drop"
+                " balance_memory_limit."
+            )
+
+    def constraints(self) -> Constraints:
+        """What the user fixed, for the planner: ``chunks``, a ``balance`` (list or mode), the mesh sizes that are
+        not ``"auto"``, and ``checkpoint``, ``schedule`` and ``virtual_stages`` when given explicitly (even at their
+        default values)."""
+        return Constraints(
+            pipeline_parallel_size=None if self.pipeline_parallel_size == "auto" else self.pipeline_parallel_size,
+            data_parallel_size=None if self.data_parallel_size == "auto" else self.data_parallel_size,
+            chunks=self.chunks,
+            checkpoint=self.checkpoint if "checkpoint" in self._given else None,
+            schedule=self.schedule if "schedule" in self._given else None,
+            balance=self.balance,
+            virtual_stages=self.virtual_stages if "virtual_stages" in self._given else None,
+        )
+
+    @property
+    def profiled(self) -> bool:
+        """Whether the run needs each layer's profiled cost: to choose the balance (``"time"``, ``"memory"`` or a
+        limit), or to place the actions of a schedule by cost (``"zb-1p"``, see :attr:`placed_by_cost`)."""
+        return self.balance in ("time", "memory") or self.balance_memory_limit is not None or self.placed_by_cost
+
+    @property
+    def placed_by_cost(self) -> bool:
+        """Whether the schedule places its actions by the profiled B and W times
+        (:data:`~lightning_gpipe.engine.schedule.PLACED_BY_COST`)."""
+        return self.schedule in PLACED_BY_COST
+
+    def chunks_for(self, num_stages: int) -> int:
+        """M for a pipeline of ``num_stages``: ``chunks`` if given, else ``4 * K`` for K > 1 (the paper's point from
+        which the bubble is negligible) and 1 for a single stage (no bubble to hide)."""
+        if self.chunks is not None:
+            return self.chunks
+        return 4 * num_stages if num_stages > 1 else 1
+
+    def stall_limit(self) -> float:
+        """Seconds a stage may wait for another before the wait counts as a stall: ``stall_timeout``, at most 90% of
+        ``timeout`` (so that the watchdog speaks before torch.distributed gives up); ``inf`` without either."""
+        limits = [0.9 * self.timeout.total_seconds()] if self.timeout is not None else []
+        limits += [self.stall_timeout.total_seconds()] if self.stall_timeout is not None else []
+        return min(limits, default=float("inf"))

@@ -1,0 +1,279 @@
+"""MeshStrategy: the processes of a (data-parallel x pipeline) mesh, as Lightning's parallel strategies see them.
+
+One OS process per device, launched like DDP. This base of :class:`~lightning_gpipe.lightning.strategy.GPipeStrategy` owns
+what every process of the job does alike, whatever runs in it: the launcher, the process groups of the mesh
+(:mod:`~lightning_gpipe.engine.topology`), the failure board and the stall watchdog (:mod:`~lightning_gpipe.faults.failure`,
+:mod:`~lightning_gpipe.faults.watchdog`), the shared random state (:mod:`~lightning_gpipe.lightning.randomness`), collectives that
+leave signals handled (:mod:`~lightning_gpipe.faults.collectives`), and the agreement before every step
+(:mod:`~lightning_gpipe.lightning.agreement`, :mod:`~lightning_gpipe.lightning.signals`).
+"""
+
+from typing import Any, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_gpipe.faults import collectives
+from lightning_gpipe.lightning.agreement import StepAgreement, same_batch_counts
+from lightning_gpipe.lightning.config import PipelineConfig
+from lightning_gpipe.lightning.data import same_batches
+from lightning_gpipe.lightning.data_parallel import reduce_over_replicas
+from lightning_gpipe.faults.job import Job
+from lightning_gpipe.lightning.randomness import StageRandomness
+from lightning_gpipe.lightning.signals import StopSignals
+from lightning_gpipe.engine.topology import Topology, groups, resolve_topology
+
+
+class MeshStrategy(ParallelStrategy):
+    """A parallel strategy whose processes form a (data-parallel x pipeline) mesh (see the module docstring).
+
+    With ``data_parallel_size`` D and ``pipeline_parallel_size`` K, global rank ``r`` is stage ``r % K`` of
+    replica ``r // K``; the stages of a replica read the same batches, and each replica its own shard.
+
+    Args:
+        config: the validated options (:class:`~lightning_gpipe.lightning.config.PipelineConfig`).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for Lightning's
+            other parallel strategies; the Trainer fills them in.
+    """
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.config = config
+        self._num_nodes = 1
+        self._pipeline_group: Optional[dist.ProcessGroup] = None  # the stages of this process's replica
+        self._data_parallel_group: Optional[dist.ProcessGroup] = None  # the replicas of this process's stage
+        self._randomness = StageRandomness()  # one stream until setup_environment seeds the stage's own
+        self._agreement: Optional[StepAgreement] = None
+        self._signals: Optional[StopSignals] = None
+        self._job = Job()  # one without a store until setup_environment creates the run's
+
+    @property
+    @override
+    def num_nodes(self) -> int:
+        """Number of nodes the job spans."""
+        return self._num_nodes
+
+    @num_nodes.setter
+    @override
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    @override
+    def num_processes(self) -> int:
+        """Number of processes on this node, one per device."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        """The device of this process."""
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def topology(self) -> Topology:
+        """The data-parallel x pipeline mesh of this job (see :func:`~lightning_gpipe.engine.topology.resolve_topology`).
+
+        Raises:
+            ValueError: if the mesh sizes or a list ``balance`` do not fit ``devices * num_nodes``.
+        """
+        config = self.config
+        sizes = (config.pipeline_parallel_size, config.data_parallel_size, config.balance)
+        return resolve_topology(*sizes, self.num_processes, self.num_nodes, config.virtual_stages, config.v_shape)
+
+    @property
+    def stage_index(self) -> int:
+        """Pipeline rank of this process (0 is the first stage)."""
+        return self.topology.stage_of(self.global_rank)
+
+    @property
+    def replica_index(self) -> int:
+        """Data-parallel rank of this process (the pipeline replica it belongs to, 0-based)."""
+        return self.topology.replica_of(self.global_rank)
+
+    @property
+    def job(self) -> Job:
+        """This process's part of the current run (failure board, position, stall watchdog, waiter; see
+        :class:`~lightning_gpipe.faults.job.Job`), created in ``setup_environment``; before it, and after ``teardown``,
+        one without a store (nothing is published)."""
+        return self._job
+
+    @property
+    def pipeline_group(self) -> Optional[dist.ProcessGroup]:
+        """The process group of this process's replica (its pipeline's stages); ``None`` before setup."""
+        return self._pipeline_group
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether there are several pipeline replicas: then Lightning gives each data loader a
+        ``DistributedSampler`` over them (see :attr:`distributed_sampler_kwargs`)."""
+        return self.topology.data_parallel_size > 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """All stages of one pipeline read the same batches: the sampler sees the data-parallel world only."""
+        return {"num_replicas": self.topology.data_parallel_size, "rank": self.replica_index}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Make every stage of a pipeline read the same batches (see :func:`~lightning_gpipe.lightning.data.same_batches`)."""
+        resample = self.lightning_module.trainer._accelerator_connector.use_distributed_sampler
+        return same_batches(dataloader, self.replica_index, self.topology.data_parallel_size, resample)
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self.topology  # a mesh that does not fit the job fails here, before any process starts
+        if self.config.start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self.config.start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        """Select the device, join the process groups, the failure board and the stall watchdog, take the stages'
+        shared random state (see :mod:`lightning_gpipe.lightning.randomness`), and prepare the agreement before each step."""
+        super().setup_environment()
+        reset_seed()
+        environment, topology = self.cluster_environment, self.topology
+        environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+        backend = self.config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        _init_dist_connection(environment, backend, timeout=self.config.timeout)
+        self._pipeline_group, self._data_parallel_group = groups(topology.mesh(self.root_device.type))
+        names = {rank: topology.name(rank) for rank in range(topology.world_size)}
+        store = dist.distributed_c10d._get_default_store()
+        self._job.close()
+        self._job = Job(store, self.global_rank, names, self.config.stall_limit(), self.world_size)
+        self._randomness = StageRandomness.synchronized(self.stage_index, topology.num_stages, self.broadcast)
+        replicas = topology.data_parallel_size
+        self._agreement = StepAgreement(self.replica_index, replicas, self.root_device, names, self._job)
+        self._signals = StopSignals(self.lightning_module.trainer, self.launcher, self.cluster_environment)
+
+    @override
+    def on_train_start(self) -> None:
+        """Check the stages' batch counts and take stop signals at step boundaries (see :meth:`_start_loop`)."""
+        self._start_loop("training", [self.lightning_module.trainer.num_training_batches])
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Agree with every process on the batch and on stop signals before the step (see :meth:`_agree`)."""
+        self._agree(batch, f"training batch {batch_idx}", training=True)
+
+    @override
+    def on_validation_start(self) -> None:
+        """Check that every stage has as many validation batches (see :meth:`_start_loop`)."""
+        self._start_loop("validation", self.lightning_module.trainer._evaluation_loop.max_batches)
+
+    @override
+    def on_test_start(self) -> None:
+        """Check that every stage has as many test batches (see :meth:`_start_loop`)."""
+        self._start_loop("test", self.lightning_module.trainer._evaluation_loop.max_batches)
+
+    @override
+    def on_predict_start(self) -> None:
+        """Check that every stage has as many prediction batches (see :meth:`_start_loop`)."""
+        self._start_loop("prediction", self.lightning_module.trainer.predict_loop.max_batches)
+
+    def _start_loop(self, loop: str, counts: list) -> None:
+        """Check that the processes' loaders have as many batches (see
+        :func:`~lightning_gpipe.lightning.agreement.same_batch_counts`), then take the stop signals at step boundaries
+        (Lightning registers its handlers at the start of each loop)."""
+        same_batch_counts(loop, counts, self._job)
+        self._signals.install()
+
+    def _agree(self, batch: Any, which: str, training: bool = False) -> None:
+        """The agreement before one step (one all-reduce, see :mod:`lightning_gpipe.lightning.agreement`): the stages of each
+        pipeline must have read the same batch (``which`` names it), and a SIGTERM or requeue signal that reached any
+        process takes effect on all of them at this step (see :meth:`~lightning_gpipe.lightning.signals.StopSignals.act`).
+
+        Raises:
+            BatchMismatchError: on every process, if the stages of a pipeline read different batches.
+            SIGTERMException: after a SLURM requeue's checkpoint.
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
+        epoch = self.lightning_module.trainer.current_epoch
+        agreed = self._agreement.agree(batch, self._signals.requests(), lambda: f"epoch {epoch}, {which}")
+        self._signals.act(agreed, training)
+
+    @override
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[str] = "mean") -> Any:
+        """Reduce ``tensor`` over this stage's replicas (``self.log(..., sync_dist=True)`` calls this), as DDP does;
+        the stages of a pipeline hold parts of one step, not copies, and never average with each other (see
+        :func:`~lightning_gpipe.lightning.data_parallel.reduce_over_replicas`).
+
+        Raises:
+            ValueError: for a ``reduce_op`` other than ``"mean"``, ``"avg"`` or ``"sum"``.
+            PipelineFailure: if another process failed or stalled while this one waited for it.
+        """
+        replicas = self.topology.data_parallel_size if dist.is_initialized() else 1
+        return reduce_over_replicas(tensor, reduce_op, self._data_parallel_group, replicas, self._job)
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        """Wait until every process reaches this point (interruptibly, see :mod:`lightning_gpipe.faults.collectives`)."""
+        if dist.is_initialized():
+            collectives.barrier(self._job)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Send the picklable ``obj`` from global rank ``src`` to every process (interruptibly)."""
+        return collectives.broadcast_object(self._job, obj, src) if dist.is_initialized() else obj
+
+    @property
+    def _last_stage_rank(self) -> int:
+        return self.topology.rank_of(self.topology.last_stage, self.replica_index)
+
+    def _share_from_last_stage(self, obj: Any) -> Any:
+        """``obj`` of this pipeline's last stage, on every stage of the pipeline (a collective call)."""
+        if not dist.is_initialized():
+            return obj
+        return collectives.broadcast_object(self._job, obj, self._last_stage_rank, group=self.pipeline_group)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Publish the exception so that the other processes exit naming it instead of hanging, then wait (a few
+        seconds at most) until every process has read it (:meth:`~lightning_gpipe.faults.failure.FailureBoard.linger`).
+        Lightning's ``SIGTERMException`` is not published: every stage raises it at the same step, by agreement. On a
+        ``KeyboardInterrupt`` it says where the other stages were last seen; Lightning's launcher then ends them."""
+        if not isinstance(exception, SIGTERMException):
+            self._job.board.report(exception)
+            self._job.board.linger()
+        if isinstance(exception, KeyboardInterrupt):  # the launcher ends the other stages next, whatever they do
+            self._job.board.say(f"interrupted; ending every stage. {self._job.watchdog.last_positions()}.")
+
+    @override
+    def teardown(self) -> None:
+        """Lightning's teardown, then close this run's agreement and :class:`~lightning_gpipe.faults.job.Job`."""
+        super().teardown()
+        self._agreement = self._signals = None
+        self._randomness = StageRandomness()
+        self._job.close()

@@ -1,0 +1,169 @@
+"""One optimizer step, agreed by every stage: the global gradient norm and the shared found-inf decision.
+
+Each stage steps its own optimizer over its own parameters. Two decisions of a
+step depend on all the gradients of the model, not one stage's part:
+
+- clipping by norm scales every gradient by ``max_norm / total_norm``, where
+  ``total_norm`` is the norm over all stages' gradients (what single-device
+  ``torch.nn.utils.clip_grad_norm_`` computes over the whole model);
+- with a gradient scaler (``precision="16-mixed"``), a non-finite gradient on
+  any stage must make every stage skip the step and back off the scale together,
+  or the stages' weights and scales drift apart.
+
+Clipping by value needs nothing: it is element-wise. :func:`pipelined` gives the strategy's precision plugin both.
+"""
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_gpipe.faults import collectives
+
+if TYPE_CHECKING:
+    from lightning_gpipe.faults.job import Job
+
+
+def clip_grad_norm_(
+    parameters: Iterable[Tensor],
+    max_norm: float,
+    group: Optional[dist.ProcessGroup] = None,
+    uncounted: Iterable[Tensor] = (),
+    *,
+    job: Optional["Job"],
+) -> Tensor:
+    """Clip this stage's gradients by the 2-norm of the gradients of every stage in ``group``.
+
+    Equals ``torch.nn.utils.clip_grad_norm_`` over the whole model: the squared norms of
+    the stages are summed (an all-reduce; every stage must call this), then each stage
+    scales its gradients with ``torch.nn.utils.clip_grads_with_norm_``.
+
+    Args:
+        parameters: this stage's parameters (their ``.grad`` is scaled in place).
+        max_norm: the largest allowed 2-norm of all gradients together.
+        group: the stages of one pipeline; ``None`` is the default (whole-world) group.
+        uncounted: parameters among ``parameters`` whose gradients are scaled but left out of this stage's norm:
+            the copies of a tied parameter held by several stages, on all of them but one, so that it counts
+            once (see :meth:`lightning_gpipe.engine.ties.TiedParameters.uncounted`). None by default.
+        job: the run's :class:`~lightning_gpipe.faults.job.Job`, whose waits the all-reduce uses; ``None`` only when
+            torch.distributed is not initialised (one process).
+
+    Returns:
+        The total 2-norm before clipping (a scalar tensor on this stage's device).
+
+    Raises:
+        PipelineFailure: if another stage failed while this one waited for it.
+    """
+    parameters = list(parameters)
+    skipped = {id(p) for p in uncounted}
+    grads = [p.grad for p in parameters if p.grad is not None and id(p) not in skipped]
+    device = grads[0].device if grads else torch.device("cpu")
+    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
+    squared = local.double() ** 2
+    if dist.is_initialized():
+        collectives.all_reduce(job, squared, group=group)
+    total = squared.sqrt().to(local.dtype)
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
+
+
+class SharedGradScaler(torch.amp.GradScaler):
+    """A gradient scaler whose found-inf decision is shared by every stage of the pipeline.
+
+    After unscaling, each stage's "found a non-finite gradient" flag is all-reduced with
+    ``MAX``, so the optimizer steps of all stages are skipped together and the scale backs
+    off on every stage alike, as with one scaler over the whole model. Build it with
+    :meth:`from_scaler` from the precision plugin's scaler.
+
+    Args:
+        group: the stages of one pipeline; ``None`` is the default (whole-world) group.
+        job: the run's :class:`~lightning_gpipe.faults.job.Job`, whose waits the all-reduce uses; ``None`` only when
+            torch.distributed is not initialised.
+        *args: as for :class:`torch.amp.GradScaler`.
+        **kwargs: as for :class:`torch.amp.GradScaler`.
+    """
+
+    def __init__(self, *args, group: Optional[dist.ProcessGroup] = None, job: Optional["Job"] = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.group, self.job = group, job
+
+    @classmethod
+    def from_scaler(
+        cls, scaler: torch.amp.GradScaler, group: Optional[dist.ProcessGroup] = None, job: Optional["Job"] = None
+    ) -> "SharedGradScaler":
+        """A shared scaler with the device, settings and current state (scale, growth tracker) of ``scaler``, over
+        ``group`` with the waits of ``job`` (see the class's arguments)."""
+        shared = cls(scaler._device, enabled=scaler.is_enabled(), group=group, job=job)
+        shared.load_state_dict(scaler.state_dict())
+        return shared
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale ``optimizer``'s gradients, then agree with the other stages on whether any was non-finite.
+
+        Raises:
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
+        super().unscale_(optimizer)
+        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        if not found or not dist.is_initialized():
+            return
+        flags = list(found.values())
+        any_found = torch.stack([flag.to(flags[0].device) for flag in flags]).amax()
+        collectives.all_reduce(self.job, any_found, dist.ReduceOp.MAX, self.group)
+        for flag in flags:
+            flag.copy_(any_found)
+
+
+class PipelinePrecision:
+    """What :func:`pipelined` mixes into a precision plugin: Lightning's gradient clipping by norm goes through
+    :func:`clip_grad_norm_` over the stages of ``pipeline_group``, leaving out ``uncounted()`` (tied copies), with
+    the waits of ``job`` (the run's). Set on the instance by :func:`pipelined`."""
+
+    pipeline_group: Optional[dist.ProcessGroup]
+    uncounted: Callable[[], Iterable[Tensor]]
+    job: "Job"
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
+        """Clip ``optimizer``'s gradients by the norm of every stage's gradients (a collective call of the pipeline)."""
+        parameters, group, uncounted = self.main_params(optimizer), self.pipeline_group, self.uncounted()
+        clip_grad_norm_(parameters, clip_val, group=group, uncounted=uncounted, job=self.job)
+
+
+@functools.cache
+def _pipelined_class(plugin_class: type) -> type:
+    return type(f"Pipelined{plugin_class.__name__}", (PipelinePrecision, plugin_class), {})
+
+
+def pipelined(
+    plugin: Any, group: Optional[dist.ProcessGroup], uncounted: Callable[[], Iterable[Tensor]], job: "Job"
+) -> None:
+    """Make a Lightning precision plugin clip by the norm of all stages' gradients and share its gradient scaler's
+    found-inf decision (:class:`SharedGradScaler`); undone by :func:`unpipelined`.
+
+    The plugin's class becomes a subclass of its own class with :class:`PipelinePrecision` first, so every
+    ``isinstance`` check of Lightning's (``MixedPrecision``, ``FSDPPrecision``...) still holds.
+
+    Args:
+        plugin: the strategy's precision plugin.
+        group: the stages of this process's pipeline.
+        uncounted: returns the parameters left out of this stage's norm (see :func:`clip_grad_norm_`).
+        job: the run's :class:`~lightning_gpipe.faults.job.Job`, whose waits the all-reduces use.
+    """
+    if not isinstance(plugin, PipelinePrecision):
+        plugin.__class__ = _pipelined_class(type(plugin))
+    plugin.pipeline_group, plugin.uncounted, plugin.job = group, uncounted, job
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is not None and not isinstance(scaler, SharedGradScaler):
+        plugin.scaler = SharedGradScaler.from_scaler(scaler, job=job)
+    elif scaler is not None:
+        scaler.job = job  # a scaler shared in an earlier run, with its state
+
+
+def unpipelined(plugin: Any) -> None:
+    """Give ``plugin`` its own class back (after a run; its scaler stays shared, with its state)."""
+    if isinstance(plugin, PipelinePrecision):
+        plugin.__class__ = type(plugin).__bases__[1]
+        del plugin.pipeline_group, plugin.uncounted, plugin.job

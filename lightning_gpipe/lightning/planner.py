@@ -1,0 +1,165 @@
+"""Planning a pipeline for a module: without training (:func:`plan`), or in ``GPipeStrategy(plan="auto")``'s setup
+(:func:`plan_for_strategy`)."""
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any, Callable, Optional, Union
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_gpipe.engine.partition import find_backbone
+from lightning_gpipe.planning.costs import CostModel, ProfiledCosts, optimizer_state_factor
+from lightning_gpipe.lightning.backbone import profile_module
+from lightning_gpipe.planning.profiling import module_state_factor
+from lightning_gpipe.planning.report import PlanReport
+from lightning_gpipe.planning.search import Constraints, search
+
+ASSUMED_STATE_FACTOR = 2
+"""Optimizer state tensors per parameter assumed when ``configure_optimizers`` cannot be read (Adam's)."""
+
+
+def plan(
+    module: LightningModule,
+    world_size: int,
+    memory_limit: int,
+    example_batch: Any = None,
+    optimizer: Union[None, str, torch.optim.Optimizer] = None,
+    device: Union[torch.device, str] = "cpu",
+    backbone: Optional[str] = None,
+    cost_model: CostModel = CostModel(),
+    pipeline_parallel_size: Optional[int] = None,
+    data_parallel_size: Optional[int] = None,
+    chunks: Optional[int] = None,
+    checkpoint: Optional[str] = None,
+    schedule: Optional[str] = None,
+    balance: Union[None, str, Sequence[int]] = None,
+    virtual_stages: Optional[int] = None,
+) -> PlanReport:
+    """Plan a pipeline for ``module`` on ``world_size`` devices of ``memory_limit`` bytes each, without training.
+
+    ``GPipeStrategy(plan="auto")``'s planner (docs/planning.md) over every mesh, ranked by predicted seconds per
+    trained row (D replicas train D batches per step); tried for several ``world_size``: "how many devices does
+    this model need". The layers are profiled one at a time, so the whole model never has to fit.
+
+    Args:
+        module: the LightningModule. If its backbone does not exist yet (built in ``configure_model``), that hook
+            is called under ``torch.device("meta")``: each layer is initialised only while it is profiled.
+        world_size: devices (processes) of the job.
+        memory_limit: bytes each device may hold (parameters, gradients, optimizer state, activations, buffers).
+        example_batch: one training batch, as the data loader yields it (per replica): the backbone input is
+            what ``training_step`` passes to the backbone. ``None``: the module's ``example_input_array``.
+        optimizer: for the optimizer state's size: a name (``"sgd"``, ``"momentum"``, ``"adam"``, ``"adamw"``,
+            ``"amsgrad"``) or an optimizer; ``None`` (default): the module's ``configure_optimizers()``.
+        device: where to profile the layers (default ``"cpu"``); use the kind of device you will train on.
+        backbone: the ``nn.Sequential`` attribute; ``None`` finds the only one.
+        cost_model: the machine's constants (see docs/planning.md, "Calibrating").
+        pipeline_parallel_size: K, fixed; ``None`` (default): the planner's choice, as for the next five.
+        data_parallel_size: D, fixed.
+        chunks: M, fixed.
+        checkpoint: the re-materialization mode, fixed.
+        schedule: the schedule, fixed.
+        balance: layers per (virtual) stage (a list), or a mode of :data:`lightning_gpipe.planning.balance.MODES`.
+        virtual_stages: model chunks per stage, fixed. The planner tries 1 and 2 only where the strategy can run
+            them: on the CPU (gloo), for a backbone without skip connections.
+
+    Returns:
+        The :class:`~lightning_gpipe.planning.report.PlanReport`: ``report.chosen.plan.options()`` are the
+        ``GPipeStrategy`` arguments; ``print(report.table())`` shows it and the runners-up.
+
+    Raises:
+        ValueError: for no backbone input (neither ``example_batch`` nor ``example_input_array``), constraints
+            that leave no plan, or a limit no plan fits (naming the smallest limit that would fit).
+    """
+    if example_batch is None and module.example_input_array is None:
+        raise ValueError(
+            "lightning_gpipe.plan needs a sample of the backbone input: pass example_batch=<one training batch> or"
+            " set the module's example_input_array."
+        )
+    name = _built_backbone(module, backbone)
+    constraints = Constraints(
+        pipeline_parallel_size, data_parallel_size, chunks, checkpoint, schedule, balance, virtual_stages
+    )
+    constraints = _interleaving(constraints, torch.device(device))
+    profiled = profile_module(module, name, device, example_batch, chunks, constraints.splits)
+    factor = optimizer_state_factor(optimizer) if optimizer is not None else _state_factor(module)
+    return search(world_size, profiled, memory_limit, factor, cost_model, constraints)
+
+
+def _interleaving(constraints: Constraints, device: torch.device) -> Constraints:
+    """``constraints`` with one model chunk per stage fixed where the planner does not interleave on its own: on
+    CUDA, where interleaving (one NCCL communicator per virtual link, :mod:`lightning_gpipe.engine.channels`) has not been
+    run. A fixed ``virtual_stages`` is kept (given by the user, who asked for it)."""
+    if constraints.virtual_stages is not None or device.type == "cpu":
+        return constraints
+    return replace(constraints, virtual_stages=1)
+
+
+def _built_backbone(module: LightningModule, backbone: Optional[str]) -> str:
+    """The backbone's name, building it on the meta device with ``configure_model`` if it does not exist yet."""
+    try:
+        return find_backbone(module, backbone)
+    except ValueError:
+        with torch.device("meta"):
+            module.configure_model()
+        return find_backbone(module, backbone)
+
+
+def _state_factor(module: LightningModule) -> int:
+    factor = module_state_factor(module)
+    if factor is None:
+        rank_zero_warn(
+            "The planner could not read the optimizer from `configure_optimizers()`; it assumes Adam's state (two"
+            " tensors per parameter). Pass the optimizer to `lightning_gpipe.plan(optimizer=...)` to be exact."
+        )
+        return ASSUMED_STATE_FACTOR
+    return factor
+
+
+def plan_for_strategy(
+    module: LightningModule,
+    backbone: str,
+    config: Any,
+    mesh: tuple[int, int],
+    device: torch.device,
+    profile: Callable[[], Optional[ProfiledCosts]],
+    share: Callable[[Any], Any],
+) -> PlanReport:
+    """The plan of ``GPipeStrategy(plan="auto")`` at setup, on every process alike.
+
+    Args:
+        module: the LightningModule, attached to its Trainer, before the split.
+        backbone: the attribute of its backbone.
+        config: the strategy's :class:`~lightning_gpipe.lightning.config.PipelineConfig` (its constraints, limit and model).
+        mesh: ``(K, D)``, the mesh the job was launched with: the process groups exist before the model does (see
+            docs/planning.md), so the planner keeps it.
+        device: this process's device (for the default memory limit on CUDA).
+        profile: measures the backbone on global rank 0 (``None`` elsewhere).
+        share: sends a picklable object from global rank 0 to every process (a collective call).
+
+    Raises:
+        ValueError: on the CPU without ``memory_limit``, for constraints that leave no plan, or a limit no plan fits
+            (naming the smallest limit that would fit); on every process, before the first step.
+    """
+    limit = config.memory_limit if config.memory_limit is not None else _device_memory(device)
+    profiled, factor = share((profile(), module_state_factor(module)))
+    if factor is None:
+        factor = _state_factor(module)
+    constraints = replace(config.constraints(), pipeline_parallel_size=mesh[0], data_parallel_size=mesh[1])
+    constraints = _interleaving(constraints, device)
+    return search(mesh[0] * mesh[1], profiled, share(limit), factor, config.cost_model or CostModel(), constraints)
+
+
+def _device_memory(device: torch.device) -> int:
+    """The free memory CUDA reports on ``device``.
+
+    Raises:
+        ValueError: on any other device (a CPU has no memory of its own to report).
+    """
+    if device.type != "cuda":
+        raise ValueError(
+            f"GPipeStrategy(plan='auto') on {device.type!r} needs memory_limit=BYTES, the memory one process may"
+            " hold: the planner cannot read a device's memory there."
+        )
+    return torch.cuda.mem_get_info(device)[0]

@@ -1,0 +1,342 @@
+"""GPipeStrategy: GPipe pipeline parallelism behind Lightning's strategy hooks.
+
+How one step maps onto Lightning (see docs/how-it-works.md): ``training_step`` runs the stage's plan up to its
+cut (fill-drain: the fill), ``backward`` the rest (the drain); the optimizer step, clipping, schedulers and
+gradient accumulation stay Lightning's. Each hook hands its work to a piece with one concern: the processes of
+the mesh, their agreement before each step and their failures (:class:`~lightning_gpipe.lightning.mesh.MeshStrategy`, the
+base class), the options (:mod:`~lightning_gpipe.lightning.config`), this run's pipeline (:mod:`~lightning_gpipe.lightning.run`,
+over :mod:`~lightning_gpipe.engine.runtime` and :mod:`~lightning_gpipe.engine.contract`), checkpoints
+(:mod:`~lightning_gpipe.lightning.state_dict`) and optimizer steps (:mod:`~lightning_gpipe.lightning.optimization`).
+"""
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_gpipe.lightning import state_dict
+from lightning_gpipe.planning.balance import LayerCost
+from lightning_gpipe.engine.compilation import CompileOption
+from lightning_gpipe.lightning.config import Balance, PipelineConfig
+from lightning_gpipe.engine.contract import check_automatic_optimization
+from lightning_gpipe.lightning.mesh import MeshStrategy
+from lightning_gpipe.lightning.optimization import pipelined, unpipelined
+from lightning_gpipe.engine.partition import find_backbone, is_whole
+from lightning_gpipe.lightning.run import PipelineRun, split_into_stage
+from lightning_gpipe.lightning.measure import planned_config, shared_layer_costs
+from lightning_gpipe.planning import CostModel, PlanReport
+from lightning_gpipe.lightning.relay import LogRelay
+from lightning_gpipe.lightning.summary import replace_model_summary
+from lightning_gpipe.engine.topology import Size
+
+
+class GPipeStrategy(MeshStrategy):
+    """Train a LightningModule whose ``nn.Sequential`` backbone is split into stages, one per device of a pipeline.
+
+    GPipe (Huang et al. 2019, arXiv:1811.06965): each mini-batch is split into ``chunks`` micro-batches that flow
+    through the stages (the fill), then flow back in reverse order (the drain); gradients accumulate and one
+    optimizer step follows, so training is synchronous and equals single-device mini-batch training. Argument names
+    follow torchgpipe.
+
+    One OS process per stage, launched like DDP, in a (data-parallel x pipeline) mesh (see
+    :class:`~lightning_gpipe.lightning.mesh.MeshStrategy`): each stage's replicas average their gradients once per optimizer
+    step with DDP (see docs/scaling.md). The backbone is the only part that is split: code before the backbone call
+    must hold no parameters, and modules after it (heads, losses, metrics) run on the last stage. Skip connections
+    between backbone layers (:mod:`lightning_gpipe.engine.skip`) go straight from the stashing stage to the popping one; a
+    parameter used on several stages (tied weights) is kept in step on each of them (:mod:`lightning_gpipe.engine.ties`).
+    Every stage reads the same batch, checked before each step (:mod:`lightning_gpipe.lightning.agreement`). See
+    docs/contract.md.
+
+    Args:
+        balance: layers per stage, or ``"params"`` (default), ``"time"`` or ``"memory"`` for the best split.
+        chunks: M, the micro-batches per mini-batch (default ``4 * K``).
+        checkpoint: re-materialization, ``"always"``, ``"except_last"`` (``None``, default) or ``"never"``.
+        deferred_batch_norm: batch norm's running statistics updated once per mini-batch (default ``False``).
+        defer_weight_grad: the zero-bubble B/W split of each backward (default ``None``: the schedule's default).
+        backbone: the ``nn.Sequential`` attribute to pipeline (default: the only one).
+        balance_memory_limit: bytes one stage may hold when choosing the balance (default: no limit).
+        start_method: ``"popen"`` (default) or ``"spawn"``.
+        state_dict_type: checkpoints as one ``"full"`` file (default) or a ``"sharded"`` directory.
+        schedule: ``"gpipe"`` (fill-drain; ``None``, default), ``"1f1b"``, ``"zb-h1"`` or ``"zb-1p"`` (zero-bubble).
+        virtual_stages: model chunks per stage, interleaved (``None``, default: 1, or the planner's choice).
+        pipeline_parallel_size: K, the stages of each pipeline (default ``"auto"``).
+        data_parallel_size: D, the pipeline replicas (default ``"auto"``).
+        timeout: the process group's timeout (30 minutes by default).
+        stall_timeout: how long a stage may wait for another before the job ends naming it (5 minutes).
+        process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
+        plan: ``"auto"`` chooses the options not given under ``memory_limit`` (docs/planning.md); default ``None``.
+        memory_limit: bytes one device may hold under ``plan="auto"`` (default: CUDA's free memory; on the CPU give it).
+        cost_model: the planner's constants for this machine (default: the package's).
+        compile: each stage's backbone layers compiled with ``torch.compile`` (``True``, or its keyword arguments as
+            a dict); default ``False``.
+        accelerator: as for Lightning's other parallel strategies; the Trainer fills it in.
+        parallel_devices: the devices of this node, one per stage process; the Trainer fills them in.
+        cluster_environment: how ranks are found; the Trainer fills it in.
+        checkpoint_io: writes and reads full checkpoint files; Lightning's ``TorchCheckpointIO`` by default.
+        precision_plugin: as for Lightning's other strategies; the Trainer fills it in from ``precision=``.
+
+    Each option is documented in full in :class:`~lightning_gpipe.lightning.config.PipelineConfig` and kept in :attr:`config`.
+
+    Raises:
+        ValueError: for a bad option (see :class:`~lightning_gpipe.lightning.config.PipelineConfig`); whether the mesh and
+            ``balance`` fit the devices, before any process starts; if ``balance`` fits the backbone, before step 1.
+    """
+
+    strategy_name = "gpipe"
+
+    def __init__(
+        self,
+        balance: Balance = None,
+        chunks: Optional[int] = None,
+        checkpoint: Optional[Literal["always", "except_last", "never"]] = None,
+        deferred_batch_norm: bool = False,
+        defer_weight_grad: Optional[bool] = None,
+        backbone: Optional[str] = None,
+        balance_memory_limit: Optional[int] = None,
+        start_method: Literal["popen", "spawn"] = "popen",
+        state_dict_type: Literal["full", "sharded"] = "full",
+        schedule: Optional[Literal["gpipe", "1f1b", "zb-h1", "zb-1p"]] = None,
+        virtual_stages: Optional[int] = None,
+        pipeline_parallel_size: Size = "auto",
+        data_parallel_size: Size = "auto",
+        timeout: Optional[timedelta] = default_pg_timeout,
+        stall_timeout: Optional[timedelta] = timedelta(minutes=5),
+        process_group_backend: Optional[str] = None,
+        plan: Optional[Literal["auto"]] = None,
+        memory_limit: Optional[int] = None,
+        cost_model: Optional[CostModel] = None,
+        compile: CompileOption = False,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        options = {k: v for k, v in locals().items() if k in PipelineConfig.__dataclass_fields__}
+        plugins = (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
+        super().__init__(PipelineConfig(**options), *plugins)
+        self.layer_costs: Optional[list[LayerCost]] = None  # profiled per backbone layer, when a mode needs them
+        self.plan_report: Optional[PlanReport] = None  # what plan="auto" chose and why, once planned
+        self._requested = self.config  # the options as given; plan="auto" runs a config with the plan's values
+        self._whole_before_split = True
+        self._run: Optional[PipelineRun] = None
+
+    @property
+    def run(self) -> Optional[PipelineRun]:
+        """This process's part of the run while a model is split (``None`` before setup and after teardown)."""
+        return self._run
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Create the modules of ``configure_model`` on the meta device: each stage materialises only its own part
+        (see :func:`~lightning_gpipe.engine.partition.materialize`), so no process holds the whole model."""
+        with torch.device("meta"):
+            yield
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """Like other strategies; with ``empty_init=True`` (``Trainer.init_module(empty_init=True)``) modules are
+        created on the meta device and each stage materialises only its own part, as in ``configure_model``."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        """Split the module into this process's stage (:func:`~lightning_gpipe.lightning.run.split_into_stage`), then
+        set up precision (clipping over every stage, a shared scaler) and the local optimizers.
+
+        Raises:
+            ValueError: if the backbone, ``balance`` or the skip connections do not fit, or a module created on the
+                meta device cannot be initialised (see :func:`~lightning_gpipe.engine.partition.materialize`).
+            RuntimeError: for a module with manual optimization.
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
+        self.accelerator.setup(trainer)
+        replace_model_summary(trainer)  # Lightning's would count this stage's part only
+        module, fitting = self.lightning_module, trainer.state.fn == TrainerFn.FITTING
+        check_automatic_optimization(module)
+        self._whole_before_split = self.broadcast(is_whole(module), src=0)  # rank 0's module, the user's, decides
+        name = find_backbone(module, self.config.backbone)
+        if self.config.plan == "auto":
+            self.config = planned_config(self, self._requested, module, name)
+        relay = LogRelay(self, self._last_stage_rank, self.pipeline_group, self._job)
+        run = self._run = split_into_stage(
+            module, name, self.config, self.topology, self.global_rank, self.root_device,
+            shared_layer_costs(self, module, name), self._randomness, self._share_from_last_stage, relay, self._job,
+        )  # fmt: skip
+        run.start(module, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        run.ties.synchronize()  # tied copies start equal, even when each stage initialised its own
+        if fitting and self.topology.data_parallel_size > 1:
+            run.sync_gradients(module, self._data_parallel_group, self.root_device)
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        pipelined(self.precision_plugin, self.pipeline_group, run.ties.uncounted, self._job)
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulate without averaging over the replicas within a gradient-accumulation window (see
+        :meth:`~lightning_gpipe.lightning.run.PipelineRun.no_gradient_sync`)."""
+        with self._run.no_gradient_sync():
+            yield
+
+    @override
+    def model_to_device(self) -> None:
+        """Move this stage's part of the module to its device."""
+        self.model.to(self.root_device)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """The plan up to its cut; the last stage's output on every stage (see
+        :meth:`~lightning_gpipe.lightning.run.PipelineRun.training_step`)."""
+        return self._run.training_step(self.lightning_module, self.precision_plugin, args, kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
+        """The plan after its cut (see :meth:`~lightning_gpipe.lightning.run.PipelineRun.backward`), between
+        ``on_before_backward`` and ``on_after_backward``; then the last stage's logged values reach every stage."""
+        module, precision = self.lightning_module, self.precision_plugin
+        self.pre_backward(closure_loss)
+        closure_loss = precision.pre_backward(closure_loss, module)
+        self._run.backward(module, precision, closure_loss, optimizer, *args, **kwargs)
+        closure_loss = precision.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        with self._run.events.span("relay"):
+            self._run.relay(module.trainer)
+        return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Optional[Any] = None, **kwargs) -> Any:
+        """Lightning's optimizer step, with the gradients of tied parameters summed over the stages that hold a
+        copy right after the step's closure (see :mod:`lightning_gpipe.engine.ties`)."""
+        return super().optimizer_step(optimizer, self._run.ties.after(closure), model, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """A pipelined forward (see :meth:`_evaluation_step`); the user's output on the last stage, else ``None``."""
+        return self._evaluation_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """A pipelined forward (see :meth:`_evaluation_step`); the user's output on the last stage, else ``None``."""
+        return self._evaluation_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """A pipelined forward (see :meth:`_evaluation_step`); the last stage's prediction on every stage."""
+        return self._evaluation_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+
+    def _evaluation_step(self, hook: str, context: Callable, args: tuple, kwargs: dict) -> Any:
+        """Agree on the batch (:meth:`_agree`), then run the step (see
+        :meth:`~lightning_gpipe.lightning.run.PipelineRun.evaluation_step`)."""
+        self._agree(args[0], f"{hook.removesuffix('_step').replace('predict', 'prediction')} batch {args[1]}")
+        return self._run.evaluation_step(self.lightning_module, hook, context, args, kwargs)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints are restored after the split, so each stage loads the entries of its own layers."""
+        return True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state for a checkpoint under the original names (see :mod:`lightning_gpipe.lightning.state_dict`):
+        ``"full"``, the whole model's on global rank 0 and ``{}`` elsewhere (a collective call); ``"sharded"``,
+        this stage's part."""
+        return self._whole_or_local(self.lightning_module.state_dict())
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter name, whole or this stage's, like the model's state dict."""
+        local = state_dict.optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
+        return self._whole_or_local(local)
+
+    def _whole_or_local(self, local: dict[str, Any]) -> dict[str, Any]:
+        if self.config.state_dict_type == "sharded":
+            return local
+        return state_dict.whole_on_rank_zero(local, self.replica_index, self.pipeline_group, self._job) or {}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write a checkpoint: one file from global rank 0 (``"full"``), or a directory from all stages (``"sharded"``);
+        either replaces an existing one only once complete. Waiting for the writers does not count as a stall."""
+        with self._job.position.unbounded_phase("writing a checkpoint"):
+            if self.config.state_dict_type == "sharded":
+                state_dict.save_sharded(checkpoint, filepath, self.global_rank, self._job)
+            else:
+                super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Read a full checkpoint file on every stage, or this stage's part of a sharded checkpoint directory.
+
+        Raises:
+            FileNotFoundError: for a directory that is not a sharded checkpoint (it has no ``meta.pt``).
+        """
+        with self._job.position.unbounded_phase("reading a checkpoint"):
+            if not Path(checkpoint_path).is_dir():
+                return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+            template = state_dict.stage_template(self.lightning_module, self.optimizers, fitting)
+            return state_dict.load_sharded(checkpoint_path, template, self._job)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load this stage's entries of the checkpoint's (whole or sharded) model state."""
+        module = self.lightning_module
+        module.load_state_dict(state_dict.local_entries(checkpoint["state_dict"], module), strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load this stage's entries of every optimizer's name-keyed state, whatever the split it was saved with
+        (see :func:`~lightning_gpipe.lightning.state_dict.load_optimizer_states`)."""
+        state_dict.load_optimizer_states(self.lightning_module, self.optimizers, checkpoint["optimizer_states"])
+        _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def teardown(self) -> None:
+        """Undo the split (see :meth:`~lightning_gpipe.lightning.run.PipelineRun.close`): after a completed run, global rank
+        0's module gets every stage's weights back, if it was whole before the split."""
+        module, run, whole = self.lightning_module, self._run, None
+        completed = module is not None and module.trainer.state.status != TrainerStatus.INTERRUPTED
+        if run is not None and completed and self._whole_before_split:
+            whole = run.whole_state(module, self.replica_index, self.pipeline_group)
+        if module is not None and not is_whole(module):
+            module.to_empty(device="cpu")  # a failed materialize; Lightning's teardown cannot move meta tensors
+        unpipelined(self.precision_plugin)
+        super().teardown()
+        if run is not None:
+            run.close(module, whole)
+        self._run = None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"gpipe"`` (popen launcher) and ``"gpipe_spawn"`` (spawn launcher)."""
+        strategy_registry.register("gpipe", cls, description="GPipe pipeline parallelism")
+        strategy_registry.register(
+            "gpipe_spawn", cls, description="GPipe pipeline parallelism, spawn launcher", start_method="spawn"
+        )
