@@ -2,8 +2,8 @@
 
 :func:`place_weights` takes each stage's plan without W (1F1B's order of forwards and input gradients B) and
 places every deferred weight gradient W into it on a clock that runs the stages' plans together by the actions'
-costs (:class:`~lightning_gpipe.engine.actions.ActionCost`; the simulator's rules: a forward or B starts once its process
-is free and its input has arrived, with no transfer time):
+costs (:class:`~lightning_gpipe.engine.actions.ActionCost`) on the plans' clock (:class:`~lightning_gpipe.engine.clock.
+Clock`: a forward or B starts once its process is free and its input has arrived, with no transfer time):
 
 - a stage that would wait for an activation or a gradient at least a given share of its oldest outstanding W's
   time runs that W instead;
@@ -20,16 +20,8 @@ stage's transfers are those of the plans without W, whatever the costs.
 from collections.abc import Sequence
 from typing import Optional
 
-from lightning_gpipe.engine.actions import (
-    COMPUTE,
-    Action,
-    ActionCost,
-    Kind,
-    Plan,
-    splits_backward,
-    stage_of_virtual,
-    virtual_stage,
-)
+from lightning_gpipe.engine.actions import COMPUTE, Action, ActionCost, Kind, Plan, splits_backward
+from lightning_gpipe.engine.clock import Clock, needs
 
 GAP_SHARES = (1.0, 0.5, 0.0)
 """The placements :func:`place_weights` tries: a W fills a wait of at least this share of its own time (and more
@@ -63,20 +55,19 @@ class _Clock:
         self.v_shape = base[0].v_shape
         self.limit = max(_peak_held(plan) for plan in base)
         self.last_backward = [max(n for n, a in enumerate(plan.actions) if a.kind is Kind.BACKWARD) for plan in base]
-        self.free = [0.0] * self.num_stages  # when each stage is next free
+        self.clock = Clock(self.num_stages, len(costs), self.v_shape)
         self.position = [0] * self.num_stages  # the next action of each base plan
         self.actions: list[list[Action]] = [[] for _ in base]
         self.outstanding: list[list[tuple[int, int]]] = [[] for _ in base]  # (micro-batch, chunk) whose W waits
         self.held = [0] * self.num_stages  # micro-batches forwarded whose B (or W) has not run
-        self.sent: dict[tuple[Kind, int, int], float] = {}  # (FORWARD | BACKWARD, virtual stage, i) -> end
         self.plans = self._place()
-        self.step_time = max(self.free)
+        self.step_time = max(self.clock.free)
 
     def _place(self) -> tuple[Plan, ...]:
         """The placed plans: each stage advances in turn, the earliest free first, as far as its inputs are known."""
         ended = [False] * self.num_stages
         while not all(ended):
-            for k in sorted(range(self.num_stages), key=lambda k: (ended[k], self.free[k])):
+            for k in sorted(range(self.num_stages), key=lambda k: (ended[k], self.clock.free[k])):
                 if not ended[k] and self._advance(k, ended):
                     break
             else:
@@ -96,7 +87,7 @@ class _Clock:
         self.actions[k] += base[start:following]
         self.position[k] = following
         action = base[following]
-        arrival = self._arrival(k, action)
+        arrival = self.clock.arrival(k, action.kind, action.micro_batch, action.chunk)
         if self.outstanding[k] and self._weight_first(k, action, arrival):
             self.actions[k].append(self._weight(k))
             return True
@@ -116,39 +107,26 @@ class _Clock:
         if self.position[k] == self.last_backward[k] and not splits_backward(self._virtual(k, action.chunk), True):
             return True  # the data-parallel sync starts after the plan's last backward
         _, chunk = self.outstanding[k][0]
-        wait = (self._earliest(k, action) if arrival is None else arrival) - self.free[k]
+        wait = (self._earliest(k, action) if arrival is None else arrival) - self.clock.free[k]
         return wait > 0 and wait >= self.share * self.costs[self._virtual(k, chunk)].weight
-
-    def _arrival(self, k: int, action: Action) -> Optional[float]:
-        """When ``action``'s input is there: now for work on the stage's own data, else when the neighbouring
-        virtual stage sent it (``None`` if it has not been placed yet)."""
-        s = self._virtual(k, action.chunk)
-        if action.kind is Kind.FORWARD and s > 0:
-            return self.sent.get((Kind.FORWARD, s - 1, action.micro_batch))
-        if action.kind is Kind.BACKWARD and s < len(self.costs) - 1:
-            return self.sent.get((Kind.BACKWARD, s + 1, action.micro_batch))
-        return self.free[k]
 
     def _earliest(self, k: int, action: Action) -> float:
         """A lower bound of when ``action``'s input, not placed yet, arrives: its sender free, then computing it."""
-        s = self._virtual(k, action.chunk)
-        sender = s - 1 if action.kind is Kind.FORWARD else s + 1
+        kind, sender = needs(action.kind, self._virtual(k, action.chunk), len(self.costs))
         cost = self.costs[sender]
-        seconds = cost.forward if action.kind is Kind.FORWARD else cost.backward
-        return self.free[stage_of_virtual(sender, self.num_stages, self.v_shape)[0]] + seconds
+        seconds = cost.forward if kind is Kind.FORWARD else cost.backward
+        return self.clock.free[self.clock.stage_of(sender)] + seconds
 
     def _run(self, k: int, action: Action, arrival: float) -> None:
         """Place ``action`` on stage ``k`` once it is free and its input has arrived."""
         s = self._virtual(k, action.chunk)
-        self.free[k] = max(self.free[k], arrival) + self._seconds(action, s)
+        self.clock.run(k, action.kind, action.micro_batch, action.chunk, self._seconds(action, s), arrival)
         if action.kind is Kind.FORWARD:
             self.held[k] += 1
         elif action.kind is Kind.WEIGHT or (action.kind is Kind.BACKWARD and not splits_backward(s, True)):
             self.held[k] -= 1
         elif action.kind is Kind.BACKWARD and self.share is not None:
             self.outstanding[k].append((action.micro_batch, action.chunk))
-        if action.kind in (Kind.FORWARD, Kind.BACKWARD):
-            self.sent[(action.kind, s, action.micro_batch)] = self.free[k]
         self.actions[k].append(action)
 
     def _seconds(self, action: Action, s: int) -> float:
@@ -163,12 +141,12 @@ class _Clock:
     def _weight(self, k: int) -> Action:
         """Stage ``k``'s oldest outstanding W, placed now."""
         i, chunk = self.outstanding[k].pop(0)
-        self.free[k] += self.costs[self._virtual(k, chunk)].weight
+        self.clock.run(k, Kind.WEIGHT, i, chunk, self.costs[self._virtual(k, chunk)].weight, self.clock.free[k])
         self.held[k] -= 1
         return Action(Kind.WEIGHT, i, chunk)
 
     def _virtual(self, k: int, chunk: int) -> int:
-        return virtual_stage(k, chunk, self.num_stages, self.v_shape)
+        return self.clock.virtual(k, chunk)
 
 
 def _peak_held(plan: Plan) -> int:

@@ -26,6 +26,7 @@ from lightning_gpipe.engine.actions import (
     stage_of_virtual,
     virtual_stage,
 )
+from lightning_gpipe.engine.clock import Clock, needs
 from lightning_gpipe.engine.placement import place_weights
 from lightning_gpipe.engine.rematerialization import checkpointed
 
@@ -394,14 +395,14 @@ def _v_order(num_stages: int, count: int, checkpoint: str, costs: Sequence[Actio
 
 
 class _VClock:
-    """The clock of :func:`_v_order`: each stage's next forward and backward per chunk, and when each ended."""
+    """The clock of :func:`_v_order` (:class:`~lightning_gpipe.engine.clock.Clock`, the plans' rules): each stage's
+    next forward and backward per chunk, chosen as the module docstring of :func:`_v_order` says."""
 
     def __init__(self, num_stages: int, count: int, costs: Sequence[ActionCost]) -> None:
         self.num_stages, self.count, self.costs = num_stages, count, costs
         self.last = 2 * num_stages - 1
-        self.free = [0.0] * num_stages
+        self.clock = Clock(num_stages, 2 * num_stages, v_shape=True)
         self.forwarded, self.backwarded = [0] * (2 * num_stages), [0] * (2 * num_stages)  # per virtual stage
-        self.ended: dict[tuple[Kind, int, int], float] = {}
         self.order: list[list[tuple[Kind, int, int]]] = [[] for _ in range(num_stages)]  # (kind, micro-batch, chunk)
 
     def run(self) -> None:
@@ -412,42 +413,41 @@ class _VClock:
     def _step(self, busy: list[int]) -> None:
         """Run one action on the earliest free stage of ``busy`` that can run one then, or move the waiting stages'
         clocks to the next arrival."""
-        now = min(self.free[k] for k in busy)
-        for k in (k for k in busy if self.free[k] == now):
+        free = self.clock.free
+        now = min(free[k] for k in busy)
+        for k in (k for k in busy if free[k] == now):
             ready = [key for arrival, key in self._candidates(k) if arrival is not None and arrival <= now]
             if ready:
                 self._run(k, *min(ready)[1:])
                 return
         later = [arrival for k in busy for arrival, _ in self._candidates(k) if arrival is not None and arrival > now]
-        later += [self.free[k] for k in busy if self.free[k] > now]
+        later += [free[k] for k in busy if free[k] > now]
         if not later:  # not for a V: a stage's second chunk, which leads to the loss, always runs
             raise RuntimeError("The stages of the V would wait for each other.")
         for k in busy:
-            self.free[k] = max(self.free[k], min(later))
+            free[k] = max(free[k], min(later))
 
     def _candidates(self, k: int) -> list[tuple[Optional[float], tuple[int, int, int, Kind, int]]]:
         """Stage ``k``'s next actions as ``(arrival, (priority, micro-batch, virtual stage, kind, chunk))``, the
         arrival of their input ``None`` while it is not computed."""
         found = []
         for chunk in (1, 0):
-            s = virtual_stage(k, chunk, self.num_stages, v_shape=True)
+            s = self.clock.virtual(k, chunk)
             i = self.backwarded[s]
             if i < self.forwarded[s]:
-                arrival = self.ended.get((Kind.FORWARD, s, i) if s == self.last else (Kind.BACKWARD, s + 1, i))
-                found.append((arrival, (0, i, s, Kind.BACKWARD, chunk)))
+                found.append((self.clock.arrival(k, Kind.BACKWARD, i, chunk), (0, i, s, Kind.BACKWARD, chunk)))
             i = self.forwarded[s]
             if i < self.count and (chunk == 1 or self._held(k) < 2 * self.num_stages):
-                arrival = 0.0 if s == 0 else self.ended.get((Kind.FORWARD, s - 1, i))
-                found.append((arrival, (2 - chunk, i, s, Kind.FORWARD, chunk)))
+                found.append((self.clock.arrival(k, Kind.FORWARD, i, chunk), (2 - chunk, i, s, Kind.FORWARD, chunk)))
         return found
 
     def _held(self, k: int) -> int:
         """Chunk micro-batches stage ``k`` has forwarded and not yet backwarded."""
-        virtual = [virtual_stage(k, chunk, self.num_stages, v_shape=True) for chunk in (0, 1)]
+        virtual = [self.clock.virtual(k, chunk) for chunk in (0, 1)]
         return sum(self.forwarded[s] - self.backwarded[s] for s in virtual)
 
     def _run(self, k: int, i: int, s: int, kind: Kind, chunk: int) -> None:
-        """Run ``kind`` of micro-batch ``i`` on stage ``k``'s ``chunk`` (virtual stage ``s``) once it is free."""
+        """Run ``kind`` of micro-batch ``i`` on stage ``k``'s ``chunk`` (virtual stage ``s``) now (it is free)."""
         cost = self.costs[s]
         if kind is Kind.FORWARD:
             seconds = cost.forward + (cost.loss if s == self.last else 0.0)
@@ -455,8 +455,7 @@ class _VClock:
         else:
             seconds = cost.backward + (cost.weight if s == 0 else 0.0)  # W goes where the stage would wait
             self.backwarded[s] += 1
-        self.free[k] += seconds
-        self.ended[(kind, s, i)] = self.free[k]
+        self.clock.run(k, kind, i, chunk, seconds, self.clock.free[k])
         self.order[k].append((kind, i, chunk))
 
     def plan(self, k: int, checkpoint: str) -> Plan:
@@ -598,15 +597,16 @@ class _Abstract:
         s = virtual_stage(k, action.chunk, self.num_stages, self.v_shape)
         last = s == self.num_virtual - 1
         if kind is Kind.FORWARD:
-            if s > 0:
-                if not self.activations[s - 1]:
-                    return self._wait(k, f"no activation from {self.name(s - 1)} yet")
-                if self.activations[s - 1][0] != i:
+            source = needs(kind, s, self.num_virtual)
+            if source is not None:
+                sender, queue = source[1], self.activations[source[1]]
+                if not queue:
+                    return self._wait(k, f"no activation from {self.name(sender)} yet")
+                if queue[0] != i:
                     raise ScheduleError(
-                        f"{self.name(s)} runs forward {i} but {self.name(s - 1)} sends micro-batch "
-                        f"{self.activations[s - 1][0]} first."
+                        f"{self.name(s)} runs forward {i} but {self.name(sender)} sends micro-batch {queue[0]} first."
                     )
-                self.activations[s - 1].pop(0)
+                queue.pop(0)
             self.forwarded[s].add(i)
         elif kind is Kind.SEND:
             if last or i not in self.forwarded[s]:
@@ -641,20 +641,22 @@ class _Abstract:
         plan = self.plans[k]
         if i not in self.forwarded[s]:
             raise ScheduleError(f"{self.name(s)} runs backward {i} before forward {i}.")
-        if s == self.num_virtual - 1:
+        _, sender = needs(Kind.BACKWARD, s, self.num_virtual)
+        if sender == s:  # the last virtual stage: its own forward, then the loss
             if plan.loss_per_micro_batch and i not in self.losses[s]:
                 raise ScheduleError(f"the last stage runs backward {i} before the loss of micro-batch {i}.")
         else:
+            queue = self.gradients[sender]
             if not self.expected[s] or self.expected[s][0] != i:
                 raise ScheduleError(f"{self.name(s)} runs backward {i} without its gradient's receive posted first.")
-            if not self.gradients[s + 1]:
-                return self._wait(k, f"no gradient from {self.name(s + 1)} yet")
-            if self.gradients[s + 1][0] != i:
+            if not queue:
+                return self._wait(k, f"no gradient from {self.name(sender)} yet")
+            if queue[0] != i:
                 raise ScheduleError(
-                    f"{self.name(s)} waits for the gradient of micro-batch {i} but {self.name(s + 1)} sends "
-                    f"{self.gradients[s + 1][0]} first."
+                    f"{self.name(s)} waits for the gradient of micro-batch {i} but {self.name(sender)} sends "
+                    f"{queue[0]} first."
                 )
-            self.gradients[s + 1].pop(0)
+            queue.pop(0)
             self.expected[s].pop(0)
         if s > 0:
             self.gradients[s].append(i)

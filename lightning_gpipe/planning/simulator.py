@@ -52,7 +52,8 @@ from typing import Optional
 from lightning_gpipe.planning.balance.costs import LayerCost
 from lightning_gpipe.engine.events import Span
 from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, checkpointed
-from lightning_gpipe.engine.actions import COMPUTE, ActionCost, virtual_stage
+from lightning_gpipe.engine.actions import COMPUTE, Action, ActionCost, Kind
+from lightning_gpipe.engine.clock import Clock
 from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, SCHEDULES, plans
 from lightning_gpipe.engine.trace import StageTrace, StepTrace
 
@@ -198,7 +199,7 @@ def simulate(
         defer = DEFERRED_BY_DEFAULT[schedule] or any(cost.weight for cost in stages)
     placed = action_costs(stages, loss / chunks)
     every = plans(schedule, num_stages, chunks, checkpoint, defer, virtual_stages, placed)
-    orders = [[(a.kind.value, a.micro_batch, a.chunk) for a in plan.actions if a.kind in COMPUTE] for plan in every]
+    orders = [[a for a in plan.actions if a.kind in COMPUTE] for plan in every]
     spans, free = _replay(stages, orders, chunks, checkpoint, transfer, loss, every[0].v_shape)
     for k in range(num_stages):
         spans[k].append(Span("optimizer", None, free[k], free[k] + optimizers[k]))
@@ -216,58 +217,47 @@ def action_costs(stages: Sequence[StageCost], loss: float = 0.0) -> tuple[Action
 
 def _replay(
     stages: Sequence[StageCost],
-    orders: list[list[tuple[str, Optional[int], int]]],
+    orders: list[list[Action]],
     chunks: int,
     checkpoint: str,
     transfer: Transfer,
     loss: float,
     v_shape: bool = False,
 ) -> tuple[list[list[Span]], list[float]]:
-    """Run each process's ``orders`` on a clock, a work starting once its process is free and its input has
-    arrived; returns each process's spans and when each is free again (the arguments are :func:`simulate`'s;
-    ``stages`` has one cost per virtual stage, chunk c of process k being virtual stage ``c * K + k``, or placed in
-    a V with ``v_shape``: :func:`~lightning_gpipe.engine.actions.virtual_stage`)."""
-    num_stages, num_virtual = len(orders), len(stages)
+    """Run each process's compute actions (``orders``) on the plans' clock (:class:`~lightning_gpipe.engine.clock.
+    Clock`, an activation or gradient taking ``transfer``'s time for its bytes); returns each process's spans and
+    when each is free again (the arguments are :func:`simulate`'s; ``stages`` has one cost per virtual stage)."""
+    num_stages = len(orders)
 
-    def virtual(k: int, chunk: int) -> int:
-        return virtual_stage(k, chunk, num_stages, v_shape)
+    def latency(kind: Kind, s: int) -> float:  # an activation from s - 1, or a gradient of s's output from s + 1
+        return transfer.time(stages[s - 1].output_bytes if kind is Kind.FORWARD else stages[s].output_bytes)
 
-    splits = {virtual(k, c) for k, order in enumerate(orders) for kind, _, c in order if kind == "weight"}
+    clock = Clock(num_stages, len(stages), v_shape, latency)
+    splits = {clock.virtual(k, a.chunk) for k, order in enumerate(orders) for a in order if a.kind is Kind.WEIGHT}
     spans: list[list[Span]] = [[] for _ in orders]
-    free = [0.0] * num_stages  # when each process is next free
     done = [0] * num_stages  # how much of its order each process has run
-    sent: dict[tuple[str, int, int], float] = {}  # ("forward" | "backward", virtual stage, i) -> when it sent
-
-    def ready(k: int, kind: str, i: Optional[int], s: int) -> Optional[float]:
-        """When the input of virtual stage s's work is there; ``None`` while the stage that sends it has not run
-        it."""
-        if kind == "forward" and s > 0:
-            end = sent.get(("forward", s - 1, i))
-            return None if end is None else end + transfer.time(stages[s - 1].output_bytes)
-        if kind == "backward" and s < num_virtual - 1:
-            end = sent.get(("backward", s + 1, i))
-            return None if end is None else end + transfer.time(stages[s].output_bytes)
-        return free[k]
-
     progressed = True
     while progressed:
         progressed = False
         for k, order in enumerate(orders):
             while done[k] < len(order):
-                kind, i, chunk = order[done[k]]
-                s = virtual(k, chunk)
-                if (at := ready(k, kind, i, s)) is None:
+                action = order[done[k]]
+                kind, i, chunk = action.kind, action.micro_batch, action.chunk
+                if (at := clock.arrival(k, kind, i, chunk)) is None:
                     break
+                s = clock.virtual(k, chunk)
                 cost = stages[s]
-                if kind != "weight" or cost.weight:  # a stage that does not split its backwards has no W to run
-                    seconds, kept, saved = _work(cost, kind, i, chunks, checkpoint, loss, s in splits)
-                    free[k] = _run(spans[k], free[k], at, seconds, kind, i, kept, saved, chunk)
-                if kind in ("forward", "backward"):  # the input gradient goes before a deferred weight gradient
-                    sent[(kind, s, i)] = free[k]
+                if kind is not Kind.WEIGHT or cost.weight:  # a stage that does not split its backwards has no W
+                    seconds, kept, saved = _work(cost, kind.value, i, chunks, checkpoint, loss, s in splits)
+                    free = clock.free[k]
+                    start = clock.run(k, kind, i, chunk, seconds, at)
+                    if start > free:
+                        spans[k].append(Span("recv", i, free, start, chunk=chunk))
+                    spans[k].append(Span(kind.value, i, start, start + seconds, kept, saved, chunk))
                 done[k] += 1
                 progressed = True
     assert done == [len(order) for order in orders], "a schedule whose stages wait for each other"
-    return spans, free
+    return spans, clock.free
 
 
 def _work(
@@ -285,22 +275,3 @@ def _work(
     if kind == "backward":
         return cost.backward - cost.weight * split, 0, 0
     return cost.weight, 0, 0
-
-
-def _run(
-    spans: list[Span],
-    free: float,
-    ready: float,
-    seconds: float,
-    kind: str,
-    i: Optional[int],
-    kept: int = 0,
-    saved: int = 0,
-    chunk: int = 0,
-) -> float:
-    """Append a wait (``recv``) until ``ready`` if the stage is free before, then the work; return its end."""
-    start = max(free, ready)
-    if start > free:
-        spans.append(Span("recv", i, free, start, chunk=chunk))
-    spans.append(Span(kind, i, start, start + seconds, kept, saved, chunk))
-    return start + seconds

@@ -33,7 +33,7 @@ def run():
 def consolidated(run, tmp_path_factory):
     """The file ``python -m lightning_gpipe.consolidate`` writes from the run's sharded directory."""
     output = tmp_path_factory.mktemp("command") / "model.ckpt"
-    command = [sys.executable, "-m", "lightning_gpipe.lightning.consolidate", str(run / "sharded.ckpt"), str(output)]
+    command = [sys.executable, "-m", "lightning_gpipe.consolidate", str(run / "sharded.ckpt"), str(output)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith(f"Wrote {output}: 16 weight tensors"), result.stdout

@@ -3,7 +3,7 @@
 Usage: python consolidate.py OUT_DIR [--devices K]
 Two runs of a freshly seeded TupleNet write a checkpoint at step 3 (the end of the first epoch, where Lightning
 resumes exactly), the same state in both layouts: OUT_DIR/full.ckpt (one file) and OUT_DIR/sharded.ckpt (a
-directory). Global rank 0 then consolidates the directory in-process (``lightning_gpipe.lightning.consolidate.consolidate``)
+directory). Global rank 0 then consolidates the directory in-process (``lightning_gpipe.consolidate.consolidate``)
 to OUT_DIR/consolidated.ckpt while the other stages wait, and training resumes to step 6 from the directory
 (``state_dict_type="sharded"``) and from the consolidated file (``"full"``). Each resume writes rank 0's module state
 after fit to OUT_DIR/resume_{sharded,consolidated}.pt and its per-step training losses (as rank 0 sees them) to
