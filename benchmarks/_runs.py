@@ -14,7 +14,7 @@ Kinds (every process prints one JSON line through :func:`_harness.emit` at the e
   process also reports ``live_peak_mib``, the peak of its live tensors during training (:class:`LiveBytes`).
   ``--schedule 1f1b``, ``zb-h1`` or ``zb-1p`` (also for ``bare``, where ``zb-1p`` places W by equal costs) runs
   ``GPipeStrategy(schedule=...)``.
-- ``bare``: our engine (``Stage``, ``Partition``, ``Link``) driven directly, without the Trainer; one process per
+- ``bare``: our engine (``ModelChunk``, ``Partition``, ``Link``) driven directly, without the Trainer; one process per
   stage, started by the driver with torch.distributed's environment variables.
 - ``tp``: torch.distributed.pipelining's ``PipelineStage`` + ``ScheduleGPipe``; one process per stage, likewise.
   ``tp-1f1b``: the same with ``Schedule1F1B``.
@@ -149,7 +149,7 @@ class SavedBytes:
         return handle.tensor
 
     def kept_inputs(self, stage) -> int:
-        """Bytes of the micro-batch inputs ``stage`` (a ``lightning_gpipe.engine.stage.Stage``, or ``None``) keeps for
+        """Bytes of the micro-batch inputs ``stage`` (a ``lightning_gpipe.engine.model_chunk.ModelChunk``, or ``None``) keeps for
         re-computation now, in storages autograd does not already hold (read from its records, not changed)."""
         storages = {}
         for record in stage._records.values() if stage is not None else []:
@@ -385,7 +385,7 @@ class _Deferred:
 
     Args:
         module: the LightningModule.
-        stage: returns the strategy's current ``Stage`` (``None`` without one).
+        stage: returns the strategy's current ``ModelChunk`` (``None`` without one).
     """
 
     def __init__(self, module: torch.nn.Module, stage) -> None:
@@ -473,7 +473,7 @@ def _train(step, params, args: argparse.Namespace, rank: int) -> None:
 
 
 def run_bare(args: argparse.Namespace) -> None:
-    """Our runtime (either schedule) over Stage/Partition/Link in torch.distributed processes, no Trainer: the
+    """Our runtime (either schedule) over ModelChunk/Partition/Link in torch.distributed processes, no Trainer: the
     engine's own cost."""
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -481,7 +481,7 @@ def run_bare(args: argparse.Namespace) -> None:
     from lightning_gpipe.engine.partition import Partition
     from lightning_gpipe.engine.runtime import Runtime
     from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT
-    from lightning_gpipe.engine.stage import Stage
+    from lightning_gpipe.engine.model_chunk import ModelChunk
     from lightning_gpipe.faults.job import Job
     from lightning_gpipe.engine.transfer import Link
 
@@ -492,7 +492,7 @@ def run_bare(args: argparse.Namespace) -> None:
     prev_rank, next_rank = rank - 1 if rank > 0 else None, rank + 1 if rank < world - 1 else None
     link = Link(prev_rank, next_rank, torch.device("cpu"), job=Job())
     defer = DEFERRED_BY_DEFAULT[args.schedule] if args.defer_weight_grad is None else args.defer_weight_grad
-    stage = Stage(partition, link, rank, world, args.chunks, args.checkpoint, defer)
+    stage = ModelChunk(partition, link, rank, world, args.chunks, args.checkpoint, defer)
     runtime = Runtime([stage], args.schedule, world)
     x, y = _batch(args)
 
@@ -501,8 +501,8 @@ def run_bare(args: argparse.Namespace) -> None:
         (F.cross_entropy(head(out), target) * (len(target) / len(y))).backward()
 
     def step() -> None:
-        if runtime.per_micro_batch_loss:
-            runtime.step(x, micro_batch_loss)
+        if runtime.loss_per_micro_batch:
+            runtime.forward(x, micro_batch_loss)
             return
         out = runtime.forward(x)
         if stage.is_last:

@@ -6,7 +6,7 @@ the same mini-batch, the same M, the same initial weights, SGD, ``checkpoint="ne
 
   plain    plain Lightning, no pipeline: 1 process x 1 thread (ratios over it are speed-ups)
   ours/L   GPipeStrategy through Lightning's Trainer: K processes x 1 thread (the user-facing cost)
-  ours/E   our engine alone (Stage, Partition, Link) in K torch.distributed processes x 1 thread, no Trainer
+  ours/E   our engine alone (ModelChunk, Partition, Link) in K torch.distributed processes x 1 thread, no Trainer
   ours/LW, ours/EW   the same with deferred weight gradients (``defer_weight_grad=True``, the B/W split)
   tp       PipelineStage + ScheduleGPipe in K torch.distributed processes x 1 thread
   tp/I1F1B, tp/ZB, tp/ZBV   torch's ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble and
@@ -55,7 +55,7 @@ import _harness as harness
 KINDS = {
     "plain": ("lightning", 1, ["--strategy", "plain"], "plain Lightning on one device, 1 process x 1 thread"),
     "ours/L": ("lightning", 1, [], "GPipeStrategy through the Trainer, {k} processes x 1 thread"),
-    "ours/E": ("bare", None, [], "our Stage/Partition/Link without the Trainer, {k} processes x 1 thread"),
+    "ours/E": ("bare", None, [], "our ModelChunk/Partition/Link without the Trainer, {k} processes x 1 thread"),
     "ours/LW": ("lightning", 1, ["--defer-weight-grad"], "ours/L with defer_weight_grad=True (B/W split)"),
     "ours/EW": ("bare", None, ["--defer-weight-grad"], "ours/E with deferred weight gradients (B/W split)"),
     "tp": ("tp", None, [], "torch.distributed.pipelining ScheduleGPipe, {k} processes x 1 thread"),

@@ -6,7 +6,7 @@ The same MLP, batch, M and initial weights for both modes (benchmarks/models.py,
 ``checkpoint="never"``); a small width by default, so that the per-wait cost weighs more than in real models.
 For each M:
 
-  E/blocking, E/interruptible   our engine (Stage, Partition, Link) in K torch.distributed processes, no Trainer
+  E/blocking, E/interruptible   our engine (ModelChunk, Partition, Link) in K torch.distributed processes, no Trainer
   L/blocking, L/interruptible   GPipeStrategy through Lightning's Trainer, K processes
 
 and once, independent of M:

@@ -186,15 +186,15 @@ def one_stage_pipeline(module, chunks: int, checkpoint: str, defer_weight_grad: 
 
     from lightning_gpipe.engine.partition import Split
     from lightning_gpipe.engine.runtime import Runtime
-    from lightning_gpipe.engine.stage import Stage
+    from lightning_gpipe.engine.model_chunk import ModelChunk
     from lightning_gpipe.faults.job import Job
     from lightning_gpipe.engine.transfer import Link
 
     split = Split(module, "backbone", [len(module.backbone)], stage_index=0)
     link = Link(None, None, torch.device("cpu"), job=Job())
-    stage = Stage(split.partition, link, 0, 1, chunks, checkpoint, defer_weight_grad)
+    stage = ModelChunk(split.partition, link, 0, 1, chunks, checkpoint, defer_weight_grad)
     runtime = Runtime([stage], "gpipe", 1)
-    split.partition.pipeline = _ThroughSchedule(runtime)
+    split.partition.backbone_call = _ThroughSchedule(runtime)
     return runtime
 
 

@@ -43,16 +43,16 @@ class Action:
     Args:
         kind: what the action does.
         micro_batch: the micro-batch index, 0-based; ``None`` for a flush and for a loss on the whole mini-batch.
-        chunk: the stage's model chunk (virtual stage) the action runs on; 0 for schedules with one chunk per stage.
+        model_chunk: the stage's model chunk (virtual stage) the action runs on; 0 for schedules with one chunk per stage.
     """
 
     kind: Kind
     micro_batch: Optional[int] = None
-    chunk: int = 0
+    model_chunk: int = 0
 
     def __str__(self) -> str:
         index = "" if self.micro_batch is None else str(self.micro_batch)
-        return f"{_SHORT[self.kind]}{index}" + (f".{self.chunk}" if self.chunk else "")
+        return f"{_SHORT[self.kind]}{index}" + (f".{self.model_chunk}" if self.model_chunk else "")
 
 
 @dataclass(frozen=True)
@@ -97,22 +97,22 @@ class ActionCost:
     loss: float = 0.0
 
 
-def virtual_stage(stage: int, chunk: int, num_stages: int, v_shape: bool = False) -> int:
-    """The virtual stage that model chunk ``chunk`` of pipeline rank ``stage`` runs, of ``K = num_stages`` ranks.
+def virtual_stage(stage: int, model_chunk: int, num_stages: int, v_shape: bool = False) -> int:
+    """The virtual stage that model chunk ``model_chunk`` of pipeline rank ``stage`` runs, of ``K = num_stages`` ranks.
 
     Looped (default): ``chunk * K + stage``, so rank k holds virtual stages k, k + K, ... (interleaved pipelines,
     Narayanan et al. 2021, section 2.2). With ``v_shape`` the odd chunks run through the ranks backwards: rank k
     holds virtual stages k and 2K - 1 - k, the micro-batches turn on rank K - 1 and the pipeline's last virtual
     stage is on rank 0 with its first (ZB-V, Qi et al. 2023, arXiv:2401.10241, section 6).
     """
-    offset = num_stages - 1 - stage if v_shape and chunk % 2 else stage
-    return chunk * num_stages + offset
+    offset = num_stages - 1 - stage if v_shape and model_chunk % 2 else stage
+    return model_chunk * num_stages + offset
 
 
 def stage_of_virtual(virtual: int, num_stages: int, v_shape: bool = False) -> tuple[int, int]:
     """``(pipeline rank, chunk)`` of virtual stage ``virtual``: the inverse of :func:`virtual_stage`."""
-    chunk, offset = divmod(virtual, num_stages)
-    return (num_stages - 1 - offset if v_shape and chunk % 2 else offset), chunk
+    model_chunk, offset = divmod(virtual, num_stages)
+    return (num_stages - 1 - offset if v_shape and model_chunk % 2 else offset), model_chunk
 
 
 def splits_backward(virtual_index: int, defer: bool) -> bool:

@@ -22,7 +22,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from lightning_gpipe.engine.microbatch import MicroBatch, current_micro_batch
 
 _PLAIN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-_OUTSIDE_A_PIPELINE = MicroBatch(index=0, count=1)
+_OUTSIDE_A_PIPELINE = MicroBatch(index=0, micro_batches=1)
 
 
 @dataclass
@@ -120,7 +120,7 @@ class DeferredBatchNorm(_BatchNorm):
     def _track(self, input: Tensor, micro: MicroBatch) -> None:
         moments = _Moments.of(input)
         self._pending = moments if micro.index == 0 or self._pending is None else self._pending.merged(moments)
-        if micro.index == micro.count - 1:
+        if micro.index == micro.micro_batches - 1:
             self._commit(self._pending)
             self._pending = None
 

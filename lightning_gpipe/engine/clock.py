@@ -63,18 +63,18 @@ class Clock:
         self.free = [0.0] * num_stages
         self.ended: dict[tuple[Kind, int, int], float] = {}
 
-    def virtual(self, stage: int, chunk: int) -> int:
-        """The virtual stage of model chunk ``chunk`` of pipeline rank ``stage``."""
-        return virtual_stage(stage, chunk, self.num_stages, self.v_shape)
+    def virtual(self, stage: int, model_chunk: int) -> int:
+        """The virtual stage of model chunk ``model_chunk`` of pipeline rank ``stage``."""
+        return virtual_stage(stage, model_chunk, self.num_stages, self.v_shape)
 
     def stage_of(self, virtual: int) -> int:
         """The pipeline rank that runs virtual stage ``virtual``."""
         return stage_of_virtual(virtual, self.num_stages, self.v_shape)[0]
 
-    def arrival(self, stage: int, kind: Kind, micro_batch: Optional[int], chunk: int) -> Optional[float]:
+    def arrival(self, stage: int, kind: Kind, micro_batch: Optional[int], model_chunk: int) -> Optional[float]:
         """When what the action needs is there: when its sender ended (plus the latency of a transfer), ``None``
         while the sender has not run; for an action that needs nothing, when its stage is free."""
-        s = self.virtual(stage, chunk)
+        s = self.virtual(stage, model_chunk)
         source = needs(kind, s, self.num_virtual)
         if source is None:
             return self.free[stage]
@@ -83,11 +83,13 @@ class Clock:
             return end
         return end + self.latency(kind, s)
 
-    def run(self, stage: int, kind: Kind, micro_batch: Optional[int], chunk: int, seconds: float, at: float) -> float:
+    def run(
+        self, stage: int, kind: Kind, micro_batch: Optional[int], model_chunk: int, seconds: float, at: float
+    ) -> float:
         """Run an action of ``seconds`` on ``stage`` once it is free and ``at`` (its :meth:`arrival`) has passed;
         returns when it starts. A forward's or backward's end is kept in :attr:`ended`."""
         start = max(self.free[stage], at)
         self.free[stage] = start + seconds
         if kind in (Kind.FORWARD, Kind.BACKWARD):
-            self.ended[(kind, self.virtual(stage, chunk), micro_batch)] = self.free[stage]
+            self.ended[(kind, self.virtual(stage, model_chunk), micro_batch)] = self.free[stage]
         return start

@@ -2,7 +2,7 @@
 
 Every stage runs the user's step (``training_step``, ``validation_step``...) up to the backbone
 call. That call runs the pipeline (:class:`BackboneCall`, installed in the stage's
-:class:`~lightning_gpipe.engine.partition.Partition`); on every stage but the last it then raises
+:class:`~lightning_gpipe.engine.partition.Partition` as its ``backbone_call``); on every stage but the last it then raises
 :class:`BackboneReached`, which ends the user's step there: the rest of the step (head, loss,
 logging) belongs to the last stage. :meth:`BackboneCall.user_step` runs one step of the user's
 under that contract and checks it called the backbone exactly once.
@@ -56,22 +56,20 @@ class BackboneReached(BaseException):
     """
 
 
-class Pipeline(Protocol):
-    """This stage's part of the pipeline, as the contract sees it (:class:`lightning_gpipe.engine.runtime.Runtime`)."""
+class PlanRunner(Protocol):
+    """What runs this process's plan, as the contract sees it (:class:`lightning_gpipe.engine.runtime.Runtime`)."""
 
-    per_micro_batch_loss: bool
-    """Whether the schedule needs each micro-batch's loss during the step (then the step runs in :meth:`step`)."""
+    loss_per_micro_batch: bool
+    """Whether the plan calls a head per micro-batch (1F1B, zero-bubble), its cut at the end."""
 
-    def forward(self, value: Value) -> Optional[Value]:
-        """Run the forward of every micro-batch of ``value``; the backbone output on the last stage, else ``None``."""
-
-    def step(self, value: Optional[Value], head: Callable[[int, int, Value], None]) -> None:
-        """Run every micro-batch's forward and backward of the backbone input ``value``; on the last stage,
-        ``head(index, count, output)`` backpropagates each micro-batch's loss to its output."""
+    def forward(self, value: Optional[Value], head: Optional[Callable[[int, int, Value], None]] = None) -> Any:
+        """Run the plan up to its cut on the backbone input ``value``; on the last stage, the backbone output of the
+        whole mini-batch (fill-drain, evaluation), or ``None`` after calling ``head(index, micro_batches, output)``
+        for each micro-batch's loss."""
 
 
 Answer = Callable[[Value], Optional[Value]]
-"""What answers a plain backbone call: the pipeline's forward, or a stand-in of
+"""What answers a plain backbone call: the runtime's forward, or a stand-in of
 :meth:`BackboneCall.micro_batch_steps`."""
 
 
@@ -79,7 +77,7 @@ class BackboneCall:
     """The call a stage's :class:`~lightning_gpipe.engine.partition.Partition` goes through, and the step guard around it.
 
     Args:
-        pipeline: this stage's part of the pipeline.
+        runtime: what runs this process's plan (:class:`~lightning_gpipe.engine.runtime.Runtime`).
         is_last: whether this is the last stage, where the user's step goes on after the backbone call.
         share: sends a picklable object from the last stage to every stage of the pipeline and returns it
             (a collective call); the identity by default, for a single process.
@@ -91,15 +89,15 @@ class BackboneCall:
 
     def __init__(
         self,
-        pipeline: Pipeline,
+        runtime: PlanRunner,
         is_last: bool,
         share: Callable[[Any], Any] = lambda obj: obj,
         randomness: Optional["RandomStreams"] = None,
         position: Optional[Position] = None,
     ) -> None:
-        self.pipeline, self.is_last, self.share = pipeline, is_last, share
+        self.runtime, self.is_last, self.share = runtime, is_last, share
         self.position = position if position is not None else Position()
-        self._answer: Answer = pipeline.forward
+        self._answer: Answer = runtime.forward
         self.randomness = randomness if randomness is not None else OneStream()
         self._plain = self._shared = 0
         self._hook = "training_step"
@@ -152,7 +150,7 @@ class BackboneCall:
             )
         self._shared += 1
         with self.randomness.stage():
-            output = self.pipeline.forward(value)
+            output = self.runtime.forward(value)
             result = fn(output) if self.is_last else None
         return self.share(result)
 
@@ -167,7 +165,7 @@ class BackboneCall:
         """Run one training step whose schedule needs each micro-batch's loss before the next forwards (1F1B).
 
         Every stage runs the user's step on the whole batch up to its backbone call, which ends it there and
-        gives the backbone input. The pipeline's ``step`` then runs the stage's forwards and backwards. On the last
+        gives the backbone input. The runtime then runs the stage's whole plan, forwards and backwards. On the last
         stage, after each micro-batch's forward, the user's step runs again on that micro-batch's rows of the
         batch (``args[0]``, split by :func:`~lightning_gpipe.engine.per_micro_batch.split_batch`), its backbone call
         returning the micro-batch's output; the loss it returns, times the micro-batch's share of the rows,
@@ -201,16 +199,16 @@ class BackboneCall:
         value = captured[0] if captured else None
         per_micro_batch.check_input_rows(value, rows)
 
-        def head(index: int, count: int, output: Value) -> None:
+        def head(index: int, micro_batches: int, output: Value) -> None:
             if not parts:
-                parts.extend(per_micro_batch.split_batch(batch, count))
+                parts.extend(per_micro_batch.split_batch(batch, micro_batches))
             part, part_rows = parts[index], per_micro_batch.batch_rows(parts[index])
             with self._answering(lambda _: output):
                 returned = results.run(part_rows, lambda: self.user_step(hook, lambda: step(part, *rest, **kwargs)))
-            backward(per_micro_batch.loss_of(returned, hook, index) * (part_rows / rows), index == count - 1)
+            backward(per_micro_batch.loss_of(returned, hook, index) * (part_rows / rows), index == micro_batches - 1)
 
         with self.randomness.stage():
-            self.pipeline.step(value, head)
+            self.runtime.forward(value, head)
         return results.finish() if self.is_last else None
 
     @contextmanager
@@ -279,10 +277,10 @@ def forward_and_share(backbone: nn.Module, value: Value, fn: Callable[[Value], A
         RuntimeError: with gradients enabled, or when called after the step's plain backbone call.
         PipelineFailure: if another stage failed while this one waited for it.
     """
-    pipeline = backbone.pipeline if isinstance(backbone, Partition) else None
-    if pipeline is None:
+    call = backbone.backbone_call if isinstance(backbone, Partition) else None
+    if call is None:
         return fn(backbone(value))
-    return pipeline.forward_and_share(value, fn)
+    return call.forward_and_share(value, fn)
 
 
 def check_automatic_optimization(module: Any) -> None:

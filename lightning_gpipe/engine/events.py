@@ -1,6 +1,6 @@
 """What one stage does during a step, as timestamped spans: the raw material of the pipeline callbacks.
 
-A stage (:class:`lightning_gpipe.engine.stage.Stage`) and its transfers (:class:`lightning_gpipe.engine.transfer.Link`)
+A stage (:class:`lightning_gpipe.engine.model_chunk.ModelChunk`) and its transfers (:class:`lightning_gpipe.engine.transfer.Link`)
 share a :class:`Recorder`. While it is disabled, a span costs one method call that
 returns a shared no-op context. Once enabled (the callbacks in :mod:`lightning_gpipe.lightning.callbacks` enable it
 for the training steps), every micro-batch's forward, recompute and backward, the last stage's loss, and every wait on a
@@ -50,7 +50,7 @@ class Span(NamedTuple):
             which the stage keeps until the micro-batch's backward.
         saved_bytes: the same spans: bytes autograd saved for the backward (activations), not counting
             parameters or the input; 0 for a checkpointed micro-batch's forward, which keeps none.
-        chunk: the stage's model chunk (virtual stage) the span belongs to; 0 with one chunk per stage.
+        model_chunk: the stage's model chunk (virtual stage) the span belongs to; 0 with one chunk per stage.
     """
 
     kind: str
@@ -59,7 +59,7 @@ class Span(NamedTuple):
     end: float
     input_bytes: int = 0
     saved_bytes: int = 0
-    chunk: int = 0
+    model_chunk: int = 0
 
 
 class Recorder:
@@ -74,7 +74,7 @@ class Recorder:
         self.enabled = False
         self.memory = False
 
-    def span(self, kind: str, micro_batch: int | None = None, memory_of: tuple | None = None, chunk: int = 0):
+    def span(self, kind: str, micro_batch: int | None = None, memory_of: tuple | None = None, model_chunk: int = 0):
         """A context manager that records a span of ``kind`` around its body, when enabled.
 
         Args:
@@ -83,43 +83,43 @@ class Recorder:
             memory_of: ``(module, input)``: when :attr:`memory` is set, also count the input's bytes and the bytes
                 autograd saves in the body, except ``module``'s parameters and the input (with
                 ``torch.autograd.graph.saved_tensors_hooks``).
-            chunk: the model chunk the span belongs to (default 0).
+            model_chunk: the model chunk the span belongs to (default 0).
         """
         if not self.enabled:
             return _OFF
-        return _Timing(self, kind, micro_batch, memory_of if self.memory else None, chunk)
+        return _Timing(self, kind, micro_batch, memory_of if self.memory else None, model_chunk)
 
-    def add(self, kind: str, micro_batch: int | None, start: float, end: float, chunk: int = 0) -> None:
-        """Record a span measured by the caller, when enabled (``chunk``: the model chunk it belongs to)."""
+    def add(self, kind: str, micro_batch: int | None, start: float, end: float, model_chunk: int = 0) -> None:
+        """Record a span measured by the caller, when enabled (``model_chunk``: the model chunk it belongs to)."""
         if self.enabled:
-            self.spans.append(Span(kind, micro_batch, start, end, chunk=chunk))
+            self.spans.append(Span(kind, micro_batch, start, end, model_chunk=model_chunk))
 
     def take(self) -> list[Span]:
         """Return the spans recorded so far and start a new list."""
         spans, self.spans = self.spans, []
         return spans
 
-    def for_chunk(self, chunk: int) -> "Recorder":
-        """A recorder for model chunk ``chunk`` of this stage (virtual stages): its spans go to this recorder's
+    def for_chunk(self, model_chunk: int) -> "Recorder":
+        """A recorder for model chunk ``model_chunk`` of this stage (virtual stages): its spans go to this recorder's
         list, marked with the chunk; enabling this recorder enables it. Chunk 0 is this recorder itself."""
-        return self if chunk == 0 else _ChunkRecorder(self, chunk)
+        return self if model_chunk == 0 else _ChunkRecorder(self, model_chunk)
 
 
 class _ChunkRecorder(Recorder):
     """The view of a stage's :class:`Recorder` that one model chunk records into (see :meth:`Recorder.for_chunk`)."""
 
-    def __init__(self, parent: Recorder, chunk: int) -> None:  # no super().__init__(): the state is the parent's
-        self.parent, self.chunk = parent, chunk
+    def __init__(self, parent: Recorder, model_chunk: int) -> None:  # no super().__init__(): the state is the parent's
+        self.parent, self.model_chunk = parent, model_chunk
 
     enabled = property(lambda self: self.parent.enabled)
     memory = property(lambda self: self.parent.memory)
     spans = property(lambda self: self.parent.spans)
 
-    def span(self, kind: str, micro_batch: int | None = None, memory_of: tuple | None = None, chunk: int = 0):
-        return self.parent.span(kind, micro_batch, memory_of, self.chunk)
+    def span(self, kind: str, micro_batch: int | None = None, memory_of: tuple | None = None, model_chunk: int = 0):
+        return self.parent.span(kind, micro_batch, memory_of, self.model_chunk)
 
-    def add(self, kind: str, micro_batch: int | None, start: float, end: float, chunk: int = 0) -> None:
-        self.parent.add(kind, micro_batch, start, end, self.chunk)
+    def add(self, kind: str, micro_batch: int | None, start: float, end: float, model_chunk: int = 0) -> None:
+        self.parent.add(kind, micro_batch, start, end, self.model_chunk)
 
     def take(self) -> list[Span]:
         return self.parent.take()
@@ -215,9 +215,11 @@ def _same(tensor: Tensor) -> Tensor:
 class _Timing:
     """An enabled span: times its body and, given ``memory_of``, counts the bytes kept and saved in it."""
 
-    def __init__(self, recorder: Recorder, kind: str, micro_batch: int | None, memory_of: tuple | None, chunk: int):
+    def __init__(
+        self, recorder: Recorder, kind: str, micro_batch: int | None, memory_of: tuple | None, model_chunk: int
+    ):
         self.recorder, self.kind, self.micro_batch, self.memory_of = recorder, kind, micro_batch, memory_of
-        self.chunk = chunk
+        self.model_chunk = model_chunk
         self.input_bytes = 0
         self.saved: SavedBytes | None = None
 
@@ -235,7 +237,7 @@ class _Timing:
             self.saved.__exit__(*exc)
         saved = self.saved.bytes if self.saved is not None else 0
         self.recorder.spans.append(
-            Span(self.kind, self.micro_batch, self.start, end, self.input_bytes, saved, self.chunk)
+            Span(self.kind, self.micro_batch, self.start, end, self.input_bytes, saved, self.model_chunk)
         )
 
 
@@ -250,14 +252,14 @@ def peak_activation_bytes(spans: Iterable[Span]) -> int:
     released: dict[tuple[int | None, int], float] = {}  # when each micro-batch's last backward or W span ends
     for span in spans:
         if span.kind in ("backward", "weight"):
-            key = (span.micro_batch, span.chunk)
+            key = (span.micro_batch, span.model_chunk)
             released[key] = max(span.end, released.get(key, span.end))
     held: dict[tuple[int | None, int], int] = {}
     changes = []
     for span in spans:
         if span.kind in ("forward", "recompute"):
             grow = span.saved_bytes + (span.input_bytes if span.kind == "forward" else 0)
-            key = (span.micro_batch, span.chunk)
+            key = (span.micro_batch, span.model_chunk)
             held[key] = held.get(key, 0) + grow
             changes.append((span.start, grow))
     changes += [(released[micro], -total) for micro, total in held.items() if micro in released]
@@ -282,7 +284,9 @@ class TrackingRecorder(Recorder):
         super().__init__()
         self.position = position
 
-    def span(self, kind: str, micro_batch: Optional[int] = None, memory_of: Optional[tuple] = None, chunk: int = 0):
+    def span(
+        self, kind: str, micro_batch: Optional[int] = None, memory_of: Optional[tuple] = None, model_chunk: int = 0
+    ):
         """Move the position to ``kind`` of ``micro_batch``, then as :meth:`Recorder.span`."""
         self.position.move(kind, micro_batch)
-        return super().span(kind, micro_batch, memory_of, chunk)
+        return super().span(kind, micro_batch, memory_of, model_chunk)

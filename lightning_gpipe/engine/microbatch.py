@@ -87,11 +87,11 @@ def scatter(value: Value, chunks: int) -> list[Value]:
     Raises:
         TypeError, ValueError: as :func:`batch_size`.
     """
-    count = min(chunks, batch_size(value))
+    micro_batches = min(chunks, batch_size(value))
     if isinstance(value, Tensor):
-        return list(torch.tensor_split(value, count))
-    columns = [torch.tensor_split(x, count) if isinstance(x, Tensor) else [x] * count for x in value]
-    return [tuple(column[i] for column in columns) for i in range(count)]
+        return list(torch.tensor_split(value, micro_batches))
+    columns = [torch.tensor_split(x, micro_batches) if isinstance(x, Tensor) else [x] * micro_batches for x in value]
+    return [tuple(column[i] for column in columns) for i in range(micro_batches)]
 
 
 def gather(parts: list[Value]) -> Value:
@@ -115,12 +115,12 @@ class MicroBatch:
 
     Attributes:
         index: its position in the mini-batch, from 0.
-        count: M, the micro-batches of this mini-batch (fewer than ``chunks`` for a batch with fewer rows).
+        micro_batches: M, the micro-batches of this mini-batch (fewer than ``chunks`` for a batch with fewer rows).
         recompute: ``True`` for the drain's re-materialization of a forward that already ran in the fill.
     """
 
     index: int
-    count: int
+    micro_batches: int
     recompute: bool = False
 
 

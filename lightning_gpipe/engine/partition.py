@@ -27,7 +27,7 @@ from lightning_gpipe.engine.microbatch import Value
 class PipelinedCall(Protocol):
     """What a call of a pipelined backbone goes through: the whole pipeline, not only this stage's layers.
 
-    Installed in a :class:`Partition` as :attr:`Partition.pipeline` by the strategy
+    Installed in a :class:`Partition` as :attr:`Partition.backbone_call` by the strategy
     (:class:`lightning_gpipe.engine.contract.BackboneCall`); the partition knows nothing else of the engine.
     """
 
@@ -42,24 +42,24 @@ class Partition(nn.Module):
     """The backbone layers of one stage, under their original names.
 
     :meth:`run` applies the local layers to one micro-batch. Calling the module (the user's
-    ``self.backbone(x)``) goes through :attr:`pipeline` when one is installed, else it is :meth:`run`.
+    ``self.backbone(x)``) goes through :attr:`backbone_call` when one is installed, else it is :meth:`run`.
 
     Args:
         layers: ordered mapping of original names (``"7"``) to layers.
 
     Attributes:
-        pipeline: the :class:`PipelinedCall` a call of the module goes through, or ``None`` (default).
+        backbone_call: the :class:`PipelinedCall` a call of the module goes through, or ``None`` (default).
     """
 
     def __init__(self, layers: dict[str, nn.Module]) -> None:
         super().__init__()
         for name, layer in layers.items():
             self.add_module(name, layer)
-        self.pipeline: Optional[PipelinedCall] = None
+        self.backbone_call: Optional[PipelinedCall] = None
 
     def forward(self, value: Value) -> Optional[Value]:
         """Run the pipeline on the backbone input ``value`` if one is installed, else the local layers."""
-        return self.pipeline(value) if self.pipeline is not None else self.run(value)
+        return self.backbone_call(value) if self.backbone_call is not None else self.run(value)
 
     def run(self, value: Value) -> Value:
         """Apply the local layers in order to one micro-batch.
@@ -147,15 +147,15 @@ class Split:
         num_stages: K, the pipeline's stages (processes); ``None`` (default): ``len(balance)``. With fewer,
             ``balance`` splits the backbone into ``len(balance)`` virtual stages and this stage holds virtual stages
             ``stage_index``, ``stage_index + K``, ... (its model chunks).
-        virtual: the virtual stages this stage holds, in chunk order, where they are placed otherwise (in a V:
+        virtual: the virtual stages this stage holds, in model chunk order, where they are placed otherwise (in a V:
             :meth:`Topology.virtual_of <lightning_gpipe.engine.topology.Topology.virtual_of>`); ``None`` (default): as
             ``num_stages`` says. The stage that holds the last one holds the modules outside the backbone.
 
     Attributes:
         partition: every layer this stage holds, under its original name (in backbone order), installed as the
             module's backbone.
-        chunks: one :class:`Partition` per model chunk, in chunk order (``[partition]`` with one chunk per stage);
-            each runs its virtual stage's layers.
+        model_chunks: one :class:`Partition` per model chunk, in model chunk order (``[partition]`` with one per
+            stage); each runs its virtual stage's layers.
     """
 
     def __init__(
@@ -174,8 +174,8 @@ class Split:
         num_stages = len(balance) if num_stages is None else num_stages
         virtual = range(stage_index, len(balance), num_stages) if virtual is None else virtual
         starts = [sum(balance[:s]) for s in range(len(balance))]
-        chunks = [names[starts[s] : starts[s] + balance[s]] for s in virtual]
-        local = [name for chunk in chunks for name in chunk]
+        held = [names[starts[s] : starts[s] + balance[s]] for s in virtual]
+        local = [name for layers in held for name in layers]
         last = len(balance) - 1 in virtual
         outside = [child for name, child in module.named_children() if name != backbone]
         kept = {sub for layer in [*(self.sequential._modules[n] for n in local), *(outside if last else [])]
@@ -184,7 +184,7 @@ class Split:
             if name not in local:
                 _to_meta(self.sequential._modules[name], kept)
         self.partition = Partition({name: self.sequential._modules[name] for name in local})
-        self.chunks = [self.partition] if len(chunks) == 1 else [self._layers(chunk) for chunk in chunks]
+        self.model_chunks = [self.partition] if len(held) == 1 else [self._layers(layers) for layers in held]
         setattr(module, backbone, self.partition)
         self.freed: dict[str, nn.Module] = {}
         if not last:

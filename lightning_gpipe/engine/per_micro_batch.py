@@ -65,27 +65,27 @@ def check_input_rows(value: Value, rows: int) -> None:
         )
 
 
-def split_batch(batch: Any, count: int) -> list[Any]:
-    """``batch`` as ``count`` micro-batches of rows, split like the backbone input.
+def split_batch(batch: Any, micro_batches: int) -> list[Any]:
+    """``batch`` as ``micro_batches`` micro-batches of rows, split like the backbone input.
 
-    Every tensor is split along dim 0 with :func:`torch.tensor_split` (when N does not divide by ``count``
+    Every tensor is split along dim 0 with :func:`torch.tensor_split` (when N does not divide by ``micro_batches``
     the first micro-batches are one row longer); other items are passed whole to every micro-batch.
 
     Args:
         batch: a tensor or a collection of tensors with N rows (see :func:`batch_rows`).
-        count: M, the micro-batches (<= N).
+        micro_batches: M, the micro-batches (<= N).
     """
     splits: dict[int, tuple[Tensor, ...]] = {}
 
     def part(index: int) -> Any:
         def take(tensor: Tensor) -> Tensor:
             if id(tensor) not in splits:
-                splits[id(tensor)] = torch.tensor_split(tensor, count)
+                splits[id(tensor)] = torch.tensor_split(tensor, micro_batches)
             return splits[id(tensor)][index]
 
         return apply_to_collection(batch, Tensor, take)
 
-    return [part(index) for index in range(count)]
+    return [part(index) for index in range(micro_batches)]
 
 
 def loss_of(output: Any, hook: str, index: int) -> Tensor:

@@ -87,7 +87,7 @@ class _Clock:
         self.actions[k] += base[start:following]
         self.position[k] = following
         action = base[following]
-        arrival = self.clock.arrival(k, action.kind, action.micro_batch, action.chunk)
+        arrival = self.clock.arrival(k, action.kind, action.micro_batch, action.model_chunk)
         if self.outstanding[k] and self._weight_first(k, action, arrival):
             self.actions[k].append(self._weight(k))
             return True
@@ -104,29 +104,31 @@ class _Clock:
         and has computed it)."""
         if action.kind is Kind.FORWARD and self.held[k] >= self.limit:
             return True
-        if self.position[k] == self.last_backward[k] and not splits_backward(self._virtual(k, action.chunk), True):
+        if self.position[k] == self.last_backward[k] and not splits_backward(
+            self._virtual(k, action.model_chunk), True
+        ):
             return True  # the data-parallel sync starts after the plan's last backward
-        _, chunk = self.outstanding[k][0]
+        _, model_chunk = self.outstanding[k][0]
         wait = (self._earliest(k, action) if arrival is None else arrival) - self.clock.free[k]
-        return wait > 0 and wait >= self.share * self.costs[self._virtual(k, chunk)].weight
+        return wait > 0 and wait >= self.share * self.costs[self._virtual(k, model_chunk)].weight
 
     def _earliest(self, k: int, action: Action) -> float:
         """A lower bound of when ``action``'s input, not placed yet, arrives: its sender free, then computing it."""
-        kind, sender = needs(action.kind, self._virtual(k, action.chunk), len(self.costs))
+        kind, sender = needs(action.kind, self._virtual(k, action.model_chunk), len(self.costs))
         cost = self.costs[sender]
         seconds = cost.forward if kind is Kind.FORWARD else cost.backward
         return self.clock.free[self.clock.stage_of(sender)] + seconds
 
     def _run(self, k: int, action: Action, arrival: float) -> None:
         """Place ``action`` on stage ``k`` once it is free and its input has arrived."""
-        s = self._virtual(k, action.chunk)
-        self.clock.run(k, action.kind, action.micro_batch, action.chunk, self._seconds(action, s), arrival)
+        s = self._virtual(k, action.model_chunk)
+        self.clock.run(k, action.kind, action.micro_batch, action.model_chunk, self._seconds(action, s), arrival)
         if action.kind is Kind.FORWARD:
             self.held[k] += 1
         elif action.kind is Kind.WEIGHT or (action.kind is Kind.BACKWARD and not splits_backward(s, True)):
             self.held[k] -= 1
         elif action.kind is Kind.BACKWARD and self.share is not None:
-            self.outstanding[k].append((action.micro_batch, action.chunk))
+            self.outstanding[k].append((action.micro_batch, action.model_chunk))
         self.actions[k].append(action)
 
     def _seconds(self, action: Action, s: int) -> float:
@@ -140,13 +142,15 @@ class _Clock:
 
     def _weight(self, k: int) -> Action:
         """Stage ``k``'s oldest outstanding W, placed now."""
-        i, chunk = self.outstanding[k].pop(0)
-        self.clock.run(k, Kind.WEIGHT, i, chunk, self.costs[self._virtual(k, chunk)].weight, self.clock.free[k])
+        i, model_chunk = self.outstanding[k].pop(0)
+        self.clock.run(
+            k, Kind.WEIGHT, i, model_chunk, self.costs[self._virtual(k, model_chunk)].weight, self.clock.free[k]
+        )
         self.held[k] -= 1
-        return Action(Kind.WEIGHT, i, chunk)
+        return Action(Kind.WEIGHT, i, model_chunk)
 
-    def _virtual(self, k: int, chunk: int) -> int:
-        return self.clock.virtual(k, chunk)
+    def _virtual(self, k: int, model_chunk: int) -> int:
+        return self.clock.virtual(k, model_chunk)
 
 
 def _peak_held(plan: Plan) -> int:

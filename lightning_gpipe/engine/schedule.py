@@ -32,7 +32,7 @@ from lightning_gpipe.engine.rematerialization import checkpointed
 
 
 ScheduleFunction = Callable[[int, int, int, str, bool, int, Optional[tuple[ActionCost, ...]]], Plan]
-"""``schedule(stage_index, num_stages, count, checkpoint, defer_weight_grad, virtual_stages, costs) -> Plan``;
+"""``schedule(stage_index, num_stages, micro_batches, checkpoint, defer_weight_grad, virtual_stages, costs) -> Plan``;
 ``costs`` (one :class:`ActionCost` per virtual stage, or ``None``) matter only to the schedules that place actions
 by cost."""
 
@@ -69,20 +69,20 @@ class _Chunks:
     virtual_stages: int
     v_shape: bool = False
 
-    def virtual(self, chunk: int) -> int:
-        """The virtual stage of ``chunk``."""
-        return virtual_stage(self.stage_index, chunk, self.num_stages, self.v_shape)
+    def virtual(self, model_chunk: int) -> int:
+        """The virtual stage of ``model_chunk``."""
+        return virtual_stage(self.stage_index, model_chunk, self.num_stages, self.v_shape)
 
-    def is_last(self, chunk: int) -> bool:
-        """Whether ``chunk`` is the pipeline's last virtual stage (where the user's head and loss follow)."""
-        return self.virtual(chunk) == self.num_stages * self.virtual_stages - 1
+    def is_last(self, model_chunk: int) -> bool:
+        """Whether ``model_chunk`` is the pipeline's last virtual stage (where the user's head and loss follow)."""
+        return self.virtual(model_chunk) == self.num_stages * self.virtual_stages - 1
 
 
-def _fill(place: _Chunks, count: int) -> list[Action]:
-    """Fill-drain's fill on one stage: each chunk's forwards of all ``count`` micro-batches in turn, each sent on."""
+def _fill(place: _Chunks, micro_batches: int) -> list[Action]:
+    """Fill-drain's fill on one stage: each chunk's forwards of all ``micro_batches`` micro-batches in turn, each sent on."""
     fill = []
     for c in range(place.virtual_stages):
-        for i in range(count):
+        for i in range(micro_batches):
             fill += [Action(Kind.FORWARD, i, c)] + [Action(Kind.SEND, i, c)] * (not place.is_last(c))
     return fill
 
@@ -95,15 +95,15 @@ def _after_forward(place: _Chunks, i: int, c: int) -> list[Action]:
     return [Action(Kind.SEND, i, c), Action(Kind.EXPECT, i, c)]
 
 
-def _backward(i: int, c: int, checkpoint: str, count: int) -> list[Action]:
+def _backward(i: int, c: int, checkpoint: str, micro_batches: int) -> list[Action]:
     """Backward ``i`` on chunk ``c``, after its recompute if ``checkpoint`` re-materializes it."""
-    return [Action(Kind.RECOMPUTE, i, c)] * checkpointed(checkpoint, i, count) + [Action(Kind.BACKWARD, i, c)]
+    return [Action(Kind.RECOMPUTE, i, c)] * checkpointed(checkpoint, i, micro_batches) + [Action(Kind.BACKWARD, i, c)]
 
 
 def gpipe(
     stage_index: int,
     num_stages: int,
-    count: int,
+    micro_batches: int,
     checkpoint: str,
     defer_weight_grad: bool,
     virtual_stages: int = 1,
@@ -125,14 +125,16 @@ def gpipe(
     ``(K - 1) / (v M + K - 1)`` when M >= K; every stage still holds all M micro-batches.
     """
     place = _Chunks(stage_index, num_stages, virtual_stages)
-    fill = _fill(place, count)
-    order = [(i, c) for c in reversed(range(virtual_stages)) for i in reversed(range(count))]
+    fill = _fill(place, micro_batches)
+    order = [(i, c) for c in reversed(range(virtual_stages)) for i in reversed(range(micro_batches))]
     last_process = stage_index == num_stages - 1
     drain = [Action(Kind.LOSS)] * last_process + [Action(Kind.EXPECT, *order[0])] * bool(order)
     at_end = []
     for n, (i, c) in enumerate(order):
         split = splits_backward(place.virtual(c), defer_weight_grad)
-        drain += [Action(Kind.RECOMPUTE, i, c)] * checkpointed(checkpoint, i, count)  # before waiting for the gradient
+        drain += [Action(Kind.RECOMPUTE, i, c)] * checkpointed(
+            checkpoint, i, micro_batches
+        )  # before waiting for the gradient
         if n + 1 < len(order):  # the next gradient's receive, one ahead: it lands while this one computes
             drain.append(Action(Kind.EXPECT, *order[n + 1]))
         drain.append(Action(Kind.BACKWARD, i, c))
@@ -147,7 +149,7 @@ def gpipe(
 def one_f_one_b(
     stage_index: int,
     num_stages: int,
-    count: int,
+    micro_batches: int,
     checkpoint: str,
     defer_weight_grad: bool,
     virtual_stages: int = 1,
@@ -176,14 +178,14 @@ def one_f_one_b(
     warm-up forwards that let the plans run (:func:`check`; all forwards first always does).
     """
     return _one_forward_one_backward(
-        stage_index, num_stages, count, checkpoint, defer_weight_grad, delay=0, virtual_stages=virtual_stages
+        stage_index, num_stages, micro_batches, checkpoint, defer_weight_grad, delay=0, virtual_stages=virtual_stages
     )
 
 
 def zero_bubble_h1(
     stage_index: int,
     num_stages: int,
-    count: int,
+    micro_batches: int,
     checkpoint: str,
     defer_weight_grad: bool,
     virtual_stages: int = 1,
@@ -214,7 +216,7 @@ def zero_bubble_h1(
     """
     _need_split("zb-h1", defer_weight_grad)
     return _one_forward_one_backward(
-        stage_index, num_stages, count, checkpoint, True, delay=stage_index, virtual_stages=virtual_stages
+        stage_index, num_stages, micro_batches, checkpoint, True, delay=stage_index, virtual_stages=virtual_stages
     )
 
 
@@ -230,7 +232,7 @@ def _need_split(schedule: str, defer_weight_grad: bool) -> None:
 def _one_forward_one_backward(
     stage_index: int,
     num_stages: int,
-    count: int,
+    micro_batches: int,
     checkpoint: str,
     defer: bool,
     delay: int,
@@ -240,19 +242,19 @@ def _one_forward_one_backward(
     """1F1B's order (:func:`one_f_one_b`), each deferred W run after the B ``delay`` backwards later; interleaved
     with ``extra_warmup`` more warm-up forwards than Megatron-LM's (``None``: :func:`_extra_warmup`'s)."""
     place = _Chunks(stage_index, num_stages, virtual_stages)
-    groups = [range(g, min(g + num_stages, count)) for g in range(0, count, num_stages)]
+    groups = [range(g, min(g + num_stages, micro_batches)) for g in range(0, micro_batches, num_stages)]
     forwards = [(i, c) for group in groups for c in range(virtual_stages) for i in group]
     backwards = [(i, c) for group in groups for c in reversed(range(virtual_stages)) for i in group]
     warmup = num_stages - 1 - stage_index
     if virtual_stages > 1:
         if extra_warmup is None:
-            extra_warmup = _extra_warmup(num_stages, count, virtual_stages)
+            extra_warmup = _extra_warmup(num_stages, micro_batches, virtual_stages)
         warmup = 2 * warmup + (virtual_stages - 1) * num_stages + extra_warmup
     warmup = min(warmup, len(forwards))
     actions: list[Action] = []
 
     def backward(n: int) -> None:
-        actions.extend(_backward(*backwards[n], checkpoint, count))
+        actions.extend(_backward(*backwards[n], checkpoint, micro_batches))
         if n >= delay:
             actions.extend(weight(*backwards[n - delay]))
 
@@ -272,13 +274,13 @@ def _one_forward_one_backward(
 
 
 @functools.lru_cache(maxsize=None)
-def _extra_warmup(num_stages: int, count: int, virtual_stages: int) -> int:
+def _extra_warmup(num_stages: int, micro_batches: int, virtual_stages: int) -> int:
     """The fewest warm-up forwards to add to Megatron-LM's on every stage so that interleaved 1F1B's plans of
-    ``count`` micro-batches run to their end (0 when M is a multiple of K; the order of transfers alone decides,
+    ``micro_batches`` micro-batches run to their end (0 when M is a multiple of K; the order of transfers alone decides,
     so plans without re-materialization or W stand for all)."""
-    for extra in range(count * virtual_stages):
+    for extra in range(micro_batches * virtual_stages):
         candidate = [
-            _one_forward_one_backward(k, num_stages, count, "never", False, 0, virtual_stages, extra)
+            _one_forward_one_backward(k, num_stages, micro_batches, "never", False, 0, virtual_stages, extra)
             for k in range(num_stages)
         ]
         try:
@@ -286,13 +288,13 @@ def _extra_warmup(num_stages: int, count: int, virtual_stages: int) -> int:
             return extra
         except ScheduleError:
             continue
-    return count * virtual_stages  # every forward first: the order of the looped fill-drain, which always runs
+    return micro_batches * virtual_stages  # every forward first: the order of the looped fill-drain, which always runs
 
 
 def zero_bubble_1p(
     stage_index: int,
     num_stages: int,
-    count: int,
+    micro_batches: int,
     checkpoint: str,
     defer_weight_grad: bool,
     virtual_stages: int = 1,
@@ -318,19 +320,23 @@ def zero_bubble_1p(
     num_virtual = num_stages * virtual_stages
     if costs is not None and len(costs) != num_virtual:
         raise ValueError(f"schedule 'zb-1p' takes one cost per virtual stage: {num_virtual}, not {len(costs)}.")
-    return _placed(num_stages, count, checkpoint, virtual_stages, costs or (ActionCost(),) * num_virtual)[stage_index]
+    return _placed(num_stages, micro_batches, checkpoint, virtual_stages, costs or (ActionCost(),) * num_virtual)[
+        stage_index
+    ]
 
 
 @functools.lru_cache(maxsize=64)
 def _placed(
-    num_stages: int, count: int, checkpoint: str, virtual_stages: int, costs: tuple[ActionCost, ...]
+    num_stages: int, micro_batches: int, checkpoint: str, virtual_stages: int, costs: tuple[ActionCost, ...]
 ) -> tuple[Plan, ...]:
     """Every stage's ZB-1p plan (:func:`zero_bubble_1p`): 1F1B's plans with their W placed by ``costs``."""
     base = [
-        _one_forward_one_backward(k, num_stages, count, checkpoint, False, 0, virtual_stages) for k in range(num_stages)
+        _one_forward_one_backward(k, num_stages, micro_batches, checkpoint, False, 0, virtual_stages)
+        for k in range(num_stages)
     ]
     fixed = [
-        _one_forward_one_backward(k, num_stages, count, checkpoint, True, k, virtual_stages) for k in range(num_stages)
+        _one_forward_one_backward(k, num_stages, micro_batches, checkpoint, True, k, virtual_stages)
+        for k in range(num_stages)
     ]
     return place_weights(base, costs, alternatives=[fixed])
 
@@ -338,7 +344,7 @@ def _placed(
 def zero_bubble_v(
     stage_index: int,
     num_stages: int,
-    count: int,
+    micro_batches: int,
     checkpoint: str,
     defer_weight_grad: bool,
     virtual_stages: int = 2,
@@ -373,23 +379,23 @@ def zero_bubble_v(
         )
     if costs is not None and len(costs) != 2 * num_stages:
         raise ValueError(f"schedule 'zb-v' takes one cost per virtual stage: {2 * num_stages}, not {len(costs)}.")
-    return _v_placed(num_stages, count, checkpoint, costs or (ActionCost(),) * (2 * num_stages))[stage_index]
+    return _v_placed(num_stages, micro_batches, checkpoint, costs or (ActionCost(),) * (2 * num_stages))[stage_index]
 
 
 @functools.lru_cache(maxsize=64)
-def _v_placed(num_stages: int, count: int, checkpoint: str, costs: tuple[ActionCost, ...]) -> tuple[Plan, ...]:
+def _v_placed(num_stages: int, micro_batches: int, checkpoint: str, costs: tuple[ActionCost, ...]) -> tuple[Plan, ...]:
     """Every stage's ZB-V plan (:func:`zero_bubble_v`)."""
-    return place_weights(_v_order(num_stages, count, checkpoint, costs), costs)
+    return place_weights(_v_order(num_stages, micro_batches, checkpoint, costs), costs)
 
 
-def _v_order(num_stages: int, count: int, checkpoint: str, costs: Sequence[ActionCost]) -> list[Plan]:
+def _v_order(num_stages: int, micro_batches: int, checkpoint: str, costs: Sequence[ActionCost]) -> list[Plan]:
     """Every stage's forwards and backwards in a V (:func:`zero_bubble_v`), in the order a clock of ``costs`` runs
     them, each backward timed as its B alone (its W is to fill a wait; the first virtual stage's backwards stay
     whole): a free stage runs the backward whose gradient is there (the oldest micro-batch first), else a forward
     whose input is there (its second chunk first, which leads to the loss; its first chunk, which takes in a new
     micro-batch, only while it holds fewer than 2K chunk micro-batches), else waits for the next input to arrive.
     Each virtual stage runs its micro-batches in order, so every link's transfers are in order."""
-    clock = _VClock(num_stages, count, costs)
+    clock = _VClock(num_stages, micro_batches, costs)
     clock.run()
     return [clock.plan(k, checkpoint) for k in range(num_stages)]
 
@@ -398,8 +404,8 @@ class _VClock:
     """The clock of :func:`_v_order` (:class:`~lightning_gpipe.engine.clock.Clock`, the plans' rules): each stage's
     next forward and backward per chunk, chosen as the module docstring of :func:`_v_order` says."""
 
-    def __init__(self, num_stages: int, count: int, costs: Sequence[ActionCost]) -> None:
-        self.num_stages, self.count, self.costs = num_stages, count, costs
+    def __init__(self, num_stages: int, micro_batches: int, costs: Sequence[ActionCost]) -> None:
+        self.num_stages, self.micro_batches, self.costs = num_stages, micro_batches, costs
         self.last = 2 * num_stages - 1
         self.clock = Clock(num_stages, 2 * num_stages, v_shape=True)
         self.forwarded, self.backwarded = [0] * (2 * num_stages), [0] * (2 * num_stages)  # per virtual stage
@@ -407,7 +413,7 @@ class _VClock:
 
     def run(self) -> None:
         """Run every stage's forwards and backwards (two chunks of M micro-batches each: 4M actions)."""
-        while busy := [k for k in range(self.num_stages) if len(self.order[k]) < 4 * self.count]:
+        while busy := [k for k in range(self.num_stages) if len(self.order[k]) < 4 * self.micro_batches]:
             self._step(busy)
 
     def _step(self, busy: list[int]) -> None:
@@ -431,23 +437,30 @@ class _VClock:
         """Stage ``k``'s next actions as ``(arrival, (priority, micro-batch, virtual stage, kind, chunk))``, the
         arrival of their input ``None`` while it is not computed."""
         found = []
-        for chunk in (1, 0):
-            s = self.clock.virtual(k, chunk)
+        for model_chunk in (1, 0):
+            s = self.clock.virtual(k, model_chunk)
             i = self.backwarded[s]
             if i < self.forwarded[s]:
-                found.append((self.clock.arrival(k, Kind.BACKWARD, i, chunk), (0, i, s, Kind.BACKWARD, chunk)))
+                found.append(
+                    (self.clock.arrival(k, Kind.BACKWARD, i, model_chunk), (0, i, s, Kind.BACKWARD, model_chunk))
+                )
             i = self.forwarded[s]
-            if i < self.count and (chunk == 1 or self._held(k) < 2 * self.num_stages):
-                found.append((self.clock.arrival(k, Kind.FORWARD, i, chunk), (2 - chunk, i, s, Kind.FORWARD, chunk)))
+            if i < self.micro_batches and (model_chunk == 1 or self._held(k) < 2 * self.num_stages):
+                found.append(
+                    (
+                        self.clock.arrival(k, Kind.FORWARD, i, model_chunk),
+                        (2 - model_chunk, i, s, Kind.FORWARD, model_chunk),
+                    )
+                )
         return found
 
     def _held(self, k: int) -> int:
         """Chunk micro-batches stage ``k`` has forwarded and not yet backwarded."""
-        virtual = [self.clock.virtual(k, chunk) for chunk in (0, 1)]
+        virtual = [self.clock.virtual(k, model_chunk) for model_chunk in (0, 1)]
         return sum(self.forwarded[s] - self.backwarded[s] for s in virtual)
 
-    def _run(self, k: int, i: int, s: int, kind: Kind, chunk: int) -> None:
-        """Run ``kind`` of micro-batch ``i`` on stage ``k``'s ``chunk`` (virtual stage ``s``) now (it is free)."""
+    def _run(self, k: int, i: int, s: int, kind: Kind, model_chunk: int) -> None:
+        """Run ``kind`` of micro-batch ``i`` on stage ``k``'s ``model_chunk`` (virtual stage ``s``) now (it is free)."""
         cost = self.costs[s]
         if kind is Kind.FORWARD:
             seconds = cost.forward + (cost.loss if s == self.last else 0.0)
@@ -455,18 +468,18 @@ class _VClock:
         else:
             seconds = cost.backward + (cost.weight if s == 0 else 0.0)  # W goes where the stage would wait
             self.backwarded[s] += 1
-        self.clock.run(k, kind, i, chunk, seconds, self.clock.free[k])
-        self.order[k].append((kind, i, chunk))
+        self.clock.run(k, kind, i, model_chunk, seconds, self.clock.free[k])
+        self.order[k].append((kind, i, model_chunk))
 
     def plan(self, k: int, checkpoint: str) -> Plan:
         """Stage ``k``'s plan of the clock's order: each forward sent on (its gradient's receive posted with it) or
         followed by the loss, each backward after its recompute, a flush at the end."""
         place, actions = _Chunks(k, self.num_stages, 2, v_shape=True), []
-        for kind, i, chunk in self.order[k]:
+        for kind, i, model_chunk in self.order[k]:
             if kind is Kind.FORWARD:
-                actions += [Action(Kind.FORWARD, i, chunk), *_after_forward(place, i, chunk)]
+                actions += [Action(Kind.FORWARD, i, model_chunk), *_after_forward(place, i, model_chunk)]
             else:
-                actions += _backward(i, chunk, checkpoint, self.count)
+                actions += _backward(i, model_chunk, checkpoint, self.micro_batches)
         actions.append(Action(Kind.FLUSH))
         return Plan(tuple(actions), cut=len(actions), loss_per_micro_batch=True, v_shape=True)
 
@@ -495,7 +508,7 @@ so that the pipeline's last virtual stage, and the user's head, are on stage 0."
 def plans(
     schedule: str,
     num_stages: int,
-    count: int,
+    micro_batches: int,
     checkpoint: str,
     defer_weight_grad: Optional[bool] = None,
     virtual_stages: int = 1,
@@ -514,16 +527,18 @@ def plans(
     defer = DEFERRED_BY_DEFAULT[schedule] if defer_weight_grad is None else defer_weight_grad
     placed = None if costs is None else tuple(costs)
     function = SCHEDULES[schedule]
-    return [function(k, num_stages, count, checkpoint, defer, virtual_stages, placed) for k in range(num_stages)]
+    return [
+        function(k, num_stages, micro_batches, checkpoint, defer, virtual_stages, placed) for k in range(num_stages)
+    ]
 
 
-def evaluation(num_stages: int, count: int, virtual_stages: int = 1, v_shape: bool = False) -> list[Plan]:
+def evaluation(num_stages: int, micro_batches: int, virtual_stages: int = 1, v_shape: bool = False) -> list[Plan]:
     """Every stage's plan of an evaluation step, whatever the training schedule: fill-drain's fill (each chunk's
     forwards of all micro-batches in turn, each sent on), then a flush; ``v_shape``: the chunks placed in a V
     (:data:`V_SHAPED`)."""
     every = []
     for k in range(num_stages):
-        actions = (*_fill(_Chunks(k, num_stages, virtual_stages, v_shape), count), Action(Kind.FLUSH))
+        actions = (*_fill(_Chunks(k, num_stages, virtual_stages, v_shape), micro_batches), Action(Kind.FLUSH))
         every.append(Plan(actions, cut=len(actions), v_shape=v_shape))
     return every
 
@@ -564,8 +579,8 @@ class _Abstract:
 
     def __init__(self, stage_plans: Sequence[Plan]) -> None:
         self.plans, self.num_stages = stage_plans, len(stage_plans)
-        self.chunks = 1 + max((a.chunk for plan in stage_plans for a in plan.actions), default=0)
-        self.num_virtual = self.num_stages * self.chunks
+        self.model_chunks = 1 + max((a.model_chunk for plan in stage_plans for a in plan.actions), default=0)
+        self.num_virtual = self.num_stages * self.model_chunks
         self.v_shape = any(plan.v_shape for plan in stage_plans)
         self.done = [0] * self.num_stages
         self.why = [""] * self.num_stages
@@ -594,7 +609,7 @@ class _Abstract:
     def _run(self, k: int, action: Action) -> bool:
         """Run ``action`` on stage ``k`` if what it needs is there (else note why not); whether it ran."""
         kind, i = action.kind, action.micro_batch
-        s = virtual_stage(k, action.chunk, self.num_stages, self.v_shape)
+        s = virtual_stage(k, action.model_chunk, self.num_stages, self.v_shape)
         last = s == self.num_virtual - 1
         if kind is Kind.FORWARD:
             source = needs(kind, s, self.num_virtual)
@@ -629,7 +644,7 @@ class _Abstract:
 
     def _flush(self, k: int) -> bool:
         """Stage ``k``'s flush: every activation it sent received, every gradient it sent with its receive posted."""
-        for t in (virtual_stage(k, c, self.num_stages, self.v_shape) for c in range(self.chunks)):
+        for t in (virtual_stage(k, c, self.num_stages, self.v_shape) for c in range(self.model_chunks)):
             if t < self.num_virtual - 1 and self.activations[t]:
                 return self._wait(k, f"{self.name(t + 1)} has not received micro-batch {self.activations[t][0]} yet")
             unposted = [i for i in self.gradients[t] if i not in self.posted[t - 1]] if t > 0 else []
@@ -671,17 +686,17 @@ def _check_counts(k: int, plan: Plan) -> None:
     """Every micro-batch's forward and backward once each per chunk, its recompute and W (if any) between them."""
     position = {}
     for n, action in enumerate(plan.actions):
-        key = (action.kind, action.micro_batch, action.chunk)
+        key = (action.kind, action.micro_batch, action.model_chunk)
         if action.kind in (Kind.FORWARD, Kind.BACKWARD, Kind.RECOMPUTE, Kind.WEIGHT) and key in position:
             raise ScheduleError(f"stage {k} runs {action} twice.")
         position[key] = n
-    for chunk in sorted({a.chunk for a in plan.actions}):
-        forwards = {a.micro_batch for a in plan.actions if a.kind is Kind.FORWARD and a.chunk == chunk}
-        backwards = {a.micro_batch for a in plan.actions if a.kind is Kind.BACKWARD and a.chunk == chunk}
+    for model_chunk in sorted({a.model_chunk for a in plan.actions}):
+        forwards = {a.micro_batch for a in plan.actions if a.kind is Kind.FORWARD and a.model_chunk == model_chunk}
+        backwards = {a.micro_batch for a in plan.actions if a.kind is Kind.BACKWARD and a.model_chunk == model_chunk}
         if forwards != backwards or forwards != set(range(len(forwards))):
             raise ScheduleError(f"stage {k} runs forwards {sorted(forwards)} but backwards {sorted(backwards)}.")
     for action in (a for a in plan.actions if a.kind in (Kind.RECOMPUTE, Kind.WEIGHT)):
-        i, c = action.micro_batch, action.chunk
+        i, c = action.micro_batch, action.model_chunk
         if not position[(Kind.FORWARD, i, c)] < position[(action.kind, i, c)]:
             raise ScheduleError(f"stage {k} runs {action} before forward {i}.")
         before_backward = position[(action.kind, i, c)] < position[(Kind.BACKWARD, i, c)]

@@ -7,9 +7,9 @@ that sent the activation, so it already knows the shapes.
 
 Wire format of one micro-batch's activation (a fixed-size int64 header, then the tensors)::
 
-    [count, index, is_tuple, n, (dtype, ndim, *shape) * n, 0 ...]   tensor_0 ... tensor_{n-1}
+    [micro_batches, index, is_tuple, n, (dtype, ndim, *shape) * n, 0 ...]   tensor_0 ... tensor_{n-1}
 
-``count`` is the number of micro-batches of the current mini-batch, so that stages
+``micro_batches`` is the number of micro-batches of the current mini-batch, so that stages
 after the first learn it from the first message, and ``index`` says which one this is.
 
 Latency matters as much as bandwidth: a blocked receive costs a wake-up (up to a
@@ -117,8 +117,8 @@ class Link:
         self._grads: list[tuple[list[dist.Work], list[Tensor]]] = []
         self._polled = waiting.polls(device)  # how its waits end: polled on NCCL, a helper thread on gloo
 
-    def send_activation(self, value: Value, index: int, count: int) -> None:
-        """Send micro-batch ``index`` of ``count`` (a Tensor or tuple of tensors) to the next stage, asynchronously.
+    def send_activation(self, value: Value, index: int, micro_batches: int) -> None:
+        """Send micro-batch ``index`` of ``micro_batches`` (a Tensor or tuple of tensors) to the next stage, asynchronously.
 
         Raises:
             ValueError: if the activation's shapes do not fit in :data:`HEADER_SLOTS`, or a dtype cannot be sent.
@@ -126,13 +126,13 @@ class Link:
         """
         with self.events.span("send", index):
             if self._turns[1] is not None:
-                self._turns[1].activations.append((microbatch.leaves(value, False, self.device), count))
+                self._turns[1].activations.append((microbatch.leaves(value, False, self.device), micro_batches))
             else:
-                self._send_activation(value, index, count)
+                self._send_activation(value, index, micro_batches)
 
-    def _send_activation(self, value: Value, index: int, count: int) -> None:
+    def _send_activation(self, value: Value, index: int, micro_batches: int) -> None:
         tensors = microbatch.tensors(value)
-        header = [count, index, int(not isinstance(value, Tensor)), len(tensors)]
+        header = [micro_batches, index, int(not isinstance(value, Tensor)), len(tensors)]
         for tensor in tensors:
             if tensor.dtype not in _DTYPES:
                 raise ValueError(f"Cannot send a {tensor.dtype} tensor between stages; use one of {_DTYPES}.")
@@ -151,7 +151,7 @@ class Link:
         """Receive the next micro-batch's input from the previous stage.
 
         Returns:
-            ``(value, count)``: the activation (Tensor or tuple, as sent) and M.
+            ``(value, micro_batches)``: the activation (Tensor or tuple, as sent) and M.
 
         Raises:
             PipelineFailure: if the previous stage failed while this one waited for it.
@@ -172,9 +172,9 @@ class Link:
         else:
             self._wait([watched], self._prev.rank)
         # the next one expected once this one's payload is posted, so that it matches the next header on any backend
-        self._arrival = self._expect() if arrival.index + 1 < arrival.count else None
+        self._arrival = self._expect() if arrival.index + 1 < arrival.micro_batches else None
         self.events.add("recv", arrival.index, start, time.perf_counter())
-        return arrival.value(), arrival.count
+        return arrival.value(), arrival.micro_batches
 
     def send_grads(self, grads: list[Tensor], index: int) -> None:
         """Send the gradients of micro-batch ``index``'s floating-point inputs back to the previous stage,
@@ -290,7 +290,7 @@ class _Arrival:
         self._peer, self._device = peer, device
         self._header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=device)
         self.header_work = peer.irecv(self._header)
-        self.count = self.index = 0
+        self.micro_batches = self.index = 0
         self._tuple = False
         self._buffers: list[tuple[Tensor, torch.dtype]] = []
         self.works: list[dist.Work] = []  # the payload's receives, once posted
@@ -306,7 +306,7 @@ class _Arrival:
     def post_payload(self) -> None:
         """Read the header (it has arrived) and post the payload's receives into buffers of the shapes it gives."""
         header = self._header.tolist()
-        self.count, self.index, is_tuple, n = header[:4]
+        self.micro_batches, self.index, is_tuple, n = header[:4]
         self._tuple, pos = bool(is_tuple), 4
         for _ in range(n):
             dtype, ndim = _DTYPES[header[pos]], header[pos + 1]
@@ -328,7 +328,7 @@ class Turn:
     deliver, so that the receiver can never change what the sender keeps for its backward."""
 
     def __init__(self) -> None:
-        self.activations: deque[tuple[Value, int]] = deque()  # (activation, count)
+        self.activations: deque[tuple[Value, int]] = deque()  # (activation, micro_batches)
         self.gradients: deque[list[Tensor]] = deque()
 
     @staticmethod

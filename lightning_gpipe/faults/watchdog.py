@@ -62,7 +62,7 @@ class Position:
         phase: what the stage does: a span's kind (``"forward"``) or a phrase (``"writing a checkpoint"``).
         micro_batch: the micro-batch of ``phase``, or ``None``.
         action: the action of the stage's plan being executed, as ``(number, of, kind, micro_batch, chunk)``
-            (``number`` 1-based, ``of`` the plan's length, ``chunk`` the model chunk), or ``None`` outside the
+            (``number`` 1-based, ``of`` the plan's length, ``model_chunk`` the model chunk), or ``None`` outside the
             runtime's plan.
         since: when the position last changed (``time.time()``).
         waits_for: whom the stage waits for (``"stage 0"``), or ``None``.
@@ -93,11 +93,11 @@ class Position:
         """Record that this stage is now in ``phase`` (a phrase: ``"`training_step` after the backbone call"``)."""
         self.move(phase)
 
-    def act(self, number: int, of: int, kind: str, micro_batch: Optional[int], chunk: int = 0) -> None:
+    def act(self, number: int, of: int, kind: str, micro_batch: Optional[int], model_chunk: int = 0) -> None:
         """Record that this stage executes action ``number`` (1-based) of its plan of ``of`` actions, ``kind`` of
-        ``micro_batch`` on model chunk ``chunk`` (see :class:`lightning_gpipe.engine.actions.Action`); the phase becomes
+        ``micro_batch`` on model chunk ``model_chunk`` (see :class:`lightning_gpipe.engine.actions.Action`); the phase becomes
         that action's until a span inside it moves on."""
-        self.action = (number, of, kind, micro_batch, chunk)
+        self.action = (number, of, kind, micro_batch, model_chunk)
         self.move(kind, micro_batch)
 
     def leave_plan(self) -> None:
@@ -148,7 +148,7 @@ def describe(phase: str, micro_batch: Optional[int]) -> str:
     return phase if micro_batch is None else f"{phase} of micro-batch {micro_batch}"
 
 
-_ACTION = ("number", "of", "kind", "micro_batch", "chunk")
+_ACTION = ("number", "of", "kind", "micro_batch", "model_chunk")
 """The fields of :attr:`Position.action`, as published."""
 
 
@@ -164,8 +164,8 @@ def phrase(position: dict[str, Any]) -> str:
         return f"{where} at {position['step']}"
     planned = describe(action["kind"], action["micro_batch"])
     inside = "" if planned == where else f" ({where})"
-    chunk = f" on model chunk {action['chunk']}" if action.get("chunk") else ""
-    return f"action {action['number']} of {action['of']} of its plan, {planned}{chunk}{inside}, at {position['step']}"
+    model_chunk = f" on model chunk {action['model_chunk']}" if action.get("model_chunk") else ""
+    return f"action {action['number']} of {action['of']} of its plan, {planned}{model_chunk}{inside}, at {position['step']}"
 
 
 class Watchdog:

@@ -322,7 +322,7 @@ class PipelineConfig:
         (:data:`~lightning_gpipe.engine.schedule.PLACED_BY_COST`)."""
         return self.schedule in PLACED_BY_COST
 
-    def chunks_for(self, num_stages: int) -> int:
+    def micro_batches_for(self, num_stages: int) -> int:
         """M for a pipeline of ``num_stages``: ``chunks`` if given, else ``4 * K`` for K > 1 (the paper's point from
         which the bubble is negligible) and 1 for a single stage (no bubble to hide)."""
         if self.chunks is not None:

@@ -41,7 +41,7 @@ def shared_layer_costs(strategy: Strategy, module: "pl.LightningModule", name: s
     costs, split = strategy.layer_costs, strategy.config.placed_by_cost
     unsplit = split and costs is not None and not any(cost.weight_grad for cost in costs)
     if costs is None or len(costs) != len(getattr(module, name)) or unsplit:
-        chunks = strategy.config.chunks_for(strategy.topology.num_stages)
+        chunks = strategy.config.micro_batches_for(strategy.topology.num_stages)
         with _measuring(strategy, "profiling the backbone"):
             zero = strategy.is_global_zero
             own = profile_backbone(module, name, chunks, strategy.root_device, split) if zero else None

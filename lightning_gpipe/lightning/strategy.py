@@ -34,7 +34,9 @@ from lightning_gpipe.engine.contract import check_automatic_optimization
 from lightning_gpipe.lightning.mesh import MeshStrategy
 from lightning_gpipe.lightning.optimization import pipelined, unpipelined
 from lightning_gpipe.engine.partition import find_backbone, is_whole
-from lightning_gpipe.lightning.run import PipelineRun, split_into_stage
+from lightning_gpipe.lightning import step
+from lightning_gpipe.lightning.build import StageBuilder, build_stage
+from lightning_gpipe.lightning.run import StageRun
 from lightning_gpipe.lightning.measure import planned_config, shared_layer_costs
 from lightning_gpipe.planning import CostModel, PlanReport
 from lightning_gpipe.lightning.relay import LogRelay
@@ -131,10 +133,10 @@ class GPipeStrategy(MeshStrategy):
         self.plan_report: Optional[PlanReport] = None  # what plan="auto" chose and why, once planned
         self._requested = self.config  # the options as given; plan="auto" runs a config with the plan's values
         self._whole_before_split = True
-        self._run: Optional[PipelineRun] = None
+        self._run: Optional[StageRun] = None
 
     @property
-    def run(self) -> Optional[PipelineRun]:
+    def run(self) -> Optional[StageRun]:
         """This process's part of the run while a model is split (``None`` before setup and after teardown)."""
         return self._run
 
@@ -160,7 +162,7 @@ class GPipeStrategy(MeshStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        """Split the module into this process's stage (:func:`~lightning_gpipe.lightning.run.split_into_stage`), then
+        """Split the module into this process's stage (:func:`~lightning_gpipe.lightning.build.build_stage`), then
         set up precision (clipping over every stage, a shared scaler) and the local optimizers.
 
         Raises:
@@ -178,10 +180,9 @@ class GPipeStrategy(MeshStrategy):
         if self.config.plan == "auto":
             self.config = planned_config(self, self._requested, module, name)
         relay = LogRelay(self, self._last_stage_rank, self.pipeline_group, self._job)
-        run = self._run = split_into_stage(
-            module, name, self.config, self.topology, self.global_rank, self.root_device,
-            shared_layer_costs(self, module, name), self._randomness, self._share_from_last_stage, relay, self._job,
-        )  # fmt: skip
+        builder = StageBuilder(module, name, self.config, self.topology, self.global_rank, self.root_device, self._job)
+        costs = shared_layer_costs(self, module, name)
+        run = self._run = build_stage(builder, costs, self._randomness, self._share_from_last_stage, relay)
         run.start(module, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -199,7 +200,7 @@ class GPipeStrategy(MeshStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Accumulate without averaging over the replicas within a gradient-accumulation window (see
-        :meth:`~lightning_gpipe.lightning.run.PipelineRun.no_gradient_sync`)."""
+        :meth:`~lightning_gpipe.lightning.run.StageRun.no_gradient_sync`)."""
         with self._run.no_gradient_sync():
             yield
 
@@ -211,17 +212,17 @@ class GPipeStrategy(MeshStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """The plan up to its cut; the last stage's output on every stage (see
-        :meth:`~lightning_gpipe.lightning.run.PipelineRun.training_step`)."""
-        return self._run.training_step(self.lightning_module, self.precision_plugin, args, kwargs)
+        :func:`~lightning_gpipe.lightning.step.training_step`)."""
+        return step.training_step(self._run, self.lightning_module, self.precision_plugin, args, kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
-        """The plan after its cut (see :meth:`~lightning_gpipe.lightning.run.PipelineRun.backward`), between
+        """The plan after its cut (see :func:`~lightning_gpipe.lightning.step.backward`), between
         ``on_before_backward`` and ``on_after_backward``; then the last stage's logged values reach every stage."""
         module, precision = self.lightning_module, self.precision_plugin
         self.pre_backward(closure_loss)
         closure_loss = precision.pre_backward(closure_loss, module)
-        self._run.backward(module, precision, closure_loss, optimizer, *args, **kwargs)
+        step.backward(self._run, module, precision, closure_loss, optimizer, *args, **kwargs)
         closure_loss = precision.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         with self._run.events.span("relay"):
@@ -251,9 +252,9 @@ class GPipeStrategy(MeshStrategy):
 
     def _evaluation_step(self, hook: str, context: Callable, args: tuple, kwargs: dict) -> Any:
         """Agree on the batch (:meth:`_agree`), then run the step (see
-        :meth:`~lightning_gpipe.lightning.run.PipelineRun.evaluation_step`)."""
+        :func:`~lightning_gpipe.lightning.step.evaluation_step`)."""
         self._agree(args[0], f"{hook.removesuffix('_step').replace('predict', 'prediction')} batch {args[1]}")
-        return self._run.evaluation_step(self.lightning_module, hook, context, args, kwargs)
+        return step.evaluation_step(self._run, self.lightning_module, hook, context, args, kwargs)
 
     @property
     @override
@@ -318,7 +319,7 @@ class GPipeStrategy(MeshStrategy):
 
     @override
     def teardown(self) -> None:
-        """Undo the split (see :meth:`~lightning_gpipe.lightning.run.PipelineRun.close`): after a completed run, global rank
+        """Undo the split (see :meth:`~lightning_gpipe.lightning.run.StageRun.close`): after a completed run, global rank
         0's module gets every stage's weights back, if it was whole before the split."""
         module, run, whole = self.lightning_module, self._run, None
         completed = module is not None and module.trainer.state.status != TrainerStatus.INTERRUPTED

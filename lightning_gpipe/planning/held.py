@@ -45,7 +45,7 @@ class _Level:
 
 
 def held_peak(
-    actions: Sequence[Action], sends: bool, checkpoint: str, count: int, stage_bytes: tuple[int, int, int, int]
+    actions: Sequence[Action], sends: bool, checkpoint: str, micro_batches: int, stage_bytes: tuple[int, int, int, int]
 ) -> int:
     """Peak bytes one stage holds over its plan: kept inputs, saved activations, outputs (held by their record until
     the backward, and by their send while it is pending) and input gradients sent (while their send is pending).
@@ -66,23 +66,23 @@ def held_peak(
             it with the flushes: the sends of one link.
         sends: whether the stage sends its outputs on (every stage but the last).
         checkpoint: the re-materialization mode.
-        count: M, micro-batches.
+        micro_batches: M, micro-batches.
         stage_bytes: per micro-batch, bytes of the stage's kept input (0 on the first stage: a view of the batch),
             its saved activations, its output, and of the output the activations include (saved by the last layer).
     """
     state = _Level(*stage_bytes)
     weights = {action.micro_batch for action in actions if action.kind is Kind.WEIGHT}
     for action in actions:
-        _step(state, action, sends, checkpoint, count, weights)
+        _step(state, action, sends, checkpoint, micro_batches, weights)
     return state.peak
 
 
-def _step(state: _Level, action: Action, sends: bool, checkpoint: str, count: int, weights: set) -> None:
+def _step(state: _Level, action: Action, sends: bool, checkpoint: str, micro_batches: int, weights: set) -> None:
     """Apply one action to ``state`` (``weights``: the micro-batches whose activations wait for a W action)."""
     kind, i = action.kind, action.micro_batch
     unsaved = state.output_bytes - state.output_saved_bytes
     if kind is Kind.FORWARD:
-        if checkpointed(checkpoint, i, count):
+        if checkpointed(checkpoint, i, micro_batches):
             state.add(state.input_bytes + (state.output_bytes if sends else 0))
         else:
             state.add(state.input_bytes + state.activation_bytes + unsaved)

@@ -117,7 +117,7 @@ class PlanPrediction:
         return self.step_time / (self.plan.data_parallel_size * self.batch_rows)
 
 
-def stage_costs(
+def modelled_stage_costs(
     layers: Sequence[LayerCost], balance: Sequence[int], model: CostModel, split: bool = False
 ) -> list[StageCost]:
     """Per-(virtual-)stage costs for the simulator, each storage counted once.
@@ -189,7 +189,7 @@ def predict(
     rows_n = profiled.batch_rows
     chunks = min(plan.chunks, rows_n)
     layers = profiled.for_chunks(chunks)
-    stages = stage_costs(layers, plan.balance, model, DEFERRED_BY_DEFAULT[plan.schedule])
+    stages = modelled_stage_costs(layers, plan.balance, model, DEFERRED_BY_DEFAULT[plan.schedule])
     per_virtual = stage_sums([c.parameter_bytes for c in layers], plan.balance)
     params = [round(sum(per_virtual[s] for s in _chunks_of(plan, k))) for k in range(plan.pipeline_parallel_size)]
     replicas = plan.data_parallel_size
@@ -263,7 +263,9 @@ def _held(plan: PipelinePlan, chunks: int, stages: Sequence[StageCost], layers: 
         for c, s in enumerate(_chunks_of(plan, k)):
             stage, last = stages[s], _stage_layers(layers, plan.balance, s)[-1]
             per_micro = (stage.input_bytes, stage.activation_bytes, stage.output_bytes, last.output_saved_bytes)
-            actions = [a for a in stage_plan.actions if a.chunk == c or a.kind is Kind.FLUSH]  # a flush: every chunk's
+            actions = [
+                a for a in stage_plan.actions if a.model_chunk == c or a.kind is Kind.FLUSH
+            ]  # a flush: every chunk's
             peak += held_peak(actions, s < len(stages) - 1, plan.checkpoint, chunks, per_micro)
         peaks.append(peak)
     return peaks

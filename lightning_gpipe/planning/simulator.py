@@ -233,7 +233,7 @@ def _replay(
         return transfer.time(stages[s - 1].output_bytes if kind is Kind.FORWARD else stages[s].output_bytes)
 
     clock = Clock(num_stages, len(stages), v_shape, latency)
-    splits = {clock.virtual(k, a.chunk) for k, order in enumerate(orders) for a in order if a.kind is Kind.WEIGHT}
+    splits = {clock.virtual(k, a.model_chunk) for k, order in enumerate(orders) for a in order if a.kind is Kind.WEIGHT}
     spans: list[list[Span]] = [[] for _ in orders]
     done = [0] * num_stages  # how much of its order each process has run
     progressed = True
@@ -242,18 +242,18 @@ def _replay(
         for k, order in enumerate(orders):
             while done[k] < len(order):
                 action = order[done[k]]
-                kind, i, chunk = action.kind, action.micro_batch, action.chunk
-                if (at := clock.arrival(k, kind, i, chunk)) is None:
+                kind, i, model_chunk = action.kind, action.micro_batch, action.model_chunk
+                if (at := clock.arrival(k, kind, i, model_chunk)) is None:
                     break
-                s = clock.virtual(k, chunk)
+                s = clock.virtual(k, model_chunk)
                 cost = stages[s]
                 if kind is not Kind.WEIGHT or cost.weight:  # a stage that does not split its backwards has no W
                     seconds, kept, saved = _work(cost, kind.value, i, chunks, checkpoint, loss, s in splits)
                     free = clock.free[k]
-                    start = clock.run(k, kind, i, chunk, seconds, at)
+                    start = clock.run(k, kind, i, model_chunk, seconds, at)
                     if start > free:
-                        spans[k].append(Span("recv", i, free, start, chunk=chunk))
-                    spans[k].append(Span(kind.value, i, start, start + seconds, kept, saved, chunk))
+                        spans[k].append(Span("recv", i, free, start, model_chunk=model_chunk))
+                    spans[k].append(Span(kind.value, i, start, start + seconds, kept, saved, model_chunk))
                 done[k] += 1
                 progressed = True
     assert done == [len(order) for order in orders], "a schedule whose stages wait for each other"

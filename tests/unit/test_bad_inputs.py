@@ -112,7 +112,7 @@ def test_a_step_without_a_backbone_call_names_the_fix():
 def test_forward_and_share_after_the_plain_call_or_with_gradients_names_the_fix():
     call = BackboneCall(_Schedule(), is_last=True)
     partition = Partition({"0": nn.Identity()})
-    partition.pipeline = call
+    partition.backbone_call = call
     with pytest.raises(RuntimeError, match="call it under `torch.no_grad\\(\\)`"):
         forward_and_share(partition, torch.zeros(2, 4), lambda y: y)
 

@@ -23,7 +23,7 @@ def _pipeline_grads(module: TupleNet, compiled: bool) -> tuple[torch.Tensor, lis
     """One fill and drain of a one-stage pipeline, 3 recomputed micro-batches: the output and the gradients."""
     runtime = one_stage_pipeline(module, chunks=3, checkpoint="always")
     if compiled:
-        compile_layers(runtime.stages[0].partition, compile_options(STATIC))
+        compile_layers(runtime.model_chunks[0].partition, compile_options(STATIC))
     x = torch.randn(12, FEATURES, generator=torch.Generator().manual_seed(0))
     out = module.backbone((x, x > -1.0))
     module.head(out).pow(2).mean().backward()
@@ -94,7 +94,7 @@ def _dropout_run(checkpoint: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
     module = nn.Module()
     module.backbone = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Tanh()) for _ in range(2)))
     runtime = one_stage_pipeline(module, chunks=3, checkpoint=checkpoint)
-    compile_layers(runtime.stages[0].partition, compile_options(STATIC))
+    compile_layers(runtime.model_chunks[0].partition, compile_options(STATIC))
     x = torch.randn(12, 8)
     torch.manual_seed(5)
     out = module.backbone(x)

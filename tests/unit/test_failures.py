@@ -135,27 +135,27 @@ def test_a_report_names_the_innermost_frame_without_reading_source_files(job):
     assert cause.endswith(f"(at {__file__}:{line})")
 
 
-class _RecordingStage:
+class _RecordingChunk:
     """Stands for the first of two stages: its forwards record where the runtime says the stage is."""
 
-    stage_index, checkpoint, defer_weight_grad, training, is_last = 0, "never", False, True, False
+    virtual_stage, checkpoint, defer_weight_grad, training, is_last = 0, "never", False, True, False
 
     def __init__(self, position) -> None:
         self.position, self.seen = position, {}
 
-    def micro_batches(self, value):
+    def inputs(self, value):
         return iter([(i, None, 3) for i in range(3)])
 
-    def forward(self, index, x, count):
+    def forward(self, index, x, micro_batches):
         self.seen[index] = self.position.record()
         return index
 
-    def send(self, output, index, count):
+    def send(self, output, index, micro_batches):
         pass
 
 
 def test_a_stuck_stages_message_names_the_action_of_its_plan(job):
-    stage = _RecordingStage(Position())
+    stage = _RecordingChunk(Position())
     runtime = Runtime([stage], "gpipe", 2, position=stage.position)
     stage.position.begin_step("step 17")
     runtime.forward(None)
@@ -179,7 +179,7 @@ def test_a_stuck_stages_message_names_the_action_of_its_plan(job):
     inside = "action 7 of 9 of its plan, the backward of micro-batch 2 (receiving the gradients of micro-batch 2)"
     assert message.startswith(f"stage 1 has been in {inside}, at step 17 for 300 s")
     # with virtual stages, the model chunk follows the action
-    record["action"] = dict(number=7, of=9, kind="backward", micro_batch=2, chunk=1)
+    record["action"] = dict(number=7, of=9, kind="backward", micro_batch=2, model_chunk=1)
     job.board.store.set(job.board.key("where/1"), json.dumps(record))
     message, _ = job.watchdog.diagnose("stage 1", 400.0)
     assert "the backward of micro-batch 2 on model chunk 1 (receiving the gradients of micro-batch 2)" in message

@@ -69,13 +69,13 @@ def test_the_cycle_finder_finds_a_circle():
 
 def test_the_package_imports_one_way():
     graph = import_graph()
-    assert "lightning_gpipe.engine.stage" in graph["lightning_gpipe.engine.runtime"]  # the graph is read at all
+    assert "lightning_gpipe.engine.model_chunk" in graph["lightning_gpipe.engine.runtime"]  # the graph is read at all
     assert cycles(graph) == []
 
 
 def test_the_partition_knows_nothing_of_the_engine():
     engine = {
-        "lightning_gpipe.engine.stage",
+        "lightning_gpipe.engine.model_chunk",
         "lightning_gpipe.engine.schedule",
         "lightning_gpipe.engine.runtime",
         "lightning_gpipe.engine.contract",

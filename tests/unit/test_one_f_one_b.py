@@ -24,7 +24,7 @@ from lightning_gpipe.engine.runtime import Runtime
 from lightning_gpipe.engine.actions import Kind
 from lightning_gpipe.engine.schedule import one_f_one_b, plans
 from lightning_gpipe.planning.simulator import StageCost, action_costs, simulate
-from lightning_gpipe.engine.stage import Stage
+from lightning_gpipe.engine.model_chunk import ModelChunk
 from lightning_gpipe.engine.transfer import Link
 
 # --------------------------------------------------------------------------- the order, on fake stages
@@ -60,25 +60,25 @@ class _Wire:
             assert self.condition.wait_for(lambda: messages <= self.received, timeout=10), "deadlock in a flush"
 
 
-class _FakeStage:
-    """Stage's primitives as a schedule sees them, logging calls and counting micro-batches in flight."""
+class _FakeChunk:
+    """A model chunk's primitives as a schedule sees them, logging calls and counting micro-batches in flight."""
 
-    def __init__(self, k: int, stages: int, chunks: int, wire: _Wire, defer: bool = False) -> None:
-        self.stage_index, self.is_first, self.is_last = k, k == 0, k == stages - 1
-        self.chunks, self.wire, self.events = chunks, wire, Recorder()
+    def __init__(self, k: int, stages: int, micro_batches: int, wire: _Wire, defer: bool = False) -> None:
+        self.virtual_stage, self.is_first, self.is_last = k, k == 0, k == stages - 1
+        self.micro_batches, self.wire, self.events = micro_batches, wire, Recorder()
         self.checkpoint, self.defer_weight_grad, self.training = "always", defer, True
         self.calls: list[tuple[str, int]] = []
         self.held: set[int] = set()
         self.peak = 0
         self.sends: set = set()
 
-    def micro_batches(self, value):
-        for i in range(self.chunks):
+    def inputs(self, value):
+        for i in range(self.micro_batches):
             if not self.is_first:
-                self.wire.receive(("activation", self.stage_index - 1, i))
-            yield i, None, self.chunks
+                self.wire.receive(("activation", self.virtual_stage - 1, i))
+            yield i, None, self.micro_batches
 
-    def forward(self, i, x, count):
+    def forward(self, i, x, micro_batches):
         self.calls.append(("forward", i))
         self.held.add(i)
         self.peak = max(self.peak, len(self.held))
@@ -87,25 +87,25 @@ class _FakeStage:
         self.wire.send(message)
         self.sends.add(message)
 
-    def send(self, y, i, count):
+    def send(self, y, i, micro_batches):
         self.calls.append(("send", i))
-        self._send(("activation", self.stage_index, i))
+        self._send(("activation", self.virtual_stage, i))
 
     def expect_grad(self, i):
         self.calls.append(("expect", i))
         if not self.is_last:
-            self.wire.post(("gradient", self.stage_index + 1, i))
+            self.wire.post(("gradient", self.virtual_stage + 1, i))
 
     def recompute(self, i):
         self.calls.append(("recompute", i))
 
     def backward(self, i):
         if not self.is_last:
-            self.wire.receive(("gradient", self.stage_index + 1, i))
+            self.wire.receive(("gradient", self.virtual_stage + 1, i))
         self.calls.append(("backward", i))
         self.held.discard(i)
         if not self.is_first:
-            self._send(("gradient", self.stage_index, i))
+            self._send(("gradient", self.virtual_stage, i))
 
     def backward_weights(self, indices):
         self.calls.append(("weights", tuple(indices)))
@@ -120,17 +120,17 @@ class _FakeStage:
         return len(self.held)
 
 
-def _run_processes(processes: list[list[_FakeStage]], schedule: str, costs=None) -> None:
+def _run_processes(processes: list[list[_FakeChunk]], schedule: str, costs=None) -> None:
     """Run one step of ``schedule`` (placed by ``costs``) on each process's fake chunks, a thread per process; the
     last chunk of the last process logs the user's head. Raises what a thread raised (a deadlock: its wait's
     assertion)."""
     head, errors = processes[-1][-1], []
 
-    def run(chunks: list[_FakeStage]) -> None:
+    def run(model_chunks: list[_FakeChunk]) -> None:
         try:
-            runtime = Runtime(chunks, schedule, len(processes), costs=costs)
-            if runtime.per_micro_batch_loss:
-                runtime.step(None, lambda i, count, y: head.calls.append(("head", i)))
+            runtime = Runtime(model_chunks, schedule, len(processes), costs=costs)
+            if runtime.loss_per_micro_batch:
+                runtime.forward(None, lambda i, micro_batches, y: head.calls.append(("head", i)))
             else:
                 runtime.forward(None)
                 runtime.backward()
@@ -145,27 +145,27 @@ def _run_processes(processes: list[list[_FakeStage]], schedule: str, costs=None)
     assert not errors, errors
 
 
-def _run_fake_pipeline(stages: int, chunks: int, schedule: str = "1f1b", costs=None) -> list[_FakeStage]:
+def _run_fake_pipeline(stages: int, micro_batches: int, schedule: str = "1f1b", costs=None) -> list[_FakeChunk]:
     wire = _Wire()
-    fakes = [_FakeStage(k, stages, chunks, wire, defer=schedule.startswith("zb")) for k in range(stages)]
+    fakes = [_FakeChunk(k, stages, micro_batches, wire, defer=schedule.startswith("zb")) for k in range(stages)]
     _run_processes([[fake] for fake in fakes], schedule, costs)
     return fakes
 
 
-@pytest.mark.parametrize("stages, chunks", [(2, 4), (3, 5), (4, 8), (3, 2), (4, 1)])
-def test_1f1b_order_holds_at_most_k_minus_k_micro_batches_and_never_deadlocks(stages, chunks):
-    for fake in _run_fake_pipeline(stages, chunks):
-        k, calls = fake.stage_index, fake.calls
+@pytest.mark.parametrize("stages, micro_batches", [(2, 4), (3, 5), (4, 8), (3, 2), (4, 1)])
+def test_1f1b_order_holds_at_most_k_minus_k_micro_batches_and_never_deadlocks(stages, micro_batches):
+    for fake in _run_fake_pipeline(stages, micro_batches):
+        k, calls = fake.virtual_stage, fake.calls
         work = [c for c in calls if c[0] in ("forward", "recompute", "backward")]
-        plan = one_f_one_b(k, stages, chunks, "always", False).actions
+        plan = one_f_one_b(k, stages, micro_batches, "always", False).actions
         predicted = [
             (a.kind.value, a.micro_batch) for a in plan if a.kind in (Kind.FORWARD, Kind.RECOMPUTE, Kind.BACKWARD)
         ]
         assert work == predicted, k  # the simulator predicts this order
-        assert fake.peak == min(stages - k, chunks)
+        assert fake.peak == min(stages - k, micro_batches)
         expects = [i for kind, i in calls if kind == "expect"]
-        assert expects == ([] if fake.is_last else list(range(chunks)))  # in the order gradients are sent
-        for i in range(chunks):
+        assert expects == ([] if fake.is_last else list(range(micro_batches)))  # in the order gradients are sent
+        for i in range(micro_batches):
             assert calls.index(("forward", i)) < calls.index(("backward", i))
             if not fake.is_last:
                 assert calls.index(("send", i)) < calls.index(("expect", i)) < calls.index(("backward", i))
@@ -173,19 +173,19 @@ def test_1f1b_order_holds_at_most_k_minus_k_micro_batches_and_never_deadlocks(st
                 assert calls.index(("forward", i)) < calls.index(("head", i)) < calls.index(("backward", i))
 
 
-@pytest.mark.parametrize("stages, chunks", [(2, 4), (3, 5), (4, 8), (4, 2)])
-def test_zb_h1_never_deadlocks_and_runs_its_trailing_weight_gradients_in_one_call(stages, chunks):
-    for fake in _run_fake_pipeline(stages, chunks, "zb-h1"):
-        k, calls = fake.stage_index, fake.calls
-        assert fake.peak == min(stages - k, chunks)  # micro-batches waiting for their B, as under 1F1B
+@pytest.mark.parametrize("stages, micro_batches", [(2, 4), (3, 5), (4, 8), (4, 2)])
+def test_zb_h1_never_deadlocks_and_runs_its_trailing_weight_gradients_in_one_call(stages, micro_batches):
+    for fake in _run_fake_pipeline(stages, micro_batches, "zb-h1"):
+        k, calls = fake.virtual_stage, fake.calls
+        assert fake.peak == min(stages - k, micro_batches)  # micro-batches waiting for their B, as under 1F1B
         weights = [i for kind, i in calls if kind == "weights"]
         if k == 0:  # sends no input gradient: whole backwards, no W
             assert not weights
             continue
         # W of j after B of j + k, one call each; the W right after the last B and the k after it: one call
-        alone = [(j,) for j in range(chunks - 1 - k)]
-        assert weights == alone + [tuple(range(max(chunks - 1 - k, 0), chunks))]
-        for i in range(chunks):
+        alone = [(j,) for j in range(micro_batches - 1 - k)]
+        assert weights == alone + [tuple(range(max(micro_batches - 1 - k, 0), micro_batches))]
+        for i in range(micro_batches):
             assert calls.index(("backward", i)) < next(
                 n for n, c in enumerate(calls) if c[0] == "weights" and i in c[1]
             )
@@ -235,11 +235,13 @@ class _Net(nn.Module):
         return {"loss": loss, "rows_seen": y}
 
 
-def _one_stage(net: nn.Module, chunks: int, checkpoint: str) -> BackboneCall:
+def _one_stage(net: nn.Module, micro_batches: int, checkpoint: str) -> BackboneCall:
     split = Split(net, "backbone", [len(net.backbone)], stage_index=0)
-    stage = Stage(split.partition, Link(None, None, torch.device("cpu"), job=Job()), 0, 1, chunks, checkpoint)
+    stage = ModelChunk(
+        split.partition, Link(None, None, torch.device("cpu"), job=Job()), 0, 1, micro_batches, checkpoint
+    )
     call = BackboneCall(Runtime([stage], "1f1b", 1), is_last=True)
-    split.partition.pipeline = call
+    split.partition.backbone_call = call
     return call
 
 
@@ -324,22 +326,22 @@ def test_deferred_batch_norm_counts_each_micro_batch_once_under_1f1b():
 # --------------------------------------------------------------------------- the simulator
 
 
-@pytest.mark.parametrize("stages, chunks", [(2, 8), (4, 4), (3, 2), (4, 16)])
-def test_simulated_1f1b_has_fill_drains_time_and_k_minus_k_memory(stages, chunks):
+@pytest.mark.parametrize("stages, micro_batches", [(2, 8), (4, 4), (3, 2), (4, 16)])
+def test_simulated_1f1b_has_fill_drains_time_and_k_minus_k_memory(stages, micro_batches):
     cost = StageCost(1.0, 2.0, input_bytes=10, activation_bytes=100)
     for checkpoint in ("never", "always", "except_last"):
-        gpipe = simulate([cost] * stages, chunks, checkpoint, loss=0.5)
-        one = simulate([cost] * stages, chunks, checkpoint, loss=0.5, schedule="1f1b")
+        gpipe = simulate([cost] * stages, micro_batches, checkpoint, loss=0.5)
+        one = simulate([cost] * stages, micro_batches, checkpoint, loss=0.5, schedule="1f1b")
         assert one.step_time <= gpipe.step_time + 1e-9
-        held = [min(stages - k, chunks) for k in range(stages)]
+        held = [min(stages - k, micro_batches) for k in range(stages)]
         expected = {
             "never": [h * 110 for h in held],
             "always": [h * 10 + 100 for h in held],
             "except_last": [h * 10 + min(h, 2) * 100 for h in held],
         }[checkpoint]
         assert one.peak_activation_bytes == expected, checkpoint
-    plain = simulate([StageCost(1.0, 2.0)] * stages, chunks, "never", schedule="1f1b")
-    assert plain.step_time == pytest.approx((chunks + stages - 1) * 3.0)
+    plain = simulate([StageCost(1.0, 2.0)] * stages, micro_batches, "never", schedule="1f1b")
+    assert plain.step_time == pytest.approx((micro_batches + stages - 1) * 3.0)
 
 
 def test_a_1f1b_prediction_draws_loss_per_micro_batch():
@@ -360,19 +362,23 @@ def test_a_1f1b_prediction_draws_loss_per_micro_batch():
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("stages, virtual, chunks", [(2, 2, 4), (3, 2, 5), (2, 3, 3), (4, 2, 2)])
-def test_interleaved_runtime_runs_each_chunk_in_its_plans_order_without_deadlock(schedule, stages, virtual, chunks):
-    wire, count = _Wire(), stages * virtual
-    processes = [[_FakeStage(c * stages + k, count, chunks, wire) for c in range(virtual)] for k in range(stages)]
+@pytest.mark.parametrize("stages, virtual, micro_batches", [(2, 2, 4), (3, 2, 5), (2, 3, 3), (4, 2, 2)])
+def test_interleaved_runtime_runs_each_chunk_in_its_plans_order_without_deadlock(
+    schedule, stages, virtual, micro_batches
+):
+    wire, micro_batches = _Wire(), stages * virtual
+    processes = [
+        [_FakeChunk(c * stages + k, micro_batches, micro_batches, wire) for c in range(virtual)] for k in range(stages)
+    ]
     _run_processes(processes, schedule)
     for k, process in enumerate(processes):
-        plan = Runtime(process, schedule, stages).plan(chunks).actions
+        plan = Runtime(process, schedule, stages).plan(micro_batches).actions
         for c, fake in enumerate(process):
             work = [call for call in fake.calls if call[0] in ("forward", "recompute", "backward")]
             planned = [
                 (a.kind.value, a.micro_batch)
                 for a in plan
-                if a.chunk == c and a.kind in (Kind.FORWARD, Kind.RECOMPUTE, Kind.BACKWARD)
+                if a.model_chunk == c and a.kind in (Kind.FORWARD, Kind.RECOMPUTE, Kind.BACKWARD)
             ]
             assert work == planned, (k, c)
-            assert sorted(i for kind, i in work if kind == "backward") == list(range(chunks))
+            assert sorted(i for kind, i in work if kind == "backward") == list(range(micro_batches))

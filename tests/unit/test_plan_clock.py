@@ -50,7 +50,7 @@ def _digest(schedule: str, k: int, m: int, mode: str, v: int, defer: bool, drawn
     forwards = evaluation(k, m, v, schedule == "zb-v")
     check(forwards, training=False)
     spans = [
-        (s.kind, s.micro_batch, round(s.start, 9), round(s.end, 9), s.chunk, s.input_bytes, s.saved_bytes)
+        (s.kind, s.micro_batch, round(s.start, 9), round(s.end, 9), s.model_chunk, s.input_bytes, s.saved_bytes)
         for stage in predicted.trace.stages
         for s in stage.spans
     ]

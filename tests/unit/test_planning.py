@@ -24,7 +24,7 @@ from lightning_gpipe.planning import (
 )
 from lightning_gpipe.lightning.planner import plan_for_strategy
 from lightning_gpipe.planning.held import held_peak
-from lightning_gpipe.planning.predict import stage_costs
+from lightning_gpipe.planning.predict import modelled_stage_costs
 from lightning_gpipe.planning.search import meshes
 from lightning_gpipe.planning.simulator import simulate
 
@@ -79,7 +79,7 @@ def test_optimizer_state_factor(optimizer, factor):
 
 def test_a_storage_two_layers_save_counts_once_and_the_kept_input_is_not_saved_twice():
     layers = mlp_costs(2, rows=8)
-    stages = stage_costs(layers, [2, 2], FREE)
+    stages = modelled_stage_costs(layers, [2, 2], FREE)
     row = 4 * 256 * 8
     assert [s.activation_bytes for s in stages] == [row, row]  # Linear's input is the kept input; ReLU's output
     assert stages[0].input_bytes == 0 and stages[1].input_bytes == row  # the first stage's input is the batch's view
@@ -91,7 +91,7 @@ def test_memory_is_parameters_gradients_optimizer_activations_and_buffers():
     prediction = predict(p, costs, FREE, state_factor=1, limit=2**40)
     params = 2 * 4 * 256 * 256
     layers = costs.for_chunks(4)
-    peaks = simulate(stage_costs(layers, [4, 4], FREE), 4, "never").peak_activation_bytes
+    peaks = simulate(modelled_stage_costs(layers, [4, 4], FREE), 4, "never").peak_activation_bytes
     for stage, peak in zip(prediction.memory, peaks):
         assert (stage.parameters, stage.gradients, stage.optimizer, stage.activations) == (params, params, params, peak)
     replicated = predict(PipelinePlan(2, 2, 4, "never", "gpipe", (4, 4)), costs, FREE, 1, 2**40)
@@ -290,7 +290,7 @@ def split_profiled(pairs: int = 4, rows: int = 64) -> ProfiledCosts:
 
 def test_split_stages_run_the_measured_b_and_w_and_hold_what_b_keeps_except_the_first():
     layers = split_profiled().for_chunks(4)
-    whole, split = stage_costs(layers, (4, 4), FREE), stage_costs(layers, (4, 4), FREE, split=True)
+    whole, split = modelled_stage_costs(layers, (4, 4), FREE), modelled_stage_costs(layers, (4, 4), FREE, split=True)
     assert split[0] == whole[0]  # the first stage sends no input gradient: it never splits
     linears = [c for c in layers[4:] if c.parameter_bytes]
     assert split[1].weight == pytest.approx(FREE.compute_scale * sum(c.weight_grad for c in linears))
@@ -304,7 +304,7 @@ def test_split_stages_run_the_measured_b_and_w_and_hold_what_b_keeps_except_the_
 
 def test_copies_cost_each_stage_what_it_receives_and_sends():
     layers, model = profiled().for_chunks(4), dataclasses.replace(FREE, copy_bandwidth=1e9)
-    free, copied = stage_costs(layers, (2, 3, 3), FREE), stage_costs(layers, (2, 3, 3), model)
+    free, copied = modelled_stage_costs(layers, (2, 3, 3), FREE), modelled_stage_costs(layers, (2, 3, 3), model)
     out = [stage.output_bytes for stage in free]
     assert [c.forward - f.forward for c, f in zip(copied, free)] == pytest.approx(
         [out[0] / 1e9, (out[0] + out[1]) / 1e9, out[1] / 1e9]
@@ -314,7 +314,7 @@ def test_copies_cost_each_stage_what_it_receives_and_sends():
     )
     # a recompute receives and sends nothing, and is none of the engine's bookkeeping: the forward's compute alone
     busy = dataclasses.replace(model, micro_batch_overhead=1e-3)
-    assert [c.recompute for c in stage_costs(layers, (2, 3, 3), busy)] == pytest.approx([f.forward for f in free])
+    assert [c.recompute for c in modelled_stage_costs(layers, (2, 3, 3), busy)] == pytest.approx([f.forward for f in free])
 
 
 def test_virtual_stages_are_planned_where_the_layers_allow_and_kept_when_fixed():
@@ -340,7 +340,7 @@ def test_an_interleaved_process_holds_its_chunks_together():
     layers = costs.for_chunks(4)
     per_chunk = [sum(c.parameter_bytes for c in layers[2 * s : 2 * s + 2]) for s in range(4)]
     assert [m.parameters for m in predicted.memory] == [per_chunk[0] + per_chunk[2], per_chunk[1] + per_chunk[3]]
-    stages = stage_costs(layers, plan.balance, FREE)
+    stages = modelled_stage_costs(layers, plan.balance, FREE)
     assert predicted.step_time == pytest.approx(
         simulate(stages, 4, "never", schedule="1f1b", virtual_stages=2).step_time + FREE.step_overhead
     )

@@ -146,14 +146,14 @@ def test_every_interleaved_plan_runs_to_its_end_and_ends_with_its_first_chunk(sc
                     stage_plans = plans(schedule, num_stages, count, mode, defer, virtual)
                     check(stage_plans)  # pairs every virtual link's transfers, including M not a multiple of K
                     for k, plan in enumerate(stage_plans):
-                        for chunk in range(virtual):
-                            runs = [a for a in plan.actions if a.chunk == chunk]
+                        for model_chunk in range(virtual):
+                            runs = [a for a in plan.actions if a.model_chunk == model_chunk]
                             assert sum(a.kind is Kind.FORWARD for a in runs) == count
-                            split = defer and chunk * num_stages + k > 0
+                            split = defer and model_chunk * num_stages + k > 0
                             assert sum(a.kind is Kind.WEIGHT for a in runs) == (count if split else 0)
                         # the data-parallel gradient sync starts at the first chunk's last backward
                         last = [a for a in plan.actions if a.kind in (Kind.BACKWARD, Kind.WEIGHT)][-1]
-                        assert last.chunk == 0
+                        assert last.model_chunk == 0
 
 
 def test_interleaved_plans_visit_every_stage_once_per_chunk():
@@ -273,16 +273,16 @@ def test_zb_v_runs_to_its_end_and_holds_the_head_and_the_input_on_stage_0():
                 check(evaluation(num_stages, count, 2, v_shape=True), training=False)
                 for k, plan in enumerate(stage_plans):
                     assert plan.v_shape and plan.loss_per_micro_batch
-                    for chunk in range(2):
-                        runs = [a for a in plan.actions if a.chunk == chunk]
+                    for model_chunk in range(2):
+                        runs = [a for a in plan.actions if a.model_chunk == model_chunk]
                         assert sum(a.kind is Kind.FORWARD for a in runs) == count
-                        split = virtual_stage(k, chunk, num_stages, True) > 0  # the first virtual stage's are whole
+                        split = virtual_stage(k, model_chunk, num_stages, True) > 0  # the first virtual stage's are whole
                         assert sum(a.kind is Kind.WEIGHT for a in runs) == (count if split else 0)
-                        head = k == 0 and chunk == 1
+                        head = k == 0 and model_chunk == 1
                         assert sum(a.kind is Kind.LOSS for a in runs) == (count if head else 0)
                         assert sum(a.kind is Kind.SEND for a in runs) == (0 if head else count)
                     last = [a for a in plan.actions if a.kind in (Kind.BACKWARD, Kind.WEIGHT)][-1]
-                    assert last.chunk == 0  # where the data-parallel sync starts
+                    assert last.model_chunk == 0  # where the data-parallel sync starts
 
 
 def test_zb_v_is_faster_than_zb_1p_at_1f1bs_memory():

@@ -8,7 +8,7 @@ from lightning_gpipe.planning.balance.costs import LayerCost
 from lightning_gpipe.engine.events import peak_activation_bytes
 from lightning_gpipe.planning.simulator import StageCost, Transfer, simulate, stage_costs
 from conftest import one_stage_pipeline
-from lightning_gpipe.engine.stage import Stage
+from lightning_gpipe.engine.model_chunk import ModelChunk
 
 
 @pytest.mark.parametrize("stages, chunks", [(2, 8), (4, 4), (3, 1), (4, 16)])
@@ -67,15 +67,15 @@ def test_simulate_rejects_unknown_modes():
 WIDTH, ROWS, CHUNKS = 16, 12, 4
 
 
-def _one_stage(checkpoint: str, enabled: bool) -> Stage:
+def _one_stage(checkpoint: str, enabled: bool) -> ModelChunk:
     """Run one training step of Linear + ReLU through a one-stage engine, recording when ``enabled``."""
     module = nn.Module()
     module.backbone = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU())
     schedule = one_stage_pipeline(module, CHUNKS, checkpoint)
-    schedule.stages[0].events.enabled = schedule.stages[0].events.memory = enabled
+    schedule.model_chunks[0].events.enabled = schedule.model_chunks[0].events.memory = enabled
     module.backbone(torch.randn(ROWS, WIDTH)).sum().backward()
     schedule.backward()
-    return schedule.stages[0]
+    return schedule.model_chunks[0]
 
 
 @pytest.mark.parametrize("checkpoint", ["never", "always", "except_last"])

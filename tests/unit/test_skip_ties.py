@@ -134,23 +134,25 @@ def test_clipping_leaves_uncounted_copies_out_of_the_norm():
 def test_virtual_stages_split_into_chunks_and_refuse_a_skip_within_one_stage():
     import torch as _torch
 
-    from lightning_gpipe.faults.job import Job
-    from lightning_gpipe.lightning.run import _links
-    from lightning_gpipe.engine.topology import Topology
     from lightning_gpipe.engine.events import TrackingRecorder
+    from lightning_gpipe.engine.topology import Topology
     from lightning_gpipe.engine.transfer import Turn
+    from lightning_gpipe.faults.job import Job
+    from lightning_gpipe.lightning.build import StageBuilder
+    from lightning_gpipe.lightning.config import PipelineConfig
 
     module = nn.Module()
     module.backbone = nn.Sequential(Stash(), dense(), Pop(), dense())
     topology = Topology(2, 2, virtual_stages=2)
     split = Split(module, "backbone", [1, 1, 1, 1], stage_index=0, num_stages=2)
-    assert [list(chunk._modules) for chunk in split.chunks] == [["0"], ["2"]]  # virtual stages 0 and 2
+    assert [list(chunk._modules) for chunk in split.model_chunks] == [["0"], ["2"]]  # virtual stages 0 and 2
     assert list(module.backbone._modules) == ["0", "2"]  # one module under the original names
     layout, job, turn = SkipLayout(split.sequential, [1, 1, 1, 1]), Job(), Turn()
     # a skip between two chunks of one stage goes through a turn both chunks share, not a transfer to itself
-    turns = {("skip", 0, 2): turn}
-    _, stashing = _links(topology, 0, 0, layout, _torch.device("cpu"), job, TrackingRecorder(job.position), {}, turns)
-    _, popping = _links(topology, 0, 2, layout, _torch.device("cpu"), job, TrackingRecorder(job.position), {}, turns)
+    builder = StageBuilder(module, "backbone", PipelineConfig(), topology, 0, _torch.device("cpu"), job)
+    builder.skips, builder.turns, builder.groups = layout, {("skip", 0, 2): turn}, {}
+    _, stashing = builder._links(0, TrackingRecorder(job.position))
+    _, popping = builder._links(2, TrackingRecorder(job.position))
     stashed = {key: _torch.ones(3, FEATURES) for key in layout.outgoing(0)[2]}
     stashing.send(stashed, 0, 1)
     received = popping.receive(training=True)

@@ -79,10 +79,10 @@ class SkipLinks:
             received.update(zip(keys, microbatch.leaves(value) if training else value))
         return received
 
-    def send(self, stashed: dict[Any, Tensor], index: int, count: int) -> None:
-        """Send micro-batch ``index`` of ``count``'s stashed tensors to the stages that pop them, asynchronously."""
+    def send(self, stashed: dict[Any, Tensor], index: int, micro_batches: int) -> None:
+        """Send micro-batch ``index`` of ``micro_batches``'s stashed tensors to the stages that pop them, asynchronously."""
         for keys, link in self._out:
-            link.send_activation(tuple(stashed[key] for key in keys), index, count)
+            link.send_activation(tuple(stashed[key] for key in keys), index, micro_batches)
 
     def outputs(self, stashed: dict[Any, Tensor]) -> list[Tensor]:
         """The floating-point tensors sent from ``stashed``, in the order their gradients come back."""

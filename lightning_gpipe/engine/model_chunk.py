@@ -12,13 +12,13 @@ require grad (the boundary): the user's loss runs on their concatenation, and it
 each micro-batch's output gradient in the leaves' ``.grad``, where the micro-batch's backward takes it.
 
 Re-materialization (section 2.2, :mod:`lightning_gpipe.engine.rematerialization`): a checkpointed
-micro-batch runs forward without autograd, keeping only its input; :meth:`Stage.recompute` runs it
+micro-batch runs forward without autograd, keeping only its input; :meth:`ModelChunk.recompute` runs it
 again with autograd before its backward. Timing spans (:mod:`lightning_gpipe.engine.events`) of forwards,
 recomputes and backwards are taken here; those of transfers in :class:`~lightning_gpipe.engine.transfer.Link`.
 
 Deferred weight gradients (zero-bubble pipelines, Qi et al. 2023; :mod:`lightning_gpipe.engine.weightgrad`): with
-``defer_weight_grad``, :meth:`Stage.backward` computes and sends the input gradient (B) and queues the weight
-gradient (W), which :meth:`Stage.backward_weights` runs later, where the schedule places it.
+``defer_weight_grad``, :meth:`ModelChunk.backward` computes and sends the input gradient (B) and queues the weight
+gradient (W), which :meth:`ModelChunk.backward_weights` runs later, where the schedule places it.
 
 Skip connections (:mod:`lightning_gpipe.engine.skip`): each micro-batch's forward runs under its own skip tracker,
 given the tensors earlier stages stashed for it (received before it runs); what is still stashed after the
@@ -60,15 +60,16 @@ class _Record:
     skip_out: dict = field(default_factory=dict)  # skip tensors stashed for later stages, by key
 
 
-class Stage:
-    """Executes the work of one stage, one micro-batch at a time, in the order a schedule calls it.
+class ModelChunk:
+    """Executes the work of one model chunk (a virtual stage of the pipeline; with one chunk per process, the
+    stage), one micro-batch at a time, in the order a schedule calls it.
 
     Args:
-        partition: this stage's layers.
-        link: transfers to the neighbouring stages; its ``events`` recorder is the stage's.
-        stage_index: pipeline rank of this stage (0-based).
-        num_stages: K.
-        chunks: M, micro-batches per mini-batch (fewer when the batch has fewer rows).
+        partition: the model chunk's layers.
+        link: transfers to the neighbouring virtual stages; its ``events`` recorder is the chunk's.
+        virtual_stage: the virtual stage this model chunk runs (0-based; the pipeline rank with one chunk per stage).
+        num_virtual: the pipeline's virtual stages (K with one chunk per stage).
+        micro_batches: M, micro-batches per mini-batch (fewer when the batch has fewer rows).
         checkpoint: ``"always"``, ``"except_last"`` (all micro-batches but the last) or ``"never"``.
         defer_weight_grad: ``True`` splits each backward of a stage that sends input gradients into B (sent at
             once) and W (queued for :meth:`backward_weights`); ``False`` (default) runs them together.
@@ -78,7 +79,7 @@ class Stage:
     Attributes:
         events: the :class:`~lightning_gpipe.engine.events.Recorder` the pipeline callbacks read.
         training: whether the current forward keeps what a backward needs (gradients were enabled when
-            :meth:`micro_batches` started).
+            :meth:`inputs` started).
         before_last_backward: called with the outputs of the step's last backward right before its autograd
             call, the one that completes this stage's parameter gradients (the weight gradient W when deferred);
             the data-parallel gradient sync (:class:`~lightning_gpipe.lightning.data_parallel.GradientSync`) sets it.
@@ -88,18 +89,18 @@ class Stage:
         self,
         partition: Partition,
         link: Link,
-        stage_index: int,
-        num_stages: int,
-        chunks: int,
+        virtual_stage: int,
+        num_virtual: int,
+        micro_batches: int,
         checkpoint: str,
         defer_weight_grad: bool = False,
         skips: Optional[SkipLinks] = None,
     ) -> None:
         self.partition, self.link = partition, link
         self.skips = skips if skips is not None else no_skips(link.device, link.job, link.events)
-        self.stage_index = stage_index
-        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
-        self.chunks, self.checkpoint, self.defer_weight_grad = chunks, checkpoint, defer_weight_grad
+        self.virtual_stage = virtual_stage
+        self.is_first, self.is_last = virtual_stage == 0, virtual_stage == num_virtual - 1
+        self.micro_batches, self.checkpoint, self.defer_weight_grad = micro_batches, checkpoint, defer_weight_grad
         self.events = link.events
         self.training = False
         self.before_last_backward: Optional[Callable[[list[Tensor]], None]] = None
@@ -108,8 +109,8 @@ class Stage:
         self._backwards = 0  # of the current step
         self._filled = 0.0  # when the last stage's forward ended: its "loss" span runs from there to the backward
 
-    def micro_batches(self, value: Value) -> Iterator[tuple[int, Value, int]]:
-        """This stage's inputs of one mini-batch as ``(index, input, count)``, count being M.
+    def inputs(self, value: Value) -> Iterator[tuple[int, Value, int]]:
+        """This stage's inputs of one mini-batch as ``(index, input, micro_batches)``, micro_batches being M.
 
         The first stage scatters ``value`` (the backbone input); the others receive their inputs from the
         previous stage and ignore ``value``. Starting it starts a new forward: what the last one kept is dropped.
@@ -121,7 +122,7 @@ class Stage:
         """
         self.training, self._records, self._backwards = torch.is_grad_enabled(), {}, 0
         if self.is_first:
-            parts = microbatch.scatter(value, self.chunks)
+            parts = microbatch.scatter(value, self.micro_batches)
             yield from ((i, x, len(parts)) for i, x in enumerate(parts))
             return
         index, count = 0, 1
@@ -130,8 +131,8 @@ class Stage:
             yield index, (microbatch.leaves(x) if self.training else x), count
             index += 1
 
-    def forward(self, index: int, x: Value, count: int) -> Value:
-        """Run micro-batch ``index`` of ``count`` through this stage's layers and return its output.
+    def forward(self, index: int, x: Value, micro_batches: int) -> Value:
+        """Run micro-batch ``index`` of ``micro_batches`` through this stage's layers and return its output.
 
         In training, keeps what its backward needs; a checkpointed micro-batch runs without autograd. Skip tensors
         popped here are received from their stashing stages first; those stashed here for later stages are sent
@@ -147,9 +148,9 @@ class Stage:
         training = self.training
         received = self.skips.receive(training)
         skips = tracker.SkipTracker(received)
-        remat = training and checkpointed(self.checkpoint, index, count)
+        remat = training and checkpointed(self.checkpoint, index, micro_batches)
         rng = RngState.capture(self.link.device) if remat else None
-        micro = MicroBatch(index, count)
+        micro = MicroBatch(index, micro_batches)
         memory_of = (self.partition, x) if training else None
         with (
             torch.set_grad_enabled(training and not remat),
@@ -158,8 +159,8 @@ class Stage:
             self.events.span("forward", index, memory_of),
         ):
             y = self.partition.run(x)
-        self.skips.send(skips.stashed, index, count)
-        if not training or (self.is_first and self.is_last and count == 1 and not remat):
+        self.skips.send(skips.stashed, index, micro_batches)
+        if not training or (self.is_first and self.is_last and micro_batches == 1 and not remat):
             return y
         metas = [(t.shape, t.dtype) for t in microbatch.floats(y)]
         record = self._records[index] = _Record(x, None if remat else y, metas, micro, rng)
@@ -169,9 +170,9 @@ class Stage:
             record.boundary = microbatch.floats(y)
         return y
 
-    def send(self, y: Value, index: int, count: int) -> None:
-        """Send micro-batch ``index`` of ``count``'s output to the next stage, asynchronously."""
-        self.link.send_activation(y, index, count)
+    def send(self, y: Value, index: int, micro_batches: int) -> None:
+        """Send micro-batch ``index`` of ``micro_batches``'s output to the next stage, asynchronously."""
+        self.link.send_activation(y, index, micro_batches)
 
     def output(self, parts: list[Value]) -> Value:
         """The last stage's backbone output of the whole mini-batch, from its micro-batch outputs in order."""
@@ -257,7 +258,7 @@ class Stage:
         skip_inputs = microbatch.floats(tuple(record.skip_in.values()))
         needed = [x for x in inputs + skip_inputs if x.requires_grad]
         self._backwards += 1
-        last = self._backwards == record.micro.count
+        last = self._backwards == record.micro.micro_batches
         if pairs:
             with self.events.span("backward", index):
                 if self.defer_weight_grad and needed:

@@ -1,0 +1,179 @@
+"""How one training step runs through Lightning's hooks: the two step protocols, side by side.
+
+Lightning's automatic optimization calls ``strategy.training_step``, then (on the first batch of an accumulation
+window) the optimizer's ``zero_grad``, then ``strategy.backward``, then the optimizer step. A stage's plan
+(:mod:`lightning_gpipe.engine.schedule`) has one cut: the runtime runs the actions before it in ``training_step``
+and the rest in ``backward`` (:class:`~lightning_gpipe.engine.runtime.Runtime`). Where the user's loss runs
+decides where the cut is, and so which of two protocols a schedule follows:
+
+=====================  ==========================================  =================================================
+Lightning calls        :class:`FillDrain` (``"gpipe"``)            :class:`PerMicroBatch` (``"1f1b"``, zero-bubble)
+=====================  ==========================================  =================================================
+``training_step``      the user's step runs up to the backbone     the user's step runs on the whole batch up to the
+                       call, which runs the plan up to its cut     backbone call, which keeps the backbone input and
+                       (the fill) and ends the step on every       ends the step on every stage; then the whole plan
+                       stage but the last; there it returns the    runs (the cut is at its end): at each ``loss``
+                       whole mini-batch's output and the step      action the last stage runs the user's step again on
+                       goes on (head, loss, ``self.log``) once     the micro-batch's rows (its backbone call answered
+                                                                   by the micro-batch's output) and backpropagates
+                                                                   its loss, weighted by its share of the rows; the
+                                                                   gradients are kept apart from ``.grad``
+``zero_grad``          zeroes nothing the step computed yet        the step's gradients are not in ``.grad`` yet
+                                                                   (:class:`~lightning_gpipe.engine.gradients.
+                                                                   StepGradients`)
+``backward``           the last stage backpropagates the loss to   the step's gradients are added to ``.grad``
+                       its boundary (through the precision
+                       plugin); every stage runs the rest of the
+                       plan: the drain
+optimizer step         Lightning's, with clipping over every       the same
+                       stage (:mod:`~lightning_gpipe.lightning.
+                       optimization`)
+=====================  ==========================================  =================================================
+
+Both end ``training_step`` with the last stage's output on every stage (:func:`~lightning_gpipe.lightning.relay.
+share_step_output`) and ``backward`` with its logged values on every stage (:class:`~lightning_gpipe.lightning.
+relay.LogRelay`). Evaluation (validation, test, predict) runs fill-drain's fill whatever the schedule
+(:func:`evaluation_step`). docs/how-it-works.md shows the same table with the hooks' call chains.
+"""
+
+from typing import Any, Callable, Union
+
+import lightning.pytorch as pl
+from torch import Tensor
+
+from lightning_gpipe.lightning.relay import share_step_output
+from lightning_gpipe.lightning.run import StageRun
+
+
+class FillDrain:
+    """The step of a plan whose loss runs once on the whole mini-batch, between the fill and the drain (GPipe's
+    fill-drain: ``schedule="gpipe"``, looped under ``virtual_stages``). See the module docstring."""
+
+    @staticmethod
+    def training_step(run: StageRun, module: "pl.LightningModule", precision: Any, args: tuple, kwargs: dict) -> Any:
+        """The fill and, on the last stage, the rest of the user's step; the user's output on the last stage."""
+        return user_step(run, module, "training_step", precision.train_step_context, args, kwargs)
+
+    @staticmethod
+    def backward(run: StageRun, module: "pl.LightningModule", precision: Any, loss: Tensor, *args: Any, **kw) -> None:
+        """The last stage backpropagates ``loss`` to its boundary through the precision plugin (``args``: the
+        optimizer and what follows it in ``Precision.backward``), so loss scaling applies to the whole pipeline;
+        then every stage drains its micro-batches."""
+        if run.last_chunk.is_last:
+            run.announce_loss_backward(loss)
+            with run.randomness.stage():
+                precision.backward(loss, module, *args, **kw)
+        with precision.train_step_context(), run.job.board.reporting(), run.randomness.stage():
+            run.runtime.backward()  # recomputes as the fill did, with the stage's random stream
+
+
+class PerMicroBatch:
+    """The step of a plan whose last stage needs each micro-batch's loss during the step (``"1f1b"``, ``"zb-h1"``,
+    ``"zb-1p"``, ``"zb-v"``): the whole plan runs in ``training_step``. See the module docstring."""
+
+    @staticmethod
+    def training_step(run: StageRun, module: "pl.LightningModule", precision: Any, args: tuple, kwargs: dict) -> Any:
+        """The whole plan (see :meth:`~lightning_gpipe.engine.contract.BackboneCall.micro_batch_steps`); its
+        gradients are kept apart until Lightning's ``backward`` (which zeroes the previous step's in between, on
+        the first batch of an accumulation window: those are freed at once). The combined output on the last
+        stage."""
+        trainer = module.trainer
+        run.job.position.begin_step(f"step {trainer.global_step}")
+        zeroed = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0  # as Lightning's loop
+
+        def backward(loss: Tensor, last: bool) -> None:
+            _backward_micro_batch(run, module, precision, loss, last)
+
+        with precision.train_step_context(), run.job.board.reporting():
+            with run.step_gradients.computing(list(module.parameters()), zeroed_after=zeroed):
+                return run.backbone_call.micro_batch_steps(module, "training_step", args, kwargs, backward)
+
+    @staticmethod
+    def backward(run: StageRun, module: "pl.LightningModule", precision: Any, loss: Tensor, *args: Any, **kw) -> None:
+        """The step's gradients, computed in ``training_step``, added to ``.grad``."""
+        run.step_gradients.hand_over()
+
+
+Protocol = Union[type[FillDrain], type[PerMicroBatch]]
+
+
+def protocol_of(run: StageRun) -> Protocol:
+    """The step protocol of ``run``'s plans: :class:`PerMicroBatch` when they call a head per micro-batch."""
+    return PerMicroBatch if run.runtime.loss_per_micro_batch else FillDrain
+
+
+def training_step(run: StageRun, module: "pl.LightningModule", precision: Any, args: tuple, kwargs: dict) -> Any:
+    """``strategy.training_step``: the plan up to its cut under the run's protocol (:func:`protocol_of`). Every
+    stage returns the last stage's output, the user's loss or the dict holding it, so that callbacks see the step's
+    loss on every rank (see :func:`~lightning_gpipe.lightning.relay.share_step_output`). ``precision``: the precision
+    plugin.
+
+    Raises:
+        TypeError, ValueError: under a loss per micro-batch, for a batch or backbone input that cannot be split by
+            rows.
+        RuntimeError: if the user's step does not call the backbone exactly once, or returns no loss on the last
+            stage.
+        PipelineFailure: if another stage failed while this one waited for it.
+    """
+    output = protocol_of(run).training_step(run, module, precision, args, kwargs)
+    is_last = run.last_chunk.is_last
+    if is_last and output is None:
+        raise RuntimeError(
+            "`training_step` returned None on the last stage; under GPipeStrategy every step must return its"
+            " loss, since all stages take part in the drain."
+        )
+    return share_step_output(output, is_last, run.share, run.last_chunk.link.device)
+
+
+def backward(run: StageRun, module: "pl.LightningModule", precision: Any, loss: Tensor, *args: Any, **kw: Any) -> None:
+    """``strategy.backward``, between the precision plugin's ``pre_backward`` and ``post_backward``: the plan after
+    its cut under the run's protocol (:func:`protocol_of`).
+
+    Raises:
+        PipelineFailure: if another stage failed while this one waited for it.
+    """
+    protocol_of(run).backward(run, module, precision, loss, *args, **kw)
+
+
+def evaluation_step(
+    run: StageRun, module: "pl.LightningModule", hook: str, context: Callable, args: tuple, kwargs: dict
+) -> Any:
+    """A pipelined forward of the user's ``hook`` (``"validation_step"``, ``"test_step"`` or ``"predict_step"``)
+    within the precision plugin's ``context``. Returns the user's output on the last stage (``None`` elsewhere), or
+    for predict the last stage's prediction on every stage; then relays the last stage's logged values.
+
+    Raises:
+        RuntimeError: if the user's step does not call the backbone exactly once (plainly or through
+            :func:`~lightning_gpipe.forward_and_share`).
+        PipelineFailure: if another stage failed while this one waited for it.
+    """
+    output = user_step(run, module, hook, context, args, kwargs)
+    if hook == "predict_step":
+        return run.share(output)
+    run.relay(module.trainer)
+    return output
+
+
+def user_step(
+    run: StageRun, module: "pl.LightningModule", hook: str, context: Callable, args: tuple, kwargs: dict
+) -> Any:
+    """One call of the user's ``hook`` with ``args`` and ``kwargs`` within ``context``, ending at the backbone call
+    on all stages but the last (see :meth:`~lightning_gpipe.engine.contract.BackboneCall.user_step`)."""
+    step = getattr(module, hook)
+    run.job.position.begin_step(f"step {module.trainer.global_step}")
+    with context(), run.job.board.reporting():
+        return run.backbone_call.user_step(hook, lambda: step(*args, **kwargs))
+
+
+def _backward_micro_batch(
+    run: StageRun, module: "pl.LightningModule", precision: Any, loss: Tensor, last: bool
+) -> None:
+    """Backpropagate one micro-batch's weighted loss as Lightning's backward does a step's: divided by
+    ``accumulate_grad_batches``, scaled by the precision plugin's gradient scaler if it has one, through
+    ``LightningModule.backward``; without the step's ``on_before_backward`` hooks, which Lightning's ``backward``
+    runs. ``last``: whether it is the step's last micro-batch."""
+    if last:
+        run.announce_loss_backward(loss)
+    loss = loss / module.trainer.accumulate_grad_batches
+    scaler = getattr(precision, "scaler", None)
+    precision.backward(scaler.scale(loss) if scaler is not None else loss, module, None)
