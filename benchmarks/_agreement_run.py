@@ -2,8 +2,8 @@
 _runs.py]``.
 
 MODE ``agreeing`` runs the package as it is: before every step the processes all-reduce the batch fingerprints and
-the stop requests (:mod:`lightning_gpipe.lightning.agreement`). ``trusting`` replaces that agreement by one that passes this
-process's requests through, with no fingerprint and no collective, as before the check existed. The mode is kept in
+the stop requests (:mod:`lightning_gpipe.lightning.agreement`). ``trusting`` replaces that agreement by one that passes
+this process's requests through, with no fingerprint and no collective, as before the check existed. The mode is kept in
 ``LIGHTNING_GPIPE_BENCH_AGREEMENT`` for the stage processes Lightning's launcher starts (it re-runs this script
 without the mode argument).
 """

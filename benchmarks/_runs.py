@@ -149,7 +149,8 @@ class SavedBytes:
         return handle.tensor
 
     def kept_inputs(self, stage) -> int:
-        """Bytes of the micro-batch inputs ``stage`` (a ``lightning_gpipe.engine.model_chunk.ModelChunk``, or ``None``) keeps for
+        """Bytes of the micro-batch inputs ``stage`` (a ``lightning_gpipe.engine.model_chunk.ModelChunk``, or ``None``)
+        keeps for
         re-computation now, in storages autograd does not already hold (read from its records, not changed)."""
         storages = {}
         for record in stage._records.values() if stage is not None else []:

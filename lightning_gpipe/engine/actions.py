@@ -43,7 +43,8 @@ class Action:
     Args:
         kind: what the action does.
         micro_batch: the micro-batch index, 0-based; ``None`` for a flush and for a loss on the whole mini-batch.
-        model_chunk: the stage's model chunk (virtual stage) the action runs on; 0 for schedules with one chunk per stage.
+        model_chunk: the stage's model chunk (virtual stage) the action runs on; 0 for schedules with one chunk per
+            stage.
     """
 
     kind: Kind

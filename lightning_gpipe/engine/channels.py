@@ -2,7 +2,8 @@
 
 Gloo matches point-to-point messages by source and tag, so two links between the same pair of ranks (a stage's
 neighbour link and a skip connection's, or two model chunks' links under virtual stages) stay apart by their tags
-(:meth:`~lightning_gpipe.engine.topology.Topology.link_tag`, :meth:`~lightning_gpipe.engine.topology.Topology.skip_tag`). NCCL
+(:meth:`~lightning_gpipe.engine.topology.Topology.link_tag`,
+:meth:`~lightning_gpipe.engine.topology.Topology.skip_tag`). NCCL
 ignores tags: it matches the messages two ranks exchange in one communicator by their order, which
 two links, each used in its own order, would mix or deadlock. So every such link gets a process group of its own
 (on NCCL, a communicator of its own), on every backend, so that the path the tests run on gloo is the one NCCL

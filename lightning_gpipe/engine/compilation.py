@@ -1,6 +1,7 @@
 """``GPipeStrategy(compile=...)``: each backbone layer of a stage compiled with :func:`torch.compile`, in place.
 
-The stage runs its layers one at a time (:meth:`~lightning_gpipe.engine.partition.Partition.run`), so compiling each layer
+The stage runs its layers one at a time (:meth:`~lightning_gpipe.engine.partition.Partition.run`), so compiling each
+layer
 compiles everything the stage does with them: the forward, the re-materialization's recompute (which runs the
 layers again, with autograd) and the backward (AOTAutograd compiles each layer's backward with its forward, as one
 ``CompiledFunctionBackward`` autograd node). The layers stay where they are, under their names: the state dict,
@@ -20,8 +21,8 @@ torch make it so rather than ``nn.Module.compile()``:
 
 :func:`uncompile_layers` puts the layers' forwards back at teardown, so the module given back is the user's.
 
-Zero-bubble's B/W split (:mod:`lightning_gpipe.engine.weightgrad`) composes: a compiled layer's backward node leads both to
-the stage's input and to the layer's parameters, so it is a branch node; B runs it for the input gradient, W runs it
+Zero-bubble's B/W split (:mod:`lightning_gpipe.engine.weightgrad`) composes: a compiled layer's backward node leads both
+to the stage's input and to the layer's parameters, so it is a branch node; B runs it for the input gradient, W runs it
 again from the kept output gradient for the parameters'. AOTAutograd compiles one backward per layer computing
 all of its gradients, so B cannot leave the weight gradient out and W cannot leave the input gradient out: each
 compiled layer's backward runs twice on stages that split (the results are unchanged). ZB-H1 under compile

@@ -2,8 +2,8 @@
 
 Every stage runs the user's step (``training_step``, ``validation_step``...) up to the backbone
 call. That call runs the pipeline (:class:`BackboneCall`, installed in the stage's
-:class:`~lightning_gpipe.engine.partition.Partition` as its ``backbone_call``); on every stage but the last it then raises
-:class:`BackboneReached`, which ends the user's step there: the rest of the step (head, loss,
+:class:`~lightning_gpipe.engine.partition.Partition` as its ``backbone_call``); on every stage but the last it then
+raises :class:`BackboneReached`, which ends the user's step there: the rest of the step (head, loss,
 logging) belongs to the last stage. :meth:`BackboneCall.user_step` runs one step of the user's
 under that contract and checks it called the backbone exactly once.
 
@@ -74,7 +74,8 @@ Answer = Callable[[Value], Optional[Value]]
 
 
 class BackboneCall:
-    """The call a stage's :class:`~lightning_gpipe.engine.partition.Partition` goes through, and the step guard around it.
+    """The call a stage's :class:`~lightning_gpipe.engine.partition.Partition` goes through, and the step guard around
+    it.
 
     Args:
         runtime: what runs this process's plan (:class:`~lightning_gpipe.engine.runtime.Runtime`).
@@ -181,8 +182,8 @@ class BackboneCall:
                 says whether the micro-batch is the step's last.
 
         Returns:
-            On the last stage, the combined output (see :meth:`~lightning_gpipe.engine.per_micro_batch.RowWeighted.finish`);
-            ``None`` on the others.
+            On the last stage, the combined output (see
+            :meth:`~lightning_gpipe.engine.per_micro_batch.RowWeighted.finish`); ``None`` on the others.
 
         Raises:
             TypeError, ValueError: on every stage alike before any micro-batch runs, for a batch whose tensors do

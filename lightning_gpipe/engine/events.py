@@ -1,14 +1,15 @@
 """What one stage does during a step, as timestamped spans: the raw material of the pipeline callbacks.
 
-A stage (:class:`lightning_gpipe.engine.model_chunk.ModelChunk`) and its transfers (:class:`lightning_gpipe.engine.transfer.Link`)
-share a :class:`Recorder`. While it is disabled, a span costs one method call that
-returns a shared no-op context. Once enabled (the callbacks in :mod:`lightning_gpipe.lightning.callbacks` enable it
-for the training steps), every micro-batch's forward, recompute and backward, the last stage's loss, and every wait on a
-transfer is recorded as a :class:`Span` of ``time.perf_counter()`` timestamps.
+A stage (:class:`lightning_gpipe.engine.model_chunk.ModelChunk`) and its transfers
+(:class:`lightning_gpipe.engine.transfer.Link`) share a :class:`Recorder`. While it is disabled, a span costs one method
+call that returns a shared no-op context. Once enabled (the callbacks in :mod:`lightning_gpipe.lightning.callbacks`
+enable it for the training steps), every micro-batch's forward, recompute and backward, the last stage's loss, and every
+wait on a transfer is recorded as a :class:`Span` of ``time.perf_counter()`` timestamps.
 
 ``perf_counter`` is ``CLOCK_MONOTONIC`` on Linux: the same clock for every process of one machine, so the
 stages' spans line up on one time axis. Across machines the clocks are unrelated: the callbacks move another
-node's spans onto global rank 0's clock by an offset measured once (:mod:`lightning_gpipe.lightning.callbacks._pipeline`).
+node's spans onto global rank 0's clock by an offset measured once
+(:mod:`lightning_gpipe.lightning.callbacks._pipeline`).
 """
 
 import time

@@ -54,7 +54,8 @@ def check_input_rows(value: Value, rows: int) -> None:
     """Check that the backbone input ``value`` has the batch's ``rows`` rows, row for row.
 
     Raises:
-        ValueError: if its tensors' dim 0 is not ``rows`` (see also :func:`lightning_gpipe.engine.microbatch.batch_size`).
+        ValueError: if its tensors' dim 0 is not ``rows`` (see also
+            :func:`lightning_gpipe.engine.microbatch.batch_size`).
     """
     size = microbatch.batch_size(value)
     if size != rows:

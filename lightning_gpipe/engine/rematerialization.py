@@ -19,12 +19,14 @@ CHECKPOINT_MODES = ("always", "except_last", "never")
 
 
 def checkpointed(mode: str, index: int, micro_batches: int) -> bool:
-    """Whether micro-batch ``index`` of ``micro_batches`` is re-materialized under ``mode``, one of :data:`CHECKPOINT_MODES`."""
+    """Whether micro-batch ``index`` of ``micro_batches`` is re-materialized under ``mode``, one of
+    :data:`CHECKPOINT_MODES`."""
     return mode == "always" or (mode == "except_last" and index < micro_batches - 1)
 
 
 def recomputed_share(mode: str, micro_batches: int) -> float:
-    """The share (0 to 1) of a mini-batch's ``micro_batches`` micro-batches whose forward is recomputed under ``mode``."""
+    """The share (0 to 1) of a mini-batch's ``micro_batches`` micro-batches whose forward is recomputed under
+    ``mode``."""
     return sum(checkpointed(mode, i, micro_batches) for i in range(micro_batches)) / micro_batches
 
 

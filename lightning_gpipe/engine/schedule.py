@@ -3,10 +3,10 @@
 A schedule is a function of (pipeline rank k, K stages, M micro-batches, checkpoint mode, deferred weight
 gradients) that returns one :class:`Plan` per stage: the stage's :class:`Action` list, in the order the stage runs
 it, and the cut where Lightning's ``training_step`` ends and ``backward`` begins. One runtime executes a plan over
-a stage's primitives (:class:`lightning_gpipe.engine.runtime.Runtime`); the simulator (:mod:`lightning_gpipe.planning.simulator`)
-times the same lists, and :func:`check` runs them abstractly before the first step, so a schedule whose sends and
-receives do not pair up, or whose stages would wait for each other, is an error rather than a hang. A new schedule
-is one more function in :data:`SCHEDULES`.
+a stage's primitives (:class:`lightning_gpipe.engine.runtime.Runtime`); the simulator
+(:mod:`lightning_gpipe.planning.simulator`) times the same lists, and :func:`check` runs them abstractly before the
+first step, so a schedule whose sends and receives do not pair up, or whose stages would wait for each other, is an
+error rather than a hang. A new schedule is one more function in :data:`SCHEDULES`.
 
 The vocabulary (:class:`Kind`, :class:`Action`, :class:`Plan`) is :mod:`lightning_gpipe.engine.actions`'s, importable
 from here too; ``"zb-1p"`` places its weight gradients with :mod:`lightning_gpipe.engine.placement`.
@@ -79,7 +79,8 @@ class _Chunks:
 
 
 def _fill(place: _Chunks, micro_batches: int) -> list[Action]:
-    """Fill-drain's fill on one stage: each chunk's forwards of all ``micro_batches`` micro-batches in turn, each sent on."""
+    """Fill-drain's fill on one stage: each model chunk's forwards of all ``micro_batches`` micro-batches in turn, each
+    sent on."""
     fill = []
     for c in range(place.virtual_stages):
         for i in range(micro_batches):
@@ -303,7 +304,8 @@ def zero_bubble_1p(
     """ZB-1p, zero-bubble's automatic schedule at 1F1B's memory (Qi et al. 2023, arXiv:2401.10241, section 3.2,
     its heuristic algorithm): 1F1B's order of forwards and input gradients (B, :func:`one_f_one_b`, interleaved
     with ``virtual_stages`` v > 1), each weight gradient W placed from the actions' costs on a clock of the stages'
-    plans (:func:`~lightning_gpipe.engine.placement.place_weights`), ZB-H1's fixed placement (:func:`zero_bubble_h1`) among
+    plans (:func:`~lightning_gpipe.engine.placement.place_weights`), ZB-H1's fixed placement (:func:`zero_bubble_h1`)
+    among
     the candidates: never slower than ZB-H1's on that clock, and with one chunk per stage and equal costs ZB-H1's.
     W are local, so only where a stage's W go depends on the costs: every stage's transfers are 1F1B's whatever the
     costs, and stages that placed from different costs still pair up.
@@ -352,8 +354,8 @@ def zero_bubble_v(
 ) -> Plan:
     """ZB-V (Qi et al. 2023, arXiv:2401.10241, section 6): two model chunks per stage placed in a V, virtual stages
     k and 2K - 1 - k on stage k (:func:`~lightning_gpipe.engine.actions.virtual_stage`). A micro-batch goes through the
-    stages and back, turning on stage K - 1 (within the process: a :class:`~lightning_gpipe.engine.transfer.Turn`), so the
-    pipeline's first and last virtual stages, the backbone input and the user's head and loss, are both on stage 0,
+    stages and back, turning on stage K - 1 (within the process: a :class:`~lightning_gpipe.engine.transfer.Turn`), so
+    the pipeline's first and last virtual stages, the backbone input and the user's head and loss, are both on stage 0,
     and the last virtual stage's backward starts on the stage that starts the next forward.
 
     Each stage's forwards and input gradients B are ordered on a clock of the actions' costs (:func:`_v_order`),
@@ -501,7 +503,8 @@ PLACED_BY_COST: frozenset[str] = frozenset({"zb-1p", "zb-v"})
 the backbone with its backwards split into B and W."""
 
 V_SHAPED: frozenset[str] = frozenset({"zb-v"})
-"""The schedules that place each stage's two model chunks in a V (:func:`~lightning_gpipe.engine.actions.virtual_stage`),
+"""The schedules that place each stage's two model chunks in a V
+(:func:`~lightning_gpipe.engine.actions.virtual_stage`),
 so that the pipeline's last virtual stage, and the user's head, are on stage 0."""
 
 

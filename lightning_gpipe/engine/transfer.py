@@ -118,7 +118,8 @@ class Link:
         self._polled = waiting.polls(device)  # how its waits end: polled on NCCL, a helper thread on gloo
 
     def send_activation(self, value: Value, index: int, micro_batches: int) -> None:
-        """Send micro-batch ``index`` of ``micro_batches`` (a Tensor or tuple of tensors) to the next stage, asynchronously.
+        """Send micro-batch ``index`` of ``micro_batches`` (a Tensor or tuple of tensors) to the next stage,
+        asynchronously.
 
         Raises:
             ValueError: if the activation's shapes do not fit in :data:`HEADER_SLOTS`, or a dtype cannot be sent.
@@ -259,8 +260,8 @@ class Link:
         """Wait for ``works`` of transfers with global rank ``peer`` (``None``: both neighbours), interruptibly.
 
         ``in_flight``: receives whose sender has already issued them (see
-        :func:`lightning_gpipe.faults.waiting.wait_in_flight`); on NCCL they are polled like any other, since a sender that
-        died does not end an NCCL receive.
+        :func:`lightning_gpipe.faults.waiting.wait_in_flight`); on NCCL they are polled like any other, since a sender
+        that died does not end an NCCL receive.
         """
         job = self.job
         if self._polled:

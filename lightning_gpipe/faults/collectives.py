@@ -1,8 +1,8 @@
 """The collectives the package makes, on the default process group or a given one, through the interruptible waits.
 
 Each one is posted with ``async_op=True`` and waited for with :func:`lightning_gpipe.faults.waiting.wait` (gloo) or
-:func:`lightning_gpipe.faults.waiting.poll` (NCCL), as :func:`lightning_gpipe.faults.waiting.polls` says for its tensors'
-device, so a stage waiting in a collective handles signals and names a failed or stalled stage
+:func:`lightning_gpipe.faults.waiting.poll` (NCCL), as :func:`lightning_gpipe.faults.waiting.polls` says for its
+tensors' device, so a stage waiting in a collective handles signals and names a failed or stalled stage
 (torch's ``broadcast_object_list`` and ``gather_object`` block in C++ instead). Objects travel
 as pickled bytes in a uint8 tensor after their sizes, as in torch's object collectives; a received size is
 read on the host only after that wait, so that on CUDA the read cannot block on another stage.
@@ -127,7 +127,8 @@ def _wait(
     job: "Job", work: dist.Work, device: torch.device, group: Optional[dist.ProcessGroup], peer: str = EVERY_STAGE
 ) -> None:
     """Wait for the collective ``work`` on tensors of ``device`` over ``group`` with the wait
-    :func:`~lightning_gpipe.faults.waiting.polls` chooses (:func:`~lightning_gpipe.faults.waiting.wait` on gloo); ``peer`` names
+    :func:`~lightning_gpipe.faults.waiting.polls` chooses (:func:`~lightning_gpipe.faults.waiting.wait` on gloo);
+    ``peer`` names
     whom it waits for in the stall watchdog's messages."""
     if waiting.polls(device, group):
         waiting.poll(job, [work], peer)

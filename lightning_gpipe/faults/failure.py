@@ -15,8 +15,8 @@ prepared when the board is created (the store connection, the stage's name, a sm
 memory reserve that :meth:`FailureBoard.report` releases before it formats anything).
 
 Each run of the strategy (each ``Trainer.fit``, ``validate``...) creates a :class:`FailureBoard` of its own
-(part of the run's :class:`lightning_gpipe.faults.job.Job`), numbered in the store, so a failure of an earlier run in the
-same processes is not read as the cause of a later one. The module keeps no state of its own.
+(part of the run's :class:`lightning_gpipe.faults.job.Job`), numbered in the store, so a failure of an earlier run in
+the same processes is not read as the cause of a later one. The module keeps no state of its own.
 """
 
 import sys

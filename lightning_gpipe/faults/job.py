@@ -4,13 +4,14 @@ The strategy creates a :class:`Job` in ``setup_environment`` (once the process g
 exists) and closes it in ``teardown``; what needs it gets it explicitly: the objects built per run (the links of a
 stage, the tied parameters, the logging relay, the step agreement, the precision plugin's clipping, the backbone
 call's position) at construction, the free functions (:mod:`lightning_gpipe.faults.collectives`, the waits of
-:mod:`lightning_gpipe.faults.waiting`, the checkpoint gathers of :mod:`lightning_gpipe.lightning.state_dict`) as an argument. Nothing
-of it lives in a module or class variable, so two jobs in one process (two tests, two runs) do not see each other's
-position or failure.
+:mod:`lightning_gpipe.faults.waiting`, the checkpoint gathers of :mod:`lightning_gpipe.lightning.state_dict`) as an
+argument. Nothing of it lives in a module or class variable, so two jobs in one process (two tests, two runs) do not see
+each other's position or failure.
 
 Each part keeps its own module: :class:`~lightning_gpipe.faults.failure.FailureBoard` (the cause of a failure),
-:class:`~lightning_gpipe.faults.watchdog.Position` and :class:`~lightning_gpipe.faults.watchdog.Watchdog` (where this stage is,
-and who stopped progressing), :class:`~lightning_gpipe.faults.waiting.Waiter` (the helper threads of gloo waits and sends).
+:class:`~lightning_gpipe.faults.watchdog.Position` and :class:`~lightning_gpipe.faults.watchdog.Watchdog` (where this
+stage is, and who stopped progressing), :class:`~lightning_gpipe.faults.waiting.Waiter` (the helper threads of gloo
+waits and sends).
 """
 
 from typing import Any, Optional
@@ -26,8 +27,8 @@ class Job:
     """This process's part of one run: its failure board, position, stall watchdog and waiter.
 
     With a ``store``, creating a job counts this run on the store (see
-    :class:`~lightning_gpipe.faults.failure.FailureBoard`) and starts the watchdog's heartbeat thread: every process of the
-    job must create one per run. Without a store (one process, tests), nothing is published or read: failures
+    :class:`~lightning_gpipe.faults.failure.FailureBoard`) and starts the watchdog's heartbeat thread: every process of
+    the job must create one per run. Without a store (one process, tests), nothing is published or read: failures
     are not reported, the stall limit is never reached, and waits still handle signals.
 
     Args:
@@ -43,8 +44,8 @@ class Job:
         board: the run's :class:`~lightning_gpipe.faults.failure.FailureBoard`.
         position: this stage's :class:`~lightning_gpipe.faults.watchdog.Position`.
         watchdog: the :class:`~lightning_gpipe.faults.watchdog.Watchdog` that publishes it and diagnoses stalls.
-        waiter: the :class:`~lightning_gpipe.faults.waiting.Waiter` of :func:`lightning_gpipe.faults.waiting.wait` and of the links'
-            sends (:meth:`~lightning_gpipe.faults.waiting.Waiter.watch`).
+        waiter: the :class:`~lightning_gpipe.faults.waiting.Waiter` of :func:`lightning_gpipe.faults.waiting.wait` and
+            of the links' sends (:meth:`~lightning_gpipe.faults.waiting.Waiter.watch`).
 
     Raises:
         RuntimeError: if ``store`` cannot be reached.

@@ -3,8 +3,8 @@
 A wait must not block in C++ for a transfer that may never come: there Python runs no signal handler, so a
 stage blocked on a neighbour that hangs could not be stopped by Ctrl-C, SIGTERM or SLURM's requeue signal, nor
 read the failure board or the stall limit. How a wait ends depends on the backend, so there are two mechanisms,
-and :func:`polls`, the one rule :mod:`lightning_gpipe.engine.transfer` and :mod:`lightning_gpipe.faults.collectives` ask, says
-which one the works on a device's tensors over a process group need:
+and :func:`polls`, the one rule :mod:`lightning_gpipe.engine.transfer` and :mod:`lightning_gpipe.faults.collectives`
+ask, says which one the works on a device's tensors over a process group need:
 
 - gloo (and every other backend whose ``Work.wait()`` returns once the transfer has completed): :func:`wait`.
   gloo's point-to-point works cannot be polled (``is_completed()`` stays ``False`` until ``wait()`` returns) and
@@ -28,8 +28,9 @@ which one the works on a device's tensors over a process group need:
   read after the wait cannot hang on the neighbour.
 
 Every :data:`TICK` seconds of a long wait, either way, the waiting thread also reads the failure board (a stage
-that failed stops the others even when it cannot exit) and asks the stall watchdog (:mod:`lightning_gpipe.faults.watchdog`)
-whether the wait has lasted too long. ``docs/scaling.md`` says how this meets NCCL's own watchdog and timeouts.
+that failed stops the others even when it cannot exit) and asks the stall watchdog
+(:mod:`lightning_gpipe.faults.watchdog`) whether the wait has lasted too long. ``docs/scaling.md`` says how this meets
+NCCL's own watchdog and timeouts.
 
 The waits take the run's :class:`lightning_gpipe.faults.job.Job` (its failure board, position, stall watchdog and
 :class:`Waiter`; see :class:`WaitingJob`) as their first argument; the module keeps no state of its own.
@@ -144,8 +145,8 @@ class Watched:
 
 class Waiter:
     """The helper threads that call ``Work.wait()`` for :func:`wait` and :meth:`watch`, one set per run (part of its
-    :class:`~lightning_gpipe.faults.job.Job`): one thread for the waits, one per stream of watched sends, each started at
-    its first batch and ended by :meth:`close`. A batch after :meth:`close` starts a new thread. A copy in another
+    :class:`~lightning_gpipe.faults.job.Job`): one thread for the waits, one per stream of watched sends, each started
+    at its first batch and ended by :meth:`close`. A batch after :meth:`close` starts a new thread. A copy in another
     process (a pickled strategy) starts its own."""
 
     def __init__(self) -> None:

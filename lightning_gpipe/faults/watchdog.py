@@ -2,8 +2,8 @@
 
 Each stage process keeps its :class:`Position`: the step, the phase (the forward of micro-batch 3, the user's
 ``training_step`` after the backbone call, writing a checkpoint...), the action of the stage's plan it executes
-(:mod:`lightning_gpipe.engine.runtime`: "action 5 of 24"), since when, and the stage it waits for, if it waits. Setting it
-costs a few attribute writes; a heartbeat thread of the :class:`Watchdog` publishes it to the job's c10d store once
+(:mod:`lightning_gpipe.engine.runtime`: "action 5 of 24"), since when, and the stage it waits for, if it waits. Setting
+it costs a few attribute writes; a heartbeat thread of the :class:`Watchdog` publishes it to the job's c10d store once
 a second when it changed (:meth:`Watchdog.start`), so a stage stuck in user code is still described by its last
 position.
 
@@ -95,7 +95,8 @@ class Position:
 
     def act(self, number: int, of: int, kind: str, micro_batch: Optional[int], model_chunk: int = 0) -> None:
         """Record that this stage executes action ``number`` (1-based) of its plan of ``of`` actions, ``kind`` of
-        ``micro_batch`` on model chunk ``model_chunk`` (see :class:`lightning_gpipe.engine.actions.Action`); the phase becomes
+        ``micro_batch`` on model chunk ``model_chunk`` (see :class:`lightning_gpipe.engine.actions.Action`); the phase
+        becomes
         that action's until a span inside it moves on."""
         self.action = (number, of, kind, micro_batch, model_chunk)
         self.move(kind, micro_batch)
@@ -165,7 +166,8 @@ def phrase(position: dict[str, Any]) -> str:
     planned = describe(action["kind"], action["micro_batch"])
     inside = "" if planned == where else f" ({where})"
     model_chunk = f" on model chunk {action['model_chunk']}" if action.get("model_chunk") else ""
-    return f"action {action['number']} of {action['of']} of its plan, {planned}{model_chunk}{inside}, at {position['step']}"
+    number = f"action {action['number']} of {action['of']} of its plan"
+    return f"{number}, {planned}{model_chunk}{inside}, at {position['step']}"
 
 
 class Watchdog:

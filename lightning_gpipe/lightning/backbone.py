@@ -139,8 +139,8 @@ def profile_module(
     chunks: Optional[int] = None,
     split: bool = False,
 ) -> ProfiledCosts:
-    """:func:`~lightning_gpipe.planning.profiling.profile_sizes` of ``module``'s backbone ``backbone`` on the backbone input its step really produces
-    (:func:`sample_backbone_input`: ``training_step`` on ``batch``, else
+    """:func:`~lightning_gpipe.planning.profiling.profile_sizes` of ``module``'s backbone ``backbone`` on the backbone
+    input its step really produces (:func:`sample_backbone_input`: ``training_step`` on ``batch``, else
     ``example_input_array``, else the first training batch). The random number generators are left unchanged.
 
     Raises:

@@ -43,7 +43,8 @@ Balance = Union[None, str, Sequence[int]]
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """The options of :class:`~lightning_gpipe.lightning.strategy.GPipeStrategy`: what a pipeline is made of and how it runs.
+    """The options of :class:`~lightning_gpipe.lightning.strategy.GPipeStrategy`: what a pipeline is made of and how it
+    runs.
 
     Args:
         balance: how many consecutive backbone layers each stage holds. A list gives them, one entry per
@@ -89,13 +90,13 @@ class PipelineConfig:
             ..., so a micro-batch visits every stage v times and the bubble falls from ``(K - 1) / (M + K - 1)``
             towards ``(K - 1) / (v M + K - 1)``, at the price of v times as many transfers. ``"gpipe"`` runs the
             looped fill-drain, ``"1f1b"`` Megatron-LM's interleaved 1F1B, ``"zb-h1"`` the interleaved 1F1B order
-            with ZB-H1's W delay, ``"zb-1p"`` that order with W placed by cost (see :mod:`lightning_gpipe.engine.schedule`),
-            ``"zb-v"`` its V (2 only, and its default);
+            with ZB-H1's W delay, ``"zb-1p"`` that order with W placed by cost (see
+            :mod:`lightning_gpipe.engine.schedule`), ``"zb-v"`` its V (2 only, and its default);
             a list ``balance`` gives ``K * v``
             entries. Parameter names, and so checkpoints, are those of the unsplit module: a run resumes with
             another v or K. 1 (``None``, default): one chunk per stage; under ``plan="auto"`` the planner's choice.
-            Each virtual link has a process group of its own (:mod:`lightning_gpipe.engine.channels`), since NCCL matches
-            the point-to-point messages of two ranks by order, not by tag; tested on gloo (CPU) only.
+            Each virtual link has a process group of its own (:mod:`lightning_gpipe.engine.channels`), since NCCL
+            matches the point-to-point messages of two ranks by order, not by tag; tested on gloo (CPU) only.
         deferred_batch_norm: ``True`` makes the backbone's ``nn.BatchNorm1d/2d/3d`` layers normalise with
             micro-batch statistics but update their running statistics once per mini-batch, equal to
             single-device batch norm's (see :class:`~lightning_gpipe.engine.batchnorm.DeferredBatchNorm`); the
@@ -147,8 +148,8 @@ class PipelineConfig:
             layer) run compiled code, and parameter names stay (``backbone.7.weight``). A dict gives
             ``torch.compile``'s keyword arguments, e.g. ``{"dynamic": False}``. ``False`` (default) compiles
             nothing. Under the B/W split (``defer_weight_grad``, ``schedule="zb-h1"``) each compiled layer's
-            backward runs twice, once for B and once for W (same gradients; see :mod:`lightning_gpipe.engine.compilation`
-            and docs/how-it-works.md, "torch.compile").
+            backward runs twice, once for B and once for W (same gradients; see
+            :mod:`lightning_gpipe.engine.compilation` and docs/how-it-works.md, "torch.compile").
 
     Raises:
         ValueError: naming the option and the fix, for ``chunks < 1``, a value outside :data:`CHOICES`, a ``balance``

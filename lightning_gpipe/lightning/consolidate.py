@@ -1,9 +1,9 @@
 """Open a sharded checkpoint without the strategy: turn its directory into the single-file (``"full"``) checkpoint.
 
 ``GPipeStrategy(state_dict_type="sharded")`` writes a checkpoint as a directory (see
-:mod:`lightning_gpipe.lightning.state_dict`): torch.distributed.checkpoint files holding every stage's weights and optimizer
-state, plus ``meta.pt`` with the rest of Lightning's checkpoint (loops, callbacks, schedulers, hyperparameters).
-Lightning's own loaders read files, so ``MyModule.load_from_checkpoint(directory)`` fails with
+:mod:`lightning_gpipe.lightning.state_dict`): torch.distributed.checkpoint files holding every stage's weights and
+optimizer state, plus ``meta.pt`` with the rest of Lightning's checkpoint (loops, callbacks, schedulers,
+hyperparameters). Lightning's own loaders read files, so ``MyModule.load_from_checkpoint(directory)`` fails with
 ``IsADirectoryError``. This module reads the directory in one plain process (no process group, no strategy) and
 writes the dictionary a ``state_dict_type="full"`` run writes at the same step: ``state_dict`` under the original
 parameter names, ``optimizer_states`` keyed by parameter name, every other entry of ``meta.pt`` unchanged. The

@@ -1,10 +1,12 @@
 """MeshStrategy: the processes of a (data-parallel x pipeline) mesh, as Lightning's parallel strategies see them.
 
-One OS process per device, launched like DDP. This base of :class:`~lightning_gpipe.lightning.strategy.GPipeStrategy` owns
+One OS process per device, launched like DDP. This base of :class:`~lightning_gpipe.lightning.strategy.GPipeStrategy`
+owns
 what every process of the job does alike, whatever runs in it: the launcher, the process groups of the mesh
-(:mod:`~lightning_gpipe.engine.topology`), the failure board and the stall watchdog (:mod:`~lightning_gpipe.faults.failure`,
-:mod:`~lightning_gpipe.faults.watchdog`), the shared random state (:mod:`~lightning_gpipe.lightning.randomness`), collectives that
-leave signals handled (:mod:`~lightning_gpipe.faults.collectives`), and the agreement before every step
+(:mod:`~lightning_gpipe.engine.topology`), the failure board and the stall watchdog
+(:mod:`~lightning_gpipe.faults.failure`, :mod:`~lightning_gpipe.faults.watchdog`), the shared random state
+(:mod:`~lightning_gpipe.lightning.randomness`), collectives that leave signals handled
+(:mod:`~lightning_gpipe.faults.collectives`), and the agreement before every step
 (:mod:`~lightning_gpipe.lightning.agreement`, :mod:`~lightning_gpipe.lightning.signals`).
 """
 
@@ -98,7 +100,8 @@ class MeshStrategy(ParallelStrategy):
 
     @property
     def topology(self) -> Topology:
-        """The data-parallel x pipeline mesh of this job (see :func:`~lightning_gpipe.engine.topology.resolve_topology`).
+        """The data-parallel x pipeline mesh of this job (see
+        :func:`~lightning_gpipe.engine.topology.resolve_topology`).
 
         Raises:
             ValueError: if the mesh sizes or a list ``balance`` do not fit ``devices * num_nodes``.
@@ -143,7 +146,8 @@ class MeshStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Make every stage of a pipeline read the same batches (see :func:`~lightning_gpipe.lightning.data.same_batches`)."""
+        """Make every stage of a pipeline read the same batches (see
+        :func:`~lightning_gpipe.lightning.data.same_batches`)."""
         resample = self.lightning_module.trainer._accelerator_connector.use_distributed_sampler
         return same_batches(dataloader, self.replica_index, self.topology.data_parallel_size, resample)
 
@@ -159,7 +163,8 @@ class MeshStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         """Select the device, join the process groups, the failure board and the stall watchdog, take the stages'
-        shared random state (see :mod:`lightning_gpipe.lightning.randomness`), and prepare the agreement before each step."""
+        shared random state (see :mod:`lightning_gpipe.lightning.randomness`), and prepare the agreement before each
+        step."""
         super().setup_environment()
         reset_seed()
         environment, topology = self.cluster_environment, self.topology
@@ -211,9 +216,10 @@ class MeshStrategy(ParallelStrategy):
         self._signals.install()
 
     def _agree(self, batch: Any, which: str, training: bool = False) -> None:
-        """The agreement before one step (one all-reduce, see :mod:`lightning_gpipe.lightning.agreement`): the stages of each
-        pipeline must have read the same batch (``which`` names it), and a SIGTERM or requeue signal that reached any
-        process takes effect on all of them at this step (see :meth:`~lightning_gpipe.lightning.signals.StopSignals.act`).
+        """The agreement before one step (one all-reduce, see :mod:`lightning_gpipe.lightning.agreement`): the stages of
+        each pipeline must have read the same batch (``which`` names it), and a SIGTERM or requeue signal that reached
+        any process takes effect on all of them at this step (see
+        :meth:`~lightning_gpipe.lightning.signals.StopSignals.act`).
 
         Raises:
             BatchMismatchError: on every process, if the stages of a pipeline read different batches.
@@ -239,7 +245,7 @@ class MeshStrategy(ParallelStrategy):
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        """Wait until every process reaches this point (interruptibly, see :mod:`lightning_gpipe.faults.collectives`)."""
+        """Wait until every process reaches this point (interruptibly: :mod:`lightning_gpipe.faults.collectives`)."""
         if dist.is_initialized():
             collectives.barrier(self._job)
 

@@ -72,16 +72,9 @@ def plan(
         ValueError: for no backbone input (neither ``example_batch`` nor ``example_input_array``), constraints
             that leave no plan, or a limit no plan fits (naming the smallest limit that would fit).
     """
-    if example_batch is None and module.example_input_array is None:
-        raise ValueError(
-            "lightning_gpipe.plan needs a sample of the backbone input: pass example_batch=<one training batch> or"
-            " set the module's example_input_array."
-        )
-    name = _built_backbone(module, backbone)
-    constraints = Constraints(
-        pipeline_parallel_size, data_parallel_size, chunks, checkpoint, schedule, balance, virtual_stages
-    )
-    constraints = _interleaving(constraints, torch.device(device))
+    name = _built_backbone(module, backbone, example_batch)
+    fixed = (pipeline_parallel_size, data_parallel_size, chunks, checkpoint, schedule, balance, virtual_stages)
+    constraints = _interleaving(Constraints(*fixed), torch.device(device))
     profiled = profile_module(module, name, device, example_batch, chunks, constraints.splits)
     factor = optimizer_state_factor(optimizer) if optimizer is not None else _state_factor(module)
     return search(world_size, profiled, memory_limit, factor, cost_model, constraints)
@@ -89,15 +82,25 @@ def plan(
 
 def _interleaving(constraints: Constraints, device: torch.device) -> Constraints:
     """``constraints`` with one model chunk per stage fixed where the planner does not interleave on its own: on
-    CUDA, where interleaving (one NCCL communicator per virtual link, :mod:`lightning_gpipe.engine.channels`) has not been
+    CUDA, where interleaving (one NCCL communicator per virtual link, :mod:`lightning_gpipe.engine.channels`) has not
+    been
     run. A fixed ``virtual_stages`` is kept (given by the user, who asked for it)."""
     if constraints.virtual_stages is not None or device.type == "cpu":
         return constraints
     return replace(constraints, virtual_stages=1)
 
 
-def _built_backbone(module: LightningModule, backbone: Optional[str]) -> str:
-    """The backbone's name, building it on the meta device with ``configure_model`` if it does not exist yet."""
+def _built_backbone(module: LightningModule, backbone: Optional[str], example_batch: Any) -> str:
+    """The backbone's name, building it on the meta device with ``configure_model`` if it does not exist yet.
+
+    Raises:
+        ValueError: without a sample of its input (``example_batch`` or the module's ``example_input_array``).
+    """
+    if example_batch is None and module.example_input_array is None:
+        raise ValueError(
+            "lightning_gpipe.plan needs a sample of the backbone input: pass example_batch=<one training batch> or"
+            " set the module's example_input_array."
+        )
     try:
         return find_backbone(module, backbone)
     except ValueError:
@@ -131,7 +134,8 @@ def plan_for_strategy(
     Args:
         module: the LightningModule, attached to its Trainer, before the split.
         backbone: the attribute of its backbone.
-        config: the strategy's :class:`~lightning_gpipe.lightning.config.PipelineConfig` (its constraints, limit and model).
+        config: the strategy's :class:`~lightning_gpipe.lightning.config.PipelineConfig` (its constraints, limit and
+            model).
         mesh: ``(K, D)``, the mesh the job was launched with: the process groups exist before the model does (see
             docs/planning.md), so the planner keeps it.
         device: this process's device (for the default memory limit on CUDA).

@@ -47,8 +47,8 @@ class StageRun:
         job: the run's :class:`~lightning_gpipe.faults.job.Job` (failure board, position, watchdog, waits).
         gradient_sync: DDP over the stage's replicas, with several of them (set by :meth:`sync_gradients`).
         step_gradients: a 1F1B step's gradients, kept apart until Lightning's ``backward``.
-        collector: what the pipeline callbacks (:mod:`lightning_gpipe.lightning.callbacks`) record of this run's steps, shared
-            by all of them; the first one that needs it sets it.
+        collector: what the pipeline callbacks (:mod:`lightning_gpipe.lightning.callbacks`) record of this run's steps,
+            shared by all of them; the first one that needs it sets it.
     """
 
     split: Split
@@ -82,8 +82,8 @@ class StageRun:
 
     def sync_gradients(self, module: "pl.LightningModule", group: Any, device: torch.device) -> None:
         """Let DDP average this stage's gradients over its data-parallel ``group`` (several replicas only; see
-        :mod:`lightning_gpipe.lightning.data_parallel`): what the stage trains is its partition, and on the last stage also
-        the modules after the backbone. The step's last backward on the stage is its first model chunk's (every
+        :mod:`lightning_gpipe.lightning.data_parallel`): what the stage trains is its partition, and on the last stage
+        also the modules after the backbone. The step's last backward on the stage is its first model chunk's (every
         plan ends with it); the other model chunks' parameters are complete by then, and DDP reduces them with the
         first bucket."""
         trained = module if self.last_chunk.is_last else self.split.partition
@@ -95,8 +95,8 @@ class StageRun:
 
     def start(self, module: "pl.LightningModule", device: torch.device) -> None:
         """Initialise the stage's layers on ``device`` if ``module`` was created on the meta device (see
-        :func:`~lightning_gpipe.engine.partition.materialize`), with the stage's random stream, and relay what the module's
-        epoch-end hooks log. Once the run exists, so that :meth:`close` undoes the split if this fails.
+        :func:`~lightning_gpipe.engine.partition.materialize`), with the stage's random stream, and relay what the
+        module's epoch-end hooks log. Once the run exists, so that :meth:`close` undoes the split if this fails.
 
         Raises:
             ValueError: if a layer created on the meta device cannot be initialised.
@@ -110,7 +110,8 @@ class StageRun:
         """Within a gradient-accumulation window, accumulate without averaging over the replicas (Lightning's loop
         enters this for every batch of the window but the last). Under a schedule with a loss per micro-batch (1F1B)
         every batch's gradients are averaged: they are computed apart from the window's earlier ones (see
-        :class:`~lightning_gpipe.engine.gradients.StepGradients`), and the average of a sum is the sum of the averages."""
+        :class:`~lightning_gpipe.engine.gradients.StepGradients`), and the average of a sum is the sum of the
+        averages."""
         sync = self.gradient_sync
         with nullcontext() if sync is None or self.runtime.loss_per_micro_batch else sync.disabled():
             yield
@@ -130,7 +131,8 @@ class StageRun:
         return state_dict.whole_on_rank_zero(module.state_dict(), replica, group, self.job)
 
     def close(self, module: "pl.LightningModule", whole: Optional[dict[str, Any]]) -> None:
-        """Undo the split (see :meth:`~lightning_gpipe.engine.partition.Split.undo`; ``whole``: every stage's state, on the
+        """Undo the split (see :meth:`~lightning_gpipe.engine.partition.Split.undo`; ``whole``: every stage's state, on
+        the
         process that gets the whole model back), the relay's hooks, and put back the plain batch norm layers."""
         LogRelay.unwrap_epoch_end_hooks(module)
         uncompile_layers(self.split.partition)

@@ -6,29 +6,27 @@ window) the optimizer's ``zero_grad``, then ``strategy.backward``, then the opti
 and the rest in ``backward`` (:class:`~lightning_gpipe.engine.runtime.Runtime`). Where the user's loss runs
 decides where the cut is, and so which of two protocols a schedule follows:
 
-=====================  ==========================================  =================================================
-Lightning calls        :class:`FillDrain` (``"gpipe"``)            :class:`PerMicroBatch` (``"1f1b"``, zero-bubble)
-=====================  ==========================================  =================================================
-``training_step``      the user's step runs up to the backbone     the user's step runs on the whole batch up to the
-                       call, which runs the plan up to its cut     backbone call, which keeps the backbone input and
-                       (the fill) and ends the step on every       ends the step on every stage; then the whole plan
-                       stage but the last; there it returns the    runs (the cut is at its end): at each ``loss``
-                       whole mini-batch's output and the step      action the last stage runs the user's step again on
-                       goes on (head, loss, ``self.log``) once     the micro-batch's rows (its backbone call answered
-                                                                   by the micro-batch's output) and backpropagates
-                                                                   its loss, weighted by its share of the rows; the
-                                                                   gradients are kept apart from ``.grad``
-``zero_grad``          zeroes nothing the step computed yet        the step's gradients are not in ``.grad`` yet
-                                                                   (:class:`~lightning_gpipe.engine.gradients.
-                                                                   StepGradients`)
-``backward``           the last stage backpropagates the loss to   the step's gradients are added to ``.grad``
-                       its boundary (through the precision
-                       plugin); every stage runs the rest of the
-                       plan: the drain
-optimizer step         Lightning's, with clipping over every       the same
-                       stage (:mod:`~lightning_gpipe.lightning.
-                       optimization`)
-=====================  ==========================================  =================================================
+    ==================  ========================================  ==============================================
+    Lightning calls     FillDrain (``"gpipe"``)                   PerMicroBatch (``"1f1b"``, zero-bubble)
+    ==================  ========================================  ==============================================
+    ``training_step``   the user's step runs up to the backbone   the user's step runs on the whole batch up to
+                        call, which runs the plan up to its cut   the backbone call, which keeps the backbone
+                        (the fill) and ends the step on every     input and ends the step on every stage; then
+                        stage but the last; there it returns the  the whole plan runs (its cut is at its end):
+                        whole mini-batch's output and the step    at each ``loss`` action the last stage runs the
+                        goes on (head, loss, ``self.log``) once   user's step again on the micro-batch's rows
+                                                                  (its backbone call answered by the micro-batch's
+                                                                  output) and backpropagates its loss, weighted
+                                                                  by its share of the rows; the gradients are
+                                                                  kept apart from ``.grad`` (``StepGradients``)
+    ``zero_grad``       zeroes the previous step's gradients      the step's gradients are not in ``.grad`` yet
+    ``backward``        the last stage backpropagates the loss    the step's gradients are added to ``.grad``
+                        to its boundary (through the precision
+                        plugin); every stage runs the rest of
+                        the plan: the drain
+    optimizer step      Lightning's, with clipping over every     the same
+                        stage (``optimization``)
+    ==================  ========================================  ==============================================
 
 Both end ``training_step`` with the last stage's output on every stage (:func:`~lightning_gpipe.lightning.relay.
 share_step_output`) and ``backward`` with its logged values on every stage (:class:`~lightning_gpipe.lightning.

@@ -3,10 +3,11 @@
 How one step maps onto Lightning (see docs/how-it-works.md): ``training_step`` runs the stage's plan up to its
 cut (fill-drain: the fill), ``backward`` the rest (the drain); the optimizer step, clipping, schedulers and
 gradient accumulation stay Lightning's. Each hook hands its work to a piece with one concern: the processes of
-the mesh, their agreement before each step and their failures (:class:`~lightning_gpipe.lightning.mesh.MeshStrategy`, the
-base class), the options (:mod:`~lightning_gpipe.lightning.config`), this run's pipeline (:mod:`~lightning_gpipe.lightning.run`,
-over :mod:`~lightning_gpipe.engine.runtime` and :mod:`~lightning_gpipe.engine.contract`), checkpoints
-(:mod:`~lightning_gpipe.lightning.state_dict`) and optimizer steps (:mod:`~lightning_gpipe.lightning.optimization`).
+the mesh, their agreement before each step and their failures (:class:`~lightning_gpipe.lightning.mesh.MeshStrategy`,
+the base class), the options (:mod:`~lightning_gpipe.lightning.config`), this run's pipeline
+(:mod:`~lightning_gpipe.lightning.run`, over :mod:`~lightning_gpipe.engine.runtime` and
+:mod:`~lightning_gpipe.engine.contract`), checkpoints (:mod:`~lightning_gpipe.lightning.state_dict`) and optimizer steps
+(:mod:`~lightning_gpipe.lightning.optimization`).
 """
 
 from collections.abc import Generator, Mapping
@@ -53,13 +54,13 @@ class GPipeStrategy(MeshStrategy):
     follow torchgpipe.
 
     One OS process per stage, launched like DDP, in a (data-parallel x pipeline) mesh (see
-    :class:`~lightning_gpipe.lightning.mesh.MeshStrategy`): each stage's replicas average their gradients once per optimizer
-    step with DDP (see docs/scaling.md). The backbone is the only part that is split: code before the backbone call
-    must hold no parameters, and modules after it (heads, losses, metrics) run on the last stage. Skip connections
-    between backbone layers (:mod:`lightning_gpipe.engine.skip`) go straight from the stashing stage to the popping one; a
-    parameter used on several stages (tied weights) is kept in step on each of them (:mod:`lightning_gpipe.engine.ties`).
-    Every stage reads the same batch, checked before each step (:mod:`lightning_gpipe.lightning.agreement`). See
-    docs/contract.md.
+    :class:`~lightning_gpipe.lightning.mesh.MeshStrategy`): each stage's replicas average their gradients once per
+    optimizer step with DDP (see docs/scaling.md). The backbone is the only part that is split: code before the backbone
+    call must hold no parameters, and modules after it (heads, losses, metrics) run on the last stage. Skip connections
+    between backbone layers (:mod:`lightning_gpipe.engine.skip`) go straight from the stashing stage to the popping one;
+    a parameter used on several stages (tied weights) is kept in step on each of them
+    (:mod:`lightning_gpipe.engine.ties`). Every stage reads the same batch, checked before each step
+    (:mod:`lightning_gpipe.lightning.agreement`). See docs/contract.md.
 
     Args:
         balance: layers per stage, or ``"params"`` (default), ``"time"`` or ``"memory"`` for the best split.
@@ -89,11 +90,12 @@ class GPipeStrategy(MeshStrategy):
         checkpoint_io: writes and reads full checkpoint files; Lightning's ``TorchCheckpointIO`` by default.
         precision_plugin: as for Lightning's other strategies; the Trainer fills it in from ``precision=``.
 
-    Each option is documented in full in :class:`~lightning_gpipe.lightning.config.PipelineConfig` and kept in :attr:`config`.
+    Each option is documented in full in :class:`~lightning_gpipe.lightning.config.PipelineConfig` and kept in
+    :attr:`config`.
 
     Raises:
-        ValueError: for a bad option (see :class:`~lightning_gpipe.lightning.config.PipelineConfig`); whether the mesh and
-            ``balance`` fit the devices, before any process starts; if ``balance`` fits the backbone, before step 1.
+        ValueError: for a bad option (see :class:`~lightning_gpipe.lightning.config.PipelineConfig`); whether the mesh
+            and ``balance`` fit the devices, before any process starts; if ``balance`` fits the backbone, before step 1.
     """
 
     strategy_name = "gpipe"
@@ -264,8 +266,9 @@ class GPipeStrategy(MeshStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model's state for a checkpoint under the original names (see :mod:`lightning_gpipe.lightning.state_dict`):
-        ``"full"``, the whole model's on global rank 0 and ``{}`` elsewhere (a collective call); ``"sharded"``,
+        """The model's state for a checkpoint under the original names (see
+        :mod:`lightning_gpipe.lightning.state_dict`): ``"full"``, the whole model's on global rank 0 and ``{}``
+        elsewhere (a collective call); ``"sharded"``,
         this stage's part."""
         return self._whole_or_local(self.lightning_module.state_dict())
 
@@ -319,7 +322,8 @@ class GPipeStrategy(MeshStrategy):
 
     @override
     def teardown(self) -> None:
-        """Undo the split (see :meth:`~lightning_gpipe.lightning.run.StageRun.close`): after a completed run, global rank
+        """Undo the split (see :meth:`~lightning_gpipe.lightning.run.StageRun.close`): after a completed run, global
+        rank
         0's module gets every stage's weights back, if it was whole before the split."""
         module, run, whole = self.lightning_module, self._run, None
         completed = module is not None and module.trainer.state.status != TrainerStatus.INTERRUPTED

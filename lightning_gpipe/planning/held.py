@@ -1,14 +1,15 @@
 """What a stage holds for its transfers beyond what autograd saves: outputs and input gradients whose send is pending.
 
-The simulator counts a stage's kept inputs and saved activations (:mod:`lightning_gpipe.planning.simulator`). The engine holds
+The simulator counts a stage's kept inputs and saved activations (:mod:`lightning_gpipe.planning.simulator`). The engine
+holds
 more: a micro-batch's output stays alive while its record keeps it for the backward (its part that autograd does not
 save: AmoebaNet's cell output is a concatenation no later operation saves) and while its send is pending, and so does
 an input gradient the stage sends back. A send completes once its receiver has posted the matching receive (gloo
 moves a payload only then; an activation's is posted when the receiver runs that micro-batch's forward, a gradient's
 ahead, by an ``expect`` action), and the stage drops its completed sends when it posts its next send and at a
 ``flush`` (:mod:`lightning_gpipe.engine.transfer`). :func:`held_peak` walks a stage's own plan
-(:func:`lightning_gpipe.engine.schedule.plans`, the list the runtime executes) and returns the peak of inputs, activations
-and these together, in bytes.
+(:func:`lightning_gpipe.engine.schedule.plans`, the list the runtime executes) and returns the peak of inputs,
+activations and these together, in bytes.
 """
 
 from collections.abc import Sequence

@@ -1,7 +1,7 @@
 """Predicting one pipeline plan: its step time, its bubble and every stage's peak memory.
 
-Time is the simulator's step (:func:`lightning_gpipe.planning.simulator.simulate`, which replays the schedule's own plans)
-over the layers' costs at the plan's micro-batch size (:class:`~lightning_gpipe.planning.costs.ProfiledCosts`),
+Time is the simulator's step (:func:`lightning_gpipe.planning.simulator.simulate`, which replays the schedule's own
+plans) over the layers' costs at the plan's micro-batch size (:class:`~lightning_gpipe.planning.costs.ProfiledCosts`),
 with the engine's cost per micro-batch, the transfers between stages and the stage's own copies of them, the
 optimizer step and, with several replicas, the gradient all-reduce (:class:`~lightning_gpipe.planning.costs.CostModel`).
 Memory per stage (per process: its model chunks together) is parameters + gradients + optimizer state (+ DDP's
@@ -244,7 +244,8 @@ def _process_layers(plan: PipelinePlan, layers: Sequence[LayerCost], k: int) -> 
 
 def _transient(plan: PipelinePlan, layers: Sequence[LayerCost], stages: Sequence[StageCost], k: int) -> int:
     """Process ``k``'s transient: its largest layer's, or where its chunks split their backwards, the weight-gradient
-    products of W (:func:`~lightning_gpipe.engine.weightgrad.run_together` computes every linear layer's before adding them
+    products of W (:func:`~lightning_gpipe.engine.weightgrad.run_together` computes every linear layer's before adding
+    them
     to ``.grad``), as large as the parameters of those chunks, if that is larger."""
     largest = max(c.transient_bytes for c in _process_layers(plan, layers, k))
     split = [s for s in _chunks_of(plan, k) if stages[s].weight]

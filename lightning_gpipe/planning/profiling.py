@@ -22,8 +22,8 @@ def profile_sizes(
     chunks: Optional[int] = None,
     split: bool = False,
 ) -> ProfiledCosts:
-    """Profile ``layers`` (:func:`~lightning_gpipe.planning.balance.profile_layers`; with ``split``, the B/W split timed too,
-    for a named schedule that splits its backwards, :attr:`~lightning_gpipe.planning.search.Constraints.splits`) on
+    """Profile ``layers`` (:func:`~lightning_gpipe.planning.balance.profile_layers`; with ``split``, the B/W split timed
+    too, for a named schedule that splits its backwards, :attr:`~lightning_gpipe.planning.search.Constraints.splits`) on
     two micro-batches of the mini-batch ``value``: one of :data:`PROFILED_CHUNKS` and one of
     :data:`~lightning_gpipe.planning.search.MAX_CHUNKS` (or, when ``chunks`` is fixed, one of ``chunks`` micro-batches,
     twice the same size). Not the whole mini-batch: a layer's activations on all of it may not fit a device that

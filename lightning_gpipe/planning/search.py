@@ -8,8 +8,8 @@ planned for too; one that splits its backwards into B and W, ``"zb-h1"`` or ``"z
 it: its time is predicted from the profiled B and W, but its last stage's measured peak still exceeds the
 prediction, by up to 14% on the benchmark MLP, docs/planning.md) and each of :data:`VIRTUAL_STAGES` model chunks per
 stage that the layers allow, minus what the user fixed (:class:`Constraints`). For each, the balance is the
-time-optimal split into ``K * v`` (virtual) stages (:func:`~lightning_gpipe.planning.balance.solve`) if it fits the memory
-limit, else (one chunk per stage only) the fastest split whose stages fit by the additive part of their memory
+time-optimal split into ``K * v`` (virtual) stages (:func:`~lightning_gpipe.planning.balance.solve`) if it fits the
+memory limit, else (one chunk per stage only) the fastest split whose stages fit by the additive part of their memory
 (parameters, gradients, optimizer state, saved activations; the boundaries' share is reserved for the largest layer
 output), walked a layer at a time towards one that fits by the whole prediction if neither does. Each plan is predicted
 (:func:`~lightning_gpipe.planning.predict.predict`); the fastest per row that fits wins. PipeDream's planner

@@ -20,11 +20,11 @@ executes) in their order; a piece of work starts once the stage is free and its 
 stage k runs ``min(K - k - 1, M)`` forwards, then alternates one forward and one backward, then the remaining
 backwards; on the last stage each micro-batch's forward is followed by its share of the head and loss (``loss / M``)
 and at once by its backward.
-``schedule="zb-h1"`` is zero-bubble's ZB-H1 (Qi et al. 2023, :func:`lightning_gpipe.engine.schedule.zero_bubble_h1`): 1F1B's
-order with the B/W split, stage k running each W ``k`` micro-batches after its B.
-``"zb-1p"`` and ``"zb-v"`` (:func:`lightning_gpipe.engine.schedule.zero_bubble_1p`, :func:`~lightning_gpipe.engine.schedule.
-zero_bubble_v`) place their W by the stages' costs (:func:`action_costs`); ZB-V's two chunks per process are placed
-in a V (:func:`lightning_gpipe.engine.actions.virtual_stage`).
+``schedule="zb-h1"`` is zero-bubble's ZB-H1 (Qi et al. 2023, :func:`lightning_gpipe.engine.schedule.zero_bubble_h1`):
+1F1B's order with the B/W split, stage k running each W ``k`` micro-batches after its B.
+``"zb-1p"`` and ``"zb-v"`` (:func:`lightning_gpipe.engine.schedule.zero_bubble_1p`,
+:func:`~lightning_gpipe.engine.schedule. zero_bubble_v`) place their W by the stages' costs (:func:`action_costs`);
+ZB-V's two chunks per process are placed in a V (:func:`lightning_gpipe.engine.actions.virtual_stage`).
 Dependencies and recomputes are as above.
 
 With K equal stages, M micro-batches and only forward and backward, the step takes ``(M + K - 1)`` micro-batch

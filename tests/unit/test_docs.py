@@ -17,7 +17,7 @@ from mkdocs_sphinx_roles import plain_roles  # noqa: E402
     ("docstring", "shown"),
     [
         (":func:`~lightning_gpipe.planning.balance.solve` chooses", "`solve()` chooses"),
-        ("see :class:`lightning_gpipe.engine.model_chunk.ModelChunk`.", "see `lightning_gpipe.engine.model_chunk.ModelChunk`."),
+        ("see :class:`lightning_gpipe.engine.runtime.Runtime`.", "see `lightning_gpipe.engine.runtime.Runtime`."),
         (":meth:`attach` and :attr:`stages`", "`attach()` and `stages`"),
         (":py:mod:`lightning_gpipe.engine.events`", "`lightning_gpipe.engine.events`"),
         (":func:`the solver <lightning_gpipe.planning.balance.solve>`", "`the solver`"),

@@ -1,7 +1,9 @@
-"""The package's layout: its modules import each other one way only."""
+"""The package's layout: folders by concern, imports one way between them, small functions and classes."""
 
 import ast
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_gpipe"
 
@@ -67,19 +69,93 @@ def test_the_cycle_finder_finds_a_circle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
 
 
+LAYERS = ("faults", "engine", "planning", "lightning", "hf")
+"""The package's folders, bottom to top: a module imports only from its own folder and the folders below it."""
+
+FACADES = {"lightning_gpipe", "lightning_gpipe.skip", "lightning_gpipe.consolidate"}
+"""The public paths at the top (``import lightning_gpipe``, ``lightning_gpipe.skip``, ``python -m
+lightning_gpipe.consolidate``): they re-export, and may import from any folder."""
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else -1
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Every import of a module from a folder above its own, and every module outside the folders and the
+    facades (it would have no place in the rule)."""
+    found = []
+    for module, targets in graph.items():
+        if module in FACADES:
+            continue
+        if _layer(module) < 0:
+            found.append((module, "(no folder)"))
+        found += [(module, target) for target in sorted(targets) if _layer(target) > _layer(module)]
+    return found
+
+
 def test_the_package_imports_one_way():
     graph = import_graph()
     assert "lightning_gpipe.engine.model_chunk" in graph["lightning_gpipe.engine.runtime"]  # the graph is read at all
     assert cycles(graph) == []
+    assert upward_imports(graph) == []
 
 
-def test_the_partition_knows_nothing_of_the_engine():
+def test_the_rule_finds_an_upward_import():
+    graph = {"lightning_gpipe.engine.a": {"lightning_gpipe.planning.b"}, "lightning_gpipe.planning.b": set()}
+    assert upward_imports(graph) == [("lightning_gpipe.engine.a", "lightning_gpipe.planning.b")]
+
+
+def _imports_lightning(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+        if any(n == "lightning" or n.startswith(("lightning.", "pytorch_lightning")) for n in names):
+            return True
+    return False
+
+
+def test_only_the_adapter_and_hf_import_lightning():
+    importers = {name for name, path in _modules().items() if _imports_lightning(path)}
+    assert "lightning_gpipe.lightning.strategy" in importers  # the finder finds them at all
+    below = {name for name in importers if _layer(name) < LAYERS.index("lightning") and name not in FACADES}
+    assert below == set()
+
+
+def test_the_package_has_few_entries_at_its_top():
+    entries = {path.name for path in PACKAGE.iterdir() if path.name not in ("__init__.py", "__pycache__")}
+    assert len(entries) <= 8, sorted(entries)
+
+
+def long_definitions(source: str, function_lines: int = 60, class_lines: int = 300) -> list[str]:
+    """The functions longer than ``function_lines`` and the classes longer than ``class_lines`` of ``source``
+    (their docstrings included), as ``"name: lines"``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        limit = class_lines if isinstance(node, ast.ClassDef) else function_lines
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > limit:
+                found.append(f"{node.name}: {lines}")
+    return found
+
+
+def test_the_length_finder_finds_a_long_function():
+    assert long_definitions("def f():\n" + "    x = 1\n" * 61) == ["f: 62"]
+
+
+def test_no_function_is_over_60_lines_and_no_class_over_300():
+    found = {name: long_definitions(path.read_text()) for name, path in _modules().items()}
+    assert {name: where for name, where in found.items() if where} == {}
+
+
+def test_the_partition_knows_nothing_of_the_rest_of_the_engine():
     engine = {
         "lightning_gpipe.engine.model_chunk",
         "lightning_gpipe.engine.schedule",
         "lightning_gpipe.engine.runtime",
         "lightning_gpipe.engine.contract",
-        "lightning_gpipe.planning.balance",
     }
     assert import_graph()["lightning_gpipe.engine.partition"].isdisjoint(engine)
 
@@ -135,7 +211,42 @@ class Board:
 
 
 def test_the_engine_keeps_no_process_wide_state():
-    """The failure board, the position, the watchdog and the waiter are one run's (:class:`lightning_gpipe.faults.job.Job`):
+    """The failure board, the position, the watchdog and the waiter are one run's
+    (:class:`lightning_gpipe.faults.job.Job`):
     no module keeps state in module-level or class-level variables."""
     found = {name: mutable_globals(path.read_text()) for name, path in _modules().items()}
     assert {name: where for name, where in found.items() if where} == {}
+
+
+def listed_modules(text: str) -> set[str]:
+    """The modules a layout block lists, as paths under the package (``engine/skip/links.py``): the block of
+    ``text`` that starts at a line ``lightning_gpipe/`` and runs while lines are indented; a line whose first word
+    is a folder (``engine/``) opens it at that indentation, a line whose first words are modules (``x.py``) lists
+    them in the folder it is indented under."""
+    lines = text.splitlines()
+    start = lines.index("lightning_gpipe/") + 1
+    folders: list[str] = []
+    found = set()
+    for line in lines[start:]:
+        if not line.startswith("  "):
+            break
+        depth = (len(line) - len(line.lstrip(" "))) // 2 - 1
+        words = line.split()
+        if words[0].endswith("/"):
+            folders = folders[:depth] + [words[0]]
+            continue
+        modules = words[: next((n for n, word in enumerate(words) if not word.endswith(".py")), len(words))]
+        found |= {"".join(folders[:depth]) + module for module in modules}
+    return found
+
+
+def test_the_layout_finder_reads_a_tree():
+    text = "x\nlightning_gpipe/\n  a.py  b.py   text\n  f/        text\n    c.py  the c\n      more text\n  d.py\nend"
+    assert listed_modules(text) == {"a.py", "b.py", "f/c.py", "d.py"}
+
+
+@pytest.mark.parametrize("document", ["docs/how-it-works.md", "README.md"])
+def test_the_module_maps_name_every_module(document):
+    modules = {str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py") if "__pycache__" not in path.parts}
+    modules -= {m for m in modules if m.endswith("/__init__.py")}  # a folder's line stands for its __init__
+    assert listed_modules((PACKAGE.parent / document).read_text()) == modules

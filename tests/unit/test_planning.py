@@ -314,7 +314,8 @@ def test_copies_cost_each_stage_what_it_receives_and_sends():
     )
     # a recompute receives and sends nothing, and is none of the engine's bookkeeping: the forward's compute alone
     busy = dataclasses.replace(model, micro_batch_overhead=1e-3)
-    assert [c.recompute for c in modelled_stage_costs(layers, (2, 3, 3), busy)] == pytest.approx([f.forward for f in free])
+    recomputes = [c.recompute for c in modelled_stage_costs(layers, (2, 3, 3), busy)]
+    assert recomputes == pytest.approx([f.forward for f in free])
 
 
 def test_virtual_stages_are_planned_where_the_layers_allow_and_kept_when_fixed():

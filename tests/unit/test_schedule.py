@@ -276,7 +276,7 @@ def test_zb_v_runs_to_its_end_and_holds_the_head_and_the_input_on_stage_0():
                     for model_chunk in range(2):
                         runs = [a for a in plan.actions if a.model_chunk == model_chunk]
                         assert sum(a.kind is Kind.FORWARD for a in runs) == count
-                        split = virtual_stage(k, model_chunk, num_stages, True) > 0  # the first virtual stage's are whole
+                        split = virtual_stage(k, model_chunk, num_stages, True) > 0  # the first's are whole
                         assert sum(a.kind is Kind.WEIGHT for a in runs) == (count if split else 0)
                         head = k == 0 and model_chunk == 1
                         assert sum(a.kind is Kind.LOSS for a in runs) == (count if head else 0)

@@ -1,4 +1,5 @@
-"""The two waits of :mod:`lightning_gpipe.faults.waiting`, on fake works that behave like NCCL's and like gloo's, in this
+"""The two waits of :mod:`lightning_gpipe.faults.waiting`, on fake works that behave like NCCL's and like gloo's, in
+this
 process (no GPU, no process group): an NCCL-like wait polls until its works complete, handles signals, reads the
 failure board and the stall limit meanwhile, and calls ``wait()`` only on works that have completed, so that a host
 read of a received header or size (``transfer.Link``, ``collectives``) comes after the bytes.

@@ -44,7 +44,8 @@ class SkipLinks:
         groups: ``(global rank, tag)`` of a peer -> the process group of the link with it
             (:mod:`lightning_gpipe.engine.channels`); the default group for a peer not in it (default: every peer).
         turns: ``(global rank, tag)`` of a peer that is another model chunk of this process -> the
-            :class:`~lightning_gpipe.engine.transfer.Turn` both chunks share, which that link goes through (default: none).
+            :class:`~lightning_gpipe.engine.transfer.Turn` both chunks share, which that link goes through (default:
+            none).
     """
 
     def __init__(
@@ -80,7 +81,8 @@ class SkipLinks:
         return received
 
     def send(self, stashed: dict[Any, Tensor], index: int, micro_batches: int) -> None:
-        """Send micro-batch ``index`` of ``micro_batches``'s stashed tensors to the stages that pop them, asynchronously."""
+        """Send micro-batch ``index`` (of ``micro_batches``)'s stashed tensors to the stages that pop them,
+        asynchronously."""
         for keys, link in self._out:
             link.send_activation(tuple(stashed[key] for key in keys), index, micro_batches)
 

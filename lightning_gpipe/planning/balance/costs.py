@@ -21,7 +21,8 @@ class LayerCost:
             the forward's peak over its end and the backward's peak over both its start and its end (the gradients
             of a cell's internal tensors, intermediates no operation saves), in tensors the operators create.
         input_grad: seconds of the backward's B half when it is split into B and W (zero-bubble's input gradient,
-            :mod:`lightning_gpipe.engine.weightgrad`); 0 (default) when not measured, or the layer's input has no gradient.
+            :mod:`lightning_gpipe.engine.weightgrad`); 0 (default) when not measured, or the layer's input has no
+            gradient.
         weight_grad: seconds of the W half of that split (the parameters' gradients); 0 (default) when not
             measured. The two together cost more than ``backward``: W runs the parameters' side of the layer's
             autograd nodes again.

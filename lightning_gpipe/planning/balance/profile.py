@@ -81,15 +81,22 @@ def profile_layers(
     costs = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for name, layer in layers._modules.items():  # every position, a layer used at two (tied) included
-            replica = copy.deepcopy(layer)
-            materialize(replica, device)
-            partition = Partition({name: replica.to(device).train()})
-            cost, output, stashed = _profile(partition, value, skips, device, repeats, warmup, split)
+            cost, value = _profile_copy(name, layer, value, skips, device, (repeats, warmup, split))
             costs.append(cost)
-            value = leaves(output, requires_grad=None, device=device)
-            skips.update({key: leaves(t, requires_grad=None, device=device) for key, t in stashed.items()})
-            del replica
     return costs
+
+
+def _profile_copy(
+    name: str, layer: nn.Module, value: Value, skips: dict, device: torch.device, options: tuple[int, int, bool]
+) -> tuple[LayerCost, Value]:
+    """Profile a copy of ``layer`` on ``device`` (materialised there); its cost and its output as the next layer's
+    input. ``skips`` gets what it stashed; ``options``: repeats, warmup and split, as :func:`profile_layers`'s."""
+    replica = copy.deepcopy(layer)
+    materialize(replica, device)
+    partition = Partition({name: replica.to(device).train()})
+    cost, output, stashed = _profile(partition, value, skips, device, *options)
+    skips.update({key: leaves(t, requires_grad=None, device=device) for key, t in stashed.items()})
+    return cost, leaves(output, requires_grad=None, device=device)
 
 
 def _profile(
@@ -170,7 +177,8 @@ def _clear_grads(value: Value, skips: dict) -> None:
 def _counted_run(layer: Partition, value: Value, skips: dict) -> tuple[dict[int, int], Value, dict, int]:
     """One untimed forward and backward, counted: the storages autograd saves in the forward (not the layer's own
     state; address -> bytes), the output, the skip tensors the layer stashed, and the transient bytes (see
-    :class:`~lightning_gpipe.planning.balance.costs.LayerCost`) from :class:`~lightning_gpipe.engine.events.PeakBytes`."""
+    :class:`~lightning_gpipe.planning.balance.costs.LayerCost`) from
+    :class:`~lightning_gpipe.engine.events.PeakBytes`."""
     with PeakBytes() as counted:
         with SavedBytes(exclude=_state(layer)) as saved, tracking(SkipTracker(skips)) as tracker:
             output = layer.run(value)
