@@ -43,8 +43,8 @@ class Action:
     Args:
         kind: what the action does.
         micro_batch: the micro-batch index, 0-based; ``None`` for a flush and for a loss on the whole mini-batch.
-        model_chunk: the stage's model chunk (virtual stage) the action runs on; 0 for schedules with one chunk per
-            stage.
+        model_chunk: the stage's model chunk (virtual stage) the action runs on; 0 for schedules with one model chunk
+            per stage.
     """
 
     kind: Kind
@@ -102,7 +102,7 @@ def virtual_stage(stage: int, model_chunk: int, num_stages: int, v_shape: bool =
     """The virtual stage that model chunk ``model_chunk`` of pipeline rank ``stage`` runs, of ``K = num_stages`` ranks.
 
     Looped (default): ``chunk * K + stage``, so rank k holds virtual stages k, k + K, ... (interleaved pipelines,
-    Narayanan et al. 2021, section 2.2). With ``v_shape`` the odd chunks run through the ranks backwards: rank k
+    Narayanan et al. 2021, section 2.2). With ``v_shape`` the odd model chunks run through the ranks backwards: rank k
     holds virtual stages k and 2K - 1 - k, the micro-batches turn on rank K - 1 and the pipeline's last virtual
     stage is on rank 0 with its first (ZB-V, Qi et al. 2023, arXiv:2401.10241, section 6).
     """

@@ -25,7 +25,7 @@ def link_groups(topology: Topology, skips: SkipLayout, rank: int) -> dict[LinkKe
     ``rank`` is in, by link.
 
     A collective call on every process of the job, which all make with the same ``topology`` and ``skips``: each
-    group is created by every process, in one order. A skip between two chunks of one process gets none (it is
+    group is created by every process, in one order. A skip between two model chunks of one process gets none (it is
     refused where the links are made).
     """
     pairs = [(s, s + 1) for s in range(topology.num_virtual - 1)] if topology.virtual_stages > 1 else []

@@ -51,7 +51,7 @@ class Span(NamedTuple):
             which the stage keeps until the micro-batch's backward.
         saved_bytes: the same spans: bytes autograd saved for the backward (activations), not counting
             parameters or the input; 0 for a checkpointed micro-batch's forward, which keeps none.
-        model_chunk: the stage's model chunk (virtual stage) the span belongs to; 0 with one chunk per stage.
+        model_chunk: the stage's model chunk (virtual stage) the span belongs to; 0 with one model chunk per stage.
     """
 
     kind: str
@@ -102,7 +102,7 @@ class Recorder:
 
     def for_chunk(self, model_chunk: int) -> "Recorder":
         """A recorder for model chunk ``model_chunk`` of this stage (virtual stages): its spans go to this recorder's
-        list, marked with the chunk; enabling this recorder enables it. Chunk 0 is this recorder itself."""
+        list, marked with the model chunk; enabling this recorder enables it. Model chunk 0 is this recorder itself."""
         return self if model_chunk == 0 else _ChunkRecorder(self, model_chunk)
 
 
@@ -248,7 +248,7 @@ def peak_activation_bytes(spans: Iterable[Span]) -> int:
     A micro-batch's input is held from its forward to the end of its backward; the activations autograd
     saves are held from the forward (or, when checkpointed, the recompute) to the end of the backward, or of
     its deferred weight gradient (``weight``) when there is one; with several model chunks per stage, each
-    chunk's apart. Spans without byte counts add nothing. The same accounting serves measured and simulated steps.
+    model chunk's apart. Spans without byte counts add nothing. The same accounting serves measured and simulated steps.
     """
     released: dict[tuple[int | None, int], float] = {}  # when each micro-batch's last backward or W span ends
     for span in spans:

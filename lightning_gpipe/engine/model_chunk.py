@@ -61,14 +61,15 @@ class _Record:
 
 
 class ModelChunk:
-    """Executes the work of one model chunk (a virtual stage of the pipeline; with one chunk per process, the
+    """Executes the work of one model chunk (a virtual stage of the pipeline; with one model chunk per process, the
     stage), one micro-batch at a time, in the order a schedule calls it.
 
     Args:
         partition: the model chunk's layers.
-        link: transfers to the neighbouring virtual stages; its ``events`` recorder is the chunk's.
-        virtual_stage: the virtual stage this model chunk runs (0-based; the pipeline rank with one chunk per stage).
-        num_virtual: the pipeline's virtual stages (K with one chunk per stage).
+        link: transfers to the neighbouring virtual stages; its ``events`` recorder is the model chunk's.
+        virtual_stage: the virtual stage this model chunk runs (0-based; the pipeline rank with one model chunk per
+            stage).
+        num_virtual: the pipeline's virtual stages (K with one model chunk per stage).
         micro_batches: M, micro-batches per mini-batch (fewer when the batch has fewer rows).
         checkpoint: ``"always"``, ``"except_last"`` (all micro-batches but the last) or ``"never"``.
         defer_weight_grad: ``True`` splits each backward of a stage that sends input gradients into B (sent at

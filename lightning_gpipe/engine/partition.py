@@ -3,7 +3,7 @@
 Stage k keeps layers ``sum(balance[:k])`` to ``sum(balance[:k+1]) - 1`` under their
 original names, so ``backbone.7.weight`` stays ``backbone.7.weight`` and the union
 of the stages' state dicts is the full model's (with virtual stages, stage k keeps the layers of virtual stages
-k, k + K, ..., one :class:`Partition` per chunk, all under one module). Other stages' layers go to the
+k, k + K, ..., one :class:`Partition` per model chunk, all under one module). Other stages' layers go to the
 meta device (their memory is freed, their structure kept so that the split can
 be undone). Modules outside the backbone that hold parameters or buffers (heads,
 losses with weights) live only on the stage that ends the backbone (the last one; stage 0 in ZB-V's V); the

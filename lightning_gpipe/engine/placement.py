@@ -36,8 +36,8 @@ def place_weights(
     already), tried first.
 
     Args:
-        base: one plan per stage (pipeline rank), its chunks' backwards whole in the plan (no W actions).
-        costs: one cost per virtual stage (chunk c of stage k is virtual stage ``c * K + k``, or as
+        base: one plan per stage (pipeline rank), its model chunks' backwards whole in the plan (no W actions).
+        costs: one cost per virtual stage (model chunk c of stage k is virtual stage ``c * K + k``, or as
             :func:`~lightning_gpipe.engine.actions.virtual_stage` places it in a V where the plans say so).
         alternatives: complete plans to time beside the placements, preferred on a tie.
     """
@@ -58,7 +58,7 @@ class _Clock:
         self.clock = Clock(self.num_stages, len(costs), self.v_shape)
         self.position = [0] * self.num_stages  # the next action of each base plan
         self.actions: list[list[Action]] = [[] for _ in base]
-        self.outstanding: list[list[tuple[int, int]]] = [[] for _ in base]  # (micro-batch, chunk) whose W waits
+        self.outstanding: list[list[tuple[int, int]]] = [[] for _ in base]  # (micro-batch, model chunk) whose W waits
         self.held = [0] * self.num_stages  # micro-batches forwarded whose B (or W) has not run
         self.plans = self._place()
         self.step_time = max(self.clock.free)
@@ -154,7 +154,7 @@ class _Clock:
 
 
 def _peak_held(plan: Plan) -> int:
-    """The most micro-batches (of any chunk) ``plan`` holds between their forward and their backward."""
+    """The most micro-batches (of any model chunk) ``plan`` holds between their forward and their backward."""
     held = peak = 0
     for action in plan.actions:
         held += (action.kind is Kind.FORWARD) - (action.kind is Kind.BACKWARD)

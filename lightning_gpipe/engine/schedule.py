@@ -60,7 +60,7 @@ def weights_after_drain(is_last: bool, checkpoint: str) -> bool:
 
 @dataclass(frozen=True)
 class _Chunks:
-    """The model chunks (virtual stages) of pipeline rank ``stage_index``: chunk ``c`` is virtual stage
+    """The model chunks (virtual stages) of pipeline rank ``stage_index``: model chunk ``c`` is virtual stage
     ``c * K + stage_index`` of ``K * v`` (process k holds virtual stages k, k + K, ...; Narayanan et al. 2021,
     section 2.2), or placed in a V (:func:`~lightning_gpipe.engine.actions.virtual_stage`)."""
 
@@ -89,7 +89,7 @@ def _fill(place: _Chunks, micro_batches: int) -> list[Action]:
 
 
 def _after_forward(place: _Chunks, i: int, c: int) -> list[Action]:
-    """What follows forward ``i`` on chunk ``c`` in a schedule with a loss per micro-batch: the loss on the last
+    """What follows forward ``i`` on model chunk ``c`` in a schedule with a loss per micro-batch: the loss on the last
     virtual stage, else the send and, at once, the receive of its gradient."""
     if place.is_last(c):
         return [Action(Kind.LOSS, i, c)]
@@ -97,7 +97,7 @@ def _after_forward(place: _Chunks, i: int, c: int) -> list[Action]:
 
 
 def _backward(i: int, c: int, checkpoint: str, micro_batches: int) -> list[Action]:
-    """Backward ``i`` on chunk ``c``, after its recompute if ``checkpoint`` re-materializes it."""
+    """Backward ``i`` on model chunk ``c``, after its recompute if ``checkpoint`` re-materializes it."""
     return [Action(Kind.RECOMPUTE, i, c)] * checkpointed(checkpoint, i, micro_batches) + [Action(Kind.BACKWARD, i, c)]
 
 
@@ -114,15 +114,15 @@ def gpipe(
     fill-drain of interleaved pipelines (Lamy-Poirier 2023, "Breadth-First Pipeline Parallelism", section 3;
     torch's ``ScheduleLoopedBFS``).
 
-    Fill (``training_step``): every micro-batch runs forward and is sent on, chunk by chunk (all micro-batches of
-    a stage's first chunk, then of its second, ...). Drain (``backward``), after the user's loss on the whole
-    mini-batch: the micro-batches run backward in reverse order, the last chunk first. A checkpointed micro-batch
-    is recomputed *before* the stage waits for its gradient, so the recompute overlaps the next stage's backward
-    of the same micro-batch; the next gradient's receive is posted while the current micro-batch computes. With
+    Fill (``training_step``): every micro-batch runs forward and is sent on, one model chunk after the other (all
+    micro-batches of a stage's first model chunk, then of its second, ...). Drain (``backward``), after the user's loss
+    on the whole mini-batch: the micro-batches run backward in reverse order, the last model chunk first. A checkpointed
+    micro-batch is recomputed *before* the stage waits for its gradient, so the recompute overlaps the next stage's
+    backward of the same micro-batch; the next gradient's receive is posted while the current micro-batch computes. With
     deferred weight gradients each W follows its B, except on the last stage without re-materialization and
     virtual stages, which runs every W after its last B (:func:`weights_after_drain`; with virtual stages every
-    plan ends with its first chunk's last backward, where the data-parallel gradient sync starts). With v chunks of
-    ``1 / v`` of a stage's layers each, the bubble falls from ``(K - 1) / (M + K - 1)`` towards
+    plan ends with its first model chunk's last backward, where the data-parallel gradient sync starts). With v model
+    chunks of ``1 / v`` of a stage's layers each, the bubble falls from ``(K - 1) / (M + K - 1)`` towards
     ``(K - 1) / (v M + K - 1)`` when M >= K; every stage still holds all M micro-batches.
     """
     place = _Chunks(stage_index, num_stages, virtual_stages)
@@ -170,8 +170,8 @@ def one_f_one_b(
     sends (by then received), so sent tensors are freed with their micro-batch. The whole plan runs in
     ``training_step``. With deferred weight gradients each W follows its B.
 
-    Interleaved (v > 1): the micro-batches go in groups of K; a stage runs a group's forwards on its first chunk,
-    then on its second, ..., and the backwards of a group from its last chunk down, after
+    Interleaved (v > 1): the micro-batches go in groups of K; a stage runs a group's forwards on its first model chunk,
+    then on its second, ..., and the backwards of a group from its last model chunk down, after
     ``2 (K - k - 1) + (v - 1) K`` warm-up forwards (Megatron-LM's count). The bubble falls towards
     ``(K - 1) / (v M + K - 1)``; a stage holds up to about ``v`` times as many micro-batches of ``1 / v`` of its
     layers as 1F1B, plus the warm-up's. M need not be a multiple of K: the last group is smaller, and where
@@ -209,7 +209,7 @@ def zero_bubble_h1(
     backwards stay whole (its W follows its B, as ZB-H1 places it).
 
     With ``virtual_stages`` v > 1: interleaved 1F1B's order (:func:`one_f_one_b`) with the same fixed delay, each
-    W ``k`` backwards after its B (of any chunk). This is our extension, not the paper's: torch's
+    W ``k`` backwards after its B (of any model chunk). This is our extension, not the paper's: torch's
     ``ScheduleInterleavedZeroBubble`` places W by a greedy search instead.
 
     Raises:
@@ -306,7 +306,7 @@ def zero_bubble_1p(
     with ``virtual_stages`` v > 1), each weight gradient W placed from the actions' costs on a clock of the stages'
     plans (:func:`~lightning_gpipe.engine.placement.place_weights`), ZB-H1's fixed placement (:func:`zero_bubble_h1`)
     among
-    the candidates: never slower than ZB-H1's on that clock, and with one chunk per stage and equal costs ZB-H1's.
+    the candidates: never slower than ZB-H1's on that clock, and with one model chunk per stage and equal costs ZB-H1's.
     W are local, so only where a stage's W go depends on the costs: every stage's transfers are 1F1B's whatever the
     costs, and stages that placed from different costs still pair up.
 
@@ -361,9 +361,9 @@ def zero_bubble_v(
     Each stage's forwards and input gradients B are ordered on a clock of the actions' costs (:func:`_v_order`),
     then every weight gradient W is placed by cost as ``"zb-1p"`` places it (:func:`~lightning_gpipe.engine.placement.
     place_weights`): a W fills a wait or frees memory. Our construction from the paper's shape, not its schedule
-    figure: the order is the clock's greedy one, where a stage takes in a new micro-batch (its first chunk's
-    forward) only while it holds fewer than 2K chunk micro-batches (1F1B's peak on its first stage, K micro-batches
-    of a whole stage, with chunks of half a stage).
+    figure: the order is the clock's greedy one, where a stage takes in a new micro-batch (its first model chunk's
+    forward) only while it holds fewer than 2K micro-batches of a model chunk (1F1B's peak on its first stage, K
+    micro-batches of a whole stage, with model chunks of half a stage).
 
     Args:
         virtual_stages: must be 2 (the V's two arms).
@@ -394,8 +394,9 @@ def _v_order(num_stages: int, micro_batches: int, checkpoint: str, costs: Sequen
     """Every stage's forwards and backwards in a V (:func:`zero_bubble_v`), in the order a clock of ``costs`` runs
     them, each backward timed as its B alone (its W is to fill a wait; the first virtual stage's backwards stay
     whole): a free stage runs the backward whose gradient is there (the oldest micro-batch first), else a forward
-    whose input is there (its second chunk first, which leads to the loss; its first chunk, which takes in a new
-    micro-batch, only while it holds fewer than 2K chunk micro-batches), else waits for the next input to arrive.
+    whose input is there (its second model chunk first, which leads to the loss; its first model chunk, which takes in a
+    new micro-batch, only while it holds fewer than 2K micro-batches of a model chunk), else waits for the next input to
+    arrive.
     Each virtual stage runs its micro-batches in order, so every link's transfers are in order."""
     clock = _VClock(num_stages, micro_batches, costs)
     clock.run()
@@ -404,17 +405,17 @@ def _v_order(num_stages: int, micro_batches: int, checkpoint: str, costs: Sequen
 
 class _VClock:
     """The clock of :func:`_v_order` (:class:`~lightning_gpipe.engine.clock.Clock`, the plans' rules): each stage's
-    next forward and backward per chunk, chosen as the module docstring of :func:`_v_order` says."""
+    next forward and backward per model chunk, chosen as the module docstring of :func:`_v_order` says."""
 
     def __init__(self, num_stages: int, micro_batches: int, costs: Sequence[ActionCost]) -> None:
         self.num_stages, self.micro_batches, self.costs = num_stages, micro_batches, costs
         self.last = 2 * num_stages - 1
         self.clock = Clock(num_stages, 2 * num_stages, v_shape=True)
         self.forwarded, self.backwarded = [0] * (2 * num_stages), [0] * (2 * num_stages)  # per virtual stage
-        self.order: list[list[tuple[Kind, int, int]]] = [[] for _ in range(num_stages)]  # (kind, micro-batch, chunk)
+        self.order: list[list[tuple[Kind, int, int]]] = [[] for _ in range(num_stages)]  # kind, micro-batch, chunk
 
     def run(self) -> None:
-        """Run every stage's forwards and backwards (two chunks of M micro-batches each: 4M actions)."""
+        """Run every stage's forwards and backwards (two model chunks of M micro-batches each: 4M actions)."""
         while busy := [k for k in range(self.num_stages) if len(self.order[k]) < 4 * self.micro_batches]:
             self._step(busy)
 
@@ -430,7 +431,7 @@ class _VClock:
                 return
         later = [arrival for k in busy for arrival, _ in self._candidates(k) if arrival is not None and arrival > now]
         later += [free[k] for k in busy if free[k] > now]
-        if not later:  # not for a V: a stage's second chunk, which leads to the loss, always runs
+        if not later:  # not for a V: a stage's second model chunk, which leads to the loss, always runs
             raise RuntimeError("The stages of the V would wait for each other.")
         for k in busy:
             free[k] = max(free[k], min(later))
@@ -536,8 +537,8 @@ def plans(
 
 
 def evaluation(num_stages: int, micro_batches: int, virtual_stages: int = 1, v_shape: bool = False) -> list[Plan]:
-    """Every stage's plan of an evaluation step, whatever the training schedule: fill-drain's fill (each chunk's
-    forwards of all micro-batches in turn, each sent on), then a flush; ``v_shape``: the chunks placed in a V
+    """Every stage's plan of an evaluation step, whatever the training schedule: fill-drain's fill (each model chunk's
+    forwards of all micro-batches in turn, each sent on), then a flush; ``v_shape``: the model chunks placed in a V
     (:data:`V_SHAPED`)."""
     every = []
     for k in range(num_stages):
@@ -555,7 +556,7 @@ def check(stage_plans: Sequence[Plan], training: bool = True) -> None:
     every activation the stage sent received and every gradient it sent with its receive posted (a send completes
     once its receive is posted); the last stage's ``backward i`` needs its ``loss``. Every stage must run
     each micro-batch's forward and backward once, the recompute (if any) and W (if any) between them. With
-    several chunks per stage the same holds for every virtual stage (chunk c of stage k is virtual stage
+    several model chunks per stage the same holds for every virtual stage (model chunk c of stage k is virtual stage
     ``c * K + k``, or as :func:`~lightning_gpipe.engine.actions.virtual_stage` places them in a V), each pair of
     neighbouring virtual stages having a link of its own (within a process too, where a V turns).
 
@@ -596,9 +597,9 @@ class _Abstract:
         self.forwarded: list[set[int]] = [set() for _ in virtual]
 
     def name(self, s: int) -> str:
-        """Virtual stage ``s`` as the messages name it: ``stage k``, or ``stage k chunk c`` with several chunks."""
+        """Virtual stage ``s`` as the messages name it: ``stage k``, or ``stage k model chunk c`` with several."""
         k, c = stage_of_virtual(s, self.num_stages, self.v_shape)
-        return f"stage {k}" + (f" chunk {c}" if self.num_virtual > self.num_stages else "")
+        return f"stage {k}" + (f" model chunk {c}" if self.num_virtual > self.num_stages else "")
 
     def advance(self) -> bool:
         """Run every stage as far as it can; whether any stage moved."""
@@ -686,7 +687,7 @@ class _Abstract:
 
 
 def _check_counts(k: int, plan: Plan) -> None:
-    """Every micro-batch's forward and backward once each per chunk, its recompute and W (if any) between them."""
+    """Every micro-batch's forward and backward once each per model chunk, its recompute and W (if any) between them."""
     position = {}
     for n, action in enumerate(plan.actions):
         key = (action.kind, action.micro_batch, action.model_chunk)

@@ -66,8 +66,8 @@ def find_ties(
         backbone: the attribute name of its ``nn.Sequential`` backbone.
         balance: layers per (virtual) stage.
         num_stages: K, the stages (processes); ``None`` (default): ``len(balance)``. With virtual stages,
-            virtual stage s is on stage ``s % K``, and a parameter two chunks of one stage use is one object there,
-            not a tie.
+            virtual stage s is on stage ``s % K``, and a parameter two model chunks of one stage use is one object
+            there, not a tie.
         v_shape: whether the virtual stages are placed in a V
             (:func:`~lightning_gpipe.engine.actions.stage_of_virtual`).
 

@@ -35,11 +35,11 @@ class Topology:
         world_size: number of processes in the job, ``num_nodes * devices``.
         num_stages: K, the number of pipeline stages (processes) of each replica.
         virtual_stages: v, the model chunks of each stage (default 1).
-        v_shape: whether the two chunks of each stage are placed in a V (default ``False``: looped).
+        v_shape: whether the two model chunks of each stage are placed in a V (default ``False``: looped).
 
     Raises:
         ValueError: if ``world_size`` is not a positive multiple of ``num_stages``, ``virtual_stages > 1`` with
-            one stage (``v_shape``: with one stage, or other than two chunks per stage).
+            one stage (``v_shape``: with one stage, or other than two model chunks per stage).
     """
 
     world_size: int
@@ -72,7 +72,7 @@ class Topology:
         return self.num_stages * self.virtual_stages
 
     def virtual_of(self, stage_index: int) -> list[int]:
-        """The virtual stages pipeline rank ``stage_index`` holds, in chunk order: ``k, k + K, ...`` (in a V:
+        """The virtual stages pipeline rank ``stage_index`` holds, in model chunk order: ``k, k + K, ...`` (in a V:
         ``k, 2K - 1 - k``)."""
         return [virtual_stage(stage_index, c, self.num_stages, self.v_shape) for c in range(self.virtual_stages)]
 
@@ -84,11 +84,11 @@ class Topology:
 
     def link_tag(self, virtual: int) -> int:
         """The point-to-point tag of the link between virtual stages ``virtual`` and ``virtual + 1``: 0 with one
-        chunk per stage, else one tag per link (2 on), since two links may join the same pair of ranks."""
+        model chunk per stage, else one tag per link (2 on), since two links may join the same pair of ranks."""
         return 0 if self.virtual_stages == 1 else 2 + virtual
 
     def skip_tag(self, src: int, dst: int) -> int:
-        """The tag of the skip connections from virtual stage ``src`` to ``dst``: 1 with one chunk per stage, else
+        """The tag of the skip connections from virtual stage ``src`` to ``dst``: 1 with one model chunk per stage, else
         one tag per pair, above every :meth:`link_tag`."""
         return 1 if self.virtual_stages == 1 else 2 + self.num_virtual * (1 + src) + dst
 
@@ -191,7 +191,7 @@ def resolve_topology(
 
 
 def _stages_listed(balance: Any, virtual_stages: int) -> Optional[int]:
-    """The stages (processes) a list ``balance`` gives with ``virtual_stages`` chunks each; ``None`` for a mode.
+    """The stages (processes) a list ``balance`` gives with ``virtual_stages`` model chunks each; ``None`` for a mode.
 
     Raises:
         ValueError: if the list's length is not a multiple of ``virtual_stages``.

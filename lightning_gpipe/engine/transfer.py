@@ -37,7 +37,8 @@ which its sender sends in the same call as the header already received, with
 only once it has arrived, so that on CUDA the read cannot block on a neighbour.
 
 Where two neighbouring model chunks are on one process (where ZB-V's V turns, :func:`~lightning_gpipe.engine.actions.
-virtual_stage`), their link is a :class:`Turn`: what one chunk sends the other takes, in order, without a transfer.
+virtual_stage`), their link is a :class:`Turn`: what one model chunk sends the other takes, in order, without a
+transfer.
 
 Every send and every wait is recorded as a ``send`` or ``recv`` span of the link's
 :class:`~lightning_gpipe.engine.events.Recorder` (shared with its stage), for the pipeline callbacks.
@@ -83,7 +84,7 @@ class Link:
         events: where sends and waits are recorded as spans; a new (disabled) recorder by default.
         tag: the point-to-point tag of every message, so that two links between the same pair of ranks (a
             stage's neighbour link and a skip connection's, :mod:`lightning_gpipe.engine.skip.links`, or two model
-            chunks' links under virtual stages) do not mix; 0 by default. A pair ``(previous, next)`` gives the
+            model chunks' links under virtual stages) do not mix; 0 by default. A pair ``(previous, next)`` gives the
             messages with each neighbour their own tag (under virtual stages, the two neighbours may be one
             rank). NCCL ignores tags: there two such links need process groups of their own (``groups``).
         job: the run's :class:`~lightning_gpipe.faults.job.Job`, whose waits the link's waits are (failure board, stall
@@ -341,7 +342,7 @@ class Turn:
                 schedule.check` refuses such plans before step 1).
         """
         if not queue:
-            raise RuntimeError("A model chunk took from the turn of its V before the other chunk sent to it.")
+            raise RuntimeError("A model chunk took from the turn of its V before the other model chunk sent to it.")
         return queue.popleft()
 
 

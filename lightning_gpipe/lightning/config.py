@@ -26,7 +26,7 @@ CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     "schedule": (
         tuple(SCHEDULES),
         "choose 'gpipe' (fill-drain), '1f1b' (one forward, one backward), 'zb-h1' (zero-bubble 1F1B), 'zb-1p'"
-        " (zero-bubble, W placed by measured costs) or 'zb-v' (zero-bubble, two chunks per stage in a V)",
+        " (zero-bubble, W placed by measured costs) or 'zb-v' (zero-bubble, two model chunks per stage in a V)",
     ),
     "start_method": (("popen", "spawn"), "choose 'popen' or 'spawn'"),
     "state_dict_type": (("full", "sharded"), "choose 'full' or 'sharded'"),
@@ -83,7 +83,7 @@ class PipelineConfig:
             plans are never slower than ZB-H1's on the simulator's clock, and equal them for equal costs).
             ``"zb-v"`` is zero-bubble's ZB-V (section 6): two model chunks per stage placed in a V, virtual stages
             k and 2K - 1 - k on stage k (``virtual_stages`` is 2), so the backbone's input and the user's head and
-            loss are both on stage 0, with W placed by cost like ``"zb-1p"``; 1F1B's peak memory where the chunks
+            loss are both on stage 0, with W placed by cost like ``"zb-1p"``; 1F1B's peak memory where the model chunks
             are equal. Evaluation is the same forward for all.
         virtual_stages: v, the model chunks of each stage (interleaved pipelines, Narayanan et al. 2021, section
             2.2): the backbone is split into ``K * v`` virtual stages and stage k holds virtual stages k, k + K,
@@ -94,9 +94,9 @@ class PipelineConfig:
             :mod:`lightning_gpipe.engine.schedule`), ``"zb-v"`` its V (2 only, and its default);
             a list ``balance`` gives ``K * v``
             entries. Parameter names, and so checkpoints, are those of the unsplit module: a run resumes with
-            another v or K. 1 (``None``, default): one chunk per stage; under ``plan="auto"`` the planner's choice.
-            Each virtual link has a process group of its own (:mod:`lightning_gpipe.engine.channels`), since NCCL
-            matches the point-to-point messages of two ranks by order, not by tag; tested on gloo (CPU) only.
+            another v or K. 1 (``None``, default): one model chunk per stage; under ``plan="auto"`` the planner's
+            choice. Each virtual link has a process group of its own (:mod:`lightning_gpipe.engine.channels`), since
+            NCCL matches the point-to-point messages of two ranks by order, not by tag; tested on gloo (CPU) only.
         deferred_batch_norm: ``True`` makes the backbone's ``nn.BatchNorm1d/2d/3d`` layers normalise with
             micro-batch statistics but update their running statistics once per mini-batch, equal to
             single-device batch norm's (see :class:`~lightning_gpipe.engine.batchnorm.DeferredBatchNorm`); the
@@ -237,7 +237,7 @@ class PipelineConfig:
         if self.schedule in V_SHAPED and v != 2:
             raise ValueError(
                 f"GPipeStrategy(schedule={self.schedule!r}, virtual_stages={v}): ZB-V places two model chunks per stage"
-                " in a V; leave virtual_stages unset (or 2), or choose schedule='zb-1p' for other chunk counts."
+                " in a V; leave virtual_stages unset (or 2), or choose schedule='zb-1p' for other model chunk counts."
             )
 
     @property

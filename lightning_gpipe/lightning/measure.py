@@ -52,9 +52,9 @@ def shared_layer_costs(strategy: Strategy, module: "pl.LightningModule", name: s
 def planned_config(
     strategy: Strategy, requested: PipelineConfig, module: "pl.LightningModule", name: str
 ) -> PipelineConfig:
-    """``requested`` with the chunks, checkpoint mode, schedule, virtual stages and balance of ``plan="auto"``'s plan
-    (:func:`~lightning_gpipe.lightning.planner.plan_for_strategy`, profiled on global rank 0), kept with its report in
-    ``strategy.plan_report`` and printed on global rank 0.
+    """``requested`` with the chunks, checkpoint mode, schedule, virtual stages and balance of ``plan="auto"``'s
+    plan (:func:`~lightning_gpipe.lightning.planner.plan_for_strategy`, profiled on global rank 0), kept with its report
+    in ``strategy.plan_report`` and printed on global rank 0.
 
     Raises:
         ValueError: on every process, on the CPU without ``memory_limit``, or if no plan fits the limit or the

@@ -65,7 +65,7 @@ class StageMemory:
             or by an unfinished send, input gradients sent (:func:`~lightning_gpipe.planning.held.held_peak`).
         transient: the largest transient of the stage's layers on one micro-batch (``LayerCost.transient_bytes``):
             a layer's forward or backward runs on top of what the stage holds; under a B/W split, W's weight-gradient
-            products if larger (the split chunks' parameter bytes).
+            products if larger (the split model chunks' parameter bytes).
         buffers: the batches every stage loads (the current one and the next), transfer buffers, DDP's buckets, the
             last stage's joined output and its gradient.
     """
@@ -175,8 +175,8 @@ def predict(
 ) -> PlanPrediction:
     """Predict ``plan``'s step and memory (see the module docstring).
 
-    With virtual stages a process's memory is the sum over its model chunks; what its chunks hold for their
-    transfers is each chunk's peak added up (an upper bound: the chunks' peaks need not coincide).
+    With virtual stages a process's memory is the sum over its model chunks; what its model chunks hold for their
+    transfers is each model chunk's peak added up (an upper bound: the model chunks' peaks need not coincide).
 
     Args:
         plan: the plan.
@@ -225,7 +225,8 @@ def predict(
 
 
 def _chunks_of(plan: PipelinePlan, k: int) -> list[int]:
-    """The virtual stages process ``k`` runs, in chunk order: ``k``, ``k + K``, ... (one without virtual stages; in
+    """The virtual stages process ``k`` runs, in model chunk order: ``k``, ``k + K``, ... (one without virtual stages;
+    in
     a V, :func:`~lightning_gpipe.engine.actions.virtual_stage`)."""
     v_shape = plan.schedule in V_SHAPED
     return [virtual_stage(k, c, plan.pipeline_parallel_size, v_shape) for c in range(plan.virtual_stages)]
@@ -238,15 +239,15 @@ def _stage_layers(layers: Sequence[LayerCost], balance: Sequence[int], s: int) -
 
 
 def _process_layers(plan: PipelinePlan, layers: Sequence[LayerCost], k: int) -> list[LayerCost]:
-    """The layers of process ``k``'s chunks."""
+    """The layers of process ``k``'s model chunks."""
     return [c for s in _chunks_of(plan, k) for c in _stage_layers(layers, plan.balance, s)]
 
 
 def _transient(plan: PipelinePlan, layers: Sequence[LayerCost], stages: Sequence[StageCost], k: int) -> int:
-    """Process ``k``'s transient: its largest layer's, or where its chunks split their backwards, the weight-gradient
-    products of W (:func:`~lightning_gpipe.engine.weightgrad.run_together` computes every linear layer's before adding
-    them
-    to ``.grad``), as large as the parameters of those chunks, if that is larger."""
+    """Process ``k``'s transient: its largest layer's, or where its model chunks split their backwards, the
+    weight-gradient products of W (:func:`~lightning_gpipe.engine.weightgrad.run_together` computes every linear layer's
+    before adding them
+    to ``.grad``), as large as the parameters of those model chunks, if that is larger."""
     largest = max(c.transient_bytes for c in _process_layers(plan, layers, k))
     split = [s for s in _chunks_of(plan, k) if stages[s].weight]
     products = sum(c.parameter_bytes for s in split for c in _stage_layers(layers, plan.balance, s))
@@ -255,8 +256,8 @@ def _transient(plan: PipelinePlan, layers: Sequence[LayerCost], stages: Sequence
 
 def _held(plan: PipelinePlan, chunks: int, stages: Sequence[StageCost], layers: Sequence[LayerCost]) -> list[int]:
     """Per process, the peak bytes of kept inputs, saved activations and what it holds for its transfers, walked over
-    each chunk's actions of the process's own plan (:func:`~lightning_gpipe.planning.held.held_peak`) and added up
-    over its chunks."""
+    each model chunk's actions of the process's own plan (:func:`~lightning_gpipe.planning.held.held_peak`) and added up
+    over its model chunks."""
     every = plans(plan.schedule, plan.pipeline_parallel_size, chunks, plan.checkpoint, None, plan.virtual_stages)
     peaks = []
     for k, stage_plan in enumerate(every):
@@ -266,7 +267,7 @@ def _held(plan: PipelinePlan, chunks: int, stages: Sequence[StageCost], layers: 
             per_micro = (stage.input_bytes, stage.activation_bytes, stage.output_bytes, last.output_saved_bytes)
             actions = [
                 a for a in stage_plan.actions if a.model_chunk == c or a.kind is Kind.FLUSH
-            ]  # a flush: every chunk's
+            ]  # a flush: every model chunk's
             peak += held_peak(actions, s < len(stages) - 1, plan.checkpoint, chunks, per_micro)
         peaks.append(peak)
     return peaks
@@ -274,7 +275,7 @@ def _held(plan: PipelinePlan, chunks: int, stages: Sequence[StageCost], layers: 
 
 def _buffers(plan: PipelinePlan, stages: Sequence[StageCost], k: int, batch_bytes: int, joined: int) -> int:
     """Bytes of process ``k``'s buffers: two batches (every stage loads them: Lightning's loop fetches the next batch
-    before the step on the current one ends), per chunk two output gradients in flight (their
+    before the step on the current one ends), per model chunk two output gradients in flight (their
     receives are posted one ahead), and on the process with the last stage the whole mini-batch's output
     (``joined``) and its gradient: measured under 1F1B too, whose user step takes one micro-batch at a time. The
     input gradients it sends are ``StageMemory.transfers``."""

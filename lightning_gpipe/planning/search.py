@@ -9,10 +9,10 @@ it: its time is predicted from the profiled B and W, but its last stage's measur
 prediction, by up to 14% on the benchmark MLP, docs/planning.md) and each of :data:`VIRTUAL_STAGES` model chunks per
 stage that the layers allow, minus what the user fixed (:class:`Constraints`). For each, the balance is the
 time-optimal split into ``K * v`` (virtual) stages (:func:`~lightning_gpipe.planning.balance.solve`) if it fits the
-memory limit, else (one chunk per stage only) the fastest split whose stages fit by the additive part of their memory
-(parameters, gradients, optimizer state, saved activations; the boundaries' share is reserved for the largest layer
-output), walked a layer at a time towards one that fits by the whole prediction if neither does. Each plan is predicted
-(:func:`~lightning_gpipe.planning.predict.predict`); the fastest per row that fits wins. PipeDream's planner
+memory limit, else (one model chunk per stage only) the fastest split whose stages fit by the additive part of their
+memory (parameters, gradients, optimizer state, saved activations; the boundaries' share is reserved for the largest
+layer output), walked a layer at a time towards one that fits by the whole prediction if neither does. Each plan is
+predicted (:func:`~lightning_gpipe.planning.predict.predict`); the fastest per row that fits wins. PipeDream's planner
 (Narayanan et al. 2019, section 3.1) chose partition and replication from a profile alike."""
 
 from collections.abc import Iterator, Sequence
@@ -33,8 +33,8 @@ MAX_CHUNKS = 64
 """The most micro-batches the planner tries (unless the user fixes ``chunks``)."""
 
 VIRTUAL_STAGES = (1, 2)
-"""The model chunks per stage the planner tries (unless the user fixes ``virtual_stages``). Each chunk more adds a
-transfer per micro-batch each way; on the project's CPU machine two chunks were already slower than one
+"""The model chunks per stage the planner tries (unless the user fixes ``virtual_stages``). Each model chunk more adds a
+transfer per micro-batch each way; on the project's CPU machine two model chunks were already slower than one
 (docs/benchmarks.md, "Interleaved virtual stages"), so more are not tried."""
 
 
@@ -187,8 +187,8 @@ def _shape_predictions(
 def _walk(
     start: PlanPrediction, profiled: ProfiledCosts, state_factor: int, limit: float, model: CostModel
 ) -> PlanPrediction:
-    """From ``start`` (one chunk per stage), move one layer across one stage boundary at a time, the move that lowers
-    the largest stage's predicted peak most, while the plan does not fit and a move lowers it, at most
+    """From ``start`` (one model chunk per stage), move one layer across one stage boundary at a time, the move that
+    lowers the largest stage's predicted peak most, while the plan does not fit and a move lowers it, at most
     :data:`WALK_MOVES` times (the part of a stage's memory that is not additive, its buffers and transfers, moves with
     the boundary); returns the fastest of the first moves that fit, else the prediction reached (``start`` if no
     move lowers its peak)."""
@@ -228,7 +228,7 @@ def _balances(
     constraints: Constraints,
 ) -> list[list[int]]:
     """The splits to predict for one candidate ``shape`` = ``(K, M, checkpoint, schedule, D, v)``: the user's, or
-    the time-optimal one into ``K * v`` stages and, with one chunk per stage when the memory limit binds, the
+    the time-optimal one into ``K * v`` stages and, with one model chunk per stage when the memory limit binds, the
     fastest one whose stages fit by their additive memory (if any)."""
     k, m, mode, schedule, d, v = shape
     if constraints.listed:
@@ -238,7 +238,7 @@ def _balances(
     times = [c.forward + c.backward for c in layers]
     fastest = solve(times, k * v)
     if v > 1:
-        return [fastest]  # a process's memory is its chunks' together, which a split by stages cannot bound
+        return [fastest]  # a process's memory is its model chunks' together, which a split by stages cannot bound
     held = m if mode == "never" else (min(2, m) if schedule != "gpipe" and mode == "except_last" else 1)
     additive = _additive_memory(layers, held, state_factor + 2 + (d > 1))
     reserve = (m + 3) * max(c.output_bytes for c in layers)

@@ -24,7 +24,7 @@ and at once by its backward.
 1F1B's order with the B/W split, stage k running each W ``k`` micro-batches after its B.
 ``"zb-1p"`` and ``"zb-v"`` (:func:`lightning_gpipe.engine.schedule.zero_bubble_1p`,
 :func:`~lightning_gpipe.engine.schedule. zero_bubble_v`) place their W by the stages' costs (:func:`action_costs`);
-ZB-V's two chunks per process are placed in a V (:func:`lightning_gpipe.engine.actions.virtual_stage`).
+ZB-V's two model chunks per process are placed in a V (:func:`lightning_gpipe.engine.actions.virtual_stage`).
 Dependencies and recomputes are as above.
 
 With K equal stages, M micro-batches and only forward and backward, the step takes ``(M + K - 1)`` micro-batch
@@ -152,7 +152,7 @@ def stage_costs(costs: Sequence[LayerCost], balance: Sequence[int], input_bytes:
 
 def simulate(
     stages: Sequence[StageCost],
-    chunks: int,
+    micro_batches: int,
     checkpoint: str = "except_last",
     transfer: Transfer = Transfer(),
     loss: float = 0.0,
@@ -167,7 +167,7 @@ def simulate(
         stages: one :class:`StageCost` per (virtual) stage, in pipeline order: K ``= len(stages) / virtual_stages``
             processes, process k running virtual stages k, k + K, ...; from per-layer costs use
             :func:`stage_costs` (with a balance of ``K * virtual_stages`` entries).
-        chunks: M, micro-batches per mini-batch.
+        micro_batches: M, micro-batches per mini-batch.
         checkpoint: ``"always"``, ``"except_last"`` (default) or ``"never"``, as for ``GPipeStrategy``.
         transfer: the time to move an activation or gradient between stages (default: free).
         loss: seconds of the last stage's head and loss and their backward to the boundary, for the whole
@@ -179,28 +179,31 @@ def simulate(
             ``GPipeStrategy``; ``None`` (default): when a stage's ``weight`` is set, or the schedule splits by
             default (``"zb-h1"``).
         virtual_stages: model chunks per process, as for ``GPipeStrategy`` (default 1; 2 for ``"zb-v"``, whose
-            chunks are placed in a V).
+            model chunks are placed in a V).
 
     Raises:
         ValueError: for no stages, ``chunks < 1``, an unknown ``checkpoint`` mode or ``schedule``, a zero-bubble
-            schedule with ``defer_weight_grad=False``, ``"zb-v"`` with other than 2 chunks per process, or a number
-            of stages that ``virtual_stages`` does not divide.
+            schedule with ``defer_weight_grad=False``, ``"zb-v"`` with other than 2 model chunks per process, or a
+            number of stages that ``virtual_stages`` does not divide.
     """
-    if not stages or chunks < 1 or checkpoint not in CHECKPOINT_MODES or schedule not in SCHEDULES:
+    if not stages or micro_batches < 1 or checkpoint not in CHECKPOINT_MODES or schedule not in SCHEDULES:
         raise ValueError(
-            f"Cannot simulate {len(stages)} stages, chunks={chunks}, checkpoint={checkpoint!r}, schedule={schedule!r}."
+            f"Cannot simulate {len(stages)} stages, micro_batches={micro_batches}, checkpoint={checkpoint!r},"
+            f" schedule={schedule!r}."
         )
     if virtual_stages < 1 or len(stages) % virtual_stages:
-        raise ValueError(f"Cannot run {len(stages)} stages as virtual_stages={virtual_stages} chunks per process.")
+        raise ValueError(
+            f"Cannot run {len(stages)} stages as virtual_stages={virtual_stages} model chunks per process."
+        )
     num_stages = len(stages) // virtual_stages
     optimizers = [optimizer] * num_stages if isinstance(optimizer, (int, float)) else list(optimizer)
     defer = defer_weight_grad
     if defer is None:
         defer = DEFERRED_BY_DEFAULT[schedule] or any(cost.weight for cost in stages)
-    placed = action_costs(stages, loss / chunks)
-    every = plans(schedule, num_stages, chunks, checkpoint, defer, virtual_stages, placed)
+    placed = action_costs(stages, loss / micro_batches)
+    every = plans(schedule, num_stages, micro_batches, checkpoint, defer, virtual_stages, placed)
     orders = [[a for a in plan.actions if a.kind in COMPUTE] for plan in every]
-    spans, free = _replay(stages, orders, chunks, checkpoint, transfer, loss, every[0].v_shape)
+    spans, free = _replay(stages, orders, micro_batches, checkpoint, transfer, loss, every[0].v_shape)
     for k in range(num_stages):
         spans[k].append(Span("optimizer", None, free[k], free[k] + optimizers[k]))
     trace = StepTrace(0, [StageTrace(k, spans[k], 0.0, spans[k][-1].end) for k in range(num_stages)])
@@ -218,7 +221,7 @@ def action_costs(stages: Sequence[StageCost], loss: float = 0.0) -> tuple[Action
 def _replay(
     stages: Sequence[StageCost],
     orders: list[list[Action]],
-    chunks: int,
+    micro_batches: int,
     checkpoint: str,
     transfer: Transfer,
     loss: float,
@@ -248,7 +251,7 @@ def _replay(
                 s = clock.virtual(k, model_chunk)
                 cost = stages[s]
                 if kind is not Kind.WEIGHT or cost.weight:  # a stage that does not split its backwards has no W
-                    seconds, kept, saved = _work(cost, kind.value, i, chunks, checkpoint, loss, s in splits)
+                    seconds, kept, saved = _work(cost, kind.value, i, micro_batches, checkpoint, loss, s in splits)
                     free = clock.free[k]
                     start = clock.run(k, kind, i, model_chunk, seconds, at)
                     if start > free:
@@ -261,15 +264,15 @@ def _replay(
 
 
 def _work(
-    cost: StageCost, kind: str, i: Optional[int], chunks: int, checkpoint: str, loss: float, split: bool
+    cost: StageCost, kind: str, i: Optional[int], micro_batches: int, checkpoint: str, loss: float, split: bool
 ) -> tuple[float, int, int]:
     """Seconds, bytes of input kept and bytes of activations saved of one stage's ``kind`` of micro-batch ``i``
     (``split``: whether the stage's backwards leave the weight gradient to a W action of its own)."""
     if kind == "forward":
-        kept = 0 if checkpointed(checkpoint, i, chunks) else cost.activation_bytes
+        kept = 0 if checkpointed(checkpoint, i, micro_batches) else cost.activation_bytes
         return cost.forward, cost.input_bytes, kept
     if kind == "loss":
-        return loss if i is None else loss / chunks, 0, 0
+        return loss if i is None else loss / micro_batches, 0, 0
     if kind == "recompute":
         return cost.forward if cost.recompute is None else cost.recompute, 0, cost.activation_bytes
     if kind == "backward":

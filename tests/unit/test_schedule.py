@@ -175,7 +175,7 @@ def test_interleaved_plans_visit_every_stage_once_per_chunk():
 def test_a_broken_interleaved_plan_names_the_stage_and_chunk():
     first, last = plans("gpipe", 2, 2, "never", False, 2)
     never_sent = _without(first, Action(Kind.SEND, 1, 1))
-    with pytest.raises(ScheduleError, match=r"stage 1 at F1.1 \(no activation from stage 0 chunk 1 yet\)"):
+    with pytest.raises(ScheduleError, match=r"stage 1 at F1.1 \(no activation from stage 0 model chunk 1 yet\)"):
         check([never_sent, last])
 
 

@@ -41,7 +41,7 @@ def test_peak_activation_memory_of_each_checkpoint_mode(checkpoint, expected):
 def test_transfers_and_the_loss_lengthen_the_critical_path():
     prediction = simulate(
         [StageCost(1.0, 2.0, output_bytes=1000)] * 2,
-        chunks=1,
+        micro_batches=1,
         checkpoint="never",
         transfer=Transfer(latency=0.5, bandwidth=2000),
         loss=0.25,

@@ -385,7 +385,7 @@ def test_a_turn_hands_copies_between_two_chunks_of_one_process_in_order(monkeypa
     turn, job = Turn(), Job()
     sender = Link(None, 0, torch.device("cpu"), job=job, turns=(None, turn))
     receiver = Link(0, None, torch.device("cpu"), job=job, turns=(turn, None))
-    with pytest.raises(RuntimeError, match="took from the turn of its V before the other chunk sent to it"):
+    with pytest.raises(RuntimeError, match="took from the turn of its V before the other model chunk sent to it"):
         receiver.recv_activation()
     outputs = [torch.randn(2, 3), (torch.randn(2, 3), torch.ones(2, dtype=torch.bool))]
     for index, output in enumerate(outputs):

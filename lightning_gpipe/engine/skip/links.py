@@ -44,8 +44,8 @@ class SkipLinks:
         groups: ``(global rank, tag)`` of a peer -> the process group of the link with it
             (:mod:`lightning_gpipe.engine.channels`); the default group for a peer not in it (default: every peer).
         turns: ``(global rank, tag)`` of a peer that is another model chunk of this process -> the
-            :class:`~lightning_gpipe.engine.transfer.Turn` both chunks share, which that link goes through (default:
-            none).
+            :class:`~lightning_gpipe.engine.transfer.Turn` both model chunks share, which that link goes through
+            (default: none).
     """
 
     def __init__(

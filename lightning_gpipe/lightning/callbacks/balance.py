@@ -122,7 +122,7 @@ class PipelineBalance(PipelineCallback):
     (``strategy.layer_costs``, a list of :class:`~lightning_gpipe.planning.balance.costs.LayerCost`) when it has them,
     else on the measured stage times spread evenly over each stage's layers, and predicts the step time
     of both splits with :func:`lightning_gpipe.planning.simulator.simulate`. With ``virtual_stages > 1`` it reports the
-    stages (``balance``: the layers each stage holds over all its chunks) and suggests nothing.
+    stages (``balance``: the layers each stage holds over all its model chunks) and suggests nothing.
 
     Activation memory is counted in the measured steps only (a hook per saved tensor, a few percent of
     those steps' time).
