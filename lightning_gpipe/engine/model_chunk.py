@@ -29,7 +29,7 @@ backpropagated with the activation's), and the received ones inputs (their gradi
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -42,7 +42,7 @@ from lightning_gpipe.engine.partition import Partition
 from lightning_gpipe.engine.rematerialization import RngState, checkpointed
 from lightning_gpipe.engine.skip import tracker
 from lightning_gpipe.engine.skip.links import SkipLinks, no_skips
-from lightning_gpipe.engine.transfer import Link, Meta
+from lightning_gpipe.engine.transfer import Link, Meta, Signature, signature
 from lightning_gpipe.engine.weightgrad import DeferredWeightGradient, backward_input, run_together
 
 
@@ -105,16 +105,22 @@ class ModelChunk:
         self.events = link.events
         self.training = False
         self.before_last_backward: Optional[Callable[[list[Tensor]], None]] = None
+        self.shapes = Shapes()
+        self.name = f"virtual stage {virtual_stage}"
+        self._keys: list[Optional[Hashable]] = []
+        self._predicted: list[Optional[Signature]] = []
         self._records: dict[int, _Record] = {}
         self._weights: deque[tuple[int, DeferredWeightGradient, list[Tensor]]] = deque()
         self._backwards = 0  # of the current step
         self._filled = 0.0  # when the last stage's forward ended: its "loss" span runs from there to the backward
 
     def inputs(self, value: Value) -> Iterator[tuple[int, Value, int]]:
-        """This stage's inputs of one mini-batch as ``(index, input, micro_batches)``, micro_batches being M.
+        """The model chunk's inputs of one mini-batch as ``(index, input, micro_batches)``, micro_batches being M.
 
-        The first stage scatters ``value`` (the backbone input); the others receive their inputs from the
-        previous stage and ignore ``value``. Starting it starts a new forward: what the last one kept is dropped.
+        The first virtual stage scatters ``value`` (the backbone input); the others receive their inputs from the
+        previous one and ignore ``value``, M and their shapes from its step message first. Either way the model
+        chunk then sends the next virtual stage its own step message: M and the shapes of its outputs, predicted
+        from the inputs' (:class:`Shapes`). Starting it starts a new forward: what the last one kept is dropped.
 
         Raises:
             TypeError, ValueError: for a backbone input that cannot be split (see
@@ -124,13 +130,22 @@ class ModelChunk:
         self.training, self._records, self._backwards = torch.is_grad_enabled(), {}, 0
         if self.is_first:
             parts = microbatch.scatter(value, self.micro_batches)
+            self._begin_step(len(parts), [_scattered_key(part) for part in parts])
             yield from ((i, x, len(parts)) for i, x in enumerate(parts))
             return
-        index, count = 0, 1
-        while index < count:
-            x, count = self.link.recv_activation()
+        count, arriving = self.link.receive_step()
+        self._begin_step(count, arriving)
+        for index in range(count):
+            x = self.link.recv_activation()
             yield index, (microbatch.leaves(x) if self.training else x), count
-            index += 1
+
+    def _begin_step(self, micro_batches: int, keys: Sequence[Optional[Hashable]]) -> None:
+        """Predict this step's output shapes from the inputs' (``keys``; ``None``: not known before they arrive) and
+        send the next virtual stage its step message. A model chunk that pops skip tensors predicts nothing: they
+        arrive with the micro-batch."""
+        self._keys = [None if key is None or self.skips.pops else (self.training, key) for key in keys]
+        self._predicted = [self.shapes.predict(key) for key in self._keys]
+        self.link.send_step(micro_batches, self._predicted)
 
     def forward(self, index: int, x: Value, micro_batches: int) -> Value:
         """Run micro-batch ``index`` of ``micro_batches`` through this stage's layers and return its output.
@@ -160,7 +175,9 @@ class ModelChunk:
             self.events.span("forward", index, memory_of),
         ):
             y = self.partition.run(x)
-        self.skips.send(skips.stashed, index, micro_batches)
+        if not self.is_last:
+            self._check_shapes(index, x, y)
+        self.skips.send(skips.stashed, index)
         if not training or (self.is_first and self.is_last and micro_batches == 1 and not remat):
             return y
         metas = [(t.shape, t.dtype) for t in microbatch.floats(y)]
@@ -171,9 +188,17 @@ class ModelChunk:
             record.boundary = microbatch.floats(y)
         return y
 
+    def _check_shapes(self, index: int, x: Value, y: Value) -> None:
+        """Learn micro-batch ``index``'s output shapes from its input ``x``'s, and check the step message's
+        prediction of them (see :class:`Shapes`)."""
+        key = self._keys[index]
+        if key is None and not (self.is_first or self.skips.pops):  # a headed input: its shapes are known now
+            key = (self.training, signature(x))
+        self.shapes.learn(key, signature(y), self._predicted[index], f"micro-batch {index} of {self.name}")
+
     def send(self, y: Value, index: int, micro_batches: int) -> None:
-        """Send micro-batch ``index`` of ``micro_batches``'s output to the next stage, asynchronously."""
-        self.link.send_activation(y, index, micro_batches)
+        """Send micro-batch ``index`` (of ``micro_batches``)'s output to the next virtual stage, asynchronously."""
+        self.link.send_activation(y, index)
 
     def output(self, parts: list[Value]) -> Value:
         """The last stage's backbone output of the whole mini-batch, from its micro-batch outputs in order."""
@@ -299,3 +324,60 @@ class ModelChunk:
     def _announce_last_backward(self, outputs: list[Tensor]) -> None:
         if self.before_last_backward is not None:
             self.before_last_backward(outputs)
+
+
+class Shapes:
+    """What a model chunk's forward makes of its inputs' shapes: each output signature learnt by the input's, so
+    that a step's output shapes are known before they are computed, for the step message (see
+    :mod:`~lightning_gpipe.engine.transfer`).
+
+    A backbone layer's output shapes must follow from its input's, not from its values (as under torch's own
+    pipelining, which fixes them once): an output whose shapes differ from those an earlier step made of the same
+    input shapes is refused, since the next stage has already posted its receive.
+    """
+
+    LIMIT = 1024
+    """The most input signatures kept (the oldest go first)."""
+
+    def __init__(self) -> None:
+        self._known: dict[Hashable, Signature] = {}
+
+    def predict(self, key: Optional[Hashable]) -> Optional[Signature]:
+        """The output signature learnt for the input ``key``; ``None`` if there is none yet."""
+        return None if key is None else self._known.get(key)
+
+    def learn(self, key: Optional[Hashable], actual: Signature, predicted: Optional[Signature], where: str) -> None:
+        """Keep ``actual``, the output signature of the input ``key`` (nothing for ``None``).
+
+        Raises:
+            RuntimeError: if ``predicted`` (what the step message announced) is not ``actual``, naming ``where``.
+        """
+        if predicted is not None and predicted != actual:
+            raise RuntimeError(
+                f"The output of {where} has the shapes and dtypes {_shown(actual)}, but an earlier step made"
+                f" {_shown(predicted)} of an input of the same shapes. GPipeStrategy tells the next stage each"
+                " step's activation shapes before they are computed, learnt from the input shapes, so a backbone"
+                " layer's output shape must follow from its input's shape, not from its values: pad or cut to a"
+                " length that depends on the input's shape only."
+            )
+        if key is None:
+            return
+        self._known.pop(key, None)
+        self._known[key] = actual
+        if len(self._known) > self.LIMIT:
+            del self._known[next(iter(self._known))]
+
+
+def _shown(sig: Signature) -> str:
+    return ", ".join(f"{tuple(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype in sig[1])
+
+
+def _scattered_key(value: Value) -> Optional[Hashable]:
+    """What a scattered micro-batch's output shapes may follow from: its signature, and the values of the
+    non-tensor items of a tuple (``None`` when one is not hashable)."""
+    items = () if isinstance(value, Tensor) else tuple(item for item in value if not isinstance(item, Tensor))
+    try:
+        hash(items)
+        return signature(value), items
+    except (TypeError, ValueError):  # an item that is not hashable, a tensor that is not sent: nothing to learn
+        return None

@@ -1,47 +1,44 @@
-"""Point-to-point transfer of activations and gradients between neighbouring stages.
+"""Point-to-point transfer of activations and gradients between neighbouring virtual stages.
 
-Every activation message starts with a shape header, so shapes may change from
-step to step and between micro-batches (variable-length text, uneven last
-micro-batch). Gradients need no header: the receiver of a gradient is the stage
-that sent the activation, so it already knows the shapes.
+A link has two planes:
 
-Wire format of one micro-batch's activation (a fixed-size int64 header, then the tensors)::
+- **data**: the payloads, each micro-batch's activation tensors forward and their gradients backward, on the
+  link's process group (gloo on CPU, NCCL on CUDA);
+- **control**: what a receiver must know before it can post a payload's receive (the step's number of
+  micro-batches M and each micro-batch's shapes and dtypes, its *signature*), on a CPU (gloo) channel beside the
+  data: the process group when it is gloo, else a gloo group of its own (``control``), on tags of their own. So the
+  host reads it without waiting for a device, and a payload's receive is posted before its sender's device has
+  computed it.
 
-    [micro_batches, index, is_tuple, n, (dtype, ndim, *shape) * n, 0 ...]   tensor_0 ... tensor_{n-1}
+**One step message per step.** Before its first forward of a step, a stage sends its next stage one control message:
+M and every micro-batch's signature (:func:`step_message`), as soon as its host knows them: the first stage from the
+scatter of the backbone input, every other stage from its own step message and its model chunk's prediction of the
+output signature from the input's (:class:`~lightning_gpipe.engine.model_chunk.ModelChunk`, which learns it from the
+steps before and checks it). A micro-batch whose signature its sender cannot predict yet (a new input shape, a
+first step) is *headed*: its signature goes on the control channel right before its payload (:data:`HEADER_SLOTS`).
+So shapes may change from step to step and between micro-batches (variable-length text, an uneven last
+micro-batch) with no flag, and a steady state sends one control message per step and link, nothing per
+micro-batch. Gradients need no signature: their receiver sent the activation and knows its shapes. A link without a
+step message (a skip connection's, ``stepped=False``) heads every activation.
 
-``micro_batches`` is the number of micro-batches of the current mini-batch, so that stages
-after the first learn it from the first message, and ``index`` says which one this is.
+Latency matters as much as bandwidth: gloo moves a payload only once its receive is posted, and a blocked receive
+costs a wake-up. So receives are posted ahead: the next micro-batch's payload while this one computes, a gradient
+as soon as the schedule expects it (``expect``). Sends are asynchronous and overlap compute; a send keeps its
+tensors alive until it has completed, and the link drops completed sends whenever it posts another and at a flush.
+On gloo, whose works cannot be polled, a helper thread of the run waits for each send as it goes
+(:meth:`Waiter.watch <lightning_gpipe.faults.waiting.Waiter.watch>`), and the stage waits through the run's
+interruptible waits (:func:`~lightning_gpipe.faults.waiting.wait`): signals are handled and a failed or stalled
+neighbour named. On CUDA (NCCL) receives are posted on a stream of their own, so they start at once rather than
+after the compute queued before them, and taking a received tensor makes the compute stream wait for its transfer
+(``Work.wait``), never the host; the host waits only on the control plane, for its neighbour's host. A flush then
+waits for nothing: it drops the sends that have completed (the rest stay alive until they have).
 
-Latency matters as much as bandwidth: a blocked receive costs a wake-up (up to a
-scheduler tick on a busy CPU), and gloo moves a payload only once its receive is
-posted. So receives are posted ahead: the next micro-batch's header while this
-one computes, all payload tensors of a micro-batch at once, and a gradient before
-the drain needs it. On gloo a helper thread of the run waits for each expected header and posts its payload's
-receives as soon as it has arrived (:class:`_Arrival`), so the payload too moves while the stage computes, not
-once the stage reads the header; on NCCL, whose communicator is not for two threads, the stage reads it itself.
-Sends are asynchronous and overlap compute. A send keeps its
-tensors alive until it has completed (once its receiver has posted the receive, and
-the bytes have gone); the link drops the sends that have completed whenever it posts
-a new one and at a flush, so a sent output or gradient is freed soon after its
-receiver took it, not at the next flush (under fill-drain, the end of the step). Whether
-a send has completed is asked without blocking: NCCL's works answer themselves, gloo's
-through a helper thread that waits for each send as it goes
-(:meth:`~lightning_gpipe.faults.waiting.Waiter.watch`). Works with any
-torch.distributed backend that has ``isend``/``irecv`` (gloo on CPU, NCCL on GPU);
-receives are posted in the order the matching sends are issued, as NCCL needs.
-Waits go through :mod:`lightning_gpipe.faults.waiting`, so a stage waiting for a neighbour handles signals and
-names a failed or stalled neighbour: :func:`~lightning_gpipe.faults.waiting.wait` on gloo (an activation's payload,
-which its sender sends in the same call as the header already received, with
-:func:`~lightning_gpipe.faults.waiting.wait_in_flight`), :func:`~lightning_gpipe.faults.waiting.poll` on NCCL, as
-:func:`~lightning_gpipe.faults.waiting.polls` says for the link's device. Either way a header is read on the host
-only once it has arrived, so that on CUDA the read cannot block on a neighbour.
-
-Where two neighbouring model chunks are on one process (where ZB-V's V turns, :func:`~lightning_gpipe.engine.actions.
-virtual_stage`), their link is a :class:`Turn`: what one model chunk sends the other takes, in order, without a
-transfer.
+Where two neighbouring model chunks are on one process (where ZB-V's V turns, :func:`~lightning_gpipe.engine.
+actions.virtual_stage`), their link is a :class:`Turn`: what one model chunk sends the other takes, in order,
+without a transfer.
 
 Every send and every wait is recorded as a ``send`` or ``recv`` span of the link's
-:class:`~lightning_gpipe.engine.events.Recorder` (shared with its stage), for the pipeline callbacks.
+:class:`~lightning_gpipe.engine.events.Recorder` (shared with its model chunk), for the pipeline callbacks.
 """
 
 import time
@@ -54,10 +51,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gpipe.engine import microbatch
-
-from lightning_gpipe.faults import waiting
 from lightning_gpipe.engine.events import Recorder
 from lightning_gpipe.engine.microbatch import Value
+from lightning_gpipe.faults import waiting
 
 if TYPE_CHECKING:
     from lightning_gpipe.faults.job import Job
@@ -65,8 +61,18 @@ if TYPE_CHECKING:
 Meta = tuple[torch.Size, torch.dtype]
 """Shape and dtype of a tensor whose gradient will arrive."""
 
+Signature = tuple[bool, tuple[Meta, ...]]
+"""What a receiver must know of one activation to receive it: whether it is a tuple, and each tensor's shape and
+dtype (non-tensor items of a tuple are not sent)."""
+
 HEADER_SLOTS = 128
-"""int64 slots of an activation header: room for 20 four-dimensional tensors per activation."""
+"""int64 slots of a headed micro-batch's signature: room for 20 four-dimensional tensors per activation."""
+
+STEP_SLOTS = 1024
+"""int64 slots of a step message (M, the distinct signatures, and each micro-batch's; headed past that)."""
+
+CONTROL_TAG = 1 << 20
+"""Added to a link's tag for its control messages, where they share a process group with its payloads."""
 
 _DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -74,25 +80,192 @@ _DTYPES = (
 )  # fmt: skip
 
 
+def signature(value: Value) -> Signature:
+    """The signature of the activation ``value`` (a Tensor or a tuple).
+
+    Raises:
+        ValueError: for a dtype that cannot be sent between stages.
+    """
+    tensors = microbatch.tensors(value)
+    for tensor in tensors:
+        if tensor.dtype not in _DTYPES:
+            raise ValueError(f"Cannot send a {tensor.dtype} tensor between stages; use one of {_DTYPES}.")
+    return not isinstance(value, Tensor), tuple((tensor.shape, tensor.dtype) for tensor in tensors)
+
+
+def _encode(sig: Signature) -> list[int]:
+    is_tuple, metas = sig
+    words = [int(is_tuple), len(metas)]
+    for shape, dtype in metas:
+        words += [_DTYPES.index(dtype), len(shape), *shape]
+    return words
+
+
+def _decode(words: Sequence[int], pos: int) -> tuple[Signature, int]:
+    """The signature encoded at ``words[pos:]`` and the position after it."""
+    is_tuple, count, pos, metas = bool(words[pos]), int(words[pos + 1]), pos + 2, []
+    for _ in range(count):
+        dtype, ndim = _DTYPES[int(words[pos])], int(words[pos + 1])
+        metas.append((torch.Size(int(n) for n in words[pos + 2 : pos + 2 + ndim]), dtype))
+        pos += 2 + ndim
+    return (is_tuple, tuple(metas)), pos
+
+
+def step_message(micro_batches: int, signatures: Sequence[Optional[Signature]]) -> list[int]:
+    """The words of a step message: ``[M, S, S distinct signatures, M indices into them (-1: headed)]``, at most
+    :data:`STEP_SLOTS`; ``[M, -1]`` (every micro-batch headed) when they do not fit."""
+    distinct = list(dict.fromkeys(sig for sig in signatures if sig is not None))
+    words = [micro_batches, len(distinct)] + [w for sig in distinct for w in _encode(sig)]
+    words += [distinct.index(sig) if sig is not None else -1 for sig in signatures]
+    return words if len(words) <= STEP_SLOTS else [micro_batches, -1]
+
+
+def read_step_message(message: Tensor) -> tuple[int, list[Optional[Signature]]]:
+    """M and each micro-batch's signature (``None``: headed) of a received :func:`step_message` in its
+    :data:`STEP_SLOTS` int64 slots (one host read)."""
+    words = message.numpy()
+    micro_batches, count = int(words[0]), int(words[1])
+    if count < 0:
+        return micro_batches, [None] * micro_batches
+    distinct, pos = [], 2
+    for _ in range(count):
+        sig, pos = _decode(words, pos)
+        distinct.append(sig)
+    return micro_batches, [distinct[int(i)] if i >= 0 else None for i in words[pos : pos + micro_batches]]
+
+
+class _Peer(NamedTuple):
+    """A neighbour of a link: its global rank (``None``: none), the payloads' tag and process group (``None``: the
+    default group), and the control messages' group and tag."""
+
+    rank: Optional[int]
+    tag: int
+    group: Optional[dist.ProcessGroup]
+    control: Optional[dist.ProcessGroup]
+    control_tag: int
+
+    def irecv(self, buffer: Tensor) -> dist.Work:
+        """Post the receive of the peer's next payload into ``buffer``."""
+        return dist.irecv(buffer, self.rank, group=self.group, tag=self.tag)
+
+    def isend(self, tensor: Tensor) -> dist.Work:
+        """Send ``tensor`` to the peer as its next payload."""
+        return dist.isend(tensor, self.rank, group=self.group, tag=self.tag)
+
+    def irecv_control(self, buffer: Tensor) -> dist.Work:
+        """Post the receive of the peer's next control message into the CPU tensor ``buffer``."""
+        return dist.irecv(buffer, self.rank, group=self.control, tag=self.control_tag)
+
+    def isend_control(self, tensor: Tensor) -> dist.Work:
+        """Send the CPU tensor ``tensor`` to the peer as its next control message."""
+        return dist.isend(tensor, self.rank, group=self.control, tag=self.control_tag)
+
+
+class _Send(NamedTuple):
+    """One posted send of a link: micro-batch ``index``'s ``tensors`` (``None``: a control message) and their works
+    (on gloo one :class:`~lightning_gpipe.faults.waiting.Watched` for all of them)."""
+
+    index: Optional[int]
+    works: list
+    tensors: list[Tensor]
+
+
+class _Arrival:
+    """One activation on its way from the previous stage: its payload's receives into buffers of its signature,
+    posted at once when the step message gave it, or once its header has arrived when it is headed."""
+
+    def __init__(self, link: "Link", sig: Optional[Signature]) -> None:
+        self._link, self.sig = link, sig
+        self._header: Optional[tuple[Tensor, dist.Work]] = None
+        self.works: list[dist.Work] = []
+        self.buffers: list[Tensor] = []
+        if sig is None:
+            header = torch.empty(HEADER_SLOTS, dtype=torch.int64)
+            self._header = (header, link._prev.irecv_control(header))
+        else:
+            self._post()
+
+    def _post(self) -> None:
+        link = self._link
+        with link._device.receiving():
+            self.buffers = [link._device.empty(shape, dtype) for shape, dtype in self.sig[1]]
+        self.works = [link._prev.irecv(_wire(buffer)) for buffer in self.buffers]
+
+    def take(self) -> Value:
+        """Wait for the activation (its header first, if headed) and return it, as sent."""
+        link = self._link
+        if self._header is not None:
+            header, work = self._header
+            link._wait([work], link._prev.rank)
+            self.sig, _ = _decode(header.numpy(), 0)  # arrived: a host read of a CPU tensor
+            self._header = None
+            self._post()
+            link._take(self.works, self.buffers, link._prev.rank, in_flight=True)  # sent with its header
+        else:
+            link._take(self.works, self.buffers, link._prev.rank)
+        tensors = self.buffers
+        return tuple(tensors) if self.sig[0] else tensors[0]
+
+
+class _Device:
+    """Where a link's tensors live: on CUDA, received tensors are allocated and received on a stream of their own,
+    and a taken one is handed to the compute stream (it waits for the transfer, the host does not)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def receiving(self) -> Any:
+        """The context in which receive buffers are allocated and receives posted."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else _NO_CONTEXT
+
+    def empty(self, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        """A receive buffer."""
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def hand_over(self, buffers: list[Tensor]) -> None:
+        """Let the compute stream use ``buffers`` (received on the receive stream), as the caching allocator needs."""
+        if self.stream is not None:
+            current = torch.cuda.current_stream(self.device)
+            for buffer in buffers:
+                buffer.record_stream(current)
+
+
+class _NoContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info: Any) -> None:
+        return None
+
+
+_NO_CONTEXT = _NoContext()
+
+
 class Link:
-    """The connections of one stage to the stage before and the stage after it.
+    """The connections of one virtual stage to the one before and the one after it.
 
     Args:
-        prev_rank: global rank of the previous stage, ``None`` on the first stage.
-        next_rank: global rank of the next stage, ``None`` on the last stage.
-        device: device of this stage; headers and received tensors are put there.
+        prev_rank: global rank of the previous virtual stage, ``None`` on the first.
+        next_rank: global rank of the next virtual stage, ``None`` on the last.
+        device: the stage's device; received tensors are put there.
         events: where sends and waits are recorded as spans; a new (disabled) recorder by default.
-        tag: the point-to-point tag of every message, so that two links between the same pair of ranks (a
+        tag: the point-to-point tag of every payload, so that two links between the same pair of ranks (a
             stage's neighbour link and a skip connection's, :mod:`lightning_gpipe.engine.skip.links`, or two model
-            model chunks' links under virtual stages) do not mix; 0 by default. A pair ``(previous, next)`` gives the
-            messages with each neighbour their own tag (under virtual stages, the two neighbours may be one
-            rank). NCCL ignores tags: there two such links need process groups of their own (``groups``).
-        job: the run's :class:`~lightning_gpipe.faults.job.Job`, whose waits the link's waits are (failure board, stall
-            watchdog, names of the neighbours).
-        groups: the process groups of the messages with the previous and the next stage
+            chunks' links under virtual stages) do not mix; 0 by default. A pair ``(previous, next)`` gives the
+            messages with each neighbour their own tag (under virtual stages, the two neighbours may be one rank).
+            Control messages use the tag plus :data:`CONTROL_TAG`. NCCL ignores tags: there two such links need
+            process groups of their own (``groups``).
+        job: the run's :class:`~lightning_gpipe.faults.job.Job`, whose waits the link's waits are (failure board,
+            stall watchdog, names of the neighbours).
+        groups: the process groups of the payloads with the previous and the next virtual stage
             (:mod:`lightning_gpipe.engine.channels`); ``None`` (default): the default group.
-        turns: the :class:`Turn` with the previous and the next stage where that stage is a model chunk of the same
+        turns: the :class:`Turn` with the previous and the next virtual stage where it is a model chunk of the same
             process (``None``, default: a transfer).
+        control: the CPU (gloo) process group of the control messages; ``None`` (default): the payloads' group,
+            which must then be gloo (a CPU job).
+        stepped: whether the link sends one step message per step (the neighbour links); ``False`` (a skip
+            connection's link): every activation is headed.
     """
 
     def __init__(
@@ -106,80 +279,72 @@ class Link:
         job: "Job",
         groups: tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]] = (None, None),
         turns: tuple[Optional["Turn"], Optional["Turn"]] = (None, None),
+        control: Optional[dist.ProcessGroup] = None,
+        stepped: bool = True,
     ) -> None:
-        self.device = device
+        self.device, self.job, self.stepped = device, job, stepped
         self._turns = turns
         self.events = events if events is not None else Recorder()
         prev_tag, next_tag = tag if isinstance(tag, tuple) else (tag, tag)
-        self._prev, self._next = _Peer(prev_rank, prev_tag, groups[0]), _Peer(next_rank, next_tag, groups[1])
-        self.job = job
+        self._prev = _peer(prev_rank, prev_tag, groups[0], control)
+        self._next = _peer(next_rank, next_tag, groups[1], control)
+        self._device = _Device(device)
+        self._polled = waiting.polls(device)  # NCCL: the compute stream waits, not the host; gloo: a helper thread
         self._pending_sends: list[_Send] = []  # posted, not known to have completed: their tensors kept alive
-        self._arrival: Optional[tuple[_Arrival, Optional[waiting.Watched]]] = None  # the next activation expected
+        self._headed: list[bool] = []  # this step's micro-batches whose signature goes before their payload
+        self._expected: deque[Optional[Signature]] = deque()  # the signatures of this step's activations to come
+        self._arrival: Optional[_Arrival] = None  # the next activation, its receive posted
         self._grads: list[tuple[list[dist.Work], list[Tensor]]] = []
-        self._polled = waiting.polls(device)  # how its waits end: polled on NCCL, a helper thread on gloo
 
-    def send_activation(self, value: Value, index: int, micro_batches: int) -> None:
-        """Send micro-batch ``index`` of ``micro_batches`` (a Tensor or tuple of tensors) to the next stage,
-        asynchronously.
+    # the sending side: activations to the next virtual stage, gradients to the previous one
+
+    def send_step(self, micro_batches: int, signatures: Sequence[Optional[Signature]]) -> None:
+        """Send the next virtual stage this step's step message: M and each micro-batch's activation signature
+        (``None``: headed, not known before it is computed). Before the step's first activation.
 
         Raises:
-            ValueError: if the activation's shapes do not fit in :data:`HEADER_SLOTS`, or a dtype cannot be sent.
+            PipelineFailure: if an earlier send of this link failed.
+        """
+        self._headed = [sig is None for sig in signatures]
+        if self._turns[1] is not None:
+            self._turns[1].steps.append((micro_batches, list(signatures)))
+        elif self._next.rank is not None:
+            with self.events.span("send"):
+                words = step_message(micro_batches, signatures)
+                self._headed = [True] * micro_batches if words[1] < 0 else self._headed
+                message = torch.tensor(words + [0] * (STEP_SLOTS - len(words)), dtype=torch.int64)
+                self._post_control(message, self._next)
+
+    def send_activation(self, value: Value, index: int) -> None:
+        """Send micro-batch ``index``'s output (a Tensor or tuple of tensors) to the next virtual stage,
+        asynchronously: after its signature, on the control channel, when it is headed.
+
+        Raises:
+            ValueError: if a dtype cannot be sent, or a headed signature does not fit in :data:`HEADER_SLOTS`.
             PipelineFailure: if an earlier send of this link failed.
         """
         with self.events.span("send", index):
             if self._turns[1] is not None:
-                self._turns[1].activations.append((microbatch.leaves(value, False, self.device), micro_batches))
-            else:
-                self._send_activation(value, index, micro_batches)
+                self._turns[1].activations.append(microbatch.leaves(value, False, self.device))
+                return
+            tensors = [tensor.detach() for tensor in microbatch.tensors(value)]
+            if not self.stepped or index >= len(self._headed) or self._headed[index]:
+                self._post_control(self._header(value), self._next)
+            wires = [_wire(tensor) for tensor in tensors]
+            self._post([self._next.isend(wire) for wire in wires], wires, index, self._next)
 
-    def _send_activation(self, value: Value, index: int, micro_batches: int) -> None:
-        tensors = microbatch.tensors(value)
-        header = [micro_batches, index, int(not isinstance(value, Tensor)), len(tensors)]
-        for tensor in tensors:
-            if tensor.dtype not in _DTYPES:
-                raise ValueError(f"Cannot send a {tensor.dtype} tensor between stages; use one of {_DTYPES}.")
-            header += [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
-        if len(header) > HEADER_SLOTS:
+    @staticmethod
+    def _header(value: Value) -> Tensor:
+        words = _encode(signature(value))
+        if len(words) > HEADER_SLOTS:
             raise ValueError(
-                f"An activation of {len(tensors)} tensors is too large to describe in {HEADER_SLOTS} header slots;"
-                " pass fewer tensors between layers (e.g. stack them)."
+                f"An activation of {len(words)} header words is too large to describe in {HEADER_SLOTS} slots; pass"
+                " fewer tensors between layers (e.g. stack them)."
             )
-        header += [0] * (HEADER_SLOTS - len(header))
-        wires = [_wire(tensor.detach()) for tensor in tensors]  # before the header: nothing can fail between
-        header_tensor = torch.tensor(header, dtype=torch.int64, device=self.device)
-        self._post([header_tensor, *wires], self._next, index)
-
-    def recv_activation(self) -> tuple[Value, int]:
-        """Receive the next micro-batch's input from the previous stage.
-
-        Returns:
-            ``(value, micro_batches)``: the activation (Tensor or tuple, as sent) and M.
-
-        Raises:
-            PipelineFailure: if the previous stage failed while this one waited for it.
-        """
-        if self._turns[0] is not None:
-            with self.events.span("recv"):
-                return self._turns[0].take(self._turns[0].activations)
-        start = time.perf_counter()
-        if self._arrival is None:
-            self._arrival = self._expect()
-        arrival, watched = self._arrival
-        if self._polled:  # the header read once it has arrived, so that the host read cannot block on the peer
-            self._wait([arrival.header_work], self._prev.rank)
-            arrival.post_payload()
-            self._wait(arrival.works, self._prev.rank, in_flight=True)  # sent with the header: only bytes to come
-        elif watched.is_completed():
-            waiting.wait_in_flight(self.job, [watched])
-        else:
-            self._wait([watched], self._prev.rank)
-        # the next one expected once this one's payload is posted, so that it matches the next header on any backend
-        self._arrival = self._expect() if arrival.index + 1 < arrival.micro_batches else None
-        self.events.add("recv", arrival.index, start, time.perf_counter())
-        return arrival.value(), arrival.micro_batches
+        return torch.tensor(words + [0] * (HEADER_SLOTS - len(words)), dtype=torch.int64)
 
     def send_grads(self, grads: list[Tensor], index: int) -> None:
-        """Send the gradients of micro-batch ``index``'s floating-point inputs back to the previous stage,
+        """Send the gradients of micro-batch ``index``'s floating-point inputs back to the previous virtual stage,
         asynchronously.
 
         Raises:
@@ -189,7 +354,49 @@ class Link:
             if self._turns[0] is not None:
                 self._turns[0].gradients.append([microbatch.leaves(grad, False, self.device) for grad in grads])
             else:
-                self._post([grad.contiguous() for grad in grads], self._prev, index)
+                tensors = [grad.contiguous() for grad in grads]
+                self._post([self._prev.isend(tensor) for tensor in tensors], tensors, index, self._prev)
+
+    # the receiving side: activations from the previous virtual stage, gradients from the next one
+
+    def receive_step(self) -> tuple[int, list[Optional[Signature]]]:
+        """This step's M and activation signatures from the previous virtual stage's step message (waiting for it),
+        and post the receive of the first activation.
+
+        Raises:
+            PipelineFailure: if the previous stage failed while this one waited for it.
+        """
+        if self._turns[0] is not None:
+            return Turn.take(self._turns[0].steps)
+        with self.events.span("recv"):
+            message = torch.empty(STEP_SLOTS, dtype=torch.int64)
+            self._wait([self._prev.irecv_control(message)], self._prev.rank)
+            micro_batches, signatures = read_step_message(message)
+        self._expected = deque(signatures)
+        self._arrival = self._expect()
+        return micro_batches, signatures
+
+    def recv_activation(self) -> Value:
+        """Receive the next micro-batch's activation from the previous virtual stage (Tensor or tuple, as sent), and
+        post the receive of the one after it.
+
+        Raises:
+            PipelineFailure: if the previous stage failed while this one waited for it.
+        """
+        if self._turns[0] is not None:
+            with self.events.span("recv"):
+                return self._turns[0].take(self._turns[0].activations)
+        start = time.perf_counter()
+        if not self.stepped:
+            self._expected.append(None)
+        arrival = self._arrival if self._arrival is not None else self._expect()
+        self._arrival = self._expect() if self._expected else None  # posted before this one is waited for
+        value = arrival.take()
+        self.events.add("recv", None, start, time.perf_counter())
+        return value
+
+    def _expect(self) -> Optional[_Arrival]:
+        return _Arrival(self, self._expected.popleft()) if self._expected else None
 
     def post_grads(self, metas: Sequence[Meta]) -> None:
         """Post the receive of the gradients of one micro-batch's floating-point outputs (shapes and dtypes).
@@ -198,7 +405,8 @@ class Link:
         """
         if self._turns[1] is not None:  # the gradients are taken from the turn as they are
             return
-        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in metas]
+        with self._device.receiving():
+            buffers = [self._device.empty(shape, dtype) for shape, dtype in metas]
         self._grads.append(([self._next.irecv(buffer) for buffer in buffers], buffers))
 
     def recv_grads(self, index: int) -> list[Tensor]:
@@ -212,40 +420,53 @@ class Link:
                 return self._turns[1].take(self._turns[1].gradients)
         works, buffers = self._grads.pop(0)
         with self.events.span("recv", index):
-            self._wait(works, self._next.rank)
+            self._take(works, buffers, self._next.rank)
         return buffers
+
+    # completion
 
     def flush(self, through: Optional[int] = None) -> None:
         """Wait until every pending send (of micro-batches ``0`` to ``through`` only, if given) has completed; the
-        sends of later micro-batches that have completed are dropped too.
+        sends of later micro-batches that have completed are dropped too. On NCCL, whose transfers the compute
+        stream is ordered with, the host waits for none: the sends that have completed are dropped, the others stay
+        alive until they have.
 
         Raises:
             PipelineFailure: if a neighbour failed while this one waited for it, or a send failed.
         """
         with self.events.span("send"):
             self._drop_completed()
-            done = [send for send in self._pending_sends if through is None or send.index <= through]
-            self._pending_sends = [send for send in self._pending_sends if through is not None and send.index > through]
+            done = [send for send in self._pending_sends if _through(send, through) and self._waits_for(send)]
+            self._pending_sends = [send for send in self._pending_sends if send not in done]
             self._wait([work for send in done for work in send.works], None)
 
-    def _post(self, tensors: list[Tensor], peer: "_Peer", index: int) -> None:
-        """Drop the sends that have completed, then send ``tensors`` to ``peer`` in order, as micro-batch ``index``'s
-        one pending send (kept, with its tensors, until it is known to have completed)."""
+    def _waits_for(self, send: _Send) -> bool:
+        """Whether a flush waits for ``send`` on the host: every send on gloo; on NCCL only the control messages
+        (gloo, host to host), never a payload, whose transfer the compute stream is ordered with."""
+        return not self._polled or send.index is None
+
+    def _post_control(self, message: Tensor, peer: _Peer) -> None:
+        """Send the CPU tensor ``message`` to ``peer`` on the control channel, pending until it has completed."""
+        work = self.job.waiter.watch([peer.isend_control(message)], (peer.rank, peer.control_tag))
         self._drop_completed()
-        if not tensors:
+        self._pending_sends.append(_Send(None, [work], [message]))
+
+    def _post(self, works: list[dist.Work], tensors: list[Tensor], index: int, peer: _Peer) -> None:
+        """Drop the sends that have completed, then keep ``works`` (payload sends of ``tensors`` to ``peer``) as one
+        pending send until it has."""
+        self._drop_completed()
+        if not works:
             return
-        works = [dist.isend(tensor, peer.rank, group=peer.group, tag=peer.tag) for tensor in tensors]
         if not self._polled:  # gloo: is_completed() stays False until wait(), which only one call may make
             works = [self.job.waiter.watch(works, (peer.rank, peer.tag))]
         self._pending_sends.append(_Send(index, works, tensors))
 
     def _drop_completed(self) -> None:
-        """Drop the pending sends whose works have all completed, and with them the last references to their tensors.
-
-        A tensor is dropped only once its send has completed: until then the transport may still read its memory
-        (gloo from its own thread; NCCL on its stream, where the caching allocator could hand the block to the next
-        tensor of the compute stream). Each completed work is waited for before it is dropped (``wait()`` returns at
-        once), so that a failed send raises here, as at a flush.
+        """Drop the pending sends whose works have all completed, and with them the last references to their
+        tensors. A tensor is dropped only once its send has completed: until then the transport may still read
+        its memory (gloo from its own thread; NCCL on its stream, where the caching allocator could hand the
+        block to the next tensor of the compute stream). Each completed work is waited for before it is dropped
+        (``wait()`` returns at once), so that a failed send raises here, as at a flush.
 
         Raises:
             PipelineFailure: if one of those sends failed.
@@ -257,80 +478,46 @@ class Link:
         if completed:  # on the per-micro-batch path: no failure scope to enter for nothing
             waiting.wait_in_flight(self.job, [work for send in completed for work in send.works])
 
-    def _wait(self, works: list[dist.Work], peer: Optional[int], in_flight: bool = False) -> None:
-        """Wait for ``works`` of transfers with global rank ``peer`` (``None``: both neighbours), interruptibly.
-
-        ``in_flight``: receives whose sender has already issued them (see
-        :func:`lightning_gpipe.faults.waiting.wait_in_flight`); on NCCL they are polled like any other, since a sender
-        that died does not end an NCCL receive.
-        """
-        job = self.job
+    def _take(
+        self, works: list[dist.Work], buffers: list[Tensor], peer: Optional[int], in_flight: bool = False
+    ) -> None:
+        """Wait for payloads received from global rank ``peer``: on NCCL the compute stream waits for them
+        (``Work.wait``), the host does not; on gloo the host waits, interruptibly (``in_flight``: sent together
+        with a message already here)."""
         if self._polled:
-            waiting.poll(job, works, job.watchdog.name_of(peer))
+            with self.job.board.as_pipeline_failure(detail=self.job.watchdog.last_positions):
+                for work in works:
+                    work.wait()  # NCCL: orders the compute stream after the transfer; the host goes on
+            self._device.hand_over(buffers)
         elif in_flight:
-            waiting.wait_in_flight(job, works)
+            waiting.wait_in_flight(self.job, works)
         else:
-            waiting.wait(job, works, job.watchdog.name_of(peer))
+            self._wait(works, peer)
 
-    def _expect(self) -> tuple["_Arrival", Optional["waiting.Watched"]]:
-        """Post the receive of the next activation's header; on gloo, have a helper thread of the run wait for it,
-        post the payload's receives as soon as it is there and wait for them, while this stage computes
-        (:meth:`Waiter.watch <lightning_gpipe.faults.waiting.Waiter.watch>`): the payload then moves before the stage
-        asks for it, where it would otherwise move only once the stage had read the header. On NCCL the stage reads
-        the header itself once it has arrived (polled; an NCCL communicator is not for two threads at once)."""
-        arrival = _Arrival(self._prev, self.device)
-        if self._polled:
-            return arrival, None
-        return arrival, self.job.waiter.watch([arrival], ("recv", self._prev.rank, self._prev.tag))
+    def _wait(self, works: list[dist.Work], peer: Optional[int]) -> None:
+        """Wait on the host for ``works`` of control messages or gloo transfers with global rank ``peer``
+        (``None``: both neighbours), interruptibly (:func:`~lightning_gpipe.faults.waiting.wait`)."""
+        waiting.wait(self.job, works, self.job.watchdog.name_of(peer))
 
 
-class _Arrival:
-    """One activation on its way from the previous stage: its header's receive, posted when made, then its payload's
-    into buffers of the shapes the header gives (see the module docstring for the wire format)."""
+def _peer(rank: Optional[int], tag: int, group: Optional[dist.ProcessGroup], control: Optional[dist.ProcessGroup]):
+    """A neighbour, its control messages on ``control`` (``None``: ``group``) on a tag of their own."""
+    return _Peer(rank, tag, group, control if control is not None else group, tag + CONTROL_TAG)
 
-    def __init__(self, peer: "_Peer", device: torch.device) -> None:
-        self._peer, self._device = peer, device
-        self._header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=device)
-        self.header_work = peer.irecv(self._header)
-        self.micro_batches = self.index = 0
-        self._tuple = False
-        self._buffers: list[tuple[Tensor, torch.dtype]] = []
-        self.works: list[dist.Work] = []  # the payload's receives, once posted
 
-    def wait(self) -> bool:
-        """Wait for the header, post the payload's receives, wait for them (on gloo: a helper thread's call)."""
-        self.header_work.wait()
-        self.post_payload()
-        for work in self.works:
-            work.wait()
-        return True
-
-    def post_payload(self) -> None:
-        """Read the header (it has arrived) and post the payload's receives into buffers of the shapes it gives."""
-        header = self._header.tolist()
-        self.micro_batches, self.index, is_tuple, n = header[:4]
-        self._tuple, pos = bool(is_tuple), 4
-        for _ in range(n):
-            dtype, ndim = _DTYPES[header[pos]], header[pos + 1]
-            shape = header[pos + 2 : pos + 2 + ndim]
-            pos += 2 + ndim
-            wire_dtype = torch.uint8 if dtype is torch.bool else dtype
-            self._buffers.append((torch.empty(shape, dtype=wire_dtype, device=self._device), dtype))
-        self.works = [self._peer.irecv(buffer) for buffer, _ in self._buffers]
-
-    def value(self) -> Value:
-        """The activation received, a Tensor or a tuple as sent."""
-        tensors = [buffer.view(dtype) for buffer, dtype in self._buffers]
-        return tuple(tensors) if self._tuple else tensors[0]
+def _through(send: _Send, through: Optional[int]) -> bool:
+    return through is None or send.index is None or send.index <= through
 
 
 class Turn:
-    """The link between two neighbouring model chunks of one process (where a V turns): the activations one sends
-    and the gradients the other sends back, each taken in the order sent. Each is a copy, as a transfer would
-    deliver, so that the receiver can never change what the sender keeps for its backward."""
+    """The link between two neighbouring model chunks of one process (where a V turns): the step messages and
+    activations one sends and the gradients the other sends back, each taken in the order sent. Each tensor is a
+    copy, as a transfer would deliver, so that the receiver can never change what the sender keeps for its
+    backward."""
 
     def __init__(self) -> None:
-        self.activations: deque[tuple[Value, int]] = deque()  # (activation, micro_batches)
+        self.steps: deque[tuple[int, list[Optional[Signature]]]] = deque()
+        self.activations: deque[Value] = deque()
         self.gradients: deque[list[Tensor]] = deque()
 
     @staticmethod
@@ -339,33 +526,11 @@ class Turn:
 
         Raises:
             RuntimeError: if nothing was sent yet (a plan that receives before it sends; :func:`~lightning_gpipe.
-                schedule.check` refuses such plans before step 1).
+                engine.schedule.check` refuses such plans before step 1).
         """
         if not queue:
             raise RuntimeError("A model chunk took from the turn of its V before the other model chunk sent to it.")
         return queue.popleft()
-
-
-class _Peer(NamedTuple):
-    """A neighbour of a link: its global rank (``None``: none), the messages' tag and process group (``None``: the
-    default group)."""
-
-    rank: Optional[int]
-    tag: int
-    group: Optional[dist.ProcessGroup]
-
-    def irecv(self, buffer: Tensor) -> dist.Work:
-        """Post the receive of the peer's next message into ``buffer``."""
-        return dist.irecv(buffer, self.rank, group=self.group, tag=self.tag)
-
-
-class _Send(NamedTuple):
-    """One posted send of a link: micro-batch ``index``'s ``tensors`` and their works (on gloo one
-    :class:`~lightning_gpipe.faults.waiting.Watched` for all of them)."""
-
-    index: int
-    works: list
-    tensors: list[Tensor]
 
 
 def _wire(tensor: Tensor) -> Tensor:

@@ -62,6 +62,8 @@ class StageBuilder:
         rank: this process's global rank.
         device: the stage's device.
         job: the run's :class:`~lightning_gpipe.faults.job.Job` (the links' waits, the ties' collectives).
+        control: the CPU (gloo) process group of the links' control messages on a job whose links are not gloo
+            (NCCL); ``None`` (default): the links' own groups.
     """
 
     def __init__(
@@ -73,9 +75,10 @@ class StageBuilder:
         rank: int,
         device: torch.device,
         job: Job,
+        control: Optional[dist.ProcessGroup] = None,
     ) -> None:
         self.module, self.name, self.config, self.topology = module, name, config, topology
-        self.rank, self.device, self.job = rank, device, job
+        self.rank, self.device, self.job, self.control = rank, device, job, control
         self.stage, self.replica = topology.stage_of(rank), topology.replica_of(rank)
         self.held = topology.virtual_of(self.stage)  # this process's virtual stages, in model chunk order
 
@@ -138,6 +141,7 @@ class StageBuilder:
             job=self.job,
             groups=(self._group(virtual - 1, virtual), self._group(virtual, virtual + 1)),
             turns=(self.turns.get(("link", virtual - 1, virtual)), self.turns.get(("link", virtual, virtual + 1))),
+            control=self.control,
         )
         outgoing, incoming = self.skips.outgoing(virtual), self.skips.incoming(virtual)
         peers: dict[str, dict] = {"outgoing": {}, "incoming": {}}
@@ -150,7 +154,9 @@ class StageBuilder:
                 groups[peer] = self._group(src, dst)
                 if ("skip", src, dst) in self.turns:
                     turns[peer] = self.turns[("skip", src, dst)]
-        return link, SkipLinks(**peers, device=self.device, events=events, job=self.job, groups=groups, turns=turns)
+        skip_links = SkipLinks(**peers, device=self.device, events=events, job=self.job, groups=groups, turns=turns,
+                               control=self.control)  # fmt: skip
+        return link, skip_links
 
     def _group(self, src: int, dst: int) -> Optional[dist.ProcessGroup]:
         """The process group of the link from virtual stage ``src`` to ``dst`` (``None``: the default group)."""

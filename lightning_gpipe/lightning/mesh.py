@@ -69,6 +69,7 @@ class MeshStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._pipeline_group: Optional[dist.ProcessGroup] = None  # the stages of this process's replica
         self._data_parallel_group: Optional[dist.ProcessGroup] = None  # the replicas of this process's stage
+        self._control_group: Optional[dist.ProcessGroup] = None  # gloo beside a device backend (NCCL); None: gloo
         self._randomness = StageRandomness()  # one stream until setup_environment seeds the stage's own
         self._agreement: Optional[StepAgreement] = None
         self._signals: Optional[StopSignals] = None
@@ -174,6 +175,7 @@ class MeshStrategy(ParallelStrategy):
         backend = self.config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         _init_dist_connection(environment, backend, timeout=self.config.timeout)
         self._pipeline_group, self._data_parallel_group = groups(topology.mesh(self.root_device.type))
+        self._control_group = None if backend == "gloo" else dist.new_group(backend="gloo")  # host-read messages
         names = {rank: topology.name(rank) for rank in range(topology.world_size)}
         store = dist.distributed_c10d._get_default_store()
         self._job.close()

@@ -182,7 +182,8 @@ class GPipeStrategy(MeshStrategy):
         if self.config.plan == "auto":
             self.config = planned_config(self, self._requested, module, name)
         relay = LogRelay(self, self._last_stage_rank, self.pipeline_group, self._job)
-        builder = StageBuilder(module, name, self.config, self.topology, self.global_rank, self.root_device, self._job)
+        options = (self.config, self.topology, self.global_rank, self.root_device, self._job, self._control_group)
+        builder = StageBuilder(module, name, *options)
         costs = shared_layer_costs(self, module, name)
         run = self._run = build_stage(builder, costs, self._randomness, self._share_from_last_stage, relay)
         run.start(module, self.root_device)

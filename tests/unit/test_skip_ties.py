@@ -154,7 +154,7 @@ def test_virtual_stages_split_into_chunks_and_refuse_a_skip_within_one_stage():
     _, stashing = builder._links(0, TrackingRecorder(job.position))
     _, popping = builder._links(2, TrackingRecorder(job.position))
     stashed = {key: _torch.ones(3, FEATURES) for key in layout.outgoing(0)[2]}
-    stashing.send(stashed, 0, 1)
+    stashing.send(stashed, 0)
     received = popping.receive(training=True)
     assert received.keys() == stashed.keys() and all(t.requires_grad for t in received.values())
     assert all(received[key] is not stashed[key] for key in stashed)  # a copy, as a transfer delivers

@@ -23,7 +23,7 @@ from lightning_gpipe import PipelineFailure
 
 from lightning_gpipe.faults import collectives, waiting
 from lightning_gpipe.faults.job import Job
-from lightning_gpipe.engine.transfer import Link, Turn
+from lightning_gpipe.engine.transfer import CONTROL_TAG, Link, Turn, signature
 
 
 class NcclLikeWork:
@@ -88,22 +88,32 @@ class GlooLikeWork:
 
 class FakeTransport:
     """Stands for ``dist.isend``/``dist.irecv`` between two links in this process: a receive gets the oldest message
-    sent, through a work of ``kind`` that puts it in the receive buffer when it completes."""
+    sent on its tag, through a work of ``kind`` that puts it in the receive buffer when it completes; a control
+    message (a tag from :data:`~lightning_gpipe.engine.transfer.CONTROL_TAG` on) travels as on gloo, whatever
+    ``kind`` the payloads' works are."""
 
     def __init__(self, kind: Callable[..., object]) -> None:
         self.kind = kind
-        self.messages: list[torch.Tensor] = []
+        self.messages: dict[int, list[torch.Tensor]] = {}
         self.works: list = []
+        self.receives: list = []  # the payloads' receive works
+        self.control: list = []
 
     def isend(self, tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
-        self.messages.append(tensor.clone())
-        return self._work(lambda: None)
+        self.messages.setdefault(tag, []).append(tensor.clone())
+        return self._work(lambda: None, tag)
 
     def irecv(self, tensor: torch.Tensor, src: int, group=None, tag: int = 0):
-        message = self.messages.pop(0)
-        return self._work(lambda: tensor.copy_(message))
+        message = self.messages[tag].pop(0)
+        work = self._work(lambda: tensor.copy_(message), tag)
+        if tag < CONTROL_TAG:
+            self.receives.append(work)
+        return work
 
-    def _work(self, deliver: Callable[[], object]):
+    def _work(self, deliver: Callable[[], object], tag: int):
+        if tag >= CONTROL_TAG:
+            self.control.append(GlooLikeWork(deliver))
+            return self.control[-1]
         work = self.kind(deliver)
         self.works.append(work)
         return work
@@ -111,6 +121,16 @@ class FakeTransport:
 
 def _nccl_like(polls: int) -> Callable[..., NcclLikeWork]:
     return lambda deliver: NcclLikeWork(polls=polls, deliver=deliver)
+
+
+class StreamOrderedWork(NcclLikeWork):
+    """An :class:`NcclLikeWork` whose ``wait()`` stands for the compute stream waiting for the transfer: what the
+    stream runs after it sees the bytes (here: they are delivered by the wait), whatever the host knows."""
+
+    def wait(self) -> bool:
+        if not self.done.is_set():
+            self.complete()
+        return super().wait()
 
 
 @pytest.fixture
@@ -215,36 +235,54 @@ def test_a_gloo_like_wait_goes_through_the_helper_thread(job):
     assert work.done.is_set()
 
 
-def _send_and_receive(monkeypatch, transport: FakeTransport, polled: bool):
-    """An activation sent by one link and received by another through ``transport``, the links' waits polled or
-    not; returns what was sent and what was received."""
+def _send_and_receive(monkeypatch, transport: FakeTransport, polled: bool, predicted: bool):
+    """Two steps of two micro-batches sent by one link and received by another through ``transport``, the links'
+    payload waits polled or not, each step's signatures in its step message (``predicted``) or headed; returns what
+    was sent and what was received: per step, M and the activations."""
     monkeypatch.setattr(waiting, "polls", lambda device, group=None: polled)
     monkeypatch.setattr(dist, "isend", transport.isend)
     monkeypatch.setattr(dist, "irecv", transport.irecv)
-    value = (torch.randn(3, 4), torch.tensor([True, False, True]))
     job = Job()
     sender, receiver = Link(None, 1, torch.device("cpu"), job=job), Link(0, None, torch.device("cpu"), job=job)
-    sender.send_activation(value, 0, 1)
-    sender.flush()
-    return value, receiver.recv_activation()
+    sent, received = [], []
+    for rows in (3, 5):  # the second step's shapes differ from the first's
+        values = [(torch.randn(rows, 4), torch.rand(rows) > 0.5), (torch.randn(rows, 4), torch.rand(rows) > 0.5)]
+        sender.send_step(2, [signature(value) if predicted else None for value in values])
+        for index, value in enumerate(values):
+            sender.send_activation(value, index)
+        sender.flush()
+        count, _ = receiver.receive_step()
+        sent.append(values)
+        received.append((count, [receiver.recv_activation() for _ in range(count)]))
+    return sent, received
 
 
-def test_a_polled_link_reads_the_header_only_once_it_has_arrived(monkeypatch):
-    transport = FakeTransport(_nccl_like(polls=3))
-    value, (received, count) = _send_and_receive(monkeypatch, transport, polled=True)
-    assert count == 1 and isinstance(received, tuple)
-    for sent, got in zip(value, received):
-        torch.testing.assert_close(got, sent, rtol=0, atol=0)
-    assert len(transport.works) == 6  # 3 sends, the header and 2 payload receives
-    assert all(work.waits == 1 and work.early_waits == 0 for work in transport.works)
+@pytest.mark.parametrize("predicted", [True, False])
+def test_an_nccl_like_link_takes_payloads_without_waiting_for_them_on_the_host(monkeypatch, predicted):
+    transport = FakeTransport(lambda deliver: StreamOrderedWork(deliver=deliver))
+    sent, received = _send_and_receive(monkeypatch, transport, polled=True, predicted=predicted)
+    for values, (count, got) in zip(sent, received):
+        assert count == 2
+        for value, activation in zip(values, got):
+            assert isinstance(activation, tuple) and activation[1].dtype is torch.bool
+            for a, b in zip(value, activation):
+                torch.testing.assert_close(b, a, rtol=0, atol=0)
+    # per step: a step message, and per headed micro-batch its header, on the control channel (gloo, host-read)
+    assert len(transport.control) == 2 * (2 + (0 if predicted else 4))
+    assert all(work.done.is_set() for work in transport.control)
+    receives = transport.receives  # 2 steps of 2 micro-batches of 2 tensors: waited for once, never looked at
+    assert len(receives) == 8 and all(work.waits == 1 and not work.looked.is_set() for work in receives)
 
 
-def test_a_cpu_link_waits_as_on_gloo_without_polling(monkeypatch):
+@pytest.mark.parametrize("predicted", [True, False])
+def test_a_cpu_link_waits_as_on_gloo_without_polling(monkeypatch, predicted):
     transport = FakeTransport(lambda deliver: GlooLikeWork(deliver))
-    value, (received, count) = _send_and_receive(monkeypatch, transport, polled=False)
-    assert count == 1
-    for sent, got in zip(value, received):
-        torch.testing.assert_close(got, sent, rtol=0, atol=0)
+    sent, received = _send_and_receive(monkeypatch, transport, polled=False, predicted=predicted)
+    for values, (count, got) in zip(sent, received):
+        assert count == 2
+        for value, activation in zip(values, got):
+            for a, b in zip(value, activation):
+                torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
 def test_a_polled_collective_reads_the_received_size_only_once_it_has_arrived(monkeypatch):
@@ -314,7 +352,8 @@ class GlooLikeSend(GlooLikeWork):
 
 class SendLog:
     """Stands for ``dist.isend`` on a link of ``backend`` (``"nccl"``: polled, ``"gloo"``: watched by a helper thread
-    of the job), whose sends complete only when told to; keeps only a :class:`Sent` of each."""
+    of the job), whose payload sends complete only when told to; keeps only a :class:`Sent` of each. The step's
+    step message (its control message, on gloo) announces every activation's shapes, so none is headed."""
 
     def __init__(self, monkeypatch, job: Job, backend: str) -> None:
         self.job, self.backend = job, backend
@@ -322,16 +361,19 @@ class SendLog:
         monkeypatch.setattr(waiting, "polls", lambda device, group=None: backend == "nccl")
         monkeypatch.setattr(dist, "isend", self.isend)
         self.link = Link(None, 1, torch.device("cpu"), job=job)
+        self.link.send_step(3, [signature(torch.zeros(3, 4))] * 3)
 
     def isend(self, tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
+        if tag >= CONTROL_TAG:
+            return GlooLikeWork()  # the step message, received at once
         work = NcclLikeSend(tensor) if self.backend == "nccl" else GlooLikeSend(tensor)
         self.sent.append(work.sent)
         return work
 
     def send(self, index: int) -> list[Sent]:
-        """Send micro-batch ``index``'s activation (a header and one tensor); its two sends."""
-        self.link.send_activation(torch.randn(3, 4), index, 3)
-        return self.sent[-2:]
+        """Send micro-batch ``index``'s activation (one tensor); its send."""
+        self.link.send_activation(torch.randn(3, 4), index)
+        return self.sent[-1:]
 
     def complete(self, sends: list[Sent], error: Optional[Exception] = None) -> None:
         """Complete ``sends`` (with ``error``: as failed), and let the link's helper thread see it (gloo)."""
@@ -351,7 +393,7 @@ def test_a_link_drops_its_completed_sends_when_it_posts_the_next_one(monkeypatch
     second = log.send(1)
     assert not any(sent.alive() for sent in first)  # neither the link, nor a helper thread, nor the work keeps them
     assert all(sent.alive() for sent in second)  # not completed: kept alive for the transport
-    assert [(sent.waits, sent.early_waits) for sent in first] == [(1, 0), (1, 0)]  # waited for once, when completed
+    assert [(sent.waits, sent.early_waits) for sent in first] == [(1, 0)]  # waited for once, when completed
     log.complete(second)
     log.link.flush()
     assert not any(sent.alive() for sent in second)
@@ -366,15 +408,28 @@ def test_a_failed_send_that_completed_raises_at_the_next_send(monkeypatch, job, 
 
 
 def test_a_flush_through_a_micro_batch_waits_for_its_sends_only_and_drops_later_completed_ones(monkeypatch, job):
-    log = SendLog(monkeypatch, job, "nccl")
+    log = SendLog(monkeypatch, job, "gloo")
     first, second = log.send(0), log.send(1)
-    for sent in first:  # completes while the flush polls it
-        sent.work().left = 2
     third = log.send(2)
     log.complete(third)
-    log.link.flush(through=0)
-    assert [sent.alive() for sent in first + second + third] == [False, False, True, True, False, False]
-    assert [sent.waits for sent in first + second + third] == [1, 1, 0, 0, 1, 1]
+    threading.Thread(target=lambda: first[0].work().entered.wait() and log.complete(first), daemon=True).start()
+    log.link.flush(through=0)  # waits for the first send, which completes while it waits
+    assert [sent.alive() for sent in first + second + third] == [False, True, False]
+    assert [sent.waits for sent in first + second + third] == [1, 0, 1]
+
+
+def test_an_nccl_like_flush_waits_for_no_payload_and_drops_those_that_completed(monkeypatch, job):
+    """On NCCL the compute stream is ordered after the transfers: a flush keeps the sends that have not completed
+    alive, without the host waiting for the device, and drops those that have."""
+    log = SendLog(monkeypatch, job, "nccl")
+    first, second = log.send(0), log.send(1)
+    log.complete(second)
+    log.link.flush()
+    assert [sent.alive() for sent in first + second] == [True, False]
+    assert [(sent.waits, sent.early_waits) for sent in first + second] == [(0, 0), (1, 0)]
+    log.complete(first)
+    log.link.flush()
+    assert not first[0].alive()
 
 
 def test_a_turn_hands_copies_between_two_chunks_of_one_process_in_order(monkeypatch):
@@ -386,13 +441,15 @@ def test_a_turn_hands_copies_between_two_chunks_of_one_process_in_order(monkeypa
     sender = Link(None, 0, torch.device("cpu"), job=job, turns=(None, turn))
     receiver = Link(0, None, torch.device("cpu"), job=job, turns=(turn, None))
     with pytest.raises(RuntimeError, match="took from the turn of its V before the other model chunk sent to it"):
-        receiver.recv_activation()
+        receiver.receive_step()
     outputs = [torch.randn(2, 3), (torch.randn(2, 3), torch.ones(2, dtype=torch.bool))]
+    sender.send_step(2, [None, None])
     for index, output in enumerate(outputs):
-        sender.send_activation(output, index, 2)
-    first, count = receiver.recv_activation()
+        sender.send_activation(output, index)
+    count, _ = receiver.receive_step()
+    first = receiver.recv_activation()
     assert count == 2 and torch.equal(first, outputs[0]) and first.data_ptr() != outputs[0].data_ptr()
-    second, _ = receiver.recv_activation()
+    second = receiver.recv_activation()
     assert isinstance(second, tuple) and all(torch.equal(a, b) for a, b in zip(second, outputs[1]))
     sender.post_grads([(torch.Size([2, 3]), torch.float32)])
     gradient = torch.randn(2, 3)

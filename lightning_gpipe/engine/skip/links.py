@@ -3,12 +3,12 @@
 One :class:`~lightning_gpipe.engine.transfer.Link` per pair of stages a skip crosses, on its own tag
 (:meth:`Topology.skip_tag <lightning_gpipe.engine.topology.Topology.skip_tag>`) and process group
 (:mod:`lightning_gpipe.engine.channels`) so that it never mixes with the neighbour link's messages. Per micro-batch,
-the stashing stage sends a tuple of that pair's skip tensors (with the link's shape header) as soon as the
+the stashing stage sends a tuple of that pair's skip tensors (each headed by its signature: a skip link sends no
+step message) as soon as the
 micro-batch's forward has run; the popping stage receives it before running the micro-batch and, after the micro-batch's
 backward, sends back the gradients of the floating-point ones, which the stashing stage backpropagates with
-its output's. The stages in between take no part. Receives are posted ahead as on the neighbour link: the next
-micro-batch's header while the current one computes, a gradient's receive as the schedule posts its output
-gradient's.
+its output's. The stages in between take no part. A gradient's receive is posted ahead, as the schedule posts its
+output gradient's.
 
 A stashing stage does not wait for its skip sends in the middle of a step: under 1F1B the popping stage may
 be several micro-batches behind. It waits for those of micro-batch ``j`` once ``j``'s gradient is back
@@ -46,6 +46,8 @@ class SkipLinks:
         turns: ``(global rank, tag)`` of a peer that is another model chunk of this process -> the
             :class:`~lightning_gpipe.engine.transfer.Turn` both model chunks share, which that link goes through
             (default: none).
+        control: the CPU (gloo) process group of the links' control messages (see
+            :class:`~lightning_gpipe.engine.transfer.Link`); ``None`` (default): each link's own group.
     """
 
     def __init__(
@@ -57,16 +59,25 @@ class SkipLinks:
         job: "Job",
         groups: Optional[dict[tuple[int, int], Optional[dist.ProcessGroup]]] = None,
         turns: Optional[dict[tuple[int, int], Turn]] = None,
+        control: Optional[dist.ProcessGroup] = None,
     ) -> None:
         out, into, groups, turns = sorted(outgoing.items()), sorted(incoming.items()), groups or {}, turns or {}
 
         def link(prev_rank: Optional[int], next_rank: Optional[int], peer: tuple[int, int]) -> Link:
             group, turn = groups.get(peer), turns.get(peer)
             sides = (turn, None) if prev_rank is not None else (None, turn)
-            return Link(prev_rank, next_rank, device, events, tag=peer[1], job=job, groups=(group, group), turns=sides)
+            return Link(
+                prev_rank, next_rank, device, events, tag=peer[1], job=job, groups=(group, group), turns=sides,
+                control=control, stepped=False,
+            )  # fmt: skip
 
         self._out = [(keys, link(None, peer[0], peer)) for peer, keys in out]
         self._in = [(keys, link(peer[0], None, peer)) for peer, keys in into]
+
+    @property
+    def pops(self) -> bool:
+        """Whether the stage pops skip tensors from earlier stages (they arrive with each micro-batch)."""
+        return bool(self._in)
 
     def receive(self, training: bool) -> dict[Any, Tensor]:
         """The skip tensors of the next micro-batch from every earlier stage, by key (new leaves in training).
@@ -76,15 +87,14 @@ class SkipLinks:
         """
         received: dict[Any, Tensor] = {}
         for keys, link in self._in:
-            value, _ = link.recv_activation()
+            value = link.recv_activation()
             received.update(zip(keys, microbatch.leaves(value) if training else value))
         return received
 
-    def send(self, stashed: dict[Any, Tensor], index: int, micro_batches: int) -> None:
-        """Send micro-batch ``index`` (of ``micro_batches``)'s stashed tensors to the stages that pop them,
-        asynchronously."""
+    def send(self, stashed: dict[Any, Tensor], index: int) -> None:
+        """Send micro-batch ``index``'s stashed tensors to the stages that pop them, asynchronously."""
         for keys, link in self._out:
-            link.send_activation(tuple(stashed[key] for key in keys), index, micro_batches)
+            link.send_activation(tuple(stashed[key] for key in keys), index)
 
     def outputs(self, stashed: dict[Any, Tensor]) -> list[Tensor]:
         """The floating-point tensors sent from ``stashed``, in the order their gradients come back."""
