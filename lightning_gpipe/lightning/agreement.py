@@ -1,23 +1,28 @@
-"""The stages' agreement before each step: did they read the same batch, and does any of them ask to stop?
+"""The stages' agreement in each step: did they read the same batch, and does any of them ask to stop?
 
 The stages of a pipeline each read the batch from their own data loader: the first feeds its rows to the
 backbone, the last pairs the backbone's output with its labels. If the loaders diverge (a sampler drawing from
 each process's own random generator, random augmentation on the data path, a non-deterministic loader), the
-model trains on inputs paired with other rows' labels, and nothing fails. So before each step the processes
-all-reduce one small tensor: a fingerprint of each replica's batch (:func:`fingerprint`) and the stop requests
-(a SIGTERM, SLURM's requeue signal) that must take effect on every process at the same step. A fingerprint that
-differs between the stages of a pipeline stops the job on every process with :class:`BatchMismatchError`,
+model trains on inputs paired with other rows' labels, and nothing fails. So in each step the processes
+all-reduce one small CPU tensor: a fingerprint of each replica's batch (:func:`fingerprint`, computed from the batch
+on the host before it is moved to the device, with tensor operations: no value is read on the host) and the stop
+requests (a SIGTERM, SLURM's requeue signal) that must take effect on every process at the same step. A fingerprint
+that differs between the stages of a pipeline stops the job on every process with :class:`BatchMismatchError`,
 naming the batch.
 
 The tensor holds, for each data-parallel replica, the maximum of its stages' fingerprints and the maximum of
-their negations (equal stages: ``max == -max(-x)``), and for each request the maximum of the processes' flags;
-slots of other replicas hold the reduction's neutral element. One all-reduce of ``2 + 2 * replicas`` int64
-numbers, posted where Lightning's loop already synchronises the processes at the start of every batch.
+their negations (equal stages: ``max == -max(-x)``), for each request the maximum of the processes' flags, and in
+training a region of :data:`REGION_WORDS` words per replica that its last stage fills (the logging relay's
+description of the step, :class:`~lightning_gpipe.lightning.relay.StepRelay`); slots of other replicas and
+processes hold the reduction's neutral element. It is reduced on the run's CPU (gloo) group, and read on the host
+once: in training at the end of ``backward``, before the optimizer step, so a mismatch still stops every stage
+before the weights change; in evaluation before the step.
 """
 
+import functools
 import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,10 +34,16 @@ from lightning_gpipe.faults import collectives
 if TYPE_CHECKING:
     from lightning_gpipe.faults.job import Job
 
-_NEUTRAL = torch.iinfo(torch.int64).min
+NEUTRAL = torch.iinfo(torch.int64).min
+"""The maximum's neutral element: what a process puts in the slots it does not own."""
+
+REGION_WORDS = 8192
+"""int64 words of each replica's relay region in a training step's all-reduce (64 KiB)."""
+
 _COLUMNS = 16
 """Values of each row of a tensor that go into a fingerprint, evenly spaced over the row."""
 
+_MASK = (1 << 62) - 1
 _PLAIN = (str, bytes, int, float, bool, type(None))
 
 
@@ -40,79 +51,120 @@ class BatchMismatchError(RuntimeError):
     """Raised on every process when the stages of a pipeline read different batches at the same step."""
 
 
-def fingerprint(batch: Any) -> int:
-    """A 63-bit digest of ``batch`` that any difference in its rows' order or content changes almost surely.
+def fingerprint(batch: Any) -> Tensor:
+    """A 62-bit digest of ``batch`` (a 0-d int64 CPU tensor) that any difference in its rows' order or content
+    changes almost surely, made with tensor operations: no tensor value is read on the host.
 
-    Every tensor leaf of the (nested) batch contributes its dtype, its shape and :data:`_COLUMNS` evenly spaced
-    values of each row along dim 0 (all of a 0-d tensor); strings and numbers contribute their value; other
-    objects their type only (their ``repr`` may hold a memory address). Cost: one gather of ``rows x 16`` values
-    per tensor and a hash of their bytes (a device-to-host copy of those values on an accelerator).
+    Every tensor leaf of the (nested) batch contributes its dtype, its shape and the bytes of :data:`_COLUMNS`
+    evenly spaced values of each row along dim 0 (all of a 0-d tensor), each byte times a fixed odd 62-bit number
+    of its position, summed modulo 2^64 (a change of one byte always changes the sum); strings and numbers
+    contribute their value; other objects their type only (their ``repr`` may hold a memory address). Cost: one
+    gather of ``rows x 16`` values per tensor. A tensor already on an accelerator (a loader that yields device
+    tensors) costs a device-to-host copy of the sum.
     """
-    digest = hashlib.blake2b(digest_size=8)
     leaves, spec = tree_flatten(batch)
-    digest.update(repr(spec).encode())
+    digest, parts = hashlib.blake2b(repr(spec).encode(), digest_size=8), []
     for leaf in leaves:
         if isinstance(leaf, Tensor):
             digest.update(f"{leaf.dtype}{tuple(leaf.shape)}".encode())
-            digest.update(_sample(leaf))
+            parts.append(_sampled_bytes(leaf))
         else:
             digest.update(repr(leaf if isinstance(leaf, _PLAIN) else type(leaf)).encode())
-    return int.from_bytes(digest.digest(), "big") >> 1
+    total = torch.tensor(int.from_bytes(digest.digest(), "big") & _MASK, dtype=torch.int64)
+    for part in (part for part in parts if part.numel()):
+        weights = _weights(part.numel(), part.device)
+        total = total * 31 + (part.to(torch.int64) * weights).sum().to("cpu")
+    return total & _MASK
 
 
-def _sample(tensor: Tensor) -> bytes:
+def _sampled_bytes(tensor: Tensor) -> Tensor:
+    """The bytes of :data:`_COLUMNS` evenly spaced values of each row of ``tensor``, as one uint8 vector."""
     if tensor.layout != torch.strided or tensor.numel() == 0:
-        return b""
+        return torch.empty(0, dtype=torch.uint8)
     rows = tensor.detach().reshape(tensor.shape[0] if tensor.dim() else 1, -1)
-    width = rows.shape[1]
-    columns = torch.linspace(0, width - 1, min(_COLUMNS, width), device=rows.device).long()
-    return rows.index_select(1, columns).cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    sampled = rows.index_select(1, _columns(rows.shape[1], rows.device)).contiguous()
+    return sampled.view(torch.uint8).reshape(-1)
+
+
+@functools.lru_cache(maxsize=64)
+def _columns(width: int, device: torch.device) -> Tensor:
+    return torch.linspace(0, width - 1, min(_COLUMNS, width), device=device).long()
+
+
+@functools.lru_cache(maxsize=64)
+def _weights(length: int, device: torch.device) -> Tensor:
+    """``length`` fixed odd 62-bit numbers, one per byte position (the same on every process)."""
+    generator = torch.Generator().manual_seed(0x6770697065)
+    return (torch.randint(0, 1 << 62, (length,), generator=generator, dtype=torch.int64) | 1).to(device)
 
 
 class StepAgreement:
-    """One all-reduce before each step: compare the pipeline's batch fingerprints and share stop requests.
+    """One all-reduce per step on the CPU group: compare the pipeline's batch fingerprints, share stop requests and,
+    in training, each replica's relay region (see the module docstring).
 
     Args:
         replica: this process's data-parallel rank.
         replicas: the number of pipeline replicas.
-        device: where the reduced tensor lives (the process group's device).
         names: global rank -> name in messages (``"stage 0"``).
         job: the run's :class:`~lightning_gpipe.faults.job.Job`, whose waits the collectives use.
+        group: the CPU (gloo) process group of every process (``None``: the default group, a gloo one).
     """
 
-    def __init__(self, replica: int, replicas: int, device: torch.device, names: dict[int, str], job: "Job") -> None:
-        self.replica, self.replicas, self.device, self.names, self.job = replica, replicas, device, names, job
+    def __init__(
+        self, replica: int, replicas: int, names: dict[int, str], job: "Job", group: Optional[Any] = None
+    ) -> None:
+        self.replica, self.replicas, self.names, self.job, self.group = replica, replicas, names, job, group
 
-    def agree(self, batch: Any, requests: Sequence[bool], where: Callable[[], str]) -> list[bool]:
+    def agree(
+        self,
+        fingerprint: Tensor,
+        requests: Sequence[bool],
+        where: Callable[[], str],
+        relay: Optional[Sequence[int]] = None,
+    ) -> tuple[list[bool], list[int]]:
         """Compare this step's batch with the other stages' and combine the stop requests (a collective call of
-        every process, with the same number of ``requests``).
+        every process, with the same number of ``requests`` and alike ``relay`` or not): one all-reduce and one
+        host read of its result.
 
         Args:
-            batch: the batch this process is about to run.
+            fingerprint: this process's batch's :func:`fingerprint`.
             requests: this process's flags (e.g. "a SIGTERM arrived"); the result holds each flag's OR over all
                 processes.
             where: the step's position for the error, e.g. ``"epoch 2, training batch 17"``.
+            relay: in training, this process's words for its replica's relay region (the last stage's; empty on
+                the others); ``None`` (evaluation): no region.
+
+        Returns:
+            The agreed requests, and this replica's relay region (:data:`REGION_WORDS` words; none without
+            ``relay``), its unfilled words :data:`NEUTRAL`.
 
         Raises:
             BatchMismatchError: on every process, when the stages of a pipeline read different batches.
+            ValueError: if ``relay`` is longer than :data:`REGION_WORDS`.
             PipelineFailure: if another process failed or stalled while this one waited for it.
         """
-        mine = fingerprint(batch)
-        slots = torch.full((len(requests) + 2 * self.replicas,), _NEUTRAL, dtype=torch.int64)
+        words = 0 if relay is None else REGION_WORDS
+        if relay is not None and len(relay) > words:
+            raise ValueError(f"A relay region holds {words} words, not {len(relay)}.")
+        mine = fingerprint.reshape(1)
+        own = torch.cat([mine, -mine])
+        slots = torch.full((len(requests) + (2 + words) * self.replicas,), NEUTRAL, dtype=torch.int64)
         slots[: len(requests)] = torch.tensor([int(r) for r in requests], dtype=torch.int64)
-        start = len(requests) + 2 * self.replica
-        slots[start : start + 2] = torch.tensor([mine, -mine], dtype=torch.int64)
-        reduced = slots.to(self.device)
+        start = len(requests) + (2 + words) * self.replica
+        slots[start : start + 2] = own
+        if relay:
+            slots[start + 2 : start + 2 + len(relay)] = torch.tensor(relay, dtype=torch.int64)
         if dist.is_initialized():
-            collectives.all_reduce(self.job, reduced, dist.ReduceOp.MAX)
-        values = reduced.tolist()
-        pairs = values[len(requests) :]
-        if any(pairs[2 * r] != -pairs[2 * r + 1] for r in range(self.replicas)):
-            self._mismatch(mine, where())
-        return [bool(value) for value in values[: len(requests)]]
+            collectives.all_reduce(self.job, slots, dist.ReduceOp.MAX, group=self.group)
+        values = slots.numpy()  # the one host read of the step's agreement
+        offsets = [len(requests) + (2 + words) * r for r in range(self.replicas)]
+        if any(values[o] != -values[o + 1] for o in offsets):
+            self._mismatch(fingerprint, where())
+        return [bool(value) for value in values[: len(requests)]], values[start + 2 : start + 2 + words].tolist()
 
-    def _mismatch(self, mine: int, where: str) -> None:
+    def _mismatch(self, fingerprint: Tensor, where: str) -> None:
         """Raise :class:`BatchMismatchError` naming every process's fingerprint (a collective call)."""
+        mine = int(fingerprint)
         every = collectives.all_gather_object(self.job, mine) if dist.is_initialized() else [mine]
         read = ", ".join(f"{self.names.get(rank, f'rank {rank}')}: {value:016x}" for rank, value in enumerate(every))
         raise BatchMismatchError(

@@ -40,7 +40,7 @@ from lightning_gpipe.engine.transfer import Link, Turn
 from lightning_gpipe.faults.job import Job
 from lightning_gpipe.lightning.config import PipelineConfig
 from lightning_gpipe.lightning.randomness import StageRandomness
-from lightning_gpipe.lightning.relay import LogRelay
+from lightning_gpipe.lightning.relay import LogRelay, StepRelay
 from lightning_gpipe.lightning.run import StageRun
 from lightning_gpipe.planning.balance import LayerCost, resolve_balance
 from lightning_gpipe.planning.costs import CostModel
@@ -169,7 +169,7 @@ def build_stage(
     costs: Optional[list[LayerCost]],
     randomness: StageRandomness,
     share: Callable[[Any], Any],
-    relay: LogRelay,
+    relays: tuple[LogRelay, StepRelay],
 ) -> StageRun:
     """Run ``builder``'s steps and return this process's :class:`~lightning_gpipe.lightning.run.StageRun` (then call
     its :meth:`~lightning_gpipe.lightning.run.StageRun.start`).
@@ -179,7 +179,8 @@ def build_stage(
         costs: the backbone layers' profiled costs, where the balance or the schedule needs them.
         randomness: the stage's random streams (see :mod:`lightning_gpipe.lightning.randomness`).
         share: sends a picklable object from the last stage to every stage of the pipeline (a collective call).
-        relay: the logging relay of this process's pipeline.
+        relays: the logging relays of this process's pipeline: after evaluation steps and epoch-end hooks, and
+            in training steps.
 
     Raises:
         ValueError: if ``balance`` does not fit the backbone, or the skip connections do not pair up.
@@ -191,4 +192,5 @@ def build_stage(
     split.partition.backbone_call = backbone_call
     ties = builder.ties()
     chunks = builder.model_chunks
-    return StageRun(split, chunks, runtime, backbone_call, relay, ties, randomness, share, builder.job)
+    relay, step_relay = relays
+    return StageRun(split, chunks, runtime, backbone_call, relay, step_relay, ties, randomness, share, builder.job)

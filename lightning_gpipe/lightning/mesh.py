@@ -27,7 +27,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_gpipe.faults import collectives
-from lightning_gpipe.lightning.agreement import StepAgreement, same_batch_counts
+from lightning_gpipe.lightning.agreement import StepAgreement, fingerprint, same_batch_counts
 from lightning_gpipe.lightning.config import PipelineConfig
 from lightning_gpipe.lightning.data import same_batches
 from lightning_gpipe.lightning.data_parallel import reduce_over_replicas
@@ -72,6 +72,9 @@ class MeshStrategy(ParallelStrategy):
         self._control_group: Optional[dist.ProcessGroup] = None  # gloo beside a device backend (NCCL); None: gloo
         self._randomness = StageRandomness()  # one stream until setup_environment seeds the stage's own
         self._agreement: Optional[StepAgreement] = None
+        self._fingerprint = torch.zeros((), dtype=torch.int64)  # of the batch this process is about to run
+        self._agreed: Optional[list[bool]] = None  # the stop requests agreed in the last training step
+        self._batch_name = ""
         self._signals: Optional[StopSignals] = None
         self._job = Job()  # one without a store until setup_environment creates the run's
 
@@ -182,18 +185,55 @@ class MeshStrategy(ParallelStrategy):
         self._job = Job(store, self.global_rank, names, self.config.stall_limit(), self.world_size)
         self._randomness = StageRandomness.synchronized(self.stage_index, topology.num_stages, self.broadcast)
         replicas = topology.data_parallel_size
-        self._agreement = StepAgreement(self.replica_index, replicas, self.root_device, names, self._job)
+        self._agreement = StepAgreement(self.replica_index, replicas, names, self._job, self._control_group)
         self._signals = StopSignals(self.lightning_module.trainer, self.launcher, self.cluster_environment)
 
     @override
     def on_train_start(self) -> None:
-        """Check the stages' batch counts and take stop signals at step boundaries (see :meth:`_start_loop`)."""
-        self._start_loop("training", [self.lightning_module.trainer.num_training_batches])
+        """Check the stages' batch counts and take stop signals at step boundaries (see :meth:`_start_loop`). The
+        stages agree on stop signals in every step (:meth:`agree_step`), so Lightning's own per-step broadcast of
+        rank 0's SIGTERM mark, a blocking collective with a device-to-host copy, is left out."""
+        trainer = self.lightning_module.trainer
+        self._start_loop("training", [trainer.num_training_batches])
+        if self.world_size > 1:
+            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _agreed_instead
+
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """Take the batch's fingerprint on the host, before Lightning moves it to the device (see
+        :func:`~lightning_gpipe.lightning.agreement.fingerprint`), then move it."""
+        if self.world_size > 1:
+            self._fingerprint = fingerprint(batch)
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Agree with every process on the batch and on stop signals before the step (see :meth:`_agree`)."""
-        self._agree(batch, f"training batch {batch_idx}", training=True)
+        """Act on the stop requests the processes agreed on in the last step (:meth:`agree_step`): at this step
+        boundary, on every process alike."""
+        self._batch_name = f"training batch {batch_idx}"
+        requests, self._agreed = self._agreed, None
+        if self.world_size == 1:
+            requests = self._signals.requests()
+        if requests is not None:
+            self._signals.act(requests, training=True)
+
+    def agree_step(self, relay: Optional[list[int]]) -> list[int]:
+        """The agreement of one training step, at the end of its ``backward`` (one all-reduce on the CPU group, see
+        :mod:`lightning_gpipe.lightning.agreement`): the stages of each pipeline must have read the same batch, and
+        a SIGTERM or requeue signal that reached any process takes effect on all of them at the next step boundary
+        (see :meth:`on_train_batch_start`); ``relay``: this process's words of its replica's relay region
+        (``None``: no region, a pipeline of one stage). Returns the region (nothing with one process).
+
+        Raises:
+            BatchMismatchError: on every process, if the stages of a pipeline read different batches.
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
+        if self.world_size == 1:
+            return []
+        epoch = self.lightning_module.trainer.current_epoch
+        where = lambda: f"epoch {epoch}, {self._batch_name}"  # noqa: E731
+        self._agreed, region = self._agreement.agree(self._fingerprint, self._signals.requests(), where, relay)
+        return region
 
     @override
     def on_validation_start(self) -> None:
@@ -217,7 +257,7 @@ class MeshStrategy(ParallelStrategy):
         same_batch_counts(loop, counts, self._job)
         self._signals.install()
 
-    def _agree(self, batch: Any, which: str, training: bool = False) -> None:
+    def _agree(self, which: str, training: bool = False) -> None:
         """The agreement before one step (one all-reduce, see :mod:`lightning_gpipe.lightning.agreement`): the stages of
         each pipeline must have read the same batch (``which`` names it), and a SIGTERM or requeue signal that reached
         any process takes effect on all of them at this step (see
@@ -228,8 +268,11 @@ class MeshStrategy(ParallelStrategy):
             SIGTERMException: after a SLURM requeue's checkpoint.
             PipelineFailure: if another stage failed while this one waited for it.
         """
+        if self.world_size == 1:
+            return
         epoch = self.lightning_module.trainer.current_epoch
-        agreed = self._agreement.agree(batch, self._signals.requests(), lambda: f"epoch {epoch}, {which}")
+        where = lambda: f"epoch {epoch}, {which}"  # noqa: E731
+        agreed, _ = self._agreement.agree(self._fingerprint, self._signals.requests(), where)
         self._signals.act(agreed, training)
 
     @override
@@ -285,3 +328,8 @@ class MeshStrategy(ParallelStrategy):
         self._agreement = self._signals = None
         self._randomness = StageRandomness()
         self._job.close()
+
+
+def _agreed_instead() -> None:
+    """Stands for Lightning's per-step broadcast of rank 0's SIGTERM mark: the stages agree on stop signals in
+    every step instead (:meth:`MeshStrategy.agree_step`)."""

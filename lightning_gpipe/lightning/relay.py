@@ -14,6 +14,7 @@ What ``training_step`` returns reaches the other stages too (:func:`share_step_o
 
 import io
 import pickle
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import lightning.pytorch as pl
@@ -22,7 +23,8 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_gpipe.faults import collectives
+from lightning_gpipe.faults import collectives, waiting
+from lightning_gpipe.lightning.agreement import REGION_WORDS
 
 if TYPE_CHECKING:
     from lightning_gpipe.faults.job import Job
@@ -118,3 +120,260 @@ def _hook_then_relay(hook: Callable[[], None], relay: Callable[[], None]) -> Cal
         relay()
 
     return hook_then_relay
+
+
+TENSOR_FIELDS = ("value", "cumulated_batch_size", "_forward_cache", "_computed")
+"""The attributes of a logged value (Lightning's ``_ResultMetric``) that hold its tensors."""
+
+SCALAR_FIELDS = ("_update_count", "has_reset", "_is_synced", "_should_unsync")
+"""The attributes of a logged value that change from step to step and are not tensors."""
+
+
+class StepRelay:
+    """A training step's logged values and output, from the last stage of a pipeline to the others, without a
+    device-to-host copy and with no host read of its own.
+
+    At the end of ``backward`` the last stage describes its logged values (Lightning's ``_ResultMetric`` entries of
+    ``trainer._results``: how they were logged, their counters, which tensors they hold) and the step's output in a
+    few kilobytes (:meth:`pack`); the description travels in its replica's region of the step's agreement
+    all-reduce (:class:`~lightning_gpipe.lightning.agreement.StepAgreement`), which every process reads once anyway,
+    and the tensors as one buffer of bytes on the pipeline's group, on the device (:meth:`exchange`). Every other
+    stage rebuilds the entries around the received tensors and installs them in its ``trainer._results``, before
+    Lightning's loop reads them (progress bar, loggers, ``callback_metrics``). The step's loss reaches the other
+    stages as ``training_step`` ends (:meth:`share_loss`: one broadcast of a scalar, which orders the device and not
+    the host on NCCL), inside an output shaped like the previous step's whose other tensors are filled in by
+    :meth:`exchange`; the first step shares its output as :func:`share_step_output` does.
+
+    Args:
+        strategy: the running strategy (values logged with ``sync_dist=True`` keep a reference to its ``reduce``,
+            resolved to each receiver's own).
+        src: global rank of this pipeline's last stage.
+        is_src: whether this process is it.
+        group: the stages of the pipeline (``None``: the default group).
+        control: the run's CPU (gloo) group, for a description too large for the region (``None``: ``group``).
+        device: this process's device.
+        job: the run's :class:`~lightning_gpipe.faults.job.Job`, whose waits the broadcasts use.
+    """
+
+    def __init__(
+        self,
+        strategy: Any,
+        src: int,
+        is_src: bool,
+        group: Optional[dist.ProcessGroup],
+        control: Optional[dist.ProcessGroup],
+        device: torch.device,
+        job: "Job",
+    ) -> None:
+        self.strategy, self.src, self.is_src, self.group = strategy, src, is_src, group
+        self.control, self.device, self.job = control if control is not None else group, device, job
+        self.output: Any = None  # the last step's output: the last stage's own, or its copy
+        self.reshaped = False  # whether that output's shape differs from the one returned by share_loss
+        self._description: Optional[tuple] = None  # the last description: records, layout, output, output tensors
+        self._placeholders: list[Optional[Tensor]] = []  # the tensors of the output share_loss returned
+        self._tensors: list[Tensor] = []
+        self._pending: list = []  # the last stage's broadcasts, waited for before the next ones
+        self._objects: dict[tuple[str, bytes], Any] = {}  # the rebuilt logged entries, by key and metadata
+
+    @property
+    def shaped(self) -> bool:
+        """Whether an earlier step's output gives this step's output its shape (then :meth:`share_loss` shares it)."""
+        return self._description is not None
+
+    def share_loss(self, output: Any) -> Any:
+        """At the end of ``training_step``: the step's output on every stage, its loss the last stage's, its other
+        tensors filled in by :meth:`exchange` (a collective call of the pipeline; ``output``: the last stage's,
+        ignored on the others)."""
+        _, layout, described, count, loss_slot = self._description
+        if self.is_src:
+            sent = _loss_of(output).detach().to(torch.float64).reshape(1)
+            self._finish(self._pending)  # the last step's: long completed
+            self._pending = [dist.broadcast(sent, self.src, group=self.group, async_op=True)]
+            self._tensors = [sent]  # kept alive until it has completed
+            return output
+        received = torch.empty(1, dtype=torch.float64, device=self.device)
+        self._finish([dist.broadcast(received, self.src, group=self.group, async_op=True)])
+        placeholders = [_zeros(*meta, self.device) for meta in layout[:count]]
+        if loss_slot is not None:
+            placeholders[loss_slot] = received.reshape(()).to(getattr(torch, layout[loss_slot][0]))
+        self._placeholders = [None if slot == loss_slot else t for slot, t in enumerate(placeholders)]
+        return self._unpickle(described, placeholders)
+
+    def pack(self, results: dict, output: Any) -> list[int]:
+        """The last stage's description of its logged ``results`` and step ``output`` as the words of its relay
+        region (see :meth:`exchange`); the tensors it names are kept until then."""
+        tensors: list[Tensor] = []
+        described = self._pickled(output, tensors)
+        count = len(tensors)
+        loss = _loss_of(output)
+        loss_slot = next((slot for slot, t in enumerate(tensors) if t is loss), None)
+        records = [self._record(key, value, tensors) for key, value in results.items()]
+        layout = [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in tensors]
+        self._description = (records, layout, described, count, loss_slot)
+        self._tensors, self.output = tensors, output
+        data = pickle.dumps(self._description, protocol=5)
+        fits = len(data) <= 8 * (REGION_WORDS - 2)
+        header = [len(data) if fits else -len(data), sum(_padded(t) for t in tensors)]
+        return header + (_to_words(data) if fits else [])
+
+    def exchange(self, region: Sequence[int], trainer: "pl.Trainer") -> None:
+        """After the agreement: the last stage sends the tensors it packed, every other stage receives them and
+        installs the last stage's logged values and output (a collective call of the pipeline, every stage with its
+        replica's relay ``region``).
+
+        Raises:
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
+        described, size = int(region[0]), int(region[1])
+        if described < 0:  # too large for the region: one more broadcast, of the description's bytes
+            self._description = self._overflow(-described)
+        elif not self.is_src:
+            self._description = pickle.loads(_from_words(region[2:], described))
+        if self.is_src:
+            buffer = _buffer(self._tensors, self.device)
+        else:
+            buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self._finish(self._pending)  # the loss's broadcast: long completed
+        self._pending = [dist.broadcast(buffer, self.src, group=self.group, async_op=True)] if size else []
+        if not self.is_src:
+            self._finish(self._pending)
+            self._pending = []
+        self._tensors = [buffer]  # the sent bytes kept alive until the next step
+        if not self.is_src:
+            self._land(trainer, _views(buffer, self._description[1]))
+
+    def _land(self, trainer: "pl.Trainer", tensors: list[Tensor]) -> None:
+        """Install the received logged values, and make the last stage's output this stage's: fill the placeholders
+        :meth:`share_loss` returned where they have its tensors' shapes."""
+        records, layout, described, count, loss_slot = self._description
+        self._install(trainer._results, records, tensors)
+        self.output = self._unpickle(described, tensors[:count])
+        self.reshaped = len(self._placeholders) != count
+        for placeholder, tensor in zip(self._placeholders, tensors[:count]):
+            if placeholder is None:
+                continue
+            if placeholder.shape == tensor.shape and placeholder.dtype == tensor.dtype:
+                placeholder.copy_(tensor)
+            else:
+                self.reshaped = True
+        self._placeholders = []
+
+    def _overflow(self, length: int) -> tuple:
+        """The description of a step too large for the relay region, broadcast on the CPU group (one host read)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(self._description)), dtype=torch.uint8) if self.is_src else None
+        data = data if data is not None else torch.empty(length, dtype=torch.uint8)
+        collectives.broadcast(self.job, data, self.src, group=self.control)
+        return self._description if self.is_src else pickle.loads(data.numpy().tobytes())
+
+    def _record(self, key: str, value: Any, tensors: list[Tensor]) -> tuple:
+        """One logged entry: a tensor ``_ResultMetric`` as its metadata, tensor fields and counters; anything else
+        pickled whole, its tensors appended to ``tensors``."""
+        fields = getattr(value, "__dict__", {})
+        names = [name for name in TENSOR_FIELDS if name in fields]
+        if not (getattr(value, "is_tensor", False) and all(isinstance(fields[n], (Tensor, type(None))) for n in names)):
+            return ("object", key, self._pickled(value, tensors))
+        slots = []
+        for name in names:
+            slots.append(None if fields[name] is None else len(tensors))
+            if fields[name] is not None:
+                tensors.append(fields[name])
+        meta = self._pickled(value.meta, [])
+        return ("metric", key, meta, tuple(zip(names, slots)), tuple(fields.get(n) for n in SCALAR_FIELDS))
+
+    def _install(self, results: Any, records: list[tuple], tensors: list[Tensor]) -> None:
+        """Replace ``results``'s entries by the last stage's, rebuilt around the received ``tensors``."""
+        results.clear()
+        for record in records:
+            if record[0] == "object":
+                results[record[1]] = self._unpickle(record[2], tensors)
+                continue
+            _, key, meta, slots, scalars = record
+            if (key, meta) not in self._objects:
+                self._objects[(key, meta)] = _result_metric(self._unpickle(meta, []), self.device)
+            value = self._objects[(key, meta)]
+            for name, slot in slots:
+                object.__setattr__(value, name, None if slot is None else tensors[slot])
+            for name, scalar in zip(SCALAR_FIELDS, scalars):
+                object.__setattr__(value, name, scalar)
+            results[key] = value
+
+    def _pickled(self, obj: Any, tensors: list[Tensor]) -> bytes:
+        """``obj`` pickled, its tensors appended to ``tensors`` (by index) and the strategy by reference."""
+        buffer = io.BytesIO()
+        pickler = pickle.Pickler(buffer, protocol=5)
+
+        def persistent_id(o: Any) -> Any:
+            if o is self.strategy:
+                return "strategy"
+            if isinstance(o, Tensor):
+                tensors.append(o)
+                return len(tensors) - 1
+            return None
+
+        pickler.persistent_id = persistent_id
+        pickler.dump(obj)
+        return buffer.getvalue()
+
+    def _unpickle(self, data: bytes, tensors: list[Tensor]) -> Any:
+        unpickler = pickle.Unpickler(io.BytesIO(data))
+        unpickler.persistent_load = lambda pid: self.strategy if pid == "strategy" else tensors[pid]
+        return unpickler.load()
+
+    def _finish(self, works: list) -> None:
+        """Wait for received broadcasts: the compute stream on NCCL (:func:`~lightning_gpipe.faults.waiting.polls`),
+        the host on gloo."""
+        if waiting.polls(self.device, self.group):
+            for work in works:
+                work.wait()
+        else:
+            waiting.wait(self.job, works, self.job.watchdog.name_of(self.src))
+
+
+def _loss_of(output: Any) -> Optional[Tensor]:
+    """The loss in a step's output: the output itself, or its ``"loss"`` entry."""
+    return output if isinstance(output, Tensor) else output.get("loss") if isinstance(output, Mapping) else None
+
+
+def _zeros(dtype: str, shape: tuple, device: torch.device) -> Tensor:
+    return torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+
+
+def _padded(tensor: Tensor) -> int:
+    """Bytes a tensor takes in the exchanged buffer: its own, rounded up to 8 (every view is aligned)."""
+    return -(-tensor.numel() * tensor.element_size() // 8) * 8
+
+
+def _buffer(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """``tensors``' bytes, each padded to 8, as one uint8 tensor on ``device`` (tensor operations only)."""
+    parts = []
+    for tensor in tensors:
+        data = tensor.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
+        parts += [data, torch.zeros(_padded(tensor) - data.numel(), dtype=torch.uint8, device=device)]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+
+
+def _views(buffer: Tensor, layout: list[tuple[str, tuple]]) -> list[Tensor]:
+    """The tensors of ``layout`` (dtype name and shape each) in ``buffer``, as :func:`_buffer` packed them."""
+    tensors, start = [], 0
+    for dtype, shape in layout:
+        kind = getattr(torch, dtype)
+        size = int(torch.Size(shape).numel()) * kind.itemsize
+        tensors.append(buffer[start : start + size].view(kind).reshape(shape))
+        start += -(-size // 8) * 8
+    return tensors
+
+
+def _to_words(data: bytes) -> list[int]:
+    padded = data + bytes(-len(data) % 8)
+    return [int.from_bytes(padded[i : i + 8], "little", signed=True) for i in range(0, len(padded), 8)]
+
+
+def _from_words(words: Sequence[int], length: int) -> bytes:
+    return b"".join(int(w).to_bytes(8, "little", signed=True) for w in words[: -(-length // 8)])[:length]
+
+
+def _result_metric(meta: Any, device: torch.device) -> Any:
+    """A new Lightning ``_ResultMetric`` of tensor values with the metadata ``meta``, on ``device``."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
+    return _ResultMetric(meta, is_tensor=True).to(device)

@@ -27,7 +27,7 @@ from lightning_gpipe.faults.job import Job
 from lightning_gpipe.lightning import state_dict
 from lightning_gpipe.lightning.data_parallel import GradientSync
 from lightning_gpipe.lightning.randomness import StageRandomness
-from lightning_gpipe.lightning.relay import LogRelay
+from lightning_gpipe.lightning.relay import LogRelay, StepRelay
 
 
 @dataclass
@@ -40,7 +40,8 @@ class StageRun:
             without virtual stages).
         runtime: executes the stage's plans.
         backbone_call: the call the partition goes through (installed as ``partition.backbone_call``).
-        relay: copies the last stage's logged values to every stage.
+        relay: copies the last stage's logged values to every stage (evaluation steps, epoch-end hooks).
+        step_relay: the last stage's logged values and output in training steps.
         ties: the parameters this stage shares with others.
         randomness: the stage's random streams (see :mod:`lightning_gpipe.lightning.randomness`).
         share: sends a picklable object from the last stage to every stage of the pipeline (a collective call).
@@ -56,6 +57,7 @@ class StageRun:
     runtime: Runtime
     backbone_call: BackboneCall
     relay: LogRelay
+    step_relay: StepRelay
     ties: TiedParameters
     randomness: StageRandomness
     share: Callable[[Any], Any]

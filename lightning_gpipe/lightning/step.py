@@ -34,7 +34,8 @@ relay.LogRelay`). Evaluation (validation, test, predict) runs fill-drain's fill 
 (:func:`evaluation_step`). docs/how-it-works.md shows the same table with the hooks' call chains.
 """
 
-from typing import Any, Callable, Union
+from collections.abc import Mapping
+from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
 from torch import Tensor
@@ -114,13 +115,54 @@ def training_step(run: StageRun, module: "pl.LightningModule", precision: Any, a
         PipelineFailure: if another stage failed while this one waited for it.
     """
     output = protocol_of(run).training_step(run, module, precision, args, kwargs)
-    is_last = run.last_chunk.is_last
+    is_last, relay = run.last_chunk.is_last, run.step_relay
     if is_last and output is None:
         raise RuntimeError(
             "`training_step` returned None on the last stage; under GPipeStrategy every step must return its"
             " loss, since all stages take part in the drain."
         )
+    if run.runtime.num_stages == 1:
+        return output
+    if is_last:
+        relay.output = output
+    if relay.shaped:  # shaped like the last step's: the loss now, the rest with the logged values
+        return relay.share_loss(output)
     return share_step_output(output, is_last, run.share, run.last_chunk.link.device)
+
+
+def agree(run: StageRun, trainer: "pl.Trainer", agree_step: Callable[[Optional[list[int]]], list[int]]) -> None:
+    """At the end of ``strategy.backward``: the step's agreement (``agree_step``, one all-reduce on the CPU group,
+    see :class:`~lightning_gpipe.lightning.agreement.StepAgreement`), whose region carries the last stage's
+    description of its logged values and output, then their tensors (:class:`~lightning_gpipe.lightning.relay.
+    StepRelay`): every stage then holds the last stage's logged values before Lightning's loop reads them.
+
+    Raises:
+        BatchMismatchError: on every process, if the stages of a pipeline read different batches.
+        PipelineFailure: if another stage failed while this one waited for it.
+    """
+    relay = run.step_relay
+    if run.runtime.num_stages == 1:
+        agree_step(None)
+        return
+    words = relay.pack(trainer._results if trainer._results is not None else {}, relay.output) if relay.is_src else []
+    relay.exchange(agree_step(words), trainer)
+
+
+def hand_output(run: StageRun, closure: Any) -> None:
+    """After the optimizer step's closure, on a stage before the last whose step returned an output shaped like
+    the last step's (:meth:`~lightning_gpipe.lightning.relay.StepRelay.share_loss`) when the last stage's came out
+    shaped otherwise (other keys, other shapes): the step's output Lightning hands to ``on_train_batch_end`` becomes
+    the last stage's (its ``Closure``'s result). Outside an optimizer step (the first batches of a
+    gradient-accumulation window) the output keeps the last step's shape, its loss the last stage's."""
+    relay, result = run.step_relay, getattr(closure, "_result", None)
+    if relay.is_src or not relay.reshaped or result is None or run.runtime.num_stages == 1:
+        return
+    output = relay.output
+    if isinstance(output, Mapping):
+        result.loss = output["loss"].detach().clone()
+        result.extra = {key: value for key, value in output.items() if key != "loss"}
+    else:
+        result.loss, result.extra = output.detach().clone(), {}
 
 
 def backward(run: StageRun, module: "pl.LightningModule", precision: Any, loss: Tensor, *args: Any, **kw: Any) -> None:

@@ -40,7 +40,7 @@ from lightning_gpipe.lightning.build import StageBuilder, build_stage
 from lightning_gpipe.lightning.run import StageRun
 from lightning_gpipe.lightning.measure import planned_config, shared_layer_costs
 from lightning_gpipe.planning import CostModel, PlanReport
-from lightning_gpipe.lightning.relay import LogRelay
+from lightning_gpipe.lightning.relay import LogRelay, StepRelay
 from lightning_gpipe.lightning.summary import replace_model_summary
 from lightning_gpipe.engine.topology import Size
 
@@ -181,11 +181,15 @@ class GPipeStrategy(MeshStrategy):
         name = find_backbone(module, self.config.backbone)
         if self.config.plan == "auto":
             self.config = planned_config(self, self._requested, module, name)
-        relay = LogRelay(self, self._last_stage_rank, self.pipeline_group, self._job)
-        options = (self.config, self.topology, self.global_rank, self.root_device, self._job, self._control_group)
+        last, group, device = self._last_stage_rank, self.pipeline_group, self.root_device
+        relays = (
+            LogRelay(self, last, group, self._job),
+            StepRelay(self, last, self.global_rank == last, group, self._control_group, device, self._job),
+        )
+        options = (self.config, self.topology, self.global_rank, device, self._job, self._control_group)
         builder = StageBuilder(module, name, *options)
         costs = shared_layer_costs(self, module, name)
-        run = self._run = build_stage(builder, costs, self._randomness, self._share_from_last_stage, relay)
+        run = self._run = build_stage(builder, costs, self._randomness, self._share_from_last_stage, relays)
         run.start(module, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -221,7 +225,8 @@ class GPipeStrategy(MeshStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
         """The plan after its cut (see :func:`~lightning_gpipe.lightning.step.backward`), between
-        ``on_before_backward`` and ``on_after_backward``; then the last stage's logged values reach every stage."""
+        ``on_before_backward`` and ``on_after_backward``; then the step's agreement, which carries the last stage's
+        logged values to every stage (see :func:`~lightning_gpipe.lightning.step.agree`)."""
         module, precision = self.lightning_module, self.precision_plugin
         self.pre_backward(closure_loss)
         closure_loss = precision.pre_backward(closure_loss, module)
@@ -229,14 +234,17 @@ class GPipeStrategy(MeshStrategy):
         closure_loss = precision.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         with self._run.events.span("relay"):
-            self._run.relay(module.trainer)
+            step.agree(self._run, module.trainer, self.agree_step)
         return closure_loss
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Optional[Any] = None, **kwargs) -> Any:
         """Lightning's optimizer step, with the gradients of tied parameters summed over the stages that hold a
-        copy right after the step's closure (see :mod:`lightning_gpipe.engine.ties`)."""
-        return super().optimizer_step(optimizer, self._run.ties.after(closure), model, **kwargs)
+        copy right after the step's closure (see :mod:`lightning_gpipe.engine.ties`); then the step's output that
+        callbacks see is the last stage's (:func:`~lightning_gpipe.lightning.step.hand_output`)."""
+        result = super().optimizer_step(optimizer, self._run.ties.after(closure), model, **kwargs)
+        step.hand_output(self._run, closure)
+        return result
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -256,7 +264,7 @@ class GPipeStrategy(MeshStrategy):
     def _evaluation_step(self, hook: str, context: Callable, args: tuple, kwargs: dict) -> Any:
         """Agree on the batch (:meth:`_agree`), then run the step (see
         :func:`~lightning_gpipe.lightning.step.evaluation_step`)."""
-        self._agree(args[0], f"{hook.removesuffix('_step').replace('predict', 'prediction')} batch {args[1]}")
+        self._agree(f"{hook.removesuffix('_step').replace('predict', 'prediction')} batch {args[1]}")
         return step.evaluation_step(self._run, self.lightning_module, hook, context, args, kwargs)
 
     @property
