@@ -103,9 +103,9 @@ def batch(rows: int = 3, length: int = 9, seed: int = 0):
 
 ENCODERS = ("bert_mlm", "bert_classifier", "roberta_mlm", "xlm_roberta_classifier")
 CLASSIFIERS = ("bert_classifier", "xlm_roberta_classifier")
-ATTENTIONS = [(name, attention) for name in ("llama", "llama_untied", "mistral", "qwen2", "gpt2", "bert_mlm",
-              "bert_classifier") for attention in ("eager", "sdpa")]  # fmt: skip
-ATTENTIONS += [(name, "eager" if name == "gemma2" else "sdpa") for name in FAMILIES if name not in FIRST]
+BOTH = ("llama", "llama_untied", "mistral", "qwen2", "gpt2", "bert_mlm", "bert_classifier")
+ATTENTIONS = [(name, attention) for name in BOTH for attention in ("eager", "sdpa")]
+ATTENTIONS += [(name, "eager" if name == "gemma2" else "sdpa") for name in FAMILIES if name not in BOTH]
 """(model, attention implementation): the first families with both, the others with the default ``sdpa`` (Gemma 2
 has none but ``eager``)."""
 
@@ -241,9 +241,7 @@ def test_positions_from_mask_number_each_rows_real_tokens_as_generate_does():
 
 
 GENERATING = [(name, a) for name in ("llama", "mistral", "qwen2", "gpt2") for a in ("eager", "sdpa")]
-GENERATING += [
-    (name, attention) for name, attention in ATTENTIONS if name in FAMILIES and name not in FIRST and is_decoder(name)
-]
+GENERATING += [(name, attention) for name, attention in ATTENTIONS[len(BOTH) * 2 :] if is_decoder(name)]
 
 
 @pytest.mark.parametrize("name, attention", GENERATING)
