@@ -262,12 +262,15 @@ class HFModule(pl.LightningModule):
         self.log("val_loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
 
     def configure_optimizers(self) -> Any:
-        """AdamW over this stage's parameters (no decay for tensors of fewer than 2 dimensions), stepped every
-        optimizer step by :func:`lr_factor`."""
+        """AdamW over this stage's trainable parameters (no decay for tensors of fewer than 2 dimensions), stepped
+        every optimizer step by :func:`lr_factor`. A stage with nothing to train (with ``lora``, one that holds only
+        frozen layers, e.g. the final norm and the head) gets one empty group: it steps nothing, as the pipeline's
+        other stages step."""
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
         groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.lr, betas=self.betas)
+        groups = [g for g in groups if g["params"]] or groups[1:]
+        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
         total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1
         factor = lambda step: lr_factor(step, self.warmup_steps, int(total), self.decay, self.min_lr_ratio)  # noqa: E731
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

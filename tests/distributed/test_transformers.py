@@ -49,10 +49,15 @@ QUICK = {
     for family in WORKER.FAMILIES
     if family not in FIRST
 }  # fmt: skip
-# LoRA adapters (peft) of the tied Llama on 2 stages, going on from a saved adapter with random A and B
+# LoRA adapters (peft) of the tied Llama on 2 stages, going on from a saved adapter with random A and B; its
+# adapters-only checkpoint resumed on 4 stages, the last of which holds only frozen layers (norm, tied head)
 LORA = shared_run(
     "transformers_hf.py", "--devices=2", "--family=llama", "--lora", devices=2, timeout=240, name="hf-llama-2-lora"
 )
+LORA_RESUMED = shared_run(
+    "transformers_hf.py", "--devices=4", "--family=llama", "--lora", "--resume=hf-llama-2-lora", devices=4,
+    timeout=240, name="hf-llama-lora-resumed-4", output_of=2,
+)  # fmt: skip
 # 1F1B with the layers balanced by profiled time, on 3 stages: the classifier's loss is a mean over rows, so the
 # row-weighted 1F1B loss equals one device's
 RUNS["bert_classifier", 3] = shared_run(
@@ -375,3 +380,28 @@ def test_lora_save_pretrained_writes_the_adapter_directory_peft_loads():
     assert saved.keys() == peft.get_peft_model_state_dict(reference).keys()  # the adapters, nothing of the base
     loaded = peft.PeftModel.from_pretrained(WORKER.initial_model("llama"), out / "saved")
     assert_states_close(loaded.state_dict(), reference.state_dict())
+
+
+def test_a_lora_checkpoint_of_2_stages_resumes_on_4_stages_as_one_device_continues():
+    """The adapters-only checkpoint (adapters, their AdamW moments, the scheduler) resumed on 4 stages, whose last
+    holds only frozen layers and so an optimizer over nothing, for RESUMED_STEPS more steps: one device's LoRA model
+    going on the same way (the base read from ``pretrained`` again)."""
+    pytest.importorskip("peft")
+    from lightning_gpipe.hf.module import lr_factor
+
+    out = LORA_RESUMED()
+    states = [torch.load(out / f"state_rank{rank}.pt") for rank in range(4)]
+    assert not any(".lora_" in name for name in states[3])  # nothing to train on the last stage
+    model = WORKER.initial_lora("llama")
+    model.get_base_model().config._attn_implementation = "eager"
+    optimizer, schedule = _one_device_optimizer(model, WORKER.STEPS)
+    model.train()
+    _train(model, optimizer, schedule, WORKER.batches("llama"))
+    total, options = WORKER.STEPS + WORKER.RESUMED_STEPS, WORKER.OPTIMIZATION
+    stretched = lambda step: lr_factor(  # noqa: E731 - configure_optimizers on resume: over the new last step
+        step, options["warmup_steps"], total, options["decay"], options["min_lr_ratio"]
+    )
+    schedule.lr_lambdas = [stretched] * len(optimizer.param_groups)
+    losses = _train(model, optimizer, schedule, WORKER.batches("llama")[: WORKER.RESUMED_STEPS])
+    assert_states_close(_merged_state(out, 4), model.get_base_model().state_dict())
+    torch.testing.assert_close(torch.tensor(torch.load(out / "losses.pt")), torch.tensor(losses), atol=1e-5, rtol=0)
