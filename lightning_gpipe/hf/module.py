@@ -72,7 +72,8 @@ class HFModule(pl.LightningModule):
             lora_alpha=16, target_modules="all-linear")``), a dict of ``peft.LoraConfig`` fields, a ``LoraConfig``,
             or the ``save_pretrained`` directory of an adapter to go on training; ``None`` (default) trains every
             weight. The base weights are frozen on every stage (no gradient, no optimizer state); see
-            :mod:`lightning_gpipe.hf.lora`.
+            :mod:`lightning_gpipe.hf.lora`. A ``LoraConfig`` object is not kept in the hyperparameters: give a dict
+            for checkpoints that ``load_from_checkpoint`` should rebuild.
         checkpoint_frozen: with ``lora``, whether Lightning checkpoints also hold the frozen base weights. Default
             ``False``: only the trainable tensors (the adapters); loading one takes the base from ``pretrained``.
         self_check: prove the adapter's cut on the model's class before anything is built (default; see
