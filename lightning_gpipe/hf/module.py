@@ -96,7 +96,7 @@ class HFModule(pl.LightningModule):
     auto_class: Any = None
     """The ``transformers`` auto class that builds the model from a config."""
 
-    encoder: bool = False
+    trains_encoder: bool = False
     """Whether the module trains an encoder (its backbone takes ``(input_ids, attention_mask, token_type_ids)``)
     rather than a causal LM."""
 
@@ -132,13 +132,27 @@ class HFModule(pl.LightningModule):
             peft_lora.lora_config(self.lora)  # a bad LoRA configuration fails here, before any process starts
         if self_check:  # configure_model then builds from the same config: no second check
             config = self.model_config_for_build()
-            model_class = self.auto_class._model_mapping[type(config)]
+            model_class = self._model_class(config)
             self._check_family(model_class.__name__, check_class(model_class, config))
+
+    def _model_class(self, config: PretrainedConfig) -> type:
+        """The class :attr:`auto_class` builds for ``config``.
+
+        Raises:
+            UnsupportedModelError: if it builds none (a config of another kind of model).
+        """
+        try:
+            return self.auto_class._model_mapping[type(config)]
+        except KeyError:
+            raise UnsupportedModelError(
+                f"{self.auto_class.__name__} builds no model from a {type(config).__name__} ({config.model_type!r}):"
+                f" {type(self).__name__} cannot train it."
+            ) from None
 
     def _check_family(self, name: str, family: Family) -> None:
         """Refuse a model its family cuts into another kind of backbone than this module feeds (e.g. BERT's causal-LM
         head without ``is_decoder=True``, an encoder, under :class:`CausalLM`)."""
-        if family.encoder != self.encoder:
+        if family.encoder != self.trains_encoder:
             kind, other = ("an encoder", "a decoder") if family.encoder else ("a decoder", "an encoder")
             raise UnsupportedModelError(
                 f"{type(self).__name__} trains {other}, but {name} is cut as {kind} (the {family.name} family, whose"
@@ -453,7 +467,7 @@ class MaskedLM(HFModule):
     Arguments: see :class:`HFModule`."""
 
     auto_class = AutoModelForMaskedLM
-    encoder = True
+    trains_encoder = True
 
     def backbone_input(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         """``(input_ids, attention_mask, token_type_ids)``."""
@@ -471,7 +485,7 @@ class SequenceClassifier(HFModule):
     checkpoint's head)."""
 
     auto_class = AutoModelForSequenceClassification
-    encoder = True
+    trains_encoder = True
 
     def backbone_input(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         """``(input_ids, attention_mask, token_type_ids)``."""

@@ -418,3 +418,17 @@ def test_the_example_config_file_writes_out_the_clis_defaults():
     for key in ("data_dir", "languages", "tokenizer_name", "max_length", "batch_size", "val_rows"):
         assert getattr(written.datamodule, key) == getattr(defaults.datamodule, key)
     assert written.trainer.max_steps == defaults.trainer.max_steps == 200
+
+
+def test_a_module_refuses_a_model_of_the_other_kind_when_it_is_made():
+    """BERT's causal-LM head without ``is_decoder=True`` is cut as an encoder: not a ``CausalLM``; a config no auto
+    class of the module builds is named."""
+    from lightning_gpipe.hf import CausalLM, MaskedLM
+
+    bert = {"model_type": "bert", **{k: v for k, v in FAMILIES["bert_mlm"][2].items() if k != "model_type"}}
+    with pytest.raises(
+        UnsupportedModelError, match="CausalLM trains a decoder, but BertLMHeadModel is cut as an encoder"
+    ):
+        CausalLM(config=bert)
+    with pytest.raises(UnsupportedModelError, match="AutoModelForMaskedLM builds no model from a LlamaConfig"):
+        MaskedLM(config=dict(FAMILIES["llama"][2]))
