@@ -55,7 +55,10 @@ class Family:
 
 
 DECODER_INPUTS = "(input_ids, attention_mask, position_ids)"
+"""What a decoder's backbone takes (:attr:`Family.inputs`; see :func:`~lightning_gpipe.hf.decoder.decoder_input`)."""
+
 ENCODER_INPUTS = "(input_ids, attention_mask, token_type_ids)"
+"""What an encoder's backbone takes (:attr:`Family.inputs`; see :func:`~lightning_gpipe.hf.encoder.encoder_input`)."""
 
 FAMILIES: list[Family] = [
     Family("gpt2", ("GPT2LMHeadModel",), gpt2_layers, DECODER_INPUTS),
