@@ -1,4 +1,5 @@
-"""Peak memory of each stage process of a pipelined Hugging Face model built on the meta device, against its share.
+"""Peak memory of each stage process of a pipelined Hugging Face model built on the meta device, against its share;
+and of fine-tuning it with LoRA adapters against fine-tuning every weight (``--fit``).
 
 A Llama from a config (hidden 768, 6 blocks, untied 32,000-token vocabulary: 92M parameters, 366 MB of fp32) is
 written once with ``save_pretrained`` (one ``model.safetensors``); then ``lightning_gpipe.hf.CausalLM(pretrained=DIR)``
@@ -23,12 +24,19 @@ resident set follows the live tensors rather than the allocator's cache (``_runs
 - ``peak / (params + activations)``: the process's peak over ``base`` for the whole run, over that stage's
   parameters plus its measured activations: how far the stage is from holding exactly its share.
 
+``--fit`` instead trains the same model for :data:`FIT_STEPS` AdamW steps on that batch, twice on 2 stages: every
+weight (``CausalLM(pretrained=DIR)``), then LoRA adapters (``lora=True``: rank 8 on every linear layer of the
+blocks, the base frozen). Each stage reports its parameters, the trainable ones, the largest gradients held before an
+optimizer step (counted from the tensors), AdamW's state after the run, and its peak resident set over ``base``; the
+table gives each figure for both runs and the LoRA run's peak over the full run's.
+
 Bytes do not depend on the machine's load: one run.
 
 Usage::
 
     python benchmarks/hf_memory.py                      # writes the checkpoint to a temporary directory
     python benchmarks/hf_memory.py --dir /tmp/llama92m  # keeps (or reuses) it there
+    python benchmarks/hf_memory.py --fit                # LoRA against full fine-tuning
 """
 
 import argparse
@@ -56,7 +64,10 @@ CONFIG = dict(
 """The model: 91.6M parameters (two 24.6M embeddings, six blocks of 7.1M)."""
 
 ROWS, LENGTH = 2, 128
-"""The validation batch: ``ROWS`` sequences of ``LENGTH`` tokens."""
+"""The batch: ``ROWS`` sequences of ``LENGTH`` tokens."""
+
+FIT_STEPS = 3
+"""The optimizer steps of ``--fit``."""
 
 
 def write_checkpoint(directory: Path) -> None:
@@ -72,17 +83,54 @@ def write_checkpoint(directory: Path) -> None:
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
 
 
-def measure(directory: str) -> None:
-    """One stage process (Lightning's launcher re-runs this for the other stage): validate and emit its figures."""
-    from benchmarks._runs import _map_large_allocations, _reset_peak_rss, _status_mib
+def own_tensors(module) -> list:
+    """The stage's parameters and buffers, each once (the other stages' stay on the meta device)."""
+    return list({id(t): t for t in [*module.parameters(), *module.buffers()] if not t.is_meta}.values())
 
-    _map_large_allocations()
+
+def mib(tensors) -> float:
+    """The bytes of ``tensors`` in MiB."""
+    return sum(t.numel() * t.element_size() for t in tensors) / MIB
+
+
+def run_stages(directory: str, callback, fit: bool, lora: bool) -> None:
+    """``trainer.validate`` (or, with ``fit``, ``trainer.fit`` for :data:`FIT_STEPS` steps) of ``CausalLM`` on one
+    batch under ``GPipeStrategy`` on 2 stage processes, with ``callback``."""
     import lightning as L
     import torch
     from torch.utils.data import DataLoader
 
     import lightning_gpipe
     from lightning_gpipe.hf import CausalLM
+
+    torch.manual_seed(0)
+    ids = torch.randint(3, CONFIG["vocab_size"], (ROWS, LENGTH))
+    data = DataLoader([{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}], batch_size=None)
+    trainer = L.Trainer(
+        strategy=lightning_gpipe.GPipeStrategy(chunks=1),
+        accelerator="cpu",
+        devices=2,
+        max_steps=FIT_STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    module = CausalLM(pretrained=directory, lora=lora or None)
+    if fit:
+        trainer.fit(module, data)
+    else:
+        trainer.validate(module, data, verbose=False)
+
+
+def measure(directory: str) -> None:
+    """One stage process of the validation (Lightning's launcher re-runs this for the other stage)."""
+    from benchmarks._runs import _map_large_allocations, _reset_peak_rss, _status_mib
+
+    _map_large_allocations()
+    import lightning as L
+    import torch
 
     class Memory(L.Callback):
         def setup(self, trainer, pl_module, stage) -> None:  # before configure_model: nothing built yet
@@ -96,13 +144,12 @@ def measure(directory: str) -> None:
             self.read = _reset_peak_rss()
 
         def on_validation_end(self, trainer, pl_module) -> None:
-            params = sum(t.numel() * t.element_size() for t in own_tensors(pl_module)) / MIB
             validation_peak = _status_mib("VmHWM")
             emit(
                 trainer.global_rank,
                 stage=trainer.strategy.stage_index,
                 layers=len(list(pl_module.backbone.children())),
-                params_mib=params,
+                params_mib=mib(own_tensors(pl_module)),
                 build_peak_mib=self.build_peak - self.base,
                 kept_mib=self.kept - self.base,
                 read_mib=self.read - self.base,
@@ -110,39 +157,44 @@ def measure(directory: str) -> None:
                 peak_mib=max(self.build_peak, validation_peak) - self.base,
             )
 
-    def own_tensors(module) -> list:
-        """The stage's parameters and buffers, each once (the other stages' stay on the meta device)."""
-        return list({id(t): t for t in [*module.parameters(), *module.buffers()] if not t.is_meta}.values())
-
-    torch.manual_seed(0)
-    ids = torch.randint(3, CONFIG["vocab_size"], (ROWS, LENGTH))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    trainer = L.Trainer(
-        strategy=lightning_gpipe.GPipeStrategy(chunks=1),
-        accelerator="cpu",
-        devices=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Memory()],
-    )
-    trainer.validate(CausalLM(pretrained=directory), DataLoader([batch], batch_size=None), verbose=False)
+    run_stages(directory, Memory(), fit=False, lora=False)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", default=None, help="the checkpoint directory (written if it holds no config.json)")
-    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # a stage process
-    args = parser.parse_args()
-    if args.measure is not None:
-        measure(args.measure)
-        return
-    temporary = tempfile.TemporaryDirectory() if args.dir is None else None
-    directory = Path(args.dir or temporary.name)
-    write_checkpoint(directory)
-    size = sum(f.stat().st_size for f in directory.glob("*.safetensors")) / MIB
+def measure_fit(directory: str, lora: bool) -> None:
+    """One stage process of ``--fit``: train every weight, or LoRA adapters, and emit the stage's figures."""
+    from benchmarks._runs import _map_large_allocations, _reset_peak_rss, _status_mib
+
+    _map_large_allocations()
+    import lightning as L
+    import torch
+
+    class Memory(L.Callback):
+        def setup(self, trainer, pl_module, stage) -> None:  # before configure_model: nothing built yet
+            self.base, self.grads = _reset_peak_rss(), 0.0
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            self.grads = max(self.grads, mib(grads))
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            states = trainer.optimizers[0].state.values()
+            emit(
+                trainer.global_rank,
+                stage=trainer.strategy.stage_index,
+                params_mib=mib(own_tensors(pl_module)),
+                trainable_mib=mib(p for p in pl_module.parameters() if p.requires_grad and not p.is_meta),
+                grads_mib=self.grads,
+                optimizer_mib=mib(t for state in states for t in state.values() if torch.is_tensor(t)),
+                peak_mib=_status_mib("VmHWM") - self.base,
+            )
+
+    run_stages(directory, Memory(), fit=True, lora=lora)
+
+
+def _records(directory: Path, *flags: str) -> list[dict]:
+    """The stages' records of one measured run (``--measure`` and ``flags``), by stage; exits if it failed."""
     result = subprocess.run(
-        [sys.executable, __file__, "--measure", str(directory)],
+        [sys.executable, __file__, "--measure", str(directory), *flags],
         capture_output=True,
         text=True,
         env=clean_env(threads=1),
@@ -150,8 +202,13 @@ def main() -> None:
     records = sorted(_json_records(result.stdout), key=lambda r: r["stage"])
     if result.returncode != 0 or len(records) != 2:
         sys.exit(f"the measured run failed:\n{result.stderr[-3000:]}")
-    fields = {k: v for k, v in CONFIG.items() if k != "model_type"}
-    print(f"Llama {fields}; {size:.0f} MiB safetensors; validate one batch of {ROWS} x {LENGTH} tokens on 2 stages")
+    return records
+
+
+def print_validation(directory: Path) -> None:
+    """Measure the validation and print its table."""
+    records = _records(directory)
+    print(f"validate one batch of {ROWS} x {LENGTH} tokens on 2 stages")
     print("MiB over the resident set before the build (Python, torch, Lightning, transformers imported)")
     header = ("stage", "layers", "params", "build peak", "kept", "read", "read/params", "activations", "peak",
               "peak/(params+act)")  # fmt: skip
@@ -163,6 +220,43 @@ def main() -> None:
             f" | {r['read_mib']:.0f} | {r['read_mib'] / r['params_mib']:.3f} | {r['activations_mib']:.0f}"
             f" | {r['peak_mib']:.0f} | {r['peak_mib'] / share:.3f}"
         )
+
+
+def print_fit(directory: Path) -> None:
+    """Measure full and LoRA fine-tuning and print the table: each figure for both, and the peaks' ratio."""
+    full, lora = _records(directory, "--fit"), _records(directory, "--fit", "--lora")
+    print(f"fit {FIT_STEPS} AdamW steps on one batch of {ROWS} x {LENGTH} tokens on 2 stages: full | LoRA (r=8)")
+    print("MiB; peak over the resident set before the build (Python, torch, Lightning, transformers imported)")
+    print("stage | params | trainable | gradients | AdamW state | peak | LoRA peak / full peak")
+    for f, r in zip(full, lora):
+        pairs = [(f[k], r[k]) for k in ("params_mib", "trainable_mib", "grads_mib", "optimizer_mib", "peak_mib")]
+        cells = " | ".join(f"{a:.1f} / {b:.1f}" for a, b in pairs)
+        print(f"{f['stage']} | {cells} | {r['peak_mib'] / f['peak_mib']:.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", default=None, help="the checkpoint directory (written if it holds no config.json)")
+    parser.add_argument("--fit", action="store_true", help="LoRA against full fine-tuning instead of validation")
+    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # a stage process
+    parser.add_argument("--lora", action="store_true", help=argparse.SUPPRESS)  # a stage process of --fit
+    args = parser.parse_args()
+    if args.measure is not None and args.fit:
+        measure_fit(args.measure, args.lora)
+        return
+    if args.measure is not None:
+        measure(args.measure)
+        return
+    temporary = tempfile.TemporaryDirectory() if args.dir is None else None
+    directory = Path(args.dir or temporary.name)
+    write_checkpoint(directory)
+    size = sum(f.stat().st_size for f in directory.glob("*.safetensors")) / MIB
+    fields = {k: v for k, v in CONFIG.items() if k != "model_type"}
+    print(f"Llama {fields}; {size:.0f} MiB safetensors")
+    if args.fit:
+        print_fit(directory)
+    else:
+        print_validation(directory)
     if temporary is not None:
         temporary.cleanup()
 

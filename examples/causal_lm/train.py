@@ -1,11 +1,13 @@
-"""Fine-tune a Llama-architecture causal LM from `transformers` with GPipe pipeline parallelism (LightningCLI).
+"""Fine-tune a causal LM from `transformers` with GPipe pipeline parallelism (LightningCLI).
 
 Usage (from the repository root)::
 
     python examples/causal_lm/train.py fit
     python examples/causal_lm/train.py fit --trainer.max_steps=20 --trainer.devices=2
     python examples/causal_lm/train.py fit --config examples/causal_lm/configs/cpu.yaml
+    python examples/causal_lm/train.py fit --config examples/causal_lm/configs/qwen3.yaml  # another family
     python examples/causal_lm/train.py fit --model.pretrained=PATH/OR/HUB/NAME   # a pretrained checkpoint
+    python examples/causal_lm/train.py fit --model.pretrained=causal_lm_model --model.lora=true  # LoRA adapters
     python examples/causal_lm/train.py fit --save_pretrained.dirpath=runs/my_model
 
 Defaults (``configs/cpu.yaml`` writes them out): a new Llama-architecture model built from a config (hidden size
@@ -18,7 +20,9 @@ default ``causal_lm_model``), each stage writing its own shard.
 
 ``--model.pretrained`` (a local ``save_pretrained`` directory, or a Hub name on a machine that reaches the Hub)
 replaces the model config by the checkpoint's and, unless ``--data.tokenizer`` is given, the tokenizer by the
-checkpoint's; each stage reads only its own layers' tensors from the checkpoint's safetensors files.
+checkpoint's; each stage reads only its own layers' tensors from the checkpoint's safetensors files. A config file
+with another ``model.config`` (``configs/qwen3.yaml``) trains another family; ``--model.lora=true`` trains LoRA
+adapters (``peft``) on the frozen model instead of every weight, and writes the adapter directory.
 """
 
 import sys

@@ -1,24 +1,18 @@
 """Hugging Face ``transformers`` models in the pipeline (``lightning_gpipe.hf``).
 
-:func:`to_sequential` turns a loaded model into the backbone contract without copying weights;
-:class:`~lightning_gpipe.hf.module.CausalLM` and :class:`~lightning_gpipe.hf.module.MaskedLM` fine-tune one with
-``GPipeStrategy``, each stage building its layers on the meta device and loading only its own weights;
-:func:`greedy_generate` decodes through the pipeline, each stage keeping its own blocks' key/value
-caches. Needs ``transformers`` 5 or newer. Guide: docs/transformers.md.
+:func:`to_sequential` turns a loaded model (any decoder of ``transformers`` 5's standard layout, GPT-2, BERT-style
+encoders, a ``peft`` LoRA model of one) into the backbone contract without copying weights, after proving its cut on
+a miniature of the same class (the self-check); :class:`~lightning_gpipe.hf.module.CausalLM`,
+:class:`~lightning_gpipe.hf.module.MaskedLM` and :class:`~lightning_gpipe.hf.module.SequenceClassifier` fine-tune
+one with ``GPipeStrategy`` (every weight, or LoRA adapters with ``lora=``), each stage building its layers on the
+meta device and loading only its own weights; :func:`greedy_generate` decodes through the pipeline, each stage
+keeping its own blocks' key/value caches. Needs ``transformers`` 5.24 or newer (``peft`` for LoRA). Guide:
+docs/transformers.md.
 """
 
-from lightning_gpipe.hf.adapter import (
-    FAMILIES,
-    CachedDecoderBlock,
-    Family,
-    HFLayer,
-    UnsupportedModelError,
-    clear_kv_caches,
-    family_of,
-    positions_from_mask,
-    register_family,
-    to_sequential,
-)
+from lightning_gpipe.hf.adapter import FAMILIES, Family, check_class, family_of, register_family, to_sequential
+from lightning_gpipe.hf.decoder import CachedDecoderBlock, clear_kv_caches, positions_from_mask
+from lightning_gpipe.hf.layer import HFLayer, UnsupportedModelError
 from lightning_gpipe.hf.module import (
     CausalLM,
     HFModule,
@@ -28,6 +22,8 @@ from lightning_gpipe.hf.module import (
     greedy_generate,
     lr_factor,
 )
+from lightning_gpipe.hf.moe import RouterLoss
+from lightning_gpipe.hf.selfcheck import SelfCheckError
 from lightning_gpipe.hf.weights import SafetensorsWeights, save_stage_shards
 
 __all__ = [
@@ -38,10 +34,13 @@ __all__ = [
     "HFLayer",
     "HFModule",
     "MaskedLM",
+    "RouterLoss",
     "SafetensorsWeights",
     "SavePretrained",
+    "SelfCheckError",
     "SequenceClassifier",
     "UnsupportedModelError",
+    "check_class",
     "clear_kv_caches",
     "family_of",
     "greedy_generate",

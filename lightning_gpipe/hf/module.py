@@ -1,10 +1,13 @@
 """LightningModules that fine-tune a Hugging Face model whose backbone is :func:`~lightning_gpipe.hf.to_sequential`'s.
 
-:class:`CausalLM` (Llama family, GPT-2), :class:`MaskedLM` and :class:`SequenceClassifier` (BERT) build the model in
-``configure_model`` on the meta device: under ``GPipeStrategy`` (whose ``model_sharded_context`` is the meta device)
-each stage then allocates only its own layers and reads only their tensors from the checkpoint's safetensors files
-(:class:`~lightning_gpipe.hf.weights.SafetensorsWeights`); under any other strategy, or in ``load_from_checkpoint``,
-the whole model is materialised at once the same way. :class:`SavePretrained` writes a ``from_pretrained``
+:class:`CausalLM` (any decoder of the standard layout, GPT-2), :class:`MaskedLM` and :class:`SequenceClassifier`
+(BERT-style encoders) check the model's class in ``__init__`` (the self-check, before any stage process starts) and
+build the model in ``configure_model`` on the meta device: under ``GPipeStrategy`` (whose ``model_sharded_context`` is
+the meta device) each stage then allocates only its own layers and reads only their tensors from the checkpoint's
+safetensors files (:class:`~lightning_gpipe.hf.weights.SafetensorsWeights`); under any other strategy, or in
+``load_from_checkpoint``, the whole model is materialised at once the same way. With ``lora``, ``peft`` wraps the
+model first (:mod:`lightning_gpipe.hf.lora`): the base weights are frozen on every stage, only the adapters train, and
+the checkpoints and ``save_pretrained`` hold the adapters. :class:`SavePretrained` writes a ``from_pretrained``
 directory after fit, each stage writing its own shard.
 """
 
@@ -21,7 +24,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_gpipe.engine.contract import forward_and_share
-from lightning_gpipe.hf.adapter import clear_kv_caches, hf_name, positions_from_mask, to_sequential
+from lightning_gpipe.hf import lora as peft_lora
+from lightning_gpipe.hf.adapter import Family, check_class, family_of, to_sequential
+from lightning_gpipe.hf.decoder import causal_lm_loss, clear_kv_caches, decoder_input, positions_from_mask
+from lightning_gpipe.hf.encoder import encoder_input
+from lightning_gpipe.hf.layer import UnsupportedModelError, hf_name
+from lightning_gpipe.hf.moe import RouterLoss, router_loss_of
 from lightning_gpipe.hf.weights import SafetensorsWeights, save_stage_shards
 from lightning_gpipe.engine.partition import Partition, materialize
 
@@ -34,9 +42,10 @@ try:
         AutoModelForSequenceClassification,
         PretrainedConfig,
     )
-    from transformers.loss.loss_utils import ForCausalLMLoss
 except ImportError as error:  # pragma: no cover - the message is the point
-    raise ImportError("lightning_gpipe.hf needs `transformers` 5 or newer: pip install 'transformers>=5'") from error
+    raise ImportError(
+        "lightning_gpipe.hf needs `transformers` 5.24 or newer: pip install 'transformers>=5.24'"
+    ) from error
 
 
 class HFModule(pl.LightningModule):
@@ -59,17 +68,37 @@ class HFModule(pl.LightningModule):
         decay: ``"cosine"`` (default), ``"linear"`` or ``"constant"`` after warmup, down to ``min_lr_ratio * lr`` at
             the run's last step (``trainer.estimated_stepping_batches``).
         min_lr_ratio: the final learning rate over the peak. Default 0.1.
+        lora: fine-tune LoRA adapters with ``peft`` instead of every weight: ``True`` (``LoraConfig(r=8,
+            lora_alpha=16, target_modules="all-linear")``), a dict of ``peft.LoraConfig`` fields, a ``LoraConfig``,
+            or the ``save_pretrained`` directory of an adapter to go on training; ``None`` (default) trains every
+            weight. The base weights are frozen on every stage (no gradient, no optimizer state); see
+            :mod:`lightning_gpipe.hf.lora`. A ``LoraConfig`` object is not kept in the hyperparameters: give a dict
+            for checkpoints that ``load_from_checkpoint`` should rebuild.
+        checkpoint_frozen: with ``lora``, whether Lightning checkpoints also hold the frozen base weights. Default
+            ``False``: only the trainable tensors (the adapters); loading one takes the base from ``pretrained``.
+        self_check: prove the adapter's cut on the model's class before anything is built (default; see
+            :mod:`lightning_gpipe.hf.selfcheck`). ``False`` skips it: only for a class you have verified yourself.
 
     Attributes:
         backbone: the ``nn.Sequential`` of :func:`~lightning_gpipe.hf.to_sequential`, after ``configure_model``.
         hf_model: the ``transformers`` model (not a submodule: its modules are the backbone's).
+        peft_model: the ``peft`` model around it, with ``lora``; else ``None``.
 
     Raises:
-        ValueError: for ``decay`` other than the three names, or no ``pretrained`` and no ``config``.
+        ValueError: for ``decay`` other than the three names, no ``pretrained`` and no ``config``, or a ``lora``
+            whose initialisation needs the base weights (see :func:`~lightning_gpipe.hf.lora.lora_config`).
+        SelfCheckError: if the adapter does not cut the model's class as its own forward computes (naming the class
+            and the first backbone layer that differs), before any process starts.
+        UnsupportedModelError: if no family takes the model's class.
+        ImportError: for ``lora`` without ``peft``.
     """
 
     auto_class: Any = None
     """The ``transformers`` auto class that builds the model from a config."""
+
+    trains_encoder: bool = False
+    """Whether the module trains an encoder (its backbone takes ``(input_ids, attention_mask, token_type_ids)``)
+    rather than a causal LM."""
 
     def __init__(
         self,
@@ -83,22 +112,68 @@ class HFModule(pl.LightningModule):
         warmup_steps: int = 0,
         decay: str = "cosine",
         min_lr_ratio: float = 0.1,
+        lora: Optional[Union[bool, str, dict]] = None,
+        checkpoint_frozen: bool = False,
+        self_check: bool = True,
     ) -> None:
         super().__init__()
         if decay not in ("cosine", "linear", "constant"):
             raise ValueError(f"decay={decay!r}: choose 'cosine', 'linear' or 'constant'.")
         if pretrained is None and config is None:
             raise ValueError("Give `pretrained` (a checkpoint directory or Hub name) or a `config` to build from.")
-        self.save_hyperparameters(ignore=["config"] if isinstance(config, PretrainedConfig) else None)
+        ignored = [name for name, value in (("config", config), ("lora", lora)) if _is_object(value)]
+        self.save_hyperparameters(ignore=ignored or None)
         self.pretrained, self.model_config, self.attn_implementation = pretrained, config, attn_implementation
         self.overrides = dict(overrides or {})
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.warmup_steps, self.decay, self.min_lr_ratio = warmup_steps, decay, min_lr_ratio
+        self.lora, self.checkpoint_frozen, self.self_check = lora or None, checkpoint_frozen, self_check
+        if self.lora is not None:
+            peft_lora.lora_config(self.lora)  # a bad LoRA configuration fails here, before any process starts
+        if self_check:  # configure_model then builds from the same config: no second check
+            config = self.model_config_for_build()
+            model_class = self._model_class(config)
+            self._check_family(model_class.__name__, check_class(model_class, config))
+
+    def _model_class(self, config: PretrainedConfig) -> type:
+        """The class :attr:`auto_class` builds for ``config``.
+
+        Raises:
+            UnsupportedModelError: if it builds none (a config of another kind of model).
+        """
+        try:
+            return self.auto_class._model_mapping[type(config)]
+        except KeyError:
+            raise UnsupportedModelError(
+                f"{self.auto_class.__name__} builds no model from a {type(config).__name__} ({config.model_type!r}):"
+                f" {type(self).__name__} cannot train it."
+            ) from None
+
+    def _check_family(self, name: str, family: Family) -> None:
+        """Refuse a model its family cuts into another kind of backbone than this module feeds (e.g. BERT's causal-LM
+        head without ``is_decoder=True``, an encoder, under :class:`CausalLM`)."""
+        if family.encoder != self.trains_encoder:
+            kind, other = ("an encoder", "a decoder") if family.encoder else ("a decoder", "an encoder")
+            raise UnsupportedModelError(
+                f"{type(self).__name__} trains {other}, but {name} is cut as {kind} (the {family.name} family, whose"
+                f" backbone takes {family.inputs}): choose the module for {kind}."
+            )
 
     @property
     def hf_model(self) -> Any:
         """The ``transformers`` model whose modules the backbone holds (``None`` before ``configure_model``)."""
         return self.__dict__.get("_hf_model")
+
+    @property
+    def peft_model(self) -> Any:
+        """The ``peft`` model around :attr:`hf_model` with ``lora``, else ``None``."""
+        return self.__dict__.get("_peft_model")
+
+    @property
+    def router_loss(self) -> Optional[RouterLoss]:
+        """The model's load-balancing loss when it adds one (a mixture of experts with ``output_router_logits``),
+        else ``None`` (see :mod:`lightning_gpipe.hf.moe`)."""
+        return None if self.hf_model is None else router_loss_of(self.hf_model)
 
     def hf_config(self) -> PretrainedConfig:
         """The model's configuration, from ``pretrained`` or ``config``, with ``overrides`` (no weights read)."""
@@ -112,6 +187,13 @@ class HFModule(pl.LightningModule):
         fields = {**dict(config), **self.overrides}
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
+    def model_config_for_build(self) -> PretrainedConfig:
+        """:meth:`hf_config` as the model is built: with the attention implementation, no key/value cache."""
+        config = self.hf_config()
+        config._attn_implementation = self.attn_implementation
+        config.use_cache = False
+        return config
+
     def configure_model(self) -> None:
         """Build the model on the meta device and its backbone; outside ``GPipeStrategy`` also materialise it.
 
@@ -122,20 +204,56 @@ class HFModule(pl.LightningModule):
         """
         if self.hf_model is not None:
             return
-        config = self.hf_config()
-        config._attn_implementation = self.attn_implementation
-        config.use_cache = False
+        config = self.model_config_for_build()
         with torch.device("meta"):
             model = self.auto_class.from_config(config, attn_implementation=self.attn_implementation)
         model.train()
         weights = None
         if self.pretrained is not None:
-            weights = SafetensorsWeights(_local(self.pretrained), model.all_tied_weights_keys, model.base_model_prefix)
+            weights = SafetensorsWeights(
+                _local(self.pretrained), model.all_tied_weights_keys, model.base_model_prefix, model
+            )
         self.__dict__["_hf_model"] = model
-        self.backbone = to_sequential(model, weights)
+        if self.lora is not None:
+            with torch.device("meta"):
+                wrapped = self.__dict__["_peft_model"] = peft_lora.wrap(model, self.lora)
+            adapters = self.lora if isinstance(self.lora, (str, os.PathLike)) else None
+            if weights is not None or adapters is not None:
+                weights = peft_lora.PeftWeights(wrapped, weights, adapters)
+        self._check_family(type(model).__name__, family_of(model))
+        self.backbone = to_sequential(self.peft_model or model, weights, check=False)  # checked in __init__
         device = torch.empty(()).device
         if device.type != "meta":  # not under GPipeStrategy's sharded context: this process holds everything
             materialize(self.backbone, device)  # tied parameters stay one
+
+    # ----------------------------------------------------------------------------------------------- checkpoints
+
+    def _frozen_names(self) -> set[str]:
+        """The names of the parameters that train no more (LoRA's base weights), when checkpoints leave them out."""
+        if self.peft_model is None or self.checkpoint_frozen:
+            return set()
+        names = {name for name, p in self.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        return names | {name for name, _ in self.named_buffers(remove_duplicate=False)}
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The module's state; with ``lora`` (and ``checkpoint_frozen=False``) only its trainable tensors, the
+        adapters: what Lightning checkpoints hold (every stage its own, see ``GPipeStrategy(state_dict_type=...)``)."""
+        state = super().state_dict(*args, **kwargs)
+        frozen = self._frozen_names()
+        if frozen:
+            prefix = kwargs.get("prefix", "")
+            for key in [k for k in state if k.startswith(prefix) and k[len(prefix) :] in frozen]:
+                del state[key]
+        return state
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load ``state_dict``; with ``lora`` (and ``checkpoint_frozen=False``) the frozen tensors it lacks keep
+        their values (read from ``pretrained``), so an adapters-only checkpoint loads with ``strict=True``."""
+        frozen = self._frozen_names()
+        if frozen:
+            current = super().state_dict(keep_vars=True)
+            state_dict = {**{k: v for k, v in current.items() if k in frozen}, **state_dict}
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     # ----------------------------------------------------------------------------------------------- training
 
@@ -159,12 +277,15 @@ class HFModule(pl.LightningModule):
         self.log("val_loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
 
     def configure_optimizers(self) -> Any:
-        """AdamW over this stage's parameters (no decay for tensors of fewer than 2 dimensions), stepped every
-        optimizer step by :func:`lr_factor`."""
+        """AdamW over this stage's trainable parameters (no decay for tensors of fewer than 2 dimensions), stepped
+        every optimizer step by :func:`lr_factor`. A stage with nothing to train (with ``lora``, one that holds only
+        frozen layers, e.g. the final norm and the head) gets one empty group: it steps nothing, as the pipeline's
+        other stages step."""
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
         groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.lr, betas=self.betas)
+        groups = [g for g in groups if g["params"]] or groups[1:]
+        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
         total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1
         factor = lambda step: lr_factor(step, self.warmup_steps, int(total), self.decay, self.min_lr_ratio)  # noqa: E731
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
@@ -180,11 +301,17 @@ class HFModule(pl.LightningModule):
         stage of the first pipeline replica writes its own parameters as one shard, and global rank 0 the index
         and the config, so no process gathers the model.
 
+        With ``lora`` it writes the adapter directory instead (``adapter_model.safetensors`` and
+        ``adapter_config.json``, as ``PeftModel.save_pretrained``; ``PeftModel.from_pretrained(base, directory)``
+        loads it): every stage sends its adapters, small next to the model, to global rank 0, which writes them.
+
         Returns:
             The directory.
         """
         directory = Path(directory)
         model = self.hf_model
+        if self.peft_model is not None:
+            return self._save_adapters(directory)
         if not isinstance(self.backbone, Partition):
             model.save_pretrained(directory)
             return directory
@@ -201,11 +328,31 @@ class HFModule(pl.LightningModule):
                 skip=model.all_tied_weights_keys,
                 gather=_gather_over_world if strategy.topology.num_stages > 1 else None,
                 write_index=strategy.global_rank == 0,
+                model=model,
             )
         else:
             _gather_over_world(None)
         strategy.barrier("save_pretrained")
         return directory
+
+    def _save_adapters(self, directory: Path) -> Path:
+        """:meth:`save_pretrained` with ``lora``: the trainable tensors of every stage, written by global rank 0."""
+        if not isinstance(self.backbone, Partition):
+            self.peft_model.save_pretrained(str(directory))
+            return directory
+        strategy = self.trainer.strategy
+        state = self.backbone.state_dict(keep_vars=True)
+        local = {hf_name(k): v.detach().cpu() for k, v in state.items() if v.requires_grad and not v.is_meta}
+        everything = _gather_over_world(local if getattr(strategy, "replica_index", 0) == 0 else None)
+        if strategy.global_rank == 0:
+            peft_lora.save_adapters(self.peft_model, directory, {k: v for part in everything for k, v in part.items()})
+        strategy.barrier("save_pretrained")
+        return directory
+
+
+def _is_object(value: Any) -> bool:
+    """Whether ``value`` is an object that ``save_hyperparameters`` should not record (a config object)."""
+    return value is not None and not isinstance(value, (bool, int, float, str, dict, list, tuple, os.PathLike))
 
 
 def _gather_over_world(obj: Any) -> list[Any]:
@@ -237,13 +384,18 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, decay: str, min_ra
 
 
 class CausalLM(HFModule):
-    """Causal language-model fine-tuning of a Llama-family or GPT-2 model, pipelined by ``GPipeStrategy``.
+    """Causal language-model fine-tuning of a decoder (the standard layout, GPT-2), pipelined by ``GPipeStrategy``.
 
     Batches are dicts of ``(N, S)`` long tensors: ``input_ids``, ``attention_mask`` (1 real, 0 padding) and
     ``labels`` (the ids, ``-100`` where no loss is wanted, e.g. padding); the loss is the model's own
-    (``ForCausalLMLoss``: next-token cross-entropy, mean over the labelled tokens of the whole batch). Positions
-    are ``0 .. S-1``, as the model's forward numbers a training batch. ``predict`` decodes greedily through the
-    pipeline.
+    (``ForCausalLMLoss``: next-token cross-entropy, mean over the labelled tokens of the whole batch; plus the
+    load-balancing loss of a mixture of experts whose config has ``output_router_logits=True``, times its
+    ``router_aux_loss_coef``). Positions are ``0 .. S-1``, as the model's forward numbers a training batch.
+    ``predict`` decodes greedily through the pipeline.
+
+    A mixture of experts with the load-balancing loss needs the batch's loss at once: under a schedule that runs
+    the loss per micro-batch (``schedule="1f1b"`` and the other non-fill-drain schedules) :meth:`on_fit_start`
+    refuses it (see :mod:`lightning_gpipe.hf.moe`).
 
     Args:
         *args: see :class:`HFModule`.
@@ -260,16 +412,29 @@ class CausalLM(HFModule):
         self.max_new_tokens, self.kv_cache = max_new_tokens, kv_cache
 
     def backbone_input(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """``(input_ids, attention_mask, position_ids)``."""
-        ids = batch["input_ids"]
-        mask = batch.get("attention_mask")
-        mask = torch.ones_like(ids) if mask is None else mask
-        positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1).contiguous()
-        return ids, mask, positions
+        """``(input_ids, attention_mask, position_ids)`` (:func:`~lightning_gpipe.hf.decoder.decoder_input`)."""
+        return decoder_input(batch["input_ids"], batch.get("attention_mask"))
 
-    def loss(self, logits: Tensor, batch: dict[str, Tensor]) -> Tensor:
-        """Next-token cross-entropy over the labelled tokens (the model's ``ForCausalLMLoss``)."""
-        return ForCausalLMLoss(logits, batch["labels"], vocab_size=logits.shape[-1])
+    def loss(self, output: Tensor | tuple[Tensor, Tensor], batch: dict[str, Tensor]) -> Tensor:
+        """The model's loss with ``batch["labels"]`` (:func:`~lightning_gpipe.hf.decoder.causal_lm_loss`): next-token
+        cross-entropy over the labelled tokens, plus the load-balancing loss of a mixture of experts."""
+        return causal_lm_loss(output, batch["labels"], self.router_loss)
+
+    def on_fit_start(self) -> None:
+        """Refuse a load-balancing loss under a schedule that runs the loss per micro-batch, before step 1.
+
+        Raises:
+            ValueError: for a mixture of experts with ``output_router_logits=True`` under such a schedule: the loss
+                is a product of two means over the whole batch, which the micro-batches' losses do not add up to.
+        """
+        run = getattr(self.trainer.strategy, "run", None)
+        if self.router_loss is not None and run is not None and run.runtime.per_micro_batch_loss:
+            raise ValueError(
+                f"{type(self.hf_model).__name__} adds a load-balancing loss (output_router_logits=True) that is a"
+                " product of two means over the whole batch's tokens, but this schedule computes the loss per"
+                " micro-batch, which would train another loss. Use the fill-drain schedule (GPipeStrategy(schedule="
+                "'gpipe'), the default), or train without it (overrides={'output_router_logits': False})."
+            )
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         """Greedy continuations of the batch's left-padded prompts (``input_ids``, ``attention_mask``): ``(N, S +
@@ -296,15 +461,17 @@ class CausalLM(HFModule):
 
 
 class MaskedLM(HFModule):
-    """Masked language-model fine-tuning of a BERT model. Batches: ``input_ids``, ``attention_mask``, optional
-    ``token_type_ids``, and ``labels`` (the original ids at masked positions, ``-100`` elsewhere; masking is the
-    data's job, e.g. ``transformers.DataCollatorForLanguageModeling``). Arguments: see :class:`HFModule`."""
+    """Masked language-model fine-tuning of a BERT-style encoder (BERT, RoBERTa, XLM-RoBERTa...). Batches:
+    ``input_ids``, ``attention_mask``, optional ``token_type_ids``, and ``labels`` (the original ids at masked
+    positions, ``-100`` elsewhere; masking is the data's job, e.g. ``transformers.DataCollatorForLanguageModeling``).
+    Arguments: see :class:`HFModule`."""
 
     auto_class = AutoModelForMaskedLM
+    trains_encoder = True
 
     def backbone_input(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         """``(input_ids, attention_mask, token_type_ids)``."""
-        return _encoder_input(batch)
+        return encoder_input(batch["input_ids"], batch.get("attention_mask"), batch.get("token_type_ids"))
 
     def loss(self, logits: Tensor, batch: dict[str, Tensor]) -> Tensor:
         """Cross-entropy over the masked positions."""
@@ -312,15 +479,17 @@ class MaskedLM(HFModule):
 
 
 class SequenceClassifier(HFModule):
-    """Sequence classification with a BERT model (pooled first token). Batches: ``input_ids``, ``attention_mask``,
-    optional ``token_type_ids``, and ``labels`` ``(N,)`` long class ids. Logs ``val_acc`` besides the loss.
-    Arguments: see :class:`HFModule` (``config={"num_labels": C}`` sets the classes of a checkpoint's head)."""
+    """Sequence classification with a BERT-style encoder (BERT's pooled first token, RoBERTa's head on it). Batches:
+    ``input_ids``, ``attention_mask``, optional ``token_type_ids``, and ``labels`` ``(N,)`` long class ids. Logs
+    ``val_acc`` besides the loss. Arguments: see :class:`HFModule` (``config={"num_labels": C}`` sets the classes of a
+    checkpoint's head)."""
 
     auto_class = AutoModelForSequenceClassification
+    trains_encoder = True
 
     def backbone_input(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         """``(input_ids, attention_mask, token_type_ids)``."""
-        return _encoder_input(batch)
+        return encoder_input(batch["input_ids"], batch.get("attention_mask"), batch.get("token_type_ids"))
 
     def loss(self, logits: Tensor, batch: dict[str, Tensor]) -> Tensor:
         """Cross-entropy of the class logits."""
@@ -332,13 +501,6 @@ class SequenceClassifier(HFModule):
         n = batch["input_ids"].shape[0]
         self.log("val_loss", self.loss(logits, batch), prog_bar=True, batch_size=n)
         self.log("val_acc", (logits.argmax(-1) == batch["labels"]).float().mean(), prog_bar=True, batch_size=n)
-
-
-def _encoder_input(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    ids = batch["input_ids"]
-    mask = batch.get("attention_mask")
-    types = batch.get("token_type_ids")
-    return ids, torch.ones_like(ids) if mask is None else mask, torch.zeros_like(ids) if types is None else types
 
 
 @torch.no_grad()
@@ -404,8 +566,10 @@ def greedy_generate(
     return ids
 
 
-def _next_tokens(logits: Tensor) -> Tensor:
-    """Each row's most likely next token of ``(N, S, V)`` logits, ``(N,)`` long on the CPU."""
+def _next_tokens(output: Tensor | tuple[Tensor, Tensor]) -> Tensor:
+    """Each row's most likely next token of ``(N, S, V)`` logits (or ``(logits, router statistics)``), ``(N,)`` long
+    on the CPU."""
+    logits = output[0] if isinstance(output, tuple) else output
     return logits[:, -1].float().argmax(-1).cpu()
 
 

@@ -46,9 +46,16 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict
 
     Args:
         module: the stage's LightningModule (its parameters under their original names).
-        optimizer: an optimizer over (some of) ``module``'s parameters.
+        optimizer: an optimizer over (some of) ``module``'s parameters; one over none (a stage with nothing to
+            train, e.g. only frozen layers under LoRA) has an empty state.
     """
+    if not _has_parameters(optimizer):
+        return {}
     return get_optimizer_state_dict(module, optimizer, options=_FLAT)
+
+
+def _has_parameters(optimizer: torch.optim.Optimizer) -> bool:
+    return any(group["params"] for group in optimizer.param_groups)
 
 
 def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
@@ -57,7 +64,8 @@ def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, st
     Raises:
         KeyError: if ``state`` lacks an entry of one of this stage's parameters.
     """
-    set_optimizer_state_dict(module, optimizer, state, options=_FLAT)
+    if _has_parameters(optimizer):
+        set_optimizer_state_dict(module, optimizer, state, options=_FLAT)
 
 
 def load_optimizer_states(module: nn.Module, optimizers: list, states: list[dict[str, Any]]) -> None:

@@ -10,10 +10,9 @@ the base class), the options (:mod:`~lightning_gpipe.lightning.config`), this ru
 (:mod:`~lightning_gpipe.lightning.optimization`).
 """
 
-from collections.abc import Generator, Mapping
+from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
 import lightning.pytorch as pl
@@ -27,7 +26,6 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gpipe.lightning import state_dict
 from lightning_gpipe.planning.balance import LayerCost
 from lightning_gpipe.engine.compilation import CompileOption
 from lightning_gpipe.lightning.config import Balance, PipelineConfig
@@ -37,6 +35,7 @@ from lightning_gpipe.lightning.optimization import pipelined, unpipelined
 from lightning_gpipe.engine.partition import find_backbone, is_whole
 from lightning_gpipe.lightning import step
 from lightning_gpipe.lightning.build import StageBuilder, build_stage
+from lightning_gpipe.lightning.checkpoints import CheckpointHooks
 from lightning_gpipe.lightning.run import StageRun
 from lightning_gpipe.lightning.measure import planned_config, shared_layer_costs
 from lightning_gpipe.planning import CostModel, PlanReport
@@ -45,7 +44,7 @@ from lightning_gpipe.lightning.summary import replace_model_summary
 from lightning_gpipe.engine.topology import Size
 
 
-class GPipeStrategy(MeshStrategy):
+class GPipeStrategy(CheckpointHooks, MeshStrategy):
     """Train a LightningModule whose ``nn.Sequential`` backbone is split into stages, one per device of a pipeline.
 
     GPipe (Huang et al. 2019, arXiv:1811.06965): each mini-batch is split into ``chunks`` micro-batches that flow
@@ -266,68 +265,6 @@ class GPipeStrategy(MeshStrategy):
         :func:`~lightning_gpipe.lightning.step.evaluation_step`)."""
         self._agree(f"{hook.removesuffix('_step').replace('predict', 'prediction')} batch {args[1]}")
         return step.evaluation_step(self._run, self.lightning_module, hook, context, args, kwargs)
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        """Checkpoints are restored after the split, so each stage loads the entries of its own layers."""
-        return True
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model's state for a checkpoint under the original names (see
-        :mod:`lightning_gpipe.lightning.state_dict`): ``"full"``, the whole model's on global rank 0 and ``{}``
-        elsewhere (a collective call); ``"sharded"``,
-        this stage's part."""
-        return self._whole_or_local(self.lightning_module.state_dict())
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The optimizer's state keyed by parameter name, whole or this stage's, like the model's state dict."""
-        local = state_dict.optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
-        return self._whole_or_local(local)
-
-    def _whole_or_local(self, local: dict[str, Any]) -> dict[str, Any]:
-        if self.config.state_dict_type == "sharded":
-            return local
-        return state_dict.whole_on_rank_zero(local, self.replica_index, self.pipeline_group, self._job) or {}
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Write a checkpoint: one file from global rank 0 (``"full"``), or a directory from all stages (``"sharded"``);
-        either replaces an existing one only once complete. Waiting for the writers does not count as a stall."""
-        with self._job.position.unbounded_phase("writing a checkpoint"):
-            if self.config.state_dict_type == "sharded":
-                state_dict.save_sharded(checkpoint, filepath, self.global_rank, self._job)
-            else:
-                super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Read a full checkpoint file on every stage, or this stage's part of a sharded checkpoint directory.
-
-        Raises:
-            FileNotFoundError: for a directory that is not a sharded checkpoint (it has no ``meta.pt``).
-        """
-        with self._job.position.unbounded_phase("reading a checkpoint"):
-            if not Path(checkpoint_path).is_dir():
-                return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-            fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-            template = state_dict.stage_template(self.lightning_module, self.optimizers, fitting)
-            return state_dict.load_sharded(checkpoint_path, template, self._job)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load this stage's entries of the checkpoint's (whole or sharded) model state."""
-        module = self.lightning_module
-        module.load_state_dict(state_dict.local_entries(checkpoint["state_dict"], module), strict=strict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Load this stage's entries of every optimizer's name-keyed state, whatever the split it was saved with
-        (see :func:`~lightning_gpipe.lightning.state_dict.load_optimizer_states`)."""
-        state_dict.load_optimizer_states(self.lightning_module, self.optimizers, checkpoint["optimizer_states"])
-        _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
     def teardown(self) -> None:

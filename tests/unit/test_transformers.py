@@ -1,6 +1,9 @@
-"""Hugging Face models in the pipeline (lightning_gpipe.hf): the adapter against the models' own forward, names,
-ties, meta-device builds loading their own weights from safetensors, greedy decoding with and without the key/value
-cache, and the LightningModules on one device. The pipelined runs are in tests/distributed/test_transformers.py.
+"""Hugging Face models in the pipeline (lightning_gpipe.hf): the adapter against the models' own forward (every
+family of tests/hf_families.py, found by structure), names, ties, meta-device builds loading their own weights from
+safetensors, greedy decoding with and without the key/value cache, and the LightningModules on one device. The
+self-check, mixtures of experts and LoRA have their own files (test_transformers_selfcheck.py,
+test_transformers_moe.py, test_transformers_lora.py); the pipelined runs are in
+tests/distributed/test_transformers.py.
 
 Every model is built from a small config (the hub is not reachable here).
 """
@@ -29,6 +32,8 @@ from transformers import (  # noqa: E402
     Qwen2ForCausalLM,
 )
 
+from hf_families import FAMILIES, FIRST, MOE_FAMILIES, build  # noqa: E402
+
 from lightning_gpipe.hf import (  # noqa: E402
     SafetensorsWeights,
     UnsupportedModelError,
@@ -36,6 +41,8 @@ from lightning_gpipe.hf import (  # noqa: E402
     positions_from_mask,
     to_sequential,
 )
+from lightning_gpipe.hf.decoder import causal_lm_loss  # noqa: E402
+from lightning_gpipe.hf.moe import router_loss_of  # noqa: E402
 from lightning_gpipe.engine.partition import Split, materialize  # noqa: E402
 from lightning_gpipe.engine.ties import find_ties  # noqa: E402
 
@@ -69,7 +76,9 @@ def models() -> dict:
         attention_probs_dropout_prob=0.0,
     )
     no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    found_by_structure = {name: lambda name=name, **o: build(name, **o) for name in FAMILIES if name not in FIRST}
     return {
+        **found_by_structure,
         "llama": llama,
         "llama_untied": lambda **o: llama(tie_word_embeddings=False, **o),
         "mistral": lambda **o: MistralForCausalLM(MistralConfig(**DECODER, sliding_window=4, **o)),
@@ -92,8 +101,17 @@ def batch(rows: int = 3, length: int = 9, seed: int = 0):
     return ids, mask
 
 
+ENCODERS = ("bert_mlm", "bert_classifier", "roberta_mlm", "xlm_roberta_classifier")
+CLASSIFIERS = ("bert_classifier", "xlm_roberta_classifier")
+BOTH = ("llama", "llama_untied", "mistral", "qwen2", "gpt2", "bert_mlm", "bert_classifier")
+ATTENTIONS = [(name, attention) for name in BOTH for attention in ("eager", "sdpa")]
+ATTENTIONS += [(name, "eager" if name == "gemma2" else "sdpa") for name in FAMILIES if name not in BOTH]
+"""(model, attention implementation): the first families with both, the others with the default ``sdpa`` (Gemma 2
+has none but ``eager``)."""
+
+
 def backbone_input(name: str, ids, mask):
-    if name.startswith("bert"):
+    if name in ENCODERS:
         return ids, mask, torch.zeros_like(ids)
     return ids, mask, torch.arange(ids.shape[1]).expand(ids.shape[0], -1).contiguous()
 
@@ -104,37 +122,39 @@ def layer_by_layer(backbone: nn.Sequential, value):
     return value
 
 
-def hf_loss(name: str, model, logits, ids, mask):
-    """The loss the model's own forward computes for these labels, on ``logits``."""
-    if name == "bert_classifier":
-        return nn.functional.cross_entropy(logits, torch.tensor([0, 2, 1]))
+def hf_loss(name: str, model, output, ids, mask):
+    """The loss the model's own forward computes for these labels, on the backbone's ``output``."""
+    if name in CLASSIFIERS:
+        return nn.functional.cross_entropy(output, torch.tensor([0, 2, 1]))
     labels = ids.masked_fill(mask == 0, -100)
-    if name == "bert_mlm":
-        return nn.functional.cross_entropy(logits.view(-1, VOCAB), labels.view(-1))
-    return model.loss_function(logits=logits, labels=labels, vocab_size=VOCAB)
+    if name in ENCODERS:
+        return nn.functional.cross_entropy(output.view(-1, VOCAB), labels.view(-1))
+    return causal_lm_loss(output, labels, router_loss_of(model))
 
 
 # --------------------------------------------------------------------------- the adapter equals the model
 
 
-@pytest.mark.parametrize("attention", ["eager", "sdpa"])
-@pytest.mark.parametrize("name", list(models()))
+@pytest.mark.parametrize("name, attention", ATTENTIONS)
 def test_the_backbone_layer_by_layer_equals_the_models_forward_logits_loss_and_gradients(name, attention):
+    """For every family, the unmodified model's loss with labels (a mixture of experts' load-balancing loss
+    included) and every parameter's gradient (the routers' through the router statistics)."""
     torch.manual_seed(0)
     model = models()[name](attn_implementation=attention)
     reference = models()[name](attn_implementation=attention)
     reference.load_state_dict(model.state_dict())
     ids, mask = batch()
     labels = ids.masked_fill(mask == 0, -100)
-    if name == "bert_classifier":
+    if name in CLASSIFIERS:
         labels = torch.tensor([0, 2, 1])
     expected = reference(input_ids=ids, attention_mask=mask, labels=labels)
     expected.loss.backward()
 
     backbone = to_sequential(model)
-    logits = layer_by_layer(backbone, backbone_input(name, ids, mask))
-    loss = hf_loss(name, model, logits, ids, mask)
+    output = layer_by_layer(backbone, backbone_input(name, ids, mask))
+    loss = hf_loss(name, model, output, ids, mask)
     loss.backward()
+    logits = output[0] if name in MOE_FAMILIES else output
 
     real = mask.bool() if logits.dim() == 3 else slice(None)
     torch.testing.assert_close(logits[real], expected.logits[real], atol=1e-5, rtol=0)
@@ -178,15 +198,41 @@ def test_training_the_backbone_trains_the_model_and_save_pretrained_round_trips(
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
 
 
-def test_an_unsupported_model_class_is_refused_by_name_before_any_step():
+def test_a_model_of_another_layout_is_refused_by_name_with_the_reasons_before_any_step():
     from transformers import OPTConfig, OPTForCausalLM
 
     model = OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
                                      num_attention_heads=2, word_embed_proj_dim=16))  # fmt: skip
-    with pytest.raises(UnsupportedModelError, match="OPTForCausalLM.*supported: LlamaForCausalLM"):
+    message = r"OPTForCausalLM: not the decoder layout: `model` holds \['decoder'\].*no registered family names it"
+    with pytest.raises(UnsupportedModelError, match=message):
         to_sequential(model)
     with pytest.raises(UnsupportedModelError, match="MyModel"):
         family_of(type("MyModel", (nn.Module,), {})())
+
+
+@pytest.mark.parametrize(
+    "model_type, fields, reason",
+    [
+        (
+            "qwen3_next",
+            dict(layer_types=["linear_attention", "full_attention"]),
+            "layer types \\['linear_attention'\\]",
+        ),
+        ("phi", {}, "`model` holds \\['embed_dropout', 'embed_tokens', 'final_layernorm', 'layers', 'rotary_emb'\\]"),
+        ("megatron-bert", {}, "`bert.encoder` holds \\['layer', 'ln'\\]"),
+    ],
+)
+def test_a_deviation_the_adapter_does_not_handle_is_refused_by_structure(model_type, fields, reason):
+    """Linear attention layers, a dropout and a norm of its own in a decoder's base model, a final norm in an
+    encoder: modules or layer types the standard layouts do not have (on the meta device: nothing is allocated)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
+
+    config = AutoConfig.for_model(model_type, num_hidden_layers=2, **fields)
+    auto = AutoModelForMaskedLM if model_type == "megatron-bert" else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    with pytest.raises(UnsupportedModelError, match=reason):
+        to_sequential(model)
 
 
 def test_positions_from_mask_number_each_rows_real_tokens_as_generate_does():
@@ -194,18 +240,25 @@ def test_positions_from_mask_number_each_rows_real_tokens_as_generate_does():
     assert positions_from_mask(mask).tolist() == [[0, 1, 2, 0], [0, 0, 0, 1]]
 
 
-@pytest.mark.parametrize("attention", ["eager", "sdpa"])
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gpt2"])
+GENERATING = [(name, a) for name in ("llama", "mistral", "qwen2", "gpt2") for a in ("eager", "sdpa")]
+GENERATING += [("gemma2", "eager"), ("gemma3", "sdpa"), ("mixtral", "sdpa")]
+"""Decoding on one device: the first families with both attention implementations; Gemma 2 (alternating sliding
+layers, soft-capped logits), Gemma 3 (a rotary table per layer type) and Mixtral (router statistics in the cached
+steps). Every decoder family decodes through the pipeline in tests/distributed/test_transformers.py."""
+
+
+@pytest.mark.parametrize("name, attention", GENERATING)
 def test_greedy_generation_with_and_without_the_kv_cache_equals_generate(name, attention):
     from lightning_gpipe.hf import greedy_generate
 
     torch.manual_seed(0)
-    ends = {} if name == "gpt2" else {"bos_token_id": 1, "eos_token_id": 2}  # GPT-2's config sets them
+    ends = {"bos_token_id": 1, "eos_token_id": 2} if name in ("llama", "mistral", "qwen2") else {}  # the others' set
     model = models()[name](attn_implementation=attention, **ends).eval()
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [8, 9, 10, 11, 12, 13], [0, 13, 14, 15, 16, 17]])
     mask = (ids != 0).long()
+    backbone = to_sequential(model)  # router statistics as in training (generate's own aux loss fails on its cache)
+    model.config.output_router_logits = False
     expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=9, pad_token_id=2)
-    backbone = to_sequential(model)
     for kv_cache in (True, False):  # 6 + 9 positions: past Mistral's and Qwen2's sliding window of 4
         generated = greedy_generate(backbone, ids, mask, max_new_tokens=9, eos_token_id=2, kv_cache=kv_cache)
         assert torch.equal(generated, expected), kv_cache
@@ -232,8 +285,10 @@ def test_a_cached_decoding_step_without_its_cache_names_the_fix():
 # --------------------------------------------------------------------------- meta-device builds, own weights only
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "bert_mlm"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert_mlm", "mixtral"])
 def test_a_meta_build_split_into_stages_loads_each_stages_weights_from_safetensors(name, tmp_path):
+    """Each stage reads only its own tensors; a mixture of experts' one tensor per expert in the file (as
+    ``save_pretrained`` writes it) is converted to the model's one tensor for all, as ``from_pretrained`` does."""
     torch.manual_seed(0)
     saved = models()[name]()
     saved.save_pretrained(tmp_path)
@@ -247,7 +302,7 @@ def test_a_meta_build_split_into_stages_loads_each_stages_weights_from_safetenso
     for stage in range(2):
         with torch.device("meta"):
             model = type(saved)(saved.config)
-        weights = SafetensorsWeights(tmp_path, model.all_tied_weights_keys, model.base_model_prefix)
+        weights = SafetensorsWeights(tmp_path, model.all_tied_weights_keys, model.base_model_prefix, model)
         holder = nn.Module()
         holder.backbone = to_sequential(model, weights)
         Split(holder, "backbone", balance, stage)
@@ -363,3 +418,17 @@ def test_the_example_config_file_writes_out_the_clis_defaults():
     for key in ("data_dir", "languages", "tokenizer_name", "max_length", "batch_size", "val_rows"):
         assert getattr(written.datamodule, key) == getattr(defaults.datamodule, key)
     assert written.trainer.max_steps == defaults.trainer.max_steps == 200
+
+
+def test_a_module_refuses_a_model_of_the_other_kind_when_it_is_made():
+    """BERT's causal-LM head without ``is_decoder=True`` is cut as an encoder: not a ``CausalLM``; a config no auto
+    class of the module builds is named."""
+    from lightning_gpipe.hf import CausalLM, MaskedLM
+
+    bert = {"model_type": "bert", **{k: v for k, v in FAMILIES["bert_mlm"][2].items() if k != "model_type"}}
+    with pytest.raises(
+        UnsupportedModelError, match="CausalLM trains a decoder, but BertLMHeadModel is cut as an encoder"
+    ):
+        CausalLM(config=bert)
+    with pytest.raises(UnsupportedModelError, match="AutoModelForMaskedLM builds no model from a LlamaConfig"):
+        MaskedLM(config=dict(FAMILIES["llama"][2]))

@@ -1,8 +1,8 @@
-"""Distributed worker: a tiny `transformers` model (Llama, GPT-2 or BERT, tied embeddings) trained and decoded
-through GPipeStrategy.
+"""Distributed worker: a tiny `transformers` model (any family of tests/hf_families.py) trained and decoded through
+GPipeStrategy.
 
 Usage: python transformers_hf.py OUT_DIR --devices K [--family F] [--schedule S] [--balance time|memory] [--resume RUN]
-       [--data-parallel D] [--precision P] [--fit-only]
+       [--data-parallel D] [--precision P] [--fit-only | --quick] [--lora]
 Each rank writes the starting checkpoint (``save_pretrained`` of a seeded model of family ``F``, see ``FAMILIES``)
 to OUT_DIR/init_rank{r}; then the family's ``lightning_gpipe.hf`` module (``CausalLM``, ``MaskedLM`` or
 ``SequenceClassifier``) built on the meta device, each stage loading only its own tensors from it, is fitted for
@@ -17,7 +17,11 @@ without (``kv_cache=False``: OUT_DIR/generated_no_cache.pt).
 backbone layers (by their index), Lightning's precision plugin, the dtypes of the first local layer's outputs in the
 training steps, and the strategy's profiled ``layer_costs`` (``--balance time|memory``) with the balance
 ``lightning_gpipe.balance_by`` gives for them. ``--fit-only`` writes no checkpoint, no saved directory and decodes
-nothing.
+nothing; ``--quick`` writes no checkpoint and no saved directory, and decodes with the key/value caches only.
+
+``--lora`` fine-tunes LoRA adapters (``peft``) instead: each rank also writes the starting adapter (``save_pretrained``
+of ``initial_lora(F)``) to OUT_DIR/adapter_rank{r}, the module goes on training it (``lora=DIR``), OUT_DIR/saved is
+the adapter directory ``SavePretrained`` writes, and nothing is decoded.
 
 ``--data-parallel D`` runs D replicas of a ``K / D``-stage pipeline over the batches' rows, ``6 / D`` per replica
 and step, in the order of Lightning's distributed sampler (shuffled with seed 0); no losses.pt (each last stage sees
@@ -35,65 +39,8 @@ import sys
 
 import torch
 
-VOCAB = 61
-FAMILIES = {
-    "llama": (
-        "LlamaForCausalLM",
-        "CausalLM",
-        dict(
-            model_type="llama",
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            tie_word_embeddings=True,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-        ),
-    ),
-    "gpt2": (
-        "GPT2LMHeadModel",
-        "CausalLM",
-        dict(
-            model_type="gpt2",
-            vocab_size=VOCAB,
-            n_embd=32,
-            n_layer=3,
-            n_head=4,
-            n_positions=64,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-        ),
-    ),
-    "bert_mlm": (
-        "BertForMaskedLM",
-        "MaskedLM",
-        dict(
-            model_type="bert",
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            intermediate_size=48,
-            max_position_embeddings=64,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            pad_token_id=0,
-        ),
-    ),
-}
-FAMILIES["bert_classifier"] = ("BertForSequenceClassification", "SequenceClassifier",
-                               {**FAMILIES["bert_mlm"][2], "num_labels": 3})  # fmt: skip
-"""family: (the ``transformers`` class, the ``lightning_gpipe.hf`` module, its config, dropout off). Each has 3
-blocks: 6 backbone layers for the decoders (embeddings, blocks, final norm, head), 5 for BERT (no final norm)."""
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from hf_families import FAMILIES, VOCAB, build, is_decoder  # noqa: E402
 
 CONFIG = FAMILIES["llama"][2]
 """The tiny Llama's config."""
@@ -104,16 +51,14 @@ OPTIMIZATION = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), warmup_steps=2
 MAX_NEW_TOKENS = 8
 MASK_ID = 3
 """BERT's masked positions get this id (and their original ids as labels)."""
-
-
-def is_decoder(family: str) -> bool:
-    """Whether ``family`` is a causal LM (decodes)."""
-    return FAMILIES[family][1] == "CausalLM"
+LORA = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+"""The LoRA adapters of ``--lora``: rank 4 on every linear layer of the blocks, both matrices drawn at random (so
+that both get a gradient from the first step)."""
 
 
 def batches(family: str = "llama") -> list[dict[str, torch.Tensor]]:
     """``STEPS`` batches of 6 rows of 12 tokens, two rows right-padded: next-token labels (decoders), the original
-    ids of every third real token, masked (``bert_mlm``), or a class per row (``bert_classifier``)."""
+    ids of every third real token, masked (masked LMs), or a class per row (sequence classifiers)."""
     generator = torch.Generator().manual_seed(1)
     result = []
     for _ in range(STEPS):
@@ -123,11 +68,11 @@ def batches(family: str = "llama") -> list[dict[str, torch.Tensor]]:
         mask[4, 5:] = 0
         ids = ids.masked_fill(mask == 0, 0)
         labels = ids.masked_fill(mask == 0, -100)
-        if family == "bert_mlm":
+        if FAMILIES[family][1] == "MaskedLM":
             chosen = (torch.arange(12) % 3 == 1).expand(6, -1) & (mask == 1)
             labels = ids.masked_fill(~chosen, -100)
             ids = ids.masked_fill(chosen, MASK_ID)
-        elif family == "bert_classifier":
+        elif FAMILIES[family][1] == "SequenceClassifier":
             labels = torch.randint(0, 3, (6,), generator=generator)
         result.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
     return result
@@ -141,24 +86,28 @@ def prompts() -> dict[str, torch.Tensor]:
 
 def initial_model(family: str = "llama"):
     """The seeded starting model of ``family``."""
-    import transformers
-
-    model_class, _, config = FAMILIES[family]
-    fields = dict(config)
-    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(0)
-    return getattr(transformers, model_class)(config)
+    return build(family)
+
+
+def initial_lora(family: str = "llama"):
+    """The seeded starting LoRA model of ``family`` (``peft.get_peft_model`` of :func:`initial_model` with
+    :data:`LORA`)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = initial_model(family)
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(**LORA))
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     import lightning as L
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from torch.utils.data import DataLoader
 
     import lightning_gpipe
     import lightning_gpipe.hf as hf
-    from lightning_gpipe.hf.adapter import hf_name
+    from lightning_gpipe.hf.layer import hf_name
 
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -170,6 +119,8 @@ if __name__ == "__main__":
     parser.add_argument("--data-parallel", type=int, default=1)
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--fit-only", action="store_true")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--lora", action="store_true")
     args = parser.parse_args()
     rank = int(os.environ.get("LOCAL_RANK", "0"))
 
@@ -217,10 +168,13 @@ if __name__ == "__main__":
     initial.save_pretrained(init)
     module_class = getattr(hf, FAMILIES[args.family][1])
     extra = {"max_new_tokens": MAX_NEW_TOKENS} if is_decoder(args.family) else {}
+    if args.lora:
+        extra["lora"] = os.path.join(args.out, f"adapter_rank{rank}")
+        initial_lora(args.family).save_pretrained(extra["lora"])
     module = module_class(pretrained=init, attn_implementation="eager", **extra, **OPTIMIZATION)
     resumed = args.resume is not None
     callbacks = [losses := Losses(), recorder := Recorder()]
-    if not resumed and not args.fit_only:
+    if not resumed and not args.fit_only and not args.quick:
         callbacks += [
             ModelCheckpoint(dirpath=args.out, filename="full", every_n_train_steps=STEPS, save_top_k=-1),
             hf.SavePretrained(os.path.join(args.out, "saved")),
@@ -235,7 +189,7 @@ if __name__ == "__main__":
         precision=args.precision,
         max_steps=STEPS + RESUMED_STEPS if resumed else STEPS,
         default_root_dir=args.out,
-        enable_checkpointing=not resumed and not args.fit_only,
+        enable_checkpointing=not resumed and not args.fit_only and not args.quick,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -261,7 +215,7 @@ if __name__ == "__main__":
     with open(os.path.join(args.out, f"run_rank{rank}.json"), "w") as f:
         json.dump(record, f)
 
-    if is_decoder(args.family) and not resumed and not args.fit_only:
+    if is_decoder(args.family) and not resumed and not args.fit_only and not args.lora:
         predictor = L.Trainer(
             strategy=lightning_gpipe.GPipeStrategy(chunks=2),
             accelerator="cpu",
@@ -271,7 +225,7 @@ if __name__ == "__main__":
             enable_progress_bar=False,
             enable_model_summary=False,
         )
-        for name, kv_cache in (("generated", True), ("generated_no_cache", False)):
+        for name, kv_cache in (("generated", True), ("generated_no_cache", False))[: 1 if args.quick else 2]:
             module.kv_cache = kv_cache
             generated = predictor.predict(module, DataLoader([prompts()], batch_size=None))
             if rank == 0:

@@ -1,0 +1,284 @@
+"""The adapter's proof on the user's class, before the first step: a miniature cut layer by layer equals its forward.
+
+The adapter cuts a model by its structure (:mod:`lightning_gpipe.hf.decoder`, :mod:`lightning_gpipe.hf.encoder`), so
+a class that looks standard but computes something else in its ``forward`` (a scale on the logits, another mask, a
+dropout elsewhere) would train a different model without a word. :func:`verify` rules that out: it builds a
+miniature of the user's class from the user's config (:func:`miniature_config`: two layers, or one per kind of layer
+the config lists, widths of 64, a 128-token vocabulary, sliding windows of 4, every other option as given), in fp32
+on the CPU with every parameter drawn at random (so that every path counts), and runs a probe batch of 3 rows of 10
+tokens (one left-padded, one right-padded) through the model's own ``forward`` and through the cut backbone layer by
+layer, comparing what each backbone layer passes on with what the model's next module received (forward pre-hooks),
+and the logits, on the real tokens, to 1e-5:
+
+- in evaluation mode;
+- in training mode, with the config's dropout probabilities and the same seed on both sides (a dropout applied
+  elsewhere, or not at all, draws other numbers);
+- for causal LMs, the loss with labels (:func:`~lightning_gpipe.hf.decoder.causal_lm_loss`: mixture-of-experts
+  load-balancing loss included).
+
+The first difference raises :class:`SelfCheckError` naming the class and the backbone layer. A check costs a few
+hundredths of a second (docs/transformers.md).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_gpipe.hf.decoder import causal_lm_loss, decoder_input
+from lightning_gpipe.hf.encoder import encoder_input
+from lightning_gpipe.hf.layer import UnsupportedModelError
+from lightning_gpipe.hf.moe import router_loss_of
+
+SIZES = {
+    "hidden_size": 64,
+    "vocab_size": 128,
+    "num_attention_heads": 4,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "n_inner": 128,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "qk_head_dim": 16,
+    "v_head_dim": 16,
+}
+"""The miniature's widths, each set where the config has an integer of that name: hidden size, vocabulary,
+attention heads and their width (multi-head latent attention's ranks and widths too, its ``head_dim`` following
+``qk_rope_head_dim``), feed-forward widths."""
+
+LIMITS = {
+    "num_key_value_heads": 2,
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": 4,
+}
+"""The miniature's upper bounds, each applied where the config has an integer of that name (key/value heads equal to
+the attention heads stay equal; experts are kept when the config groups them, ``n_group``)."""
+
+ROWS, LENGTH, TOLERANCE = 3, 10, 1e-5
+"""The probe batch's rows and tokens, and the largest difference allowed."""
+
+
+class SelfCheckError(UnsupportedModelError):
+    """A model class whose miniature, cut into backbone layers, does not equal its own forward (or could not be
+    checked); the message names the class and the first backbone layer that differs."""
+
+
+def _kept_layers(config: Any) -> list[int]:
+    """The blocks the miniature keeps: the first block of each kind the config's per-layer lists tell apart
+    (``layer_types``...), then the next ones up to two."""
+    count = config.num_hidden_layers
+    lists = [v for v in vars(config).values() if isinstance(v, (list, tuple)) and len(v) == count]
+    first: dict[tuple, int] = {}
+    for index in range(count):
+        first.setdefault(tuple(repr(values[index]) for values in lists), index)
+    kept = sorted(first.values())
+    for index in range(count):
+        if len(kept) >= min(2, count):
+            break
+        if index not in kept:
+            kept = sorted([*kept, index])
+    return kept
+
+
+def miniature_config(config: Any) -> Any:
+    """A copy of ``config`` for the miniature: the blocks :func:`_kept_layers` keeps (per-layer lists cut alike), the
+    widths of :data:`SIZES`, the bounds of :data:`LIMITS`, token ids within the vocabulary, no cache; every other
+    option (dropout probabilities included) as given."""
+    mini = copy.deepcopy(config)
+    kept = _kept_layers(config)
+    for name, value in vars(config).items():
+        if isinstance(value, (list, tuple)) and len(value) == config.num_hidden_layers:
+            setattr(mini, name, type(value)(value[i] for i in kept))
+        elif name.endswith("_token_id") and isinstance(value, int):
+            setattr(mini, name, min(value, SIZES["vocab_size"] - 1))
+    mini.num_hidden_layers = len(kept)
+    sizes = dict(
+        SIZES, head_dim=SIZES["qk_rope_head_dim"] if _integer(config, "qk_rope_head_dim") else SIZES["head_dim"]
+    )
+    for name, size in sizes.items():
+        if _integer(config, name):
+            setattr(mini, name, size)
+    for name, limit in LIMITS.items():
+        grouped = name.endswith("experts") and _integer(config, "n_group")
+        if _integer(config, name) and not grouped:
+            setattr(mini, name, min(getattr(config, name), limit))
+    if getattr(config, "num_key_value_heads", None) == config.num_attention_heads:
+        mini.num_key_value_heads = mini.num_attention_heads
+    mini.use_cache = False
+    if mini._attn_implementation not in ("eager", "sdpa"):
+        mini._attn_implementation = "sdpa"
+    return mini
+
+
+def _integer(config: Any, name: str) -> bool:
+    value = getattr(config, name, None)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@contextmanager
+def _cpu_fp32() -> Iterator[None]:
+    """Build on the CPU in fp32 whatever the caller's context (a meta device, a bf16 default dtype)."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        torch.set_default_dtype(dtype)
+
+
+def miniature(model_class: type, config: Any) -> nn.Module:
+    """The miniature of ``model_class`` for ``config`` (:func:`miniature_config`), in fp32 on the CPU, every
+    parameter drawn at random from a seeded generator (matrices with standard deviation ``1 / sqrt(fan_in)``,
+    vectors in [0.5, 1.5])."""
+    with _cpu_fp32():
+        model = model_class(miniature_config(config)).float()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                parameter.normal_(0.0, parameter.shape[-1] ** -0.5, generator=generator)
+            else:
+                parameter.uniform_(0.5, 1.5, generator=generator)
+    return model
+
+
+def probe() -> tuple[Tensor, Tensor]:
+    """The probe batch: ``(input_ids, attention_mask)``, each ``(3, 10)`` long; row 1 left-padded by 3, row 2
+    right-padded by 2."""
+    ids = torch.randint(3, SIZES["vocab_size"], (ROWS, LENGTH), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[2, -2:] = 0
+    return ids, mask
+
+
+def _first(value: Any) -> Tensor:
+    return value[0] if isinstance(value, tuple) else value
+
+
+def _received(model: nn.Module, layers: list[nn.Module], ids: Tensor, mask: Tensor, **kwargs: Any):
+    """The model's forward on the probe, and what the first module of each backbone layer after the first
+    received (its hidden states), by forward pre-hooks: ``(output, [received, ...])``."""
+    received: list[Optional[Tensor]] = [None] * (len(layers) - 1)
+
+    def hook(index: int) -> Callable[..., None]:
+        def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if received[index] is None:
+                received[index] = args[0] if args else kwargs.get("hidden_states")
+
+        return record
+
+    modules = [model.get_submodule(layer.paths[0]) for layer in layers[1:]]
+    handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, m in enumerate(modules)]
+    try:
+        output = model(input_ids=ids, attention_mask=mask, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return output, received
+
+
+def _difference(ours: Tensor, theirs: Optional[Tensor], mask: Tensor) -> float:
+    """The largest absolute difference over the real tokens (``inf`` for a missing or misshapen tensor)."""
+    if theirs is None or ours.shape != theirs.shape:
+        return float("inf")
+    real = mask.bool() if ours.dim() >= 2 and ours.shape[:2] == mask.shape else slice(None)
+    return (ours[real].float() - theirs[real].float()).abs().max().item()
+
+
+def _compare(model: nn.Module, layers: list[nn.Module], value: tuple, mask: Tensor, labels: Optional[Tensor]):
+    """``None`` when every backbone layer's output (and the loss, with ``labels``) equals the model's, else
+    ``(layer index or None for the loss, difference)``; the backbone's output is the last one."""
+    torch.manual_seed(0)  # both sides draw the same dropout masks if they apply the same dropouts in the same order
+    output, received = _received(model, layers, value[0], mask, **({} if labels is None else {"labels": labels}))
+    expected = [*received, output.logits]
+    torch.manual_seed(0)
+    for index, layer in enumerate(layers):
+        value = layer(value)
+        difference = _difference(_first(value), expected[index], mask)
+        if not difference <= TOLERANCE:
+            return index, difference
+    if labels is not None:
+        loss = causal_lm_loss(value, labels, router_loss_of(model))
+        difference = (loss - output.loss).abs().item()
+        if not difference <= TOLERANCE:
+            return None, difference
+    return None
+
+
+def _describe(model_class: type, mini: nn.Module, layers: list[nn.Module], where: tuple, mode: str) -> str:
+    index, difference = where
+    place = "its loss with labels" if index is None else f"backbone layer {index} ({', '.join(layers[index].paths)})"
+    config = mini.config
+    return (
+        f"{model_class.__name__} is not cut into backbone layers correctly: {place} differs from the model's own"
+        f" forward by {difference:.3g} (largest absolute difference on the real tokens of a left- and right-padded"
+        f" probe; allowed {TOLERANCE:g}) {mode}, in a miniature of your config ({config.num_hidden_layers} layers,"
+        f" hidden size {config.hidden_size}, fp32, {config._attn_implementation} attention). The class's forward"
+        " computes something the standard layout does not, so lightning_gpipe.hf refuses it before training rather"
+        " than train another model. Register a Family that cuts it (docs/transformers.md, 'Adding a family')."
+    )
+
+
+def _check(model_class: type, config: Any, family_of: Callable[[nn.Module], Any]) -> Any:
+    mini = miniature(model_class, config)
+    family = family_of(mini)
+    layers = family.layers(mini)
+    ids, mask = probe()
+    value = encoder_input(ids, mask) if family.encoder else decoder_input(ids, mask)
+    labels = None if family.encoder else ids.masked_fill(mask == 0, -100)
+    modes = [
+        ("in evaluation mode", False, labels),
+        ("in training mode (dropout as configured, seeded alike)", True, None),
+    ]
+    for mode, training, mode_labels in modes:
+        mini.train(training)
+        for layer in layers:
+            layer.train(training)
+        with torch.no_grad():
+            where = _compare(mini, layers, value, mask, mode_labels)
+        if where is not None:
+            raise SelfCheckError(_describe(model_class, mini, layers, where, mode))
+    return family
+
+
+def verify(model_class: type, config: Any, family_of: Callable[[nn.Module], Any]) -> Any:
+    """Prove the adapter's cut on ``model_class`` with ``config`` (see the module docstring).
+
+    Args:
+        model_class: the ``transformers`` model class (``type(model)``: a subclass is checked as itself).
+        config: the model's configuration (not changed).
+        family_of: the :class:`~lightning_gpipe.hf.Family` that cuts a model (``lightning_gpipe.hf.family_of``).
+
+    Returns:
+        The family that cuts the class.
+
+    Raises:
+        SelfCheckError: if a backbone layer of the miniature, or its loss, differs from the model's own forward
+            (naming the class and the layer), or the miniature cannot be built or run (naming the error).
+        UnsupportedModelError: if no family takes the miniature.
+    """
+    with torch.random.fork_rng():
+        try:
+            return _check(model_class, config, family_of)
+        except (SelfCheckError, UnsupportedModelError):
+            raise
+        except Exception as error:
+            raise SelfCheckError(
+                f"lightning_gpipe.hf could not check how it cuts {model_class.__name__}: a miniature of your config"
+                f" (hidden size {SIZES['hidden_size']}) failed with {type(error).__name__}: {error}. Without the check"
+                " a class may train wrongly without a word; pass `check=False` to `to_sequential` (`self_check=False`"
+                " to the LightningModules) only for a class you have verified yourself."
+            ) from error

@@ -1,0 +1,84 @@
+"""GPipeStrategy's checkpoint hooks: every stage's weights and optimizer state under the original names.
+
+A checkpoint is the unsplit module's (:mod:`~lightning_gpipe.lightning.state_dict`): ``state_dict_type="full"``
+gathers every stage's part on global rank 0, which writes one file Lightning's ``TorchCheckpointIO`` reads without
+the strategy; ``"sharded"`` writes one directory with torch.distributed.checkpoint, each stage its part. Either
+loads into any split (another number of stages or of virtual stages).
+"""
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_gpipe.lightning import state_dict
+
+
+class CheckpointHooks:
+    """The checkpoint hooks of :class:`~lightning_gpipe.lightning.strategy.GPipeStrategy` (a base class ahead of
+    :class:`~lightning_gpipe.lightning.mesh.MeshStrategy`, whose attributes they use: ``config``, the job, the
+    pipeline's group, the module and its optimizers)."""
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints are restored after the split, so each stage loads the entries of its own layers."""
+        return True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state for a checkpoint under the original names (see
+        :mod:`lightning_gpipe.lightning.state_dict`): ``"full"``, the whole model's on global rank 0 and ``{}``
+        elsewhere (a collective call); ``"sharded"``,
+        this stage's part."""
+        return self._whole_or_local(self.lightning_module.state_dict())
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter name, whole or this stage's, like the model's state dict."""
+        local = state_dict.optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
+        return self._whole_or_local(local)
+
+    def _whole_or_local(self, local: dict[str, Any]) -> dict[str, Any]:
+        if self.config.state_dict_type == "sharded":
+            return local
+        return state_dict.whole_on_rank_zero(local, self.replica_index, self.pipeline_group, self._job) or {}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write a checkpoint: one file from global rank 0 (``"full"``), or a directory from all stages (``"sharded"``);
+        either replaces an existing one only once complete. Waiting for the writers does not count as a stall."""
+        with self._job.position.unbounded_phase("writing a checkpoint"):
+            if self.config.state_dict_type == "sharded":
+                state_dict.save_sharded(checkpoint, filepath, self.global_rank, self._job)
+            else:
+                super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Read a full checkpoint file on every stage, or this stage's part of a sharded checkpoint directory.
+
+        Raises:
+            FileNotFoundError: for a directory that is not a sharded checkpoint (it has no ``meta.pt``).
+        """
+        with self._job.position.unbounded_phase("reading a checkpoint"):
+            if not Path(checkpoint_path).is_dir():
+                return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+            template = state_dict.stage_template(self.lightning_module, self.optimizers, fitting)
+            return state_dict.load_sharded(checkpoint_path, template, self._job)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load this stage's entries of the checkpoint's (whole or sharded) model state."""
+        module = self.lightning_module
+        module.load_state_dict(state_dict.local_entries(checkpoint["state_dict"], module), strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load this stage's entries of every optimizer's name-keyed state, whatever the split it was saved with
+        (see :func:`~lightning_gpipe.lightning.state_dict.load_optimizer_states`)."""
+        state_dict.load_optimizer_states(self.lightning_module, self.optimizers, checkpoint["optimizer_states"])
+        _optimizers_to_device(self.optimizers, self.root_device)

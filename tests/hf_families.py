@@ -1,0 +1,163 @@
+"""Tiny configs of the ``transformers`` classes the Hugging Face tests pipeline (built without downloads).
+
+``FAMILIES`` maps a test name to ``(the transformers class, the lightning_gpipe.hf module that trains it, its
+config)``. Each model has 3 blocks (hidden 32, 61 tokens, dropout off), so it has 6 backbone layers as a decoder
+(embeddings, blocks, final norm, head) and 5 as an encoder (no final norm). Besides the Llama, GPT-2 and BERT of the
+first tests, the classes are chosen for what each exercises of the adapter:
+
+- Mistral, Qwen2: a sliding window (4 tokens), on every layer or past ``max_window_layers``.
+- Qwen3, OLMo 2: query/key norms inside the block; Phi-3: a fused QKV projection.
+- Gemma: the embedding scaled by ``sqrt(hidden_size)`` (in its embedding module).
+- Gemma 2: soft-capped logits and attention, alternating sliding and full layers (``layer_types``); Gemma 3: per
+  layer type rotary tables.
+- Granite: multipliers on the embeddings, residuals, attention and logits; StarCoder 2: LayerNorm, biases, an
+  embedding dropout in the model's forward; Cohere 2: logits scaled by ``logit_scale``, sliding and full layers.
+- Mixtral, Qwen3-MoE, OLMoE: mixtures of 4 experts (2 per token) whose load-balancing loss counts
+  (``output_router_logits=True``, ``router_aux_loss_coef=0.1``); Qwen3-MoE normalises the top-k weights.
+- RoBERTa (masked LM), XLM-RoBERTa (sequence classification): encoders without a pooler, positions counted past the
+  padding id.
+"""
+
+VOCAB = 61
+ENDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    **ENDS,
+)
+BERT = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    intermediate_size=48,
+    max_position_embeddings=64,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
+MOE = dict(output_router_logits=True, router_aux_loss_coef=0.1, num_experts_per_tok=2)
+SLIDING = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", "CausalLM", dict(model_type="llama", **DECODER, tie_word_embeddings=True)),
+    "gpt2": (
+        "GPT2LMHeadModel",
+        "CausalLM",
+        dict(
+            model_type="gpt2",
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=3,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **ENDS,
+        ),
+    ),  # fmt: skip
+    "bert_mlm": ("BertForMaskedLM", "MaskedLM", dict(model_type="bert", **BERT, pad_token_id=0)),
+    "bert_classifier": (
+        "BertForSequenceClassification",
+        "SequenceClassifier",
+        dict(model_type="bert", **BERT, pad_token_id=0, num_labels=3),
+    ),
+    "mistral": ("MistralForCausalLM", "CausalLM", dict(model_type="mistral", **DECODER, sliding_window=4)),
+    "qwen2": (
+        "Qwen2ForCausalLM",
+        "CausalLM",
+        dict(model_type="qwen2", **DECODER, use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    ),
+    "qwen3": ("Qwen3ForCausalLM", "CausalLM", dict(model_type="qwen3", **DECODER, head_dim=8)),
+    "phi3": ("Phi3ForCausalLM", "CausalLM", dict(model_type="phi3", **DECODER)),
+    "olmo2": ("Olmo2ForCausalLM", "CausalLM", dict(model_type="olmo2", **DECODER)),
+    "gemma": ("GemmaForCausalLM", "CausalLM", dict(model_type="gemma", **DECODER, head_dim=8)),
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        "CausalLM",
+        dict(
+            model_type="gemma2",
+            **DECODER,
+            **SLIDING,
+            head_dim=8,
+            query_pre_attn_scalar=8,
+            final_logit_softcapping=5.0,
+            attn_logit_softcapping=20.0,
+        ),
+    ),  # fmt: skip
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        "CausalLM",
+        dict(model_type="gemma3_text", **DECODER, **SLIDING, head_dim=8, query_pre_attn_scalar=8),
+    ),
+    "granite": (
+        "GraniteForCausalLM",
+        "CausalLM",
+        dict(
+            model_type="granite",
+            **DECODER,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=4.0,
+        ),
+    ),  # fmt: skip
+    "starcoder2": (
+        "Starcoder2ForCausalLM",
+        "CausalLM",
+        dict(model_type="starcoder2", **DECODER, embedding_dropout=0.0),
+    ),
+    "cohere2": ("Cohere2ForCausalLM", "CausalLM", dict(model_type="cohere2", **DECODER, **SLIDING, logit_scale=0.5)),
+    "mixtral": ("MixtralForCausalLM", "CausalLM", dict(model_type="mixtral", **DECODER, **MOE, num_local_experts=4)),
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        "CausalLM",
+        dict(
+            model_type="qwen3_moe",
+            **DECODER,
+            **MOE,
+            head_dim=8,
+            num_experts=4,
+            moe_intermediate_size=16,
+            norm_topk_prob=True,
+        ),
+    ),  # fmt: skip
+    "olmoe": ("OlmoeForCausalLM", "CausalLM", dict(model_type="olmoe", **DECODER, **MOE, num_experts=4)),
+    "roberta_mlm": (
+        "RobertaForMaskedLM",
+        "MaskedLM",
+        dict(model_type="roberta", **BERT, pad_token_id=1, bos_token_id=0, eos_token_id=2),
+    ),
+    "xlm_roberta_classifier": (
+        "XLMRobertaForSequenceClassification",
+        "SequenceClassifier",
+        dict(model_type="xlm-roberta", **BERT, pad_token_id=1, bos_token_id=0, eos_token_id=2, num_labels=3),
+    ),
+}
+"""name: (the ``transformers`` class, the ``lightning_gpipe.hf`` module, its config, dropout off)."""
+
+FIRST = ("llama", "gpt2", "bert_mlm", "bert_classifier")
+"""The families of the first tests (more runs each: 3 stages, checkpoints, resuming, replicas)."""
+
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
+"""The mixtures of experts."""
+
+
+def build(name: str, **overrides):
+    """A new model of family ``name`` (weights drawn from the current random state), config fields overridden."""
+    import transformers
+
+    model_class, _, config = FAMILIES[name]
+    fields = {**config, **overrides}
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    return getattr(transformers, model_class)(config)
+
+
+def is_decoder(name: str) -> bool:
+    """Whether family ``name`` is a causal LM (decodes)."""
+    return FAMILIES[name][1] == "CausalLM"

@@ -1,0 +1,120 @@
+"""The adapter's self-check (lightning_gpipe.hf.selfcheck): a class whose forward computes something the standard
+layout does not is refused before anything is built, with the class and the first differing backbone layer named;
+the miniature keeps the config's options. Every model is built from a small config."""
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import (  # noqa: E402
+    AutoConfig,
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaModel,
+)
+
+from lightning_gpipe.hf import CausalLM, SelfCheckError, check_class, to_sequential  # noqa: E402
+from lightning_gpipe.hf.selfcheck import miniature_config  # noqa: E402
+
+TINY = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+
+
+class ScaledLogitsLlama(LlamaForCausalLM):
+    """Looks like a Llama, but its forward scales the logits (as Granite's does, which its config declares)."""
+
+    def forward(self, *args, **kwargs):
+        output = super().forward(*args, **kwargs)
+        output.logits = output.logits * 2
+        return output
+
+
+class _ScaledEmbeddingsModel(LlamaModel):
+    def forward(self, input_ids=None, inputs_embeds=None, **kwargs):
+        return super().forward(inputs_embeds=self.embed_tokens(input_ids) * 2, **kwargs)
+
+
+class ScaledEmbeddingsLlama(LlamaForCausalLM):
+    """Looks like a Llama, but its base model scales the embeddings in its forward (as Gemma 1 did in
+    transformers 4)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.model = _ScaledEmbeddingsModel(config)
+
+
+class LogitDropoutLlama(LlamaForCausalLM):
+    """Equal to a Llama in evaluation, but its forward applies a dropout to the logits in training."""
+
+    def forward(self, *args, **kwargs):
+        output = super().forward(*args, **kwargs)
+        output.logits = nn.functional.dropout(output.logits, 0.1, self.training)
+        return output
+
+
+@pytest.mark.parametrize(
+    "model_class, where, mode",
+    [
+        (ScaledLogitsLlama, r"backbone layer 4 \(lm_head\)", "evaluation"),
+        (ScaledEmbeddingsLlama, r"backbone layer 0 \(model.embed_tokens\)", "evaluation"),
+        (LogitDropoutLlama, r"backbone layer 4 \(lm_head\)", "training"),
+    ],
+)
+def test_a_class_whose_forward_differs_from_its_cut_is_refused_with_the_first_differing_layer(model_class, where, mode):
+    """The miniature has 2 blocks: layers 0 (embeddings), 1-2 (blocks), 3 (final norm), 4 (head)."""
+    model = model_class(LlamaConfig(**TINY))
+    message = f"{model_class.__name__} is not cut into backbone layers correctly: {where} differs .* in {mode} mode"
+    with pytest.raises(SelfCheckError, match=message):
+        to_sequential(model)
+    assert len(to_sequential(model, check=False)) == 6  # cut as a Llama when the user takes the responsibility
+
+
+def test_a_module_refuses_a_class_that_differs_when_it_is_made_before_any_process_starts():
+    class ScaledConfig(LlamaConfig):
+        model_type = "scaled_llama_selfcheck_test"
+
+    class Registered(ScaledLogitsLlama):
+        config_class = ScaledConfig
+
+    AutoConfig.register(ScaledConfig.model_type, ScaledConfig)
+    AutoModelForCausalLM.register(ScaledConfig, Registered)
+    with pytest.raises(SelfCheckError, match="Registered is not cut into backbone layers correctly"):
+        CausalLM(config={"model_type": ScaledConfig.model_type, **TINY})
+    CausalLM(config={"model_type": ScaledConfig.model_type, **TINY}, self_check=False)  # the user's responsibility
+
+
+def test_the_miniature_keeps_every_kind_of_layer_and_the_options_at_small_widths():
+    layer_types = ["sliding_attention"] * 5 + ["full_attention"]
+    config = Gemma3TextConfig(**{**TINY, "num_hidden_layers": 6, "vocab_size": 1000}, layer_types=layer_types,
+                              sliding_window=512, head_dim=256, final_logit_softcapping=30.0, eos_token_id=999,
+                              attention_dropout=0.1)  # fmt: skip
+    mini = miniature_config(config)
+    assert mini.num_hidden_layers == 2 and mini.layer_types == ["sliding_attention", "full_attention"]  # blocks 0, 5
+    assert (mini.hidden_size, mini.head_dim, mini.num_attention_heads, mini.num_key_value_heads) == (64, 16, 4, 2)
+    assert (mini.vocab_size, mini.eos_token_id, mini.sliding_window) == (128, 127, 4)
+    assert (mini.final_logit_softcapping, mini.attention_dropout, mini.use_cache) == (30.0, 0.1, False)
+    assert config.num_hidden_layers == 6 and config.sliding_window == 512  # the user's config as it was
+
+
+def test_the_check_names_the_family_and_leaves_the_random_state_alone():
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    family = check_class(LlamaForCausalLM, LlamaConfig(**TINY))
+    assert torch.equal(torch.rand(3), expected)  # the miniature's random weights come from a generator of its own
+    assert family.name == "decoder" and not family.encoder
+
+
+def test_a_miniature_that_cannot_be_built_is_refused_with_the_error_and_the_way_out():
+    class WideOnly(LlamaForCausalLM):
+        def __init__(self, config) -> None:
+            if config.hidden_size < 128:
+                raise ValueError("hidden_size must be at least 128")
+            super().__init__(config)
+
+    with pytest.raises(SelfCheckError, match=r"could not check how it cuts WideOnly.*at least 128.*`check=False`"):
+        check_class(WideOnly, LlamaConfig(**{**TINY, "hidden_size": 128}))
