@@ -428,7 +428,7 @@ class CausalLM(HFModule):
                 is a product of two means over the whole batch, which the micro-batches' losses do not add up to.
         """
         run = getattr(self.trainer.strategy, "run", None)
-        if self.router_loss is not None and run is not None and run.runtime.per_micro_batch_loss:
+        if self.router_loss is not None and run is not None and run.runtime.loss_per_micro_batch:
             raise ValueError(
                 f"{type(self.hf_model).__name__} adds a load-balancing loss (output_router_logits=True) that is a"
                 " product of two means over the whole batch's tokens, but this schedule computes the loss per"
