@@ -3,9 +3,9 @@
 Usage: python host_reads.py OUT_DIR
 On 2 stages, an MLP of 8 x Linear(64) trains 8 steps with M = 4 and M = 8 under each of ``"gpipe"``, ``"1f1b"`` and
 ``"zb-1p"`` (``checkpoint="never"``, a progress bar off and no logger: what the user's own code reads is theirs).
-From the fourth step to the end of the last, every call of a ``Tensor`` method that reads its values on the host (``item``, ``tolist``,
-``numpy``, ``cpu``, ``__bool__``, ``__int__``, ``__float__``, ``__index__``) made directly by a module of
-``lightning_gpipe``, in any thread, is counted. Each rank writes OUT_DIR/reads_rank{r}.json: per run
+From the fourth step to the end of the last, every call of a ``Tensor`` method that reads its values on the host
+(``item``, ``tolist``, ``numpy``, ``cpu``, ``__bool__``, ``__int__``, ``__float__``, ``__index__``) made directly by a
+module of ``lightning_gpipe``, in any thread, is counted. Each rank writes OUT_DIR/reads_rank{r}.json: per run
 (``"gpipe-M4"``...), the reads per step and where they were made (``file:line`` -> count).
 """
 
