@@ -17,7 +17,8 @@ torch make it so rather than ``nn.Module.compile()``:
   of this module is traced, and Dynamo inlines the torch code it calls.
 - every layer is compiled from the same function, whose code object holds Dynamo's cache: shared, the layers of a
   backbone would exhaust its ``recompile_limit`` (8) together and the rest would run uncompiled. Each layer gets a
-  cache of its own (``isolate_recompiles=True``) unless the options say otherwise.
+  cache of its own (``isolate_recompiles=True``) unless the options say otherwise; where the installed torch has no
+  such option (before 2.12), each layer's function gets a code object of its own instead.
 
 :func:`uncompile_layers` puts the layers' forwards back at teardown, so the module given back is the user's.
 
@@ -48,6 +49,9 @@ CompileOption = Union[bool, Mapping[str, Any]]
 
 COMPILE_KEYWORDS = frozenset(name for name in inspect.signature(torch.compile).parameters if name != "model")
 """The keyword arguments of :func:`torch.compile` a ``compile`` dict may give (all but the function)."""
+
+ISOLATES = "isolate_recompiles" in COMPILE_KEYWORDS
+"""Whether the installed torch's :func:`torch.compile` gives a function a recompile cache of its own."""
 
 _BEFORE = "_lightning_gpipe_before"
 """The attribute of a compiled ``forward`` holding ``(the forward the instance held before,)`` (``(None,)``: the
@@ -91,7 +95,7 @@ def compile_layers(partition: nn.Module, options: Optional[Mapping[str, Any]], s
     """
     if options is None:
         return
-    options = {"isolate_recompiles": True, **options}
+    options = {"isolate_recompiles": True, **options} if ISOLATES else dict(options)
     for layer in partition.children():
         compile_layer(layer, options, split_backward)
 
@@ -113,6 +117,9 @@ def compile_layer(layer: nn.Module, options: Mapping[str, Any], split_backward: 
 
     def compiled_forward(*args: Any, **kwargs: Any) -> Any:
         return original(*args, **kwargs)
+
+    if not ISOLATES:  # Dynamo keeps its cache on the code object: one of the layer's own
+        compiled_forward.__code__ = compiled_forward.__code__.replace()
 
     if split_backward:
         torch._functorch.config.donated_buffer = False  # read when compiling, and again when a backward runs

@@ -24,6 +24,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -37,8 +38,9 @@ if TYPE_CHECKING:
 NEUTRAL = torch.iinfo(torch.int64).min
 """The maximum's neutral element: what a process puts in the slots it does not own."""
 
-REGION_WORDS = 8192
-"""int64 words of each replica's relay region in a training step's all-reduce (64 KiB)."""
+REGION_WORDS = 1024
+"""int64 words of each replica's relay region in a training step's all-reduce (8 KiB; a larger description goes in a
+broadcast of its own)."""
 
 _COLUMNS = 16
 """Values of each row of a tensor that go into a fingerprint, evenly spaced over the row."""
@@ -120,8 +122,8 @@ class StepAgreement:
         fingerprint: Tensor,
         requests: Sequence[bool],
         where: Callable[[], str],
-        relay: Optional[Sequence[int]] = None,
-    ) -> tuple[list[bool], list[int]]:
+        relay: Optional[np.ndarray] = None,
+    ) -> tuple[list[bool], np.ndarray]:
         """Compare this step's batch with the other stages' and combine the stop requests (a collective call of
         every process, with the same number of ``requests`` and alike ``relay`` or not): one all-reduce and one
         host read of its result.
@@ -131,8 +133,8 @@ class StepAgreement:
             requests: this process's flags (e.g. "a SIGTERM arrived"); the result holds each flag's OR over all
                 processes.
             where: the step's position for the error, e.g. ``"epoch 2, training batch 17"``.
-            relay: in training, this process's words for its replica's relay region (the last stage's; empty on
-                the others); ``None`` (evaluation): no region.
+            relay: in training, this process's int64 words for its replica's relay region (the last stage's; none
+                on the others); ``None`` (evaluation): no region.
 
         Returns:
             The agreed requests, and this replica's relay region (:data:`REGION_WORDS` words; none without
@@ -152,15 +154,15 @@ class StepAgreement:
         slots[: len(requests)] = torch.tensor([int(r) for r in requests], dtype=torch.int64)
         start = len(requests) + (2 + words) * self.replica
         slots[start : start + 2] = own
-        if relay:
-            slots[start + 2 : start + 2 + len(relay)] = torch.tensor(relay, dtype=torch.int64)
+        if relay is not None and len(relay):
+            slots[start + 2 : start + 2 + len(relay)] = torch.from_numpy(relay)
         if dist.is_initialized():
             collectives.all_reduce(self.job, slots, dist.ReduceOp.MAX, group=self.group)
         values = slots.numpy()  # the one host read of the step's agreement
         offsets = [len(requests) + (2 + words) * r for r in range(self.replicas)]
         if any(values[o] != -values[o + 1] for o in offsets):
             self._mismatch(fingerprint, where())
-        return [bool(value) for value in values[: len(requests)]], values[start + 2 : start + 2 + words].tolist()
+        return [bool(value) for value in values[: len(requests)]], values[start + 2 : start + 2 + words].copy()
 
     def _mismatch(self, fingerprint: Tensor, where: str) -> None:
         """Raise :class:`BatchMismatchError` naming every process's fingerprint (a collective call)."""

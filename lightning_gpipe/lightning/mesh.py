@@ -12,6 +12,8 @@ what every process of the job does alike, whatever runs in it: the launcher, the
 
 from typing import Any, Optional, Union
 
+import numpy as np
+
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
@@ -217,7 +219,7 @@ class MeshStrategy(ParallelStrategy):
         if requests is not None:
             self._signals.act(requests, training=True)
 
-    def agree_step(self, relay: Optional[list[int]]) -> list[int]:
+    def agree_step(self, relay: Optional[np.ndarray]) -> np.ndarray:
         """The agreement of one training step, at the end of its ``backward`` (one all-reduce on the CPU group, see
         :mod:`lightning_gpipe.lightning.agreement`): the stages of each pipeline must have read the same batch, and
         a SIGTERM or requeue signal that reached any process takes effect on all of them at the next step boundary
@@ -229,7 +231,7 @@ class MeshStrategy(ParallelStrategy):
             PipelineFailure: if another stage failed while this one waited for it.
         """
         if self.world_size == 1:
-            return []
+            return np.empty(0, dtype=np.int64)
         epoch = self.lightning_module.trainer.current_epoch
         where = lambda: f"epoch {epoch}, {self._batch_name}"  # noqa: E731
         self._agreed, region = self._agreement.agree(self._fingerprint, self._signals.requests(), where, relay)

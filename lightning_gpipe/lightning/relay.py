@@ -14,9 +14,10 @@ What ``training_step`` returns reaches the other stages too (:func:`share_step_o
 
 import io
 import pickle
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import numpy as np
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
@@ -199,7 +200,7 @@ class StepRelay:
         self._placeholders = [None if slot == loss_slot else t for slot, t in enumerate(placeholders)]
         return self._unpickle(described, placeholders)
 
-    def pack(self, results: dict, output: Any) -> list[int]:
+    def pack(self, results: dict, output: Any) -> np.ndarray:
         """The last stage's description of its logged ``results`` and step ``output`` as the words of its relay
         region (see :meth:`exchange`); the tensors it names are kept until then."""
         tensors: list[Tensor] = []
@@ -213,10 +214,10 @@ class StepRelay:
         self._tensors, self.output = tensors, output
         data = pickle.dumps(self._description, protocol=5)
         fits = len(data) <= 8 * (REGION_WORDS - 2)
-        header = [len(data) if fits else -len(data), sum(_padded(t) for t in tensors)]
-        return header + (_to_words(data) if fits else [])
+        header = np.array([len(data) if fits else -len(data), sum(_padded(t) for t in tensors)], dtype=np.int64)
+        return np.concatenate([header, _to_words(data)]) if fits else header
 
-    def exchange(self, region: Sequence[int], trainer: "pl.Trainer") -> None:
+    def exchange(self, region: np.ndarray, trainer: "pl.Trainer") -> None:
         """After the agreement: the last stage sends the tensors it packed, every other stage receives them and
         installs the last stage's logged values and output (a collective call of the pipeline, every stage with its
         replica's relay ``region``).
@@ -363,13 +364,12 @@ def _views(buffer: Tensor, layout: list[tuple[str, tuple]]) -> list[Tensor]:
     return tensors
 
 
-def _to_words(data: bytes) -> list[int]:
-    padded = data + bytes(-len(data) % 8)
-    return [int.from_bytes(padded[i : i + 8], "little", signed=True) for i in range(0, len(padded), 8)]
+def _to_words(data: bytes) -> np.ndarray:
+    return np.frombuffer(data + bytes(-len(data) % 8), dtype=np.int64)
 
 
-def _from_words(words: Sequence[int], length: int) -> bytes:
-    return b"".join(int(w).to_bytes(8, "little", signed=True) for w in words[: -(-length // 8)])[:length]
+def _from_words(words: np.ndarray, length: int) -> bytes:
+    return words.astype(np.int64, copy=False).tobytes()[:length]
 
 
 def _result_metric(meta: Any, device: torch.device) -> Any:

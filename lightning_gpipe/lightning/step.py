@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
+import numpy as np
 from torch import Tensor
 
 from lightning_gpipe.lightning.relay import share_step_output
@@ -58,12 +59,12 @@ class FillDrain:
         """The last stage backpropagates ``loss`` to its boundary through the precision plugin (``args``: the
         optimizer and what follows it in ``Precision.backward``), so loss scaling applies to the whole pipeline;
         then every stage drains its micro-batches."""
-        if run.last_chunk.is_last:
-            run.announce_loss_backward(loss)
-            with run.randomness.stage():
+        with run.randomness.stage():  # the loss's backward and the drain draw from the stage's stream
+            if run.last_chunk.is_last:
+                run.announce_loss_backward(loss)
                 precision.backward(loss, module, *args, **kw)
-        with precision.train_step_context(), run.job.board.reporting(), run.randomness.stage():
-            run.runtime.backward()  # recomputes as the fill did, with the stage's random stream
+            with precision.train_step_context(), run.job.board.reporting():
+                run.runtime.backward()  # recomputes as the fill did
 
 
 class PerMicroBatch:
@@ -130,7 +131,7 @@ def training_step(run: StageRun, module: "pl.LightningModule", precision: Any, a
     return share_step_output(output, is_last, run.share, run.last_chunk.link.device)
 
 
-def agree(run: StageRun, trainer: "pl.Trainer", agree_step: Callable[[Optional[list[int]]], list[int]]) -> None:
+def agree(run: StageRun, trainer: "pl.Trainer", agree_step: Callable[[Optional[np.ndarray]], np.ndarray]) -> None:
     """At the end of ``strategy.backward``: the step's agreement (``agree_step``, one all-reduce on the CPU group,
     see :class:`~lightning_gpipe.lightning.agreement.StepAgreement`), whose region carries the last stage's
     description of its logged values and output, then their tensors (:class:`~lightning_gpipe.lightning.relay.
@@ -144,7 +145,8 @@ def agree(run: StageRun, trainer: "pl.Trainer", agree_step: Callable[[Optional[l
     if run.runtime.num_stages == 1:
         agree_step(None)
         return
-    words = relay.pack(trainer._results if trainer._results is not None else {}, relay.output) if relay.is_src else []
+    results = trainer._results if trainer._results is not None else {}
+    words = relay.pack(results, relay.output) if relay.is_src else np.empty(0, dtype=np.int64)
     relay.exchange(agree_step(words), trainer)
 
 

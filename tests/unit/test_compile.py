@@ -121,3 +121,17 @@ def test_a_bad_compile_value_fails_before_any_step(value):
 def test_compile_options():
     assert compile_options(False) is None and compile_options(True) == {}
     assert compile_options({"dynamic": False, "mode": "default"}) == {"dynamic": False, "mode": "default"}
+
+
+def test_on_a_torch_without_isolate_recompiles_each_layer_compiles_its_own_code(monkeypatch):
+    """torch before 2.12 has no ``isolate_recompiles``: each layer's function then gets a code object of its own
+    (Dynamo's cache lives there), and the option is not passed (its torch.compile would refuse it)."""
+    from lightning_gpipe.engine import compilation
+
+    given = []
+    monkeypatch.setattr(compilation, "ISOLATES", False)
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: given.append((fn, options)) or fn)
+    compile_layers(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), {})
+    (first, first_options), (second, second_options) = given
+    assert first.__code__ is not second.__code__ and first.__code__ == second.__code__
+    assert first_options == second_options == {}
