@@ -98,9 +98,7 @@ def run(reads: Reads, schedule: str, chunks: int) -> tuple[int, float, dict]:
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64 * STEPS, 64, generator=generator), torch.randint(0, 10, (64 * STEPS,)))
     strategy = lightning_gpipe.GPipeStrategy(chunks=chunks, checkpoint="never", schedule=schedule)
-    trainer = L.Trainer(
-        strategy=strategy, devices=2, max_steps=STEPS, callbacks=[Steady(reads)], **trainer_kwargs()
-    )
+    trainer = L.Trainer(strategy=strategy, devices=2, max_steps=STEPS, callbacks=[Steady(reads)], **trainer_kwargs())
     trainer.fit(MLP(), DataLoader(data, batch_size=64))
     return trainer.global_rank, sum(reads.where.values()) / (STEPS - FROM), dict(reads.where)
 
