@@ -61,3 +61,23 @@ def test_the_private_torch_names_the_package_uses_exist():
 def test_the_torch_compile_setting_the_package_changes_exists():
     """``compilation.compile_layer`` turns AOTAutograd's donated buffers off on stages that split their backwards."""
     assert isinstance(torch._functorch.config.donated_buffer, bool)
+
+
+def test_the_step_relay_and_agreement_find_what_they_use_in_lightning():
+    """The fields of a logged value the step relay rebuilds, the closure result the optimizer step's output fix-up
+    replaces, and the per-step SIGTERM broadcast the agreement stands for."""
+    from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultCollection
+
+    from lightning_gpipe.lightning.relay import SCALAR_FIELDS, TENSOR_FIELDS
+
+    results = _ResultCollection(training=True)
+    results.batch_idx = 0
+    results.log("training_step", "loss", torch.tensor(1.0), on_step=True, on_epoch=True, batch_size=4)
+    (value,) = results.values()
+    assert isinstance(value.meta, _Metadata) and value.is_tensor
+    assert set(TENSOR_FIELDS) <= set(vars(value)) and set(SCALAR_FIELDS) <= set(vars(value))
+    result = ClosureResult(torch.tensor(2.0), extra={"a": 1})
+    assert {"loss", "extra"} <= set(vars(result)) and "_result" in vars(Closure(lambda: result))
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    assert callable(trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor)
