@@ -25,10 +25,11 @@ Latency matters as much as bandwidth: gloo moves a payload only once its receive
 costs a wake-up. So receives are posted ahead: the next micro-batch's payload while this one computes, a gradient
 as soon as the schedule expects it (``expect``). Sends are asynchronous and overlap compute; a send keeps its
 tensors alive until it has completed, and the link drops completed sends whenever it posts another and at a flush.
-On gloo, whose works cannot be polled, a helper thread of the run waits for each send as it goes
-(:meth:`Waiter.watch <lightning_gpipe.faults.waiting.Waiter.watch>`), and the stage waits through the run's
-interruptible waits (:func:`~lightning_gpipe.faults.waiting.wait`): signals are handled and a failed or stalled
-neighbour named. On CUDA (NCCL) receives are posted on a stream of their own, so they start at once rather than
+On gloo, whose works cannot be polled, a helper thread of the run waits for each send and receive as soon as it
+is posted (:meth:`Waiter.watch <lightning_gpipe.faults.waiting.Waiter.watch>`), and the stage waits through the
+run's interruptible waits (:func:`~lightning_gpipe.faults.waiting.wait_watched`): signals are handled and a failed
+or stalled neighbour named, and a payload that arrived while the stage computed is taken without a thread
+hand-off. On CUDA (NCCL) receives are posted on a stream of their own, so they start at once rather than
 after the compute queued before them, and taking a received tensor makes the compute stream wait for its transfer
 (``Work.wait``), never the host; the host waits only on the control plane, for its neighbour's host. A flush then
 waits for nothing: it drops the sends that have completed (the rest stay alive until they have).
@@ -181,7 +182,7 @@ class _Arrival:
         self.buffers: list[Tensor] = []
         if sig is None:
             header = torch.empty(HEADER_SLOTS, dtype=torch.int64)
-            self._header = (header, link._prev.irecv_control(header))
+            self._header = (header, link._receiving([link._prev.irecv_control(header)], link._prev, control=True))
         else:
             self._post()
 
@@ -189,20 +190,18 @@ class _Arrival:
         link = self._link
         with link._device.receiving():
             self.buffers = [link._device.empty(shape, dtype) for shape, dtype in self.sig[1]]
-        self.works = [link._prev.irecv(_wire(buffer)) for buffer in self.buffers]
+        self.works = link._receiving([link._prev.irecv(_wire(buffer)) for buffer in self.buffers], link._prev)
 
     def take(self) -> Value:
         """Wait for the activation (its header first, if headed) and return it, as sent."""
         link = self._link
         if self._header is not None:
-            header, work = self._header
-            link._wait([work], link._prev.rank)
+            header, works = self._header
+            link._take(works, [], link._prev.rank)
             self.sig, _ = _decode(header.numpy(), 0)  # arrived: a host read of a CPU tensor
             self._header = None
             self._post()
-            link._take(self.works, self.buffers, link._prev.rank, in_flight=True)  # sent with its header
-        else:
-            link._take(self.works, self.buffers, link._prev.rank)
+        link._take(self.works, self.buffers, link._prev.rank)
         tensors = self.buffers
         return tuple(tensors) if self.sig[0] else tensors[0]
 
@@ -407,7 +406,7 @@ class Link:
             return
         with self._device.receiving():
             buffers = [self._device.empty(shape, dtype) for shape, dtype in metas]
-        self._grads.append(([self._next.irecv(buffer) for buffer in buffers], buffers))
+        self._grads.append((self._receiving([self._next.irecv(buffer) for buffer in buffers], self._next), buffers))
 
     def recv_grads(self, index: int) -> list[Tensor]:
         """Wait for the gradients posted first by :meth:`post_grads` (those of micro-batch ``index``) and return them.
@@ -476,23 +475,29 @@ class Link:
             (completed if all(work.is_completed() for work in send.works) else pending).append(send)
         self._pending_sends = pending
         if completed:  # on the per-micro-batch path: no failure scope to enter for nothing
-            waiting.wait_in_flight(self.job, [work for send in completed for work in send.works])
+            waiting.wait_completed(self.job, [work for send in completed for work in send.works])
 
-    def _take(
-        self, works: list[dist.Work], buffers: list[Tensor], peer: Optional[int], in_flight: bool = False
-    ) -> None:
-        """Wait for payloads received from global rank ``peer``: on NCCL the compute stream waits for them
-        (``Work.wait``), the host does not; on gloo the host waits, interruptibly (``in_flight``: sent together
-        with a message already here)."""
+    def _receiving(self, works: list[dist.Work], peer: _Peer, control: bool = False) -> list:
+        """``works``, receives just posted from ``peer`` (of a control message: ``control``), as :meth:`_take` waits
+        for them: on gloo one :class:`~lightning_gpipe.faults.waiting.Watched` (a helper thread of their stream, the
+        peer and tag, waits for them from now on, in the order posted, so that a transfer that arrived while the stage
+        computed costs no hand-off when taken); on NCCL
+        as they are."""
+        if self._polled or not works:
+            return works
+        return [self.job.waiter.watch(works, ("recv", peer.rank, peer.control_tag if control else peer.tag))]
+
+    def _take(self, works: list, buffers: list[Tensor], peer: Optional[int]) -> None:
+        """Wait for receives from global rank ``peer`` (as :meth:`_receiving` returned them) into ``buffers``: on
+        NCCL the compute stream waits for them (``Work.wait``), the host does not; on gloo the host waits,
+        interruptibly (:func:`~lightning_gpipe.faults.waiting.wait_watched`)."""
         if self._polled:
             with self.job.board.as_pipeline_failure(detail=self.job.watchdog.last_positions):
                 for work in works:
                     work.wait()  # NCCL: orders the compute stream after the transfer; the host goes on
             self._device.hand_over(buffers)
-        elif in_flight:
-            waiting.wait_in_flight(self.job, works)
-        else:
-            self._wait(works, peer)
+        elif works:
+            waiting.wait_watched(self.job, works[0], self.job.watchdog.name_of(peer))
 
     def _wait(self, works: list[dist.Work], peer: Optional[int]) -> None:
         """Wait on the host for ``works`` of control messages or gloo transfers with global rank ``peer``

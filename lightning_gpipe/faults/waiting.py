@@ -11,12 +11,11 @@ ask, says which one the works on a device's tensors over a process group need:
   a ``wait(timeout)`` that times out closes the connection. So a helper thread of the run (a :class:`Waiter`,
   with those signals blocked) calls ``wait()``, and the main thread waits for the helper on a lock, which Python
   interrupts for signal handlers. The cost is one thread hand-off per wait (tens of microseconds);
-  ``benchmarks/waits.py`` measures it against plain blocking waits. A receive whose sender has already issued
-  the matching send in the same call as a message already received (an activation's payload after its header)
-  ends with the transport alone, so :func:`wait_in_flight` waits for it on the calling thread, without the
-  hand-off. A send is also watched as it goes (:meth:`Waiter.watch`): a helper thread per stream of sends calls
-  its ``wait()`` at once, so that whether it has completed can be asked without blocking (a :class:`Watched`),
-  and its tensors freed once it has, long before the stage waits for it at a flush.
+  ``benchmarks/waits.py`` measures it against plain blocking waits. Transfers can instead be watched as they are
+  posted (:meth:`Waiter.watch`): a helper thread per stream (a peer and tag) calls their ``wait()`` at once, so
+  that whether they have completed can be asked without blocking (a :class:`Watched`). A send's tensors are
+  freed once it has completed, long before the stage waits for it at a flush; a receive that arrived while the
+  stage computed is taken with no hand-off at all (:func:`wait_watched`).
 - NCCL: :func:`poll`. ``WorkNCCL.wait()`` does not wait for the transfer: it makes the calling thread's current
   CUDA stream wait for the NCCL stream and returns (for a barrier it synchronizes the stream on the host, in
   C++), and a later host read of a received tensor (``.tolist()``, ``.item()``) would block inside a CUDA
@@ -164,10 +163,10 @@ class Waiter:
         return batch
 
     def watch(self, works: list[dist.Work], stream: Hashable) -> Watched:
-        """Have ``works``, sends of one ``stream`` (a destination and tag), waited for at once by that stream's
-        thread, for backends whose works cannot be polled (gloo: ``is_completed()`` stays ``False`` until ``wait()``
-        returns, and a second ``wait()`` of a completed send blocks). The stream's sends complete in the order
-        they were posted (their receives are posted in that order), so its thread adds no wait to any of them.
+        """Have ``works``, sends to or receives from one peer on one tag (a ``stream``), waited for at once by that
+        stream's thread, for backends whose works cannot be polled (gloo: ``is_completed()`` stays ``False`` until
+        ``wait()`` returns, and a second ``wait()`` of a completed send blocks). A stream's transfers complete in
+        the order they were posted (the peer posts its side in that order), so its thread adds no wait to any.
 
         Returns:
             The works as one :class:`Watched`: ask it, rather than the works, whether they completed, and wait for
@@ -220,20 +219,40 @@ def wait(job: WaitingJob, works: list[dist.Work], peer: str) -> None:
             raise batch.error
 
 
-def wait_in_flight(job: WaitingJob, works: list[dist.Work]) -> None:
-    """Wait for ``works`` on this thread, without :func:`wait`'s hand-off to the helper thread.
+def wait_watched(job: WaitingJob, watched: "Watched", peer: str) -> None:
+    """Wait until a helper thread of the job has seen ``watched``'s works complete (they were handed to it when they
+    were posted, :meth:`Waiter.watch`), handling signals meanwhile, as :func:`wait` does, without handing anything
+    over now: a transfer that has arrived while the stage computed costs no wait at all.
 
-    Only for receives whose sender has already issued the matching sends, in the same call as a message this
-    stage has received (an activation's payload, sent right after its header): their end depends on the
-    transport alone, not on the peer's progress, and a peer that dies closes the connection, which ends the
-    wait. Signals are handled once the bytes have arrived. Not for works that :func:`polls`: an NCCL receive
-    from a sender that died is not ended by the transport, so wait for those with :func:`poll`. And for works
-    that have completed, on any backend (an NCCL work or a :class:`Watched` whose ``is_completed()`` said so):
-    their ``wait()`` returns at once, or raises the error of a failed transfer.
+    Args:
+        job: the run's job: its failure board, position and stall watchdog.
+        watched: receives posted ahead and watched since.
+        peer: whom the works wait for, for the position and messages.
+
+    Raises:
+        PipelineFailure: as :func:`wait`.
+    """
+    batch = watched._batch
+    if batch.done.acquire(blocking=False):
+        batch.done.release()
+    else:
+        started = time.monotonic()
+        with job.position.waiting(peer), job.board.as_pipeline_failure(detail=job.watchdog.last_positions):
+            while not batch.done.acquire(timeout=TICK):
+                _check(job, peer, time.monotonic() - started)
+            batch.done.release()
+    if batch.error is not None:
+        with job.board.as_pipeline_failure(detail=job.watchdog.last_positions):
+            raise batch.error
+
+
+def wait_completed(job: WaitingJob, works: list) -> None:
+    """Wait, on this thread, for ``works`` that have completed (an NCCL work or a :class:`Watched` whose
+    ``is_completed()`` said so): their ``wait()`` returns at once, or raises the error of a failed transfer.
 
     Args:
         job: the run's job (its failure board names the cause of a failed transfer).
-        works: works of point-to-point receives in flight, or works that have completed.
+        works: works that have completed.
 
     Raises:
         PipelineFailure: if a transfer failed (naming the published cause).

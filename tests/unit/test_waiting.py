@@ -407,15 +407,16 @@ def test_a_failed_send_that_completed_raises_at_the_next_send(monkeypatch, job, 
         log.send(1)
 
 
-def test_a_flush_through_a_micro_batch_waits_for_its_sends_only_and_drops_later_completed_ones(monkeypatch, job):
+def test_a_flush_through_a_micro_batch_waits_for_its_sends_only(monkeypatch, job):
     log = SendLog(monkeypatch, job, "gloo")
-    first, second = log.send(0), log.send(1)
-    third = log.send(2)
-    log.complete(third)
+    first, second, third = log.send(0), log.send(1), log.send(2)
     threading.Thread(target=lambda: first[0].work().entered.wait() and log.complete(first), daemon=True).start()
     log.link.flush(through=0)  # waits for the first send, which completes while it waits
-    assert [sent.alive() for sent in first + second + third] == [False, True, False]
-    assert [sent.waits for sent in first + second + third] == [1, 0, 1]
+    assert [sent.alive() for sent in first + second + third] == [False, True, True]
+    log.complete(second + third)
+    log.link.flush()
+    assert [sent.waits for sent in first + second + third] == [1, 1, 1]
+    assert not any(sent.alive() for sent in second + third)
 
 
 def test_an_nccl_like_flush_waits_for_no_payload_and_drops_those_that_completed(monkeypatch, job):
