@@ -3,11 +3,13 @@ that the strategy gives a shuffled loader (on stage processes: tests/distributed
 
 import random
 
+import numpy as np
+import pytest
 import torch
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_gpipe.lightning.agreement import StepAgreement, fingerprint
+from lightning_gpipe.lightning.agreement import NEUTRAL, REGION_WORDS, StepAgreement, fingerprint
 from lightning_gpipe.lightning.data import same_batches
 from lightning_gpipe.faults.job import Job
 from lightning_gpipe.lightning.randomness import StageRandomness, stage_states
@@ -25,9 +27,16 @@ def test_the_fingerprint_sees_the_order_and_content_of_rows_but_not_memory_addre
     assert fingerprint((torch.tensor(2.0), torch.zeros(0), torch.ones(3, dtype=torch.bool))) >= 0
 
 
-def test_one_process_agrees_with_itself_and_passes_its_requests_through():
-    agreement = StepAgreement(replica=0, replicas=1, device=torch.device("cpu"), names={0: "stage 0"}, job=Job())
-    assert agreement.agree((torch.randn(4, 2),), [True, False], lambda: "epoch 0, training batch 0") == [True, False]
+def test_one_process_agrees_with_itself_and_passes_its_requests_and_relay_region_through():
+    agreement = StepAgreement(replica=0, replicas=1, names={0: "stage 0"}, job=Job())
+    where = lambda: "epoch 0, training batch 0"  # noqa: E731
+    requests, region = agreement.agree(fingerprint((torch.randn(4, 2),)), [True, False], where, np.array([5, 6]))
+    assert requests == [True, False]
+    assert region.shape == (REGION_WORDS,) and region[:2].tolist() == [5, 6] and (region[2:] == NEUTRAL).all()
+    requests, region = agreement.agree(fingerprint((torch.randn(4, 2),)), [False], where)
+    assert requests == [False] and region.size == 0
+    with pytest.raises(ValueError, match="holds 1024 words"):
+        agreement.agree(fingerprint(()), [], where, np.zeros(REGION_WORDS + 1, dtype=np.int64))
 
 
 def test_the_stage_stream_leaves_the_shared_stream_where_it_was():
