@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity, SacreBLEUScore
 
 from translation.data import DIRECTIONS
@@ -151,8 +152,11 @@ class TranslationModule(LightningModule):
             dropout=dropout,
             tie_embeddings=tie_embeddings,
         )
+        # metrics rather than tensors at epoch level: exact over several pipeline replicas, and no warning with one
+        self.val_loss = MeanMetric()
         self.val_ppl = Perplexity(ignore_index=self.pad_id)
         self.val_bleu = nn.ModuleDict({_key(direction): SacreBLEUScore() for direction in DIRECTIONS})
+        self.val_bleu_percent = nn.ModuleDict({key: bleu * 100 for key, bleu in self.val_bleu.items()})
 
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         """Run the backbone on source and shifted target; log and return the label-smoothed loss per token."""
@@ -173,16 +177,16 @@ class TranslationModule(LightningModule):
                 )
         logits = self.backbone((batch["src"], batch["tgt_in"]))
         tokens = int((batch["tgt_out"] != self.pad_id).sum())
-        self.log("val_loss", self._cross_entropy(logits, batch["tgt_out"], 0.0), prog_bar=True, batch_size=tokens)
+        self.val_loss(self._cross_entropy(logits, batch["tgt_out"], 0.0), weight=tokens)
+        self.log("val_loss", self.val_loss, prog_bar=True)
         self.val_ppl(logits, batch["tgt_out"])
         self.log("val_ppl", self.val_ppl)
 
     def on_validation_epoch_end(self) -> None:
-        """Log the corpus SacreBLEU of every direction that was decoded, then reset the scores."""
+        """Log the corpus SacreBLEU (0-100) of every direction that was decoded; Lightning then resets the scores."""
         for key, bleu in self.val_bleu.items():
             if bleu.update_count:
-                self.log(f"val_bleu_{key}", bleu.compute() * 100, prog_bar=key in ("en_de", "de_en"))
-            bleu.reset()
+                self.log(f"val_bleu_{key}", self.val_bleu_percent[key], prog_bar=key in ("en_de", "de_en"))
 
     def predict_step(self, batch: dict, batch_idx: int) -> list[str]:
         """Translate ``batch["src"]`` (ids with the target-language token first) through the pipeline."""
