@@ -11,6 +11,7 @@ stages loop in lockstep.
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +42,8 @@ def inverse_sqrt(warmup_steps: int):
     return factor
 
 
-def cooldown(factor, cooldown_steps: int, last_step: int):
-    """``factor`` of step s times a linear decay to 0 over the ``cooldown_steps`` steps that end at ``last_step``.
+def cooldown(factor, cooldown_steps: int, last_step: Callable[[], int]):
+    """``factor`` of step s times a linear decay to 0 over the ``cooldown_steps`` steps that end at ``last_step()``.
 
     The cool-down of a warmup-stable-decay schedule (Hägele et al. 2024, "Scaling Laws and Compute-Optimal
     Training Beyond Fixed Training Durations", section 3): the learning rate follows ``factor`` until
@@ -51,11 +52,12 @@ def cooldown(factor, cooldown_steps: int, last_step: int):
     Args:
         factor: the schedule before the cool-down, a function of the step (from 0).
         cooldown_steps: steps of the decay (at least 1).
-        last_step: the step count at which the learning rate reaches 0 (``Trainer(max_steps)``).
+        last_step: the step count at which the learning rate reaches 0, asked at every step (the module's is
+            ``Trainer(max_steps)``, which :class:`~time_budget.TimeBudget` may move during the run).
     """
 
     def cooled(step: int) -> float:
-        return factor(step) * min(1.0, max(last_step - step, 0) / cooldown_steps)
+        return factor(step) * min(1.0, max(last_step() - step, 0) / cooldown_steps)
 
     return cooled
 
@@ -228,7 +230,7 @@ class TranslationModule(LightningModule):
                     f"cooldown_steps={hp.cooldown_steps} needs Trainer(max_steps) of at least as many steps (it is"
                     f" {max_steps}): the learning rate reaches 0 at max_steps; set --trainer.max_steps"
                 )
-            factor = cooldown(factor, hp.cooldown_steps, max_steps)
+            factor = cooldown(factor, hp.cooldown_steps, lambda: self.trainer.max_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
