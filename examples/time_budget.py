@@ -30,8 +30,8 @@ class TimeBudget(Callback):
     and every process sets the run's last step (``trainer.fit_loop.epoch_loop.max_steps``, Lightning's own stop) to
     the step at which the time left runs out, keeping the time of ``reserve_steps`` steps for the final validation
     and the checkpoint, and a ``margin`` of the budget for the speed to vary. Every ``replan_steps`` steps after that
-    it measures again (the speed since the previous plan) and moves the last step if the time left calls for it, so
-    that a machine that slows down (or speeds up) mid-run still ends the schedule in time. At the last step it asks
+    it measures again (the mean speed of all the timed steps) and moves the last step if the time left calls for it,
+    so that a machine that slows down (or speeds up) mid-run still ends the schedule in time. At the last step it asks
     Lightning to stop (``trainer.should_stop``), which validates once more when ``check_val_every_n_epoch`` is
     ``None``, as after early stopping. Each plan that moves the last step by more than 1% is printed on global rank
     0: the speed, the last step, and when the run will end.
@@ -100,7 +100,8 @@ class TimeBudget(Callback):
             trainer.should_stop = True
 
     def _plan(self, trainer: "pl.Trainer", step: int) -> None:
-        """Global rank 0 decides the last step from the speed since the last plan; every process takes it."""
+        """Global rank 0 decides the last step from the speed of every step timed so far (the mean steadies the plan,
+        and with it the schedule, as the run goes on); every process takes it."""
         decided = None
         if trainer.is_global_zero:
             now = time.time()
@@ -108,7 +109,6 @@ class TimeBudget(Callback):
             seconds_per_step = (now - since) / max(step - since_step, 1)
             left = self.deadline - self.margin * 60 * self.minutes - now
             decided = (step + max(int(left / seconds_per_step - self.reserve_steps), 1), seconds_per_step)
-            self._timed = (step, now)
         last_step, seconds_per_step = trainer.strategy.broadcast(decided, src=0)
         if self.last_step is None or abs(last_step - self.last_step) > 0.01 * self.last_step:
             rank_zero_info(
