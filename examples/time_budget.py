@@ -30,8 +30,9 @@ class TimeBudget(Callback):
     and every process sets the run's last step (``trainer.fit_loop.epoch_loop.max_steps``, Lightning's own stop) to
     the step at which the time left runs out, keeping the time of ``reserve_steps`` steps for the final validation
     and the checkpoint, and a ``margin`` of the budget for the speed to vary. Every ``replan_steps`` steps after that
-    it measures again (the mean speed of all the timed steps) and moves the last step if the time left calls for it,
-    so that a machine that slows down (or speeds up) mid-run still ends the schedule in time. At the last step it asks
+    (more often as the last step nears: half the steps left) it measures again, the slower of the mean speed of all
+    the timed steps and the speed since the previous plan, and moves the last step if the time left calls for it, so
+    that a machine that slows down (or speeds up) mid-run still ends the schedule in time. At the last step it asks
     Lightning to stop (``trainer.should_stop``), which validates once more when ``check_val_every_n_epoch`` is
     ``None``, as after early stopping. Each plan that moves the last step by more than 1% is printed on global rank
     0: the speed, the last step, and when the run will end.
@@ -77,13 +78,13 @@ class TimeBudget(Callback):
         self.replan_steps, self.reserve_steps, self.margin = replan_steps, reserve_steps, margin
         self.deadline: Optional[float] = None  # global rank 0: when the budget ends, in seconds since the epoch
         self.last_step: Optional[int] = None  # the last step of the current plan (every process)
-        self._timed: Optional[tuple[int, float]] = None  # global rank 0: (step, time) the speed is measured from
+        self._timed: list[tuple[int, float]] = []  # global rank 0: (step, time) when timing started, at each plan
         self._next_plan = skip_steps + measure_steps
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Start the clock: the budget ends ``minutes`` after the command started."""
         self.deadline = command_started() + 60 * self.minutes
-        self.last_step, self._timed = None, None
+        self.last_step, self._timed = None, []
         self._next_plan = trainer.global_step + self.skip_steps + self.measure_steps
 
     def on_train_batch_end(
@@ -91,24 +92,26 @@ class TimeBudget(Callback):
     ) -> None:
         """Time the steps, plan the last step when it is due, and stop the run at the last step."""
         step = trainer.global_step
-        if self._timed is None and step == self._next_plan - self.measure_steps:
-            self._timed = (step, time.time())
+        if not self._timed and step == self._next_plan - self.measure_steps:
+            self._timed.append((step, time.time()))
         if step >= self._next_plan:
             self._plan(trainer, step)
-            self._next_plan = step + self.replan_steps
+            self._next_plan = step + max(min(self.replan_steps, (self.last_step - step) // 2), 1)
         if self.last_step is not None and step >= self.last_step:
             trainer.should_stop = True
 
     def _plan(self, trainer: "pl.Trainer", step: int) -> None:
-        """Global rank 0 decides the last step from the speed of every step timed so far (the mean steadies the plan,
-        and with it the schedule, as the run goes on); every process takes it."""
+        """Global rank 0 decides the last step from the speed, the slower of the mean over every timed step (which
+        steadies the plan, and with it the schedule, as the run goes on) and the speed since the previous plan (so that
+        a slowdown is not averaged away); every process takes it."""
         decided = None
         if trainer.is_global_zero:
             now = time.time()
-            since_step, since = self._timed
-            seconds_per_step = (now - since) / max(step - since_step, 1)
+            self._timed.append((step, now))
+            (first, started), (previous, since) = self._timed[0], self._timed[-2]
+            seconds_per_step = max((now - started) / (step - first), (now - since) / (step - previous))
             left = self.deadline - self.margin * 60 * self.minutes - now
-            decided = (step + max(int(left / seconds_per_step - self.reserve_steps), 1), seconds_per_step)
+            decided = (step + max(int(left / seconds_per_step - self.reserve_steps), 0), seconds_per_step)
         last_step, seconds_per_step = trainer.strategy.broadcast(decided, src=0)
         if self.last_step is None or abs(last_step - self.last_step) > 0.01 * self.last_step:
             rank_zero_info(

@@ -63,6 +63,8 @@ class AmoebaNetClassifier(LightningModule):
         warmup_fraction: share of the steps spent rising with ``one_cycle``. Default 0.25.
         channels_last: keep the backbone's weights and the input images in ``torch.channels_last`` memory format.
             Default False.
+        flip_test: validate on each image and its mirror image, averaging their logits (test-time augmentation: one
+            backbone call on the batch and its flip, twice the rows). Default False.
 
     Batches are ``(images (N, 3, S, S) float, labels (N,) long)``.
     """
@@ -80,6 +82,7 @@ class AmoebaNetClassifier(LightningModule):
         one_cycle: bool = False,
         warmup_fraction: float = 0.25,
         channels_last: bool = False,
+        flip_test: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -101,9 +104,14 @@ class AmoebaNetClassifier(LightningModule):
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        """Log the validation loss and accuracy of one batch."""
+        """Log the validation loss and accuracy of one batch (of the logits averaged with the mirror images' with
+        ``flip_test``)."""
         images, labels = batch
+        if self.hparams.flip_test:
+            images = torch.cat([images, images.flip(-1)])
         logits = self.backbone(images.contiguous(memory_format=self.memory_format))
+        if self.hparams.flip_test:
+            logits = logits.view(2, len(labels), -1).mean(0)
         self.val_acc(logits, labels)
         self.val_loss(F.cross_entropy(logits, labels), weight=len(labels))
         self.log("val_loss", self.val_loss, prog_bar=True)

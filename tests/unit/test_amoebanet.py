@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -164,3 +165,19 @@ def test_class_subset_is_seeded_and_prepare_writes_what_the_data_module_selects(
     assert prepared.train_set.split["label"] == labels
     with pytest.raises(DataUnavailableError, match=r"--data.data_dir=.*does not exist(.|\n)*amoebanet/prepare.py DIR"):
         CIFAR10DataModule(data_dir=str(tmp_path / "missing")).check_data("fit")
+
+
+def test_flip_test_averages_the_logits_of_each_image_and_its_mirror_image() -> None:
+    """``flip_test`` validates on the mean logits of the batch and its flip, from one backbone call."""
+    from amoebanet.module import AmoebaNetClassifier
+    from torchmetrics.classification import MulticlassAccuracy
+
+    torch.manual_seed(0)
+    module = AmoebaNetClassifier(num_layers=3, num_filters=8, flip_test=True).eval()
+    module.log = lambda *args, **kwargs: None  # no Trainer to log to
+    images, labels = torch.randn(6, 3, 32, 32), torch.arange(6) % 10
+    with torch.no_grad():
+        module.validation_step((images, labels), 0)
+        expected = (module.backbone(images) + module.backbone(images.flip(-1))) / 2
+    assert module.val_acc.compute() == MulticlassAccuracy(10)(expected, labels)
+    assert module.val_loss.compute() == pytest.approx(F.cross_entropy(expected, labels).item(), rel=1e-5)
