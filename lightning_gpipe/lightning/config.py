@@ -216,7 +216,7 @@ class PipelineConfig:
         if self.schedule in V_SHAPED and "virtual_stages" not in self._given:  # the V's two arms, kept by the planner
             object.__setattr__(self, "virtual_stages", 2)
             object.__setattr__(self, "_given", self._given | {"virtual_stages"})
-        self._check_types()
+        _check_types(self)
         for option, (allowed, fix) in CHOICES.items():
             if getattr(self, option) not in allowed:
                 raise ValueError(f"GPipeStrategy({option}={getattr(self, option)!r}): {fix}.")
@@ -225,47 +225,11 @@ class PipelineConfig:
         self._check_balance()
         self._check_plan()
         compile_options(self.compile)  # raises ValueError for a bad value, before any process starts
-        self._check_timeouts()
+        _check_timeouts(self)
         checked_size(self.pipeline_parallel_size, "pipeline_parallel_size")
         checked_size(self.data_parallel_size, "data_parallel_size")
         if self.balance is not None and not isinstance(self.balance, str):
             object.__setattr__(self, "balance", list(self.balance))
-
-    def _check_types(self) -> None:
-        """The options whose values are not checked against a table of names: their types."""
-        chunks = self.chunks
-        if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
-            raise ValueError(
-                f"GPipeStrategy(chunks={chunks!r}): chunks is the number of micro-batches, an integer >= 1."
-            )
-        if not isinstance(self.deferred_batch_norm, bool):
-            raise ValueError(
-                f"GPipeStrategy(deferred_batch_norm={self.deferred_batch_norm!r}): give True (batch norm's running"
-                " statistics updated once per mini-batch) or False."
-            )
-        for option in ("backbone", "process_group_backend"):
-            value = getattr(self, option)
-            if value is not None and not isinstance(value, str):
-                what = "the name of the nn.Sequential attribute" if option == "backbone" else "a backend name"
-                raise ValueError(f"GPipeStrategy({option}={value!r}): give {what} as a string, or None.")
-        if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
-            raise ValueError(
-                f"GPipeStrategy(cost_model={self.cost_model!r}): give a lightning_gpipe.CostModel, e.g."
-                " CostModel(transfer_latency=2e-3), or None for the package's constants."
-            )
-
-    def _check_timeouts(self) -> None:
-        """``timeout`` and ``stall_timeout``: positive ``timedelta``s or ``None``."""
-        for option, what, example, without in _TIMEOUTS:
-            value = getattr(self, option)
-            if value is None or (isinstance(value, timedelta) and value > timedelta(0)):
-                continue
-            seconds = f" (timedelta(seconds={value}) for {value} s)" if isinstance(value, (int, float)) else ""
-            raise ValueError(
-                f"GPipeStrategy({option}={value!r}): give {what} as a positive `datetime.timedelta`, e.g. {example}"
-                f"{seconds}, or None ({without}). On the command line: --trainer.strategy.{option}=0:30:00"
-                " (hours:minutes:seconds)."
-            )
 
     def _check_weight_split(self) -> None:
         defer = self.defer_weight_grad
@@ -389,3 +353,39 @@ class PipelineConfig:
         limits = [0.9 * self.timeout.total_seconds()] if self.timeout is not None else []
         limits += [self.stall_timeout.total_seconds()] if self.stall_timeout is not None else []
         return min(limits, default=float("inf"))
+
+
+def _check_types(config: "PipelineConfig") -> None:
+    """The options whose values are not checked against a table of names: their types."""
+    chunks = config.chunks
+    if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
+        raise ValueError(f"GPipeStrategy(chunks={chunks!r}): chunks is the number of micro-batches, an integer >= 1.")
+    if not isinstance(config.deferred_batch_norm, bool):
+        raise ValueError(
+            f"GPipeStrategy(deferred_batch_norm={config.deferred_batch_norm!r}): give True (batch norm's running"
+            " statistics updated once per mini-batch) or False."
+        )
+    for option in ("backbone", "process_group_backend"):
+        value = getattr(config, option)
+        if value is not None and not isinstance(value, str):
+            what = "the name of the nn.Sequential attribute" if option == "backbone" else "a backend name"
+            raise ValueError(f"GPipeStrategy({option}={value!r}): give {what} as a string, or None.")
+    if config.cost_model is not None and not isinstance(config.cost_model, CostModel):
+        raise ValueError(
+            f"GPipeStrategy(cost_model={config.cost_model!r}): give a lightning_gpipe.CostModel, e.g."
+            " CostModel(transfer_latency=2e-3), or None for the package's constants."
+        )
+
+
+def _check_timeouts(config: "PipelineConfig") -> None:
+    """``timeout`` and ``stall_timeout``: positive ``timedelta``s or ``None``."""
+    for option, what, example, without in _TIMEOUTS:
+        value = getattr(config, option)
+        if value is None or (isinstance(value, timedelta) and value > timedelta(0)):
+            continue
+        seconds = f" (timedelta(seconds={value}) for {value} s)" if isinstance(value, (int, float)) else ""
+        raise ValueError(
+            f"GPipeStrategy({option}={value!r}): give {what} as a positive `datetime.timedelta`, e.g. {example}"
+            f"{seconds}, or None ({without}). On the command line: --trainer.strategy.{option}=0:30:00"
+            " (hours:minutes:seconds)."
+        )

@@ -79,14 +79,12 @@ class GPipeStrategy(MeshStrategy):
         balance_memory_limit: bytes one stage may hold when choosing the balance (default: no limit).
         start_method: ``"popen"`` (default) or ``"spawn"``.
         state_dict_type: checkpoints as one ``"full"`` file (default) or a ``"sharded"`` directory.
-        schedule: ``"gpipe"`` (fill-drain; ``None``, default), ``"1f1b"``, ``"zb-h1"``, ``"zb-1p"`` or ``"zb-v"``
-            (zero-bubble).
+        schedule: ``"gpipe"`` (fill-drain; ``None``, default), ``"1f1b"``, ``"zb-h1"``, ``"zb-1p"`` or ``"zb-v"``.
         virtual_stages: model chunks per stage, interleaved (``None``, default: 1, or the planner's choice).
         pipeline_parallel_size: K, the stages of each pipeline (default ``"auto"``).
         data_parallel_size: D, the pipeline replicas (default ``"auto"``).
         timeout: the process group's timeout, a ``timedelta`` (30 minutes by default).
-        stall_timeout: how long a stage may wait for another before the job ends naming it, a ``timedelta`` (5
-            minutes).
+        stall_timeout: how long (a ``timedelta``) a stage may wait for another before the job ends naming it (5 min).
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
         plan: ``"auto"`` chooses the options not given under ``memory_limit`` (docs/planning.md); default ``None``.
         memory_limit: bytes one device may hold under ``plan="auto"`` (default: CUDA's free memory; on the CPU give it).

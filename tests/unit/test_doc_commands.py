@@ -174,7 +174,7 @@ def test_example_commands_fail_fast_with_the_prepare_command_when_data_is_missin
     assert list(cwd.iterdir()) == []
 
 
-DOCS = ("README.md", "docs/*.md", "docs/api/*.md", "examples/*/README.md", "tests/README.md", "benchmarks/README.md")
+DOCS = ("README.md", "docs/*.md", "docs/api/*.md", "examples/*/README.md", "tests/README.md")
 """Where the docs' names, paths and values are read."""
 
 
