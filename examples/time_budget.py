@@ -8,6 +8,7 @@ read ``trainer.max_steps`` at every step (``amoebanet.module.one_cycle``, ``tran
 end there.
 """
 
+import math
 import time
 from typing import Any, Optional
 
@@ -28,14 +29,15 @@ class TimeBudget(Callback):
 
     After ``skip_steps`` steps (start-up: the first steps run slower), global rank 0 times ``measure_steps`` steps,
     and every process sets the run's last step (``trainer.fit_loop.epoch_loop.max_steps``, Lightning's own stop) to
-    the step at which the time left runs out, keeping the time of ``reserve_steps`` steps for the final validation
-    and the checkpoint, and a ``margin`` of the budget for the speed to vary. Every ``replan_steps`` steps after that
-    (more often as the last step nears: half the steps left) it measures again, the slower of the mean speed of all
-    the timed steps and the speed since the previous plan, and moves the last step if the time left calls for it, so
-    that a machine that slows down (or speeds up) mid-run still ends the schedule in time. At the last step it asks
-    Lightning to stop (``trainer.should_stop``), which validates once more when ``check_val_every_n_epoch`` is
-    ``None``, as after early stopping. Each plan that moves the last step by more than 1% is printed on global rank
-    0: the speed, the last step, and when the run will end.
+    the step at which the time left runs out. It keeps the time of the final validation (measured: the time of
+    Lightning's sanity check, ``Trainer(num_sanity_val_steps)`` batches, per batch, times the validation batches; none
+    without a sanity check), of ``reserve_steps`` steps (the last checkpoint, the end of the processes), and a
+    ``margin`` of the budget for the speed to vary. Every ``replan_steps`` steps after that (more often as the last
+    step nears: half the steps left) it measures again, the slower of the mean speed of all the timed steps and the
+    speed since the previous plan, and moves the last step if the time left calls for it, so that a machine that
+    slows down (or speeds up) mid-run still ends the schedule in time. At the last step it asks Lightning to stop
+    (``trainer.should_stop``), which validates once more when ``check_val_every_n_epoch`` is ``None``, as after
+    early stopping. Each plan that moves the last step by more than 1% is printed on global rank 0.
 
     A schedule over ``max_steps`` must read it when it is used, not when the optimizer is configured (the
     learning-rate factors of the examples call ``trainer.max_steps`` at every step); until the first plan the run
@@ -48,8 +50,8 @@ class TimeBudget(Callback):
         skip_steps: steps not timed, at the start of training. Default 5.
         measure_steps: steps timed before the first plan. Default 20.
         replan_steps: steps between plans after the first. Default 50.
-        reserve_steps: time kept after the last step, for the final validation, the last checkpoint and the end
-            of the processes, in steps (so that it scales with the machine's speed). Default 0.
+        reserve_steps: time kept after the last step besides the final validation, in steps (so that it scales
+            with the machine's speed). Default 0.
         margin: share of the budget kept free for the speed to vary. Default 0.02.
 
     Raises:
@@ -76,14 +78,29 @@ class TimeBudget(Callback):
             raise ValueError(f"TimeBudget(margin={margin}): give the share of the budget kept free, in [0, 1).")
         self.minutes, self.skip_steps, self.measure_steps = minutes, skip_steps, measure_steps
         self.replan_steps, self.reserve_steps, self.margin = replan_steps, reserve_steps, margin
-        self.deadline: Optional[float] = None  # global rank 0: when the budget ends, in seconds since the epoch
+        self.validation_seconds = 0.0  # global rank 0: the final validation's expected time
         self.last_step: Optional[int] = None  # the last step of the current plan (every process)
+        self._deadline = 0.0  # global rank 0: when training must end, in seconds since the epoch
         self._timed: list[tuple[int, float]] = []  # global rank 0: (step, time) when timing started, at each plan
         self._next_plan = skip_steps + measure_steps
 
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """No validation measured yet (a sanity check, if any, measures it next)."""
+        self.validation_seconds = 0.0
+
+    def on_sanity_check_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Start timing the sanity check's validation batches."""
+        self.validation_seconds = -time.time()
+
+    def on_sanity_check_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """The final validation's time: the sanity check's per batch, times the validation batches."""
+        checked, batches = sum(trainer.num_sanity_val_batches), sum(trainer.num_val_batches)
+        per_batch = (self.validation_seconds + time.time()) / max(checked, 1)
+        self.validation_seconds = per_batch * batches if checked and math.isfinite(batches) else 0.0
+
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """Start the clock: the budget ends ``minutes`` after the command started."""
-        self.deadline = command_started() + 60 * self.minutes
+        """Start the clock: training ends before ``minutes`` after the command started, less the kept time."""
+        self._deadline = command_started() + (1 - self.margin) * 60 * self.minutes - self.validation_seconds
         self.last_step, self._timed = None, []
         self._next_plan = trainer.global_step + self.skip_steps + self.measure_steps
 
@@ -110,14 +127,14 @@ class TimeBudget(Callback):
             self._timed.append((step, now))
             (first, started), (previous, since) = self._timed[0], self._timed[-2]
             seconds_per_step = max((now - started) / (step - first), (now - since) / (step - previous))
-            left = self.deadline - self.margin * 60 * self.minutes - now
-            decided = (step + max(int(left / seconds_per_step - self.reserve_steps), 0), seconds_per_step)
+            steps_left = int((self._deadline - now) / seconds_per_step - self.reserve_steps)
+            decided = (step + max(steps_left, 0), seconds_per_step)
         last_step, seconds_per_step = trainer.strategy.broadcast(decided, src=0)
         if self.last_step is None or abs(last_step - self.last_step) > 0.01 * self.last_step:
             rank_zero_info(
                 f"TimeBudget: {seconds_per_step:.2f} s per step at step {step}, so {last_step} steps fit the"
-                f" {self.minutes:g}-minute budget with the final validation ({self.reserve_steps:g} steps' time):"
-                f" training ends at step {last_step}."
+                f" {self.minutes:g}-minute budget, keeping {self.validation_seconds:.0f} s for the final validation"
+                f" and {self.reserve_steps:g} steps' time: training ends at step {last_step}."
             )
         self.last_step = last_step
         trainer.fit_loop.epoch_loop.max_steps = last_step
