@@ -33,7 +33,7 @@ CASES = {
     "layer_scalar": [
         "stage 0 stopped because stage 1 failed with ValueError: Backbone layer 8 (Returns) returned a 0-dimensional"
     ],
-    "float_labels": ["stage 0 stopped because stage 1 failed with RuntimeError: expected scalar type Long"],
+    "float_labels": ["stage 0 stopped because stage 1 failed with RuntimeError: expected target dtype to be Long"],
 }
 """Each case's messages; every case exits with code 1 (the error's), not by a signal: the stage waiting for the
 failed one when it exits ends its waits first (lightning_gpipe.faults.job.end_waits_at_exit)."""
