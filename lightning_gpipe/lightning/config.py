@@ -171,7 +171,7 @@ class PipelineConfig:
             place: the forward, the re-materialization's recompute and the backward (one compiled backward per
             layer) run compiled code, and parameter names stay (``backbone.7.weight``). A dict gives
             ``torch.compile``'s keyword arguments, e.g. ``{"dynamic": False}``. ``False`` (default) compiles
-            nothing. Under the B/W split (``defer_weight_grad``, ``schedule="zb-h1"``) each compiled layer's
+            nothing. Under the B/W split (``defer_weight_grad``, the zero-bubble schedules) each compiled layer's
             backward runs twice, once for B and once for W (same gradients; see
             :mod:`lightning_gpipe.engine.compilation` and docs/how-it-works.md, "torch.compile").
 
