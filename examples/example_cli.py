@@ -1,4 +1,4 @@
-"""The LightningCLI both examples use: a logger's ``save_dir`` may start at the Trainer's ``default_root_dir``.
+"""The LightningCLI the three examples use: a logger's ``save_dir`` may start at the Trainer's ``default_root_dir``.
 
 Lightning's own default logger writes under ``default_root_dir``, but a logger given in a config (``CSVLogger``
 here) needs a ``save_dir`` of its own, so ``--trainer.default_root_dir=DIR`` alone would not move the logs. The
@@ -15,15 +15,34 @@ message alone (no traceback) and exits with status 1.
 
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningCLI
 
 from example_data import DataUnavailableError
 
 DEFAULT_ROOT_DIR = "<default_root_dir>"
 """Stands for ``trainer.default_root_dir`` at the start of a logger's ``save_dir``."""
+
+# Lightning 2.6 builds torch.utils._pytree.LeafSpec, which torch 2.13 deprecates: a FutureWarning from inside
+# Lightning, once per process, that the user cannot act on (the pins in pyproject.toml are this pair).
+warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
+
+
+class StepProgressBar(RichProgressBar):
+    """Lightning's ``RichProgressBar`` without its "Epoch 0/-2": a run bounded by ``max_steps`` alone has
+    ``max_epochs=-1``, which the bar prints as the last epoch, ``-1 - 1``; this one then prints ``Epoch 0``, as
+    Lightning's ``TQDMProgressBar`` does."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        if self.trainer.max_epochs != -1:
+            return super()._get_train_description(current_epoch)
+        description = f"Epoch {current_epoch}"
+        return f"{description:{len(self.validation_description)}}"  # as wide as "Validation", as Lightning pads it
 
 
 def follow_default_root_dir(config: Any) -> None:
@@ -45,12 +64,22 @@ def follow_default_root_dir(config: Any) -> None:
 
 
 class ExampleCLI(LightningCLI):
-    """``LightningCLI`` whose loggers' ``save_dir`` may start with :data:`DEFAULT_ROOT_DIR`, and which checks the data
-    (the data module's ``check_data``) before a subcommand starts any stage process."""
+    """``LightningCLI`` whose loggers' ``save_dir`` may start with :data:`DEFAULT_ROOT_DIR`, which checks the data
+    (the data module's ``check_data``) before a subcommand starts any stage process, and whose default progress bar
+    is :class:`StepProgressBar`."""
 
     def before_instantiate_classes(self) -> None:
         """Resolve :data:`DEFAULT_ROOT_DIR` in the loggers' ``save_dir`` before the Trainer is built."""
         follow_default_root_dir(self.config[self.subcommand] if self.subcommand else self.config)
+
+    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        """Lightning's Trainer, with :class:`StepProgressBar` in place of the ``RichProgressBar`` Lightning adds when
+        no progress bar is configured."""
+        trainer = super().instantiate_trainer(**kwargs)
+        for index, callback in enumerate(trainer.callbacks):
+            if type(callback) is RichProgressBar:
+                trainer.callbacks[index] = StepProgressBar()
+        return trainer
 
     def check_data(self) -> None:
         """Call the data module's ``check_data(subcommand)``, if it has one."""

@@ -11,11 +11,13 @@ stages loop in lockstep.
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity, SacreBLEUScore
 
 from translation.data import DIRECTIONS
@@ -40,8 +42,8 @@ def inverse_sqrt(warmup_steps: int):
     return factor
 
 
-def cooldown(factor, cooldown_steps: int, last_step: int):
-    """``factor`` of step s times a linear decay to 0 over the ``cooldown_steps`` steps that end at ``last_step``.
+def cooldown(factor, cooldown_steps: int, last_step: Callable[[], int]):
+    """``factor`` of step s times a linear decay to 0 over the ``cooldown_steps`` steps that end at ``last_step()``.
 
     The cool-down of a warmup-stable-decay schedule (Hägele et al. 2024, "Scaling Laws and Compute-Optimal
     Training Beyond Fixed Training Durations", section 3): the learning rate follows ``factor`` until
@@ -50,11 +52,12 @@ def cooldown(factor, cooldown_steps: int, last_step: int):
     Args:
         factor: the schedule before the cool-down, a function of the step (from 0).
         cooldown_steps: steps of the decay (at least 1).
-        last_step: the step count at which the learning rate reaches 0 (``Trainer(max_steps)``).
+        last_step: the step count at which the learning rate reaches 0, asked at every step (the module's is
+            ``Trainer(max_steps)``, which :class:`~time_budget.TimeBudget` may move during the run).
     """
 
     def cooled(step: int) -> float:
-        return factor(step) * min(1.0, max(last_step - step, 0) / cooldown_steps)
+        return factor(step) * min(1.0, max(last_step() - step, 0) / cooldown_steps)
 
     return cooled
 
@@ -151,8 +154,11 @@ class TranslationModule(LightningModule):
             dropout=dropout,
             tie_embeddings=tie_embeddings,
         )
+        # metrics rather than tensors at epoch level: exact over several pipeline replicas, and no warning with one
+        self.val_loss = MeanMetric()
         self.val_ppl = Perplexity(ignore_index=self.pad_id)
         self.val_bleu = nn.ModuleDict({_key(direction): SacreBLEUScore() for direction in DIRECTIONS})
+        self.val_bleu_percent = nn.ModuleDict({key: bleu * 100 for key, bleu in self.val_bleu.items()})
 
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         """Run the backbone on source and shifted target; log and return the label-smoothed loss per token."""
@@ -173,16 +179,16 @@ class TranslationModule(LightningModule):
                 )
         logits = self.backbone((batch["src"], batch["tgt_in"]))
         tokens = int((batch["tgt_out"] != self.pad_id).sum())
-        self.log("val_loss", self._cross_entropy(logits, batch["tgt_out"], 0.0), prog_bar=True, batch_size=tokens)
+        self.val_loss(self._cross_entropy(logits, batch["tgt_out"], 0.0), weight=tokens)
+        self.log("val_loss", self.val_loss, prog_bar=True)
         self.val_ppl(logits, batch["tgt_out"])
         self.log("val_ppl", self.val_ppl)
 
     def on_validation_epoch_end(self) -> None:
-        """Log the corpus SacreBLEU of every direction that was decoded, then reset the scores."""
+        """Log the corpus SacreBLEU (0-100) of every direction that was decoded; Lightning then resets the scores."""
         for key, bleu in self.val_bleu.items():
             if bleu.update_count:
-                self.log(f"val_bleu_{key}", bleu.compute() * 100, prog_bar=key in ("en_de", "de_en"))
-            bleu.reset()
+                self.log(f"val_bleu_{key}", self.val_bleu_percent[key], prog_bar=key in ("en_de", "de_en"))
 
     def predict_step(self, batch: dict, batch_idx: int) -> list[str]:
         """Translate ``batch["src"]`` (ids with the target-language token first) through the pipeline."""
@@ -224,7 +230,7 @@ class TranslationModule(LightningModule):
                     f"cooldown_steps={hp.cooldown_steps} needs Trainer(max_steps) of at least as many steps (it is"
                     f" {max_steps}): the learning rate reaches 0 at max_steps; set --trainer.max_steps"
                 )
-            factor = cooldown(factor, hp.cooldown_steps, max_steps)
+            factor = cooldown(factor, hp.cooldown_steps, lambda: self.trainer.max_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

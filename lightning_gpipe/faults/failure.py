@@ -35,7 +35,20 @@ _RESERVE_BYTES = 4 * 2**20
 
 
 class PipelineFailure(RuntimeError):
-    """Raised on a stage whose neighbour failed or stopped progressing; the message names that stage and its error."""
+    """Raised on a stage whose neighbour failed or stopped progressing, while it waited for it: a consequence, not a
+    cause.
+
+    The message names the stage that failed first and its error, e.g. ``"stage 0 stopped because stage 1 failed with
+    TypeError: Backbone layer 8 (Returns) returned a dict; ... (at partition.py:74)"``, or the stage that stopped
+    progressing and where it was (``"... has been in `training_step` after the backbone call at step 2 for 300
+    s"``, see :class:`~lightning_gpipe.faults.watchdog.Watchdog`). The failed stage itself raises its own error;
+    every process of the job exits with code 1 (see :mod:`lightning_gpipe.faults.failure`). Raised by
+    :class:`~lightning_gpipe.faults.failure.FailureBoard` from the package's waits (transfers and collectives).
+
+    Attributes:
+        args: ``(message,)``, the message above. When a transfer itself failed (the other process ended), the
+            exception is chained (``__cause__``) to torch.distributed's error.
+    """
 
 
 class FailureBoard:

@@ -12,15 +12,31 @@ Each part keeps its own module: :class:`~lightning_gpipe.faults.failure.FailureB
 :class:`~lightning_gpipe.faults.watchdog.Position` and :class:`~lightning_gpipe.faults.watchdog.Watchdog` (where this
 stage is, and who stopped progressing), :class:`~lightning_gpipe.faults.waiting.Waiter` (the helper threads of gloo
 waits and sends).
+
+A process that exits while a helper thread still waits for a transfer (a stage that failed in the middle of a step,
+or whose neighbour did) must not leave that thread inside torch.distributed's C++ wait: Python ends such a daemon
+thread when it next takes the interpreter lock, during finalization, and from inside C++ that ends the process by
+``std::terminate`` (SIGABRT, exit code 134) instead of the error's exit code 1. :func:`end_waits_at_exit`, run at
+interpreter exit, lets those waits end first: they do once the other stages' processes have exited.
 """
 
+import atexit
+import os
+import sys
+import threading
+import time
 from typing import Any, Optional
 
 import torch.distributed as dist
 
+from lightning_gpipe.faults import waiting
 from lightning_gpipe.faults.failure import FailureBoard
 from lightning_gpipe.faults.waiting import Waiter
 from lightning_gpipe.faults.watchdog import Position, Watchdog
+
+EXIT_GRACE = 15.0
+"""Seconds an exiting process gives its helper threads' waits to end (a failed stage's neighbours linger for 5 s
+at most, then exit, which ends the waits on them) before it exits at once with code 1."""
 
 
 class Job:
@@ -82,3 +98,23 @@ class Job:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+def end_waits_at_exit(grace: float = EXIT_GRACE) -> None:
+    """End the :class:`~lightning_gpipe.faults.waiting.Waiter` helper threads before the interpreter finalizes (run at
+    exit, see the module docstring): tell each to end after its current wait and wait ``grace`` seconds for them; if
+    one still waits then, flush the output and exit at once with code 1 (``os._exit``: a transfer still pending at
+    exit means the run failed)."""
+    threads = [thread for thread in threading.enumerate() if isinstance(thread, waiting._Thread)]
+    for thread in threads:
+        thread.batches.put(None)  # the end of its queue; a thread already told to end has left it
+    deadline = time.monotonic() + grace
+    for thread in threads:
+        thread.join(max(deadline - time.monotonic(), 0.0))
+    if any(thread.is_alive() for thread in threads):
+        print(f"[lightning_gpipe] exiting with a transfer still pending after {grace:g} s", file=sys.stderr)
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(1)
+
+
+atexit.register(end_waits_at_exit)

@@ -50,7 +50,23 @@ _PLAIN = (str, bytes, int, float, bool, type(None))
 
 
 class BatchMismatchError(RuntimeError):
-    """Raised on every process when the stages of a pipeline read different batches at the same step."""
+    """Raised on every process alike when the stages of a pipeline would train on different data: the last stage
+    would pair the first stage's rows with other rows' labels.
+
+    Two cases, each with its cause and fix in the message:
+
+    - when a loop starts (before its first step), the stages hold different **datasets** (a different length, or
+      different first, middle or last items; see :func:`~lightning_gpipe.lightning.data.same_datasets`): each
+      process builds its data itself, so data made from randomness nobody seeded differs. Seed before building
+      it;
+    - before a step, the stages read different **batches** from datasets that agreed (see :class:`StepAgreement`):
+      a sampler or shuffle drawing from each process's own generator, augmentation that does not draw from the
+      generators the stages share, a loader whose order is not deterministic.
+
+    Attributes:
+        args: ``(message,)``: the loop or step (``"epoch 0, training batch 17"``), each process's fingerprint (and,
+            for datasets, their sizes), the likely causes and the fix.
+    """
 
 
 def fingerprint(batch: Any) -> Tensor:

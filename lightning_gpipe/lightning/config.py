@@ -9,7 +9,7 @@ whether ``balance`` fits the backbone at setup (:mod:`lightning_gpipe.planning.b
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional, Union
+from typing import Literal, Optional, Union, get_args
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
@@ -17,27 +17,50 @@ from lightning_gpipe.planning.balance import MODES
 from lightning_gpipe.engine.compilation import CompileOption, compile_options
 from lightning_gpipe.planning.costs import CostModel
 from lightning_gpipe.planning.search import Constraints
-from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES
-from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, PLACED_BY_COST, SCHEDULES, V_SHAPED
+from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, PLACED_BY_COST, V_SHAPED
 from lightning_gpipe.engine.topology import Size, checked_size
 
+CheckpointMode = Literal["always", "except_last", "never"]
+"""``checkpoint``: re-materialization (:data:`lightning_gpipe.engine.rematerialization.CHECKPOINT_MODES`)."""
+
+ScheduleName = Literal["gpipe", "1f1b", "zb-h1", "zb-1p", "zb-v"]
+"""``schedule``: the names of :data:`lightning_gpipe.engine.schedule.SCHEDULES`."""
+
+StartMethod = Literal["popen", "spawn"]
+"""``start_method``: Lightning's subprocess-script launcher or its spawn launcher."""
+
+StateDictType = Literal["full", "sharded"]
+"""``state_dict_type``: a checkpoint as one file or as a directory of shards."""
+
+BalanceMode = Literal["params", "time", "memory"]
+"""The modes ``balance`` takes besides a list (:data:`lightning_gpipe.planning.balance.MODES`)."""
+
 CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
-    "checkpoint": (CHECKPOINT_MODES, f"choose one of {', '.join(CHECKPOINT_MODES)}"),
+    "checkpoint": (get_args(CheckpointMode), f"choose one of {', '.join(get_args(CheckpointMode))}"),
     "schedule": (
-        tuple(SCHEDULES),
+        get_args(ScheduleName),
         "choose 'gpipe' (fill-drain), '1f1b' (one forward, one backward), 'zb-h1' (zero-bubble 1F1B), 'zb-1p'"
         " (zero-bubble, W placed by measured costs) or 'zb-v' (zero-bubble, two model chunks per stage in a V)",
     ),
-    "start_method": (("popen", "spawn"), "choose 'popen' or 'spawn'"),
-    "state_dict_type": (("full", "sharded"), "choose 'full' or 'sharded'"),
+    "start_method": (get_args(StartMethod), "choose 'popen' or 'spawn'"),
+    "state_dict_type": (get_args(StateDictType), "choose 'full' or 'sharded'"),
 }
-"""The options that take one of a few names: option -> (allowed values, how the error names them)."""
+"""The options that take one of a few names: option -> (allowed values, how the error names them). The one source of
+the allowed names: ``GPipeStrategy``'s type hints (:data:`CheckpointMode`, :data:`ScheduleName`, ...), which the
+command line of :class:`~lightning.pytorch.cli.LightningCLI` checks, are these Literals, and
+``tests/unit/test_config.py`` holds them, the engine's tables and the docs to the same names."""
 
 
 DEFAULTS = {"checkpoint": "except_last", "schedule": "gpipe", "virtual_stages": 1}
 """The values of the options whose ``None`` stands for them (``None`` under ``plan="auto"``: the planner's choice)."""
 
-Balance = Union[None, str, Sequence[int]]
+_TIMEOUTS = (
+    ("timeout", "the process group's timeout", "timedelta(minutes=30)", "torch.distributed's default"),
+    ("stall_timeout", "how long a stage may wait for another", "timedelta(minutes=5)", "no limit but `timeout`"),
+)
+"""The options that are durations: (option, what it is, an example, what ``None`` means), for the errors."""
+
+Balance = Union[None, BalanceMode, Sequence[int]]
 """``balance``: ``None``, a mode of :data:`lightning_gpipe.planning.balance.MODES`, or layers per stage."""
 
 
@@ -123,8 +146,9 @@ class PipelineConfig:
             optimizer state, gathered on global rank 0; it loads into the plain LightningModule without the
             strategy. ``"sharded"`` writes a directory with torch.distributed.checkpoint, each stage its own
             part, for models too large to gather. Both resume with any number of stages and any ``balance``.
-        timeout: the process group's timeout: how long a collective or transfer may wait before
-            torch.distributed gives up (30 minutes by default); it also caps ``stall_timeout``.
+        timeout: the process group's timeout, a ``datetime.timedelta``: how long a collective or transfer may wait
+            before torch.distributed gives up (30 minutes by default; ``None``: torch.distributed's default); it also
+            caps ``stall_timeout``. On the command line, ``--trainer.strategy.timeout=0:30:00`` (hours:minutes:seconds).
         stall_timeout: how long a stage may wait for another (a transfer, or a collective of the package's)
             before the job ends, naming the stage that stopped progressing and where it was, e.g. "stage 1 has
             been in the forward of micro-batch 3 at step 17 for 300 s". 5 minutes by default, and at most 90% of
@@ -147,32 +171,34 @@ class PipelineConfig:
             place: the forward, the re-materialization's recompute and the backward (one compiled backward per
             layer) run compiled code, and parameter names stay (``backbone.7.weight``). A dict gives
             ``torch.compile``'s keyword arguments, e.g. ``{"dynamic": False}``. ``False`` (default) compiles
-            nothing. Under the B/W split (``defer_weight_grad``, ``schedule="zb-h1"``) each compiled layer's
+            nothing. Under the B/W split (``defer_weight_grad``, the zero-bubble schedules) each compiled layer's
             backward runs twice, once for B and once for W (same gradients; see
             :mod:`lightning_gpipe.engine.compilation` and docs/how-it-works.md, "torch.compile").
 
     Raises:
-        ValueError: naming the option and the fix, for ``chunks < 1``, a value outside :data:`CHOICES`, a ``balance``
-            that is neither a mode nor a list of integers, a ``balance_memory_limit`` that is not a positive integer
-            or comes with a list ``balance``, a ``stall_timeout`` that is not a positive ``timedelta``, or a mesh
-            size that is neither a positive integer nor ``"auto"``; a ``plan`` other than ``"auto"`` or ``None``, a
-            ``memory_limit`` that is not a positive integer, ``memory_limit`` or ``cost_model`` without
-            ``plan="auto"``, or ``plan="auto"`` with ``balance_memory_limit``; ``virtual_stages`` that is not a
-            positive integer; a ``compile`` that is neither a bool nor a dict of
-            ``torch.compile``'s keyword arguments.
+        ValueError: naming the option and the fix, for a value of the wrong type (``chunks`` and
+            ``virtual_stages`` not integers >= 1, ``deferred_batch_norm`` not a bool, ``backbone`` or
+            ``process_group_backend`` not a string, ``cost_model`` not a :class:`~lightning_gpipe.planning.CostModel`,
+            ``timeout`` or ``stall_timeout`` not a positive ``timedelta``, e.g. seconds as a number), a value outside
+            :data:`CHOICES`, a ``balance`` that is neither a mode nor a list of integers, a ``balance_memory_limit``
+            that is not a positive integer or comes with a list ``balance``, or a mesh size that is neither a
+            positive integer nor ``"auto"``; a ``plan`` other than ``"auto"`` or ``None``, a ``memory_limit`` that is
+            not a positive integer, ``memory_limit`` or ``cost_model`` without ``plan="auto"``, or ``plan="auto"`` with
+            ``balance_memory_limit``; a ``compile`` that is neither a bool nor a dict of ``torch.compile``'s keyword
+            arguments.
     """
 
     balance: Balance = None
     chunks: Optional[int] = None
-    checkpoint: Optional[str] = None
-    schedule: Optional[str] = None
+    checkpoint: Optional[CheckpointMode] = None
+    schedule: Optional[ScheduleName] = None
     deferred_batch_norm: bool = False
     defer_weight_grad: Optional[bool] = None
     virtual_stages: Optional[int] = None
     backbone: Optional[str] = None
     balance_memory_limit: Optional[int] = None
-    start_method: str = "popen"
-    state_dict_type: str = "full"
+    start_method: StartMethod = "popen"
+    state_dict_type: StateDictType = "full"
     pipeline_parallel_size: Size = "auto"
     data_parallel_size: Size = "auto"
     timeout: Optional[timedelta] = default_pg_timeout
@@ -190,11 +216,7 @@ class PipelineConfig:
         if self.schedule in V_SHAPED and "virtual_stages" not in self._given:  # the V's two arms, kept by the planner
             object.__setattr__(self, "virtual_stages", 2)
             object.__setattr__(self, "_given", self._given | {"virtual_stages"})
-        chunks = self.chunks
-        if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
-            raise ValueError(
-                f"GPipeStrategy(chunks={chunks!r}): chunks is the number of micro-batches, an integer >= 1."
-            )
+        _check_types(self)
         for option, (allowed, fix) in CHOICES.items():
             if getattr(self, option) not in allowed:
                 raise ValueError(f"GPipeStrategy({option}={getattr(self, option)!r}): {fix}.")
@@ -203,12 +225,7 @@ class PipelineConfig:
         self._check_balance()
         self._check_plan()
         compile_options(self.compile)  # raises ValueError for a bad value, before any process starts
-        stall = self.stall_timeout
-        if stall is not None and (not isinstance(stall, timedelta) or stall <= timedelta(0)):
-            raise ValueError(
-                f"GPipeStrategy(stall_timeout={stall!r}): give how long a stage may wait for another as a positive"
-                " `datetime.timedelta`, e.g. timedelta(minutes=5), or None to leave only the process group's `timeout`."
-            )
+        _check_timeouts(self)
         checked_size(self.pipeline_parallel_size, "pipeline_parallel_size")
         checked_size(self.data_parallel_size, "data_parallel_size")
         if self.balance is not None and not isinstance(self.balance, str):
@@ -336,3 +353,39 @@ class PipelineConfig:
         limits = [0.9 * self.timeout.total_seconds()] if self.timeout is not None else []
         limits += [self.stall_timeout.total_seconds()] if self.stall_timeout is not None else []
         return min(limits, default=float("inf"))
+
+
+def _check_types(config: "PipelineConfig") -> None:
+    """The options whose values are not checked against a table of names: their types."""
+    chunks = config.chunks
+    if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
+        raise ValueError(f"GPipeStrategy(chunks={chunks!r}): chunks is the number of micro-batches, an integer >= 1.")
+    if not isinstance(config.deferred_batch_norm, bool):
+        raise ValueError(
+            f"GPipeStrategy(deferred_batch_norm={config.deferred_batch_norm!r}): give True (batch norm's running"
+            " statistics updated once per mini-batch) or False."
+        )
+    for option in ("backbone", "process_group_backend"):
+        value = getattr(config, option)
+        if value is not None and not isinstance(value, str):
+            what = "the name of the nn.Sequential attribute" if option == "backbone" else "a backend name"
+            raise ValueError(f"GPipeStrategy({option}={value!r}): give {what} as a string, or None.")
+    if config.cost_model is not None and not isinstance(config.cost_model, CostModel):
+        raise ValueError(
+            f"GPipeStrategy(cost_model={config.cost_model!r}): give a lightning_gpipe.CostModel, e.g."
+            " CostModel(transfer_latency=2e-3), or None for the package's constants."
+        )
+
+
+def _check_timeouts(config: "PipelineConfig") -> None:
+    """``timeout`` and ``stall_timeout``: positive ``timedelta``s or ``None``."""
+    for option, what, example, without in _TIMEOUTS:
+        value = getattr(config, option)
+        if value is None or (isinstance(value, timedelta) and value > timedelta(0)):
+            continue
+        seconds = f" (timedelta(seconds={value}) for {value} s)" if isinstance(value, (int, float)) else ""
+        raise ValueError(
+            f"GPipeStrategy({option}={value!r}): give {what} as a positive `datetime.timedelta`, e.g. {example}"
+            f"{seconds}, or None ({without}). On the command line: --trainer.strategy.{option}=0:30:00"
+            " (hours:minutes:seconds)."
+        )

@@ -9,18 +9,53 @@ whose order comes from each process's own state, a ``RandomSampler`` without a g
 Under ``seed_everything(workers=True)`` a loader's worker processes are seeded by data-parallel rank instead of
 global rank, so that random augmentation in the workers is the same on every stage.
 
-Whatever else could still make the stages read different batches (a custom sampler, an iterable dataset, a
-loader the user keeps with ``Trainer(use_distributed_sampler=False)``) is caught by the stages' batch agreement
-(:mod:`lightning_gpipe.lightning.agreement`).
+Every process builds its own datasets (Lightning's launcher runs the user's script once per process), so data made
+from randomness nobody seeded (``TensorDataset(torch.randn(...))`` at the top of a script) differs between the stages.
+:func:`same_datasets` compares a fingerprint of every loader's dataset (its length and a few items) when a loop
+starts, and names that cause. Whatever else could still make the stages read different batches (a custom sampler,
+an iterable dataset, a loader the user keeps with ``Trainer(use_distributed_sampler=False)``) is caught by the
+stages' batch agreement (:mod:`lightning_gpipe.lightning.agreement`).
 """
 
 import os
 from functools import partial
+from typing import TYPE_CHECKING, Any, Optional
 
+import torch.distributed as dist
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch.utilities.data import _update_dataloader
-from torch.utils.data import DataLoader, RandomSampler
+from lightning_utilities import apply_to_collection
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
+
+from lightning_gpipe.faults import collectives
+from lightning_gpipe.lightning.agreement import BatchMismatchError, fingerprint
+from lightning_gpipe.lightning.randomness import fixed_seed
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_gpipe.engine.topology import Topology
+    from lightning_gpipe.faults.job import Job
+
+SAMPLED_ITEMS = 3
+"""Items of each dataset that go into its fingerprint: the first, the middle and the last."""
+
+SEED_THE_DATA = (
+    "Each stage process builds the data itself (Lightning's launcher runs your script once per process), so data"
+    " made from randomness nobody seeded, such as `TensorDataset(torch.randn(...))` at the top of a script, differs"
+    " between them. Seed before you build the data: call `lightning.seed_everything(SEED)` (or `torch.manual_seed`)"
+    " before the dataset is made, or draw it from a generator of its own, `torch.Generator().manual_seed(SEED)`."
+)
+"""The fix :func:`same_datasets` names."""
+
+LOADERS = {
+    "training": "train_dataloader",
+    "validation": "val_dataloaders",
+    "test": "test_dataloaders",
+    "prediction": "predict_dataloaders",
+}
+"""Each loop's data loaders, as the Trainer attribute that holds them."""
 
 
 def same_batches(dataloader: object, replica: int, replicas: int, resample: bool) -> object:
@@ -52,3 +87,66 @@ def _draws_from_the_process(dataloader: object) -> bool:
         and not sampler.replacement
         and sampler._num_samples is None
     )
+
+
+def same_datasets(trainer: "pl.Trainer", loop: str, topology: "Topology", job: "Job") -> None:
+    """Raise on every process alike when the stages of a pipeline hold different datasets for ``loop`` (a collective
+    call, when the loop starts): each process fingerprints the dataset of every data loader of the loop
+    (:func:`dataset_fingerprint`) and the processes of each replica compare theirs.
+
+    Args:
+        trainer: the Trainer, whose loaders for ``loop`` are compared.
+        loop: ``"training"``, ``"validation"``, ``"test"`` or ``"prediction"``.
+        topology: the job's mesh: which ranks are the stages of one replica, and their names.
+        job: the run's :class:`~lightning_gpipe.faults.job.Job` (its waits).
+
+    Raises:
+        BatchMismatchError: naming each stage's datasets (rows and fingerprint) and the fix (:data:`SEED_THE_DATA`).
+        PipelineFailure: if another stage failed while this one waited for it.
+    """
+    found: list[DataLoader] = []
+    apply_to_collection(getattr(trainer, LOADERS[loop]), DataLoader, found.append)
+    mine = [(_size(loader.dataset), dataset_fingerprint(loader.dataset)) for loader in found]
+    every = collectives.all_gather_object(job, mine) if dist.is_initialized() else [mine]
+    first_of_replica: dict[int, list] = {}
+    if any(first_of_replica.setdefault(topology.replica_of(r), theirs) != theirs for r, theirs in enumerate(every)):
+        held = "; ".join(f"{topology.name(rank)}: {_described(theirs)}" for rank, theirs in enumerate(every))
+        raise BatchMismatchError(
+            f"The stages of a pipeline hold different {loop} datasets ({held}), so they would read different batches:"
+            f" the last stage would pair the first stage's rows with other rows' labels. {SEED_THE_DATA}"
+        )
+
+
+def dataset_fingerprint(dataset: Any) -> Optional[int]:
+    """A digest of ``dataset``'s length and of its first, middle and last items (:data:`SAMPLED_ITEMS`), read with
+    torch's, NumPy's and Python's generators seeded alike on every process (and put back after:
+    :func:`~lightning_gpipe.lightning.randomness.fixed_seed`), so that random augmentation in ``__getitem__`` reads
+    alike everywhere. ``None`` for a dataset without a length or an iterable one (the stages' batch agreement still
+    checks what it yields); the length alone for one whose items cannot be read here.
+    """
+    size = _size(dataset)
+    if size is None or isinstance(dataset, IterableDataset):
+        return None
+    indices = sorted({0, size // 2, size - 1}) if size else []
+    with fixed_seed():
+        try:
+            items = [dataset[index] for index in indices]
+        except Exception:  # noqa: BLE001 - a dataset that only reads in its workers: compared by its length alone
+            return fingerprint(size)
+    return fingerprint((size, items))
+
+
+def _size(dataset: Any) -> Optional[int]:
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
+def _described(datasets: list[tuple[Optional[int], Optional[int]]]) -> str:
+    """``"52 rows (fingerprint 0a1b...)"`` for each of a process's datasets."""
+    parts = []
+    for size, digest in datasets:
+        rows = "no length" if size is None else f"{size:,} rows"
+        parts.append(f"{rows} (fingerprint {'-' if digest is None else f'{digest:016x}'})")
+    return ", ".join(parts) or "no data loader"

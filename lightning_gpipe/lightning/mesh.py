@@ -31,7 +31,7 @@ from typing_extensions import override
 from lightning_gpipe.faults import collectives
 from lightning_gpipe.lightning.agreement import StepAgreement, fingerprint, same_batch_counts
 from lightning_gpipe.lightning.config import PipelineConfig
-from lightning_gpipe.lightning.data import same_batches
+from lightning_gpipe.lightning.data import same_batches, same_datasets
 from lightning_gpipe.lightning.data_parallel import reduce_over_replicas
 from lightning_gpipe.faults.job import Job
 from lightning_gpipe.lightning.randomness import StageRandomness
@@ -253,9 +253,10 @@ class MeshStrategy(ParallelStrategy):
         self._start_loop("prediction", self.lightning_module.trainer.predict_loop.max_batches)
 
     def _start_loop(self, loop: str, counts: list) -> None:
-        """Check that the processes' loaders have as many batches (see
-        :func:`~lightning_gpipe.lightning.agreement.same_batch_counts`), then take the stop signals at step boundaries
-        (Lightning registers its handlers at the start of each loop)."""
+        """Check that the stages hold the same datasets (see :func:`~lightning_gpipe.lightning.data.same_datasets`)
+        and loaders of as many batches (see :func:`~lightning_gpipe.lightning.agreement.same_batch_counts`), then take
+        the stop signals at step boundaries (Lightning registers its handlers at the start of each loop)."""
+        same_datasets(self.lightning_module.trainer, loop, self.topology, self._job)
         same_batch_counts(loop, counts, self._job)
         self._signals.install()
 

@@ -95,19 +95,33 @@ def stage_states(seed: int, stage_index: int) -> dict[str, Any]:
     made without changing the current ones."""
     current = _collect_rng_states()
     derived = int.from_bytes(hashlib.blake2b(f"{seed}/stage/{stage_index}".encode(), digest_size=8).digest(), "big")
-    torch.manual_seed(derived >> 1)  # also seeds every CUDA device
-    try:
-        import numpy
-
-        numpy.random.seed(derived % 2**32)
-    except ImportError:
-        pass
-    import random
-
-    random.seed(derived)
+    _seed_every_generator(derived)
     states = _collect_rng_states()
     _set_rng_states(current)
     return states
+
+
+@contextmanager
+def fixed_seed(seed: int = 0) -> Iterator[None]:
+    """Draw from torch's, NumPy's and Python's generators seeded from ``seed`` inside the block, the same on every
+    process; the states they had are put back after it, so the run draws as if the block had not run."""
+    current = _collect_rng_states()
+    _seed_every_generator(seed)
+    try:
+        yield
+    finally:
+        _set_rng_states(current)
+
+
+def _seed_every_generator(seed: int) -> None:
+    torch.manual_seed(seed >> 1)  # also seeds every CUDA device
+    with suppress(ImportError):
+        import numpy
+
+        numpy.random.seed(seed % 2**32)
+    import random
+
+    random.seed(seed)
 
 
 def _exchange(states: dict[str, Any]) -> dict[str, Any]:

@@ -28,7 +28,14 @@ from typing_extensions import override
 
 from lightning_gpipe.planning.balance import LayerCost
 from lightning_gpipe.engine.compilation import CompileOption
-from lightning_gpipe.lightning.config import Balance, PipelineConfig
+from lightning_gpipe.lightning.config import (
+    Balance,
+    CheckpointMode,
+    PipelineConfig,
+    ScheduleName,
+    StartMethod,
+    StateDictType,
+)
 from lightning_gpipe.engine.contract import check_automatic_optimization
 from lightning_gpipe.lightning.mesh import MeshStrategy
 from lightning_gpipe.lightning.optimization import pipelined, unpipelined
@@ -71,12 +78,12 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         balance_memory_limit: bytes one stage may hold when choosing the balance (default: no limit).
         start_method: ``"popen"`` (default) or ``"spawn"``.
         state_dict_type: checkpoints as one ``"full"`` file (default) or a ``"sharded"`` directory.
-        schedule: ``"gpipe"`` (fill-drain; ``None``, default), ``"1f1b"``, ``"zb-h1"`` or ``"zb-1p"`` (zero-bubble).
+        schedule: ``"gpipe"`` (fill-drain; ``None``, default), ``"1f1b"``, ``"zb-h1"``, ``"zb-1p"`` or ``"zb-v"``.
         virtual_stages: model chunks per stage, interleaved (``None``, default: 1, or the planner's choice).
         pipeline_parallel_size: K, the stages of each pipeline (default ``"auto"``).
         data_parallel_size: D, the pipeline replicas (default ``"auto"``).
-        timeout: the process group's timeout (30 minutes by default).
-        stall_timeout: how long a stage may wait for another before the job ends naming it (5 minutes).
+        timeout: the process group's timeout, a ``timedelta`` (30 minutes by default).
+        stall_timeout: how long (a ``timedelta``) a stage may wait for another before the job ends naming it (5 min).
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
         plan: ``"auto"`` chooses the options not given under ``memory_limit`` (docs/planning.md); default ``None``.
         memory_limit: bytes one device may hold under ``plan="auto"`` (default: CUDA's free memory; on the CPU give it).
@@ -103,14 +110,14 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         self,
         balance: Balance = None,
         chunks: Optional[int] = None,
-        checkpoint: Optional[Literal["always", "except_last", "never"]] = None,
+        checkpoint: Optional[CheckpointMode] = None,
         deferred_batch_norm: bool = False,
         defer_weight_grad: Optional[bool] = None,
         backbone: Optional[str] = None,
         balance_memory_limit: Optional[int] = None,
-        start_method: Literal["popen", "spawn"] = "popen",
-        state_dict_type: Literal["full", "sharded"] = "full",
-        schedule: Optional[Literal["gpipe", "1f1b", "zb-h1", "zb-1p"]] = None,
+        start_method: StartMethod = "popen",
+        state_dict_type: StateDictType = "full",
+        schedule: Optional[ScheduleName] = None,
         virtual_stages: Optional[int] = None,
         pipeline_parallel_size: Size = "auto",
         data_parallel_size: Size = "auto",

@@ -23,7 +23,7 @@ and at once by its backward.
 ``schedule="zb-h1"`` is zero-bubble's ZB-H1 (Qi et al. 2023, :func:`lightning_gpipe.engine.schedule.zero_bubble_h1`):
 1F1B's order with the B/W split, stage k running each W ``k`` micro-batches after its B.
 ``"zb-1p"`` and ``"zb-v"`` (:func:`lightning_gpipe.engine.schedule.zero_bubble_1p`,
-:func:`~lightning_gpipe.engine.schedule. zero_bubble_v`) place their W by the stages' costs (:func:`action_costs`);
+:func:`~lightning_gpipe.engine.schedule.zero_bubble_v`) place their W by the stages' costs (:func:`action_costs`);
 ZB-V's two model chunks per process are placed in a V (:func:`lightning_gpipe.engine.actions.virtual_stage`).
 Dependencies and recomputes are as above.
 
@@ -177,7 +177,7 @@ def simulate(
             ``GPipeStrategy``; ``"zb-1p"`` and ``"zb-v"`` place their W by these stages' costs.
         defer_weight_grad: whether the stages after the first split their backwards into B and W, as for
             ``GPipeStrategy``; ``None`` (default): when a stage's ``weight`` is set, or the schedule splits by
-            default (``"zb-h1"``).
+            default (``"zb-h1"``, ``"zb-1p"``, ``"zb-v"``).
         virtual_stages: model chunks per process, as for ``GPipeStrategy`` (default 1; 2 for ``"zb-v"``, whose
             model chunks are placed in a V).
 

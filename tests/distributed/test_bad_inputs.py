@@ -21,13 +21,17 @@ STAGES = {
     "manual_optimization": "RuntimeError: GPipeStrategy supports automatic optimization only",
     "impossible_memory_limit": "the smallest limit that fits is",
     "meta_layer_without_reset": "was created on the meta device but has no `reset_parameters()` to initialise it",
-    "training_batches_differ": "The stages have different numbers of training batches (stage 0: [3], stage 1: [4]);"
+    "training_batches_differ": "The stages have different numbers of training batches (stage 0: [3], stage 1: [2]);"
     " every stage runs every batch of the pipeline, so all stages need the same data loaders",
-    "validation_batches_differ": "The stages have different numbers of validation batches (stage 0: [3], stage 1: [4])",
+    "validation_batches_differ": "The stages have different numbers of validation batches (stage 0: [3], stage 1: [2])",
+    "datasets_differ": "BatchMismatchError: The stages of a pipeline hold different training datasets (stage 0: 52 rows"
+    " (fingerprint ",
     "validation_order_differs": "BatchMismatchError: The stages of a pipeline read different batches at epoch 0,"
     " validation batch 0 (batch fingerprints stage 0: ",
     "resume_from_a_plain_directory": "is not a sharded GPipe checkpoint: it has no meta.pt.",
 }
+SEED_THE_DATA = {"datasets_differ": "Seed before you build the data: call `lightning.seed_everything(SEED)`"}
+"""The second half of a message, checked apart from its first (the fingerprints between them differ per run)."""
 
 
 BAD_INPUTS = shared_run("failure.py", "bad_inputs", "{out}", devices=2, timeout=400, name="bad_inputs")
@@ -46,3 +50,4 @@ def stage_errors():
 def test_a_bad_input_fails_every_stage_before_the_first_step_naming_the_fix(stage_errors, case):
     for messages in stage_errors:
         assert STAGES[case] in messages[case], messages[case]
+        assert SEED_THE_DATA.get(case, "") in messages[case], messages[case]

@@ -29,13 +29,20 @@ CASES = {
         "stage 0 stopped because stage 1 failed with RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0."
         " DefaultCPUAllocator: can't allocate memory: you tried to allocate 16384 bytes."
     ],
+    "layer_dict": ["stage 0 stopped because stage 1 failed with TypeError: Backbone layer 8 (Returns) returned a dict"],
+    "layer_scalar": [
+        "stage 0 stopped because stage 1 failed with ValueError: Backbone layer 8 (Returns) returned a 0-dimensional"
+    ],
+    "float_labels": ["stage 0 stopped because stage 1 failed with RuntimeError: expected target dtype to be Long"],
 }
+"""Each case's messages; every case exits with code 1 (the error's), not by a signal: the stage waiting for the
+failed one when it exits ends its waits first (lightning_gpipe.faults.job.end_waits_at_exit)."""
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_failure_ends_every_stage(case, tmp_path):
+def test_failure_ends_every_stage_with_exit_code_1(case, tmp_path):
     result = run_worker("failure.py", case, str(tmp_path), timeout=180)
-    assert result.returncode != 0
+    assert result.returncode == 1, result.stderr[-3000:]
     for message in CASES[case]:
         assert message in result.stderr, result.stderr[-3000:]
     assert_every_stage_exits(tmp_path)

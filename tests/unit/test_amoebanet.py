@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -115,31 +116,30 @@ def test_decoding_once_gives_the_images_of_decoding_every_time() -> None:
 
 
 def test_recipe_options_one_cycle_label_smoothing_channels_last() -> None:
-    """The 20-minute config builds: channels-last weights, OneCycleLR over ``max_steps`` peaking at ``lr``, and a
-    label-smoothed loss equal to torch's."""
+    """The 20-minute config builds: channels-last weights, a one-cycle learning rate over ``max_steps`` peaking at
+    ``lr`` that follows ``max_steps`` when it moves (as the config's TimeBudget moves it), and a time budget."""
     from amoebanet import train
+    from time_budget import TimeBudget
 
     config = Path(train.__file__).parent / "configs" / "cifar10_20min.yaml"
     cli = train.main([f"--config={config}", "--data.data_dir=null"], run=False)
     module, trainer = cli.model, cli.trainer
     assert module.hparams.one_cycle and module.hparams.label_smoothing > 0 and module.hparams.channels_last
     assert cli.datamodule.hparams.decode_once
+    (budget,) = [callback for callback in trainer.callbacks if isinstance(callback, TimeBudget)]
+    assert budget.minutes == 20
     stem_conv = next(m for m in module.backbone.modules() if isinstance(m, nn.Conv2d))
     assert stem_conv.weight.is_contiguous(memory_format=torch.channels_last)
     module.trainer = trainer
     scheduler = module.configure_optimizers()["lr_scheduler"]["scheduler"]
-    assert scheduler.total_steps == trainer.max_steps
-    optimizer = scheduler.optimizer
-    rates = []
-    for _ in range(trainer.max_steps):
-        rates.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-    # the peak falls between two steps unless warmup_fraction * max_steps is a whole number
-    assert rates[0] == pytest.approx(module.hparams.lr / 25)
-    assert max(rates) == pytest.approx(module.hparams.lr, rel=1e-4)
-    assert rates[-1] < rates[0] / 100
-    assert rates.index(max(rates)) == pytest.approx(module.hparams.warmup_fraction * trainer.max_steps, abs=2)
+    for last_step in (trainer.max_steps, 2 * trainer.max_steps):  # the plan, then a plan twice as long
+        trainer.fit_loop.epoch_loop.max_steps = last_step
+        factor = scheduler.lr_lambdas[0]
+        rates = [module.hparams.lr * factor(step) for step in range(last_step + 1)]
+        assert rates[0] == pytest.approx(module.hparams.lr / 25)
+        assert max(rates) == pytest.approx(module.hparams.lr, rel=1e-4)
+        assert rates[-1] == pytest.approx(module.hparams.lr / 25e4)
+        assert rates.index(max(rates)) == pytest.approx(module.hparams.warmup_fraction * last_step, abs=1)
 
 
 def test_class_subset_is_seeded_and_prepare_writes_what_the_data_module_selects(tmp_path) -> None:
@@ -165,3 +165,19 @@ def test_class_subset_is_seeded_and_prepare_writes_what_the_data_module_selects(
     assert prepared.train_set.split["label"] == labels
     with pytest.raises(DataUnavailableError, match=r"--data.data_dir=.*does not exist(.|\n)*amoebanet/prepare.py DIR"):
         CIFAR10DataModule(data_dir=str(tmp_path / "missing")).check_data("fit")
+
+
+def test_flip_test_averages_the_logits_of_each_image_and_its_mirror_image() -> None:
+    """``flip_test`` validates on the mean logits of the batch and its flip, from one backbone call."""
+    from amoebanet.module import AmoebaNetClassifier
+    from torchmetrics.classification import MulticlassAccuracy
+
+    torch.manual_seed(0)
+    module = AmoebaNetClassifier(num_layers=3, num_filters=8, flip_test=True).eval()
+    module.log = lambda *args, **kwargs: None  # no Trainer to log to
+    images, labels = torch.randn(6, 3, 32, 32), torch.arange(6) % 10
+    with torch.no_grad():
+        module.validation_step((images, labels), 0)
+        expected = (module.backbone(images) + module.backbone(images.flip(-1))) / 2
+    assert module.val_acc.compute() == MulticlassAccuracy(10)(expected, labels)
+    assert module.val_loss.compute() == pytest.approx(F.cross_entropy(expected, labels).item(), rel=1e-5)

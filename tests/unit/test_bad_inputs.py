@@ -39,6 +39,16 @@ ARGUMENTS = {
     ),
     "zb_1p_without_split": (dict(schedule="zb-1p", defer_weight_grad=False), "schedule='zb-1p', defer_weight_grad"),
     "defer_weight_grad": (dict(defer_weight_grad="yes"), "give True (the B/W split), False, or None for the"),
+    "timeout_seconds": (
+        dict(timeout=30),
+        "give the process group's timeout as a positive `datetime.timedelta`, e.g."
+        " timedelta(minutes=30) (timedelta(seconds=30) for 30 s)",
+    ),
+    "timeout_zero": (dict(timeout=timedelta(0)), "give the process group's timeout as a positive `datetime.timedelta`"),
+    "deferred_batch_norm": (dict(deferred_batch_norm="yes"), "give True (batch norm's running statistics updated"),
+    "backbone_type": (dict(backbone=3), "give the name of the nn.Sequential attribute as a string, or None"),
+    "backend_type": (dict(process_group_backend=1), "give a backend name as a string, or None"),
+    "cost_model_type": (dict(plan="auto", cost_model="fast"), "give a lightning_gpipe.CostModel, e.g. CostModel("),
 }
 
 

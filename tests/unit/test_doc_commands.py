@@ -1,5 +1,6 @@
-"""The docs against the code: `GPipeStrategy` arguments exist, data errors are clear (the runnable command blocks,
-which start stage processes, run in tests/distributed/test_doc_commands.py).
+"""The docs against the code: `GPipeStrategy` arguments exist and take the values the docs give them, the modules,
+names and files the docs name exist, every public name is on an API page, data errors are clear (the runnable command
+blocks, which start stage processes, run in tests/distributed/test_doc_commands.py).
 
 **Strategy arguments.** :func:`test_gpipe_strategy_arguments_named_in_the_docs_exist` reads README.md, docs/*.md and
 the example READMEs for ``GPipeStrategy(name=value, ...)`` calls and ``--trainer.strategy.name=`` options (the
@@ -14,6 +15,7 @@ second stage process starts, with the option and the ``prepare.py`` command in i
 """
 
 import ast
+import importlib
 import inspect
 import os
 import re
@@ -24,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from lightning_gpipe import GPipeStrategy
+from lightning_gpipe.lightning.config import CHOICES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -169,3 +172,122 @@ def test_example_commands_fail_fast_with_the_prepare_command_when_data_is_missin
         assert "HF_HUB_OFFLINE is set" in message
     assert "Initializing distributed" not in result.stderr  # failed before the Trainer started the stages
     assert list(cwd.iterdir()) == []
+
+
+DOCS = ("README.md", "docs/*.md", "docs/api/*.md", "examples/*/README.md", "tests/README.md")
+"""Where the docs' names, paths and values are read."""
+
+
+def _docs() -> list[tuple[Path, str]]:
+    return [(path, path.read_text(encoding="utf-8")) for path in sorted({p for d in DOCS for p in ROOT.glob(d)})]
+
+
+def _line(text: str, position: int) -> int:
+    return text.count("\n", 0, position) + 1
+
+
+def _without_bad_inputs(text: str) -> str:
+    """``text`` without its "Bad inputs" section (docs/contract.md's table of refused values), lines kept."""
+    start = text.find("\n## Bad inputs")
+    if start < 0:
+        return text
+    end = text.find("\n## ", start + 1)
+    end = len(text) if end < 0 else end
+    return text[:start] + "\n" * text.count("\n", start, end) + text[end:]
+
+
+def documented_values(text: str) -> list[tuple[int, str, str]]:
+    """``(line, option, value)`` of every value the docs give an option that takes one of a few names
+    (``CHOICES``, ``balance``'s modes, ``plan``): ``option="value"``, ``option='value'`` and
+    ``--trainer.strategy.option=value``, outside the "Bad inputs" section."""
+    options = "|".join(("balance", "plan", *CHOICES))
+    text = _without_bad_inputs(text)
+    patterns = (rf"\b({options})=[\"']([\w-]+)[\"']", rf"--trainer\.strategy\.({options})=([\w-]+)")
+    found = [(_line(text, m.start()), m.group(1), m.group(2)) for p in patterns for m in re.finditer(p, text)]
+    return [(line, option, value) for line, option, value in found if not value.isdigit()]
+
+
+def test_documented_values_are_parsed() -> None:
+    text = "x `schedule=\"zb-v\"` and --trainer.strategy.checkpoint=never\n`balance=[3, 5]` `plan='auto'`\n"
+    assert documented_values(text) == [(1, "schedule", "zb-v"), (2, "plan", "auto"), (1, "checkpoint", "never")]
+
+
+def test_every_value_the_docs_give_an_option_is_accepted() -> None:
+    """Every ``schedule=``, ``checkpoint=``, ``balance=``... value of the docs is one ``GPipeStrategy`` takes."""
+    problems, checked = [], 0
+    for path, text in _docs():
+        for line, option, value in documented_values(text):
+            checked += 1
+            try:
+                GPipeStrategy(**{option: value})
+            except ValueError as error:
+                problems.append(f"{path.relative_to(ROOT)}:{line}: {option}={value!r}: {error}")
+    assert not problems, "\n".join(problems)
+    assert checked > 50
+
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:end]))
+        except ImportError:
+            continue
+        for part in parts[end:]:
+            if not hasattr(found, part):
+                return False
+            found = getattr(found, part)
+        return True
+    return False
+
+
+def test_every_dotted_name_and_file_the_docs_name_exists() -> None:
+    """``lightning_gpipe.x.y`` names import or resolve, and every ``path/to/file.py`` (or bare ``file.py``) the docs
+    name is a file of the repository: a module that moved or was renamed leaves no stale name behind."""
+    files = [path.relative_to(ROOT).as_posix() for path in ROOT.glob("**/*.py") if "site" not in path.parts[:1]]
+    problems = []
+    for path, text in _docs():
+        for match in re.finditer(r"\blightning_gpipe(?:\.\w+)+", text):
+            if not _resolves(match.group(0)):
+                problems.append(f"{path.relative_to(ROOT)}:{_line(text, match.start())}: {match.group(0)}")
+        for match in re.finditer(r"[\w/.]*\w\.py\b", text):
+            named = match.group(0).lstrip("./")
+            if not any(f == named or f.endswith("/" + named) for f in files):
+                if not (path.parent / match.group(0)).exists():
+                    problems.append(f"{path.relative_to(ROOT)}:{_line(text, match.start())}: {match.group(0)}")
+    assert not problems, "\n".join(problems)
+
+
+def _api_documented() -> set[str]:
+    """The names the API pages render: ``::: dotted.name`` directives (a module's public names, or those of its
+    ``members:`` list)."""
+    names: set[str] = set()
+    for page in (ROOT / "docs" / "api").glob("*.md"):
+        text = page.read_text(encoding="utf-8")
+        for match in re.finditer(r"^::: ([\w.]+)\n((?:    .*\n)*)", text, re.MULTILINE):
+            dotted, options = match.groups()
+            members = re.findall(r"^        - (\w+)$", options, re.MULTILINE)
+            target = importlib.import_module(dotted) if _is_module(dotted) else None
+            if members:
+                names |= set(members)
+            elif target is not None:
+                names |= set(getattr(target, "__all__", [n for n in vars(target) if not n.startswith("_")]))
+            else:
+                names.add(dotted.rsplit(".", 1)[-1])
+    return names
+
+
+def _is_module(dotted: str) -> bool:
+    try:
+        importlib.import_module(dotted)
+    except ImportError:
+        return False
+    return True
+
+
+def test_every_public_name_is_on_an_api_page() -> None:
+    import lightning_gpipe
+    import lightning_gpipe.hf
+
+    missing = {name for m in (lightning_gpipe, lightning_gpipe.hf) for name in m.__all__} - _api_documented()
+    assert not missing, f"not on any page of docs/api/: {sorted(missing)}"

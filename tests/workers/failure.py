@@ -5,6 +5,8 @@ CASE:
 "validation" (user code after the backbone raises on the last stage, in validation_step),
 "before_backbone" (a head is called before the backbone),
 "double" (training_step calls the backbone twice, as in the quickstart repro of issue 15),
+"layer_dict", "layer_scalar" (the last stage's last layer returns a dict, a 0-d tensor),
+"float_labels" (float labels for cross-entropy, on the last stage),
 "stuck" (the last stage sleeps for an hour in training_step at step 2; it writes OUT_DIR/stuck when it
 starts to, and stage 0 writes OUT_DIR/waiting once it waits for it after that, a wait that cannot end),
 "sigterm" (a healthy run of 3000 slow steps, for a signal; OUT_DIR/training is written at step 2, and
@@ -78,6 +80,41 @@ class DoubleCall(TupleNet):
         out = self.backbone((x, x > -1.0))
         out = self.backbone((x, x > -1.0))
         return F.cross_entropy(self.head(out), y)
+
+
+class Returns(nn.Module):
+    """A layer returning ``fn(x)`` of the tensor it gets (a dict, a 0-d tensor: what a pipeline refuses)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+class LayerReturnsDict(TupleNet):
+    """The last stage's last layer returns a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone.append(Returns(lambda x: {"h": x}))
+
+
+class LayerReturnsScalar(TupleNet):
+    """The last stage's last layer returns a 0-d tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone.append(Returns(lambda x: x.sum()))
+
+
+class FloatLabels(TupleNet):
+    """Float labels for cross-entropy: torch's error on the last stage, after the backbone."""
+
+    def _loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.head(self.backbone((x, x > -1.0))), y.float())
 
 
 class Stuck(TupleNet):
@@ -250,10 +287,13 @@ BAD_INPUTS = {
     "meta_layer_without_reset": lambda: fit(strategy=strategy(), devices=2, module=LazyWithoutReset()),
     "training_batches_differ": lambda: L.Trainer(
         strategy=strategy(), devices=2, max_steps=2, logger=False, enable_checkpointing=False
-    ).fit(TupleNet(), loader(rows=52 + 20 * rank)),
+    ).fit(TupleNet(), loader(batch_size=20 + 6 * rank)),
     "validation_batches_differ": lambda: L.Trainer(  # no sanity check: its first batch would differ already
         strategy=strategy(), devices=2, max_steps=3, logger=False, enable_checkpointing=False, num_sanity_val_steps=0
-    ).fit(TupleNet(), loader(), loader(rows=52 + 20 * rank)),
+    ).fit(TupleNet(), loader(), loader(batch_size=20 + 6 * rank)),
+    "datasets_differ": lambda: L.Trainer(  # each process draws its own rows, as an unseeded torch.randn would
+        strategy=strategy(), devices=2, max_steps=2, logger=False, enable_checkpointing=False
+    ).fit(TupleNet(), loader(seed=rank)),
     "validation_order_differs": lambda: L.Trainer(
         strategy=strategy(), devices=2, logger=False, enable_progress_bar=False
     ).validate(TupleNet(), ordered_by_rank()),
@@ -315,6 +355,9 @@ MODULES = {
     "validation": FailingValidation,
     "before_backbone": HeadFirst,
     "double": DoubleCall,
+    "layer_dict": LayerReturnsDict,
+    "layer_scalar": LayerReturnsScalar,
+    "float_labels": FloatLabels,
     "stuck": Stuck,
     "oom": OutOfMemory,
 }
