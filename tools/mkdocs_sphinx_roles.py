@@ -2,9 +2,9 @@
 
 The docstrings of ``lightning_gpipe`` name other objects the Sphinx way
 (``:func:`~lightning_gpipe.planning.balance.solve```), which Markdown would print as is. Loaded by mkdocstrings
-(``extensions`` in ``mkdocs.yml``), this rewrites each role
-to a code span as Sphinx shows it: ``:func:`~a.b.solve``` -> ```solve()```, ``:class:`a.b.Stage``` -> ```a.b.Stage```,
-``:func:`title <a.b.c>``` -> ```title```. Docstrings keep working for Sphinx and ``help()``; only the site's copy
+(``extensions`` in ``mkdocs.yml``), this rewrites each role to a code span as Sphinx shows it:
+``:func:`~a.b.solve``` -> ```solve()```, ``:class:`a.b.Stage``` -> ```a.b.Stage```, ``:func:`title <a.b.c>``` ->
+```title```. Docstrings keep working for Sphinx and ``help()``; only the site's copy
 changes.
 """
 
