@@ -136,13 +136,16 @@ class TiedParameters:
         """Sum each tie's gradients over its holding stages, in place. A copy without a gradient counts as zeros
         and gets the sum; when no copy has one, all keep none (as the one parameter on one device). One
         all-reduce per tie, of the gradient and a has-gradient count together. Call once per optimizer step,
-        after the last backward of the step (a collective call).
+        after the last backward of the step (a collective call). A frozen tie (``requires_grad=False``, alike on every
+        copy: one parameter of the user's model) has no gradient to sum and is skipped.
 
         Raises:
             PipelineFailure: if another stage failed or stalled meanwhile.
         """
         for tie, group, _ in self._held:
             parameter = self._parameter(tie)
+            if not parameter.requires_grad:
+                continue
             has = parameter.grad is not None
             grad = parameter.grad if has else torch.zeros_like(parameter)
             flat = torch.cat([grad.flatten(), grad.new_full((1,), float(has))])

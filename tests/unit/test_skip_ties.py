@@ -18,7 +18,10 @@ from lightning_gpipe.planning.balance import profile_layers
 from lightning_gpipe.lightning.optimization import clip_grad_norm_
 from lightning_gpipe.engine.partition import Split
 from lightning_gpipe.engine.skip import Namespace, SkipLayout, pop, skippable, stash, verify_skippables
-from lightning_gpipe.engine.ties import find_ties
+from lightning_gpipe.engine import ties as ties_module
+from lightning_gpipe.engine.ties import TiedParameters, find_ties
+from lightning_gpipe.engine.topology import Topology
+from lightning_gpipe.faults.job import Job
 
 
 def test_skippable_backbone_runs_unchanged_on_one_device_and_in_a_one_stage_pipeline():
@@ -184,3 +187,15 @@ def test_every_link_that_may_share_a_pair_of_ranks_has_a_process_group_of_its_ow
     created.clear()
     assert channels.link_groups(Topology(2, 2), SkipLayout(backbone, [2, 2]), rank=0) == {(0, 0, 1): 1}
     assert created == [(0, 1)]  # the skip only: the neighbour link stays on the default group
+
+
+def test_each_trainable_tie_sums_its_gradients_once_and_a_frozen_tie_not_at_all(monkeypatch):
+    reduced = []
+    monkeypatch.setattr(ties_module.collectives, "all_reduce", lambda job, flat, group: reduced.append(flat.numel()))
+    module = TiedNet()
+    module.backbone[1].weight.requires_grad_(False)  # e.g. a frozen base weight under LoRA: no gradient to sum
+    module.head(module.backbone(torch.tensor([[1, 2, 3]]))).sum().backward()
+    held = TiedParameters(find_ties(module, "backbone", [3, 2, 2]), module, Topology(3, 3), rank=0, job=Job())
+    held.reduce_grads()
+    weight, bias = module.backbone[0].weight, module.backbone[1].bias
+    assert reduced == [weight.numel() + 1, bias.numel() + 1]  # a gradient and its has-gradient count, per tie
