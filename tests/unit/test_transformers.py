@@ -32,7 +32,7 @@ from transformers import (  # noqa: E402
     Qwen2ForCausalLM,
 )
 
-from hf_families import FAMILIES, FIRST, MOE_FAMILIES, build  # noqa: E402
+from hf_families import BERT, FAMILIES, FIRST, MOE_FAMILIES, build  # noqa: E402
 
 from lightning_gpipe.hf import (  # noqa: E402
     SafetensorsWeights,
@@ -65,16 +65,7 @@ def llama(**overrides) -> LlamaForCausalLM:
 def models() -> dict:
     """name -> a function building a tiny model of that architecture (dropout off: one device vs layer by layer)."""
     gpt2 = dict(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2)
-    bert = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        intermediate_size=48,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    bert = BERT
     no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     found_by_structure = {name: lambda name=name, **o: build(name, **o) for name in FAMILIES if name not in FIRST}
     return {
