@@ -3,9 +3,10 @@ or ``python benchmarks/_waits_run.py MODE pingpong --rounds R --size S --warmup 
 :func:`ping_pong`).
 
 MODE ``interruptible`` runs the package as it is; ``blocking`` first puts back what the package did before its waits
-became interruptible: every wait a plain ``Work.wait()`` in the main thread, and stage spans that do not move the
-stall watchdog's position. The mode is kept in ``LIGHTNING_GPIPE_BENCH_WAITS`` for the stage processes Lightning's
-launcher starts (it re-runs this script without the mode argument).
+became interruptible: every wait a plain ``Work.wait()`` in the main thread (transfers the links watch as they are
+posted included: no helper thread at all), and stage spans that do not move the stall watchdog's position. The mode is
+kept in ``LIGHTNING_GPIPE_BENCH_WAITS`` for the stage processes Lightning's launcher starts (it re-runs this script
+without the mode argument).
 """
 
 import argparse
@@ -20,6 +21,29 @@ _VARIABLE = "LIGHTNING_GPIPE_BENCH_WAITS"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
 
 
+class _Blocking:
+    """Works the main thread waits for itself, in place of a :class:`~lightning_gpipe.faults.waiting.Watched`:
+    complete only once waited for (gloo's works cannot be polled), so the links keep sends until a flush."""
+
+    def __init__(self, works: list) -> None:
+        self.works, self.done, self.error = works, False, None
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self) -> bool:
+        if not self.done:
+            try:
+                for work in self.works:
+                    work.wait()
+            except BaseException as error:  # raised at every wait, as a Watched does
+                self.error = error
+            self.works, self.done = [], True
+        if self.error is not None:
+            raise self.error
+        return True
+
+
 def _blocking_waits() -> None:
     from lightning_gpipe.engine import events
     from lightning_gpipe.faults import waiting
@@ -29,7 +53,13 @@ def _blocking_waits() -> None:
             for work in works:
                 work.wait()
 
+    def wait_watched(job, watched, peer):
+        with job.board.as_pipeline_failure():
+            watched.wait()
+
     waiting.wait = wait  # looked up at each call by the links and the collectives
+    waiting.wait_watched = wait_watched
+    waiting.Waiter.watch = lambda self, works, stream: _Blocking(works)  # no helper thread per stream
     events.TrackingRecorder.span = events.Recorder.span
 
 

@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import psutil
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import convert_inf
 from lightning.pytorch.utilities import rank_zero_info
 
 
@@ -138,3 +139,22 @@ class TimeBudget(Callback):
             )
         self.last_step = last_step
         trainer.fit_loop.epoch_loop.max_steps = last_step
+        retotal_progress_bar(trainer)
+
+
+def retotal_progress_bar(trainer: "pl.Trainer") -> None:
+    """Give the training progress bar of the current epoch the total that the moved last step makes. With
+    ``max_epochs=-1`` Lightning's bars take ``min(batches per epoch, max_steps - global_step)`` when an epoch starts
+    (``ProgressBar.total_train_batches``), so in the last epoch a plan made after that would show "183/170"; the
+    total becomes the epoch's batches so far plus the steps left. Lightning's two bars (Rich, TQDM) are updated;
+    another progress bar, or none, is left as it is."""
+    bar, epoch_loop = trainer.progress_bar_callback, trainer.fit_loop.epoch_loop
+    if bar is None or bar.is_disabled or trainer.max_epochs != -1:
+        return
+    so_far = epoch_loop.batch_progress.current.ready
+    total = min(trainer.num_training_batches, so_far + epoch_loop.max_steps - trainer.global_step)
+    if isinstance(bar, RichProgressBar) and bar.progress is not None and bar.train_progress_bar_id is not None:
+        bar.progress.update(bar.train_progress_bar_id, total=total)
+    elif isinstance(bar, TQDMProgressBar) and bar._train_progress_bar is not None:
+        bar.train_progress_bar.total = convert_inf(total)
+        bar.train_progress_bar.refresh()

@@ -29,6 +29,7 @@ def _trainer() -> SimpleNamespace:
     return SimpleNamespace(
         global_step=0, is_global_zero=True, should_stop=False, strategy=SimpleNamespace(broadcast=broadcast),
         fit_loop=SimpleNamespace(epoch_loop=epoch_loop), num_sanity_val_batches=[2], num_val_batches=[30],
+        progress_bar_callback=None,
     )  # fmt: skip
 
 
@@ -71,3 +72,38 @@ def test_the_last_step_fills_the_budget_and_follows_the_speed(monkeypatch, caplo
 def test_a_bad_budget_is_refused(kwargs) -> None:
     with pytest.raises(ValueError, match="TimeBudget"):
         TimeBudget(**kwargs)
+
+
+@pytest.mark.parametrize("kind", ["tqdm", "rich"])
+def test_the_progress_bar_takes_the_total_of_a_last_step_moved_within_its_epoch(tmp_path, kind) -> None:
+    """Lightning sets the bar's total when an epoch starts, from ``max_steps`` (with ``max_epochs=-1``); a plan that
+    moves the last step later in that epoch gives the bar its new total (the epoch's batches so far plus the steps
+    left), so it never shows "183/170"; for Lightning's TQDM and Rich bars."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    if kind == "rich":
+        pytest.importorskip("rich")
+    bar = TQDMProgressBar() if kind == "tqdm" else RichProgressBar()
+    totals = []
+
+    def total() -> float:
+        if kind == "tqdm":
+            return bar.train_progress_bar.total
+        return bar.progress.tasks[bar.train_progress_bar_id].total
+
+    class Move(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            if trainer.global_step == 3:  # as TimeBudget._plan moves it
+                trainer.fit_loop.epoch_loop.max_steps = 8
+                time_budget.retotal_progress_bar(trainer)
+            totals.append(total())
+
+    trainer = pl.Trainer(
+        max_epochs=None, max_steps=5, callbacks=[bar, Move()], accelerator="cpu", devices=1,
+        logger=False, enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(BoringModel())
+    assert trainer.global_step == 8 and totals == [5, 5] + [8] * 6
