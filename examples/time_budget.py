@@ -38,7 +38,8 @@ class TimeBudget(Callback):
     speed since the previous plan, and moves the last step if the time left calls for it, so that a machine that
     slows down (or speeds up) mid-run still ends the schedule in time. At the last step it asks Lightning to stop
     (``trainer.should_stop``), which validates once more when ``check_val_every_n_epoch`` is ``None``, as after
-    early stopping. Each plan that moves the last step by more than 1% is printed on global rank 0.
+    early stopping. Each plan that moves the last step by more than 1% is printed on global rank 0, and the
+    progress bar takes the total it makes (:func:`retotal_progress_bar`).
 
     A schedule over ``max_steps`` must read it when it is used, not when the optimizer is configured (the
     learning-rate factors of the examples call ``trainer.max_steps`` at every step); until the first plan the run
