@@ -53,12 +53,8 @@ def _blocking_waits() -> None:
             for work in works:
                 work.wait()
 
-    def wait_watched(job, watched, peer):
-        with job.board.as_pipeline_failure():
-            watched.wait()
-
     waiting.wait = wait  # looked up at each call by the links and the collectives
-    waiting.wait_watched = wait_watched
+    waiting.wait_watched = lambda job, watched, peer: wait(job, [watched], peer)
     waiting.Waiter.watch = lambda self, works, stream: _Blocking(works)  # no helper thread per stream
     events.TrackingRecorder.span = events.Recorder.span
 

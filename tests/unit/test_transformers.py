@@ -65,7 +65,6 @@ def llama(**overrides) -> LlamaForCausalLM:
 def models() -> dict:
     """name -> a function building a tiny model of that architecture (dropout off: one device vs layer by layer)."""
     gpt2 = dict(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2)
-    bert = BERT
     no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     found_by_structure = {name: lambda name=name, **o: build(name, **o) for name in FAMILIES if name not in FIRST}
     return {
@@ -77,8 +76,8 @@ def models() -> dict:
             Qwen2Config(**DECODER, use_sliding_window=True, sliding_window=4, max_window_layers=1, **o)
         ),
         "gpt2": lambda **o: GPT2LMHeadModel(GPT2Config(**gpt2, **no_dropout, **o)),
-        "bert_mlm": lambda **o: BertForMaskedLM(BertConfig(**bert, **o)),
-        "bert_classifier": lambda **o: BertForSequenceClassification(BertConfig(**bert, num_labels=3, **o)),
+        "bert_mlm": lambda **o: BertForMaskedLM(BertConfig(**BERT, **o)),
+        "bert_classifier": lambda **o: BertForSequenceClassification(BertConfig(**BERT, num_labels=3, **o)),
     }
 
 
