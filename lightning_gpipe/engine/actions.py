@@ -13,6 +13,7 @@ receives match in posting order), ``recompute`` (re-materialize a checkpointed m
 
 import enum
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional
 
 
@@ -76,6 +77,27 @@ class Plan:
     def count(self, kind: Kind) -> int:
         """How many actions of ``kind`` the plan holds."""
         return sum(action.kind is kind for action in self.actions)
+
+    @cached_property
+    def backward_follows_loss(self) -> bool:
+        """Whether the plan has ``loss`` actions per micro-batch, in micro-batch order, each followed by the same
+        micro-batch's ``backward`` before any other computing action of its model chunk (a recompute of that
+        micro-batch aside): then a loss's backward can run on through the model chunk in the same autograd call, and
+        the chunk's autograd calls keep the plan's order (1F1B's last stage)."""
+        pending, expected = None, 0
+        for action in self.actions:
+            kind, index = action.kind, action.micro_batch
+            if kind not in COMPUTE or (pending is not None and kind is Kind.RECOMPUTE and index == pending[0]):
+                continue
+            if pending is not None:
+                if (kind, index, action.model_chunk) != (Kind.BACKWARD, *pending):
+                    return False
+                pending = None
+            elif kind is Kind.LOSS:
+                if index != expected:
+                    return False
+                pending, expected = (index, action.model_chunk), expected + 1
+        return pending is None and expected > 0
 
 
 @dataclass(frozen=True)

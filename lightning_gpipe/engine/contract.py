@@ -99,6 +99,7 @@ class BackboneCall:
         self.runtime, self.is_last, self.share = runtime, is_last, share
         self.position = position if position is not None else Position()
         self._answer: Answer = runtime.forward
+        self._stage_stream = True  # whether a plain backbone call moves the step to the stage's stream
         self.randomness = randomness if randomness is not None else OneStream()
         self._plain = self._shared = 0
         self._hook = "training_step"
@@ -123,7 +124,7 @@ class BackboneCall:
                 " `lightning_gpipe.forward_and_share` for each call."
             )
         self._plain += 1
-        if self._rest_of_step is not None:
+        if self._rest_of_step is not None and self._stage_stream:
             self._rest_of_step.enter_context(self.randomness.stage())  # until the user's step ends
         output = self._answer(value)
         if not self.is_last:
@@ -195,7 +196,7 @@ class BackboneCall:
         step, (batch, *rest) = getattr(module, hook), args
         rows = per_micro_batch.batch_rows(batch)
         results, captured, parts = per_micro_batch.RowWeighted(module, rows), [], []
-        with self._answering(lambda value: _capture(captured, value)):
+        with self._answering(lambda value: _capture(captured, value), stage_stream=False):
             results.run(0, lambda: self.user_step(hook, lambda: step(*args, **kwargs)))
         value = captured[0] if captured else None
         per_micro_batch.check_input_rows(value, rows)
@@ -213,13 +214,16 @@ class BackboneCall:
         return results.finish() if self.is_last else None
 
     @contextmanager
-    def _answering(self, answer: Answer) -> Iterator[None]:
-        """Let ``answer`` answer the plain backbone calls inside the block."""
-        saved, self._answer = self._answer, answer
+    def _answering(self, answer: Answer, stage_stream: bool = True) -> Iterator[None]:
+        """Let ``answer`` answer the plain backbone calls inside the block; with ``stage_stream=False`` the step goes
+        on drawing from the shared stream after the call (an answer that ends the step on every stage alike: no
+        stage draws on its own, so swapping the streams in and out would only cost the host two exchanges)."""
+        saved = self._answer, self._stage_stream
+        self._answer, self._stage_stream = answer, stage_stream
         try:
             yield
         finally:
-            self._answer = saved
+            self._answer, self._stage_stream = saved
 
     def user_step(self, hook: str, step: Callable[[], Any]) -> Any:
         """Run one call of the user's ``hook`` (``"training_step"``...) as ``step()``, ending early stages at the

@@ -95,6 +95,16 @@ class Recorder:
         if self.enabled:
             self.spans.append(Span(kind, micro_batch, start, end, model_chunk=model_chunk))
 
+    def split_last(self, kind: str, at: Optional[float]) -> None:
+        """End the last span recorded at ``at`` (``None``: where it ends) and record the rest of it as a span of
+        ``kind``, of the same micro-batch and model chunk. Nothing when disabled."""
+        if not self.enabled:
+            return
+        last = self.spans[-1]
+        at = last.end if at is None else min(max(at, last.start), last.end)
+        self.spans[-1] = last._replace(end=at)
+        self.spans.append(Span(kind, last.micro_batch, at, last.end, model_chunk=last.model_chunk))
+
     def take(self) -> list[Span]:
         """Return the spans recorded so far and start a new list."""
         spans, self.spans = self.spans, []

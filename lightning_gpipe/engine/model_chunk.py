@@ -10,6 +10,10 @@ give the gradients of mini-batch training (GPipe, Huang et al. 2019, section 2.2
 On the last stage, a training forward returns the micro-batch's output as detached leaves that
 require grad (the boundary): the user's loss runs on their concatenation, and its backward leaves
 each micro-batch's output gradient in the leaves' ``.grad``, where the micro-batch's backward takes it.
+Where the user's loss runs per micro-batch and the plan backpropagates each micro-batch right after its loss
+(1F1B's last stage, :attr:`~lightning_gpipe.engine.actions.Plan.backward_follows_loss`), a micro-batch that is not
+re-materialized keeps its output's graph instead: the loss's backward runs on through the stage in one autograd
+call, as on one device, and the micro-batch's backward only sends the input gradients.
 
 Re-materialization (section 2.2, :mod:`lightning_gpipe.engine.rematerialization`): a checkpointed
 micro-batch runs forward without autograd, keeping only its input; :meth:`ModelChunk.recompute` runs it
@@ -56,6 +60,7 @@ class _Record:
     micro: MicroBatch
     rng: Optional[RngState] = None
     boundary: list[Tensor] = field(default_factory=list)  # last stage: the leaves handed to the user's loss
+    through: bool = False  # last stage: the output kept its graph, and the loss's backward runs through the stage
     skip_in: dict = field(default_factory=dict)  # skip tensors received from earlier stages (leaves), by key
     skip_out: dict = field(default_factory=dict)  # skip tensors stashed for later stages, by key
 
@@ -84,6 +89,11 @@ class ModelChunk:
         before_last_backward: called with the outputs of the step's last backward right before its autograd
             call, the one that completes this stage's parameter gradients (the weight gradient W when deferred);
             the data-parallel gradient sync (:class:`~lightning_gpipe.lightning.data_parallel.GradientSync`) sets it.
+            When that call is the user's loss's (see :attr:`loss_completes_gradients`), the caller announces it.
+        loss_through: on the last stage, whether the loss of a micro-batch that is not re-materialized may
+            backpropagate through the stage in its own autograd call (set by the runtime for a plan whose
+            backwards follow their losses at once, :attr:`~lightning_gpipe.engine.actions.Plan.backward_follows_loss`,
+            without deferred weight gradients); ``False`` by default.
     """
 
     def __init__(
@@ -105,6 +115,7 @@ class ModelChunk:
         self.events = link.events
         self.training = False
         self.before_last_backward: Optional[Callable[[list[Tensor]], None]] = None
+        self.loss_through = False
         self.shapes = Shapes()
         self.name = f"virtual stage {virtual_stage}"
         self._keys: list[Optional[Hashable]] = []
@@ -184,9 +195,19 @@ class ModelChunk:
         record = self._records[index] = _Record(x, None if remat else y, metas, micro, rng)
         record.skip_in, record.skip_out = received, skips.stashed
         if self.is_last:
-            y = microbatch.leaves(y)
-            record.boundary = microbatch.floats(y)
+            record.through = self._keeps_graph(remat, y)
+            if not record.through:
+                y = microbatch.leaves(y)
+                record.boundary = microbatch.floats(y)
         return y
+
+    def _keeps_graph(self, remat: bool, y: Value) -> bool:
+        """Whether the last stage hands the user's loss micro-batch output ``y`` with its graph (see
+        :attr:`loss_through`): not re-materialized, weight gradients not deferred, and every floating-point output
+        part of the graph (a boundary leaf would require grad where ``y`` does not)."""
+        floats = microbatch.floats(y)
+        through = self.loss_through and not remat and not self.defer_weight_grad
+        return through and bool(floats) and all(t.requires_grad for t in floats)
 
     def _check_shapes(self, index: int, x: Value, y: Value) -> None:
         """Learn micro-batch ``index``'s output shapes from its input ``x``'s, and check the step message's
@@ -195,6 +216,37 @@ class ModelChunk:
         if key is None and not (self.is_first or self.skips.pops):  # a headed input: its shapes are known now
             key = (self.training, signature(x))
         self.shapes.learn(key, signature(y), self._predicted[index], f"micro-batch {index} of {self.name}")
+
+    def loss(self, index: int, y: Value, head: Callable[[Value], None]) -> None:
+        """On the last stage, run ``head`` on micro-batch ``index``'s output ``y``: the user's step on the
+        micro-batch, which backpropagates its loss to ``y``, and through this stage when ``y`` kept its graph.
+
+        Recorded as a ``loss`` span; the part of a loss's backward that runs through the stage, from when it
+        reaches ``y``, as the micro-batch's ``backward`` span.
+        """
+        record = self._records.get(index)
+        if record is None or not record.through or not self.events.enabled:
+            with self.events.span("loss", index):
+                head(y)
+            return
+        reached: list[float] = []
+        hook = microbatch.floats(y)[0].register_hook(lambda grad: reached.append(time.perf_counter()))
+        try:
+            with self.events.span("loss", index):
+                head(y)
+        finally:
+            hook.remove()
+        self.events.split_last("backward", reached[0] if reached else None)
+
+    @property
+    def loss_completes_gradients(self) -> bool:
+        """On the last stage, during a micro-batch's loss (see :meth:`loss`): whether its backward is the step's last
+        autograd call through this stage, which completes its parameter gradients: the micro-batch kept its graph
+        and every other micro-batch's backward has run."""
+        if len(self._records) != 1:
+            return False
+        record = next(iter(self._records.values()))
+        return record.through and self._backwards == record.micro.micro_batches - 1
 
     def send(self, y: Value, index: int, micro_batches: int) -> None:
         """Send micro-batch ``index`` (of ``micro_batches``)'s output to the next virtual stage, asynchronously."""
@@ -276,15 +328,23 @@ class ModelChunk:
         """
         self.recompute(index)
         record = self._records.pop(index)
+        self._backwards += 1
+        if not record.through:  # else the loss's backward ran through the stage (see `loss`)
+            self._backpropagate(index, record, last=self._backwards == record.micro.micro_batches)
+        if not self.is_first:
+            inputs = microbatch.floats(record.input)
+            self.link.send_grads([x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs], index)
+        self.skips.send_grads(record.skip_in, index)
+
+    def _backpropagate(self, index: int, record: _Record, last: bool) -> None:
+        """The autograd call of micro-batch ``index``'s backward (B only, with W queued, when deferred), from its
+        output gradients; ``last``: whether it is the step's last backward on this stage."""
         outputs = microbatch.floats(record.output) + self.skips.outputs(record.skip_out)
         grads = [b.grad for b in record.boundary] if self.is_last else self.link.recv_grads(index)
         grads = grads + self.skips.backward(index)
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
-        inputs = microbatch.floats(record.input)
         skip_inputs = microbatch.floats(tuple(record.skip_in.values()))
-        needed = [x for x in inputs + skip_inputs if x.requires_grad]
-        self._backwards += 1
-        last = self._backwards == record.micro.micro_batches
+        needed = [x for x in microbatch.floats(record.input) + skip_inputs if x.requires_grad]
         if pairs:
             with self.events.span("backward", index):
                 if self.defer_weight_grad and needed:
@@ -293,9 +353,6 @@ class ModelChunk:
                     if last:
                         self._announce_last_backward(outputs)
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        if not self.is_first:
-            self.link.send_grads([x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs], index)
-        self.skips.send_grads(record.skip_in, index)
 
     def backward_weights(self, indices: Sequence[int]) -> None:
         """W: add the weight gradients of micro-batches ``indices`` (in the order of their B), queued by their

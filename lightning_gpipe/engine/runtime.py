@@ -10,7 +10,9 @@ Lightning's two phases are one cut in the plan: :meth:`Runtime.forward` (what th
 rest. Under fill-drain the cut follows the fill and the user's loss runs on the whole mini-batch between the two;
 a schedule whose last stage needs each micro-batch's loss during the step (1F1B, zero-bubble) has its cut at the
 end, and its ``loss`` actions call a head per micro-batch (see :mod:`lightning_gpipe.lightning.step`, which shows
-both protocols side by side). Evaluation runs the forwards and sends of fill-drain's fill (whatever the schedule),
+both protocols side by side); where each micro-batch's backward follows its loss at once, the loss backpropagates
+through the last stage in the same autograd call (:attr:`ModelChunk.loss_through
+<lightning_gpipe.engine.model_chunk.ModelChunk.loss_through>`). Evaluation runs the forwards and sends of fill-drain's fill (whatever the schedule),
 then waits for the sends. W actions that follow each other run as one call (:meth:`ModelChunk.backward_weights
 <lightning_gpipe.engine.model_chunk.ModelChunk.backward_weights>`), which computes each plain linear layer's weight
 gradient over their micro-batches as one matrix product.
@@ -144,6 +146,7 @@ class Runtime:
         self._inputs = [_chain(first, inputs[0]), *inputs[1:]]
         self._outputs, self._done = {}, 0
         self._plan = self.plan(self._micro_batches, self.model_chunks[0].training)
+        self.model_chunks[-1].loss_through = self._plan.backward_follows_loss
         return self._plan
 
     def _run(self, plan: Plan, end: int, head: Optional[Head] = None) -> None:
@@ -176,8 +179,7 @@ class Runtime:
         elif kind is Kind.SEND:
             chunk.send(self._outputs.pop((c, i)), i, self._micro_batches)
         elif kind is Kind.LOSS and i is not None:
-            with chunk.events.span("loss", i):
-                head(i, self._micro_batches, self._outputs.pop((c, i)))
+            chunk.loss(i, self._outputs.pop((c, i)), lambda y: head(i, self._micro_batches, y))
         elif kind is Kind.EXPECT:
             chunk.expect_grad(i)
         elif kind is Kind.RECOMPUTE:

@@ -120,10 +120,14 @@ class StageRun:
 
     def announce_loss_backward(self, loss: Tensor) -> None:
         """On the last stage, announce the step's last backward to the gradient sync when it is the loss's: the
-        partition trains nothing, or a one-stage pipeline runs the step unsplit (nothing left to drain)."""
+        partition trains nothing, a one-stage pipeline runs the step unsplit (nothing left to drain), or the last
+        micro-batch's loss backpropagates through the stage (:attr:`~lightning_gpipe.engine.model_chunk.ModelChunk.
+        loss_completes_gradients`)."""
         sync = self.gradient_sync
         first = self.model_chunks[0]
-        if sync is not None and (first.before_last_backward is None or not first.draining):
+        if sync is not None and (
+            first.before_last_backward is None or not first.draining or first.loss_completes_gradients
+        ):
             sync.prepare([loss])
 
     def whole_state(self, module: "pl.LightningModule", replica: int, group: Any) -> Optional[dict]:

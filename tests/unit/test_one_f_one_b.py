@@ -7,6 +7,7 @@ tests/distributed/test_one_f_one_b.py.
 """
 
 import threading
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -109,6 +110,9 @@ class _FakeChunk:
 
     def backward_weights(self, indices):
         self.calls.append(("weights", tuple(indices)))
+
+    def loss(self, i, y, head):
+        head(y)
 
     def flush(self):
         self.wire.wait_received(set(self.sends))
@@ -261,6 +265,71 @@ def test_one_stage_1f1b_equals_plain_autograd_and_combines_by_rows(checkpoint):
     (loss, rows) = net.logged[-2:]
     torch.testing.assert_close(loss[1], output["loss"])
     assert rows == ("rows", pytest.approx((9 + 9 + 4 + 4) / 10), 10)
+
+
+@pytest.mark.parametrize(
+    "checkpoint, through", [("never", [1, 1, 1, 1]), ("except_last", [0, 0, 0, 1]), ("always", [0, 0, 0, 0])]
+)
+def test_1f1b_last_stage_backpropagates_a_kept_graph_from_the_loss_in_one_autograd_call(checkpoint, through):
+    """A micro-batch that is not re-materialized reaches the stage's parameters in its loss's own backward; one that
+    is gets them at its backward. Either way each micro-batch has one backward span, which a kept graph's loss span
+    ends where it starts, and the last loss completes the stage's gradients only when it runs through."""
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(10, 4), "y": torch.randint(0, 3, (10,))}
+    reference, net = _Net(), _Net()
+    net.load_state_dict(reference.state_dict())
+    reference.training_step(batch, 0)["loss"].backward()
+    call = _one_stage(net, 4, checkpoint)
+    chunk = call.runtime.model_chunks[0]
+    chunk.events.enabled = True
+    reached, completes = [], []
+
+    def backward(loss, last):
+        before = next(net.backbone.parameters()).grad
+        before = None if before is None else before.clone()
+        completes.append(chunk.loss_completes_gradients)
+        loss.backward()
+        after = next(net.backbone.parameters()).grad
+        reached.append(int(after is not None and (before is None or not torch.equal(before, after))))
+
+    call.micro_batch_steps(net, "training_step", (batch, 0), {}, backward)
+    assert reached == through and completes == [False, False, False, bool(through[-1])]
+    for (name, p), q in zip(net.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6, msg=name)
+    spans = chunk.events.take()
+    for index in range(4):
+        (loss,) = [s for s in spans if s.kind == "loss" and s.micro_batch == index]
+        (backward_span,) = [s for s in spans if s.kind == "backward" and s.micro_batch == index]
+        assert loss.start <= loss.end <= backward_span.start <= backward_span.end
+        if through[index]:
+            assert backward_span.start == loss.end < backward_span.end
+
+
+def test_a_1f1b_step_swaps_in_the_stage_stream_once():
+    """The step on the whole batch ends at the backbone call on every stage alike, so it stays on the shared stream;
+    the plan (forwards, each micro-batch's step and backward) runs on the stage stream, swapped in once per step."""
+
+    class Streams:
+        swaps = depth = 0
+
+        @contextmanager
+        def stage(self):
+            Streams.swaps += Streams.depth == 0
+            Streams.depth += 1
+            try:
+                yield
+            finally:
+                Streams.depth -= 1
+
+    torch.manual_seed(0)
+    net, depths = _Net(), []
+    step = net.training_step
+    net.training_step = lambda batch, index: (depths.append(Streams.depth), step(batch, index))[1]
+    call = _one_stage(net, 4, "never")
+    call.randomness = Streams()
+    batch = {"x": torch.randn(10, 4), "y": torch.randint(0, 3, (10,))}
+    call.micro_batch_steps(net, "training_step", (batch, 0), {}, lambda loss, last: loss.backward())
+    assert Streams.swaps == 1 and depths == [0, 1, 1, 1, 1]
 
 
 def test_1f1b_errors_name_the_fix_before_any_micro_batch():
