@@ -12,10 +12,10 @@ a schedule whose last stage needs each micro-batch's loss during the step (1F1B,
 end, and its ``loss`` actions call a head per micro-batch (see :mod:`lightning_gpipe.lightning.step`, which shows
 both protocols side by side); where each micro-batch's backward follows its loss at once, the loss backpropagates
 through the last stage in the same autograd call (:attr:`ModelChunk.loss_through
-<lightning_gpipe.engine.model_chunk.ModelChunk.loss_through>`). Evaluation runs the forwards and sends of fill-drain's fill (whatever the schedule),
-then waits for the sends. W actions that follow each other run as one call (:meth:`ModelChunk.backward_weights
-<lightning_gpipe.engine.model_chunk.ModelChunk.backward_weights>`), which computes each plain linear layer's weight
-gradient over their micro-batches as one matrix product.
+<lightning_gpipe.engine.model_chunk.ModelChunk.loss_through>`). Evaluation runs the forwards and sends of fill-drain's
+fill (whatever the schedule), then waits for the sends. W actions that follow each other run as one call
+(:meth:`ModelChunk.backward_weights <lightning_gpipe.engine.model_chunk.ModelChunk.backward_weights>`), which computes
+each plain linear layer's weight gradient over their micro-batches as one matrix product.
 """
 
 from collections.abc import Callable, Iterator, Sequence
