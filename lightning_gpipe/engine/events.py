@@ -14,8 +14,8 @@ node's spans onto global rank 0's clock by an offset measured once
 
 import time
 import weakref
-from collections.abc import Iterable
-from contextlib import nullcontext
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import NamedTuple, Optional
 
 import torch
@@ -250,6 +250,19 @@ class _Timing:
         self.recorder.spans.append(
             Span(self.kind, self.micro_batch, self.start, end, self.input_bytes, saved, self.model_chunk)
         )
+
+
+@contextmanager
+def gradient_times(tensor: Optional[Tensor]) -> Iterator[list[float]]:
+    """Inside the block, each time autograd computes ``tensor``'s gradient, ``time.perf_counter()`` is appended to the
+    list the block gets (nothing for ``None``)."""
+    times: list[float] = []
+    hook = tensor.register_hook(lambda grad: times.append(time.perf_counter())) if tensor is not None else None
+    try:
+        yield times
+    finally:
+        if hook is not None:
+            hook.remove()
 
 
 def peak_activation_bytes(spans: Iterable[Span]) -> int:

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from lightning_gpipe.engine import microbatch
+from lightning_gpipe.engine.events import gradient_times
 from lightning_gpipe.engine.microbatch import MicroBatch, Value
 from lightning_gpipe.engine.partition import Partition
 from lightning_gpipe.engine.rematerialization import RngState, checkpointed
@@ -194,20 +195,12 @@ class ModelChunk:
         metas = [(t.shape, t.dtype) for t in microbatch.floats(y)]
         record = self._records[index] = _Record(x, None if remat else y, metas, micro, rng)
         record.skip_in, record.skip_out = received, skips.stashed
-        if self.is_last:
-            record.through = self._keeps_graph(remat, y)
+        if self.is_last:  # the output keeps its graph where it may (see `loss_through`), else it is the boundary
+            record.through = self.loss_through and not remat and not self.defer_weight_grad and _in_graph(y)
             if not record.through:
                 y = microbatch.leaves(y)
                 record.boundary = microbatch.floats(y)
         return y
-
-    def _keeps_graph(self, remat: bool, y: Value) -> bool:
-        """Whether the last stage hands the user's loss micro-batch output ``y`` with its graph (see
-        :attr:`loss_through`): not re-materialized, weight gradients not deferred, and every floating-point output
-        part of the graph (a boundary leaf would require grad where ``y`` does not)."""
-        floats = microbatch.floats(y)
-        through = self.loss_through and not remat and not self.defer_weight_grad
-        return through and bool(floats) and all(t.requires_grad for t in floats)
 
     def _check_shapes(self, index: int, x: Value, y: Value) -> None:
         """Learn micro-batch ``index``'s output shapes from its input ``x``'s, and check the step message's
@@ -225,28 +218,19 @@ class ModelChunk:
         reaches ``y``, as the micro-batch's ``backward`` span.
         """
         record = self._records.get(index)
-        if record is None or not record.through or not self.events.enabled:
-            with self.events.span("loss", index):
-                head(y)
-            return
-        reached: list[float] = []
-        hook = microbatch.floats(y)[0].register_hook(lambda grad: reached.append(time.perf_counter()))
-        try:
-            with self.events.span("loss", index):
-                head(y)
-        finally:
-            hook.remove()
-        self.events.split_last("backward", reached[0] if reached else None)
+        timed = record is not None and record.through and self.events.enabled
+        with gradient_times(microbatch.floats(y)[0] if timed else None) as reached, self.events.span("loss", index):
+            head(y)
+        if timed:
+            self.events.split_last("backward", reached[0] if reached else None)
 
     @property
     def loss_completes_gradients(self) -> bool:
         """On the last stage, during a micro-batch's loss (see :meth:`loss`): whether its backward is the step's last
         autograd call through this stage, which completes its parameter gradients: the micro-batch kept its graph
         and every other micro-batch's backward has run."""
-        if len(self._records) != 1:
-            return False
-        record = next(iter(self._records.values()))
-        return record.through and self._backwards == record.micro.micro_batches - 1
+        records = list(self._records.values())
+        return len(records) == 1 and records[0].through and self._backwards == records[0].micro.micro_batches - 1
 
     def send(self, y: Value, index: int, micro_batches: int) -> None:
         """Send micro-batch ``index`` (of ``micro_batches``)'s output to the next virtual stage, asynchronously."""
@@ -423,6 +407,13 @@ class Shapes:
         self._known[key] = actual
         if len(self._known) > self.LIMIT:
             del self._known[next(iter(self._known))]
+
+
+def _in_graph(y: Value) -> bool:
+    """Whether ``y`` has floating-point tensors and all of them require grad (where a boundary leaf made of one would
+    require grad when it does not, the output cannot stand in for the boundary)."""
+    floats = microbatch.floats(y)
+    return bool(floats) and all(t.requires_grad for t in floats)
 
 
 def _shown(sig: Signature) -> str:
