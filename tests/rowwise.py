@@ -8,9 +8,12 @@ from models import TupleNet, loader, trainer_kwargs
 class WatchedNet(TupleNet):
     """TupleNet that logs row means and the row count, returns its logits, and records what its hooks see.
 
-    ``seen`` gets one dict per training step, on the stage holding the head (one device: the only one): the loss
-    ``on_before_backward`` receives, whether the head's weight had a gradient then, the gradient's norm
-    ``on_after_backward``, the rows of the returned logits and, on every stage, ``trainer.callback_metrics``.
+    Every other step also returns a ``wide`` tensor of 80 KB or more, too large for the relay's region in the step's
+    agreement, so the step's output reaches the other stages by the relay's broadcast in those steps and inside the
+    region in the others. ``seen`` gets one dict per training step, on the stage holding the head (one device: the
+    only one): the loss ``on_before_backward`` receives, whether the head's weight had a gradient then, the
+    gradient's norm ``on_after_backward``, the rows of the returned logits and, on every stage,
+    ``trainer.callback_metrics`` and the sum of the returned ``wide`` tensor.
     """
 
     def __init__(self) -> None:
@@ -23,7 +26,10 @@ class WatchedNet(TupleNet):
         loss = F.cross_entropy(logits, y)
         self.log("train_loss", loss, on_step=True, on_epoch=True)
         self.log_dict({"x_mean": x.mean(), "rows": float(len(x))})
-        return {"loss": loss, "logits": logits}
+        output = {"loss": loss, "logits": logits}
+        if batch_idx % 2:
+            output["wide"] = logits.detach().repeat(1, 1024)
+        return output
 
     def on_train_batch_start(self, batch, batch_idx):
         self.seen.append({})
@@ -42,6 +48,8 @@ class WatchedNet(TupleNet):
         if "logits" in outputs:
             self.seen[-1]["logits_rows"] = outputs["logits"].shape[0]
         self.seen[-1]["metrics"] = {k: v.item() for k, v in self.trainer.callback_metrics.items()}
+        if "wide" in outputs:
+            self.seen[-1]["wide"] = outputs["wide"].sum().item()
 
 
 def fit_batches(strategy="auto", devices=1, batch_size=20, module=TupleNet, ckpt_path=None, **overrides) -> L.Trainer:

@@ -138,7 +138,7 @@ class StepAgreement:
         fingerprint: Tensor,
         requests: Sequence[bool],
         where: Callable[[], str],
-        relay: Optional[np.ndarray] = None,
+        relay: Optional[Tensor] = None,
     ) -> tuple[list[bool], np.ndarray]:
         """Compare this step's batch with the other stages' and combine the stop requests (a collective call of
         every process, with the same number of ``requests`` and alike ``relay`` or not): one all-reduce and one
@@ -149,8 +149,8 @@ class StepAgreement:
             requests: this process's flags (e.g. "a SIGTERM arrived"); the result holds each flag's OR over all
                 processes.
             where: the step's position for the error, e.g. ``"epoch 2, training batch 17"``.
-            relay: in training, this process's int64 words for its replica's relay region (the last stage's; none
-                on the others); ``None`` (evaluation): no region.
+            relay: in training, this process's int64 words for its replica's relay region, a CPU tensor (the last
+                stage's; none on the others); ``None`` (evaluation): no region.
 
         Returns:
             The agreed requests, and this replica's relay region (:data:`REGION_WORDS` words; none without
@@ -171,7 +171,7 @@ class StepAgreement:
         start = len(requests) + (2 + words) * self.replica
         slots[start : start + 2] = own
         if relay is not None and len(relay):
-            slots[start + 2 : start + 2 + len(relay)] = torch.from_numpy(relay)
+            slots[start + 2 : start + 2 + len(relay)] = relay
         if dist.is_initialized():
             collectives.all_reduce(self.job, slots, dist.ReduceOp.MAX, group=self.group)
         values = slots.numpy()  # the one host read of the step's agreement

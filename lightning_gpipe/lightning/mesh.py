@@ -219,7 +219,7 @@ class MeshStrategy(ParallelStrategy):
         if requests is not None:
             self._signals.act(requests, training=True)
 
-    def agree_step(self, relay: Optional[np.ndarray]) -> np.ndarray:
+    def agree_step(self, relay: Optional[Tensor]) -> np.ndarray:
         """The agreement of one training step, at the end of its ``backward`` (one all-reduce on the CPU group, see
         :mod:`lightning_gpipe.lightning.agreement`): the stages of each pipeline must have read the same batch, and
         a SIGTERM or requeue signal that reached any process takes effect on all of them at the next step boundary

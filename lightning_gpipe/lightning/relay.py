@@ -138,7 +138,9 @@ class StepRelay:
     ``trainer._results``: how they were logged, their counters, which tensors they hold) and the step's output in a
     few kilobytes (:meth:`pack`); the description travels in its replica's region of the step's agreement
     all-reduce (:class:`~lightning_gpipe.lightning.agreement.StepAgreement`), which every process reads once anyway,
-    and the tensors as one buffer of bytes on the pipeline's group, on the device (:meth:`exchange`). Every other
+    and the tensors as one buffer of bytes on the pipeline's group, on the device (:meth:`exchange`); on the CPU,
+    where the region is the device's memory, the tensors' bytes ride in the region too when they fit (one collective
+    fewer per step; the bytes are placed there with tensor operations, not read on the host). Every other
     stage rebuilds the entries around the received tensors and installs them in its ``trainer._results``, before
     Lightning's loop reads them (progress bar, loggers, ``callback_metrics``). The step's loss reaches the other
     stages as ``training_step`` ends (:meth:`share_loss`: one broadcast of a scalar, which orders the device and not
@@ -200,9 +202,11 @@ class StepRelay:
         self._placeholders = [None if slot == loss_slot else t for slot, t in enumerate(placeholders)]
         return self._unpickle(described, placeholders)
 
-    def pack(self, results: dict, output: Any) -> np.ndarray:
-        """The last stage's description of its logged ``results`` and step ``output`` as the words of its relay
-        region (see :meth:`exchange`); the tensors it names are kept until then."""
+    def pack(self, results: dict, output: Any) -> Tensor:
+        """The last stage's description of its logged ``results`` and step ``output`` as the int64 words of its relay
+        region, a CPU tensor (see :meth:`exchange`): a header (the description's length, negative when it does not
+        fit; its tensors' bytes; whether those follow it), the description, and on the CPU the tensors' bytes when
+        they fit; otherwise the tensors it names are kept for :meth:`exchange`."""
         tensors: list[Tensor] = []
         described = self._pickled(output, tensors)
         count = len(tensors)
@@ -213,9 +217,15 @@ class StepRelay:
         self._description = (records, layout, described, count, loss_slot)
         self._tensors, self.output = tensors, output
         data = pickle.dumps(self._description, protocol=5)
-        fits = len(data) <= 8 * (REGION_WORDS - 2)
-        header = np.array([len(data) if fits else -len(data), sum(_padded(t) for t in tensors)], dtype=np.int64)
-        return np.concatenate([header, _to_words(data)]) if fits else header
+        size = sum(_padded(t) for t in tensors)
+        fits = len(data) <= 8 * (REGION_WORDS - _HEADER)
+        described = torch.from_numpy(_to_words(data))
+        inline = fits and self.device.type == "cpu" and len(described) + size // 8 <= REGION_WORDS - _HEADER
+        header = torch.tensor([len(data) if fits else -len(data), size, int(inline)], dtype=torch.int64)
+        if not fits:
+            return header
+        words = [header, described]
+        return torch.cat(words + [_buffer(tensors, self.device).view(torch.int64)] if inline else words)
 
     def exchange(self, region: np.ndarray, trainer: "pl.Trainer") -> None:
         """After the agreement: the last stage sends the tensors it packed, every other stage receives them and
@@ -225,17 +235,22 @@ class StepRelay:
         Raises:
             PipelineFailure: if another stage failed while this one waited for it.
         """
-        described, size = int(region[0]), int(region[1])
+        described, size, inline = int(region[0]), int(region[1]), bool(region[2])
         if described < 0:  # too large for the region: one more broadcast, of the description's bytes
             self._description = self._overflow(-described)
         elif not self.is_src:
-            self._description = pickle.loads(_from_words(region[2:], described))
-        if self.is_src:
+            self._description = pickle.loads(_from_words(region[_HEADER:], described))
+        self._finish(self._pending)  # the loss's broadcast: long completed
+        self._pending = []
+        if inline:  # the tensors' bytes follow the description in the region
+            start = _HEADER + -(-described // 8)
+            buffer = torch.from_numpy(region[start : start + size // 8]).view(torch.uint8)
+        elif self.is_src:
             buffer = _buffer(self._tensors, self.device)
         else:
             buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-        self._finish(self._pending)  # the loss's broadcast: long completed
-        self._pending = [dist.broadcast(buffer, self.src, group=self.group, async_op=True)] if size else []
+        if size and not inline:
+            self._pending = [dist.broadcast(buffer, self.src, group=self.group, async_op=True)]
         if not self.is_src:
             self._finish(self._pending)
             self._pending = []
@@ -328,6 +343,10 @@ class StepRelay:
                 work.wait()
         else:
             waiting.wait(self.job, works, self.job.watchdog.name_of(self.src))
+
+
+_HEADER = 3
+"""int64 words before the description in a relay region: its length, its tensors' bytes, whether they follow it."""
 
 
 def _loss_of(output: Any) -> Optional[Tensor]:

@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
 import numpy as np
+import torch
 from torch import Tensor
 
 from lightning_gpipe.lightning.relay import share_step_output
@@ -131,7 +132,7 @@ def training_step(run: StageRun, module: "pl.LightningModule", precision: Any, a
     return share_step_output(output, is_last, run.share, run.last_chunk.link.device)
 
 
-def agree(run: StageRun, trainer: "pl.Trainer", agree_step: Callable[[Optional[np.ndarray]], np.ndarray]) -> None:
+def agree(run: StageRun, trainer: "pl.Trainer", agree_step: Callable[[Optional[Tensor]], np.ndarray]) -> None:
     """At the end of ``strategy.backward``: the step's agreement (``agree_step``, one all-reduce on the CPU group,
     see :class:`~lightning_gpipe.lightning.agreement.StepAgreement`), whose region carries the last stage's
     description of its logged values and output, then their tensors (:class:`~lightning_gpipe.lightning.relay.
@@ -146,7 +147,7 @@ def agree(run: StageRun, trainer: "pl.Trainer", agree_step: Callable[[Optional[n
         agree_step(None)
         return
     results = trainer._results if trainer._results is not None else {}
-    words = relay.pack(results, relay.output) if relay.is_src else np.empty(0, dtype=np.int64)
+    words = relay.pack(results, relay.output) if relay.is_src else torch.empty(0, dtype=torch.int64)
     relay.exchange(agree_step(words), trainer)
 
 

@@ -52,11 +52,16 @@ def test_1f1b_hooks_and_logs_see_what_one_device_sees(runs):
     assert_states_close(torch.load(runs / "watched.pt"), module.state_dict())
     first, last = (json.loads((runs / f"watched_rank{r}.json").read_text()) for r in range(2))
     assert len(last) == len(first) == len(module.seen) == 6
+    assert [step for step, seen in enumerate(module.seen) if "wide" in seen] == [1, 4]  # batches 1 of 3 per epoch
     for step, (got, relayed, expected) in enumerate(zip(last, first, module.seen)):
         assert got["grad_before"] is expected["grad_before"] is False  # the step's gradients come in backward
         assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
         assert got["grad_after"] == pytest.approx(expected["grad_after"], abs=1e-5)
         assert got["logits_rows"] == expected["logits_rows"]
+        assert ("wide" in got) == ("wide" in relayed) == ("wide" in expected)
+        if "wide" in expected:  # relayed apart from the agreement's region: larger than it
+            assert got["wide"] == pytest.approx(expected["wide"], rel=1e-5)
+            assert relayed["wide"] == got["wide"]
         for metrics in (got["metrics"], relayed["metrics"]):
             assert metrics.keys() == expected["metrics"].keys()
             for key, value in expected["metrics"].items():

@@ -3,7 +3,6 @@ that the strategy gives a shuffled loader (on stage processes: tests/distributed
 
 import random
 
-import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
@@ -30,13 +29,13 @@ def test_the_fingerprint_sees_the_order_and_content_of_rows_but_not_memory_addre
 def test_one_process_agrees_with_itself_and_passes_its_requests_and_relay_region_through():
     agreement = StepAgreement(replica=0, replicas=1, names={0: "stage 0"}, job=Job())
     where = lambda: "epoch 0, training batch 0"  # noqa: E731
-    requests, region = agreement.agree(fingerprint((torch.randn(4, 2),)), [True, False], where, np.array([5, 6]))
+    requests, region = agreement.agree(fingerprint((torch.randn(4, 2),)), [True, False], where, torch.tensor([5, 6]))
     assert requests == [True, False]
     assert region.shape == (REGION_WORDS,) and region[:2].tolist() == [5, 6] and (region[2:] == NEUTRAL).all()
     requests, region = agreement.agree(fingerprint((torch.randn(4, 2),)), [False], where)
     assert requests == [False] and region.size == 0
     with pytest.raises(ValueError, match="holds 1024 words"):
-        agreement.agree(fingerprint(()), [], where, np.zeros(REGION_WORDS + 1, dtype=np.int64))
+        agreement.agree(fingerprint(()), [], where, torch.zeros(REGION_WORDS + 1, dtype=torch.int64))
 
 
 def test_the_stage_stream_leaves_the_shared_stream_where_it_was():
