@@ -219,7 +219,7 @@ class StepRelay:
         data = pickle.dumps(self._description, protocol=5)
         size = sum(_padded(t) for t in tensors)
         fits = len(data) <= 8 * (REGION_WORDS - _HEADER)
-        described = torch.from_numpy(_to_words(data))
+        described = torch.from_numpy(_to_words(data).copy())  # writable, as torch wants
         inline = fits and self.device.type == "cpu" and len(described) + size // 8 <= REGION_WORDS - _HEADER
         header = torch.tensor([len(data) if fits else -len(data), size, int(inline)], dtype=torch.int64)
         if not fits:
