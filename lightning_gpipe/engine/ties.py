@@ -135,7 +135,8 @@ class TiedParameters:
     def reduce_grads(self) -> None:
         """Sum each tie's gradients over its holding stages, in place. A copy without a gradient counts as zeros
         and gets the sum; when no copy has one, all keep none (as the one parameter on one device). One
-        all-reduce per tie, of the gradient and a has-gradient count together. Call once per optimizer step,
+        all-reduce per tie, of the gradient and a has-gradient count together; a copy that had a gradient knows the
+        sum has one without reading the count (no device-to-host copy in the usual step). Call once per optimizer step,
         after the last backward of the step (a collective call). A frozen tie (``requires_grad=False``, alike on every
         copy: one parameter of the user's model) has no gradient to sum and is skipped.
 
@@ -150,7 +151,7 @@ class TiedParameters:
             grad = parameter.grad if has else torch.zeros_like(parameter)
             flat = torch.cat([grad.flatten(), grad.new_full((1,), float(has))])
             collectives.all_reduce(self.job, flat, group=group)
-            if flat[-1].item() > 0:
+            if has or flat[-1].item() > 0:  # the count is read on the host only where this copy had no gradient
                 if not has:
                     parameter.grad = torch.empty_like(parameter)
                 parameter.grad.copy_(flat[:-1].view_as(parameter))

@@ -2,7 +2,8 @@
 
 Usage: python host_reads.py OUT_DIR
 On 2 stages, an MLP of 8 x Linear(64) trains 8 steps with M = 4 and M = 8 under each of ``"gpipe"``, ``"1f1b"`` and
-``"zb-1p"`` (``checkpoint="never"``, a progress bar off and no logger: what the user's own code reads is theirs).
+``"zb-1p"`` (``checkpoint="never"``, a progress bar off and no logger: what the user's own code reads is theirs), and
+under ``"gpipe"`` with its head's weight tied to its first layer's (``"tied"``: one parameter on both stages).
 From the fourth step to the end of the last, every call of a ``Tensor`` method that reads its values on the host
 (``item``, ``tolist``, ``numpy``, ``cpu``, ``__bool__``, ``__int__``, ``__float__``, ``__index__``) made directly by a
 module of ``lightning_gpipe``, in any thread, is counted. Each rank writes OUT_DIR/reads_rank{r}.json: per run
@@ -77,10 +78,12 @@ class Steady(L.Callback):
 
 
 class MLP(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, tied: bool = False) -> None:
         super().__init__()
         self.backbone = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.ReLU())])
-        self.head = nn.Linear(64, 10)
+        self.head = nn.Linear(64, 64 if tied else 10)
+        if tied:
+            self.head.weight = self.backbone[0].weight
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -92,23 +95,23 @@ class MLP(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def run(reads: Reads, schedule: str, chunks: int) -> tuple[int, float, dict]:
+def run(reads: Reads, schedule: str, chunks: int, tied: bool = False) -> tuple[int, float, dict]:
     """This process's global rank, its reads per steady step of one fit, and where they were made."""
     L.seed_everything(0, verbose=False)
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64 * STEPS, 64, generator=generator), torch.randint(0, 10, (64 * STEPS,)))
     strategy = lightning_gpipe.GPipeStrategy(chunks=chunks, checkpoint="never", schedule=schedule)
     trainer = L.Trainer(strategy=strategy, devices=2, max_steps=STEPS, callbacks=[Steady(reads)], **trainer_kwargs())
-    trainer.fit(MLP(), DataLoader(data, batch_size=64))
+    trainer.fit(MLP(tied), DataLoader(data, batch_size=64))
     return trainer.global_rank, sum(reads.where.values()) / (STEPS - FROM), dict(reads.where)
 
 
 if __name__ == "__main__":
     out, reads, found = sys.argv[1], Reads(), {}
     try:
-        for schedule in ("gpipe", "1f1b", "zb-1p"):
+        for schedule in ("gpipe", "1f1b", "zb-1p", "tied"):
             for chunks in (4, 8):
-                rank, per_step, where = run(reads, schedule, chunks)
+                rank, per_step, where = run(reads, schedule.replace("tied", "gpipe"), chunks, schedule == "tied")
                 found[f"{schedule}-M{chunks}"] = {"per_step": per_step, "where": where}
     finally:
         reads.restore()
