@@ -118,7 +118,10 @@ def gpipe(
     micro-batches of a stage's first model chunk, then of its second, ...). Drain (``backward``), after the user's loss
     on the whole mini-batch: the micro-batches run backward in reverse order, the last model chunk first. A checkpointed
     micro-batch is recomputed *before* the stage waits for its gradient, so the recompute overlaps the next stage's
-    backward of the same micro-batch; the next gradient's receive is posted while the current micro-batch computes. With
+    backward of the same micro-batch. Every gradient's receive is posted as the drain starts: gloo moves a payload
+    only once its receive is posted, so a receive posted after the send costs a round trip between the two stages'
+    transport threads (docs/benchmarks.md, "Gradient receives posted as the drain starts"); the stage then holds M
+    gradient buffers, which :func:`lightning_gpipe.planning.held.held_peak` counts. With
     deferred weight gradients each W follows its B, except on the last stage without re-materialization and
     virtual stages, which runs every W after its last B (:func:`weights_after_drain`; with virtual stages every
     plan ends with its first model chunk's last backward, where the data-parallel gradient sync starts). With v model
@@ -129,15 +132,13 @@ def gpipe(
     fill = _fill(place, micro_batches)
     order = [(i, c) for c in reversed(range(virtual_stages)) for i in reversed(range(micro_batches))]
     last_process = stage_index == num_stages - 1
-    drain = [Action(Kind.LOSS)] * last_process + [Action(Kind.EXPECT, *order[0])] * bool(order)
+    drain = [Action(Kind.LOSS)] * last_process + [Action(Kind.EXPECT, i, c) for i, c in order]
     at_end = []
     for n, (i, c) in enumerate(order):
         split = splits_backward(place.virtual(c), defer_weight_grad)
         drain += [Action(Kind.RECOMPUTE, i, c)] * checkpointed(
             checkpoint, i, micro_batches
         )  # before waiting for the gradient
-        if n + 1 < len(order):  # the next gradient's receive, one ahead: it lands while this one computes
-            drain.append(Action(Kind.EXPECT, *order[n + 1]))
         drain.append(Action(Kind.BACKWARD, i, c))
         weight = [Action(Kind.WEIGHT, i, c)] * split
         if virtual_stages == 1 and weights_after_drain(place.is_last(c), checkpoint):

@@ -1,4 +1,5 @@
-"""What a stage holds for its transfers beyond what autograd saves: outputs and input gradients whose send is pending.
+"""What a stage holds for its transfers beyond what autograd saves: outputs and input gradients whose send is pending,
+and the buffers of output gradients whose receive is posted.
 
 The simulator counts a stage's kept inputs and saved activations (:mod:`lightning_gpipe.planning.simulator`). The engine
 holds
@@ -32,6 +33,7 @@ class _Level:
     posted: set = field(default_factory=set)  # micro-batches whose output's send is pending
     from_forward: set = field(default_factory=set)  # ... whose record holds the forward's output (not recomputed)
     grads: int = 0  # bytes of input gradients whose send is pending
+    expected: set = field(default_factory=set)  # micro-batches whose output gradient's receive is posted
 
     def add(self, nbytes: int) -> None:
         self.level += nbytes
@@ -49,7 +51,8 @@ def held_peak(
     actions: Sequence[Action], sends: bool, checkpoint: str, micro_batches: int, stage_bytes: tuple[int, int, int, int]
 ) -> int:
     """Peak bytes one stage holds over its plan: kept inputs, saved activations, outputs (held by their record until
-    the backward, and by their send while it is pending) and input gradients sent (while their send is pending).
+    the backward, and by their send while it is pending), input gradients sent (while their send is pending) and the
+    buffers output gradients are received into (from their ``expect`` to their ``backward``; an output's size each).
 
     The rule for a send, which the stage's own plan alone must decide: it is pending from its action (``send``, or
     the ``backward`` whose input gradient it sends) until the stage's next send (a ``send`` action, or a
@@ -99,9 +102,15 @@ def _step(state: _Level, action: Action, sends: bool, checkpoint: str, micro_bat
         state.add(-freed - (0 if i in weights else state.activation_bytes))
         state.from_forward.discard(i)
         state.add(state.input_bytes)  # the input gradient, made while the earlier sends are pending
+        if i in state.expected:  # the output's gradient, received for it, is dropped
+            state.expected.discard(i)
+            state.add(-state.output_bytes)
         if state.input_bytes:  # its send: the earlier ones that completed are dropped, it is pending
             state.release()
             state.grads = state.input_bytes
+    elif kind is Kind.EXPECT and sends:  # the buffer its output's gradient is received into
+        state.expected.add(i)
+        state.add(state.output_bytes)
     elif kind is Kind.WEIGHT:
         state.add(-state.activation_bytes)
     elif kind is Kind.FLUSH:

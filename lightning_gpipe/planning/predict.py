@@ -6,8 +6,8 @@ with the engine's cost per micro-batch, the transfers between stages and the sta
 optimizer step and, with several replicas, the gradient all-reduce (:class:`~lightning_gpipe.planning.costs.CostModel`).
 Memory per stage (per process: its model chunks together) is parameters + gradients + optimizer state (+ DDP's
 gradient buckets with several replicas) + the simulator's peak of kept inputs and saved activations (and, under a B/W
-split, the gradients B keeps for W) + what it holds for its transfers on top (outputs, sent gradients:
-:mod:`~lightning_gpipe.planning.held`) + the largest transient (a layer's, or W's products) + transfer buffers and the
+split, the gradients B keeps for W) + what it holds for its transfers on top (outputs, sent gradients, the buffers of
+received ones: :mod:`~lightning_gpipe.planning.held`) + the largest transient (a layer's, or W's products) + the
 batch every stage loads (:class:`StageMemory`).
 PipeDream's planner (Narayanan et al. 2019, section 3.1) predicts from a per-layer profile the same way.
 """
@@ -62,12 +62,13 @@ class StageMemory:
         optimizer: the optimizer's state.
         activations: the simulator's peak of kept micro-batch inputs and saved activations.
         transfers: what the stage holds for its transfers on top of that, at its peak: outputs kept for the backward
-            or by an unfinished send, input gradients sent (:func:`~lightning_gpipe.planning.held.held_peak`).
+            or by an unfinished send, input gradients sent, output gradients' receive buffers
+            (:func:`~lightning_gpipe.planning.held.held_peak`).
         transient: the largest transient of the stage's layers on one micro-batch (``LayerCost.transient_bytes``):
             a layer's forward or backward runs on top of what the stage holds; under a B/W split, W's weight-gradient
             products if larger (the split model chunks' parameter bytes).
-        buffers: the batches every stage loads (the current one and the next), transfer buffers, DDP's buckets, the
-            last stage's joined output and its gradient.
+        buffers: the batches every stage loads (the current one and the next), DDP's buckets, the last stage's
+            joined output and its gradient.
     """
 
     parameters: int
@@ -275,10 +276,8 @@ def _held(plan: PipelinePlan, chunks: int, stages: Sequence[StageCost], layers: 
 
 def _buffers(plan: PipelinePlan, stages: Sequence[StageCost], k: int, batch_bytes: int, joined: int) -> int:
     """Bytes of process ``k``'s buffers: two batches (every stage loads them: Lightning's loop fetches the next batch
-    before the step on the current one ends), per model chunk two output gradients in flight (their
-    receives are posted one ahead), and on the process with the last stage the whole mini-batch's output
+    before the step on the current one ends), and on the process with the last stage the whole mini-batch's output
     (``joined``) and its gradient: measured under 1F1B too, whose user step takes one micro-batch at a time. The
-    input gradients it sends are ``StageMemory.transfers``."""
+    input gradients it sends and the output gradients it receives are ``StageMemory.transfers``."""
     last = len(stages) - 1
-    received = sum(2 * stages[s].output_bytes for s in _chunks_of(plan, k) if s != last)
-    return 2 * batch_bytes + received + (2 * joined if last in _chunks_of(plan, k) else 0)
+    return 2 * batch_bytes + (2 * joined if last in _chunks_of(plan, k) else 0)

@@ -133,13 +133,15 @@ def test_a_layers_transient_is_profiled_and_the_stages_largest_is_added_on_top()
 def test_a_sent_output_is_held_until_the_next_send_not_through_the_drain(chunks):
     """Checkpointed micro-batches keep no output in autograd; their sends hold them until the stage's next send or
     flush: the first stage of a fill-drain step holds one output on top of the activations (the last micro-batch's,
-    which no later send releases before the flush: the first stage sends no gradient), whatever M, as under 1F1B."""
+    which no later send releases before the flush: the first stage sends no gradient), whatever M, as under 1F1B.
+    Beside it, the buffers its outputs' gradients are received into, from their receive's posting to their backward:
+    all M from the drain's start under fill-drain, the K = 2 micro-batches in flight under 1F1B."""
     costs = profiled()
     out = costs.for_chunks(chunks)[3].output_bytes
     fill_drain = predict(PipelinePlan(2, 1, chunks, "always", "gpipe", (4, 4)), costs, FREE, 0, 2**40)
-    assert fill_drain.memory[0].transfers == out  # the ReLU saves its output: the recomputed one is counted
+    assert fill_drain.memory[0].transfers == out + chunks * out  # the ReLU saves its output: the recomputed one counts
     one_f_one_b = predict(PipelinePlan(2, 1, chunks, "always", "1f1b", (4, 4)), costs, FREE, 0, 2**40)
-    assert one_f_one_b.memory[0].transfers == fill_drain.memory[0].transfers
+    assert one_f_one_b.memory[0].transfers == out + 2 * out
 
 
 def _actions(text: str) -> list[actions.Action]:
@@ -154,19 +156,21 @@ def _actions(text: str) -> list[actions.Action]:
 
 def test_a_send_is_released_at_the_stages_next_send_or_flush():
     """Output bytes only (10 per micro-batch): a checkpointed output lives from its forward until the send after its
-    own, so two at a time in the fill, and the last one until the flush; a recomputed output is another tensor."""
-    plan = schedule.plans("gpipe", 2, 4, "always")[0].actions  # F0 S0 F1 S1 F2 S2 F3 S3 E3 R3 E2 B3 ... flush
-    assert held_peak(plan, True, "always", 4, (0, 0, 10, 0)) == 20
+    own, so two at a time in the fill, and the last one until the flush; a recomputed output is another tensor; an
+    output gradient's buffer lives from its receive's posting to its backward."""
+    plan = schedule.plans("gpipe", 2, 4, "always")[0].actions  # F0 S0 F1 S1 F2 S2 F3 S3 E3 E2 E1 E0 R3 B3 ... flush
+    assert held_peak(plan, True, "always", 4, (0, 0, 10, 0)) == 60  # S3's, the 4 buffers, R3's
     assert held_peak(_actions("F0 S0 F1 S1 F2 S2 flush"), True, "always", 3, (0, 0, 10, 0)) == 20
     assert held_peak(_actions("F0 S0 F1 F2 S1 S2 flush"), True, "always", 3, (0, 0, 10, 0)) == 30  # S1 frees only 0
-    assert held_peak(_actions("F0 S0 F1 S1 E1 R1 B1 flush"), True, "always", 2, (0, 0, 10, 0)) == 20  # S1's, R1's
+    assert held_peak(_actions("F0 S0 F1 S1 E1 R1 B1 flush"), True, "always", 2, (0, 0, 10, 0)) == 30  # S1's, E1, R1's
 
 
 def test_an_output_its_record_holds_is_freed_by_the_record_not_by_the_send():
     """Without re-materialization a sent output is its record's too: releasing the send frees nothing; the backward
-    frees it (M outputs at the end of the fill, as before)."""
+    frees it (M outputs at the end of the fill, as before, and the M buffers of their gradients from the drain's
+    start)."""
     plan = schedule.plans("gpipe", 2, 4, "never")[0].actions
-    assert held_peak(plan, True, "never", 4, (0, 0, 10, 0)) == 40
+    assert held_peak(plan, True, "never", 4, (0, 0, 10, 0)) == 80
     assert held_peak(_actions("F0 S0 F1 S1 B1 B0 F2 S2 flush"), True, "never", 3, (0, 0, 10, 0)) == 20
 
 

@@ -158,8 +158,8 @@ def test_every_interleaved_plan_runs_to_its_end_and_ends_with_its_first_chunk(sc
 
 def test_interleaved_plans_visit_every_stage_once_per_chunk():
     assert format_plans(plans("gpipe", 2, 2, "never", False, 2)) == (
-        "stage 0: F0 S0 F1 S1 F0.1 S0.1 F1.1 S1.1 | E1.1 E0.1 B1.1 E1 B0.1 E0 B1 B0 flush\n"
-        "stage 1: F0 S0 F1 S1 F0.1 F1.1 | L E1.1 E0.1 B1.1 E1 B0.1 E0 B1 B0 flush"
+        "stage 0: F0 S0 F1 S1 F0.1 S0.1 F1.1 S1.1 | E1.1 E0.1 E1 E0 B1.1 B0.1 B1 B0 flush\n"
+        "stage 1: F0 S0 F1 S1 F0.1 F1.1 | L E1.1 E0.1 E1 E0 B1.1 B0.1 B1 B0 flush"
     )
     # Megatron-LM's warm-up: 2 (K - k - 1) + (v - 1) K forwards, then one forward, one backward
     assert format_plans(plans("1f1b", 2, 2, "never", False, 2)) == (
