@@ -79,6 +79,13 @@ class Plan:
         return sum(action.kind is kind for action in self.actions)
 
     @cached_property
+    def forwards_first(self) -> bool:
+        """Whether the plan runs backwards and every forward before the first of them (fill-drain's fill): the stage
+        then holds every micro-batch's input at once, so receiving them all ahead raises no peak."""
+        kinds = [action.kind for action in self.actions if action.kind in (Kind.FORWARD, Kind.BACKWARD)]
+        return Kind.BACKWARD in kinds and kinds.index(Kind.BACKWARD) == kinds.count(Kind.FORWARD)
+
+    @cached_property
     def backward_follows_loss(self) -> bool:
         """Whether the plan has ``loss`` actions per micro-batch, in micro-batch order, each followed by the same
         micro-batch's ``backward`` before any other computing action of its model chunk (a recompute of that

@@ -91,10 +91,10 @@ class ModelChunk:
             call, the one that completes this stage's parameter gradients (the weight gradient W when deferred);
             the data-parallel gradient sync (:class:`~lightning_gpipe.lightning.data_parallel.GradientSync`) sets it.
             When that call is the user's loss's (see :attr:`loss_completes_gradients`), the caller announces it.
-        loss_through: on the last stage, whether the loss of a micro-batch that is not re-materialized may
-            backpropagate through the stage in its own autograd call (set by the runtime for a plan whose
-            backwards follow their losses at once, :attr:`~lightning_gpipe.engine.actions.Plan.backward_follows_loss`,
-            without deferred weight gradients); ``False`` by default.
+        loss_through: on the last stage, whether a loss may backpropagate through the stage in its own autograd call
+            (:attr:`~lightning_gpipe.engine.actions.Plan.backward_follows_loss`; set by the runtime, default ``False``).
+        receive_ahead: whether the model chunk posts all its step's activation receives at once, not one ahead
+            (:attr:`~lightning_gpipe.engine.actions.Plan.forwards_first`; set by the runtime, default ``False``).
     """
 
     def __init__(
@@ -117,6 +117,7 @@ class ModelChunk:
         self.training = False
         self.before_last_backward: Optional[Callable[[list[Tensor]], None]] = None
         self.loss_through = False
+        self.receive_ahead = False
         self.shapes = Shapes()
         self.name = f"virtual stage {virtual_stage}"
         self._keys: list[Optional[Hashable]] = []
@@ -148,7 +149,7 @@ class ModelChunk:
         count, arriving = self.link.receive_step()
         self._begin_step(count, arriving)
         for index in range(count):
-            x = self.link.recv_activation()
+            x = self.link.recv_activation(self.receive_ahead)
             yield index, (microbatch.leaves(x) if self.training else x), count
 
     def _begin_step(self, micro_batches: int, keys: Sequence[Optional[Hashable]]) -> None:

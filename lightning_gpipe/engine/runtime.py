@@ -140,6 +140,8 @@ class Runtime:
     def _begin(self, value: Value) -> Plan:
         """Take the step's micro-batches (the first one is needed to know their number) and make the plan. The
         model chunks after the first take theirs when their first forward runs."""
+        for chunk in self.model_chunks:
+            chunk.receive_ahead = False  # until this step's plan says (its M comes with the first input)
         inputs = [chunk.inputs(value) for chunk in self.model_chunks]
         first = next(inputs[0], None)
         self._micro_batches = first[2] if first is not None else 0
@@ -147,6 +149,8 @@ class Runtime:
         self._outputs, self._done = {}, 0
         self._plan = self.plan(self._micro_batches, self.model_chunks[0].training)
         self.model_chunks[-1].loss_through = self._plan.backward_follows_loss
+        for chunk in self.model_chunks:
+            chunk.receive_ahead = self._plan.forwards_first
         return self._plan
 
     def _run(self, plan: Plan, end: int, head: Optional[Head] = None) -> None:

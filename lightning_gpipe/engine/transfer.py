@@ -292,7 +292,7 @@ class Link:
         self._pending_sends: list[_Send] = []  # posted, not known to have completed: their tensors kept alive
         self._headed: list[bool] = []  # this step's micro-batches whose signature goes before their payload
         self._expected: deque[Optional[Signature]] = deque()  # the signatures of this step's activations to come
-        self._arrival: Optional[_Arrival] = None  # the next activation, its receive posted
+        self._arrivals: deque[_Arrival] = deque()  # the next activations, their receives posted
         self._grads: list[tuple[list[dist.Work], list[Tensor]]] = []
 
     # the sending side: activations to the next virtual stage, gradients to the previous one
@@ -372,12 +372,13 @@ class Link:
             self._wait([self._prev.irecv_control(message)], self._prev.rank)
             micro_batches, signatures = read_step_message(message)
         self._expected = deque(signatures)
-        self._arrival = self._expect()
+        self._arrivals = deque([self._expect()] if self._expected else [])
         return micro_batches, signatures
 
-    def recv_activation(self) -> Value:
+    def recv_activation(self, ahead: bool = False) -> Value:
         """Receive the next micro-batch's activation from the previous virtual stage (Tensor or tuple, as sent), and
-        post the receive of the one after it.
+        post the receive of the one after it, or with ``ahead`` of every one left in the step (gloo moves a payload
+        only once its receive is posted: a receive posted after the send costs a round trip).
 
         Raises:
             PipelineFailure: if the previous stage failed while this one waited for it.
@@ -388,8 +389,9 @@ class Link:
         start = time.perf_counter()
         if not self.stepped:
             self._expected.append(None)
-        arrival = self._arrival if self._arrival is not None else self._expect()
-        self._arrival = self._expect() if self._expected else None  # posted before this one is waited for
+        arrival = self._arrivals.popleft() if self._arrivals else self._expect()
+        while self._expected and (ahead or not self._arrivals):  # posted before this one is waited for
+            self._arrivals.append(self._expect())
         value = arrival.take()
         self.events.add("recv", None, start, time.perf_counter())
         return value

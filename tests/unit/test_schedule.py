@@ -110,6 +110,17 @@ def test_fill_drain_runs_the_fill_in_training_step_and_1f1b_the_whole_step():
     )
 
 
+def test_plans_say_when_inputs_are_all_received_ahead_and_when_a_loss_runs_on_through_the_stage():
+    """Fill-drain holds every input by the end of its fill, so its stages receive them all ahead; a 1F1B stage does
+    not (it would hold M receive buffers for its K - k micro-batches), nor does evaluation, which keeps no input. Only
+    the last stage of a plan whose backwards follow their losses may backpropagate a loss through the stage."""
+    fill_drain, one_f_one_b = plans("gpipe", 3, 4, "except_last"), plans("1f1b", 3, 4, "except_last")
+    assert [(p.forwards_first, p.backward_follows_loss) for p in fill_drain] == [(True, False)] * 3
+    assert [(p.forwards_first, p.backward_follows_loss) for p in one_f_one_b] == [(False, False)] * 2 + [(False, True)]
+    assert not any(plan.forwards_first for plan in evaluation(3, 4))
+    assert plans("zb-h1", 2, 3, "never", True)[1].backward_follows_loss  # each B right after its loss (W later)
+
+
 def _without(plan: Plan, action: Action) -> Plan:
     return Plan(tuple(a for a in plan.actions if a != action), plan.cut, plan.loss_per_micro_batch)
 
