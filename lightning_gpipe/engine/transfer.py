@@ -192,6 +192,12 @@ class _Arrival:
             self.buffers = [link._device.empty(shape, dtype) for shape, dtype in self.sig[1]]
         self.works = link._receiving([link._prev.irecv(_wire(buffer)) for buffer in self.buffers], link._prev)
 
+    @property
+    def posted(self) -> bool:
+        """Whether its payload's receives are posted (payloads match receives in posting order, so a later
+        activation's may be posted only then)."""
+        return self._header is None
+
     def take(self) -> Value:
         """Wait for the activation (its header first, if headed) and return it, as sent."""
         link = self._link
@@ -390,7 +396,8 @@ class Link:
         if not self.stepped:
             self._expected.append(None)
         arrival = self._arrivals.popleft() if self._arrivals else self._expect()
-        while self._expected and (ahead or not self._arrivals):  # posted before this one is waited for
+        # posted before this one is waited for, in micro-batch order: not past a headed payload not yet posted
+        while self._expected and (ahead or not self._arrivals) and (self._arrivals or [arrival])[-1].posted:
             self._arrivals.append(self._expect())
         value = arrival.take()
         self.events.add("recv", None, start, time.perf_counter())
