@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import trainer_kwargs
+
 SIZES = (16, 20, 16, 18, 22, 16)
 """Rows per batch, in 4 micro-batches: 20 rows makes micro-batches of 5 (new: sent after their signature), 22 makes
 6, 6, 5, 5: two new ones, then two whose shape the step message gives."""
@@ -36,15 +38,7 @@ def fit(strategy="auto", devices=1) -> L.Trainer:
     """Train a seeded MixedNet one epoch over the batches of :data:`SIZES`."""
     torch.manual_seed(0)
     trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=devices,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
+        strategy=strategy, devices=devices, **trainer_kwargs(max_epochs=1, use_distributed_sampler=False)
     )
     trainer.fit(MixedNet(), torch.utils.data.DataLoader(_Batches(), batch_size=None))
     return trainer
