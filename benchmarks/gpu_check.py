@@ -10,12 +10,16 @@ plan, re-materialization, the B/W split, the relay and the agreement's bookkeepi
   (``"never"``): the recompute replays the first forward's masks (the device's random state restored);
 - ``bf16``: ``precision="bf16-mixed"`` trains to finite weights near fp32's;
 - ``compile``: ``compile=True`` on the installed torch equals the uncompiled step (to 1e-4);
-- ``hf``: a small Llama from ``lightning_gpipe.hf`` learns a token rule in bf16 (its loss falls by half);
+- ``hf``: a small Llama from ``lightning_gpipe.hf`` learns a token rule in bf16 (its loss falls by half); skipped,
+  with the reason, where ``transformers`` is missing or older than 5.24;
 - ``plan``: ``plan="auto"`` plans and trains (on the CPU with ``memory_limit`` given; on CUDA from the free memory);
 - ``syncs``: steady-state steps of a one-stage pipeline under ``torch.cuda.set_sync_debug_mode("error")``: a host
-  synchronisation in a step raises (CUDA only);
-- ``speed``: 8 x Linear(4096), batch 8192, bf16-mixed, median milliseconds per step: a plain PyTorch loop with M
-  micro-batches (gradient accumulation) and ``GPipeStrategy(chunks=M)``, M = 1, 4, 8, interleaved, with the ratios.
+  synchronisation in a step raises (CUDA only); a schedule that fails is run again under ``"warn"`` to print how
+  many synchronisations a step makes and where (the innermost frame of this package on the stack);
+- ``speed``: 8 x Linear(4096), batch 8192, bf16-mixed, median milliseconds per step (the device synchronised at each
+  step's end): a plain PyTorch loop with M micro-batches (gradient accumulation) against ``GPipeStrategy(chunks=M)``,
+  M = 1, 4, 8, ``--repeats`` interleaved repeats (default 3), the ratio and each repeat's; ``host`` is ours' time
+  per step until the host has queued the step's work; plain Lightning (``lightning``) once, for reference.
 
 Usage::
 
@@ -28,9 +32,12 @@ minute of work per part on an H100; the script is the project's, the check of is
 """
 
 import argparse
+import collections
 import statistics
 import sys
 import time
+import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
@@ -52,7 +59,8 @@ PARTS = ("equal", "dropout", "bf16", "compile", "hf", "plan", "syncs", "speed")
 class Check:
     """Where the parts run: the device, the sizes (small in a dry run), the results."""
 
-    def __init__(self, dry_run: bool) -> None:
+    def __init__(self, dry_run: bool, repeats: int = 1) -> None:
+        self.repeats = repeats
         self.cuda = torch.cuda.is_available() and not dry_run
         self.device = torch.device("cuda" if self.cuda else "cpu")
         self.accelerator = "gpu" if self.cuda else "cpu"
@@ -173,9 +181,12 @@ class _Losses(L.Callback):
 
 
 def part_hf(check: Check) -> None:
+    try:
+        from lightning_gpipe.hf import CausalLM
+    except ImportError as error:  # no transformers, or one older than lightning_gpipe.hf needs
+        check.report("hf", "SKIP", why=str(error).replace(" ", "_"))
+        return
     from transformers import LlamaConfig
-
-    from lightning_gpipe.hf import CausalLM
 
     width, steps = (64, 30) if check.dry_run else (256, 120)
     config = LlamaConfig(vocab_size=128, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
@@ -213,6 +224,45 @@ class _SyncsForbidden(L.Callback):
         self.steps += batch_idx >= self.start
 
 
+class _SyncSites(_SyncsForbidden):
+    """Steady-state steps under ``set_sync_debug_mode("warn")``, counting where each host synchronisation comes from.
+
+    A site is the innermost frame of this package (else of Lightning, else outside torch) on the Python stack when
+    torch warns; a synchronisation in a backward is reported at the frame that called it.
+    """
+
+    def __init__(self, start: int) -> None:
+        super().__init__(start)
+        self.sites: collections.Counter = collections.Counter()
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if batch_idx >= self.start:
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def record(self, message, category, filename, lineno, file=None, line=None) -> None:
+        """A ``warnings.showwarning`` that counts synchronisation warnings by site."""
+        if "synchroniz" not in str(message):
+            return
+        outside = ("/torch/", "warnings.py", __file__)
+        frames = [f for f in traceback.extract_stack() if not any(part in f.filename for part in outside)]
+        for marker in ("lightning_gpipe", "lightning", ""):
+            found = [f for f in frames if marker in f.filename]
+            if found:
+                self.sites[f"{Path(found[-1].filename).name}:{found[-1].lineno}"] += 1
+                return
+
+
+def _sync_sites(check: Check, schedule: str) -> str:
+    """Where a one-stage pipeline's steady-state steps synchronise: ``N/step`` and the four commonest sites."""
+    sites = _SyncSites(start=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = sites.record
+        _state(check, GPipeStrategy(chunks=4, schedule=schedule), steps=8, callbacks=[sites])
+    per_step = sum(sites.sites.values()) / max(sites.steps, 1)
+    return f"{per_step:.1f}/step@" + ",".join(f"{site}x{n}" for site, n in sites.sites.most_common(4))
+
+
 def part_syncs(check: Check) -> None:
     if not check.cuda:
         check.report("syncs", "SKIP", why="no CUDA device")
@@ -223,9 +273,9 @@ def part_syncs(check: Check) -> None:
         try:
             _state(check, GPipeStrategy(chunks=4, schedule=schedule), steps=10, callbacks=[forbidden])
             results[schedule] = f"{forbidden.steps}_steps_0_syncs"
-        except RuntimeError as error:
+        except RuntimeError:
             torch.cuda.set_sync_debug_mode("default")
-            results[schedule] = repr(error)[:160].replace(" ", "_")
+            results[schedule] = _sync_sites(check, schedule)
     passed = all(result.endswith("0_syncs") for result in results.values())
     check.report("syncs", "PASS" if passed else "FAIL", **results)
 
@@ -242,19 +292,24 @@ class _Repeat(Dataset):
 
 
 class _Clock(L.Callback):
+    """Seconds per step after ``warmup`` steps (the device synchronised at each step's end) and the host's share:
+    from the last step's end until the host has queued this step's work (on CUDA, its wait for the device excluded)."""
+
     def __init__(self, warmup: int, cuda: bool) -> None:
-        self.warmup, self.cuda, self.times, self.started = warmup, cuda, [], None
+        self.warmup, self.cuda, self.times, self.host, self.started = warmup, cuda, [], [], None
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        queued = time.perf_counter()
         if self.cuda:
             torch.cuda.synchronize()
         now = time.perf_counter()
         if batch_idx >= self.warmup and self.started is not None:
             self.times.append(now - self.started)
+            self.host.append(queued - self.started)
         self.started = now
 
 
-def _torch_loop(check: Check, batch: tuple, width: int, depth: int, chunks: int, steps: int) -> float:
+def _torch_loop(check: Check, batch: tuple, chunks: int, width: int, depth: int, steps: int) -> float:
     """Median seconds per step of the plain PyTorch loop with ``chunks`` micro-batches."""
     model = nn.Sequential(Net(width=width, depth=depth).backbone, nn.Linear(width, 10)).to(check.device)
     optimizer, times = torch.optim.SGD(model.parameters(), lr=1e-3), []
@@ -273,28 +328,42 @@ def _torch_loop(check: Check, batch: tuple, width: int, depth: int, chunks: int,
     return statistics.median(times)
 
 
-def _pipeline(check: Check, batch: tuple, width: int, depth: int, chunks: int, steps: int) -> float:
-    """Median seconds per step of a one-stage ``GPipeStrategy(chunks=chunks)`` through Lightning."""
+def _lightning(check: Check, batch: tuple, chunks: Optional[int], width: int, depth: int, steps: int) -> tuple:
+    """Median seconds per step, and of the host's share, of a one-stage ``GPipeStrategy(chunks=chunks)`` through
+    Lightning, or of plain Lightning where ``chunks`` is None."""
     L.seed_everything(0, verbose=False)
     clock = _Clock(warmup=5, cuda=check.cuda)
-    trainer = check.trainer(GPipeStrategy(chunks=chunks, checkpoint="never"), max_steps=steps, callbacks=[clock],
-                            precision="bf16-mixed")  # fmt: skip
+    strategy = None if chunks is None else GPipeStrategy(chunks=chunks, checkpoint="never")
+    trainer = check.trainer(strategy, max_steps=steps, callbacks=[clock], precision="bf16-mixed")
     trainer.fit(Net(width=width, depth=depth, lr=1e-3), DataLoader(_Repeat(batch, steps), batch_size=None))
-    return statistics.median(clock.times)
+    return statistics.median(clock.times), statistics.median(clock.host)
+
+
+def _speed_at(check: Check, batch: tuple, sizes: tuple, chunks: int) -> str:
+    """``loop/ours ms = ratio`` at ``chunks`` micro-batches: medians over ``check.repeats`` interleaved repeats, the
+    ratio the median of the repeats' ratios (each repeat's), and ours' median host share per step."""
+    loops, ours, hosts = [], [], []
+    for _ in range(check.repeats):
+        loops.append(_torch_loop(check, batch, chunks, *sizes))
+        step, host = _lightning(check, batch, chunks, *sizes)
+        ours.append(step)
+        hosts.append(host)
+    ratios = [step / loop for step, loop in zip(ours, loops)]
+    each = ",".join(f"{ratio:.2f}" for ratio in ratios)
+    return (f"{1e3 * statistics.median(loops):.2f}/{1e3 * statistics.median(ours):.2f}ms"
+            f"={statistics.median(ratios):.2f}x({each};host_{1e3 * statistics.median(hosts):.2f}ms)")  # fmt: skip
 
 
 def part_speed(check: Check) -> None:
     width, depth, rows, steps = (64, 4, 64, 12) if check.dry_run else (4096, 8, 8192, 25)
     generator = torch.Generator().manual_seed(0)
     x, y = torch.randn(rows, width, generator=generator), torch.randint(0, 10, (rows,), generator=generator)
-    batch = (x.to(check.device), y.to(check.device))
-    figures = {}
-    for chunks in (1, 4, 8):
-        loop = _torch_loop(check, batch, width, depth, chunks, steps)
-        ours = _pipeline(check, batch, width, depth, chunks, steps)
-        figures[f"M{chunks}"] = f"{1e3 * loop:.2f}/{1e3 * ours:.2f}ms={ours / loop:.2f}x"
-    check.report("speed", "PASS", loop_vs_ours=" ".join(figures.values()), device=check.device.type,
-                 **({"name": torch.cuda.get_device_name()} if check.cuda else {}))  # fmt: skip
+    batch, sizes = (x.to(check.device), y.to(check.device)), (width, depth, steps)
+    figures = {f"M{chunks}": _speed_at(check, batch, sizes, chunks) for chunks in (1, 4, 8)}
+    plain, host = _lightning(check, batch, None, *sizes)
+    name = {"name": torch.cuda.get_device_name()} if check.cuda else {}
+    check.report("speed", "PASS", **figures, lightning=f"{1e3 * plain:.2f}ms(host_{1e3 * host:.2f}ms)",
+                 device=check.device.type, **name)  # fmt: skip
 
 
 RUNS: dict[str, Callable[[Check], None]] = {
@@ -308,8 +377,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--dry-run", action="store_true", help="on the CPU, small sizes, CUDA-only parts skipped")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of each timing in `speed`")
     args = parser.parse_args(argv)
-    check = Check(args.dry_run)
+    check = Check(args.dry_run, args.repeats)
     print(f"torch {torch.__version__}, lightning {L.__version__}, lightning_gpipe {lightning_gpipe.__version__},"
           f" device {check.device}", flush=True)  # fmt: skip
     for part in args.parts:

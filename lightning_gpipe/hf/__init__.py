@@ -8,8 +8,19 @@ one with ``GPipeStrategy`` (every weight, or LoRA adapters with ``lora=``), each
 meta device and loading only its own weights; :func:`greedy_generate` decodes through the pipeline, each stage
 keeping its own blocks' key/value caches. Needs ``transformers`` 5.24 or newer (``peft`` for LoRA). Guide:
 docs/transformers.md.
+
+Importing it with an older ``transformers`` (or none) raises ``ImportError`` naming the ``pip`` command that fixes it:
+5.24 renamed the arguments of the ``masking_utils`` functions the decoders call, so an older one would fail later, in
+the self-check, with a message about the model instead.
 """
 
+from lightning_utilities.core.imports import RequirementCache
+
+_TRANSFORMERS = RequirementCache("transformers>=5.24")
+if not _TRANSFORMERS:
+    raise ImportError(f"lightning_gpipe.hf needs transformers 5.24 or newer: {_TRANSFORMERS.message}")
+
+# ruff: noqa: E402 - the package's modules are imported only once the requirement holds
 from lightning_gpipe.hf.adapter import FAMILIES, Family, check_class, family_of, register_family, to_sequential
 from lightning_gpipe.hf.decoder import CachedDecoderBlock, clear_kv_caches, positions_from_mask
 from lightning_gpipe.hf.layer import HFLayer, UnsupportedModelError

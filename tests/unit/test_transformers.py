@@ -8,7 +8,9 @@ tests/distributed/test_transformers.py.
 Every model is built from a small config (the hub is not reachable here).
 """
 
+import importlib
 import json
+import sys
 
 import pytest
 import torch
@@ -422,3 +424,14 @@ def test_a_module_refuses_a_model_of_the_other_kind_when_it_is_made():
         CausalLM(config=bert)
     with pytest.raises(UnsupportedModelError, match="AutoModelForMaskedLM builds no model from a LlamaConfig"):
         MaskedLM(config=dict(FAMILIES["llama"][2]))
+
+
+def test_an_older_transformers_is_refused_at_import_naming_the_fix(monkeypatch):
+    from lightning_utilities.core import imports
+
+    installed = imports._version
+    monkeypatch.setattr(imports, "_version", lambda name: "5.17.0" if name == "transformers" else installed(name))
+    for name in [name for name in sys.modules if name.startswith("lightning_gpipe.hf")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ImportError, match=r"needs transformers 5.24 or newer.*pip install -U 'transformers>=5.24'"):
+        importlib.import_module("lightning_gpipe.hf")
