@@ -104,6 +104,7 @@ class BackboneCall:
         self._plain = self._shared = 0
         self._hook = "training_step"
         self._rest_of_step: Optional[ExitStack] = None  # what ends with the user's step (see `user_step`)
+        self._kept = ExitStack()  # what a step kept open past its end (`user_step(keep=True)`), until `end_kept`
 
     def __call__(self, value: Value) -> Value:
         """The pipelined forward of the backbone input ``value`` (ignored on stages after the first).
@@ -225,9 +226,16 @@ class BackboneCall:
         finally:
             self._answer, self._stage_stream = saved
 
-    def user_step(self, hook: str, step: Callable[[], Any]) -> Any:
+    def user_step(self, hook: str, step: Callable[[], Any], keep: bool = False) -> Any:
         """Run one call of the user's ``hook`` (``"training_step"``...) as ``step()``, ending early stages at the
         backbone call.
+
+        Args:
+            hook: the step's name, for messages.
+            step: runs the user's step.
+            keep: keep what the backbone call started for the rest of the step (the stage's random stream) open
+                after a step that returns, until :meth:`end_kept`: for a caller whose next code draws nothing and
+                whose code after that is the stage's again (the drain). A step that raises ends it at once.
 
         Returns:
             The step's output on the last stage; ``None`` on the others.
@@ -236,17 +244,21 @@ class BackboneCall:
             RuntimeError: if the step called the backbone more than once (at the second call), or never (plainly
                 or through :func:`forward_and_share`).
         """
+        self.end_kept()
         self._plain = self._shared = 0
         self._hook = hook
         self.position.at(f"`{hook}` before the backbone call")
         outer = self._rest_of_step
-        with ExitStack() as self._rest_of_step:
+        with ExitStack() as rest:
+            self._rest_of_step = rest
             try:
                 output = step()
             except BackboneReached:
                 output = None
             finally:
                 self._rest_of_step = outer
+            if keep:
+                self._kept.enter_context(rest.pop_all())
         if self._plain == 0 and self._shared == 0:
             raise RuntimeError(
                 f"`{hook}` did not call the pipelined backbone; it must call it exactly once per step, on every stage"
@@ -254,6 +266,10 @@ class BackboneCall:
                 " Call `self.backbone(...)` unconditionally, or skip the batch in the data instead."
             )
         return output
+
+    def end_kept(self) -> None:
+        """End what the last ``user_step(keep=True)`` kept open (nothing if none): back to the shared stream."""
+        self._kept.close()
 
 
 def _capture(captured: list, value: Value) -> None:

@@ -138,8 +138,9 @@ class StageRun:
 
     def close(self, module: "pl.LightningModule", whole: Optional[dict[str, Any]]) -> None:
         """Undo the split (see :meth:`~lightning_gpipe.engine.partition.Split.undo`; ``whole``: every stage's state, on
-        the
-        process that gets the whole model back), the relay's hooks, and put back the plain batch norm layers."""
+        the process that gets the whole model back), the relay's hooks, and put back the plain batch norm layers and
+        the shared random stream (if a step that failed kept the stage's)."""
+        self.backbone_call.end_kept()
         LogRelay.unwrap_epoch_end_hooks(module)
         uncompile_layers(self.split.partition)
         self.split.undo(whole)

@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.model_helpers import is_overridden
 import numpy as np
 import torch
 from torch import Tensor
@@ -52,20 +53,29 @@ class FillDrain:
 
     @staticmethod
     def training_step(run: StageRun, module: "pl.LightningModule", precision: Any, args: tuple, kwargs: dict) -> Any:
-        """The fill and, on the last stage, the rest of the user's step; the user's output on the last stage."""
-        return user_step(run, module, "training_step", precision.train_step_context, args, kwargs)
+        """The fill and, on the last stage, the rest of the user's step; the user's output on the last stage.
+
+        Where nothing between this step and its ``backward`` can draw random numbers (:func:`quiet_until_backward`),
+        the stage's random stream the backbone call moved to stays in place until the drain has ended: one exchange
+        of the generators' states each way per step instead of two.
+        """
+        keep = quiet_until_backward(module)
+        return user_step(run, module, "training_step", precision.train_step_context, args, kwargs, keep=keep)
 
     @staticmethod
     def backward(run: StageRun, module: "pl.LightningModule", precision: Any, loss: Tensor, *args: Any, **kw) -> None:
         """The last stage backpropagates ``loss`` to its boundary through the precision plugin (``args``: the
         optimizer and what follows it in ``Precision.backward``), so loss scaling applies to the whole pipeline;
         then every stage drains its micro-batches."""
-        with run.randomness.stage():  # the loss's backward and the drain draw from the stage's stream
-            if run.last_chunk.is_last:
-                run.announce_loss_backward(loss)
-                precision.backward(loss, module, *args, **kw)
-            with precision.train_step_context(), run.job.board.reporting():
-                run.runtime.backward()  # recomputes as the fill did
+        try:
+            with run.randomness.stage():  # the loss's backward and the drain draw from the stage's stream
+                if run.last_chunk.is_last:
+                    run.announce_loss_backward(loss)
+                    precision.backward(loss, module, *args, **kw)
+                with precision.train_step_context(), run.job.board.reporting():
+                    run.runtime.backward()  # recomputes as the fill did
+        finally:
+            run.backbone_call.end_kept()  # the fill's stream region, if training_step kept it: the shared one again
 
 
 class PerMicroBatch:
@@ -198,14 +208,40 @@ def evaluation_step(
 
 
 def user_step(
-    run: StageRun, module: "pl.LightningModule", hook: str, context: Callable, args: tuple, kwargs: dict
+    run: StageRun,
+    module: "pl.LightningModule",
+    hook: str,
+    context: Callable,
+    args: tuple,
+    kwargs: dict,
+    keep: bool = False,
 ) -> Any:
     """One call of the user's ``hook`` with ``args`` and ``kwargs`` within ``context``, ending at the backbone call
-    on all stages but the last (see :meth:`~lightning_gpipe.engine.contract.BackboneCall.user_step`)."""
+    on all stages but the last; ``keep``: the stage's random stream stays in place after it (see
+    :meth:`~lightning_gpipe.engine.contract.BackboneCall.user_step`)."""
     step = getattr(module, hook)
     run.job.position.begin_step(f"step {module.trainer.global_step}")
     with context(), run.job.board.reporting():
-        return run.backbone_call.user_step(hook, lambda: step(*args, **kwargs))
+        return run.backbone_call.user_step(hook, lambda: step(*args, **kwargs), keep=keep)
+
+
+_MODULE_HOOKS_BEFORE_BACKWARD = ("on_before_zero_grad", "optimizer_zero_grad", "on_before_backward")
+_CALLBACK_HOOKS_BEFORE_BACKWARD = ("on_before_zero_grad", "on_before_backward")
+
+
+def quiet_until_backward(module: "pl.LightningModule") -> bool:
+    """Whether, in this training step, only Lightning's own code runs between ``training_step`` and the strategy's
+    ``backward``, which draws no random numbers: automatic optimization with its backward not skipped (as
+    ``StochasticWeightAveraging`` does in its last epoch), and neither the module nor a callback overrides the hooks
+    Lightning calls in between (``on_before_zero_grad``, ``optimizer_zero_grad``, ``on_before_backward``; in its
+    class or on the instance, as ``LambdaCallback`` does)."""
+    trainer = module.trainer
+    if not module.automatic_optimization or trainer.fit_loop._skip_backward:
+        return False
+    if any(is_overridden(hook, module, pl.LightningModule) for hook in _MODULE_HOOKS_BEFORE_BACKWARD):
+        return False
+    hooks = _CALLBACK_HOOKS_BEFORE_BACKWARD
+    return not any(is_overridden(hook, callback, pl.Callback) for callback in trainer.callbacks for hook in hooks)
 
 
 def _backward_micro_batch(

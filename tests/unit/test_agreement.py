@@ -3,15 +3,19 @@ that the strategy gives a shuffled loader (on stage processes: tests/distributed
 
 import random
 
+import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from lightning_gpipe.engine.contract import BackboneCall
+from lightning_gpipe.lightning import randomness as randomness_module
 from lightning_gpipe.lightning.agreement import NEUTRAL, REGION_WORDS, StepAgreement, fingerprint
 from lightning_gpipe.lightning.data import same_batches
 from lightning_gpipe.faults.job import Job
 from lightning_gpipe.lightning.randomness import StageRandomness, stage_states
+from lightning_gpipe.lightning.step import quiet_until_backward
 
 
 def test_the_fingerprint_sees_the_order_and_content_of_rows_but_not_memory_addresses():
@@ -59,6 +63,88 @@ def test_the_stage_stream_leaves_the_shared_stream_where_it_was():
     other = StageRandomness(stage_states(seed=3, stage_index=0))
     with other.stage():
         assert not torch.equal(torch.rand(2), first)  # another stage, another stream
+
+
+class _Forward:
+    """A plan runner whose forward returns its input."""
+
+    loss_per_micro_batch = False
+
+    def forward(self, value, head=None):
+        return value
+
+
+def test_a_step_that_keeps_the_stage_stream_draws_as_one_that_swaps_it_twice_with_half_the_exchanges(monkeypatch):
+    torch.manual_seed(3)
+    streams = StageRandomness(stage_states(seed=3, stage_index=1))
+    exchanges = []
+    exchange = randomness_module._exchange
+    monkeypatch.setattr(randomness_module, "_exchange", lambda states: exchanges.append(1) or exchange(states))
+
+    def run(keep: bool) -> tuple[list, torch.Tensor]:
+        torch.manual_seed(3)
+        call, draws = BackboneCall(_Forward(), is_last=True, randomness=streams), []
+        shared = torch.rand(1)  # the step before the backbone call: the shared stream
+        call.user_step("training_step", lambda: draws.append(call(torch.rand(1)) * 0 + torch.rand(1)), keep=keep)
+        kept = len(exchanges)
+        with streams.stage():  # the drain
+            draws.append(torch.rand(1))
+        call.end_kept()
+        return draws, (shared, torch.rand(1), kept)
+
+    swapped, (shared, after, kept) = run(keep=False)
+    assert kept == 2 and len(exchanges) == 4
+    exchanges.clear()
+    kept_draws, (kept_shared, kept_after, kept) = run(keep=True)
+    assert kept == 1 and len(exchanges) == 2  # in at the backbone call, out after the drain
+    assert torch.equal(kept_shared, shared) and torch.equal(kept_after, after)  # the shared stream draws alike
+    assert not torch.equal(torch.cat(kept_draws), torch.cat(swapped))  # the stage stream went on where it stopped
+    fresh = StageRandomness(stage_states(seed=3, stage_index=1))
+    with fresh.stage():
+        expected = [torch.rand(1) for _ in range(4)]
+    assert torch.equal(torch.cat(swapped + kept_draws), torch.cat(expected))  # one stream, drawn in order
+
+
+def test_a_step_that_raises_gives_the_kept_stage_stream_back_at_once():
+    torch.manual_seed(3)
+    streams = StageRandomness(stage_states(seed=3, stage_index=1))
+    call = BackboneCall(_Forward(), is_last=True, randomness=streams)
+
+    def failing():
+        call(torch.zeros(1))
+        raise ValueError("the user's head failed")
+
+    torch.manual_seed(3)
+    expected = torch.rand(1)
+    torch.manual_seed(3)
+    with pytest.raises(ValueError, match="head failed"):
+        call.user_step("training_step", failing, keep=True)
+    assert torch.equal(torch.rand(1), expected)  # back on the shared stream, where it was
+
+
+class _Quiet(L.LightningModule):
+    pass
+
+
+class _ZeroesItself(L.LightningModule):
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        optimizer.zero_grad()
+
+
+def test_the_stage_stream_is_kept_past_training_step_only_where_nothing_between_can_draw():
+    def quiet(module: L.LightningModule, callbacks=(), skip=False) -> bool:
+        trainer = L.Trainer(accelerator="cpu", logger=False, callbacks=list(callbacks), enable_progress_bar=False)
+        trainer.fit_loop._skip_backward = skip
+        module.trainer = trainer
+        return quiet_until_backward(module)
+
+    assert quiet(_Quiet())
+    assert not quiet(_ZeroesItself())
+    assert not quiet(_Quiet(), [L.pytorch.callbacks.LambdaCallback(on_before_backward=lambda *args: None)])
+    assert not quiet(_Quiet(), skip=True)  # StochasticWeightAveraging's last epoch: no backward comes
+    manual = _Quiet()
+    manual.automatic_optimization = False
+    assert not quiet(manual)
 
 
 def test_a_shuffled_loader_of_one_pipeline_is_ordered_by_the_seed_and_the_epoch(monkeypatch):
