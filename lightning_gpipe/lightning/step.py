@@ -59,7 +59,7 @@ class FillDrain:
         the stage's random stream the backbone call moved to stays in place until the drain has ended: one exchange
         of the generators' states each way per step instead of two.
         """
-        keep = quiet_until_backward(module)
+        keep = run.runtime.num_stages > 1 and quiet_until_backward(module)  # one stage: one stream, nothing to keep
         return user_step(run, module, "training_step", precision.train_step_context, args, kwargs, keep=keep)
 
     @staticmethod
