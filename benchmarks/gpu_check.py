@@ -57,7 +57,7 @@ PARTS = ("equal", "dropout", "bf16", "compile", "hf", "plan", "syncs", "speed")
 
 
 class Check:
-    """Where the parts run: the device, the sizes (small in a dry run), the results."""
+    """Where the parts run: the device, the sizes (small in a dry run), the repeats of `speed`, the results."""
 
     def __init__(self, dry_run: bool, repeats: int = 1) -> None:
         self.repeats = repeats
