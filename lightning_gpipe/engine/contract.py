@@ -244,7 +244,6 @@ class BackboneCall:
             RuntimeError: if the step called the backbone more than once (at the second call), or never (plainly
                 or through :func:`forward_and_share`).
         """
-        self.end_kept()
         self._plain = self._shared = 0
         self._hook = hook
         self.position.at(f"`{hook}` before the backbone call")

@@ -218,7 +218,9 @@ def user_step(
 ) -> Any:
     """One call of the user's ``hook`` with ``args`` and ``kwargs`` within ``context``, ending at the backbone call
     on all stages but the last; ``keep``: the stage's random stream stays in place after it (see
-    :meth:`~lightning_gpipe.engine.contract.BackboneCall.user_step`)."""
+    :meth:`~lightning_gpipe.engine.contract.BackboneCall.user_step`). What an earlier step kept and no ``backward``
+    ended (a failed one) ends first: the step starts on the shared stream."""
+    run.backbone_call.end_kept()
     step = getattr(module, hook)
     run.job.position.begin_step(f"step {module.trainer.global_step}")
     with context(), run.job.board.reporting():
