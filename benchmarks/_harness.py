@@ -348,7 +348,7 @@ def interleave(configs: list[Config], repeats: int, settle_s: float = 0.0) -> di
             series.medians.append(main["median_s"])
             series.busiest_cpu.append(max(r["cpu_s"] for r in records))
             series.contended.append(max(max(r["runq_wait"] for r in records), stolen) > CONTENDED)
-            cpu = "/".join(f"{r['cpu_s']:.2f}" for r in records)
+            cpu = "/".join(f"{r['cpu_s']:.4f}" for r in records)
             wait = "/".join(f"{100 * r['runq_wait']:.0f}%" for r in records)
             print(
                 f"repeat {repeat + 1}  {config.name:<16} {main['median_s']:.4f} s/step  (range"
