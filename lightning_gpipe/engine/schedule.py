@@ -167,9 +167,10 @@ def one_f_one_b(
     Micro-batch i's backward starts as soon as its loss exists (the last stage runs the user's step per
     micro-batch), so stage k holds at most ``min(K - k, M)`` micro-batches instead of GPipe's M; same gradients,
     and with equal stages the same bubble, ``(K - 1) / (M + K - 1)``. Each gradient's receive is posted right after
-    the micro-batch's activation is sent; in the steady phase, after each forward, the stage waits for its earlier
-    sends (by then received), so sent tensors are freed with their micro-batch. The whole plan runs in
-    ``training_step``. With deferred weight gradients each W follows its B.
+    the micro-batch's activation is sent. The stage waits for its sends only at the end of the step: it drops each
+    one that has completed when it posts the next (:class:`~lightning_gpipe.engine.transfer.Link`), so a sent tensor
+    is freed with its micro-batch all the same. The whole plan runs in ``training_step``. With deferred weight
+    gradients each W follows its B.
 
     Interleaved (v > 1): the micro-batches go in groups of K; a stage runs a group's forwards on its first model chunk,
     then on its second, ..., and the backwards of a group from its last model chunk down, after
@@ -264,7 +265,7 @@ def _one_forward_one_backward(
         return [Action(Kind.WEIGHT, i, c)] * splits_backward(place.virtual(c), defer)
 
     for n, (i, c) in enumerate(forwards):
-        actions += [Action(Kind.FORWARD, i, c)] + [Action(Kind.FLUSH)] * (n > warmup) + _after_forward(place, i, c)
+        actions += [Action(Kind.FORWARD, i, c)] + _after_forward(place, i, c)
         if n >= warmup:
             backward(n - warmup)
     for n in range(len(forwards) - warmup, len(forwards)):

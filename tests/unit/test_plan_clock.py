@@ -5,7 +5,10 @@ commit e3c7a5b, before they shared the clock (each had its own copy of the rule 
 virtual stage's output, a backward for the next one's gradient"): every stage's plan (ZB-V's order and the
 placement of weight gradients by cost included) and the evaluation plans, both passing :func:`check`, and the
 simulator's step time, bubble, peaks and every span (kind, micro-batch, start, end, model chunk, bytes), with a
-transfer latency and bandwidth, a loss and an optimizer step. A case that differs names itself.
+transfer latency and bandwidth, a loss and an optimizer step. A case that differs names itself. Changed on purpose
+once since: the 1F1B-ordered plans (``"1f1b"``, ``"zb-h1"``, ``"zb-1p"``) lost the flush before each steady-phase
+send (their 1266 cases were re-digested; the 720 fill-drain and 360 ZB-V cases, and the 174 1F1B-ordered ones
+with no steady phase, kept theirs).
 """
 
 import hashlib

@@ -101,12 +101,12 @@ def test_fill_drain_runs_the_fill_in_training_step_and_1f1b_the_whole_step():
         "stage 0: F0 S0 F1 S1 | E1 E0 B1 R0 B0 flush\nstage 1: F0 F1 | L E1 E0 B1 R0 B0 flush"
     )
     assert format_plans(one_f_one_b) == (
-        "stage 0: F0 S0 E0 F1 S1 E1 R0 B0 B1 flush\nstage 1: F0 L0 R0 B0 F1 flush L1 B1 flush"
+        "stage 0: F0 S0 E0 F1 S1 E1 R0 B0 B1 flush\nstage 1: F0 L0 R0 B0 F1 L1 B1 flush"
     )
     assert not fill_drain[0].loss_per_micro_batch and one_f_one_b[1].loss_per_micro_batch
     assert format_plans(plans("zb-h1", 2, 3, "never")) == (
-        "stage 0: F0 S0 E0 F1 S1 E1 B0 F2 flush S2 E2 B1 B2 flush\n"
-        "stage 1: F0 L0 B0 F1 flush L1 B1 W0 F2 flush L2 B2 W1 W2 flush"
+        "stage 0: F0 S0 E0 F1 S1 E1 B0 F2 S2 E2 B1 B2 flush\n"
+        "stage 1: F0 L0 B0 F1 L1 B1 W0 F2 L2 B2 W1 W2 flush"
     )
 
 
@@ -175,11 +175,11 @@ def test_interleaved_plans_visit_every_stage_once_per_chunk():
     # Megatron-LM's warm-up: 2 (K - k - 1) + (v - 1) K forwards, then one forward, one backward
     assert format_plans(plans("1f1b", 2, 2, "never", False, 2)) == (
         "stage 0: F0 S0 E0 F1 S1 E1 F0.1 S0.1 E0.1 F1.1 S1.1 E1.1 B0.1 B1.1 B0 B1 flush\n"
-        "stage 1: F0 S0 E0 F1 S1 E1 F0.1 L0.1 B0.1 F1.1 flush L1.1 B1.1 B0 B1 flush"
+        "stage 1: F0 S0 E0 F1 S1 E1 F0.1 L0.1 B0.1 F1.1 L1.1 B1.1 B0 B1 flush"
     )
     # ZB-H1 interleaved: stage 1 runs each W one backward after its B, of whichever chunk
     assert format_plans(plans("zb-h1", 2, 2, "never", True, 2)).endswith(
-        "L0.1 B0.1 F1.1 flush L1.1 B1.1 W0.1 B0 W1.1 B1 W0 W1 flush"
+        "L0.1 B0.1 F1.1 L1.1 B1.1 W0.1 B0 W1.1 B1 W0 W1 flush"
     )
 
 
