@@ -22,6 +22,7 @@ Usage::
     python benchmarks/waits.py                          # K=2, batch 512, width 512, M in {8, 32}, 5 repeats
     python benchmarks/waits.py --repeats 3 --steps 4    # a quick look
     python benchmarks/waits.py --only P --repeats 7     # the cost of one wait alone
+    python benchmarks/waits.py --only E L --schedule 1f1b   # under 1F1B
 """
 
 import argparse
@@ -46,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--only", nargs="+", choices=(*KINDS, PING_PONG), default=[*KINDS, PING_PONG], help="what to run"
     )
     parser.add_argument("--rounds", type=int, default=200, help="ping-pong round trips per measured step (200)")
+    parser.add_argument("--schedule", default="gpipe", help="the pipelines' schedule (default gpipe: fill-drain)")
     harness.add_timing_args(parser, repeats=5, steps=10)
     args = parser.parse_args(argv)
     harness.check_positive(parser, args, ("devices", "chunks", "batch_size", "width", "depth", "repeats", "rounds"))
@@ -70,9 +72,9 @@ def configs(args: argparse.Namespace) -> list[harness.Config]:
                 result.append(
                     harness.Config(
                         f"{label}/{mode}/M{m}",
-                        [mode, kind, *common, "--chunks", str(m), "--checkpoint", "never"],
+                        [mode, kind, *common, "--chunks", str(m), "--checkpoint", "never", "--schedule", args.schedule],
                         nprocs=1 if kind == "lightning" else args.devices,
-                        describe=f"{describe}, {mode} waits, K={args.devices}, M={m}",
+                        describe=f"{describe}, {mode} waits, K={args.devices}, M={m}, {args.schedule}",
                     )
                 )
     return result

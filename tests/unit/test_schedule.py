@@ -105,8 +105,7 @@ def test_fill_drain_runs_the_fill_in_training_step_and_1f1b_the_whole_step():
     )
     assert not fill_drain[0].loss_per_micro_batch and one_f_one_b[1].loss_per_micro_batch
     assert format_plans(plans("zb-h1", 2, 3, "never")) == (
-        "stage 0: F0 S0 E0 F1 S1 E1 B0 F2 S2 E2 B1 B2 flush\n"
-        "stage 1: F0 L0 B0 F1 L1 B1 W0 F2 L2 B2 W1 W2 flush"
+        "stage 0: F0 S0 E0 F1 S1 E1 B0 F2 S2 E2 B1 B2 flush\nstage 1: F0 L0 B0 F1 L1 B1 W0 F2 L2 B2 W1 W2 flush"
     )
 
 
