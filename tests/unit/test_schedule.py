@@ -324,3 +324,14 @@ def test_zb_v_places_w_by_cost_and_refuses_other_chunk_counts():
         plans("zb-v", 2, 4, "never", True, 2, (ActionCost(),) * 2)
     with pytest.raises(ValueError, match="'zb-v' runs each weight gradient apart"):
         plans("zb-v", 2, 4, "never", False, 2)
+
+
+def test_plans_of_the_1f1b_order_wait_for_their_sends_only_at_the_end():
+    """A send is dropped once it has completed when the stage posts its next one, so no plan waits for its sends
+    before the step's last action (a flush in 1F1B's steady phase cost time and freed nothing)."""
+    for schedule, v, defer in (("1f1b", 1, False), ("1f1b", 2, False), ("zb-h1", 1, True), ("zb-1p", 1, True)):
+        for k in (2, 3, 4):
+            for m in range(1, 9):
+                for plan in plans(schedule, k, m, "except_last", defer, v):
+                    flushes = [n for n, action in enumerate(plan.actions) if action.kind is Kind.FLUSH]
+                    assert flushes == [len(plan.actions) - 1], (schedule, k, m, v)
