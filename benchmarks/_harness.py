@@ -22,8 +22,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 CONTENDED = 0.10
 """A run whose processes waited for a CPU more than this share of the measured time is flagged."""
@@ -121,7 +121,7 @@ class Config:
     args: list[str]
     nprocs: int = 1
     describe: str = ""
-    checkout: Optional[str] = None
+    checkout: str | None = None
 
 
 @dataclass
@@ -149,7 +149,7 @@ class Series:
     busiest_cpu: list[float] = field(default_factory=list)
     contended: list[bool] = field(default_factory=list)
 
-    def median(self, clean: bool = False) -> Optional[float]:
+    def median(self, clean: bool = False) -> float | None:
         """Median over the repeats (``clean``: the uncontended ones only; ``None`` if there are none)."""
         values = [v for v, c in zip(self.medians, self.contended) if not (clean and c)]
         return statistics.median(values) if values else None
@@ -169,7 +169,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(config: Config, memory_cap: Optional[int] = None, timeout: Optional[float] = None) -> Outcome:
+def run(config: Config, memory_cap: int | None = None, timeout: float | None = None) -> Outcome:
     """Run one measurement of ``config`` in fresh processes and collect their JSON lines.
 
     Args:
@@ -239,7 +239,7 @@ def run_or_exit(config: Config) -> Outcome:
     return outcome
 
 
-def cpu_ticks() -> Optional[list[int]]:
+def cpu_ticks() -> list[int] | None:
     """The machine's CPU time so far from /proc/stat: user, nice, system, idle, iowait, irq, softirq, steal
     (ticks, all CPUs); ``None`` where unavailable."""
     try:
@@ -249,7 +249,7 @@ def cpu_ticks() -> Optional[list[int]]:
         return None
 
 
-def _shares(before: Optional[list[int]], after: Optional[list[int]]) -> Optional[list[float]]:
+def _shares(before: list[int] | None, after: list[int] | None) -> list[float] | None:
     """Each :func:`cpu_ticks` field's share of the machine's CPU time between two samples; ``None`` without both."""
     if before is None or after is None:
         return None
@@ -257,7 +257,7 @@ def _shares(before: Optional[list[int]], after: Optional[list[int]]) -> Optional
     return [d / max(sum(delta), 1) for d in delta]
 
 
-def _busy_cpus(interval: float = 1.0) -> Optional[float]:
+def _busy_cpus(interval: float = 1.0) -> float | None:
     """CPUs kept busy by the whole machine over ``interval`` seconds (the driver itself sleeps), from /proc/stat."""
     before = cpu_ticks()
     time.sleep(interval)
@@ -267,7 +267,7 @@ def _busy_cpus(interval: float = 1.0) -> Optional[float]:
     return (os.cpu_count() or 1) * (1 - shares[3] - shares[4])  # all but idle and iowait
 
 
-def stolen_share(before: Optional[list[int]], after: Optional[list[int]]) -> float:
+def stolen_share(before: list[int] | None, after: list[int] | None) -> float:
     """Share of the machine's CPU time between two :func:`cpu_ticks` samples that the hypervisor gave to other
     virtual machines ("steal"): time none of our processes could run, which their run-queue waits do not show."""
     shares = _shares(before, after)

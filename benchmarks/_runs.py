@@ -479,12 +479,12 @@ def run_bare(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from lightning_gpipe.engine.model_chunk import ModelChunk
     from lightning_gpipe.engine.partition import Partition
     from lightning_gpipe.engine.runtime import Runtime
     from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT
-    from lightning_gpipe.engine.model_chunk import ModelChunk
-    from lightning_gpipe.faults.job import Job
     from lightning_gpipe.engine.transfer import Link
+    from lightning_gpipe.faults.job import Job
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -64,10 +64,10 @@ def ping_pong(argv: list[str]) -> None:
     "step"; every send and receive is waited for at once through ``waiting.wait`` (so each round trip is four
     waits on its critical path, two per process), as the stages wait for a transfer. No compute: the figure is the
     cost of a wait itself."""
+    import _harness as harness
     import torch
     import torch.distributed as dist
 
-    import _harness as harness
     from lightning_gpipe.faults import waiting
     from lightning_gpipe.faults.job import Job
 

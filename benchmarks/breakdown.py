@@ -26,8 +26,8 @@ import statistics
 
 import _harness as harness
 
-from lightning_gpipe.engine.rematerialization import recomputed_share
 from lightning_gpipe.engine.actions import stage_of_virtual
+from lightning_gpipe.engine.rematerialization import recomputed_share
 from lightning_gpipe.engine.schedule import SCHEDULES, V_SHAPED
 from lightning_gpipe.planning.simulator import StageCost, simulate
 

@@ -30,7 +30,6 @@ from benchmarks.models import MLPClassifier, mlp_batch, repeat_loader  # noqa: E
 from lightning_gpipe import GPipeStrategy  # noqa: E402
 from lightning_gpipe.lightning import casts  # noqa: E402
 
-
 _PROBE = casts.cache_keeps_gradients
 
 

@@ -40,7 +40,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -76,7 +76,7 @@ class Check:
         if verdict == "FAIL":
             self.failed.append(part)
 
-    def trainer(self, strategy: Optional[Any] = None, **kwargs: Any) -> L.Trainer:
+    def trainer(self, strategy: Any | None = None, **kwargs: Any) -> L.Trainer:
         """A quiet single-device Trainer."""
         base = dict(accelerator=self.accelerator, devices=1, logger=False, enable_checkpointing=False,
                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)  # fmt: skip
@@ -107,7 +107,7 @@ def _data(rows: int = 256, width: int = 128, batch: int = 32) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch)
 
 
-def _state(check: Check, strategy: Optional[Any], steps: int = 5, p: float = 0.0, **kwargs: Any) -> dict:
+def _state(check: Check, strategy: Any | None, steps: int = 5, p: float = 0.0, **kwargs: Any) -> dict:
     L.seed_everything(0, verbose=False)
     trainer = check.trainer(strategy, max_steps=steps, **kwargs)
     trainer.fit(Net(p=p), _data())
@@ -328,7 +328,7 @@ def _torch_loop(check: Check, batch: tuple, chunks: int, width: int, depth: int,
     return statistics.median(times)
 
 
-def _lightning(check: Check, batch: tuple, chunks: Optional[int], width: int, depth: int, steps: int) -> tuple:
+def _lightning(check: Check, batch: tuple, chunks: int | None, width: int, depth: int, steps: int) -> tuple:
     """Median seconds per step, and of the host's share, of a one-stage ``GPipeStrategy(chunks=chunks)`` through
     Lightning, or of plain Lightning where ``chunks`` is None."""
     L.seed_everything(0, verbose=False)
@@ -372,7 +372,7 @@ RUNS: dict[str, Callable[[Check], None]] = {
 }  # fmt: skip
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Run the chosen parts; 1 if any failed."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))

@@ -11,7 +11,6 @@ Import as ``benchmarks.models`` from the repository root, or as ``models`` from 
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import lightning.pytorch as pl
 import torch
@@ -45,8 +44,8 @@ class MLPClassifier(pl.LightningModule):
     def __init__(self, width: int = 1024, depth: int = 8, lr: float = 1e-3, momentum: float = 0.0) -> None:
         super().__init__()
         self.width, self.depth, self.lr, self.momentum = width, depth, lr, momentum
-        self.backbone: Optional[nn.Sequential] = None
-        self.head: Optional[nn.Linear] = None
+        self.backbone: nn.Sequential | None = None
+        self.head: nn.Linear | None = None
 
     def configure_model(self) -> None:
         """Build the backbone and the head (once), under the strategy's device context."""

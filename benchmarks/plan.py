@@ -37,9 +37,9 @@ import _harness as harness
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's lightning_gpipe
 
-from lightning_gpipe.planning.balance import LayerCost
-from lightning_gpipe.planning import CostModel, PipelinePlan, ProfiledCosts, predict
 from lightning_gpipe.engine.schedule import SCHEDULES
+from lightning_gpipe.planning import CostModel, PipelinePlan, ProfiledCosts, predict
+from lightning_gpipe.planning.balance import LayerCost
 
 MIB = 2**20
 
@@ -241,7 +241,7 @@ def refit(runs: dict[str, list[dict]]) -> None:
     for result in (r for results in runs.values() for r in results if "failed" not in r):
         profiled, plan, factor = _profiled(result["profiled"]), _plan(result), result["state_factor"]
 
-        def step(model: CostModel) -> float:
+        def step(model: CostModel, plan=plan, profiled=profiled, factor=factor) -> float:
             return predict(plan, profiled, model, factor, float("inf")).step_time
 
         zero = step(base)

@@ -20,10 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from example_data import DataUnavailableError
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningCLI
-
-from example_data import DataUnavailableError
 
 DEFAULT_ROOT_DIR = "<default_root_dir>"
 """Stands for ``trainer.default_root_dir`` at the start of a logger's ``save_dir``."""

@@ -10,7 +10,7 @@ end there.
 
 import math
 import time
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import psutil
@@ -81,7 +81,7 @@ class TimeBudget(Callback):
         self.minutes, self.skip_steps, self.measure_steps = minutes, skip_steps, measure_steps
         self.replan_steps, self.reserve_steps, self.margin = replan_steps, reserve_steps, margin
         self.validation_seconds = 0.0  # global rank 0: the final validation's expected time
-        self.last_step: Optional[int] = None  # the last step of the current plan (every process)
+        self.last_step: int | None = None  # the last step of the current plan (every process)
         self._deadline = 0.0  # global rank 0: when training must end, in seconds since the epoch
         self._timed: list[tuple[int, float]] = []  # global rank 0: (step, time) when timing started, at each plan
         self._next_plan = skip_steps + measure_steps

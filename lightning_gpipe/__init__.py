@@ -9,19 +9,19 @@ Importing this package registers the strategy names ``"gpipe"`` and ``"gpipe_spa
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_gpipe.engine.contract import forward_and_share
+from lightning_gpipe.faults.failure import PipelineFailure
 from lightning_gpipe.lightning.agreement import BatchMismatchError
-from lightning_gpipe.planning.balance import LayerCost, balance_by, profile_layers, solve
 from lightning_gpipe.lightning.callbacks import (
     PipelineBalance,
     PipelineModelSummary,
     PipelineThroughput,
     PipelineTimeline,
 )
-from lightning_gpipe.faults.failure import PipelineFailure
-from lightning_gpipe.engine.contract import forward_and_share
 from lightning_gpipe.lightning.planner import plan
-from lightning_gpipe.planning import CostModel, PlanReport
 from lightning_gpipe.lightning.strategy import GPipeStrategy
+from lightning_gpipe.planning import CostModel, PlanReport
+from lightning_gpipe.planning.balance import LayerCost, balance_by, profile_layers, solve
 
 __all__ = [
     "BatchMismatchError",

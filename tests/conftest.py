@@ -2,13 +2,12 @@
 other scripts that need K, see :func:`shared_run`)."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
@@ -73,7 +72,7 @@ def process_exits(pid: int, within: float) -> bool:
     return False
 
 
-def assert_every_stage_exits(out: Path, within: float = 60, since: Optional[float] = None, processes: int = 2) -> None:
+def assert_every_stage_exits(out: Path, within: float = 60, since: float | None = None, processes: int = 2) -> None:
     """Assert the ``processes`` stage processes of a run are gone within ``within`` seconds of ``since`` (by default
     of their start): each wrote ``rank{r}.txt`` in ``out``, its pid and start time (tests/workers/failure.py,
     tests/workers/mesh.py)."""
@@ -85,7 +84,7 @@ def assert_every_stage_exits(out: Path, within: float = 60, since: Optional[floa
         assert process_exits(int(pid), within=left), f"rank {rank} is left"
 
 
-_SHARED: dict[int, list[tuple[str, tuple[str, ...], float, str, Optional[int]]]] = {}
+_SHARED: dict[int, list[tuple[str, tuple[str, ...], float, str, int | None]]] = {}
 """Registered runs of worker scripts, by number of stage processes: (script, args, timeout, name, output_of)."""
 
 _LAUNCHED: dict[int, tuple[Path, subprocess.CompletedProcess]] = {}
@@ -97,8 +96,8 @@ def shared_run(
     *args: str,
     devices: int,
     timeout: float = 300,
-    name: Optional[str] = None,
-    output_of: Optional[int] = None,
+    name: str | None = None,
+    output_of: int | None = None,
 ):
     """Register a run of ``tests/workers/<script>`` on ``devices`` stage processes; return a function giving its
     output directory (``OUT_DIR``: the script's first argument, or where an argument is ``"{out}"``), after the run.
@@ -184,11 +183,11 @@ def one_stage_pipeline(module, chunks: int, checkpoint: str, defer_weight_grad: 
     """
     import torch
 
+    from lightning_gpipe.engine.model_chunk import ModelChunk
     from lightning_gpipe.engine.partition import Split
     from lightning_gpipe.engine.runtime import Runtime
-    from lightning_gpipe.engine.model_chunk import ModelChunk
-    from lightning_gpipe.faults.job import Job
     from lightning_gpipe.engine.transfer import Link
+    from lightning_gpipe.faults.job import Job
 
     split = Split(module, "backbone", [len(module.backbone)], stage_index=0)
     link = Link(None, None, torch.device("cpu"), job=Job())

@@ -3,9 +3,8 @@
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from models import trainer_kwargs
+from torch import nn
 
 SIZES = (16, 20, 16, 18, 22, 16)
 """Rows per batch, in 4 micro-batches: 20 rows makes micro-batches of 5 (new: sent after their signature), 22 makes

@@ -10,9 +10,9 @@ from models import CLASSES, FEATURES, trainer_kwargs
 from tiny_translation import TINY, tiny_datamodule, tiny_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from translation.module import TranslationModule
 
 from lightning_gpipe.engine.skip import Namespace, pop, skippable, stash
-from translation.module import TranslationModule
 
 VOCAB = 11
 

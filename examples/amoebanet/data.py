@@ -12,12 +12,12 @@ from pathlib import Path
 import datasets
 import numpy as np
 import torch
+from example_data import check_directory, check_hub, load_hub
 from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from amoebanet.transforms import CIFAR10_MEAN, CIFAR10_STD, ImageTransform, decode
-from example_data import check_directory, check_hub, load_hub
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parent / "data"
 """The shipped subset: ``train.parquet`` (2,000 images) and ``test.parquet`` (500)."""

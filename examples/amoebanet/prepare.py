@@ -20,9 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import datasets
+from example_data import DataUnavailableError, check_directory, check_hub, load_hub
 
 from amoebanet.data import HUB_DATASET, SUBSET_SEED, class_subset
-from example_data import DataUnavailableError, check_directory, check_hub, load_hub
 
 ADVICE = (
     f"prepare.py downloads {HUB_DATASET} from the Hugging Face Hub once, so it needs network (or a copy in the "

@@ -21,10 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from example_cli import DEFAULT_ROOT_DIR, ExampleCLI, run_cli
+
 import lightning_gpipe  # noqa: F401  (registers the "gpipe" strategy)
 from amoebanet.data import CIFAR10DataModule
 from amoebanet.module import AmoebaNetClassifier
-from example_cli import DEFAULT_ROOT_DIR, ExampleCLI, run_cli
 
 TRAINER_DEFAULTS = {
     "strategy": "gpipe",

@@ -9,7 +9,6 @@ with label ``-100`` on padding.
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import lightning as L
 import torch
@@ -19,7 +18,7 @@ TRANSLATION = Path(__file__).resolve().parents[1] / "translation"
 """The translation example, whose data and tokenizer this example reads."""
 
 
-def load_tokenizer(tokenizer: Optional[str] = None):
+def load_tokenizer(tokenizer: str | None = None):
     """A ``transformers`` tokenizer: ``None`` the translation example's ``tokenizer.json``; a ``.json`` file a
     ``tokenizers`` file; anything else (a checkpoint directory or Hub name) ``AutoTokenizer.from_pretrained``. A
     tokenizer without a padding token pads with its end-of-sequence token."""
@@ -56,12 +55,12 @@ class TextDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        data_dir: Optional[str] = None,
+        data_dir: str | None = None,
         languages: tuple[str, ...] = ("en", "de", "fr", "cs"),
-        tokenizer: Optional[str] = None,
+        tokenizer: str | None = None,
         max_length: int = 64,
         batch_size: int = 32,
-        val_rows: Optional[int] = 100,
+        val_rows: int | None = 100,
         num_workers: int = 0,
         train_split: str = "train",
         val_split: str = "validation",
@@ -75,7 +74,7 @@ class TextDataModule(L.LightningDataModule):
         self.train: list[list[int]] = []
         self.val: list[list[int]] = []
 
-    def _examples(self, split: str, rows: Optional[int]) -> list[list[int]]:
+    def _examples(self, split: str, rows: int | None) -> list[list[int]]:
         lines = (self.data_dir / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()[:rows]
         sentences = [json.loads(line)[language] for line in lines for language in self.languages]
         tok = self.tokenizer
@@ -84,7 +83,7 @@ class TextDataModule(L.LightningDataModule):
         eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
         return [(bos + ids + eos)[: self.max_length] for ids in encoded]
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         """Load the tokenizer and tokenize both splits (once)."""
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.tokenizer_name)

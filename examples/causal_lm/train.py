@@ -30,11 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from example_cli import DEFAULT_ROOT_DIR, ExampleCLI
 from lightning.pytorch.cli import LightningArgumentParser
 
 import lightning_gpipe  # noqa: F401  (registers the "gpipe" strategy)
 from causal_lm.data import TextDataModule
-from example_cli import DEFAULT_ROOT_DIR, ExampleCLI
 from lightning_gpipe.hf import CausalLM, SavePretrained
 
 TRAINER_DEFAULTS = {

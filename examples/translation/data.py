@@ -21,11 +21,11 @@ from pathlib import Path
 
 import datasets
 import torch
+from example_data import check_directory, check_hub, load_hub, missing_files
 from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from example_data import check_directory, check_hub, load_hub, missing_files
 from translation.vocabulary import language_token, load_tokenizer
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parent / "data"

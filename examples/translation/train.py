@@ -31,10 +31,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from example_cli import DEFAULT_ROOT_DIR, ExampleCLI, run_cli
 from lightning.pytorch.cli import LightningArgumentParser
 
 import lightning_gpipe  # noqa: F401  (registers the "gpipe" strategy)
-from example_cli import DEFAULT_ROOT_DIR, ExampleCLI, run_cli
 from lightning_gpipe.lightning.callbacks import PipelineThroughput
 from translation.callbacks import WriteTranslations, batch_tokens
 from translation.data import TranslationDataModule

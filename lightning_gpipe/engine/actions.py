@@ -14,7 +14,6 @@ receives match in posting order), ``recompute`` (re-materialize a checkpointed m
 import enum
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Optional
 
 
 class Kind(str, enum.Enum):
@@ -49,7 +48,7 @@ class Action:
     """
 
     kind: Kind
-    micro_batch: Optional[int] = None
+    micro_batch: int | None = None
     model_chunk: int = 0
 
     def __str__(self) -> str:

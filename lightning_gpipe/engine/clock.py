@@ -19,7 +19,6 @@ virtual_stage` places it (looped, or in a V).
 """
 
 from collections.abc import Callable
-from typing import Optional
 
 from lightning_gpipe.engine.actions import Kind, stage_of_virtual, virtual_stage
 
@@ -28,7 +27,7 @@ Latency = Callable[[Kind, int], float]
 (``Kind.BACKWARD``) travels to virtual stage ``s``, which needs it."""
 
 
-def needs(kind: Kind, virtual: int, num_virtual: int) -> Optional[tuple[Kind, int]]:
+def needs(kind: Kind, virtual: int, num_virtual: int) -> tuple[Kind, int] | None:
     """What an action of ``kind`` on virtual stage ``virtual`` (of ``num_virtual``) takes from another action:
     ``(kind, virtual stage)`` of the action, of the same micro-batch, whose output it needs (see the module
     docstring), or ``None`` for an action that needs only its stage."""
@@ -71,7 +70,7 @@ class Clock:
         """The pipeline rank that runs virtual stage ``virtual``."""
         return stage_of_virtual(virtual, self.num_stages, self.v_shape)[0]
 
-    def arrival(self, stage: int, kind: Kind, micro_batch: Optional[int], model_chunk: int) -> Optional[float]:
+    def arrival(self, stage: int, kind: Kind, micro_batch: int | None, model_chunk: int) -> float | None:
         """When what the action needs is there: when its sender ended (plus the latency of a transfer), ``None``
         while the sender has not run; for an action that needs nothing, when its stage is free."""
         s = self.virtual(stage, model_chunk)
@@ -84,7 +83,7 @@ class Clock:
         return end + self.latency(kind, s)
 
     def run(
-        self, stage: int, kind: Kind, micro_batch: Optional[int], model_chunk: int, seconds: float, at: float
+        self, stage: int, kind: Kind, micro_batch: int | None, model_chunk: int, seconds: float, at: float
     ) -> float:
         """Run an action of ``seconds`` on ``stage`` once it is free and ``at`` (its :meth:`arrival`) has passed;
         returns when it starts. A forward's or backward's end is kept in :attr:`ended`."""

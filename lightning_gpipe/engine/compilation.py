@@ -39,12 +39,12 @@ run's masks differ from an uncompiled run's (each is reproducible, and a recompu
 
 import inspect
 from collections.abc import Mapping
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from torch import nn
 
-CompileOption = Union[bool, Mapping[str, Any]]
+CompileOption = bool | Mapping[str, Any]
 """``compile``: ``False`` (off), ``True`` (torch.compile's defaults) or torch.compile's keyword arguments."""
 
 COMPILE_KEYWORDS = frozenset(name for name in inspect.signature(torch.compile).parameters if name != "model")
@@ -58,7 +58,7 @@ _BEFORE = "_lightning_gpipe_before"
 class's), which marks it as ours."""
 
 
-def compile_options(value: Any) -> Optional[dict[str, Any]]:
+def compile_options(value: Any) -> dict[str, Any] | None:
     """The keyword arguments to compile each layer with, from ``GPipeStrategy(compile=value)``; ``None`` for off.
 
     ``True`` gives ``{}`` (torch.compile's defaults), a mapping its own items; each layer is then compiled with
@@ -83,7 +83,7 @@ def compile_options(value: Any) -> Optional[dict[str, Any]]:
     return dict(value)
 
 
-def compile_layers(partition: nn.Module, options: Optional[Mapping[str, Any]], split_backward: bool = False) -> None:
+def compile_layers(partition: nn.Module, options: Mapping[str, Any] | None, split_backward: bool = False) -> None:
     """Compile each direct child of ``partition`` (a stage's backbone layers) in place; nothing if ``options`` is
     ``None``. See the module docstring.
 

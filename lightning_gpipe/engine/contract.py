@@ -17,9 +17,9 @@ stream the stages share; from the backbone call on, a stage draws from its own
 (:class:`RandomStreams`; the adapter's is :class:`~lightning_gpipe.lightning.randomness.StageRandomness`).
 """
 
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
-from typing import Any, Callable, ContextManager, Optional, Protocol
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -35,14 +35,14 @@ class RandomStreams(Protocol):
     stage's own stream (the backbone call and the rest of the step after it); outside it, from the stream the stages
     share."""
 
-    def stage(self) -> ContextManager[None]:
+    def stage(self) -> AbstractContextManager[None]:
         """Draw from the stage's own stream inside the block."""
 
 
 class OneStream:
     """One random stream for everything (one process, the bare engine): :meth:`stage` changes nothing."""
 
-    def stage(self) -> ContextManager[None]:
+    def stage(self) -> AbstractContextManager[None]:
         """A block that draws from the one stream."""
         return nullcontext()
 
@@ -62,13 +62,13 @@ class PlanRunner(Protocol):
     loss_per_micro_batch: bool
     """Whether the plan calls a head per micro-batch (1F1B, zero-bubble), its cut at the end."""
 
-    def forward(self, value: Optional[Value], head: Optional[Callable[[int, int, Value], None]] = None) -> Any:
+    def forward(self, value: Value | None, head: Callable[[int, int, Value], None] | None = None) -> Any:
         """Run the plan up to its cut on the backbone input ``value``; on the last stage, the backbone output of the
         whole mini-batch (fill-drain, evaluation), or ``None`` after calling ``head(index, micro_batches, output)``
         for each micro-batch's loss."""
 
 
-Answer = Callable[[Value], Optional[Value]]
+Answer = Callable[[Value], Value | None]
 """What answers a plain backbone call: the runtime's forward, or a stand-in of
 :meth:`BackboneCall.micro_batch_steps`."""
 
@@ -94,7 +94,7 @@ class BackboneCall:
         is_last: bool,
         share: Callable[[Any], Any] = lambda obj: obj,
         randomness: Optional["RandomStreams"] = None,
-        position: Optional[Position] = None,
+        position: Position | None = None,
     ) -> None:
         self.runtime, self.is_last, self.share = runtime, is_last, share
         self.position = position if position is not None else Position()
@@ -103,7 +103,7 @@ class BackboneCall:
         self.randomness = randomness if randomness is not None else OneStream()
         self._plain = self._shared = 0
         self._hook = "training_step"
-        self._rest_of_step: Optional[ExitStack] = None  # what ends with the user's step (see `user_step`)
+        self._rest_of_step: ExitStack | None = None  # what ends with the user's step (see `user_step`)
         self._kept = ExitStack()  # what a step kept open past its end (`user_step(keep=True)`), until `end_kept`
 
     def __call__(self, value: Value) -> Value:

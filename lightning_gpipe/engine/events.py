@@ -16,7 +16,7 @@ import time
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -95,7 +95,7 @@ class Recorder:
         if self.enabled:
             self.spans.append(Span(kind, micro_batch, start, end, model_chunk=model_chunk))
 
-    def split_last(self, kind: str, at: Optional[float]) -> None:
+    def split_last(self, kind: str, at: float | None) -> None:
         """End the last span recorded at ``at`` (``None``: where it ends) and record the rest of it as a span of
         ``kind``, of the same micro-batch and model chunk. Nothing when disabled."""
         if not self.enabled:
@@ -214,7 +214,7 @@ class PeakBytes(TorchDispatchMode):
         self._storages[key] = (ref, storage.nbytes())
         self.live += storage.nbytes()
 
-    def _free(self, key: int, ref: Optional[weakref.ref] = None) -> None:
+    def _free(self, key: int, ref: weakref.ref | None = None) -> None:
         if key in self._storages and (ref is None or self._storages[key][0] is ref):
             self.live -= self._storages.pop(key)[1]
 
@@ -253,7 +253,7 @@ class _Timing:
 
 
 @contextmanager
-def gradient_times(tensor: Optional[Tensor]) -> Iterator[list[float]]:
+def gradient_times(tensor: Tensor | None) -> Iterator[list[float]]:
     """Inside the block, each time autograd computes ``tensor``'s gradient, ``time.perf_counter()`` is appended to the
     list the block gets (nothing for ``None``)."""
     times: list[float] = []
@@ -308,9 +308,7 @@ class TrackingRecorder(Recorder):
         super().__init__()
         self.position = position
 
-    def span(
-        self, kind: str, micro_batch: Optional[int] = None, memory_of: Optional[tuple] = None, model_chunk: int = 0
-    ):
+    def span(self, kind: str, micro_batch: int | None = None, memory_of: tuple | None = None, model_chunk: int = 0):
         """Move the position to ``kind`` of ``micro_batch``, then as :meth:`Recorder.span`."""
         self.position.move(kind, micro_batch)
         return super().span(kind, micro_batch, memory_of, model_chunk)

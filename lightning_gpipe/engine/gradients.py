@@ -9,7 +9,6 @@ adds them to ``.grad`` in ``backward``: every hook around the step sees the grad
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Optional
 
 from torch import Tensor
 
@@ -24,7 +23,7 @@ class StepGradients:
     """
 
     def __init__(self) -> None:
-        self._computed: list[tuple[Tensor, Optional[Tensor]]] = []
+        self._computed: list[tuple[Tensor, Tensor | None]] = []
 
     @contextmanager
     def computing(self, parameters: Sequence[Tensor], zeroed_after: bool) -> Iterator[None]:

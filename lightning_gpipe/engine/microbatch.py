@@ -14,12 +14,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from torch import Tensor
 
-Value = Union[Tensor, tuple]
+Value = Tensor | tuple
 """A backbone activation: a Tensor or a tuple of tensors (and, in a backbone input, other items)."""
 
 
@@ -33,7 +33,7 @@ def floats(value: Value) -> list[Tensor]:
     return [t for t in tensors(value) if t.is_floating_point()]
 
 
-def leaves(value: Value, requires_grad: Optional[bool] = True, device: Optional[torch.device] = None) -> Value:
+def leaves(value: Value, requires_grad: bool | None = True, device: torch.device | None = None) -> Value:
     """``value`` with its tensors cut from their autograd history, as new leaves.
 
     Args:
@@ -124,10 +124,10 @@ class MicroBatch:
     recompute: bool = False
 
 
-_current: ContextVar[Optional[MicroBatch]] = ContextVar("lightning_gpipe_micro_batch", default=None)
+_current: ContextVar[MicroBatch | None] = ContextVar("lightning_gpipe_micro_batch", default=None)
 
 
-def current_micro_batch() -> Optional[MicroBatch]:
+def current_micro_batch() -> MicroBatch | None:
     """The micro-batch the calling layer runs on inside a stage, or ``None`` outside a pipelined forward.
 
     For layers whose forward has effects beyond its output, such as batch norm's running statistics

@@ -35,7 +35,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -56,10 +55,10 @@ class _Record:
     """What the backward of one micro-batch needs."""
 
     input: Value
-    output: Optional[Value]  # None while checkpointed: recomputed before the backward
+    output: Value | None  # None while checkpointed: recomputed before the backward
     metas: list[Meta]  # shapes and dtypes of the floating-point outputs, whose gradients come back
     micro: MicroBatch
-    rng: Optional[RngState] = None
+    rng: RngState | None = None
     boundary: list[Tensor] = field(default_factory=list)  # last stage: the leaves handed to the user's loss
     through: bool = False  # last stage: the output kept its graph, and the loss's backward runs through the stage
     skip_in: dict = field(default_factory=dict)  # skip tensors received from earlier stages (leaves), by key
@@ -106,7 +105,7 @@ class ModelChunk:
         micro_batches: int,
         checkpoint: str,
         defer_weight_grad: bool = False,
-        skips: Optional[SkipLinks] = None,
+        skips: SkipLinks | None = None,
     ) -> None:
         self.partition, self.link = partition, link
         self.skips = skips if skips is not None else no_skips(link.device, link.job, link.events)
@@ -115,13 +114,13 @@ class ModelChunk:
         self.micro_batches, self.checkpoint, self.defer_weight_grad = micro_batches, checkpoint, defer_weight_grad
         self.events = link.events
         self.training = False
-        self.before_last_backward: Optional[Callable[[list[Tensor]], None]] = None
+        self.before_last_backward: Callable[[list[Tensor]], None] | None = None
         self.loss_through = False
         self.receive_ahead = False
         self.shapes = Shapes()
         self.name = f"virtual stage {virtual_stage}"
-        self._keys: list[Optional[Hashable]] = []
-        self._predicted: list[Optional[Signature]] = []
+        self._keys: list[Hashable | None] = []
+        self._predicted: list[Signature | None] = []
         self._records: dict[int, _Record] = {}
         self._weights: deque[tuple[int, DeferredWeightGradient, list[Tensor]]] = deque()
         self._backwards = 0  # of the current step
@@ -152,7 +151,7 @@ class ModelChunk:
             x = self.link.recv_activation(self.receive_ahead)
             yield index, (microbatch.leaves(x) if self.training else x), count
 
-    def _begin_step(self, micro_batches: int, keys: Sequence[Optional[Hashable]]) -> None:
+    def _begin_step(self, micro_batches: int, keys: Sequence[Hashable | None]) -> None:
         """Predict this step's output shapes from the inputs' (``keys``; ``None``: not known before they arrive) and
         send the next virtual stage its step message. A model chunk that pops skip tensors predicts nothing: they
         arrive with the micro-batch."""
@@ -384,11 +383,11 @@ class Shapes:
     def __init__(self) -> None:
         self._known: dict[Hashable, Signature] = {}
 
-    def predict(self, key: Optional[Hashable]) -> Optional[Signature]:
+    def predict(self, key: Hashable | None) -> Signature | None:
         """The output signature learnt for the input ``key``; ``None`` if there is none yet."""
         return None if key is None else self._known.get(key)
 
-    def learn(self, key: Optional[Hashable], actual: Signature, predicted: Optional[Signature], where: str) -> None:
+    def learn(self, key: Hashable | None, actual: Signature, predicted: Signature | None, where: str) -> None:
         """Keep ``actual``, the output signature of the input ``key`` (nothing for ``None``).
 
         Raises:
@@ -421,7 +420,7 @@ def _shown(sig: Signature) -> str:
     return ", ".join(f"{tuple(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype in sig[1])
 
 
-def _scattered_key(value: Value) -> Optional[Hashable]:
+def _scattered_key(value: Value) -> Hashable | None:
     """What a scattered micro-batch's output shapes may follow from: its signature, and the values of the
     non-tensor items of a tuple (``None`` when one is not hashable)."""
     items = () if isinstance(value, Tensor) else tuple(item for item in value if not isinstance(item, Tensor))

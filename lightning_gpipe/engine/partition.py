@@ -15,8 +15,8 @@ Across stages each holding stage keeps its own copy (:mod:`lightning_gpipe.engin
 :meth:`Split.undo` ties the names together again.
 """
 
-from collections.abc import Sequence
-from typing import Any, Callable, Optional, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +31,7 @@ class PipelinedCall(Protocol):
     (:class:`lightning_gpipe.engine.contract.BackboneCall`); the partition knows nothing else of the engine.
     """
 
-    def __call__(self, value: Value) -> Optional[Value]:
+    def __call__(self, value: Value) -> Value | None:
         """Run the pipeline on the backbone input ``value``; the backbone output on the last stage."""
 
     def forward_and_share(self, value: Value, fn: Callable[[Value], Any]) -> Any:
@@ -55,9 +55,9 @@ class Partition(nn.Module):
         super().__init__()
         for name, layer in layers.items():
             self.add_module(name, layer)
-        self.backbone_call: Optional[PipelinedCall] = None
+        self.backbone_call: PipelinedCall | None = None
 
-    def forward(self, value: Value) -> Optional[Value]:
+    def forward(self, value: Value) -> Value | None:
         """Run the pipeline on the backbone input ``value`` if one is installed, else the local layers."""
         return self.backbone_call(value) if self.backbone_call is not None else self.run(value)
 
@@ -103,7 +103,7 @@ class _LastStageOnly(nn.Module):
         )
 
 
-def find_backbone(module: nn.Module, name: Optional[str] = None) -> str:
+def find_backbone(module: nn.Module, name: str | None = None) -> str:
     """Name of the attribute of ``module`` that holds the ``nn.Sequential`` backbone.
 
     Args:
@@ -164,8 +164,8 @@ class Split:
         backbone: str,
         balance: Sequence[int],
         stage_index: int,
-        num_stages: Optional[int] = None,
-        virtual: Optional[Sequence[int]] = None,
+        num_stages: int | None = None,
+        virtual: Sequence[int] | None = None,
     ) -> None:
         self.module, self.backbone, self.stage_index = module, backbone, stage_index
         self.sequential: nn.Sequential = getattr(module, backbone)
@@ -200,7 +200,7 @@ class Split:
                 self.freed[name] = child
                 setattr(self.module, name, _LastStageOnly(name, self.stage_index))
 
-    def undo(self, full_state: Optional[dict[str, Tensor]] = None) -> None:
+    def undo(self, full_state: dict[str, Tensor] | None = None) -> None:
         """Put the original backbone and modules back in place.
 
         Args:

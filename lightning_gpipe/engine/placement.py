@@ -18,7 +18,6 @@ stage's transfers are those of the plans without W, whatever the costs.
 """
 
 from collections.abc import Sequence
-from typing import Optional
 
 from lightning_gpipe.engine.actions import COMPUTE, Action, ActionCost, Kind, Plan, splits_backward
 from lightning_gpipe.engine.clock import Clock, needs
@@ -50,7 +49,7 @@ class _Clock:
     """Runs the stages' plans (``base``) together on a clock of the actions' costs, placing each stage's W with a
     ``share`` (see the module docstring); with ``share=None`` it only times ``base``, whose W are placed already."""
 
-    def __init__(self, base: Sequence[Plan], costs: Sequence[ActionCost], share: Optional[float] = None) -> None:
+    def __init__(self, base: Sequence[Plan], costs: Sequence[ActionCost], share: float | None = None) -> None:
         self.base, self.costs, self.num_stages, self.share = base, costs, len(base), share
         self.v_shape = base[0].v_shape
         self.limit = max(_peak_held(plan) for plan in base)
@@ -97,7 +96,7 @@ class _Clock:
         self.position[k] += 1
         return True
 
-    def _weight_first(self, k: int, action: Action, arrival: Optional[float]) -> bool:
+    def _weight_first(self, k: int, action: Action, arrival: float | None) -> bool:
         """Whether stage ``k`` runs its oldest W before ``action``: memory is at the limit before a forward, the
         action is a whole last backward, or the stage would wait for the action's input at least ``share`` of the
         W's time (``arrival``: when the input arrives; ``None``: not placed yet, so not before its sender is free

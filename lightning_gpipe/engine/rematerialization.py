@@ -9,7 +9,6 @@ simulator and the balance suggestion all ask :func:`checkpointed`, so the rule l
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -37,7 +36,7 @@ class RngState:
     does), so dropout masks in the recompute equal the fill's.
     """
 
-    def __init__(self, device: torch.device, cpu: Tensor, accelerator: Optional[Tensor]) -> None:
+    def __init__(self, device: torch.device, cpu: Tensor, accelerator: Tensor | None) -> None:
         self.device, self.cpu, self.accelerator = device, cpu, accelerator
 
     @classmethod

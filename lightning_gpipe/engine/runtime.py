@@ -19,12 +19,11 @@ each plain linear layer's weight gradient over their micro-batches as one matrix
 """
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Optional
 
-from lightning_gpipe.engine.microbatch import Value
 from lightning_gpipe.engine.actions import Action, ActionCost, Kind, Plan
-from lightning_gpipe.engine.schedule import V_SHAPED, check, evaluation, plans
+from lightning_gpipe.engine.microbatch import Value
 from lightning_gpipe.engine.model_chunk import ModelChunk
+from lightning_gpipe.engine.schedule import V_SHAPED, check, evaluation, plans
 from lightning_gpipe.faults.watchdog import Position
 
 Head = Callable[[int, int, Value], None]
@@ -58,15 +57,15 @@ class Runtime:
         model_chunks: Sequence[ModelChunk],
         schedule: str,
         num_stages: int,
-        position: Optional[Position] = None,
-        costs: Optional[Sequence[ActionCost]] = None,
+        position: Position | None = None,
+        costs: Sequence[ActionCost] | None = None,
     ) -> None:
         self.model_chunks, self.schedule, self.num_stages = list(model_chunks), schedule, num_stages
         self.position, self.costs = position, costs
         self.stage = model_chunks[0].virtual_stage  # model chunk 0's virtual stage is the pipeline rank
         self._plans: dict[tuple[int, bool], Plan] = {}  # by (number of micro-batches, training)
         self.loss_per_micro_batch = self.plan(1).loss_per_micro_batch
-        self._plan: Optional[Plan] = None
+        self._plan: Plan | None = None
         self._done = 0
         self._inputs: list[Iterator[tuple[int, Value, int]]] = []
         self._outputs: dict[tuple[int, int], Value] = {}  # by (model chunk, micro-batch)
@@ -96,7 +95,7 @@ class Runtime:
             self._plans[(micro_batches, training)] = every[self.stage]
         return self._plans[(micro_batches, training)]
 
-    def forward(self, value: Optional[Value], head: Optional[Head] = None) -> Optional[Value]:
+    def forward(self, value: Value | None, head: Head | None = None) -> Value | None:
         """The plan up to its cut (``training_step``'s part): fill-drain's fill, or with a loss per micro-batch the
         whole plan; in evaluation every forward and send.
 
@@ -153,7 +152,7 @@ class Runtime:
             chunk.receive_ahead = self._plan.forwards_first
         return self._plan
 
-    def _run(self, plan: Plan, end: int, head: Optional[Head] = None) -> None:
+    def _run(self, plan: Plan, end: int, head: Head | None = None) -> None:
         """Execute ``plan.actions`` from where the last call stopped up to ``end``, each recorded in the position."""
         position, total, number = self.position, len(plan.actions), self._done
         try:
@@ -173,7 +172,7 @@ class Runtime:
                 position.leave_plan()
         self._done = end
 
-    def _execute(self, action: Action, head: Optional[Head]) -> None:
+    def _execute(self, action: Action, head: Head | None) -> None:
         """Run one action on its model chunk (a flush: on every model chunk)."""
         kind, i, c = action.kind, action.micro_batch, action.model_chunk
         chunk = self.model_chunks[c]
@@ -206,7 +205,7 @@ def _weights_from(actions: tuple[Action, ...], start: int, end: int) -> list[int
     return indices
 
 
-def _chain(first: Optional[tuple[int, Value, int]], rest: Iterator) -> Iterator[tuple[int, Value, int]]:
+def _chain(first: tuple[int, Value, int] | None, rest: Iterator) -> Iterator[tuple[int, Value, int]]:
     if first is not None:
         yield first
         yield from rest

@@ -15,7 +15,6 @@ from here too; ``"zb-1p"`` places its weight gradients with :mod:`lightning_gpip
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Optional
 
 from lightning_gpipe.engine.actions import (
     Action,
@@ -30,8 +29,7 @@ from lightning_gpipe.engine.clock import Clock, needs
 from lightning_gpipe.engine.placement import place_weights
 from lightning_gpipe.engine.rematerialization import checkpointed
 
-
-ScheduleFunction = Callable[[int, int, int, str, bool, int, Optional[tuple[ActionCost, ...]]], Plan]
+ScheduleFunction = Callable[[int, int, int, str, bool, int, tuple[ActionCost, ...] | None], Plan]
 """``schedule(stage_index, num_stages, micro_batches, checkpoint, defer_weight_grad, virtual_stages, costs) -> Plan``;
 ``costs`` (one :class:`ActionCost` per virtual stage, or ``None``) matter only to the schedules that place actions
 by cost."""
@@ -108,7 +106,7 @@ def gpipe(
     checkpoint: str,
     defer_weight_grad: bool,
     virtual_stages: int = 1,
-    costs: Optional[tuple[ActionCost, ...]] = None,
+    costs: tuple[ActionCost, ...] | None = None,
 ) -> Plan:
     """GPipe's fill-drain (Huang et al. 2019, section 2.2 and Figure 2); with ``virtual_stages`` v > 1 the looped
     fill-drain of interleaved pipelines (Lamy-Poirier 2023, "Breadth-First Pipeline Parallelism", section 3;
@@ -134,7 +132,7 @@ def gpipe(
     last_process = stage_index == num_stages - 1
     drain = [Action(Kind.LOSS)] * last_process + [Action(Kind.EXPECT, i, c) for i, c in order]
     at_end = []
-    for n, (i, c) in enumerate(order):
+    for i, c in order:
         split = splits_backward(place.virtual(c), defer_weight_grad)
         drain += [Action(Kind.RECOMPUTE, i, c)] * checkpointed(
             checkpoint, i, micro_batches
@@ -155,7 +153,7 @@ def one_f_one_b(
     checkpoint: str,
     defer_weight_grad: bool,
     virtual_stages: int = 1,
-    costs: Optional[tuple[ActionCost, ...]] = None,
+    costs: tuple[ActionCost, ...] | None = None,
 ) -> Plan:
     """The 1F1B schedule of PipeDream-Flush (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN
     Training", section 3; the default of Megatron-LM, DeepSpeed and torchtitan); with ``virtual_stages`` v > 1
@@ -192,7 +190,7 @@ def zero_bubble_h1(
     checkpoint: str,
     defer_weight_grad: bool,
     virtual_stages: int = 1,
-    costs: Optional[tuple[ActionCost, ...]] = None,
+    costs: tuple[ActionCost, ...] | None = None,
 ) -> Plan:
     """ZB-H1, the zero-bubble schedule of Qi et al. 2023 ("Zero Bubble Pipeline Parallelism", arXiv:2401.10241,
     section 3.1, Figure 3), with a fixed placement of the weight gradients.
@@ -240,7 +238,7 @@ def _one_forward_one_backward(
     defer: bool,
     delay: int,
     virtual_stages: int = 1,
-    extra_warmup: Optional[int] = None,
+    extra_warmup: int | None = None,
 ) -> Plan:
     """1F1B's order (:func:`one_f_one_b`), each deferred W run after the B ``delay`` backwards later; interleaved
     with ``extra_warmup`` more warm-up forwards than Megatron-LM's (``None``: :func:`_extra_warmup`'s)."""
@@ -276,7 +274,7 @@ def _one_forward_one_backward(
     return Plan(tuple(actions), cut=len(actions), loss_per_micro_batch=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _extra_warmup(num_stages: int, micro_batches: int, virtual_stages: int) -> int:
     """The fewest warm-up forwards to add to Megatron-LM's on every stage so that interleaved 1F1B's plans of
     ``micro_batches`` micro-batches run to their end (0 when M is a multiple of K; the order of transfers alone decides,
@@ -301,7 +299,7 @@ def zero_bubble_1p(
     checkpoint: str,
     defer_weight_grad: bool,
     virtual_stages: int = 1,
-    costs: Optional[tuple[ActionCost, ...]] = None,
+    costs: tuple[ActionCost, ...] | None = None,
 ) -> Plan:
     """ZB-1p, zero-bubble's automatic schedule at 1F1B's memory (Qi et al. 2023, arXiv:2401.10241, section 3.2,
     its heuristic algorithm): 1F1B's order of forwards and input gradients (B, :func:`one_f_one_b`, interleaved
@@ -352,7 +350,7 @@ def zero_bubble_v(
     checkpoint: str,
     defer_weight_grad: bool,
     virtual_stages: int = 2,
-    costs: Optional[tuple[ActionCost, ...]] = None,
+    costs: tuple[ActionCost, ...] | None = None,
 ) -> Plan:
     """ZB-V (Qi et al. 2023, arXiv:2401.10241, section 6): two model chunks per stage placed in a V, virtual stages
     k and 2K - 1 - k on stage k (:func:`~lightning_gpipe.engine.actions.virtual_stage`). A micro-batch goes through the
@@ -438,7 +436,7 @@ class _VClock:
         for k in busy:
             free[k] = max(free[k], min(later))
 
-    def _candidates(self, k: int) -> list[tuple[Optional[float], tuple[int, int, int, Kind, int]]]:
+    def _candidates(self, k: int) -> list[tuple[float | None, tuple[int, int, int, Kind, int]]]:
         """Stage ``k``'s next actions as ``(arrival, (priority, micro-batch, virtual stage, kind, chunk))``, the
         arrival of their input ``None`` while it is not computed."""
         found = []
@@ -516,9 +514,9 @@ def plans(
     num_stages: int,
     micro_batches: int,
     checkpoint: str,
-    defer_weight_grad: Optional[bool] = None,
+    defer_weight_grad: bool | None = None,
     virtual_stages: int = 1,
-    costs: Optional[Sequence[ActionCost]] = None,
+    costs: Sequence[ActionCost] | None = None,
 ) -> list[Plan]:
     """Every stage's plan of one step of ``schedule`` (a name of :data:`SCHEDULES`); ``defer_weight_grad=None``
     (default): the schedule's default, :data:`DEFERRED_BY_DEFAULT`; ``virtual_stages``: model chunks per stage

@@ -14,17 +14,17 @@ names whose owners fall on different stages. Each stage keeps its copy under its
 has one entry per name, as the module without the strategy, and loads into it.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_gpipe.faults import collectives
 from lightning_gpipe.engine.actions import stage_of_virtual
 from lightning_gpipe.engine.topology import Topology
+from lightning_gpipe.faults import collectives
 
 if TYPE_CHECKING:
     from lightning_gpipe.faults.job import Job
@@ -53,7 +53,7 @@ def find_ties(
     module: nn.Module,
     backbone: str,
     balance: Sequence[int],
-    num_stages: Optional[int] = None,
+    num_stages: int | None = None,
     v_shape: bool = False,
 ) -> list[Tie]:
     """The parameters of ``module`` used on more than one stage when its backbone is split by ``balance``.
@@ -110,7 +110,7 @@ class TiedParameters:
 
     def __init__(self, ties: list[Tie], module: nn.Module, topology: Topology, rank: int, job: "Job") -> None:
         self.module, self.stage, self.job = module, topology.stage_of(rank), job
-        self._held: list[tuple[Tie, Optional[dist.ProcessGroup], int]] = []
+        self._held: list[tuple[Tie, dist.ProcessGroup | None, int]] = []
         replica = topology.replica_of(rank)
         for r in range(topology.data_parallel_size):
             for tie in ties:

@@ -7,14 +7,14 @@ process groups are torch's. Every other module asks this one for ranks and group
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_gpipe.engine.actions import stage_of_virtual, virtual_stage
 
-Size = Union[int, str]
+Size = int | str
 """A mesh dimension's size as the strategy takes it: a positive integer, or ``"auto"``."""
 
 
@@ -190,7 +190,7 @@ def resolve_topology(
     return Topology(world_size=world, num_stages=pp, virtual_stages=virtual_stages, v_shape=v_shape)
 
 
-def _stages_listed(balance: Any, virtual_stages: int) -> Optional[int]:
+def _stages_listed(balance: Any, virtual_stages: int) -> int | None:
     """The stages (processes) a list ``balance`` gives with ``virtual_stages`` model chunks each; ``None`` for a mode.
 
     Raises:

@@ -45,7 +45,7 @@ Every send and every wait is recorded as a ``send`` or ``recv`` span of the link
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -112,7 +112,7 @@ def _decode(words: Sequence[int], pos: int) -> tuple[Signature, int]:
     return (is_tuple, tuple(metas)), pos
 
 
-def step_message(micro_batches: int, signatures: Sequence[Optional[Signature]]) -> list[int]:
+def step_message(micro_batches: int, signatures: Sequence[Signature | None]) -> list[int]:
     """The words of a step message: ``[M, S, S distinct signatures, M indices into them (-1: headed)]``, at most
     :data:`STEP_SLOTS`; ``[M, -1]`` (every micro-batch headed) when they do not fit."""
     distinct = list(dict.fromkeys(sig for sig in signatures if sig is not None))
@@ -121,7 +121,7 @@ def step_message(micro_batches: int, signatures: Sequence[Optional[Signature]]) 
     return words if len(words) <= STEP_SLOTS else [micro_batches, -1]
 
 
-def read_step_message(message: Tensor) -> tuple[int, list[Optional[Signature]]]:
+def read_step_message(message: Tensor) -> tuple[int, list[Signature | None]]:
     """M and each micro-batch's signature (``None``: headed) of a received :func:`step_message` in its
     :data:`STEP_SLOTS` int64 slots (one host read)."""
     words = message.numpy()
@@ -139,10 +139,10 @@ class _Peer(NamedTuple):
     """A neighbour of a link: its global rank (``None``: none), the payloads' tag and process group (``None``: the
     default group), and the control messages' group and tag."""
 
-    rank: Optional[int]
+    rank: int | None
     tag: int
-    group: Optional[dist.ProcessGroup]
-    control: Optional[dist.ProcessGroup]
+    group: dist.ProcessGroup | None
+    control: dist.ProcessGroup | None
     control_tag: int
 
     def irecv(self, buffer: Tensor) -> dist.Work:
@@ -166,7 +166,7 @@ class _Send(NamedTuple):
     """One posted send of a link: micro-batch ``index``'s ``tensors`` (``None``: a control message) and their works
     (on gloo one :class:`~lightning_gpipe.faults.waiting.Watched` for all of them)."""
 
-    index: Optional[int]
+    index: int | None
     works: list
     tensors: list[Tensor]
 
@@ -175,9 +175,9 @@ class _Arrival:
     """One activation on its way from the previous stage: its payload's receives into buffers of its signature,
     posted at once when the step message gave it, or once its header has arrived when it is headed."""
 
-    def __init__(self, link: "Link", sig: Optional[Signature]) -> None:
+    def __init__(self, link: "Link", sig: Signature | None) -> None:
         self._link, self.sig = link, sig
-        self._header: Optional[tuple[Tensor, dist.Work]] = None
+        self._header: tuple[Tensor, dist.Work] | None = None
         self.works: list[dist.Work] = []
         self.buffers: list[Tensor] = []
         if sig is None:
@@ -275,16 +275,16 @@ class Link:
 
     def __init__(
         self,
-        prev_rank: Optional[int],
-        next_rank: Optional[int],
+        prev_rank: int | None,
+        next_rank: int | None,
         device: torch.device,
-        events: Optional[Recorder] = None,
-        tag: Union[int, tuple[int, int]] = 0,
+        events: Recorder | None = None,
+        tag: int | tuple[int, int] = 0,
         *,
         job: "Job",
-        groups: tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]] = (None, None),
+        groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None),
         turns: tuple[Optional["Turn"], Optional["Turn"]] = (None, None),
-        control: Optional[dist.ProcessGroup] = None,
+        control: dist.ProcessGroup | None = None,
         stepped: bool = True,
     ) -> None:
         self.device, self.job, self.stepped = device, job, stepped
@@ -297,13 +297,13 @@ class Link:
         self._polled = waiting.polls(device)  # NCCL: the compute stream waits, not the host; gloo: a helper thread
         self._pending_sends: list[_Send] = []  # posted, not known to have completed: their tensors kept alive
         self._headed: list[bool] = []  # this step's micro-batches whose signature goes before their payload
-        self._expected: deque[Optional[Signature]] = deque()  # the signatures of this step's activations to come
+        self._expected: deque[Signature | None] = deque()  # the signatures of this step's activations to come
         self._arrivals: deque[_Arrival] = deque()  # the next activations, their receives posted
         self._grads: list[tuple[list[dist.Work], list[Tensor]]] = []
 
     # the sending side: activations to the next virtual stage, gradients to the previous one
 
-    def send_step(self, micro_batches: int, signatures: Sequence[Optional[Signature]]) -> None:
+    def send_step(self, micro_batches: int, signatures: Sequence[Signature | None]) -> None:
         """Send the next virtual stage this step's step message: M and each micro-batch's activation signature
         (``None``: headed, not known before it is computed). Before the step's first activation.
 
@@ -364,7 +364,7 @@ class Link:
 
     # the receiving side: activations from the previous virtual stage, gradients from the next one
 
-    def receive_step(self) -> tuple[int, list[Optional[Signature]]]:
+    def receive_step(self) -> tuple[int, list[Signature | None]]:
         """This step's M and activation signatures from the previous virtual stage's step message (waiting for it),
         and post the receive of the first activation.
 
@@ -403,7 +403,7 @@ class Link:
         self.events.add("recv", None, start, time.perf_counter())
         return value
 
-    def _expect(self) -> Optional[_Arrival]:
+    def _expect(self) -> _Arrival | None:
         return _Arrival(self, self._expected.popleft()) if self._expected else None
 
     def post_grads(self, metas: Sequence[Meta]) -> None:
@@ -433,7 +433,7 @@ class Link:
 
     # completion
 
-    def flush(self, through: Optional[int] = None) -> None:
+    def flush(self, through: int | None = None) -> None:
         """Wait until every pending send (of micro-batches ``0`` to ``through`` only, if given) has completed; the
         sends of later micro-batches that have completed are dropped too. On NCCL, whose transfers the compute
         stream is ordered with, the host waits for none: the sends that have completed are dropped, the others stay
@@ -496,7 +496,7 @@ class Link:
             return works
         return [self.job.waiter.watch(works, ("recv", peer.rank, peer.control_tag if control else peer.tag))]
 
-    def _take(self, works: list, buffers: list[Tensor], peer: Optional[int]) -> None:
+    def _take(self, works: list, buffers: list[Tensor], peer: int | None) -> None:
         """Wait for receives from global rank ``peer`` (as :meth:`_receiving` returned them) into ``buffers``: on
         NCCL the compute stream waits for them (``Work.wait``), the host does not; on gloo the host waits,
         interruptibly (:func:`~lightning_gpipe.faults.waiting.wait_watched`)."""
@@ -508,18 +508,18 @@ class Link:
         elif works:
             waiting.wait_watched(self.job, works[0], self.job.watchdog.name_of(peer))
 
-    def _wait(self, works: list[dist.Work], peer: Optional[int]) -> None:
+    def _wait(self, works: list[dist.Work], peer: int | None) -> None:
         """Wait on the host for ``works`` of control messages or gloo transfers with global rank ``peer``
         (``None``: both neighbours), interruptibly (:func:`~lightning_gpipe.faults.waiting.wait`)."""
         waiting.wait(self.job, works, self.job.watchdog.name_of(peer))
 
 
-def _peer(rank: Optional[int], tag: int, group: Optional[dist.ProcessGroup], control: Optional[dist.ProcessGroup]):
+def _peer(rank: int | None, tag: int, group: dist.ProcessGroup | None, control: dist.ProcessGroup | None):
     """A neighbour, its control messages on ``control`` (``None``: ``group``) on a tag of their own."""
     return _Peer(rank, tag, group, control if control is not None else group, tag + CONTROL_TAG)
 
 
-def _through(send: _Send, through: Optional[int]) -> bool:
+def _through(send: _Send, through: int | None) -> bool:
     return through is None or send.index is None or send.index <= through
 
 
@@ -530,7 +530,7 @@ class Turn:
     backward."""
 
     def __init__(self) -> None:
-        self.steps: deque[tuple[int, list[Optional[Signature]]]] = deque()
+        self.steps: deque[tuple[int, list[Signature | None]]] = deque()
         self.activations: deque[Value] = deque()
         self.gradients: deque[list[Tensor]] = deque()
 

@@ -30,7 +30,6 @@ it is so in every micro-batch; every other group runs as in :meth:`DeferredWeigh
 """
 
 from collections.abc import Callable, Sequence
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -71,7 +70,7 @@ class DeferredWeightGradient:
         return groups
 
 
-def run_together(weights: Sequence[DeferredWeightGradient], before_last: Optional[Callable[[], None]] = None) -> None:
+def run_together(weights: Sequence[DeferredWeightGradient], before_last: Callable[[], None] | None = None) -> None:
     """Run several micro-batches' deferred W, each plain linear layer's as one matrix product over their rows.
 
     Adds the same gradients to ``.grad`` as calling each of ``weights`` in turn (up to the order of the sums'
@@ -107,7 +106,7 @@ def run_together(weights: Sequence[DeferredWeightGradient], before_last: Optiona
         _run_linears({key: [found[key] for found in linears] for key in common})
 
 
-def _run_linears(layers: dict[tuple[Node, Optional[Node]], list["_Group"]]) -> None:
+def _run_linears(layers: dict[tuple[Node, Node | None], list["_Group"]]) -> None:
     """Each linear layer's W (by ``(weight, bias)``, its groups, one per micro-batch, see :func:`_linear_key`) as one
     product over their rows, all added to ``.grad`` in one autograd call."""
     params, grads = [], []
@@ -136,10 +135,10 @@ def backward_input(
         The deferred W: call it to add the parameters' gradients to their ``.grad``.
     """
     graph = _Graph([o.grad_fn for o in outputs], {_node(x) for x in inputs})
-    kept: dict[Node, tuple[Optional[Tensor], ...]] = {}
+    kept: dict[Node, tuple[Tensor | None, ...]] = {}
 
     def keeper(node: Node):
-        def keep(grad_outputs: tuple[Optional[Tensor], ...]) -> None:
+        def keep(grad_outputs: tuple[Tensor | None, ...]) -> None:
             kept[node] = grad_outputs
 
         return keep
@@ -163,7 +162,7 @@ class _Graph:
         input_nodes: the inputs' ``AccumulateGrad`` nodes.
     """
 
-    def __init__(self, roots: Sequence[Optional[Node]], input_nodes: set[Node]) -> None:
+    def __init__(self, roots: Sequence[Node | None], input_nodes: set[Node]) -> None:
         self.order = _post_order([r for r in roots if r is not None])
         self.to_input: dict[Node, bool] = {}
         self.params: dict[Node, frozenset[Node]] = {}  # the parameters' AccumulateGrad nodes below each node
@@ -189,7 +188,7 @@ class _Group:
     """Seeds (node, gradients) that share parameters: one autograd call computes their weight gradients."""
 
     def __init__(self) -> None:
-        self.seeds: list[tuple[Node, tuple[Optional[Tensor], ...]]] = []
+        self.seeds: list[tuple[Node, tuple[Tensor | None, ...]]] = []
         self.params: set[Node] = set()
 
     def run(self) -> None:
@@ -210,7 +209,7 @@ class _Group:
                 handle.remove()
 
 
-def _linear_key(group: _Group) -> Optional[tuple[Node, Optional[Node]]]:
+def _linear_key(group: _Group) -> tuple[Node, Node | None] | None:
     """``(weight, bias)`` (their ``AccumulateGrad`` nodes; bias ``None`` without one) if ``group`` is one plain
     linear layer's W (see the module docstring), else ``None``."""
     if len(group.seeds) != 1:
@@ -267,7 +266,7 @@ def _pinned(grad_outputs: tuple):
     return pin
 
 
-def _seed(root: Node, outputs: Sequence[Tensor], grads: Sequence[Tensor]) -> tuple[Optional[Tensor], ...]:
+def _seed(root: Node, outputs: Sequence[Tensor], grads: Sequence[Tensor]) -> tuple[Tensor | None, ...]:
     """The output gradients arriving at ``root``, by its output index."""
     seed: dict[int, Tensor] = {}
     for output, grad in zip(outputs, grads):

@@ -15,7 +15,7 @@ per-step SIGTERM broadcast) and those of DDP or FSDP between replicas; they bloc
 """
 
 import pickle
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from lightning_gpipe.faults.job import Job
 
 
-def barrier(job: "Job", group: Optional[dist.ProcessGroup] = None) -> None:
+def barrier(job: "Job", group: dist.ProcessGroup | None = None) -> None:
     """Wait until every process of ``group`` (``None``: all) reaches this point.
 
     Args are those of the torch.distributed collective, after ``job``: the run's job.
@@ -39,7 +39,7 @@ def barrier(job: "Job", group: Optional[dist.ProcessGroup] = None) -> None:
     _wait(job, dist.barrier(group=group, async_op=True), _device(), group)
 
 
-def all_reduce(job: "Job", tensor: Tensor, op=dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None) -> None:
+def all_reduce(job: "Job", tensor: Tensor, op=dist.ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:
     """Reduce ``tensor`` in place over every process of ``group`` (``None``: all) with ``op``.
 
     Args are those of the torch.distributed collective, after ``job``: the run's job.
@@ -50,7 +50,7 @@ def all_reduce(job: "Job", tensor: Tensor, op=dist.ReduceOp.SUM, group: Optional
     _wait(job, dist.all_reduce(tensor, op, group=group, async_op=True), tensor.device, group)
 
 
-def broadcast(job: "Job", tensor: Tensor, src: int, group: Optional[dist.ProcessGroup] = None) -> None:
+def broadcast(job: "Job", tensor: Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
     """Copy ``tensor`` from global rank ``src`` to every process of ``group`` (``None``: all), in place.
 
     Args are those of the torch.distributed collective, after ``job``: the run's job.
@@ -61,7 +61,7 @@ def broadcast(job: "Job", tensor: Tensor, src: int, group: Optional[dist.Process
     _wait(job, dist.broadcast(tensor, src, group=group, async_op=True), tensor.device, group)
 
 
-def broadcast_object(job: "Job", obj: Any, src: int, group: Optional[dist.ProcessGroup] = None) -> Any:
+def broadcast_object(job: "Job", obj: Any, src: int, group: dist.ProcessGroup | None = None) -> Any:
     """Send the picklable ``obj`` from global rank ``src`` to every process of ``group`` (``None``: all); returns it
     on every one.
 
@@ -81,7 +81,7 @@ def broadcast_object(job: "Job", obj: Any, src: int, group: Optional[dist.Proces
     return obj if mine else _object(data)
 
 
-def gather_object(job: "Job", obj: Any, dst: int = 0, group: Optional[dist.ProcessGroup] = None) -> Optional[list[Any]]:
+def gather_object(job: "Job", obj: Any, dst: int = 0, group: dist.ProcessGroup | None = None) -> list[Any] | None:
     """The picklable objects of every process of ``group`` (``None``: all), in rank order, on global rank ``dst``;
     ``None`` elsewhere.
 
@@ -110,7 +110,7 @@ def all_gather_object(job: "Job", obj: Any) -> list[Any]:
     return _objects(parts, sizes)
 
 
-def _padded(job: "Job", obj: Any, group: Optional[dist.ProcessGroup] = None) -> tuple[Tensor, list[int]]:
+def _padded(job: "Job", obj: Any, group: dist.ProcessGroup | None = None) -> tuple[Tensor, list[int]]:
     """``obj``'s bytes padded to the longest of every process's of ``group`` (a collective call), and every
     process's size."""
     data = _bytes(obj)
@@ -124,7 +124,7 @@ def _padded(job: "Job", obj: Any, group: Optional[dist.ProcessGroup] = None) -> 
 
 
 def _wait(
-    job: "Job", work: dist.Work, device: torch.device, group: Optional[dist.ProcessGroup], peer: str = EVERY_STAGE
+    job: "Job", work: dist.Work, device: torch.device, group: dist.ProcessGroup | None, peer: str = EVERY_STAGE
 ) -> None:
     """Wait for the collective ``work`` on tensors of ``device`` over ``group`` with the wait
     :func:`~lightning_gpipe.faults.waiting.polls` chooses (:func:`~lightning_gpipe.faults.waiting.wait` on gloo);

@@ -21,10 +21,9 @@ the same processes is not read as the cause of a later one. The module keeps no 
 
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from datetime import timedelta
-from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -71,7 +70,7 @@ class FailureBoard:
         RuntimeError: if the store cannot be reached.
     """
 
-    def __init__(self, store: Optional[dist.Store] = None, name: str = "stage 0", processes: int = 1, rank: int = 0):
+    def __init__(self, store: dist.Store | None = None, name: str = "stage 0", processes: int = 1, rank: int = 0):
         self.store, self.name, self.processes = store, name, processes
         self.generation = store.add(f"{_PREFIX}/boards/{rank}", 1) if store is not None else 0
         self.reserve = bytearray(_RESERVE_BYTES) if store is not None else None
@@ -106,7 +105,7 @@ class FailureBoard:
             self.report(exception)
             raise
 
-    def publish(self, cause: str) -> Optional[str]:
+    def publish(self, cause: str) -> str | None:
         """Publish ``cause`` as the job's failure cause unless one was published first; return the job's cause.
 
         Returns:
@@ -128,7 +127,7 @@ class FailureBoard:
             self.read = True
             self.store.add(self.key("read"), 1)
 
-    def published_cause(self, wait: timedelta = timedelta(0)) -> Optional[str]:
+    def published_cause(self, wait: timedelta = timedelta(0)) -> str | None:
         """The job's published failure cause, waiting up to ``wait`` for one; ``None`` if there is none (yet).
 
         Raises:
@@ -162,7 +161,7 @@ class FailureBoard:
             time.sleep(0.05)
 
     @contextmanager
-    def as_pipeline_failure(self, detail: Optional[Callable[[], str]] = None) -> Iterator[None]:
+    def as_pipeline_failure(self, detail: Callable[[], str] | None = None) -> Iterator[None]:
         """Turn a failed transfer or collective inside the block into a :class:`PipelineFailure` naming the cause.
 
         Args:

@@ -25,7 +25,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -69,11 +69,11 @@ class Job:
 
     def __init__(
         self,
-        store: Optional[dist.Store] = None,
+        store: dist.Store | None = None,
         rank: int = 0,
-        names: Optional[dict[int, str]] = None,
+        names: dict[int, str] | None = None,
         limit: float = float("inf"),
-        processes: Optional[int] = None,
+        processes: int | None = None,
     ) -> None:
         names = dict(names) if names is not None else {rank: f"stage {rank}"}
         name = names.get(rank, f"rank {rank}")

@@ -40,7 +40,7 @@ import signal
 import threading
 import time
 from collections.abc import Hashable
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -64,7 +64,7 @@ _LONGEST_PAUSE = 1e-3
 """Seconds of :func:`poll`'s longest pause: a long wait costs about a thousand looks (a CUDA event query) a second."""
 
 
-def polls(device: torch.device, group: Optional[dist.ProcessGroup] = None) -> bool:
+def polls(device: torch.device, group: dist.ProcessGroup | None = None) -> bool:
     """Whether works on tensors of ``device`` over ``group`` are waited for with :func:`poll` (else :func:`wait`).
 
     The one place that chooses the mechanism: :func:`poll` for a backend in :data:`POLLED_BACKENDS` (NCCL), whose
@@ -92,7 +92,7 @@ class _Works:
 
     def __init__(self, works: list[dist.Work]) -> None:
         self.works = works
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
         self.done = threading.Lock()
         self.done.acquire()
 
@@ -102,7 +102,7 @@ class _Thread(threading.Thread):
 
     def __init__(self) -> None:
         super().__init__(daemon=True, name="lightning-gpipe-waiter")
-        self.batches: "queue.SimpleQueue[Optional[_Works]]" = queue.SimpleQueue()
+        self.batches: queue.SimpleQueue[_Works | None] = queue.SimpleQueue()
 
     def run(self) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP})
@@ -149,9 +149,9 @@ class Waiter:
     process (a pickled strategy) starts its own."""
 
     def __init__(self) -> None:
-        self._threads: dict[Optional[Hashable], _Thread] = {}
+        self._threads: dict[Hashable | None, _Thread] = {}
 
-    def submit(self, works: list[dist.Work], stream: Optional[Hashable] = None) -> _Works:
+    def submit(self, works: list[dist.Work], stream: Hashable | None = None) -> _Works:
         """Hand ``works`` to the thread of ``stream`` (``None``: the waits'); the returned batch's ``done`` lock is
         released once they completed. A thread waits for its batches in the order they were handed."""
         batch = _Works(works)

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any
 
 from lightning_gpipe.faults.failure import FailureBoard
 
@@ -72,14 +72,14 @@ class Position:
 
     def __init__(self) -> None:
         self.step, self.phase = "setup", "setup"
-        self.micro_batch: Optional[int] = None
-        self.action: Optional[tuple[int, int, str, Optional[int], int]] = None
+        self.micro_batch: int | None = None
+        self.action: tuple[int, int, str, int | None, int] | None = None
         self.since = time.time()
-        self.waits_for: Optional[str] = None
+        self.waits_for: str | None = None
         self.unbounded = False
         self.version = 0
 
-    def move(self, phase: str, micro_batch: Optional[int] = None, unbounded: bool = False) -> None:
+    def move(self, phase: str, micro_batch: int | None = None, unbounded: bool = False) -> None:
         """Record that this stage is now in ``phase`` (of ``micro_batch``), not waiting."""
         self.phase, self.micro_batch, self.unbounded, self.waits_for = phase, micro_batch, unbounded, None
         self.since = time.time()
@@ -93,7 +93,7 @@ class Position:
         """Record that this stage is now in ``phase`` (a phrase: ``"`training_step` after the backbone call"``)."""
         self.move(phase)
 
-    def act(self, number: int, of: int, kind: str, micro_batch: Optional[int], model_chunk: int = 0) -> None:
+    def act(self, number: int, of: int, kind: str, micro_batch: int | None, model_chunk: int = 0) -> None:
         """Record that this stage executes action ``number`` (1-based) of its plan of ``of`` actions, ``kind`` of
         ``micro_batch`` on model chunk ``model_chunk`` (see :class:`lightning_gpipe.engine.actions.Action`); the phase
         becomes
@@ -140,7 +140,7 @@ class Position:
         }
 
 
-def describe(phase: str, micro_batch: Optional[int]) -> str:
+def describe(phase: str, micro_batch: int | None) -> str:
     """The phrase of a position: ``describe("forward", 3)`` is ``"the forward of micro-batch 3"``."""
     if phase in _KINDS and micro_batch is not None:
         return _KINDS[phase].format(micro_batch)
@@ -187,13 +187,13 @@ class Watchdog:
         board: FailureBoard,
         position: Position,
         rank: int = 0,
-        names: Optional[dict[int, str]] = None,
+        names: dict[int, str] | None = None,
         limit: float = float("inf"),
     ) -> None:
         self.board, self.position, self.rank = board, position, rank
         self.names = dict(names) if names is not None else {rank: board.name}
         self.limit = limit
-        self._heartbeat: Optional[_Heartbeat] = None
+        self._heartbeat: _Heartbeat | None = None
 
     def start(self) -> None:
         """Publish the position from a heartbeat thread, until :meth:`stop` (does nothing without a store, or when
@@ -210,13 +210,13 @@ class Watchdog:
             heartbeat.join(timeout=5 * INTERVAL)
         self.limit = float("inf")
 
-    def name_of(self, rank: Optional[int]) -> str:
+    def name_of(self, rank: int | None) -> str:
         """The name of global rank ``rank`` in messages (``"stage 0"``); ``None`` stands for both neighbours."""
         if rank is None:
             return "its neighbours"
         return self.names.get(rank, f"rank {rank}")
 
-    def diagnose(self, peer: str, waited: float) -> Optional[tuple[str, Optional[int]]]:
+    def diagnose(self, peer: str, waited: float) -> tuple[str, int | None] | None:
         """Name the stage that stopped progressing, for a stage that has waited ``waited`` s for ``peer``.
 
         Reads every stage's published position: the stage that is not waiting and has been in its position
@@ -271,7 +271,7 @@ class Watchdog:
         if self.board.store is not None:
             self.board.store.compare_set(self.board.key("stalled"), "", str(rank))
 
-    def _read(self, rank: int) -> Optional[dict]:
+    def _read(self, rank: int) -> dict | None:
         where, store = self.board.key(f"where/{rank}"), self.board.store
         if not store.check([where]):
             return None
@@ -287,7 +287,7 @@ class _Heartbeat(threading.Thread):
         self.store = watchdog.board.store
         self.stopped = threading.Event()
         self.published = -1
-        self.trouble_since: Optional[float] = None
+        self.trouble_since: float | None = None
 
     def run(self) -> None:
         while not self.stopped.wait(INTERVAL):

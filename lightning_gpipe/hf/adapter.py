@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from torch import nn
 
@@ -50,7 +50,7 @@ class Family:
     classes: tuple[str, ...]
     layers: Callable[[PreTrainedModel], list[nn.Module]]
     inputs: str
-    structure: Optional[Callable[[PreTrainedModel], Optional[str]]] = None
+    structure: Callable[[PreTrainedModel], str | None] | None = None
     encoder: bool = False
 
 
@@ -116,7 +116,7 @@ def check_class(model_class: type, config: Any) -> Family:
     return selfcheck.verify(model_class, config, family_of)
 
 
-def to_sequential(model: nn.Module, weights: Optional[Any] = None, check: bool = True) -> nn.Sequential:
+def to_sequential(model: nn.Module, weights: Any | None = None, check: bool = True) -> nn.Sequential:
     """The backbone of ``model``: embeddings -> one layer per block -> final norm -> head, sharing its modules.
 
     Nothing is copied: the layers hold ``model``'s modules (under their names in ``model``, see :class:`HFLayer`),

@@ -23,7 +23,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -56,7 +56,7 @@ def positions_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0).masked_fill(attention_mask == 0, 0)
 
 
-def decoder_input(input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+def decoder_input(input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """A decoder backbone's input for a training or evaluation batch: ``(input_ids, attention_mask, position_ids)``,
     each ``(N, S)`` long, positions ``0 .. S-1`` as the model's forward numbers a batch given no positions (the mask
     all ones when ``None``)."""
@@ -65,7 +65,7 @@ def decoder_input(input_ids: Tensor, attention_mask: Optional[Tensor] = None) ->
     return input_ids, mask, positions
 
 
-def causal_lm_loss(output: Tensor | tuple[Tensor, Tensor], labels: Tensor, router: Optional[RouterLoss]) -> Tensor:
+def causal_lm_loss(output: Tensor | tuple[Tensor, Tensor], labels: Tensor, router: RouterLoss | None) -> Tensor:
     """A causal LM's loss from its backbone's output, as the model's forward computes it with ``labels``.
 
     Next-token cross-entropy over the labelled tokens (``ForCausalLMLoss``: ``labels`` ``(N, S)`` long, ``-100``
@@ -80,14 +80,14 @@ def causal_lm_loss(output: Tensor | tuple[Tensor, Tensor], labels: Tensor, route
     return loss
 
 
-def _unpack(value: tuple[Tensor, ...], router: Optional[RouterLoss]):
+def _unpack(value: tuple[Tensor, ...], router: RouterLoss | None):
     """``(hidden, attention_mask, position_ids, statistics or None, rows or None)`` of a decoder value."""
     hidden, attention_mask, position_ids, *rest = value
     statistics = rest.pop(0) if router is not None else None
     return hidden, attention_mask, position_ids, statistics, rest[0] if rest else None
 
 
-def _pack(*items: Optional[Tensor]) -> tuple[Tensor, ...]:
+def _pack(*items: Tensor | None) -> tuple[Tensor, ...]:
     return tuple(item for item in items if item is not None)
 
 
@@ -112,11 +112,11 @@ class DecoderEmbedding(HFLayer):
         self,
         model: PreTrainedModel,
         tokens: str,
-        positions: Optional[str] = None,
-        dropout: Optional[str] = None,
-        multiplier: Optional[float] = None,
-        dropout_p: Optional[float] = None,
-        router: Optional[RouterLoss] = None,
+        positions: str | None = None,
+        dropout: str | None = None,
+        multiplier: float | None = None,
+        dropout_p: float | None = None,
+        router: RouterLoss | None = None,
     ) -> None:
         super().__init__(model, [p for p in (tokens, positions, dropout) if p is not None])
         self._tokens, self._positions, self._dropout = tokens, positions, dropout
@@ -173,7 +173,7 @@ class CachedDecoderBlock(HFLayer):
     """
 
     def __init__(
-        self, model: PreTrainedModel, paths: list[str], layer_index: int, router: Optional[RouterLoss] = None
+        self, model: PreTrainedModel, paths: list[str], layer_index: int, router: RouterLoss | None = None
     ) -> None:
         super().__init__(model, paths)
         self.layer_index, self.router = layer_index, router
@@ -181,7 +181,7 @@ class CachedDecoderBlock(HFLayer):
         self._mask = MASKS[self.layer_type]
         self.kv_cache: dict[tuple[int, ...], Any] = {}
 
-    def cache_and_mask(self, hidden: Tensor, attention_mask: Tensor, position_ids: Tensor, rows: Optional[Tensor]):
+    def cache_and_mask(self, hidden: Tensor, attention_mask: Tensor, position_ids: Tensor, rows: Tensor | None):
         """The cache of ``rows`` (``None`` without rows) and the block's 4-D mask against it.
 
         Raises:
@@ -241,7 +241,7 @@ class RotaryDecoderBlock(CachedDecoderBlock):
     """
 
     def __init__(
-        self, model: PreTrainedModel, block: str, rotary: str, layer_index: int, router: Optional[RouterLoss] = None
+        self, model: PreTrainedModel, block: str, rotary: str, layer_index: int, router: RouterLoss | None = None
     ) -> None:
         super().__init__(model, [block, rotary], layer_index, router)
         self._block, self._rotary = block, rotary
@@ -278,7 +278,7 @@ class GPT2Block(CachedDecoderBlock):
         layer_index: the block's index in the model; default: the number in ``block``'s path.
     """
 
-    def __init__(self, model: PreTrainedModel, block: str, layer_index: Optional[int] = None) -> None:
+    def __init__(self, model: PreTrainedModel, block: str, layer_index: int | None = None) -> None:
         super().__init__(model, [block], int(block.rsplit(".", 1)[1]) if layer_index is None else layer_index)
         self._block = block
 
@@ -302,7 +302,7 @@ class FinalNorm(HFLayer):
             else ``None`` (default).
     """
 
-    def __init__(self, model: PreTrainedModel, norm: str, router: Optional[RouterLoss] = None) -> None:
+    def __init__(self, model: PreTrainedModel, norm: str, router: RouterLoss | None = None) -> None:
         super().__init__(model, [norm])
         self._norm, self.router = norm, router
 
@@ -329,9 +329,9 @@ class Head(HFLayer):
         self,
         model: PreTrainedModel,
         head: str,
-        multiplier: Optional[float] = None,
-        divisor: Optional[float] = None,
-        softcap: Optional[float] = None,
+        multiplier: float | None = None,
+        divisor: float | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__(model, [head])
         self._head = head
@@ -353,7 +353,7 @@ STANDARD_BASE = ("embed_tokens", "layers", "norm", "rotary_emb")
 """The modules of a standard decoder's base model, and nothing else."""
 
 
-def standard_decoder(model: PreTrainedModel) -> Optional[str]:
+def standard_decoder(model: PreTrainedModel) -> str | None:
     """``None`` when ``model`` is of the standard decoder layout (see the module docstring), else why not: its
     children must be exactly the base model and ``lm_head``, the base model's exactly :data:`STANDARD_BASE` (the
     blocks an ``nn.ModuleList`` of ``num_hidden_layers``), and every layer type one of :data:`MASKS`."""

@@ -14,7 +14,6 @@ bidirectional mask with ``transformers.masking_utils``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -30,7 +29,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
 
 
 def encoder_input(
-    input_ids: Tensor, attention_mask: Optional[Tensor] = None, token_type_ids: Optional[Tensor] = None
+    input_ids: Tensor, attention_mask: Tensor | None = None, token_type_ids: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """An encoder backbone's input: ``(input_ids, attention_mask, token_type_ids)``, each ``(N, S)`` long (the mask
     all ones and the token types all zeros when ``None``)."""
@@ -86,7 +85,7 @@ class EncoderHead(HFLayer):
         pooler: path of the base model's pooler (``"bert.pooler"``), applied first, or ``None``.
     """
 
-    def __init__(self, model: PreTrainedModel, modules: Sequence[str], pooler: Optional[str] = None) -> None:
+    def __init__(self, model: PreTrainedModel, modules: Sequence[str], pooler: str | None = None) -> None:
         super().__init__(model, [p for p in (pooler, *modules) if p is not None])
         self._modules_in_order, self._pooler = tuple(modules), pooler
 
@@ -97,7 +96,7 @@ class EncoderHead(HFLayer):
         return output
 
 
-def standard_encoder(model: PreTrainedModel) -> Optional[str]:
+def standard_encoder(model: PreTrainedModel) -> str | None:
     """``None`` when ``model`` is of the BERT-style encoder layout (see the module docstring), else why not: the
     base model holds exactly ``embeddings``, ``encoder`` (holding only ``layer``, an ``nn.ModuleList``) and
     optionally ``pooler``; the model has a head besides; the config is not a decoder's."""

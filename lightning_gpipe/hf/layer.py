@@ -9,7 +9,7 @@ the model initialises new weights.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,12 +63,12 @@ class HFLayer(nn.Module):
             _attach(self, path, model.get_submodule(path))
 
     @property
-    def weights(self) -> Optional[Any]:
+    def weights(self) -> Any | None:
         """Where :meth:`reset_parameters` reads this layer's tensors from, or ``None`` (see the class)."""
         return self.__dict__.get("_weights")
 
     @weights.setter
-    def weights(self, weights: Optional[Any]) -> None:
+    def weights(self, weights: Any | None) -> None:
         # with weights, the inner modules whose tensors all come from the checkpoint skip their own reset when
         # materialised (children are reset before this layer): a random init of tensors about to be replaced would
         # make the whole layer resident once more, and cost its time; this layer's reset_parameters undoes it
@@ -96,7 +96,7 @@ class HFLayer(nn.Module):
         if self.weights is None:
             return {}
         persistent = self.state_dict(keep_vars=True)
-        provides: Optional[Callable[[str], bool]] = getattr(self.weights, "provides", None)
+        provides: Callable[[str], bool] | None = getattr(self.weights, "provides", None)
         return {name: t for name, t in persistent.items() if provides is None or provides(name)}
 
     @property

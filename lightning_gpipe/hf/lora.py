@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -37,7 +37,7 @@ DEFAULT_LORA = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"}
 """The ``LoraConfig`` fields of ``lora=True``: rank 8, alpha 16, every linear layer of the blocks (``peft``'s
 ``"all-linear"`` leaves the output head out)."""
 
-LoraSpec = Union[bool, str, os.PathLike, Mapping[str, Any], Any]
+LoraSpec = bool | str | os.PathLike | Mapping[str, Any] | Any
 """What turns LoRA on: ``True``, an adapter directory, a dict of ``LoraConfig`` fields or a ``LoraConfig``."""
 
 
@@ -86,7 +86,7 @@ def wrap(model: nn.Module, lora: LoraSpec) -> Any:
     return _peft().get_peft_model(model, lora_config(lora))
 
 
-def unwrap(model: nn.Module) -> tuple[nn.Module, Optional[Callable[[nn.Module], None]]]:
+def unwrap(model: nn.Module) -> tuple[nn.Module, Callable[[nn.Module], None] | None]:
     """The ``transformers`` model inside ``model`` and :func:`adapter_init` of its adapters, or ``(model, None)``
     for a model without ``peft``."""
     if not is_peft_model(model):
@@ -108,11 +108,11 @@ def adapter_init(peft_model: Any) -> Callable[[nn.Module], None]:
     return initialise
 
 
-def _base_renames(inner: nn.Module, adapter: str) -> list[tuple[str, Optional[str]]]:
+def _base_renames(inner: nn.Module, adapter: str) -> list[tuple[str, str | None]]:
     """``(prefix in the peft model, prefix in the base checkpoint or None)``, longest first: a tuner layer's
     ``base_layer`` is the original module; the rest of a tuner layer (its adapters) is in no base checkpoint; a
     ``modules_to_save`` copy and its original are the original module."""
-    renames: list[tuple[str, Optional[str]]] = []
+    renames: list[tuple[str, str | None]] = []
     for path, module in inner.named_modules():
         if isinstance(module, peft.tuners.tuners_utils.BaseTunerLayer):
             renames += [(f"{path}.base_layer.", f"{path}."), (f"{path}.", None)]
@@ -121,7 +121,7 @@ def _base_renames(inner: nn.Module, adapter: str) -> list[tuple[str, Optional[st
     return sorted(renames, key=lambda rename: -len(rename[0]))
 
 
-def base_name(name: str, renames: list[tuple[str, Optional[str]]]) -> Optional[str]:
+def base_name(name: str, renames: list[tuple[str, str | None]]) -> str | None:
     """The base checkpoint's name of the peft model's tensor ``name`` (``None`` for an adapter's tensor)."""
     for prefix, replacement in renames:
         if name.startswith(prefix):
@@ -160,9 +160,7 @@ class PeftWeights:
         FileNotFoundError: if ``adapters`` holds no safetensors file.
     """
 
-    def __init__(
-        self, peft_model: Any, base: Optional[SafetensorsWeights], adapters: Optional[Union[str, os.PathLike]]
-    ) -> None:
+    def __init__(self, peft_model: Any, base: SafetensorsWeights | None, adapters: str | os.PathLike | None) -> None:
         inner = peft_model.get_base_model()
         self.base = base
         self.renames = _base_renames(inner, peft_model.active_adapter)
@@ -192,7 +190,7 @@ class PeftWeights:
         return result
 
 
-def save_adapters(peft_model: Any, directory: Union[str, os.PathLike], adapters: Mapping[str, Tensor]) -> Path:
+def save_adapters(peft_model: Any, directory: str | os.PathLike, adapters: Mapping[str, Tensor]) -> Path:
     """Write ``adapters`` (``{name in the transformers model: tensor}``, every stage's together) as
     ``PeftModel.save_pretrained`` does: ``adapter_model.safetensors`` and ``adapter_config.json``, which
     ``PeftModel.from_pretrained(base_model, directory)`` loads.

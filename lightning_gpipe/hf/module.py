@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_gpipe.engine.contract import forward_and_share
+from lightning_gpipe.engine.partition import Partition, materialize
 from lightning_gpipe.hf import lora as peft_lora
 from lightning_gpipe.hf.adapter import Family, check_class, family_of, to_sequential
 from lightning_gpipe.hf.decoder import causal_lm_loss, clear_kv_caches, decoder_input, positions_from_mask
@@ -31,7 +32,6 @@ from lightning_gpipe.hf.encoder import encoder_input
 from lightning_gpipe.hf.layer import UnsupportedModelError, hf_name
 from lightning_gpipe.hf.moe import RouterLoss, router_loss_of
 from lightning_gpipe.hf.weights import SafetensorsWeights, save_stage_shards
-from lightning_gpipe.engine.partition import Partition, materialize
 
 try:
     from huggingface_hub import snapshot_download
@@ -102,9 +102,9 @@ class HFModule(pl.LightningModule):
 
     def __init__(
         self,
-        pretrained: Optional[str] = None,
-        config: Optional[Union[dict, PretrainedConfig]] = None,
-        overrides: Optional[dict] = None,
+        pretrained: str | None = None,
+        config: dict | PretrainedConfig | None = None,
+        overrides: dict | None = None,
         attn_implementation: str = "sdpa",
         lr: float = 3e-4,
         weight_decay: float = 0.0,
@@ -112,7 +112,7 @@ class HFModule(pl.LightningModule):
         warmup_steps: int = 0,
         decay: str = "cosine",
         min_lr_ratio: float = 0.1,
-        lora: Optional[Union[bool, str, dict]] = None,
+        lora: bool | str | dict | None = None,
         checkpoint_frozen: bool = False,
         self_check: bool = True,
     ) -> None:
@@ -170,7 +170,7 @@ class HFModule(pl.LightningModule):
         return self.__dict__.get("_peft_model")
 
     @property
-    def router_loss(self) -> Optional[RouterLoss]:
+    def router_loss(self) -> RouterLoss | None:
         """The model's load-balancing loss when it adds one (a mixture of experts with ``output_router_logits``),
         else ``None`` (see :mod:`lightning_gpipe.hf.moe`)."""
         return None if self.hf_model is None else router_loss_of(self.hf_model)
@@ -293,7 +293,7 @@ class HFModule(pl.LightningModule):
 
     # ----------------------------------------------------------------------------------------------- saving
 
-    def save_pretrained(self, directory: Union[str, os.PathLike]) -> Path:
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
         """Write a directory that ``from_pretrained`` loads (config and safetensors).
 
         Without a pipeline it is the model's ``save_pretrained``. Inside a pipelined run (the module split into
@@ -448,10 +448,10 @@ class CausalLM(HFModule):
     def generate(
         self,
         input_ids: Tensor,
-        attention_mask: Optional[Tensor] = None,
+        attention_mask: Tensor | None = None,
         max_new_tokens: int = 20,
-        eos_token_id: Optional[int] = None,
-        pad_token_id: Optional[int] = None,
+        eos_token_id: int | None = None,
+        pad_token_id: int | None = None,
         kv_cache: bool = True,
     ) -> Tensor:
         """Greedy decoding through the pipeline (see :func:`greedy_generate`); call it on every stage."""
@@ -507,10 +507,10 @@ class SequenceClassifier(HFModule):
 def greedy_generate(
     backbone: nn.Module,
     input_ids: Tensor,
-    attention_mask: Optional[Tensor] = None,
+    attention_mask: Tensor | None = None,
     max_new_tokens: int = 20,
-    eos_token_id: Optional[int] = None,
-    pad_token_id: Optional[int] = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
     kv_cache: bool = True,
 ) -> Tensor:
     """Greedy decoding of a causal LM backbone, through the pipeline (every stage calls it alike).
@@ -581,7 +581,7 @@ class SavePretrained(pl.Callback):
         tokenizer: a tokenizer to save with it (anything with ``save_pretrained``), or ``None``.
     """
 
-    def __init__(self, dirpath: Union[str, os.PathLike], tokenizer: Any = None) -> None:
+    def __init__(self, dirpath: str | os.PathLike, tokenizer: Any = None) -> None:
         self.dirpath, self.tokenizer = Path(dirpath), tokenizer
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -44,7 +44,7 @@ class RouterLoss:
     coefficient: float
     router: type
     index: int = 0
-    layer_name: Optional[str] = None
+    layer_name: str | None = None
 
     @property
     def width(self) -> int:
@@ -102,7 +102,7 @@ class RouterLoss:
         return (counts / tokens * (probabilities / tokens)).sum() * self.num_experts
 
 
-def router_loss_of(model: nn.Module) -> Optional[RouterLoss]:
+def router_loss_of(model: nn.Module) -> RouterLoss | None:
     """The :class:`RouterLoss` a ``transformers`` causal LM adds to its loss, or ``None``.
 
     A model adds it when its config has ``output_router_logits=True`` (as ``transformers`` does: off by default) and

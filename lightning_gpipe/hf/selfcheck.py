@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -171,7 +171,7 @@ def _first(value: Any) -> Tensor:
 def _received(model: nn.Module, layers: list[nn.Module], ids: Tensor, mask: Tensor, **kwargs: Any):
     """The model's forward on the probe, and what the first module of each backbone layer after the first
     received (its hidden states), by forward pre-hooks: ``(output, [received, ...])``."""
-    received: list[Optional[Tensor]] = [None] * (len(layers) - 1)
+    received: list[Tensor | None] = [None] * (len(layers) - 1)
 
     def hook(index: int) -> Callable[..., None]:
         def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -190,7 +190,7 @@ def _received(model: nn.Module, layers: list[nn.Module], ids: Tensor, mask: Tens
     return output, received
 
 
-def _difference(ours: Tensor, theirs: Optional[Tensor], mask: Tensor) -> float:
+def _difference(ours: Tensor, theirs: Tensor | None, mask: Tensor) -> float:
     """The largest absolute difference over the real tokens (``inf`` for a missing or misshapen tensor)."""
     if theirs is None or ours.shape != theirs.shape:
         return float("inf")
@@ -198,7 +198,7 @@ def _difference(ours: Tensor, theirs: Optional[Tensor], mask: Tensor) -> float:
     return (ours[real].float() - theirs[real].float()).abs().max().item()
 
 
-def _compare(model: nn.Module, layers: list[nn.Module], value: tuple, mask: Tensor, labels: Optional[Tensor]):
+def _compare(model: nn.Module, layers: list[nn.Module], value: tuple, mask: Tensor, labels: Tensor | None):
     """``None`` when every backbone layer's output (and the loss, with ``labels``) equals the model's, else
     ``(layer index or None for the loss, difference)``; the backbone's output is the last one."""
     torch.manual_seed(0)  # both sides draw the same dropout masks if they apply the same dropouts in the same order

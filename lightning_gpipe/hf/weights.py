@@ -15,7 +15,7 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -61,7 +61,7 @@ class SafetensorsWeights:
     def __init__(
         self,
         directory: str | os.PathLike,
-        tied: Optional[Mapping[str, str]] = None,
+        tied: Mapping[str, str] | None = None,
         prefix: str = "",
         model: Any = None,
     ) -> None:
@@ -84,7 +84,7 @@ class SafetensorsWeights:
                     self.file_of.update((name, file) for name in f.keys())
         self.converted = {} if model is None else _converted_names(model, self.file_of)
 
-    def _stored_name(self, name: str) -> Optional[str]:
+    def _stored_name(self, name: str) -> str | None:
         candidates = [name, self.tied.get(name)]
         if self.prefix:
             candidates += [name[len(self.prefix) + 1 :] if name.startswith(self.prefix + ".") else None]

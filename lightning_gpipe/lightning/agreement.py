@@ -21,8 +21,8 @@ before the weights change; in evaluation before the step.
 
 import functools
 import hashlib
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -129,7 +129,7 @@ class StepAgreement:
     """
 
     def __init__(
-        self, replica: int, replicas: int, names: dict[int, str], job: "Job", group: Optional[Any] = None
+        self, replica: int, replicas: int, names: dict[int, str], job: "Job", group: Any | None = None
     ) -> None:
         self.replica, self.replicas, self.names, self.job, self.group = replica, replicas, names, job, group
 
@@ -138,7 +138,7 @@ class StepAgreement:
         fingerprint: Tensor,
         requests: Sequence[bool],
         where: Callable[[], str],
-        relay: Optional[Tensor] = None,
+        relay: Tensor | None = None,
     ) -> tuple[list[bool], np.ndarray]:
         """Compare this step's batch with the other stages' and combine the stop requests (a collective call of
         every process, with the same number of ``requests`` and alike ``relay`` or not): one all-reduce and one

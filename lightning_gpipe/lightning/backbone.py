@@ -5,9 +5,9 @@ only, see the user contract). To get it without running anything that holds para
 the backbone is swapped for a stand-in that records its input and stops the step there.
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
@@ -17,10 +17,10 @@ from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from torch import nn
 
 from lightning_gpipe.engine import microbatch
-from lightning_gpipe.planning.balance.costs import LayerCost
-from lightning_gpipe.planning.balance.profile import profile_layers
 from lightning_gpipe.engine.contract import BackboneReached
 from lightning_gpipe.engine.microbatch import Value
+from lightning_gpipe.planning.balance.costs import LayerCost
+from lightning_gpipe.planning.balance.profile import profile_layers
 from lightning_gpipe.planning.costs import ProfiledCosts
 from lightning_gpipe.planning.profiling import profile_sizes
 
@@ -134,9 +134,9 @@ def _call_forward(module: LightningModule, example: Any) -> Any:
 def profile_module(
     module: LightningModule,
     backbone: str,
-    device: Union[torch.device, str],
+    device: torch.device | str,
     batch: Any = None,
-    chunks: Optional[int] = None,
+    chunks: int | None = None,
     split: bool = False,
 ) -> ProfiledCosts:
     """:func:`~lightning_gpipe.planning.profiling.profile_sizes` of ``module``'s backbone ``backbone`` on the backbone

@@ -17,8 +17,9 @@
 The strategy then holds the :class:`~lightning_gpipe.lightning.run.StageRun` it returns.
 """
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -75,14 +76,14 @@ class StageBuilder:
         rank: int,
         device: torch.device,
         job: Job,
-        control: Optional[dist.ProcessGroup] = None,
+        control: dist.ProcessGroup | None = None,
     ) -> None:
         self.module, self.name, self.config, self.topology = module, name, config, topology
         self.rank, self.device, self.job, self.control = rank, device, job, control
         self.stage, self.replica = topology.stage_of(rank), topology.replica_of(rank)
         self.held = topology.virtual_of(self.stage)  # this process's virtual stages, in model chunk order
 
-    def split(self, costs: Optional[list[LayerCost]]) -> Split:
+    def split(self, costs: list[LayerCost] | None) -> Split:
         """Choose the balance (``costs``: the backbone layers' profiled costs, where the balance needs them), check
         the skips, find the ties, and split the module into this stage's model chunks.
 
@@ -109,7 +110,7 @@ class StageBuilder:
         self.recorder = TrackingRecorder(self.job.position)
         return [self._links(virtual, self.recorder.for_chunk(c)) for c, virtual in enumerate(self.held)]
 
-    def runtime(self, links: list[tuple[Link, SkipLinks]], costs: Optional[list[LayerCost]]) -> Runtime:
+    def runtime(self, links: list[tuple[Link, SkipLinks]], costs: list[LayerCost] | None) -> Runtime:
         """A :class:`ModelChunk` per model chunk over its ``links``, and the runtime that runs the stage's plans
         (with the actions' modelled costs where the schedule is placed by cost)."""
         config, num_virtual = self.config, self.topology.num_virtual
@@ -158,7 +159,7 @@ class StageBuilder:
                                control=self.control)  # fmt: skip
         return link, skip_links
 
-    def _group(self, src: int, dst: int) -> Optional[dist.ProcessGroup]:
+    def _group(self, src: int, dst: int) -> dist.ProcessGroup | None:
         """The process group of the link from virtual stage ``src`` to ``dst`` (``None``: the default group)."""
         key: LinkKey = (self.replica, src, dst)
         return self.groups.get(key)
@@ -166,7 +167,7 @@ class StageBuilder:
 
 def build_stage(
     builder: StageBuilder,
-    costs: Optional[list[LayerCost]],
+    costs: list[LayerCost] | None,
     randomness: StageRandomness,
     share: Callable[[Any], Any],
     relays: tuple[LogRelay, StepRelay],

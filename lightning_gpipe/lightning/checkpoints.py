@@ -8,7 +8,7 @@ loads into any split (another number of stages or of virtual stages).
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
@@ -47,7 +47,7 @@ class CheckpointHooks:
         return state_dict.whole_on_rank_zero(local, self.replica_index, self.pipeline_group, self._job) or {}
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write a checkpoint: one file from global rank 0 (``"full"``), or a directory from all stages (``"sharded"``);
         either replaces an existing one only once complete. Waiting for the writers does not count as a stall."""
         with self._job.position.unbounded_phase("writing a checkpoint"):
@@ -57,7 +57,7 @@ class CheckpointHooks:
                 super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Read a full checkpoint file on every stage, or this stage's part of a sharded checkpoint directory.
 
         Raises:

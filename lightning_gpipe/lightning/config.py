@@ -9,16 +9,16 @@ whether ``balance`` fits the backbone at setup (:mod:`lightning_gpipe.planning.b
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal, Optional, Union, get_args
+from typing import Literal, get_args
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-from lightning_gpipe.planning.balance import MODES
 from lightning_gpipe.engine.compilation import CompileOption, compile_options
-from lightning_gpipe.planning.costs import CostModel
-from lightning_gpipe.planning.search import Constraints
 from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, PLACED_BY_COST, V_SHAPED
 from lightning_gpipe.engine.topology import Size, checked_size
+from lightning_gpipe.planning.balance import MODES
+from lightning_gpipe.planning.costs import CostModel
+from lightning_gpipe.planning.search import Constraints
 
 CheckpointMode = Literal["always", "except_last", "never"]
 """``checkpoint``: re-materialization (:data:`lightning_gpipe.engine.rematerialization.CHECKPOINT_MODES`)."""
@@ -60,7 +60,7 @@ _TIMEOUTS = (
 )
 """The options that are durations: (option, what it is, an example, what ``None`` means), for the errors."""
 
-Balance = Union[None, BalanceMode, Sequence[int]]
+Balance = BalanceMode | Sequence[int] | None
 """``balance``: ``None``, a mode of :data:`lightning_gpipe.planning.balance.MODES`, or layers per stage."""
 
 
@@ -189,24 +189,24 @@ class PipelineConfig:
     """
 
     balance: Balance = None
-    chunks: Optional[int] = None
-    checkpoint: Optional[CheckpointMode] = None
-    schedule: Optional[ScheduleName] = None
+    chunks: int | None = None
+    checkpoint: CheckpointMode | None = None
+    schedule: ScheduleName | None = None
     deferred_batch_norm: bool = False
-    defer_weight_grad: Optional[bool] = None
-    virtual_stages: Optional[int] = None
-    backbone: Optional[str] = None
-    balance_memory_limit: Optional[int] = None
+    defer_weight_grad: bool | None = None
+    virtual_stages: int | None = None
+    backbone: str | None = None
+    balance_memory_limit: int | None = None
     start_method: StartMethod = "popen"
     state_dict_type: StateDictType = "full"
     pipeline_parallel_size: Size = "auto"
     data_parallel_size: Size = "auto"
-    timeout: Optional[timedelta] = default_pg_timeout
-    stall_timeout: Optional[timedelta] = timedelta(minutes=5)
-    process_group_backend: Optional[str] = None
-    plan: Optional[str] = None
-    memory_limit: Optional[int] = None
-    cost_model: Optional[CostModel] = None
+    timeout: timedelta | None = default_pg_timeout
+    stall_timeout: timedelta | None = timedelta(minutes=5)
+    process_group_backend: str | None = None
+    plan: str | None = None
+    memory_limit: int | None = None
+    cost_model: CostModel | None = None
     compile: CompileOption = False
 
     def __post_init__(self) -> None:

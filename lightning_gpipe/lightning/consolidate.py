@@ -26,8 +26,9 @@ import argparse
 import os
 import secrets
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence, TypeVar, Union
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -45,7 +46,7 @@ COMMAND = "python -m lightning_gpipe.consolidate"
 _Loadable = TypeVar("_Loadable")
 
 
-def consolidated_checkpoint(directory: Union[str, os.PathLike]) -> dict[str, Any]:
+def consolidated_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
     """The single-file Lightning checkpoint of a sharded checkpoint directory, in memory, with its tensors on the CPU.
 
     Args:
@@ -80,7 +81,7 @@ def consolidated_checkpoint(directory: Union[str, os.PathLike]) -> dict[str, Any
     return {**meta, **sharded}
 
 
-def consolidate(directory: Union[str, os.PathLike], output: Union[str, os.PathLike], *, force: bool = False) -> Path:
+def consolidate(directory: str | os.PathLike, output: str | os.PathLike, *, force: bool = False) -> Path:
     """Write the sharded checkpoint ``directory`` as one checkpoint file at ``output``.
 
     The file holds :func:`consolidated_checkpoint` of ``directory``. It is written under a temporary name next to
@@ -106,9 +107,7 @@ def consolidate(directory: Union[str, os.PathLike], output: Union[str, os.PathLi
     return output
 
 
-def load_from_checkpoint(
-    module_class: type[_Loadable], checkpoint_path: Union[str, os.PathLike], **kwargs: Any
-) -> _Loadable:
+def load_from_checkpoint(module_class: type[_Loadable], checkpoint_path: str | os.PathLike, **kwargs: Any) -> _Loadable:
     """``module_class.load_from_checkpoint(checkpoint_path, **kwargs)`` that also reads a sharded checkpoint directory.
 
     Lightning's ``load_from_checkpoint`` reads files only (a directory raises ``IsADirectoryError``). A sharded
@@ -137,7 +136,7 @@ def load_from_checkpoint(
         return module_class.load_from_checkpoint(path, **kwargs)  # type: ignore[attr-defined]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """The command ``python -m lightning_gpipe.consolidate DIRECTORY OUTPUT [--force]`` (see :func:`consolidate`).
 
     Args:
@@ -194,7 +193,7 @@ def _consolidate(directory: Path, output: Path, force: bool) -> dict[str, Any]:
     return checkpoint
 
 
-def _sharded_directory(directory: Union[str, os.PathLike]) -> Path:
+def _sharded_directory(directory: str | os.PathLike) -> Path:
     """``directory`` as a Path, checked to be a sharded checkpoint directory."""
     directory = Path(directory)
     if not directory.exists():

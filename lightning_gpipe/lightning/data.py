@@ -19,7 +19,7 @@ stages' batch agreement (:mod:`lightning_gpipe.lightning.agreement`).
 
 import os
 from functools import partial
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import pl_worker_init_function
@@ -117,7 +117,7 @@ def same_datasets(trainer: "pl.Trainer", loop: str, topology: "Topology", job: "
         )
 
 
-def dataset_fingerprint(dataset: Any) -> Optional[int]:
+def dataset_fingerprint(dataset: Any) -> int | None:
     """A digest of ``dataset``'s length and of its first, middle and last items (:data:`SAMPLED_ITEMS`), read with
     torch's, NumPy's and Python's generators seeded alike on every process (and put back after:
     :func:`~lightning_gpipe.lightning.randomness.fixed_seed`), so that random augmentation in ``__getitem__`` reads
@@ -136,14 +136,14 @@ def dataset_fingerprint(dataset: Any) -> Optional[int]:
     return fingerprint((size, items))
 
 
-def _size(dataset: Any) -> Optional[int]:
+def _size(dataset: Any) -> int | None:
     try:
         return len(dataset)
     except TypeError:
         return None
 
 
-def _described(datasets: list[tuple[Optional[int], Optional[int]]]) -> str:
+def _described(datasets: list[tuple[int | None, int | None]]) -> str:
     """``"52 rows (fingerprint 0a1b...)"`` for each of a process's datasets."""
     parts = []
     for size, digest in datasets:

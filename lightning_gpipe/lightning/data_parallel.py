@@ -19,7 +19,7 @@ DDP broadcasts when it is built.
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -82,7 +82,7 @@ class GradientSync:
 
 
 def reduce_over_replicas(
-    tensor: Any, reduce_op: Any, group: Optional[dist.ProcessGroup], replicas: int, job: "Job"
+    tensor: Any, reduce_op: Any, group: dist.ProcessGroup | None, replicas: int, job: "Job"
 ) -> Any:
     """``tensor`` reduced over a stage's ``replicas`` (its data-parallel ``group``) as DDP reduces logged values
     (``self.log(..., sync_dist=True)``): their mean (``reduce_op`` ``"mean"``, ``None`` or ``"avg"``) or sum

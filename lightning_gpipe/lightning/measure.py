@@ -10,16 +10,15 @@ and the plan of ``plan="auto"`` (:func:`planned_config`, kept in ``strategy.plan
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_gpipe.lightning.backbone import profile_backbone
-from lightning_gpipe.planning.balance.costs import LayerCost
+from lightning_gpipe.lightning.backbone import profile_backbone, profile_module
 from lightning_gpipe.lightning.config import PipelineConfig
 from lightning_gpipe.lightning.planner import plan_for_strategy
-from lightning_gpipe.lightning.backbone import profile_module
+from lightning_gpipe.planning.balance.costs import LayerCost
 
 Strategy = Any
 """The ``GPipeStrategy`` being set up (not imported: the strategy imports this module)."""
@@ -32,7 +31,7 @@ def _measuring(strategy: Strategy, what: str) -> Iterator[None]:
         yield
 
 
-def shared_layer_costs(strategy: Strategy, module: "pl.LightningModule", name: str) -> Optional[list[LayerCost]]:
+def shared_layer_costs(strategy: Strategy, module: "pl.LightningModule", name: str) -> list[LayerCost] | None:
     """The backbone layers' costs where the balance or the schedule needs them (``strategy.config.profiled``), else
     ``None``: profiled on global rank 0 (:func:`~lightning_gpipe.lightning.backbone.profile_backbone`, with the B/W
     split for a schedule placed by cost), broadcast, and kept in ``strategy.layer_costs``."""

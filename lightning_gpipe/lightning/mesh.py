@@ -10,11 +10,10 @@ what every process of the job does alike, whatever runs in it: the launcher, the
 (:mod:`~lightning_gpipe.lightning.agreement`, :mod:`~lightning_gpipe.lightning.signals`).
 """
 
-from typing import Any, Optional, Union
-
-import numpy as np
+from typing import Any, Optional
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -28,15 +27,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_gpipe.engine.topology import Topology, groups, resolve_topology
 from lightning_gpipe.faults import collectives
+from lightning_gpipe.faults.job import Job
 from lightning_gpipe.lightning.agreement import StepAgreement, fingerprint, same_batch_counts
 from lightning_gpipe.lightning.config import PipelineConfig
 from lightning_gpipe.lightning.data import same_batches, same_datasets
 from lightning_gpipe.lightning.data_parallel import reduce_over_replicas
-from lightning_gpipe.faults.job import Job
 from lightning_gpipe.lightning.randomness import StageRandomness
 from lightning_gpipe.lightning.signals import StopSignals
-from lightning_gpipe.engine.topology import Topology, groups, resolve_topology
 
 
 class MeshStrategy(ParallelStrategy):
@@ -55,10 +54,10 @@ class MeshStrategy(ParallelStrategy):
         self,
         config: PipelineConfig,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -69,15 +68,15 @@ class MeshStrategy(ParallelStrategy):
         )
         self.config = config
         self._num_nodes = 1
-        self._pipeline_group: Optional[dist.ProcessGroup] = None  # the stages of this process's replica
-        self._data_parallel_group: Optional[dist.ProcessGroup] = None  # the replicas of this process's stage
-        self._control_group: Optional[dist.ProcessGroup] = None  # gloo beside a device backend (NCCL); None: gloo
+        self._pipeline_group: dist.ProcessGroup | None = None  # the stages of this process's replica
+        self._data_parallel_group: dist.ProcessGroup | None = None  # the replicas of this process's stage
+        self._control_group: dist.ProcessGroup | None = None  # gloo beside a device backend (NCCL); None: gloo
         self._randomness = StageRandomness()  # one stream until setup_environment seeds the stage's own
-        self._agreement: Optional[StepAgreement] = None
+        self._agreement: StepAgreement | None = None
         self._fingerprint = torch.zeros((), dtype=torch.int64)  # of the batch this process is about to run
-        self._agreed: Optional[list[bool]] = None  # the stop requests agreed in the last training step
+        self._agreed: list[bool] | None = None  # the stop requests agreed in the last training step
         self._batch_name = ""
-        self._signals: Optional[StopSignals] = None
+        self._signals: StopSignals | None = None
         self._job = Job()  # one without a store until setup_environment creates the run's
 
     @property
@@ -134,7 +133,7 @@ class MeshStrategy(ParallelStrategy):
         return self._job
 
     @property
-    def pipeline_group(self) -> Optional[dist.ProcessGroup]:
+    def pipeline_group(self) -> dist.ProcessGroup | None:
         """The process group of this process's replica (its pipeline's stages); ``None`` before setup."""
         return self._pipeline_group
 
@@ -160,7 +159,7 @@ class MeshStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        self.topology  # a mesh that does not fit the job fails here, before any process starts
+        _ = self.topology  # a mesh that does not fit the job fails here, before any process starts
         if self.config.start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
@@ -201,7 +200,7 @@ class MeshStrategy(ParallelStrategy):
             trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _agreed_instead
 
     @override
-    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Take the batch's fingerprint on the host, before Lightning moves it to the device (see
         :func:`~lightning_gpipe.lightning.agreement.fingerprint`), then move it."""
         if self.world_size > 1:
@@ -219,7 +218,7 @@ class MeshStrategy(ParallelStrategy):
         if requests is not None:
             self._signals.act(requests, training=True)
 
-    def agree_step(self, relay: Optional[Tensor]) -> np.ndarray:
+    def agree_step(self, relay: Tensor | None) -> np.ndarray:
         """The agreement of one training step, at the end of its ``backward`` (one all-reduce on the CPU group, see
         :mod:`lightning_gpipe.lightning.agreement`): the stages of each pipeline must have read the same batch, and
         a SIGTERM or requeue signal that reached any process takes effect on all of them at the next step boundary
@@ -279,7 +278,7 @@ class MeshStrategy(ParallelStrategy):
         self._signals.act(agreed, training)
 
     @override
-    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[str] = "mean") -> Any:
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: str | None = "mean") -> Any:
         """Reduce ``tensor`` over this stage's replicas (``self.log(..., sync_dist=True)`` calls this), as DDP does;
         the stages of a pipeline hold parts of one step, not copies, and never average with each other (see
         :func:`~lightning_gpipe.lightning.data_parallel.reduce_over_replicas`).
@@ -292,7 +291,7 @@ class MeshStrategy(ParallelStrategy):
         return reduce_over_replicas(tensor, reduce_op, self._data_parallel_group, replicas, self._job)
 
     @override
-    def barrier(self, name: Optional[str] = None) -> None:
+    def barrier(self, name: str | None = None) -> None:
         """Wait until every process reaches this point (interruptibly: :mod:`lightning_gpipe.faults.collectives`)."""
         if dist.is_initialized():
             collectives.barrier(self._job)

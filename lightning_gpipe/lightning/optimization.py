@@ -17,7 +17,7 @@ and a step context that casts each weight once per step (:mod:`lightning_gpipe.l
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 def clip_grad_norm_(
     parameters: Iterable[Tensor],
     max_norm: float,
-    group: Optional[dist.ProcessGroup] = None,
+    group: dist.ProcessGroup | None = None,
     uncounted: Iterable[Tensor] = (),
     *,
     job: Optional["Job"],
@@ -89,13 +89,13 @@ class SharedGradScaler(torch.amp.GradScaler):
         **kwargs: as for :class:`torch.amp.GradScaler`.
     """
 
-    def __init__(self, *args, group: Optional[dist.ProcessGroup] = None, job: Optional["Job"] = None, **kwargs) -> None:
+    def __init__(self, *args, group: dist.ProcessGroup | None = None, job: Optional["Job"] = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.group, self.job = group, job
 
     @classmethod
     def from_scaler(
-        cls, scaler: torch.amp.GradScaler, group: Optional[dist.ProcessGroup] = None, job: Optional["Job"] = None
+        cls, scaler: torch.amp.GradScaler, group: dist.ProcessGroup | None = None, job: Optional["Job"] = None
     ) -> "SharedGradScaler":
         """A shared scaler with the device, settings and current state (scale, growth tracker) of ``scaler``, over
         ``group`` with the waits of ``job`` (see the class's arguments)."""
@@ -126,7 +126,7 @@ class PipelinePrecision:
     the waits of ``job`` (the run's), and its step context keeps autocast's casts of the weights for the whole
     region (:func:`~lightning_gpipe.lightning.casts.step_casts_cached`). Set on the instance by :func:`pipelined`."""
 
-    pipeline_group: Optional[dist.ProcessGroup]
+    pipeline_group: dist.ProcessGroup | None
     uncounted: Callable[[], Iterable[Tensor]]
     job: "Job"
 
@@ -137,7 +137,7 @@ class PipelinePrecision:
         with super().train_step_context(), step_casts_cached():  # type: ignore[misc]
             yield
 
-    def clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         """Clip ``optimizer``'s gradients by the norm of every stage's gradients (a collective call of the pipeline)."""
         parameters, group, uncounted = self.main_params(optimizer), self.pipeline_group, self.uncounted()
         clip_grad_norm_(parameters, clip_val, group=group, uncounted=uncounted, job=self.job)
@@ -149,7 +149,7 @@ def _pipelined_class(plugin_class: type) -> type:
 
 
 def pipelined(
-    plugin: Any, group: Optional[dist.ProcessGroup], uncounted: Callable[[], Iterable[Tensor]], job: "Job"
+    plugin: Any, group: dist.ProcessGroup | None, uncounted: Callable[[], Iterable[Tensor]], job: "Job"
 ) -> None:
     """Make a Lightning precision plugin clip by the norm of all stages' gradients and share its gradient scaler's
     found-inf decision (:class:`SharedGradScaler`); undone by :func:`unpipelined`.

@@ -1,17 +1,17 @@
 """Planning a pipeline for a module: without training (:func:`plan`), or in ``GPipeStrategy(plan="auto")``'s setup
 (:func:`plan_for_strategy`)."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_gpipe.engine.partition import find_backbone
-from lightning_gpipe.planning.costs import CostModel, ProfiledCosts, optimizer_state_factor
 from lightning_gpipe.lightning.backbone import profile_module
+from lightning_gpipe.planning.costs import CostModel, ProfiledCosts, optimizer_state_factor
 from lightning_gpipe.planning.profiling import module_state_factor
 from lightning_gpipe.planning.report import PlanReport
 from lightning_gpipe.planning.search import Constraints, search
@@ -25,17 +25,17 @@ def plan(
     world_size: int,
     memory_limit: int,
     example_batch: Any = None,
-    optimizer: Union[None, str, torch.optim.Optimizer] = None,
-    device: Union[torch.device, str] = "cpu",
-    backbone: Optional[str] = None,
+    optimizer: None | str | torch.optim.Optimizer = None,
+    device: torch.device | str = "cpu",
+    backbone: str | None = None,
     cost_model: CostModel = CostModel(),
-    pipeline_parallel_size: Optional[int] = None,
-    data_parallel_size: Optional[int] = None,
-    chunks: Optional[int] = None,
-    checkpoint: Optional[str] = None,
-    schedule: Optional[str] = None,
-    balance: Union[None, str, Sequence[int]] = None,
-    virtual_stages: Optional[int] = None,
+    pipeline_parallel_size: int | None = None,
+    data_parallel_size: int | None = None,
+    chunks: int | None = None,
+    checkpoint: str | None = None,
+    schedule: str | None = None,
+    balance: None | str | Sequence[int] = None,
+    virtual_stages: int | None = None,
 ) -> PlanReport:
     """Plan a pipeline for ``module`` on ``world_size`` devices of ``memory_limit`` bytes each, without training.
 
@@ -90,7 +90,7 @@ def _interleaving(constraints: Constraints, device: torch.device) -> Constraints
     return replace(constraints, virtual_stages=1)
 
 
-def _built_backbone(module: LightningModule, backbone: Optional[str], example_batch: Any) -> str:
+def _built_backbone(module: LightningModule, backbone: str | None, example_batch: Any) -> str:
     """The backbone's name, building it on the meta device with ``configure_model`` if it does not exist yet.
 
     Raises:
@@ -126,7 +126,7 @@ def plan_for_strategy(
     config: Any,
     mesh: tuple[int, int],
     device: torch.device,
-    profile: Callable[[], Optional[ProfiledCosts]],
+    profile: Callable[[], ProfiledCosts | None],
     share: Callable[[Any], Any],
 ) -> PlanReport:
     """The plan of ``GPipeStrategy(plan="auto")`` at setup, on every process alike.

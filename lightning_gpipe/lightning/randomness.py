@@ -30,9 +30,9 @@ of one stage (data parallelism) share their seeds, as DDP's ranks do with ``seed
 
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states

@@ -14,11 +14,11 @@ What ``training_step`` returns reaches the other stages too (:func:`share_step_o
 
 import io
 import pickle
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import lightning.pytorch as pl
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
@@ -45,7 +45,7 @@ class LogRelay:
     """
 
     def __init__(
-        self, strategy: "pl.strategies.Strategy", src: int, group: Optional[dist.ProcessGroup], job: "Job"
+        self, strategy: "pl.strategies.Strategy", src: int, group: dist.ProcessGroup | None, job: "Job"
     ) -> None:
         self.strategy, self.src, self.group, self.job = strategy, src, group, job
 
@@ -163,8 +163,8 @@ class StepRelay:
         strategy: Any,
         src: int,
         is_src: bool,
-        group: Optional[dist.ProcessGroup],
-        control: Optional[dist.ProcessGroup],
+        group: dist.ProcessGroup | None,
+        control: dist.ProcessGroup | None,
         device: torch.device,
         job: "Job",
     ) -> None:
@@ -172,8 +172,8 @@ class StepRelay:
         self.control, self.device, self.job = control if control is not None else group, device, job
         self.output: Any = None  # the last step's output: the last stage's own, or its copy
         self.reshaped = False  # whether that output's shape differs from the one returned by share_loss
-        self._description: Optional[tuple] = None  # the last description: records, layout, output, output tensors
-        self._placeholders: list[Optional[Tensor]] = []  # the tensors of the output share_loss returned
+        self._description: tuple | None = None  # the last description: records, layout, output, output tensors
+        self._placeholders: list[Tensor | None] = []  # the tensors of the output share_loss returned
         self._tensors: list[Tensor] = []
         self._pending: list = []  # the last stage's broadcasts, waited for before the next ones
         self._objects: dict[tuple[str, bytes], Any] = {}  # the rebuilt logged entries, by key and metadata
@@ -349,7 +349,7 @@ _HEADER = 3
 """int64 words before the description in a relay region: its length, its tensors' bytes, whether they follow it."""
 
 
-def _loss_of(output: Any) -> Optional[Tensor]:
+def _loss_of(output: Any) -> Tensor | None:
     """The loss in a step's output: the output itself, or its ``"loss"`` entry."""
     return output if isinstance(output, Tensor) else output.get("loss") if isinstance(output, Mapping) else None
 

@@ -5,10 +5,10 @@ what the strategy's hooks hand work to (a step's two protocols: :mod:`lightning_
 :meth:`StageRun.close` undoes the split at teardown.
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -62,7 +62,7 @@ class StageRun:
     randomness: StageRandomness
     share: Callable[[Any], Any]
     job: Job
-    gradient_sync: Optional[GradientSync] = None
+    gradient_sync: GradientSync | None = None
     step_gradients: StepGradients = field(default_factory=StepGradients)
     collector: Any = None
 
@@ -130,13 +130,13 @@ class StageRun:
         ):
             sync.prepare([loss])
 
-    def whole_state(self, module: "pl.LightningModule", replica: int, group: Any) -> Optional[dict]:
+    def whole_state(self, module: "pl.LightningModule", replica: int, group: Any) -> dict | None:
         """Every stage's part of ``module``'s state on the process of pipeline replica ``replica`` that gets the
         whole model back (see :func:`~lightning_gpipe.lightning.state_dict.whole_on_rank_zero`; ``None`` elsewhere): a
         collective call over the pipeline's ``group``."""
         return state_dict.whole_on_rank_zero(module.state_dict(), replica, group, self.job)
 
-    def close(self, module: "pl.LightningModule", whole: Optional[dict[str, Any]]) -> None:
+    def close(self, module: "pl.LightningModule", whole: dict[str, Any] | None) -> None:
         """Undo the split (see :meth:`~lightning_gpipe.engine.partition.Split.undo`; ``whole``: every stage's state, on
         the process that gets the whole model back), the relay's hooks, and put back the plain batch norm layers and
         the shared random stream (if a step that failed kept the stage's)."""

@@ -17,7 +17,7 @@ thread, which Lightning turns into a shutdown that ends every stage process.
 
 import signal
 import threading
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import SLURMEnvironment
@@ -39,11 +39,11 @@ class StopSignals:
             handled too.
     """
 
-    def __init__(self, trainer: "pl.Trainer", launcher: Optional[Any], environment: Optional[Any]) -> None:
+    def __init__(self, trainer: "pl.Trainer", launcher: Any | None, environment: Any | None) -> None:
         self.trainer, self.launcher = trainer, launcher
         self.marks = [False, False]
         requeue = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
-        self.requeue_signal: Optional[signal.Signals] = environment.requeue_signal if requeue else None
+        self.requeue_signal: signal.Signals | None = environment.requeue_signal if requeue else None
 
     def install(self) -> None:
         """Replace Lightning's SIGTERM and requeue handlers by marking ones, and let SIGINT raise

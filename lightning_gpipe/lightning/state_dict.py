@@ -19,7 +19,7 @@ Two layouts, chosen with ``GPipeStrategy(state_dict_type=...)`` as for Lightning
 
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -94,7 +94,7 @@ def local_entries(state_dict: dict[str, Tensor], module: nn.Module) -> dict[str,
     return {key: value for key, value in state_dict.items() if key in local}
 
 
-def gather_union(local: dict[str, Any], group: Optional[dist.ProcessGroup], job: "Job") -> Optional[dict[str, Any]]:
+def gather_union(local: dict[str, Any], group: dist.ProcessGroup | None, job: "Job") -> dict[str, Any] | None:
     """The union of the ``local`` dicts of every process of ``group`` (``None``: all) on global rank 0, ``None``
     elsewhere (a collective call of ``group``, which must hold global rank 0; ``job``: the run's
     :class:`~lightning_gpipe.faults.job.Job`, whose waits the gather uses).
@@ -113,9 +113,7 @@ def gather_union(local: dict[str, Any], group: Optional[dist.ProcessGroup], job:
     return {key: value for part in parts for key, value in part.items()}
 
 
-def whole_on_rank_zero(
-    local: dict[str, Any], replica: int, group: Optional[dist.ProcessGroup], job: "Job"
-) -> Optional[dict]:
+def whole_on_rank_zero(local: dict[str, Any], replica: int, group: dist.ProcessGroup | None, job: "Job") -> dict | None:
     """The union of replica 0's stages' ``local`` dicts on global rank 0; ``None`` elsewhere. The other replicas
     hold copies of replica 0's, so they send nothing (a collective call of replica 0's pipeline ``group``; ``job``:
     the run's :class:`~lightning_gpipe.faults.job.Job`, whose waits the gather uses).

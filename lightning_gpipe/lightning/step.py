@@ -34,13 +34,13 @@ relay.LogRelay`). Evaluation (validation, test, predict) runs fill-drain's fill 
 (:func:`evaluation_step`). docs/how-it-works.md shows the same table with the hooks' call chains.
 """
 
-from collections.abc import Mapping
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.model_helpers import is_overridden
 import numpy as np
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
 from lightning_gpipe.lightning.relay import share_step_output
@@ -105,7 +105,7 @@ class PerMicroBatch:
         run.step_gradients.hand_over()
 
 
-Protocol = Union[type[FillDrain], type[PerMicroBatch]]
+Protocol = type[FillDrain] | type[PerMicroBatch]
 
 
 def protocol_of(run: StageRun) -> Protocol:
@@ -142,7 +142,7 @@ def training_step(run: StageRun, module: "pl.LightningModule", precision: Any, a
     return share_step_output(output, is_last, run.share, run.last_chunk.link.device)
 
 
-def agree(run: StageRun, trainer: "pl.Trainer", agree_step: Callable[[Optional[Tensor]], np.ndarray]) -> None:
+def agree(run: StageRun, trainer: "pl.Trainer", agree_step: Callable[[Tensor | None], np.ndarray]) -> None:
     """At the end of ``strategy.backward``: the step's agreement (``agree_step``, one all-reduce on the CPU group,
     see :class:`~lightning_gpipe.lightning.agreement.StepAgreement`), whose region carries the last stage's
     description of its logged values and output, then their tensors (:class:`~lightning_gpipe.lightning.relay.

@@ -10,10 +10,10 @@ the base class), the options (:mod:`~lightning_gpipe.lightning.config`), this ru
 (:mod:`~lightning_gpipe.lightning.optimization`).
 """
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -26,8 +26,13 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gpipe.planning.balance import LayerCost
 from lightning_gpipe.engine.compilation import CompileOption
+from lightning_gpipe.engine.contract import check_automatic_optimization
+from lightning_gpipe.engine.partition import find_backbone, is_whole
+from lightning_gpipe.engine.topology import Size
+from lightning_gpipe.lightning import step
+from lightning_gpipe.lightning.build import StageBuilder, build_stage
+from lightning_gpipe.lightning.checkpoints import CheckpointHooks
 from lightning_gpipe.lightning.config import (
     Balance,
     CheckpointMode,
@@ -36,19 +41,14 @@ from lightning_gpipe.lightning.config import (
     StartMethod,
     StateDictType,
 )
-from lightning_gpipe.engine.contract import check_automatic_optimization
+from lightning_gpipe.lightning.measure import planned_config, shared_layer_costs
 from lightning_gpipe.lightning.mesh import MeshStrategy
 from lightning_gpipe.lightning.optimization import pipelined, unpipelined
-from lightning_gpipe.engine.partition import find_backbone, is_whole
-from lightning_gpipe.lightning import step
-from lightning_gpipe.lightning.build import StageBuilder, build_stage
-from lightning_gpipe.lightning.checkpoints import CheckpointHooks
-from lightning_gpipe.lightning.run import StageRun
-from lightning_gpipe.lightning.measure import planned_config, shared_layer_costs
-from lightning_gpipe.planning import CostModel, PlanReport
 from lightning_gpipe.lightning.relay import LogRelay, StepRelay
+from lightning_gpipe.lightning.run import StageRun
 from lightning_gpipe.lightning.summary import replace_model_summary
-from lightning_gpipe.engine.topology import Size
+from lightning_gpipe.planning import CostModel, PlanReport
+from lightning_gpipe.planning.balance import LayerCost
 
 
 class GPipeStrategy(CheckpointHooks, MeshStrategy):
@@ -109,42 +109,42 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
     def __init__(
         self,
         balance: Balance = None,
-        chunks: Optional[int] = None,
-        checkpoint: Optional[CheckpointMode] = None,
+        chunks: int | None = None,
+        checkpoint: CheckpointMode | None = None,
         deferred_batch_norm: bool = False,
-        defer_weight_grad: Optional[bool] = None,
-        backbone: Optional[str] = None,
-        balance_memory_limit: Optional[int] = None,
+        defer_weight_grad: bool | None = None,
+        backbone: str | None = None,
+        balance_memory_limit: int | None = None,
         start_method: StartMethod = "popen",
         state_dict_type: StateDictType = "full",
-        schedule: Optional[ScheduleName] = None,
-        virtual_stages: Optional[int] = None,
+        schedule: ScheduleName | None = None,
+        virtual_stages: int | None = None,
         pipeline_parallel_size: Size = "auto",
         data_parallel_size: Size = "auto",
-        timeout: Optional[timedelta] = default_pg_timeout,
-        stall_timeout: Optional[timedelta] = timedelta(minutes=5),
-        process_group_backend: Optional[str] = None,
-        plan: Optional[Literal["auto"]] = None,
-        memory_limit: Optional[int] = None,
-        cost_model: Optional[CostModel] = None,
+        timeout: timedelta | None = default_pg_timeout,
+        stall_timeout: timedelta | None = timedelta(minutes=5),
+        process_group_backend: str | None = None,
+        plan: Literal["auto"] | None = None,
+        memory_limit: int | None = None,
+        cost_model: CostModel | None = None,
         compile: CompileOption = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
     ) -> None:
         options = {k: v for k, v in locals().items() if k in PipelineConfig.__dataclass_fields__}
         plugins = (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         super().__init__(PipelineConfig(**options), *plugins)
-        self.layer_costs: Optional[list[LayerCost]] = None  # profiled per backbone layer, when a mode needs them
-        self.plan_report: Optional[PlanReport] = None  # what plan="auto" chose and why, once planned
+        self.layer_costs: list[LayerCost] | None = None  # profiled per backbone layer, when a mode needs them
+        self.plan_report: PlanReport | None = None  # what plan="auto" chose and why, once planned
         self._requested = self.config  # the options as given; plan="auto" runs a config with the plan's values
         self._whole_before_split = True
-        self._run: Optional[StageRun] = None
+        self._run: StageRun | None = None
 
     @property
-    def run(self) -> Optional[StageRun]:
+    def run(self) -> StageRun | None:
         """This process's part of the run while a model is split (``None`` before setup and after teardown)."""
         return self._run
 
@@ -158,7 +158,7 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
 
     @contextmanager
     @override
-    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Like other strategies; with ``empty_init=True`` (``Trainer.init_module(empty_init=True)``) modules are
         created on the meta device and each stage materialises only its own part, as in ``configure_model``."""
         if not empty_init:
@@ -229,7 +229,7 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         return step.training_step(self._run, self.lightning_module, self.precision_plugin, args, kwargs)
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
+    def backward(self, closure_loss: Tensor, optimizer: Any | None, *args: Any, **kwargs: Any) -> Tensor:
         """The plan after its cut (see :func:`~lightning_gpipe.lightning.step.backward`), between
         ``on_before_backward`` and ``on_after_backward``; then the step's agreement, which carries the last stage's
         logged values to every stage (see :func:`~lightning_gpipe.lightning.step.agree`)."""
@@ -244,7 +244,7 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         return closure_loss
 
     @override
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Optional[Any] = None, **kwargs) -> Any:
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any | None = None, **kwargs) -> Any:
         """Lightning's optimizer step, with the gradients of tied parameters summed over the stages that hold a
         copy right after the step's closure (see :mod:`lightning_gpipe.engine.ties`); then the step's output that
         callbacks see is the last stage's (:func:`~lightning_gpipe.lightning.step.hand_output`)."""

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -81,7 +81,7 @@ class _Pipeline(NamedTuple):
     job: Job
 
 
-def _pipeline_of(trainer: "pl.Trainer") -> Optional[_Pipeline]:
+def _pipeline_of(trainer: "pl.Trainer") -> _Pipeline | None:
     """This process's stage while ``GPipeStrategy`` has split the model; ``None`` under any other strategy.
 
     The only function here that reads the strategy's attributes. It recognises the strategy by them rather
@@ -145,8 +145,8 @@ class PipelineModelSummary(ModelSummary):
             )
         super().__init__(max_depth=max_depth, **summarize_kwargs)
         self.stages: list[StageSummary] = []
-        self.total_parameters: Optional[int] = None
-        self.trainable_parameters: Optional[int] = None
+        self.total_parameters: int | None = None
+        self.trainable_parameters: int | None = None
 
     @property
     def max_depth(self) -> int:
@@ -174,7 +174,7 @@ class PipelineModelSummary(ModelSummary):
             _log.info("\n" + _format(table, self.stages, _PRECISION_BITS.get(str(trainer.precision), 32)))
 
 
-def replace_model_summary(trainer: "pl.Trainer") -> Optional[PipelineModelSummary]:
+def replace_model_summary(trainer: "pl.Trainer") -> PipelineModelSummary | None:
     """Swap Lightning's ``ModelSummary`` or ``RichModelSummary`` in ``trainer.callbacks`` for a
     :class:`PipelineModelSummary` with the same ``max_depth``, at the same place in the list.
 

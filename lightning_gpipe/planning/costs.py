@@ -12,7 +12,7 @@ Its defaults were measured on a 2-core CPU machine (docs/planning.md, "Calibrati
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Union
+from typing import Any
 
 from lightning_gpipe.planning.balance.costs import LayerCost
 
@@ -73,7 +73,7 @@ class CostModel:
         return 2 * (replicas - 1) / replicas * parameter_bytes / self.all_reduce_bandwidth
 
 
-def optimizer_state_factor(optimizer: Union[str, Any]) -> int:
+def optimizer_state_factor(optimizer: str | Any) -> int:
     """How many tensors of a parameter's size the optimizer keeps per parameter.
 
     Args:

@@ -16,8 +16,8 @@ activations and these together, in bytes.
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_gpipe.engine.rematerialization import checkpointed
 from lightning_gpipe.engine.actions import Action, Kind
+from lightning_gpipe.engine.rematerialization import checkpointed
 
 
 @dataclass

@@ -15,12 +15,12 @@ PipeDream's planner (Narayanan et al. 2019, section 3.1) predicts from a per-lay
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from lightning_gpipe.engine.actions import Kind, virtual_stage
+from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, V_SHAPED, plans
 from lightning_gpipe.planning.balance.costs import LayerCost
 from lightning_gpipe.planning.balance.solver import stage_sums
 from lightning_gpipe.planning.costs import CostModel, ProfiledCosts
 from lightning_gpipe.planning.held import held_peak
-from lightning_gpipe.engine.actions import Kind, virtual_stage
-from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, V_SHAPED, plans
 from lightning_gpipe.planning.simulator import StageCost, Transfer, simulate
 
 

@@ -1,13 +1,13 @@
 """The planner's measurements: a backbone's layers at two micro-batch sizes, and a module's optimizer state."""
 
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_gpipe.engine import microbatch
-from lightning_gpipe.planning.balance.profile import profile_layers
 from lightning_gpipe.engine.microbatch import Value
+from lightning_gpipe.planning.balance.profile import profile_layers
 from lightning_gpipe.planning.costs import ProfiledCosts, optimizer_state_factor
 from lightning_gpipe.planning.search import MAX_CHUNKS
 
@@ -18,8 +18,8 @@ PROFILED_CHUNKS = 8
 def profile_sizes(
     layers: nn.Sequential,
     value: Value,
-    device: Union[torch.device, str],
-    chunks: Optional[int] = None,
+    device: torch.device | str,
+    chunks: int | None = None,
     split: bool = False,
 ) -> ProfiledCosts:
     """Profile ``layers`` (:func:`~lightning_gpipe.planning.balance.profile_layers`; with ``split``, the B/W split timed
@@ -43,7 +43,7 @@ def profile_sizes(
     return ProfiledCosts(sizes, large_costs, small_costs, rows, input_bytes)
 
 
-def module_state_factor(module: Any) -> Optional[int]:
+def module_state_factor(module: Any) -> int | None:
     """The optimizer state factor (:func:`~lightning_gpipe.planning.costs.optimizer_state_factor`) of the optimizer
     ``module.configure_optimizers()`` returns (the first one); ``None`` if it cannot be called here (it needs the
     trainer, say) or returns no optimizer. The optimizer made is dropped (it holds no state yet)."""
@@ -55,7 +55,7 @@ def module_state_factor(module: Any) -> Optional[int]:
     return None if optimizer is None else optimizer_state_factor(optimizer)
 
 
-def _first_optimizer(configured: Any) -> Optional[torch.optim.Optimizer]:
+def _first_optimizer(configured: Any) -> torch.optim.Optimizer | None:
     """The first optimizer in what ``configure_optimizers`` may return (an optimizer, a dict, a list or tuple)."""
     if isinstance(configured, torch.optim.Optimizer):
         return configured

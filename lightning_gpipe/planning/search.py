@@ -18,16 +18,15 @@ predicted (:func:`~lightning_gpipe.planning.predict.predict`); the fastest per r
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from itertools import product
-from typing import Optional, Union
 
+from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES
+from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, SCHEDULES
 from lightning_gpipe.planning.balance.choose import balance_by
 from lightning_gpipe.planning.balance.costs import LayerCost
 from lightning_gpipe.planning.balance.solver import solve, stage_sums
 from lightning_gpipe.planning.costs import CostModel, ProfiledCosts
 from lightning_gpipe.planning.predict import PipelinePlan, PlanPrediction, predict
 from lightning_gpipe.planning.report import PlanReport, no_plan_fits
-from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES
-from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, SCHEDULES
 
 MAX_CHUNKS = 64
 """The most micro-batches the planner tries (unless the user fixes ``chunks``)."""
@@ -53,13 +52,13 @@ class Constraints:
         virtual_stages: v, model chunks per stage (a list ``balance`` without it means 1).
     """
 
-    pipeline_parallel_size: Optional[int] = None
-    data_parallel_size: Optional[int] = None
-    chunks: Optional[int] = None
-    checkpoint: Optional[str] = None
-    schedule: Optional[str] = None
-    balance: Union[None, str, Sequence[int]] = None
-    virtual_stages: Optional[int] = None
+    pipeline_parallel_size: int | None = None
+    data_parallel_size: int | None = None
+    chunks: int | None = None
+    checkpoint: str | None = None
+    schedule: str | None = None
+    balance: None | str | Sequence[int] = None
+    virtual_stages: int | None = None
 
     @property
     def splits(self) -> bool:

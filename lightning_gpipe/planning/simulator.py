@@ -47,15 +47,14 @@ compared span by span.
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Optional
 
-from lightning_gpipe.planning.balance.costs import LayerCost
-from lightning_gpipe.engine.events import Span
-from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, checkpointed
 from lightning_gpipe.engine.actions import COMPUTE, Action, ActionCost, Kind
 from lightning_gpipe.engine.clock import Clock
+from lightning_gpipe.engine.events import Span
+from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, checkpointed
 from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, SCHEDULES, plans
 from lightning_gpipe.engine.trace import StageTrace, StepTrace
+from lightning_gpipe.planning.balance.costs import LayerCost
 
 
 @dataclass(frozen=True)
@@ -158,7 +157,7 @@ def simulate(
     loss: float = 0.0,
     optimizer: float | Sequence[float] = 0.0,
     schedule: str = "gpipe",
-    defer_weight_grad: Optional[bool] = None,
+    defer_weight_grad: bool | None = None,
     virtual_stages: int = 1,
 ) -> Prediction:
     """Predict one step of the pipeline (see the module docstring for the schedules).
@@ -264,7 +263,7 @@ def _replay(
 
 
 def _work(
-    cost: StageCost, kind: str, i: Optional[int], micro_batches: int, checkpoint: str, loss: float, split: bool
+    cost: StageCost, kind: str, i: int | None, micro_batches: int, checkpoint: str, loss: float, split: bool
 ) -> tuple[float, int, int]:
     """Seconds, bytes of input kept and bytes of activations saved of one stage's ``kind`` of micro-batch ``i``
     (``split``: whether the stage's backwards leave the weight gradient to a W action of its own)."""

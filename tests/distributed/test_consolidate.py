@@ -15,10 +15,10 @@ import sys
 import pytest
 import torch
 from conftest import assert_states_close, shared_run
+from models import TupleNet, fit_trainer
 
 import lightning_gpipe
 from lightning_gpipe.lightning.consolidate import COMMAND, load_from_checkpoint, main
-from models import TupleNet, fit_trainer
 
 TWO_STAGES = shared_run("consolidate.py", devices=2, timeout=300)
 

@@ -11,10 +11,10 @@ import lightning as L
 import pytest
 import torch
 from conftest import assert_states_close, shared_run
-import lightning_gpipe
 from lightning.pytorch.plugins import MixedPrecision
 from models import TupleNet, fit, fit_trainer, loader, trainer_kwargs
 
+import lightning_gpipe
 
 TWO_STAGES = shared_run("production.py", "--devices=2", devices=2, timeout=600, name="production")
 RESUMED_ON_THREE = shared_run(

@@ -4,10 +4,9 @@ connections and tied parameters train, predict and save like one device, and a s
 import pytest
 import torch
 from conftest import assert_states_close, shared_run
-from tiny_translation import TINY, one_thread, predict_data
 from models import FEATURES
 from nonchain import SkipNet, TiedNet, fit_nonchain, fit_tied_translation, skip_loader
-
+from tiny_translation import TINY, one_thread, predict_data
 from translation.module import TranslationModule
 
 THREE_STAGES = shared_run("skip_ties.py", "--devices=3", devices=3, timeout=400)

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from lightning_gpipe import GPipeStrategy, forward_and_share
-
 from lightning_gpipe.engine import microbatch
 from lightning_gpipe.engine.contract import BackboneCall
 from lightning_gpipe.engine.partition import Partition

@@ -7,13 +7,12 @@ from itertools import combinations
 
 import pytest
 import torch
+from models import TupleNet
 from torch import nn
 
 from lightning_gpipe import GPipeStrategy, balance_by, profile_layers, solve
-from lightning_gpipe.planning.balance import LayerCost, layer_weights, stage_sums
 from lightning_gpipe.lightning.backbone import sample_micro_batch
-from lightning_gpipe.planning.balance import resolve_balance
-from models import TupleNet
+from lightning_gpipe.planning.balance import LayerCost, layer_weights, resolve_balance, stage_sums
 
 
 def _splits(layers: int, stages: int):

@@ -12,11 +12,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_gpipe import PipelineFailure
-
+from lightning_gpipe.engine.actions import Action, Kind
+from lightning_gpipe.engine.runtime import Runtime
 from lightning_gpipe.faults import waiting
 from lightning_gpipe.faults.job import Job
-from lightning_gpipe.engine.runtime import Runtime
-from lightning_gpipe.engine.actions import Action, Kind
 from lightning_gpipe.faults.watchdog import Position
 
 

@@ -73,9 +73,9 @@ def test_rank_mapping_keeps_a_pipeline_on_neighbouring_ranks():
 
 
 def test_traces_of_another_node_are_moved_onto_rank_zeros_clock():
-    from lightning_gpipe.lightning.callbacks._pipeline import _on_one_clock
     from lightning_gpipe.engine.events import Span
     from lightning_gpipe.engine.trace import StageTrace
+    from lightning_gpipe.lightning.callbacks._pipeline import _on_one_clock
 
     def trace(stage, start):
         return StageTrace(stage, [Span("forward", 0, start, start + 1.0)], start, start + 2.0)

@@ -15,18 +15,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_gpipe import GPipeStrategy
+from lightning_gpipe.engine.actions import Kind
 from lightning_gpipe.engine.batchnorm import convert_deferred_batch_norm
 from lightning_gpipe.engine.contract import BackboneCall
 from lightning_gpipe.engine.events import Recorder
-from lightning_gpipe.faults.job import Job
+from lightning_gpipe.engine.model_chunk import ModelChunk
 from lightning_gpipe.engine.partition import Split
 from lightning_gpipe.engine.per_micro_batch import RowWeighted, batch_rows, check_input_rows, split_batch
 from lightning_gpipe.engine.runtime import Runtime
-from lightning_gpipe.engine.actions import Kind
 from lightning_gpipe.engine.schedule import one_f_one_b, plans
-from lightning_gpipe.planning.simulator import StageCost, action_costs, simulate
-from lightning_gpipe.engine.model_chunk import ModelChunk
 from lightning_gpipe.engine.transfer import Link
+from lightning_gpipe.faults.job import Job
+from lightning_gpipe.planning.simulator import StageCost, action_costs, simulate
 
 # --------------------------------------------------------------------------- the order, on fake stages
 
@@ -370,7 +370,7 @@ def test_row_weighted_logs_the_mean_a_device_logs():
         return value
 
     for rows, value in ((6, 1.0), (4, 2.0)):
-        results.run(rows, lambda: step(value))
+        results.run(rows, lambda value=value: step(value))
     assert results.finish() == pytest.approx(1.4)
     assert [(name, float(v) if name == "mean" else v) for name, v, _ in net.logged] == [
         ("mean", pytest.approx(1.4)),

@@ -9,10 +9,9 @@ import torch
 from torch import nn
 
 from lightning_gpipe import GPipeStrategy, plan
-
 from lightning_gpipe.engine import actions, schedule
-from lightning_gpipe.planning.balance import LayerCost, profile_layers
 from lightning_gpipe.lightning.config import PipelineConfig
+from lightning_gpipe.lightning.planner import plan_for_strategy
 from lightning_gpipe.planning import (
     Constraints,
     CostModel,
@@ -22,7 +21,7 @@ from lightning_gpipe.planning import (
     predict,
     search,
 )
-from lightning_gpipe.lightning.planner import plan_for_strategy
+from lightning_gpipe.planning.balance import LayerCost, profile_layers
 from lightning_gpipe.planning.held import held_peak
 from lightning_gpipe.planning.predict import modelled_stage_costs
 from lightning_gpipe.planning.search import meshes

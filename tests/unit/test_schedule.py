@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, checkpointed
 from lightning_gpipe.engine.actions import Action, ActionCost, Kind, Plan, stage_of_virtual, virtual_stage
+from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, checkpointed
 from lightning_gpipe.engine.schedule import (
     DEFERRED_BY_DEFAULT,
     SCHEDULES,
@@ -19,7 +19,6 @@ from lightning_gpipe.engine.schedule import (
     plans,
 )
 from lightning_gpipe.planning.simulator import StageCost, action_costs, simulate
-
 
 LOOPED = [name for name in SCHEDULES if name not in V_SHAPED]
 

@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from conftest import one_stage_pipeline
 from torch import nn
 
-from lightning_gpipe.planning.balance.costs import LayerCost
 from lightning_gpipe.engine.events import peak_activation_bytes
-from lightning_gpipe.planning.simulator import StageCost, Transfer, simulate, stage_costs
-from conftest import one_stage_pipeline
 from lightning_gpipe.engine.model_chunk import ModelChunk
+from lightning_gpipe.planning.balance.costs import LayerCost
+from lightning_gpipe.planning.simulator import StageCost, Transfer, simulate, stage_costs
 
 
 @pytest.mark.parametrize("stages, chunks", [(2, 8), (4, 4), (3, 1), (4, 16)])

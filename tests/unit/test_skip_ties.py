@@ -14,14 +14,14 @@ from nonchain import Pop, SkipNet, Stash, TiedNet, dense, skip_loader
 from torch import nn
 
 import lightning_gpipe
-from lightning_gpipe.planning.balance import profile_layers
-from lightning_gpipe.lightning.optimization import clip_grad_norm_
+from lightning_gpipe.engine import ties as ties_module
 from lightning_gpipe.engine.partition import Split
 from lightning_gpipe.engine.skip import Namespace, SkipLayout, pop, skippable, stash, verify_skippables
-from lightning_gpipe.engine import ties as ties_module
 from lightning_gpipe.engine.ties import TiedParameters, find_ties
 from lightning_gpipe.engine.topology import Topology
 from lightning_gpipe.faults.job import Job
+from lightning_gpipe.lightning.optimization import clip_grad_norm_
+from lightning_gpipe.planning.balance import profile_layers
 
 
 def test_skippable_backbone_runs_unchanged_on_one_device_and_in_a_one_stage_pipeline():

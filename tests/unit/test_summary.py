@@ -18,8 +18,8 @@ from models import TupleNet, fit_trainer
 from torch import nn
 
 from lightning_gpipe import PipelineModelSummary
-from lightning_gpipe.lightning.callbacks import replace_model_summary
 from lightning_gpipe.faults.job import Job
+from lightning_gpipe.lightning.callbacks import replace_model_summary
 from lightning_gpipe.lightning.summary import StageSummary, _format, _layer_range, _local_part, _merge
 
 

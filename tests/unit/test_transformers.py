@@ -19,6 +19,7 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+from hf_families import BERT, FAMILIES, FIRST, MOE_FAMILIES, build  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     BertConfig,
@@ -34,8 +35,8 @@ from transformers import (  # noqa: E402
     Qwen2ForCausalLM,
 )
 
-from hf_families import BERT, FAMILIES, FIRST, MOE_FAMILIES, build  # noqa: E402
-
+from lightning_gpipe.engine.partition import Split, materialize  # noqa: E402
+from lightning_gpipe.engine.ties import find_ties  # noqa: E402
 from lightning_gpipe.hf import (  # noqa: E402
     SafetensorsWeights,
     UnsupportedModelError,
@@ -45,8 +46,6 @@ from lightning_gpipe.hf import (  # noqa: E402
 )
 from lightning_gpipe.hf.decoder import causal_lm_loss  # noqa: E402
 from lightning_gpipe.hf.moe import router_loss_of  # noqa: E402
-from lightning_gpipe.engine.partition import Split, materialize  # noqa: E402
-from lightning_gpipe.engine.ties import find_ties  # noqa: E402
 
 VOCAB = 61
 DECODER = dict(

@@ -11,7 +11,13 @@ import pytest
 import torch
 import yaml
 from tiny_translation import (
-    EXAMPLE, TINY, one_thread, predict_data, tiny_datamodule, tiny_trainer, validation_sentences,
+    EXAMPLE,
+    TINY,
+    one_thread,
+    predict_data,
+    tiny_datamodule,
+    tiny_trainer,
+    validation_sentences,
 )  # fmt: skip
 from torch import Tensor
 from translation.callbacks import WriteTranslations
@@ -244,7 +250,7 @@ def test_prepare_multi30k_turns_the_release_into_the_data_modules_files(tmp_path
     datamodule = tiny_datamodule(data_dir=str(tmp_path / "out"), val_split="test_2016_flickr", val_rows=None)
     datamodule.setup("fit")
     assert len(datamodule.train_set) > 0 and sum(len(b) for b in datamodule.val_set.batches) == 50 * len(DIRECTIONS)
-    (raw / "val.fr.gz").write_bytes(gzip.compress("one line\n".encode()))
+    (raw / "val.fr.gz").write_bytes(gzip.compress(b"one line\n"))
     with pytest.raises(ValueError, match="val: the languages have different numbers of lines"):
         convert(raw, tmp_path / "again")
 

@@ -2,15 +2,14 @@
 
 import pytest
 import torch
+from conftest import one_stage_pipeline
+from models import TupleNet  # noqa: E402
 from torch import nn
 
 from lightning_gpipe import GPipeStrategy, solve
-
 from lightning_gpipe.engine import microbatch
-from lightning_gpipe.planning.balance import resolve_balance
 from lightning_gpipe.engine.partition import Split, find_backbone
-from conftest import one_stage_pipeline
-from models import TupleNet  # noqa: E402
+from lightning_gpipe.planning.balance import resolve_balance
 
 
 def test_split_is_uneven_like_tensor_split_and_repeats_non_tensors():

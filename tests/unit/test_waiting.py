@@ -13,17 +13,16 @@ import signal
 import threading
 import time
 import weakref
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from lightning_gpipe import PipelineFailure
-
+from lightning_gpipe.engine.transfer import CONTROL_TAG, Link, Turn, signature
 from lightning_gpipe.faults import collectives, waiting
 from lightning_gpipe.faults.job import Job
-from lightning_gpipe.engine.transfer import CONTROL_TAG, Link, Turn, signature
 
 
 class NcclLikeWork:
@@ -38,7 +37,7 @@ class NcclLikeWork:
     """
 
     def __init__(
-        self, polls: Optional[int] = None, deliver: Callable[[], object] = lambda: None, error: Exception = None
+        self, polls: int | None = None, deliver: Callable[[], object] = lambda: None, error: Exception = None
     ) -> None:
         self.left, self.deliver, self.error = polls, deliver, error
         self.done = threading.Event()
@@ -375,7 +374,7 @@ class SendLog:
         self.link.send_activation(torch.randn(3, 4), index)
         return self.sent[-1:]
 
-    def complete(self, sends: list[Sent], error: Optional[Exception] = None) -> None:
+    def complete(self, sends: list[Sent], error: Exception | None = None) -> None:
         """Complete ``sends`` (with ``error``: as failed), and let the link's helper thread see it (gloo)."""
         for sent in sends:
             sent.work().error = error

@@ -27,11 +27,11 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
+from models import trainer_kwargs  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, RandomSampler  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
-from models import trainer_kwargs  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")

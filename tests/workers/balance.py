@@ -17,10 +17,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from models import FEATURES, Block, Fork, Merge, TupleNet, fit  # noqa: E402
 from torch import nn  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
-from models import FEATURES, Block, Fork, Merge, TupleNet, fit  # noqa: E402
 
 
 class SlowBlock(Block):

@@ -14,11 +14,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from models import CLASSES, FEATURES, loader, trainer_kwargs  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.modules.batchnorm import _BatchNorm  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
-from models import CLASSES, FEATURES, loader, trainer_kwargs  # noqa: E402
 
 # name: (chunks, checkpoint, learning rate). With one micro-batch the whole run equals single-device
 # training. With several, each micro-batch is normalised with its own statistics, so parameters drift

@@ -17,11 +17,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from models import TupleNet  # noqa: E402
+from rowwise import fit_batches  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
 from lightning_gpipe.engine.compilation import is_compiled  # noqa: E402
-from models import TupleNet  # noqa: E402
-from rowwise import fit_batches  # noqa: E402
 
 BLOCKS, STEPS = 2, 2
 """A small TupleNet (4 backbone layers, 2 per stage) for 2 steps of 20 rows: compiling is the slow part."""

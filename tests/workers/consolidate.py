@@ -20,10 +20,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from models import LossRecorder, fit_trainer  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
 from lightning_gpipe.lightning.consolidate import consolidate  # noqa: E402
-from models import LossRecorder, fit_trainer  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")

@@ -18,12 +18,12 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import torch  # noqa: E402
-
-import lightning_gpipe  # noqa: E402
 import lightning as L  # noqa: E402
+import torch  # noqa: E402
 from models import fit, loader, trainer_kwargs  # noqa: E402
 from rowwise import fit_batches  # noqa: E402
+
+import lightning_gpipe  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")

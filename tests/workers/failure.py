@@ -44,11 +44,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E402
+from models import FEATURES, TupleNet, fit, fit_trainer, loader  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, RandomSampler  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
-from models import FEATURES, TupleNet, fit, fit_trainer, loader  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("case")

@@ -21,11 +21,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from models import trainer_kwargs  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
-from models import trainer_kwargs  # noqa: E402
 
 READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
 PACKAGE = os.path.dirname(lightning_gpipe.__file__)

@@ -10,8 +10,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import lightning_gpipe  # noqa: E402, F401
 from models import logged_fit  # noqa: E402
+
+import lightning_gpipe  # noqa: E402, F401
 
 out = sys.argv[1]
 trainer = logged_fit(out, strategy="gpipe", devices=2)

@@ -22,9 +22,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from models import GLOBAL_BATCH, LossRecorder, SyncNet, ddp_order_loader, loader, trainer_kwargs  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
-from models import GLOBAL_BATCH, LossRecorder, SyncNet, ddp_order_loader, loader, trainer_kwargs  # noqa: E402
 
 # name: (pipeline_parallel_size, data_parallel_size, strategy options, Trainer options, resume from, max_steps)
 CONFIGS = {

@@ -11,9 +11,9 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
+from mixed_batches import fit  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
-from mixed_batches import fit  # noqa: E402
 
 for schedule in ("gpipe", "1f1b"):
     trainer = fit(lightning_gpipe.GPipeStrategy(chunks=4, checkpoint="never", schedule=schedule), devices=2)

@@ -19,10 +19,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
-
-import lightning_gpipe  # noqa: E402
 from models import TupleNet  # noqa: E402
 from rowwise import WatchedNet, fit_batches  # noqa: E402
+
+import lightning_gpipe  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")

@@ -16,9 +16,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from models import fit  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
-from models import fit  # noqa: E402
 
 
 class LocalLayers(L.Callback):

@@ -22,9 +22,9 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
+from models import LazyNet, TupleNet, fit_trainer, loader, trainer_kwargs  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
-from models import LazyNet, TupleNet, fit_trainer, loader, trainer_kwargs  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")

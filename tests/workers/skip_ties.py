@@ -22,15 +22,15 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
+from models import trainer_kwargs  # noqa: E402
 from nonchain import SkipNet, TiedNet, fit_nonchain, fit_tied_translation, skip_loader  # noqa: E402
 from tiny_translation import predict_data, tiny_trainer  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
-import lightning as L  # noqa: E402
-from models import trainer_kwargs  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")

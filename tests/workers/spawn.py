@@ -9,9 +9,9 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
+from models import fit  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
-from models import fit  # noqa: E402
 
 if __name__ == "__main__":
     module = fit(strategy=lightning_gpipe.GPipeStrategy(chunks=3, start_method="spawn"), devices=2)

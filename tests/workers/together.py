@@ -22,7 +22,6 @@ import lightning as L  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
 
-
 OUT = "{out}"
 """An argument that stands for the script's output directory."""
 

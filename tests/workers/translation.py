@@ -14,9 +14,9 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
+from tiny_translation import DECODINGS, fit_tiny, predict_data, tiny_trainer  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
-from tiny_translation import DECODINGS, fit_tiny, predict_data, tiny_trainer  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")

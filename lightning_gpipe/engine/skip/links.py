@@ -15,7 +15,7 @@ be several micro-batches behind. It waits for those of micro-batch ``j`` once ``
 (:meth:`SkipLinks.backward`), by which time the popping stage has long received them.
 """
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -57,13 +57,13 @@ class SkipLinks:
         device: torch.device,
         events: Recorder,
         job: "Job",
-        groups: Optional[dict[tuple[int, int], Optional[dist.ProcessGroup]]] = None,
-        turns: Optional[dict[tuple[int, int], Turn]] = None,
-        control: Optional[dist.ProcessGroup] = None,
+        groups: dict[tuple[int, int], dist.ProcessGroup | None] | None = None,
+        turns: dict[tuple[int, int], Turn] | None = None,
+        control: dist.ProcessGroup | None = None,
     ) -> None:
         out, into, groups, turns = sorted(outgoing.items()), sorted(incoming.items()), groups or {}, turns or {}
 
-        def link(prev_rank: Optional[int], next_rank: Optional[int], peer: tuple[int, int]) -> Link:
+        def link(prev_rank: int | None, next_rank: int | None, peer: tuple[int, int]) -> Link:
             group, turn = groups.get(peer), turns.get(peer)
             sides = (turn, None) if prev_rank is not None else (None, turn)
             return Link(
@@ -134,6 +134,6 @@ class SkipLinks:
             link.flush()
 
 
-def no_skips(device: torch.device, job: "Job", events: Optional[Recorder] = None) -> SkipLinks:
+def no_skips(device: torch.device, job: "Job", events: Recorder | None = None) -> SkipLinks:
     """The skip links of a stage that neither stashes for nor pops from another stage (of the run's ``job``)."""
     return SkipLinks({}, {}, device, events if events is not None else Recorder(), job)

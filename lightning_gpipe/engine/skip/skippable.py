@@ -130,7 +130,7 @@ def _names(names: Iterable[str], kind: str) -> frozenset:
     return frozenset(names)
 
 
-def _isolate(self: nn.Module, ns: Namespace, *, only: Optional[Iterable[str]] = None) -> nn.Module:
+def _isolate(self: nn.Module, ns: Namespace, *, only: Iterable[str] | None = None) -> nn.Module:
     """Put this layer's skip names (all, or ``only`` these) in namespace ``ns``; returns the layer itself.
 
     Raises:

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Optional
+from typing import Any
 
 from torch import Tensor
 
@@ -24,7 +24,7 @@ class SkipTracker:
             (``(namespace, name)``); none by default.
     """
 
-    def __init__(self, received: Optional[dict[Any, Tensor]] = None) -> None:
+    def __init__(self, received: dict[Any, Tensor] | None = None) -> None:
         self.received = dict(received or {})
         self.stashed: dict[Any, Tensor] = {}
 
@@ -50,7 +50,7 @@ class SkipTracker:
         )
 
 
-_current: ContextVar[Optional[SkipTracker]] = ContextVar("lightning_gpipe_skip_tracker", default=None)
+_current: ContextVar[SkipTracker | None] = ContextVar("lightning_gpipe_skip_tracker", default=None)
 _plain = threading.local()
 
 

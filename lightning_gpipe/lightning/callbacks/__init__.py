@@ -8,9 +8,9 @@ Lightning's summary) shows the whole model and its split at fit start.
 """
 
 from lightning_gpipe.lightning.callbacks.balance import PipelineBalance
-from lightning_gpipe.lightning.summary import PipelineModelSummary, StageSummary, replace_model_summary
 from lightning_gpipe.lightning.callbacks.throughput import PipelineThroughput
 from lightning_gpipe.lightning.callbacks.timeline import PipelineTimeline, draw_timeline
+from lightning_gpipe.lightning.summary import PipelineModelSummary, StageSummary, replace_model_summary
 
 __all__ = [
     "PipelineBalance",

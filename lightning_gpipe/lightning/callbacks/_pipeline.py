@@ -16,17 +16,17 @@ network).
 
 import os
 import socket
-from abc import ABC, abstractmethod
 import time
+from abc import ABC, abstractmethod
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_gpipe.engine.trace import StageTrace, StepTrace
 from lightning_gpipe.faults import collectives
 from lightning_gpipe.lightning.strategy import GPipeStrategy
-from lightning_gpipe.engine.trace import StageTrace, StepTrace
 
 
 class _Collector:

@@ -9,13 +9,13 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_gpipe.engine.events import TRANSFER, WORK
+from lightning_gpipe.engine.rematerialization import recomputed_share
+from lightning_gpipe.engine.trace import StepTrace
+from lightning_gpipe.lightning.callbacks._pipeline import PipelineCallback, log_dir, log_metrics
 from lightning_gpipe.planning.balance import solve
 from lightning_gpipe.planning.balance.costs import LayerCost
-from lightning_gpipe.engine.events import TRANSFER, WORK
-from lightning_gpipe.lightning.callbacks._pipeline import PipelineCallback, log_dir, log_metrics
-from lightning_gpipe.engine.rematerialization import recomputed_share
 from lightning_gpipe.planning.simulator import simulate, stage_costs
-from lightning_gpipe.engine.trace import StepTrace
 
 
 @dataclass

@@ -10,8 +10,8 @@ import torch
 from lightning.fabric.utilities.throughput import Throughput
 from typing_extensions import override
 
-from lightning_gpipe.lightning.callbacks._pipeline import PipelineCallback, log_metrics
 from lightning_gpipe.engine.trace import StepTrace
+from lightning_gpipe.lightning.callbacks._pipeline import PipelineCallback, log_metrics
 
 
 def batch_rows(batch: Any) -> int:

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_gpipe.lightning.callbacks._pipeline import PipelineCallback, log_dir
 from lightning_gpipe.engine.events import TRANSFER
 from lightning_gpipe.engine.trace import StepTrace
+from lightning_gpipe.lightning.callbacks._pipeline import PipelineCallback, log_dir
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -2,7 +2,6 @@
 and checking a ``balance`` the user gave."""
 
 from collections.abc import Sequence
-from typing import Optional, Union
 
 from torch import nn
 
@@ -37,7 +36,7 @@ def layer_memory(costs: Sequence[LayerCost]) -> list[int]:
     return [cost.activation_bytes + cost.parameter_bytes for cost in costs]
 
 
-def balance_by(mode: str, costs: Sequence[LayerCost], num_stages: int, memory_limit: Optional[int] = None) -> list[int]:
+def balance_by(mode: str, costs: Sequence[LayerCost], num_stages: int, memory_limit: int | None = None) -> list[int]:
     """The contiguous split of the layers into ``num_stages`` stages that minimises the costliest stage under ``mode``.
 
     PipeDream-style profile-driven partitioning (Narayanan et al. 2019, section 3.1), solved exactly
@@ -67,11 +66,11 @@ def balance_by(mode: str, costs: Sequence[LayerCost], num_stages: int, memory_li
 
 
 def resolve_balance(
-    balance: Union[None, str, Sequence[int]],
+    balance: None | str | Sequence[int],
     layers: nn.Sequential,
     num_stages: int,
-    costs: Optional[Sequence[LayerCost]] = None,
-    memory_limit: Optional[int] = None,
+    costs: Sequence[LayerCost] | None = None,
+    memory_limit: int | None = None,
     virtual_stages: int = 1,
 ) -> list[int]:
     """Check a user's ``balance`` against the backbone, or choose the split that evens out a cost.

@@ -12,25 +12,24 @@ what autograd saves, so it works on every device, the CPU included. A skip tenso
 import copy
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import chain
-from typing import Callable, Union
 
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe.planning.balance.costs import LayerCost
 from lightning_gpipe.engine.events import PeakBytes, SavedBytes
 from lightning_gpipe.engine.microbatch import Value, leaves, tensors
 from lightning_gpipe.engine.partition import Partition, materialize
 from lightning_gpipe.engine.skip.tracker import SkipTracker, tracking
 from lightning_gpipe.engine.weightgrad import backward_input
+from lightning_gpipe.planning.balance.costs import LayerCost
 
 
 def profile_layers(
     layers: nn.Sequential,
     sample: Value,
-    device: Union[torch.device, str] = "cpu",
+    device: torch.device | str = "cpu",
     repeats: int = 5,
     warmup: int = 2,
     split: bool = False,

@@ -2,14 +2,13 @@
 
 from collections.abc import Sequence
 from itertools import accumulate
-from typing import Optional
 
 
 def solve(
     costs: Sequence[float],
     num_stages: int,
-    memory: Optional[Sequence[float]] = None,
-    memory_limit: Optional[float] = None,
+    memory: Sequence[float] | None = None,
+    memory_limit: float | None = None,
 ) -> list[int]:
     """Split a chain of layers into ``num_stages`` contiguous, non-empty stages minimising the costliest stage.
 
@@ -62,9 +61,7 @@ def solve(
     return balance[::-1]
 
 
-def _check(
-    costs: Sequence[float], num_stages: int, memory: Optional[Sequence[float]], memory_limit: Optional[float]
-) -> None:
+def _check(costs: Sequence[float], num_stages: int, memory: Sequence[float] | None, memory_limit: float | None) -> None:
     """Raise :func:`solve`'s ``ValueError`` for arguments it cannot solve."""
     layers = len(costs)
     if num_stages < 1 or layers < num_stages:
@@ -77,7 +74,7 @@ def _check(
         raise ValueError(f"`memory` needs one non-negative size per layer ({layers}), got {len(memory)} values.")
 
 
-def _fits(memory: Optional[Sequence[float]], limit: Optional[float]):
+def _fits(memory: Sequence[float] | None, limit: float | None):
     """Whether the stage of layers ``j`` to ``i - 1`` fits in ``limit``."""
     if memory is None:
         return lambda j, i: True
