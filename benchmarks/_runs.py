@@ -24,6 +24,7 @@ Every process uses one torch thread (``torch.set_num_threads(1)``; the driver se
 """
 
 import argparse
+import collections
 import dataclasses
 import sys
 import weakref
@@ -474,27 +475,25 @@ def _train(step, params, args: argparse.Namespace, rank: int) -> None:
 
 
 def run_bare(args: argparse.Namespace) -> None:
-    """Our runtime (either schedule) over ModelChunk/Partition/Link in torch.distributed processes, no Trainer: the
-    engine's own cost."""
+    """Our engine (either schedule) through its front door (``build_pipeline``, ``StagePipeline``) in torch.distributed
+    processes, no Trainer: the engine's own cost."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from lightning_gpipe.engine.model_chunk import ModelChunk
-    from lightning_gpipe.engine.partition import Partition
-    from lightning_gpipe.engine.runtime import Runtime
-    from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT
-    from lightning_gpipe.engine.transfer import Link
+    from lightning_gpipe.engine import DEFERRED_BY_DEFAULT, StageSpec, Topology, build_pipeline
     from lightning_gpipe.faults.job import Job
+    from lightning_gpipe.planning.balance import resolve_balance
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    layers, head = _local_layers(args, rank, world)
-    partition = Partition(layers)
-    prev_rank, next_rank = rank - 1 if rank > 0 else None, rank + 1 if rank < world - 1 else None
-    link = Link(prev_rank, next_rank, torch.device("cpu"), job=Job())
+    _, head = _local_layers(args, rank, world)
+    module = torch.nn.Module()
+    module.backbone = _backbone(args)
     defer = DEFERRED_BY_DEFAULT[args.schedule] if args.defer_weight_grad is None else args.defer_weight_grad
-    stage = ModelChunk(partition, link, rank, world, args.chunks, args.checkpoint, defer)
-    runtime = Runtime([stage], args.schedule, world)
+    balance = resolve_balance(None, module.backbone, world)
+    spec = StageSpec(Topology(world, world), rank, torch.device("cpu"), balance, args.schedule, args.chunks,
+                     args.checkpoint, defer)  # fmt: skip
+    pipeline = build_pipeline(module, "backbone", spec, Job())
     x, y = _batch(args)
 
     def micro_batch_loss(i: int, count: int, out: torch.Tensor) -> None:  # 1F1B: the loss of rows i, row-weighted
@@ -502,17 +501,23 @@ def run_bare(args: argparse.Namespace) -> None:
         (F.cross_entropy(head(out), target) * (len(target) / len(y))).backward()
 
     def step() -> None:
-        if runtime.loss_per_micro_batch:
-            runtime.forward(x, micro_batch_loss)
+        if pipeline.loss_per_micro_batch:
+            pipeline.forward(x, micro_batch_loss)
             return
-        out = runtime.forward(x)
-        if stage.is_last:
+        out = pipeline.forward(x)
+        if pipeline.is_last:
             F.cross_entropy(head(out), y).backward()
-        runtime.backward()
+        pipeline.backward()
 
-    params = [*partition.parameters(), *(head.parameters() if stage.is_last else [])]
+    params = [*pipeline.partition.parameters(), *(head.parameters() if pipeline.is_last else [])]
     _train(step, params, args, rank)
     dist.destroy_process_group()
+
+
+def _backbone(args: argparse.Namespace) -> torch.nn.Sequential:
+    """The whole backbone with the initial weights every run uses (those of :func:`_parts`)."""
+    parts, _ = _parts(args, 1)
+    return torch.nn.Sequential(collections.OrderedDict(parts[0]))
 
 
 def run_tp(args: argparse.Namespace) -> None:

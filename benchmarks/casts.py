@@ -12,7 +12,7 @@ Usage::
     python benchmarks/casts.py                                  # 8 x Linear(1024), batch 256, M = 4, bf16-mixed
     python benchmarks/casts.py --width 4096 --rows 8192 --precision 16-mixed
 
-Results in docs/benchmarks.md ("One GPU").
+Results in docs/benchmarks.md ("Host synchronisations and casts").
 """
 
 import argparse

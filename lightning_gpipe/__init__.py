@@ -9,7 +9,6 @@ Importing this package registers the strategy names ``"gpipe"`` and ``"gpipe_spa
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_gpipe.engine.contract import forward_and_share
 from lightning_gpipe.faults.failure import PipelineFailure
 from lightning_gpipe.lightning.agreement import BatchMismatchError
 from lightning_gpipe.lightning.callbacks import (
@@ -18,6 +17,7 @@ from lightning_gpipe.lightning.callbacks import (
     PipelineThroughput,
     PipelineTimeline,
 )
+from lightning_gpipe.lightning.contract import forward_and_share
 from lightning_gpipe.lightning.planner import plan
 from lightning_gpipe.lightning.strategy import GPipeStrategy
 from lightning_gpipe.planning import CostModel, PlanReport

@@ -13,6 +13,7 @@ like the ``nn.BatchNorm`` it replaces.
 """
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -85,11 +86,14 @@ class DeferredBatchNorm(_BatchNorm):
             (it has no running statistics to defer).
     """
 
+    _original: _BatchNorm  # the wrapped layer, in the instance's __dict__ (see __init__)
+
     def __init__(self, batch_norm: nn.Module) -> None:
         if type(batch_norm) not in _PLAIN or not batch_norm.track_running_stats:
             raise TypeError(
                 f"DeferredBatchNorm wraps an nn.BatchNorm1d/2d/3d with track_running_stats=True, not {batch_norm!r}."
             )
+        batch_norm = cast(_BatchNorm, batch_norm)  # one of _PLAIN
         super().__init__(batch_norm.num_features, batch_norm.eps, batch_norm.momentum, device="meta")
         self.affine = batch_norm.affine
         self._parameters.update(batch_norm._parameters)
@@ -126,6 +130,8 @@ class DeferredBatchNorm(_BatchNorm):
 
     @torch.no_grad()
     def _commit(self, moments: _Moments) -> None:
+        # tracked running statistics (checked in __init__): the buffers are there
+        assert self.num_batches_tracked is not None and self.running_mean is not None and self.running_var is not None
         self.num_batches_tracked.add_(1)
         factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         unbiased = moments.m2 / (moments.count - 1)

@@ -60,7 +60,7 @@ class Clock:
     def __init__(self, num_stages: int, num_virtual: int, v_shape: bool = False, latency: Latency = no_latency) -> None:
         self.num_stages, self.num_virtual, self.v_shape, self.latency = num_stages, num_virtual, v_shape, latency
         self.free = [0.0] * num_stages
-        self.ended: dict[tuple[Kind, int, int], float] = {}
+        self.ended: dict[tuple[Kind, int, int | None], float] = {}
 
     def virtual(self, stage: int, model_chunk: int) -> int:
         """The virtual stage of model chunk ``model_chunk`` of pipeline rank ``stage``."""

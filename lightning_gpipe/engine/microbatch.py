@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast, overload
 
 import torch
 from torch import Tensor
@@ -33,6 +33,10 @@ def floats(value: Value) -> list[Tensor]:
     return [t for t in tensors(value) if t.is_floating_point()]
 
 
+@overload
+def leaves(value: Tensor, requires_grad: bool | None = True, device: torch.device | None = None) -> Tensor: ...
+@overload
+def leaves(value: tuple, requires_grad: bool | None = True, device: torch.device | None = None) -> tuple: ...
 def leaves(value: Value, requires_grad: bool | None = True, device: torch.device | None = None) -> Value:
     """``value`` with its tensors cut from their autograd history, as new leaves.
 
@@ -71,15 +75,15 @@ def batch_size(value: Value) -> int:
         raise ValueError(
             f"Every tensor passed to the backbone needs the same batch size in dim 0; got shapes {shapes}."
         )
-    return sizes.pop()
+    return cast(int, sizes.pop())  # not None, checked above
 
 
-def scatter(value: Value, chunks: int) -> list[Value]:
-    """Split ``value`` into ``min(chunks, batch size)`` micro-batches along dim 0.
+def scatter(value: Value, micro_batches: int) -> list[Value]:
+    """Split ``value`` into ``min(micro_batches, batch size)`` micro-batches along dim 0.
 
     Args:
         value: a Tensor of shape (N, ...) or a tuple whose tensors all have N rows.
-        chunks: M, the requested number of micro-batches (>= 1).
+        micro_batches: M, the requested number of micro-batches (>= 1).
 
     Returns:
         A list of values of the same kind as ``value``; rows keep their order.
@@ -87,7 +91,7 @@ def scatter(value: Value, chunks: int) -> list[Value]:
     Raises:
         TypeError, ValueError: as :func:`batch_size`.
     """
-    micro_batches = min(chunks, batch_size(value))
+    micro_batches = min(micro_batches, batch_size(value))
     if isinstance(value, Tensor):
         return list(torch.tensor_split(value, micro_batches))
     columns = [torch.tensor_split(x, micro_batches) if isinstance(x, Tensor) else [x] * micro_batches for x in value]
@@ -103,7 +107,7 @@ def gather(parts: list[Value]) -> Value:
     if len(parts) == 1:
         return first
     if isinstance(first, Tensor):
-        return torch.cat(parts)
+        return torch.cat(cast("list[Tensor]", parts))  # micro-batches of a tensor are tensors
     return tuple(
         torch.cat([part[i] for part in parts]) if isinstance(item, Tensor) else item for i, item in enumerate(first)
     )

@@ -35,6 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -86,10 +87,9 @@ class ModelChunk:
         events: the :class:`~lightning_gpipe.engine.events.Recorder` the pipeline callbacks read.
         training: whether the current forward keeps what a backward needs (gradients were enabled when
             :meth:`inputs` started).
-        before_last_backward: called with the outputs of the step's last backward right before its autograd
-            call, the one that completes this stage's parameter gradients (the weight gradient W when deferred);
-            the data-parallel gradient sync (:class:`~lightning_gpipe.lightning.data_parallel.GradientSync`) sets it.
-            When that call is the user's loss's (see :attr:`loss_completes_gradients`), the caller announces it.
+        before_last_backward: called with the outputs of the step's last backward right before its autograd call,
+            the one that completes this stage's parameter gradients (W when deferred); set through
+            :meth:`~lightning_gpipe.engine.StagePipeline.on_last_backward`.
         loss_through: on the last stage, whether a loss may backpropagate through the stage in its own autograd call
             (:attr:`~lightning_gpipe.engine.actions.Plan.backward_follows_loss`; set by the runtime, default ``False``).
         receive_ahead: whether the model chunk posts all its step's activation receives at once, not one ahead
@@ -126,7 +126,7 @@ class ModelChunk:
         self._backwards = 0  # of the current step
         self._filled = 0.0  # when the last stage's forward ended: its "loss" span runs from there to the backward
 
-    def inputs(self, value: Value) -> Iterator[tuple[int, Value, int]]:
+    def inputs(self, value: Value | None) -> Iterator[tuple[int, Value, int]]:
         """The model chunk's inputs of one mini-batch as ``(index, input, micro_batches)``, micro_batches being M.
 
         The first virtual stage scatters ``value`` (the backbone input); the others receive their inputs from the
@@ -141,7 +141,7 @@ class ModelChunk:
         """
         self.training, self._records, self._backwards = torch.is_grad_enabled(), {}, 0
         if self.is_first:
-            parts = microbatch.scatter(value, self.micro_batches)
+            parts = microbatch.scatter(cast(Value, value), self.micro_batches)  # the first stage is given it
             self._begin_step(len(parts), [_scattered_key(part) for part in parts])
             yield from ((i, x, len(parts)) for i, x in enumerate(parts))
             return
@@ -232,8 +232,8 @@ class ModelChunk:
         records = list(self._records.values())
         return len(records) == 1 and records[0].through and self._backwards == records[0].micro.micro_batches - 1
 
-    def send(self, y: Value, index: int, micro_batches: int) -> None:
-        """Send micro-batch ``index`` (of ``micro_batches``)'s output to the next virtual stage, asynchronously."""
+    def send(self, y: Value, index: int) -> None:
+        """Send micro-batch ``index``'s output to the next virtual stage, asynchronously."""
         self.link.send_activation(y, index)
 
     def output(self, parts: list[Value]) -> Value:
@@ -291,7 +291,7 @@ class ModelChunk:
         micro = replace(record.micro, recompute=True)
         with (
             self.events.span("recompute", index, (self.partition, record.input)),
-            record.rng.restored(),
+            cast(RngState, record.rng).restored(),  # a checkpointed micro-batch kept it
             torch.enable_grad(),
             microbatch.running(micro),
             tracker.tracking(tracker.SkipTracker(record.skip_in)) as skips,
@@ -323,7 +323,7 @@ class ModelChunk:
     def _backpropagate(self, index: int, record: _Record, last: bool) -> None:
         """The autograd call of micro-batch ``index``'s backward (B only, with W queued, when deferred), from its
         output gradients; ``last``: whether it is the step's last backward on this stage."""
-        outputs = microbatch.floats(record.output) + self.skips.outputs(record.skip_out)
+        outputs = microbatch.floats(cast(Value, record.output)) + self.skips.outputs(record.skip_out)  # recomputed
         grads = [b.grad for b in record.boundary] if self.is_last else self.link.recv_grads(index)
         grads = grads + self.skips.backward(index)
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
@@ -332,7 +332,8 @@ class ModelChunk:
         if pairs:
             with self.events.span("backward", index):
                 if self.defer_weight_grad and needed:
-                    self._weights.append((index, backward_input(*zip(*pairs), needed), outputs if last else []))
+                    sent, received = zip(*pairs)
+                    self._weights.append((index, backward_input(sent, received, needed), outputs if last else []))
                 else:
                     if last:
                         self._announce_last_backward(outputs)

@@ -28,7 +28,7 @@ class PipelinedCall(Protocol):
     """What a call of a pipelined backbone goes through: the whole pipeline, not only this stage's layers.
 
     Installed in a :class:`Partition` as :attr:`Partition.backbone_call` by the strategy
-    (:class:`lightning_gpipe.engine.contract.BackboneCall`); the partition knows nothing else of the engine.
+    (:class:`lightning_gpipe.lightning.contract.BackboneCall`); the partition knows nothing else of the engine.
     """
 
     def __call__(self, value: Value) -> Value | None:
@@ -69,6 +69,7 @@ class Partition(nn.Module):
             ValueError: if a layer returns a 0-dimensional tensor (activations carry the batch in dim 0).
         """
         for name, layer in self._modules.items():
+            assert layer is not None  # a backbone's layers are modules
             value = layer(value)
             if not _is_activation(value):
                 raise TypeError(
@@ -288,7 +289,7 @@ def _aliases(module: nn.Module) -> list[list[str]]:
     return [group for group in names.values() if len(group) > 1]
 
 
-def _retie(module: nn.Module, aliases: list[list[str]], pick: Callable[[list[Tensor]], Tensor]) -> None:
+def _retie(module: nn.Module, aliases: list[list[str]], pick: Callable[[list[nn.Parameter]], nn.Parameter]) -> None:
     """Make each group of ``aliases`` (names of one parameter) one parameter again: the one ``pick`` chooses of the
     copies the names now lead to."""
     for names in aliases:

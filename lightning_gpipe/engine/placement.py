@@ -57,7 +57,8 @@ class _Clock:
         self.clock = Clock(self.num_stages, len(costs), self.v_shape)
         self.position = [0] * self.num_stages  # the next action of each base plan
         self.actions: list[list[Action]] = [[] for _ in base]
-        self.outstanding: list[list[tuple[int, int]]] = [[] for _ in base]  # (micro-batch, model chunk) whose W waits
+        # (micro-batch, model chunk) whose W waits
+        self.outstanding: list[list[tuple[int | None, int]]] = [[] for _ in base]
         self.held = [0] * self.num_stages  # micro-batches forwarded whose B (or W) has not run
         self.plans = self._place()
         self.step_time = max(self.clock.free)
@@ -108,12 +109,15 @@ class _Clock:
         ):
             return True  # the data-parallel sync starts after the plan's last backward
         _, model_chunk = self.outstanding[k][0]
+        assert self.share is not None  # W are outstanding only where this clock places them
         wait = (self._earliest(k, action) if arrival is None else arrival) - self.clock.free[k]
         return wait > 0 and wait >= self.share * self.costs[self._virtual(k, model_chunk)].weight
 
     def _earliest(self, k: int, action: Action) -> float:
         """A lower bound of when ``action``'s input, not placed yet, arrives: its sender free, then computing it."""
-        kind, sender = needs(action.kind, self._virtual(k, action.model_chunk), len(self.costs))
+        source = needs(action.kind, self._virtual(k, action.model_chunk), len(self.costs))
+        assert source is not None  # an action that needs nothing arrives when its stage is free, never unplaced
+        kind, sender = source
         cost = self.costs[sender]
         seconds = cost.forward if kind is Kind.FORWARD else cost.backward
         return self.clock.free[self.clock.stage_of(sender)] + seconds

@@ -136,7 +136,7 @@ class Runtime:
             self._run(self._plan, len(self._plan.actions))
         self._plan = None
 
-    def _begin(self, value: Value) -> Plan:
+    def _begin(self, value: Value | None) -> Plan:
         """Take the step's micro-batches (the first one is needed to know their number) and make the plan. The
         model chunks after the first take theirs when their first forward runs."""
         for chunk in self.model_chunks:
@@ -175,13 +175,20 @@ class Runtime:
     def _execute(self, action: Action, head: Head | None) -> None:
         """Run one action on its model chunk (a flush: on every model chunk)."""
         kind, i, c = action.kind, action.micro_batch, action.model_chunk
+        if kind is Kind.FLUSH:
+            for each in self.model_chunks:
+                each.flush()
+            return
+        if i is None:  # fill-drain's `loss`: the loss of the whole mini-batch runs between the plan's two parts
+            return
         chunk = self.model_chunks[c]
         if kind is Kind.FORWARD:
             index, x, micro_batches = next(self._inputs[c])
             self._outputs[(c, index)] = chunk.forward(index, x, micro_batches)
         elif kind is Kind.SEND:
-            chunk.send(self._outputs.pop((c, i)), i, self._micro_batches)
-        elif kind is Kind.LOSS and i is not None:
+            chunk.send(self._outputs.pop((c, i)), i)
+        elif kind is Kind.LOSS:
+            assert head is not None  # a plan with a loss per micro-batch runs with a head (`forward`'s argument)
             chunk.loss(i, self._outputs.pop((c, i)), lambda y: head(i, self._micro_batches, y))
         elif kind is Kind.EXPECT:
             chunk.expect_grad(i)
@@ -189,18 +196,16 @@ class Runtime:
             chunk.recompute(i)
         elif kind is Kind.BACKWARD:
             chunk.backward(i)
-        elif kind is Kind.FLUSH:
-            for each in self.model_chunks:
-                each.flush()
 
 
 def _weights_from(actions: tuple[Action, ...], start: int, end: int) -> list[int]:
     """The micro-batches of the W actions from ``actions[start]`` on, up to the first action of another kind or
     model chunk, or ``end``."""
-    indices = []
+    indices: list[int] = []
     for action in actions[start:end]:
         if action.kind is not Kind.WEIGHT or action.model_chunk != actions[start].model_chunk:
             break
+        assert action.micro_batch is not None  # a W is of one micro-batch
         indices.append(action.micro_batch)
     return indices
 

@@ -118,7 +118,7 @@ def gpipe(
     micro-batch is recomputed *before* the stage waits for its gradient, so the recompute overlaps the next stage's
     backward of the same micro-batch. Every gradient's receive is posted as the drain starts: gloo moves a payload
     only once its receive is posted, so a receive posted after the send costs a round trip between the two stages'
-    transport threads (docs/benchmarks.md, "Gradient receives posted as the drain starts"); the stage then holds M
+    transport threads; the stage then holds M
     gradient buffers, which :func:`lightning_gpipe.planning.held.held_peak` counts. With
     deferred weight gradients each W follows its B, except on the last stage without re-materialization and
     virtual stages, which runs every W after its last B (:func:`weights_after_drain`; with virtual stages every
@@ -589,12 +589,13 @@ class _Abstract:
         self.done = [0] * self.num_stages
         self.why = [""] * self.num_stages
         virtual = range(self.num_virtual)
-        self.activations: list[list[int]] = [[] for _ in virtual]  # sent by virtual stage s to s+1, not received
-        self.gradients: list[list[int]] = [[] for _ in virtual]  # sent by s to s-1, not yet received
-        self.expected: list[list[int]] = [[] for _ in virtual]  # receives posted by s, in order
-        self.posted: list[set[int]] = [set() for _ in virtual]  # every receive s posted
+        # micro-batch indices: an action's, None only where a plan gives none (check names what it finds)
+        self.activations: list[list[int | None]] = [[] for _ in virtual]  # sent by virtual stage s to s+1, not received
+        self.gradients: list[list[int | None]] = [[] for _ in virtual]  # sent by s to s-1, not yet received
+        self.expected: list[list[int | None]] = [[] for _ in virtual]  # receives posted by s, in order
+        self.posted: list[set[int | None]] = [set() for _ in virtual]  # every receive s posted
         self.losses: list[set[int]] = [set() for _ in virtual]
-        self.forwarded: list[set[int]] = [set() for _ in virtual]
+        self.forwarded: list[set[int | None]] = [set() for _ in virtual]
 
     def name(self, s: int) -> str:
         """Virtual stage ``s`` as the messages name it: ``stage k``, or ``stage k model chunk c`` with several."""
@@ -656,11 +657,13 @@ class _Abstract:
                 return self._wait(k, f"{self.name(t - 1)} has not posted the gradient of micro-batch {unposted[0]} yet")
         return True
 
-    def _backward(self, k: int, s: int, i: int) -> bool:
+    def _backward(self, k: int, s: int, i: int | None) -> bool:
         plan = self.plans[k]
         if i not in self.forwarded[s]:
             raise ScheduleError(f"{self.name(s)} runs backward {i} before forward {i}.")
-        _, sender = needs(Kind.BACKWARD, s, self.num_virtual)
+        source = needs(Kind.BACKWARD, s, self.num_virtual)
+        assert source is not None  # a backward always needs a gradient, or the loss of its own forward
+        _, sender = source
         if sender == s:  # the last virtual stage: its own forward, then the loss
             if plan.loss_per_micro_batch and i not in self.losses[s]:
                 raise ScheduleError(f"the last stage runs backward {i} before the loss of micro-batch {i}.")
@@ -698,7 +701,10 @@ def _check_counts(k: int, plan: Plan) -> None:
         forwards = {a.micro_batch for a in plan.actions if a.kind is Kind.FORWARD and a.model_chunk == model_chunk}
         backwards = {a.micro_batch for a in plan.actions if a.kind is Kind.BACKWARD and a.model_chunk == model_chunk}
         if forwards != backwards or forwards != set(range(len(forwards))):
-            raise ScheduleError(f"stage {k} runs forwards {sorted(forwards)} but backwards {sorted(backwards)}.")
+            # Action.micro_batch is int | None; a forward's and a backward's are ints (only a flush or loss has None)
+            raise ScheduleError(
+                f"stage {k} runs forwards {sorted(forwards)} but backwards {sorted(backwards)}."  # type: ignore[type-var]
+            )
     for action in (a for a in plan.actions if a.kind in (Kind.RECOMPUTE, Kind.WEIGHT)):
         i, c = action.micro_batch, action.model_chunk
         if not position[(Kind.FORWARD, i, c)] < position[(action.kind, i, c)]:

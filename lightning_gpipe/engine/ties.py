@@ -16,7 +16,7 @@ has one entry per name, as the module without the strategy, and loads into it.
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -76,7 +76,7 @@ def find_ties(
     """
     num_stages = len(balance) if num_stages is None else num_stages
     layers = list(getattr(module, backbone)._modules)
-    stages = [stage_of_virtual(s, num_stages, v_shape)[0] for s in range(len(balance))]
+    stages: Sequence[int] = [stage_of_virtual(s, num_stages, v_shape)[0] for s in range(len(balance))]
     stage_of_layer = dict(zip(layers, (stages[s] for s, n in enumerate(balance) for _ in range(n))))
     last, prefix = stages[-1], backbone + "."
 
@@ -148,12 +148,13 @@ class TiedParameters:
             if not parameter.requires_grad:
                 continue
             has = parameter.grad is not None
-            grad = parameter.grad if has else torch.zeros_like(parameter)
+            grad = cast(Tensor, parameter.grad) if has else torch.zeros_like(parameter)
             flat = torch.cat([grad.flatten(), grad.new_full((1,), float(has))])
             collectives.all_reduce(self.job, flat, group=group)
             if has or flat[-1].item() > 0:  # the count is read on the host only where this copy had no gradient
                 if not has:
                     parameter.grad = torch.empty_like(parameter)
+                assert parameter.grad is not None  # it had one, or got one just now
                 parameter.grad.copy_(flat[:-1].view_as(parameter))
 
     def after(self, closure: Callable[[], Any]) -> Callable[[], Any]:

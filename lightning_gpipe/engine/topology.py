@@ -7,14 +7,14 @@ process groups are torch's. Every other module asks this one for ranks and group
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_gpipe.engine.actions import stage_of_virtual, virtual_stage
 
-Size = int | str
+Size = int | Literal["auto"]
 """A mesh dimension's size as the strategy takes it: a positive integer, or ``"auto"``."""
 
 
@@ -164,7 +164,8 @@ def resolve_topology(
     stages_listed = _stages_listed(balance, virtual_stages)
     listed = stages_listed is not None
     if pp == "auto":
-        pp = stages_listed if listed else (world // dp if dp != "auto" and world % dp == 0 else devices_per_node)
+        quotient = world // dp if dp != "auto" and world % dp == 0 else devices_per_node
+        pp = stages_listed if stages_listed is not None else quotient
     if listed and pipeline_parallel_size == "auto" and world % pp:
         raise ValueError(
             f"GPipeStrategy(balance={list(balance)}) gives pipelines of {pp} stages, which cannot fill the job's"

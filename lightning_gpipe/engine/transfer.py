@@ -45,7 +45,7 @@ Every send and every wait is recorded as a ``send`` or ``recv`` span of the link
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,8 @@ from lightning_gpipe.engine.microbatch import Value
 from lightning_gpipe.faults import waiting
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from lightning_gpipe.faults.job import Job
 
 Meta = tuple[torch.Size, torch.dtype]
@@ -102,7 +104,7 @@ def _encode(sig: Signature) -> list[int]:
     return words
 
 
-def _decode(words: Sequence[int], pos: int) -> tuple[Signature, int]:
+def _decode(words: "Sequence[int] | np.ndarray", pos: int) -> tuple[Signature, int]:
     """The signature encoded at ``words[pos:]`` and the position after it."""
     is_tuple, count, pos, metas = bool(words[pos]), int(words[pos + 1]), pos + 2, []
     for _ in range(count):
@@ -145,28 +147,30 @@ class _Peer(NamedTuple):
     control: dist.ProcessGroup | None
     control_tag: int
 
+    # torch's irecv and isend return None only to a process outside the group: a link's process is in its groups
+
     def irecv(self, buffer: Tensor) -> dist.Work:
         """Post the receive of the peer's next payload into ``buffer``."""
-        return dist.irecv(buffer, self.rank, group=self.group, tag=self.tag)
+        return cast(dist.Work, dist.irecv(buffer, self.rank, group=self.group, tag=self.tag))
 
     def isend(self, tensor: Tensor) -> dist.Work:
         """Send ``tensor`` to the peer as its next payload."""
-        return dist.isend(tensor, self.rank, group=self.group, tag=self.tag)
+        return cast(dist.Work, dist.isend(tensor, self.rank, group=self.group, tag=self.tag))
 
     def irecv_control(self, buffer: Tensor) -> dist.Work:
         """Post the receive of the peer's next control message into the CPU tensor ``buffer``."""
-        return dist.irecv(buffer, self.rank, group=self.control, tag=self.control_tag)
+        return cast(dist.Work, dist.irecv(buffer, self.rank, group=self.control, tag=self.control_tag))
 
     def isend_control(self, tensor: Tensor) -> dist.Work:
         """Send the CPU tensor ``tensor`` to the peer as its next control message."""
-        return dist.isend(tensor, self.rank, group=self.control, tag=self.control_tag)
+        return cast(dist.Work, dist.isend(tensor, self.rank, group=self.control, tag=self.control_tag))
 
 
 class _Send(NamedTuple):
     """One posted send of a link: micro-batch ``index``'s ``tensors`` (``None``: a control message) and their works
     (on gloo one :class:`~lightning_gpipe.faults.waiting.Watched` for all of them)."""
 
-    index: int | None
+    index: int | None  # type: ignore[assignment]  # a field named as tuple's method `index`, which it hides
     works: list
     tensors: list[Tensor]
 
@@ -177,8 +181,8 @@ class _Arrival:
 
     def __init__(self, link: "Link", sig: Signature | None) -> None:
         self._link, self.sig = link, sig
-        self._header: tuple[Tensor, dist.Work] | None = None
-        self.works: list[dist.Work] = []
+        self._header: tuple[Tensor, list] | None = None  # the header and its receive, as Link._receiving gives it
+        self.works: list = []  # as Link._receiving gives them
         self.buffers: list[Tensor] = []
         if sig is None:
             header = torch.empty(HEADER_SLOTS, dtype=torch.int64)
@@ -188,6 +192,7 @@ class _Arrival:
 
     def _post(self) -> None:
         link = self._link
+        assert self.sig is not None  # given, or decoded from the header
         with link._device.receiving():
             self.buffers = [link._device.empty(shape, dtype) for shape, dtype in self.sig[1]]
         self.works = link._receiving([link._prev.irecv(_wire(buffer)) for buffer in self.buffers], link._prev)
@@ -209,6 +214,7 @@ class _Arrival:
             self._post()
         link._take(self.works, self.buffers, link._prev.rank)
         tensors = self.buffers
+        assert self.sig is not None  # given, or decoded from the header
         return tuple(tensors) if self.sig[0] else tensors[0]
 
 
@@ -378,7 +384,7 @@ class Link:
             self._wait([self._prev.irecv_control(message)], self._prev.rank)
             micro_batches, signatures = read_step_message(message)
         self._expected = deque(signatures)
-        self._arrivals = deque([self._expect()] if self._expected else [])
+        self._arrivals = deque([cast(_Arrival, self._expect())] if self._expected else [])
         return micro_batches, signatures
 
     def recv_activation(self, ahead: bool = False) -> Value:
@@ -396,9 +402,10 @@ class Link:
         if not self.stepped:
             self._expected.append(None)
         arrival = self._arrivals.popleft() if self._arrivals else self._expect()
+        assert arrival is not None  # an activation of the step (or, unstepped, the one expected above)
         # posted before this one is waited for, in micro-batch order: not past a headed payload not yet posted
         while self._expected and (ahead or not self._arrivals) and (self._arrivals or [arrival])[-1].posted:
-            self._arrivals.append(self._expect())
+            self._arrivals.append(cast(_Arrival, self._expect()))  # one is expected
         value = arrival.take()
         self.events.add("recv", None, start, time.perf_counter())
         return value
@@ -459,7 +466,7 @@ class Link:
         self._drop_completed()
         self._pending_sends.append(_Send(None, [work], [message]))
 
-    def _post(self, works: list[dist.Work], tensors: list[Tensor], index: int, peer: _Peer) -> None:
+    def _post(self, works: list, tensors: list[Tensor], index: int, peer: _Peer) -> None:
         """Drop the sends that have completed, then keep ``works`` (payload sends of ``tensors`` to ``peer``) as one
         pending send until it has."""
         self._drop_completed()
@@ -479,7 +486,8 @@ class Link:
         Raises:
             PipelineFailure: if one of those sends failed.
         """
-        completed, pending = [], []
+        completed: list[_Send] = []
+        pending: list[_Send] = []
         for send in self._pending_sends:
             (completed if all(work.is_completed() for work in send.works) else pending).append(send)
         self._pending_sends = pending

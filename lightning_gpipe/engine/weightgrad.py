@@ -43,7 +43,7 @@ class DeferredWeightGradient:
     """
 
     def __init__(self, groups: list["_Group"]) -> None:
-        self._groups = groups
+        self._groups: list[_Group] | None = groups
 
     def __call__(self) -> None:
         """Compute the weight gradients and add them to the parameters' ``.grad``."""
@@ -113,10 +113,10 @@ def _run_linears(layers: dict[tuple[Node, Node | None], list["_Group"]]) -> None
     for (weight, bias), groups in layers.items():
         rows = [_linear_rows(group) for group in groups]
         gradient, inputs = torch.cat([g for g, _ in rows]), torch.cat([x for _, x in rows])
-        params.append(weight.variable)
+        params.append(weight.variable)  # type: ignore[attr-defined]  # a Node attribute torch's stubs lack
         grads.append(gradient.t().mm(inputs))
         if bias is not None:
-            params.append(bias.variable)
+            params.append(bias.variable)  # type: ignore[attr-defined]  # a Node attribute torch's stubs lack
             grads.append(gradient.sum(0))
     torch.autograd.backward(params, grads)
 
@@ -203,7 +203,8 @@ class _Group:
         pins = [node.register_prehook(_pinned(g)) for node, g in self.seeds] if len(self.seeds) > 1 else []
         try:
             # the graph is kept: another group's run may pass through the same nodes (it is freed with the outputs)
-            torch.autograd.backward(edges, grads, inputs=[p.variable for p in self.params], retain_graph=True)
+            variables = [p.variable for p in self.params]  # type: ignore[attr-defined]  # not in torch's stubs
+            torch.autograd.backward(edges, grads, inputs=variables, retain_graph=True)
         finally:
             for handle in pins:
                 handle.remove()
@@ -217,7 +218,11 @@ def _linear_key(group: _Group) -> tuple[Node, Node | None] | None:
     node, grad_outputs = group.seeds[0]
     if len(grad_outputs) != 1 or grad_outputs[0] is None or grad_outputs[0].dim() != 2:
         return None
-    if node.name() == "AddmmBackward0" and node._saved_alpha == 1 and node._saved_beta == 1:
+    if (
+        node.name() == "AddmmBackward0"
+        and node._saved_alpha == 1  # type: ignore[attr-defined]  # saved attributes of autograd nodes: not in stubs
+        and node._saved_beta == 1  # type: ignore[attr-defined]
+    ):
         bias, _, transpose = (child for child, _ in node.next_functions)
     elif node.name() == "MmBackward0":
         bias, (_, transpose) = None, (child for child, _ in node.next_functions)
@@ -228,7 +233,9 @@ def _linear_key(group: _Group) -> tuple[Node, Node | None] | None:
     ((weight, _),) = transpose.next_functions
     if not hasattr(weight, "variable") or (bias is not None and getattr(bias, "variable", None) is None):
         return None
-    if bias is not None and bias.variable.dim() != 1:  # a bias of one row for every row, summed over the rows
+    assert weight is not None  # it has a variable
+    # a bias of one row for every row, summed over the rows
+    if bias is not None and bias.variable.dim() != 1:  # type: ignore[attr-defined]  # not in torch's stubs
         return None
     if group.params != {weight, *([bias] if bias is not None else [])}:
         return None
@@ -238,7 +245,12 @@ def _linear_key(group: _Group) -> tuple[Node, Node | None] | None:
 def _linear_rows(group: _Group) -> tuple[Tensor, Tensor]:
     """The output gradient and the input of the linear layer of ``group`` (see :func:`_linear_key`)."""
     node, (gradient,) = group.seeds[0]
-    inputs = node._saved_mat1 if node.name() == "AddmmBackward0" else node._saved_self
+    assert gradient is not None  # _linear_key: one output gradient
+    inputs = (
+        node._saved_mat1  # type: ignore[attr-defined]  # saved attributes of autograd nodes: not in stubs
+        if node.name() == "AddmmBackward0"
+        else node._saved_self  # type: ignore[attr-defined]
+    )
     return gradient, inputs
 
 

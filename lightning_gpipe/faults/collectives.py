@@ -73,10 +73,11 @@ def broadcast_object(job: "Job", obj: Any, src: int, group: dist.ProcessGroup | 
     mine = dist.get_rank() == src
     peer = EVERY_STAGE if mine else job.watchdog.name_of(src)  # the others wait for the sender
     data = _bytes(obj) if mine else None
-    size = torch.tensor([data.numel() if mine else 0], dtype=torch.int64, device=_device())
+    size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64, device=_device())  # if mine
     _wait(job, dist.broadcast(size, src, group=group, async_op=True), size.device, group, peer)
     if not mine:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=_device())  # arrived: read without waiting
+    assert data is not None  # this process's, or the buffer for the sender's
     _wait(job, dist.broadcast(data, src, group=group, async_op=True), data.device, group, peer)
     return obj if mine else _object(data)
 

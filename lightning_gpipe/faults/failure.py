@@ -125,6 +125,7 @@ class FailureBoard:
         """Count this process among those that know the job's cause, for :meth:`linger` (once per run)."""
         if not self.read:
             self.read = True
+            assert self.store is not None  # its callers read the cause from the store
             self.store.add(self.key("read"), 1)
 
     def published_cause(self, wait: timedelta = timedelta(0)) -> str | None:

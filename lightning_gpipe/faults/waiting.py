@@ -83,7 +83,10 @@ def polls(device: torch.device, group: dist.ProcessGroup | None = None) -> bool:
     if device.type == "cpu":
         return False
     config = dist.get_backend_config(group)  # "cuda:nccl", "cpu:gloo,cuda:gloo", "cpu:gloo,cuda:nccl"
-    backends = dict(part.split(":", 1) if ":" in part else (device.type, part) for part in config.split(","))
+    backends = dict(
+        part.split(":", 1) if ":" in part else (device.type, part)  # type: ignore[misc]  # dict() takes list pairs
+        for part in config.split(",")
+    )
     return backends.get(device.type) in POLLED_BACKENDS
 
 

@@ -25,7 +25,9 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
+
+import torch.distributed as dist
 
 from lightning_gpipe.faults.failure import FailureBoard
 
@@ -240,9 +242,10 @@ class Watchdog:
         silent = [rank for rank, position in positions.items() if position is None]
         if silent:
             return f"{names[silent[0]]} has published no position; {gave_up}", silent[0]
-        working = {rank: p for rank, p in positions.items() if p["waits_for"] is None}
+        published = cast("dict[int, dict[str, Any]]", positions)  # none silent
+        working = {rank: p for rank, p in published.items() if p["waits_for"] is None}
         if not working:
-            waits = "; ".join(f"{names[r]} waits for {p['waits_for']} in {phrase(p)}" for r, p in positions.items())
+            waits = "; ".join(f"{names[r]} waits for {p['waits_for']} in {phrase(p)}" for r, p in published.items())
             return f"the stages wait for each other: {waits}; {gave_up}", None
         rank, position = min(working.items(), key=lambda item: item[1]["since"])
         if position["unbounded"]:
@@ -271,8 +274,9 @@ class Watchdog:
         if self.board.store is not None:
             self.board.store.compare_set(self.board.key("stalled"), "", str(rank))
 
-    def _read(self, rank: int) -> dict | None:
+    def _read(self, rank: int) -> dict[str, Any] | None:
         where, store = self.board.key(f"where/{rank}"), self.board.store
+        assert store is not None  # read during a run, which has a store
         if not store.check([where]):
             return None
         return json.loads(store.get(where))
@@ -284,7 +288,7 @@ class _Heartbeat(threading.Thread):
     def __init__(self, watchdog: Watchdog) -> None:
         super().__init__(daemon=True, name="lightning-gpipe-heartbeat")
         self.board, self.position, self.rank = watchdog.board, watchdog.position, watchdog.rank
-        self.store = watchdog.board.store
+        self.store = cast(dist.Store, watchdog.board.store)  # started only with a store (Watchdog.start)
         self.stopped = threading.Event()
         self.published = -1
         self.trouble_since: float | None = None

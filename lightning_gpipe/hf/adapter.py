@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -50,7 +50,7 @@ class Family:
     classes: tuple[str, ...]
     layers: Callable[[PreTrainedModel], list[nn.Module]]
     inputs: str
-    structure: Callable[[PreTrainedModel], str | None] | None = None
+    structure: Callable[[nn.Module], str | None] | None = None
     encoder: bool = False
 
 
@@ -152,7 +152,7 @@ def to_sequential(model: nn.Module, weights: Any | None = None, check: bool = Tr
     family = family_of(inner)
     if check:
         check_class(type(inner), inner.config)
-    layers = family.layers(inner)
+    layers = family.layers(cast(PreTrainedModel, inner))  # a model a family takes: a transformers model
     held = {id(t) for layer in layers for t in [*layer.parameters(), *layer.buffers()]}
     missing = [n for n, t in [*inner.named_parameters(), *inner.named_buffers()] if id(t) not in held]
     if missing:

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from contextlib import nullcontext
-from typing import Any
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -253,7 +253,10 @@ class RotaryDecoderBlock(CachedDecoderBlock):
         hidden, attention_mask, position_ids, statistics, rows = _unpack(value, self.router)
         cache, mask = self.cache_and_mask(hidden, attention_mask, position_ids, rows)
         cos_sin = self.part(self._rotary)(hidden, position_ids, *self._rotary_type)
-        recording = self.router.recording(self._routers) if statistics is not None else nullcontext([])
+        # statistics come with a router only (_unpack)
+        recording: AbstractContextManager[list[Tensor]] = (
+            cast(RouterLoss, self.router).recording(self._routers) if statistics is not None else nullcontext([])
+        )
         with recording as router_logits:
             output = self.part(self._block)(
                 hidden,
@@ -264,6 +267,7 @@ class RotaryDecoderBlock(CachedDecoderBlock):
                 use_cache=cache is not None,
             )
         for logits in router_logits:
+            assert self.router is not None  # router logits are recorded with a router only
             statistics = statistics + self.router.statistics(logits, attention_mask[:, -hidden.shape[1] :])
         return _pack(output, attention_mask, position_ids, statistics, rows)
 
@@ -353,7 +357,7 @@ STANDARD_BASE = ("embed_tokens", "layers", "norm", "rotary_emb")
 """The modules of a standard decoder's base model, and nothing else."""
 
 
-def standard_decoder(model: PreTrainedModel) -> str | None:
+def standard_decoder(model: nn.Module) -> str | None:
     """``None`` when ``model`` is of the standard decoder layout (see the module docstring), else why not: its
     children must be exactly the base model and ``lm_head``, the base model's exactly :data:`STANDARD_BASE` (the
     blocks an ``nn.ModuleList`` of ``num_hidden_layers``), and every layer type one of :data:`MASKS`."""

@@ -14,6 +14,7 @@ bidirectional mask with ``transformers.masking_utils``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -96,7 +97,7 @@ class EncoderHead(HFLayer):
         return output
 
 
-def standard_encoder(model: PreTrainedModel) -> str | None:
+def standard_encoder(model: nn.Module) -> str | None:
     """``None`` when ``model`` is of the BERT-style encoder layout (see the module docstring), else why not: the
     base model holds exactly ``embeddings``, ``encoder`` (holding only ``layer``, an ``nn.ModuleList``) and
     optionally ``pooler``; the model has a head besides; the config is not a decoder's."""
@@ -109,8 +110,9 @@ def standard_encoder(model: PreTrainedModel) -> str | None:
     inner = {name for name, child in base._modules.items() if child is not None}
     if not {"embeddings", "encoder"} <= inner or inner - {"embeddings", "encoder", "pooler"}:
         return f"`{prefix}` holds {sorted(inner)}, not embeddings, encoder (and pooler)"
-    encoder = {name for name, child in base.encoder._modules.items() if child is not None}
-    if encoder != {"layer"} or not isinstance(base.encoder.layer, nn.ModuleList):
+    # base.encoder: a child module (checked above)
+    encoder = {name for name, child in cast(nn.Module, base.encoder)._modules.items() if child is not None}
+    if encoder != {"layer"} or not isinstance(cast(nn.Module, base.encoder).layer, nn.ModuleList):
         return f"`{prefix}.encoder` holds {sorted(encoder)}, not only the nn.ModuleList `layer`"
     if config.is_decoder or getattr(config, "add_cross_attention", False):
         return "is_decoder=True or add_cross_attention=True: only bidirectional encoders are pipelined this way"

@@ -52,6 +52,11 @@ class HFLayer(nn.Module):
             (default) for none.
     """
 
+    # plain attributes, in the instance's __dict__ (see __init__)
+    hf_model: PreTrainedModel
+    extra_init: Callable[[nn.Module], None] | None
+    _skipped_resets: list[tuple[nn.Module, str]]
+
     def __init__(self, model: PreTrainedModel, paths: Sequence[str]) -> None:
         super().__init__()
         self.__dict__["hf_model"] = model
@@ -128,7 +133,7 @@ class HFLayer(nn.Module):
                 continue  # everything of it comes from the checkpoint
             for tensor in [module, *own]:
                 if getattr(tensor, "_is_hf_initialized", False):
-                    tensor._is_hf_initialized = False
+                    tensor._is_hf_initialized = False  # type: ignore[attr-defined]  # transformers' flag
             with torch.no_grad():
                 self.hf_model._init_weights(module)
                 if self.extra_init is not None:
@@ -137,6 +142,7 @@ class HFLayer(nn.Module):
             device = next(iter(provided.values())).device
             for tensor in provided.values():  # free this layer's memory first: a stage peaks at its own size
                 tensor.data = torch.empty(0, dtype=tensor.dtype, device=device)
+            assert self.weights is not None  # it provided them
             for name, tensor in provided.items():
                 if tensor.numel() == 0:  # a name sharing a tensor already read is skipped
                     tensor.data = self.weights.load([name], device=device)[name].to(tensor.dtype)

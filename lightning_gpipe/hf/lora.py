@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +31,7 @@ try:
     import peft
     from peft.utils.other import AuxiliaryTrainingWrapper
 except ImportError:  # peft is optional (the `examples` extra): LoRA needs it, the rest does not
-    peft = None
+    peft = None  # type: ignore[assignment]  # the optional module's stand-in
 
 DEFAULT_LORA = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"}
 """The ``LoraConfig`` fields of ``lora=True``: rank 8, alpha 16, every linear layer of the blocks (``peft``'s
@@ -47,7 +47,7 @@ def _peft() -> Any:
     return peft
 
 
-def is_peft_model(model: nn.Module) -> bool:
+def is_peft_model(model: nn.Module) -> TypeGuard[peft.PeftModel]:
     """Whether ``model`` is a ``peft.PeftModel`` (never true when ``peft`` is not installed)."""
     return peft is not None and isinstance(model, peft.PeftModel)
 
@@ -183,10 +183,11 @@ class PeftWeights:
         result = {}
         for name in names:
             if name in self.adapter_names:
+                assert self.adapters is not None  # adapter names come with an adapter directory only
                 result[name] = self.adapters.load([self.adapter_names[name]], device)[self.adapter_names[name]]
             else:
-                stored = base_name(name, self.renames)
-                result[name] = self.base.load([stored], device)[stored]
+                stored = cast(str, base_name(name, self.renames))  # a name this provides: a base and a stored name
+                result[name] = cast(SafetensorsWeights, self.base).load([stored], device)[stored]
         return result
 
 

@@ -16,15 +16,14 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_gpipe.engine.contract import forward_and_share
-from lightning_gpipe.engine.partition import Partition, materialize
+from lightning_gpipe.engine import Partition, materialize
 from lightning_gpipe.hf import lora as peft_lora
 from lightning_gpipe.hf.adapter import Family, check_class, family_of, to_sequential
 from lightning_gpipe.hf.decoder import causal_lm_loss, clear_kv_caches, decoder_input, positions_from_mask
@@ -32,6 +31,8 @@ from lightning_gpipe.hf.encoder import encoder_input
 from lightning_gpipe.hf.layer import UnsupportedModelError, hf_name
 from lightning_gpipe.hf.moe import RouterLoss, router_loss_of
 from lightning_gpipe.hf.weights import SafetensorsWeights, save_stage_shards
+from lightning_gpipe.lightning._lightning import attached_trainer
+from lightning_gpipe.lightning.contract import forward_and_share
 
 try:
     from huggingface_hub import snapshot_download
@@ -46,6 +47,9 @@ except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError(
         "lightning_gpipe.hf needs `transformers` 5.24 or newer: pip install 'transformers>=5.24'"
     ) from error
+
+if TYPE_CHECKING:
+    from lightning_gpipe.lightning.strategy import GPipeStrategy
 
 
 class HFModule(pl.LightningModule):
@@ -125,7 +129,7 @@ class HFModule(pl.LightningModule):
         self.save_hyperparameters(ignore=ignored or None)
         self.pretrained, self.model_config, self.attn_implementation = pretrained, config, attn_implementation
         self.overrides = dict(overrides or {})
-        self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
+        self.lr, self.weight_decay, self.betas = lr, weight_decay, cast("tuple[float, float]", tuple(betas))
         self.warmup_steps, self.decay, self.min_lr_ratio = warmup_steps, decay, min_lr_ratio
         self.lora, self.checkpoint_frozen, self.self_check = lora or None, checkpoint_frozen, self_check
         if self.lora is not None:
@@ -184,7 +188,7 @@ class HFModule(pl.LightningModule):
             for key, value in self.overrides.items():
                 setattr(config, key, value)
             return config
-        fields = {**dict(config), **self.overrides}
+        fields = {**dict(cast(dict, config)), **self.overrides}  # a dict: __init__ took pretrained or config
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
     def model_config_for_build(self) -> PretrainedConfig:
@@ -208,7 +212,7 @@ class HFModule(pl.LightningModule):
         with torch.device("meta"):
             model = self.auto_class.from_config(config, attn_implementation=self.attn_implementation)
         model.train()
-        weights = None
+        weights: SafetensorsWeights | peft_lora.PeftWeights | None = None  # the checkpoint's, then with adapters
         if self.pretrained is not None:
             weights = SafetensorsWeights(
                 _local(self.pretrained), model.all_tied_weights_keys, model.base_model_prefix, model
@@ -219,7 +223,7 @@ class HFModule(pl.LightningModule):
                 wrapped = self.__dict__["_peft_model"] = peft_lora.wrap(model, self.lora)
             adapters = self.lora if isinstance(self.lora, (str, os.PathLike)) else None
             if weights is not None or adapters is not None:
-                weights = peft_lora.PeftWeights(wrapped, weights, adapters)
+                weights = peft_lora.PeftWeights(wrapped, cast("SafetensorsWeights | None", weights), adapters)
         self._check_family(type(model).__name__, family_of(model))
         self.backbone = to_sequential(self.peft_model or model, weights, check=False)  # checked in __init__
         device = torch.empty(()).device
@@ -235,7 +239,7 @@ class HFModule(pl.LightningModule):
         names = {name for name, p in self.named_parameters(remove_duplicate=False) if not p.requires_grad}
         return names | {name for name, _ in self.named_buffers(remove_duplicate=False)}
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # every overload
         """The module's state; with ``lora`` (and ``checkpoint_frozen=False``) only its trainable tensors, the
         adapters: what Lightning checkpoints hold (every stage its own, see ``GPipeStrategy(state_dict_type=...)``)."""
         state = super().state_dict(*args, **kwargs)
@@ -286,7 +290,7 @@ class HFModule(pl.LightningModule):
         groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]] or groups[1:]
         optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
-        total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1
+        total = self.trainer.estimated_stepping_batches if attached_trainer(self) is not None else 1
         factor = lambda step: lr_factor(step, self.warmup_steps, int(total), self.decay, self.min_lr_ratio)  # noqa: E731
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -315,7 +319,7 @@ class HFModule(pl.LightningModule):
         if not isinstance(self.backbone, Partition):
             model.save_pretrained(directory)
             return directory
-        strategy = self.trainer.strategy
+        strategy = cast("GPipeStrategy", self.trainer.strategy)  # the backbone is split: a pipelined run
         writes = getattr(strategy, "replica_index", 0) == 0
         state = {hf_name(k): v for k, v in self.backbone.state_dict().items() if not v.is_meta}
         if writes:
@@ -340,7 +344,7 @@ class HFModule(pl.LightningModule):
         if not isinstance(self.backbone, Partition):
             self.peft_model.save_pretrained(str(directory))
             return directory
-        strategy = self.trainer.strategy
+        strategy = cast("GPipeStrategy", self.trainer.strategy)  # the backbone is split: a pipelined run
         state = self.backbone.state_dict(keep_vars=True)
         local = {hf_name(k): v.detach().cpu() for k, v in state.items() if v.requires_grad and not v.is_meta}
         everything = _gather_over_world(local if getattr(strategy, "replica_index", 0) == 0 else None)
@@ -428,7 +432,7 @@ class CausalLM(HFModule):
                 is a product of two means over the whole batch, which the micro-batches' losses do not add up to.
         """
         run = getattr(self.trainer.strategy, "run", None)
-        if self.router_loss is not None and run is not None and run.runtime.loss_per_micro_batch:
+        if self.router_loss is not None and run is not None and run.pipeline.loss_per_micro_batch:
             raise ValueError(
                 f"{type(self.hf_model).__name__} adds a load-balancing loss (output_router_logits=True) that is a"
                 " product of two means over the whole batch's tokens, but this schedule computes the loss per"
@@ -587,7 +591,8 @@ class SavePretrained(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Call ``pl_module.save_pretrained(dirpath)`` on every process; global rank 0 saves the tokenizer (the
         one given, else the data module's ``tokenizer`` attribute if it has one)."""
-        pl_module.save_pretrained(self.dirpath)
-        tokenizer = self.tokenizer or getattr(trainer.datamodule, "tokenizer", None)
+        cast(HFModule, pl_module).save_pretrained(self.dirpath)  # an HFModule, or a module with its save_pretrained
+        # trainer.datamodule: set by Lightning, not declared on Trainer
+        tokenizer = self.tokenizer or getattr(trainer.datamodule, "tokenizer", None)  # type: ignore[attr-defined]
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained") and trainer.global_rank == 0:
             tokenizer.save_pretrained(self.dirpath)

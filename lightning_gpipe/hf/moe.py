@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -42,7 +42,7 @@ class RouterLoss:
     num_experts: int
     top_k: int
     coefficient: float
-    router: type
+    router: type[nn.Module]
     index: int = 0
     layer_name: str | None = None
 
@@ -53,7 +53,7 @@ class RouterLoss:
 
     def routers(self, block: nn.Module, path: str) -> list[nn.Module]:
         """The router modules inside ``block`` (at ``path`` in the model), as the model's recorder finds them."""
-        found = []
+        found: list[nn.Module] = []
         for name, module in block.named_modules(prefix=path):
             fragment = None if self.layer_name is None else "." + self.layer_name.strip(".") + "."
             if isinstance(module, self.router) and (fragment is None or fragment in name + "."):
@@ -114,7 +114,7 @@ def router_loss_of(model: nn.Module) -> RouterLoss | None:
     """
     if not getattr(model.config, "output_router_logits", False):
         return None
-    recorder = getattr(model, "_can_record_outputs", {}).get("router_logits")
+    recorder: Any = getattr(model, "_can_record_outputs", {}).get("router_logits")
     fields = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
     if getattr(recorder, "target_class", None) is None or not all(hasattr(model, f) for f in fields):
         raise ValueError(
@@ -122,10 +122,11 @@ def router_loss_of(model: nn.Module) -> RouterLoss | None:
             f" {', '.join(fields)}: lightning_gpipe.hf cannot carry its load-balancing loss. Set"
             " output_router_logits=False (overrides={'output_router_logits': False})."
         )
+    moe = cast(Any, model)  # a transformers MoE model: these are its attributes, which nn.Module does not declare
     return RouterLoss(
-        num_experts=model.num_experts,
-        top_k=model.num_experts_per_tok,
-        coefficient=model.router_aux_loss_coef,
+        num_experts=moe.num_experts,
+        top_k=moe.num_experts_per_tok,
+        coefficient=moe.router_aux_loss_coef,
         router=recorder.target_class,
         index=recorder.index,
         layer_name=recorder.layer_name,

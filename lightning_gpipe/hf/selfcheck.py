@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe.hf.decoder import causal_lm_loss, decoder_input
 from lightning_gpipe.hf.encoder import encoder_input
-from lightning_gpipe.hf.layer import UnsupportedModelError
+from lightning_gpipe.hf.layer import HFLayer, UnsupportedModelError
 from lightning_gpipe.hf.moe import router_loss_of
 
 SIZES = {
@@ -168,7 +168,7 @@ def _first(value: Any) -> Tensor:
     return value[0] if isinstance(value, tuple) else value
 
 
-def _received(model: nn.Module, layers: list[nn.Module], ids: Tensor, mask: Tensor, **kwargs: Any):
+def _received(model: nn.Module, layers: list[HFLayer], ids: Tensor, mask: Tensor, **kwargs: Any):
     """The model's forward on the probe, and what the first module of each backbone layer after the first
     received (its hidden states), by forward pre-hooks: ``(output, [received, ...])``."""
     received: list[Tensor | None] = [None] * (len(layers) - 1)
@@ -198,7 +198,7 @@ def _difference(ours: Tensor, theirs: Tensor | None, mask: Tensor) -> float:
     return (ours[real].float() - theirs[real].float()).abs().max().item()
 
 
-def _compare(model: nn.Module, layers: list[nn.Module], value: tuple, mask: Tensor, labels: Tensor | None):
+def _compare(model: nn.Module, layers: list[HFLayer], value: tuple, mask: Tensor, labels: Tensor | None):
     """``None`` when every backbone layer's output (and the loss, with ``labels``) equals the model's, else
     ``(layer index or None for the loss, difference)``; the backbone's output is the last one."""
     torch.manual_seed(0)  # both sides draw the same dropout masks if they apply the same dropouts in the same order
@@ -218,10 +218,10 @@ def _compare(model: nn.Module, layers: list[nn.Module], value: tuple, mask: Tens
     return None
 
 
-def _describe(model_class: type, mini: nn.Module, layers: list[nn.Module], where: tuple, mode: str) -> str:
+def _describe(model_class: type, mini: nn.Module, layers: list[HFLayer], where: tuple, mode: str) -> str:
     index, difference = where
     place = "its loss with labels" if index is None else f"backbone layer {index} ({', '.join(layers[index].paths)})"
-    config = mini.config
+    config: Any = mini.config  # a transformers config
     return (
         f"{model_class.__name__} is not cut into backbone layers correctly: {place} differs from the model's own"
         f" forward by {difference:.3g} (largest absolute difference on the real tokens of a left- and right-padded"

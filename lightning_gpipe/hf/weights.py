@@ -202,6 +202,7 @@ def save_stage_shards(
     sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
     everything = gather((file, sizes))
     if write_index:
+        weight_map: dict[str, str]
         weight_map, total = {}, 0
         for shard, shard_sizes in everything:
             for name, size in shard_sizes.items():
@@ -215,7 +216,7 @@ def save_stage_shards(
 
 def _unshared(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     """safetensors refuses tensors sharing memory: clone the second and later names of one storage."""
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple[int, int | torch.SymInt]] = set()
     result = {}
     for name, tensor in tensors.items():
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())

@@ -10,15 +10,14 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import LightningModule
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from torch import nn
 
-from lightning_gpipe.engine import microbatch
-from lightning_gpipe.engine.contract import BackboneReached
-from lightning_gpipe.engine.microbatch import Value
+from lightning_gpipe.engine import Value, scatter
+from lightning_gpipe.lightning._lightning import collect_rng_states, set_rng_states, training_dataloaders
+from lightning_gpipe.lightning.contract import BackboneReached
 from lightning_gpipe.planning.balance.costs import LayerCost
 from lightning_gpipe.planning.balance.profile import profile_layers
 from lightning_gpipe.planning.costs import ProfiledCosts
@@ -60,17 +59,17 @@ def profile_backbone(
 @contextmanager
 def unchanged_random_state() -> Iterator[None]:
     """Leave the random number generators (torch, CUDA, NumPy, Python) as they were before the block."""
-    states = _collect_rng_states()
+    states = collect_rng_states()
     try:
         yield
     finally:
-        _set_rng_states(states)
+        set_rng_states(states)
 
 
 def sample_micro_batch(module: LightningModule, backbone: str, chunks: int) -> Value:
     """The first of ``chunks`` micro-batches of a backbone input the module really produces (see
     :func:`sample_backbone_input`)."""
-    return microbatch.scatter(sample_backbone_input(module, backbone), chunks)[0]
+    return scatter(sample_backbone_input(module, backbone), chunks)[0]
 
 
 def sample_backbone_input(module: LightningModule, backbone: str, batch: Any = None) -> Value:
@@ -101,7 +100,7 @@ def _first_training_step(module: LightningModule) -> Callable[[], Any]:
             "Profiling the backbone to choose `balance` needs a sample: outside `trainer.fit` it takes the module's"
             " `example_input_array` (the input of `forward`); set it, or give `balance` as a list of layer counts."
         )
-    batch, _, _ = next(iter(CombinedLoader(trainer.fit_loop._data_source.dataloader(), "max_size_cycle")))
+    batch, _, _ = next(iter(CombinedLoader(training_dataloaders(trainer), "max_size_cycle")))
     batch = trainer.strategy.batch_to_device(batch)
     return lambda: module.training_step(batch, 0)
 

@@ -6,10 +6,9 @@ the rest of the outermost autocast region, so a plain PyTorch loop that runs M m
 casts each weight once per step. Lightning 2.6 turns that cache off (``MixedPrecision.autocast_context_manager``
 passes ``cache_enabled=False``, a workaround for torch's cache losing gradients after a ``no_grad`` forward,
 Lightning-AI/pytorch-lightning#20644), which costs nothing where a step calls each layer once; a pipeline calls
-each layer once per micro-batch, so every weight was cast M times per step. On one H100 (8 x Linear(4096), batch
-8192, M = 4, fill-drain) a one-stage pipeline's step ran 103 casts to bf16 where the plain loop ran 62: 1.29 against
-0.42 ms of kernel time per step, of about 15; each micro-batch's graph also kept its own low-precision copy of every
-weight until its backward.
+each layer once per micro-batch, so every weight was cast M times per step, and each micro-batch's graph kept its
+own low-precision copy of every weight until its backward (the figures: docs/benchmarks.md, "Host synchronisations
+and casts").
 
 :func:`step_casts_cached` turns the cache back on for the regions of a pipeline step (the strategy's precision
 plugin enters it with its step context, :class:`~lightning_gpipe.lightning.optimization.PipelinePrecision`), where

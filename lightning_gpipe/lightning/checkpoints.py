@@ -8,16 +8,21 @@ loads into any split (another number of stages or of virtual stages).
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_gpipe.lightning import state_dict
+from lightning_gpipe.lightning._lightning import optimizers_to_device, torch_optimizer
+
+if TYPE_CHECKING:  # the class it comes ahead of, whose attributes the hooks use and whose methods they override
+    from lightning_gpipe.lightning.mesh import MeshStrategy as _Strategy
+else:
+    _Strategy = object
 
 
-class CheckpointHooks:
+class CheckpointHooks(_Strategy):
     """The checkpoint hooks of :class:`~lightning_gpipe.lightning.strategy.GPipeStrategy` (a base class ahead of
     :class:`~lightning_gpipe.lightning.mesh.MeshStrategy`, whose attributes they use: ``config``, the job, the
     pipeline's group, the module and its optimizers)."""
@@ -33,12 +38,16 @@ class CheckpointHooks:
         :mod:`lightning_gpipe.lightning.state_dict`): ``"full"``, the whole model's on global rank 0 and ``{}``
         elsewhere (a collective call); ``"sharded"``,
         this stage's part."""
-        return self._whole_or_local(self.lightning_module.state_dict())
+        module = self.lightning_module
+        assert module is not None  # a checkpoint is taken of an attached module
+        return self._whole_or_local(module.state_dict())
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The optimizer's state keyed by parameter name, whole or this stage's, like the model's state dict."""
-        local = state_dict.optimizer_state(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
+        module = self.lightning_module
+        assert module is not None  # a checkpoint is taken of an attached module
+        local = state_dict.optimizer_state(module, torch_optimizer(optimizer))
         return self._whole_or_local(local)
 
     def _whole_or_local(self, local: dict[str, Any]) -> dict[str, Any]:
@@ -66,19 +75,24 @@ class CheckpointHooks:
         with self._job.position.unbounded_phase("reading a checkpoint"):
             if not Path(checkpoint_path).is_dir():
                 return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-            fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-            template = state_dict.stage_template(self.lightning_module, self.optimizers, fitting)
+            module = self.lightning_module
+            assert module is not None  # restored after setup (restore_checkpoint_after_setup): attached
+            fitting = module.trainer.state.fn == TrainerFn.FITTING
+            template = state_dict.stage_template(module, self.optimizers, fitting)
             return state_dict.load_sharded(checkpoint_path, template, self._job)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load this stage's entries of the checkpoint's (whole or sharded) model state."""
         module = self.lightning_module
+        assert module is not None  # restored after setup (restore_checkpoint_after_setup): attached
         module.load_state_dict(state_dict.local_entries(checkpoint["state_dict"], module), strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load this stage's entries of every optimizer's name-keyed state, whatever the split it was saved with
         (see :func:`~lightning_gpipe.lightning.state_dict.load_optimizer_states`)."""
-        state_dict.load_optimizer_states(self.lightning_module, self.optimizers, checkpoint["optimizer_states"])
-        _optimizers_to_device(self.optimizers, self.root_device)
+        module = self.lightning_module
+        assert module is not None  # restored after setup (restore_checkpoint_after_setup): attached
+        state_dict.load_optimizer_states(module, self.optimizers, checkpoint["optimizer_states"])
+        optimizers_to_device(self.optimizers, self.root_device)

@@ -9,13 +9,19 @@ whether ``balance`` fits the backbone at setup (:mod:`lightning_gpipe.planning.b
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal, get_args
+from typing import Literal, cast, get_args
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-from lightning_gpipe.engine.compilation import CompileOption, compile_options
-from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, PLACED_BY_COST, V_SHAPED
-from lightning_gpipe.engine.topology import Size, checked_size
+from lightning_gpipe.engine import (
+    DEFERRED_BY_DEFAULT,
+    PLACED_BY_COST,
+    V_SHAPED,
+    CompileOption,
+    Size,
+    checked_size,
+    compile_options,
+)
 from lightning_gpipe.planning.balance import MODES
 from lightning_gpipe.planning.costs import CostModel
 from lightning_gpipe.planning.search import Constraints
@@ -210,6 +216,7 @@ class PipelineConfig:
     compile: CompileOption = False
 
     def __post_init__(self) -> None:
+        self._given: frozenset[str]  # the options given (not None), set here: not a field of the dataclass
         object.__setattr__(self, "_given", frozenset(k for k in DEFAULTS if getattr(self, k) is not None))
         for option, default in DEFAULTS.items():
             object.__setattr__(self, option, default if getattr(self, option) is None else getattr(self, option))
@@ -238,6 +245,7 @@ class PipelineConfig:
                 f"GPipeStrategy(defer_weight_grad={defer!r}): give True (the B/W split), False, or None for the"
                 " schedule's default."
             )
+        assert self.schedule is not None  # __post_init__ gave the default
         if defer is False and DEFERRED_BY_DEFAULT.get(self.schedule):  # the zero-bubble schedules: they need it
             raise ValueError(
                 f"GPipeStrategy(schedule={self.schedule!r}, defer_weight_grad=False): a zero-bubble schedule runs each"
@@ -268,15 +276,16 @@ class PipelineConfig:
         """Whether the stages after the first split each backward into B and W: ``defer_weight_grad``, or if
         ``None``, the schedule's default (:data:`~lightning_gpipe.engine.schedule.DEFERRED_BY_DEFAULT`)."""
         if self.defer_weight_grad is None:
+            assert self.schedule is not None  # __post_init__ gave the default
             return DEFERRED_BY_DEFAULT[self.schedule]
         return self.defer_weight_grad
 
     def _check_balance(self) -> None:
         balance, limit = self.balance, self.balance_memory_limit
         automatic = balance is None or balance in MODES
-        if not automatic and (
+        if not automatic and (  # so balance is not None
             isinstance(balance, (str, bytes))
-            or not all(isinstance(n, int) and not isinstance(n, bool) for n in balance)
+            or not all(isinstance(n, int) and not isinstance(n, bool) for n in cast(Sequence, balance))
         ):
             raise ValueError(
                 f"GPipeStrategy(balance={balance!r}): choose 'params', 'time' or 'memory', or give the number of"

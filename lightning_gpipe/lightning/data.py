@@ -19,23 +19,24 @@ stages' batch agreement (:mod:`lightning_gpipe.lightning.agreement`).
 
 import os
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import pl_worker_init_function
-from lightning.pytorch.utilities.data import _update_dataloader
 from lightning_utilities import apply_to_collection
+from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_gpipe.faults import collectives
+from lightning_gpipe.lightning._lightning import with_sampler
 from lightning_gpipe.lightning.agreement import BatchMismatchError, fingerprint
 from lightning_gpipe.lightning.randomness import fixed_seed
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_gpipe.engine.topology import Topology
+    from lightning_gpipe.engine import Topology
     from lightning_gpipe.faults.job import Job
 
 SAMPLED_ITEMS = 3
@@ -69,15 +70,15 @@ def same_batches(dataloader: object, replica: int, replicas: int, resample: bool
     """
     if resample and replicas == 1 and _draws_from_the_process(dataloader):
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        dataloader = _update_dataloader(
+        dataloader = with_sampler(
             dataloader, DistributedSampler(dataloader.dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
         )
     if getattr(dataloader, "worker_init_fn", False) is None and os.environ.get("PL_SEED_WORKERS") == "1":
-        dataloader.worker_init_fn = partial(pl_worker_init_function, rank=replica)
+        cast(Any, dataloader).worker_init_fn = partial(pl_worker_init_function, rank=replica)  # has one (None)
     return dataloader
 
 
-def _draws_from_the_process(dataloader: object) -> bool:
+def _draws_from_the_process(dataloader: object) -> TypeGuard[DataLoader]:
     """Whether the loader's order comes from the process's global random generator."""
     sampler = getattr(dataloader, "sampler", None)
     return (
@@ -117,7 +118,7 @@ def same_datasets(trainer: "pl.Trainer", loop: str, topology: "Topology", job: "
         )
 
 
-def dataset_fingerprint(dataset: Any) -> int | None:
+def dataset_fingerprint(dataset: Any) -> Tensor | None:
     """A digest of ``dataset``'s length and of its first, middle and last items (:data:`SAMPLED_ITEMS`), read with
     torch's, NumPy's and Python's generators seeded alike on every process (and put back after:
     :func:`~lightning_gpipe.lightning.randomness.fixed_seed`), so that random augmentation in ``__getitem__`` reads
@@ -143,7 +144,7 @@ def _size(dataset: Any) -> int | None:
         return None
 
 
-def _described(datasets: list[tuple[int | None, int | None]]) -> str:
+def _described(datasets: list[tuple[int | None, Tensor | None]]) -> str:
     """``"52 rows (fingerprint 0a1b...)"`` for each of a process's datasets."""
     parts = []
     for size, digest in datasets:

@@ -17,19 +17,25 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
+from torch.distributed import ReduceOp
 from typing_extensions import override
 
-from lightning_gpipe.engine.topology import Topology, groups, resolve_topology
+from lightning_gpipe.engine import Topology, groups, resolve_topology
 from lightning_gpipe.faults import collectives
 from lightning_gpipe.faults.job import Job
+from lightning_gpipe.lightning._lightning import (
+    LaunchedParallelStrategy,
+    default_process_group_backend,
+    evaluation_max_batches,
+    init_process_group,
+    replace_sigterm_broadcast,
+    uses_distributed_sampler,
+)
 from lightning_gpipe.lightning.agreement import StepAgreement, fingerprint, same_batch_counts
 from lightning_gpipe.lightning.config import PipelineConfig
 from lightning_gpipe.lightning.data import same_batches, same_datasets
@@ -38,7 +44,7 @@ from lightning_gpipe.lightning.randomness import StageRandomness
 from lightning_gpipe.lightning.signals import StopSignals
 
 
-class MeshStrategy(ParallelStrategy):
+class MeshStrategy(LaunchedParallelStrategy):
     """A parallel strategy whose processes form a (data-parallel x pipeline) mesh (see the module docstring).
 
     With ``data_parallel_size`` D and ``pipeline_parallel_size`` K, global rank ``r`` is stage ``r % K`` of
@@ -112,6 +118,7 @@ class MeshStrategy(ParallelStrategy):
             ValueError: if the mesh sizes or a list ``balance`` do not fit ``devices * num_nodes``.
         """
         config = self.config
+        assert config.virtual_stages is not None  # PipelineConfig gives the default
         sizes = (config.pipeline_parallel_size, config.data_parallel_size, config.balance)
         return resolve_topology(*sizes, self.num_processes, self.num_nodes, config.virtual_stages, config.v_shape)
 
@@ -153,17 +160,13 @@ class MeshStrategy(ParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         """Make every stage of a pipeline read the same batches (see
         :func:`~lightning_gpipe.lightning.data.same_batches`)."""
-        resample = self.lightning_module.trainer._accelerator_connector.use_distributed_sampler
+        resample = uses_distributed_sampler(_trainer_of(self))
         return same_batches(dataloader, self.replica_index, self.topology.data_parallel_size, resample)
 
     @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
+    def _launch_start_method(self) -> str:
         _ = self.topology  # a mesh that does not fit the job fails here, before any process starts
-        if self.config.start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self.config.start_method)
+        return self.config.start_method
 
     @override
     def setup_environment(self) -> None:
@@ -173,11 +176,13 @@ class MeshStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         environment, topology = self.cluster_environment, self.topology
+        assert environment is not None  # given by the Trainer, as the launcher needed it
         environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
-        backend = self.config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        _init_dist_connection(environment, backend, timeout=self.config.timeout)
+        # Lightning sets this attribute on its function at run time; its annotations do not declare it
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        backend = self.config.process_group_backend or default_process_group_backend(self.root_device)
+        init_process_group(environment, backend, self.config.timeout)
         self._pipeline_group, self._data_parallel_group = groups(topology.mesh(self.root_device.type))
         self._control_group = None if backend == "gloo" else dist.new_group(backend="gloo")  # host-read messages
         names = {rank: topology.name(rank) for rank in range(topology.world_size)}
@@ -187,17 +192,17 @@ class MeshStrategy(ParallelStrategy):
         self._randomness = StageRandomness.synchronized(self.stage_index, topology.num_stages, self.broadcast)
         replicas = topology.data_parallel_size
         self._agreement = StepAgreement(self.replica_index, replicas, names, self._job, self._control_group)
-        self._signals = StopSignals(self.lightning_module.trainer, self.launcher, self.cluster_environment)
+        self._signals = StopSignals(_trainer_of(self), self.launcher, self.cluster_environment)
 
     @override
     def on_train_start(self) -> None:
         """Check the stages' batch counts and take stop signals at step boundaries (see :meth:`_start_loop`). The
         stages agree on stop signals in every step (:meth:`agree_step`), so Lightning's own per-step broadcast of
         rank 0's SIGTERM mark, a blocking collective with a device-to-host copy, is left out."""
-        trainer = self.lightning_module.trainer
+        trainer = _trainer_of(self)
         self._start_loop("training", [trainer.num_training_batches])
         if self.world_size > 1:
-            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _agreed_instead
+            replace_sigterm_broadcast(trainer, _agreed_instead)
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
@@ -214,8 +219,10 @@ class MeshStrategy(ParallelStrategy):
         self._batch_name = f"training batch {batch_idx}"
         requests, self._agreed = self._agreed, None
         if self.world_size == 1:
+            assert self._signals is not None  # made in setup_environment
             requests = self._signals.requests()
         if requests is not None:
+            assert self._signals is not None  # made in setup_environment
             self._signals.act(requests, training=True)
 
     def agree_step(self, relay: Tensor | None) -> np.ndarray:
@@ -231,7 +238,8 @@ class MeshStrategy(ParallelStrategy):
         """
         if self.world_size == 1:
             return np.empty(0, dtype=np.int64)
-        epoch = self.lightning_module.trainer.current_epoch
+        epoch = _trainer_of(self).current_epoch
+        assert self._agreement is not None and self._signals is not None  # made in setup_environment
         where = lambda: f"epoch {epoch}, {self._batch_name}"  # noqa: E731
         self._agreed, region = self._agreement.agree(self._fingerprint, self._signals.requests(), where, relay)
         return region
@@ -239,24 +247,25 @@ class MeshStrategy(ParallelStrategy):
     @override
     def on_validation_start(self) -> None:
         """Check that every stage has as many validation batches (see :meth:`_start_loop`)."""
-        self._start_loop("validation", self.lightning_module.trainer._evaluation_loop.max_batches)
+        self._start_loop("validation", evaluation_max_batches(_trainer_of(self)))
 
     @override
     def on_test_start(self) -> None:
         """Check that every stage has as many test batches (see :meth:`_start_loop`)."""
-        self._start_loop("test", self.lightning_module.trainer._evaluation_loop.max_batches)
+        self._start_loop("test", evaluation_max_batches(_trainer_of(self)))
 
     @override
     def on_predict_start(self) -> None:
         """Check that every stage has as many prediction batches (see :meth:`_start_loop`)."""
-        self._start_loop("prediction", self.lightning_module.trainer.predict_loop.max_batches)
+        self._start_loop("prediction", _trainer_of(self).predict_loop.max_batches)
 
     def _start_loop(self, loop: str, counts: list) -> None:
         """Check that the stages hold the same datasets (see :func:`~lightning_gpipe.lightning.data.same_datasets`)
         and loaders of as many batches (see :func:`~lightning_gpipe.lightning.agreement.same_batch_counts`), then take
         the stop signals at step boundaries (Lightning registers its handlers at the start of each loop)."""
-        same_datasets(self.lightning_module.trainer, loop, self.topology, self._job)
+        same_datasets(_trainer_of(self), loop, self.topology, self._job)
         same_batch_counts(loop, counts, self._job)
+        assert self._signals is not None  # made in setup_environment
         self._signals.install()
 
     def _agree(self, which: str, training: bool = False) -> None:
@@ -272,13 +281,14 @@ class MeshStrategy(ParallelStrategy):
         """
         if self.world_size == 1:
             return
-        epoch = self.lightning_module.trainer.current_epoch
+        epoch = _trainer_of(self).current_epoch
+        assert self._agreement is not None and self._signals is not None  # made in setup_environment
         where = lambda: f"epoch {epoch}, {which}"  # noqa: E731
         agreed, _ = self._agreement.agree(self._fingerprint, self._signals.requests(), where)
         self._signals.act(agreed, training)
 
     @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: str | None = "mean") -> Any:
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         """Reduce ``tensor`` over this stage's replicas (``self.log(..., sync_dist=True)`` calls this), as DDP does;
         the stages of a pipeline hold parts of one step, not copies, and never average with each other (see
         :func:`~lightning_gpipe.lightning.data_parallel.reduce_over_replicas`).
@@ -330,6 +340,13 @@ class MeshStrategy(ParallelStrategy):
         self._agreement = self._signals = None
         self._randomness = StageRandomness()
         self._job.close()
+
+
+def _trainer_of(strategy: MeshStrategy) -> "pl.Trainer":
+    """The Trainer of the strategy's module, attached before any of the hooks that ask for it run."""
+    module = strategy.lightning_module
+    assert module is not None  # attached by the Trainer (Strategy.connect) before setup_environment and the loops
+    return module.trainer
 
 
 def _agreed_instead() -> None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gpipe.faults import collectives
+from lightning_gpipe.lightning._lightning import set_plugin_class
 from lightning_gpipe.lightning.casts import step_casts_cached
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ def clip_grad_norm_(
     local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
     squared = local.double() ** 2
     if dist.is_initialized():
+        assert job is not None, "clip_grad_norm_ needs the run's job once torch.distributed is initialised"
         collectives.all_reduce(job, squared, group=group)
     total = squared.sqrt().to(local.dtype)
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
@@ -115,6 +117,7 @@ class SharedGradScaler(torch.amp.GradScaler):
             return
         flags = list(found.values())
         any_found = torch.stack([flag.to(flags[0].device) for flag in flags]).amax()
+        assert self.job is not None, "SharedGradScaler needs the run's job once torch.distributed is initialised"
         collectives.all_reduce(self.job, any_found, dist.ReduceOp.MAX, self.group)
         for flag in flags:
             flag.copy_(any_found)
@@ -129,6 +132,7 @@ class PipelinePrecision:
     pipeline_group: dist.ProcessGroup | None
     uncounted: Callable[[], Iterable[Tensor]]
     job: "Job"
+    main_params: Callable[[Any], Iterable[Tensor]]  # the precision plugin's own method (the mixed class's base)
 
     @contextmanager
     def train_step_context(self) -> Iterator[None]:
@@ -164,7 +168,8 @@ def pipelined(
         job: the run's :class:`~lightning_gpipe.faults.job.Job`, whose waits the all-reduces use.
     """
     if not isinstance(plugin, PipelinePrecision):
-        plugin.__class__ = _pipelined_class(type(plugin))
+        plugin_class: type = type(plugin)  # a class, hashable (mypy reads type(Any) as type[Any], maybe unhashable)
+        set_plugin_class(plugin, _pipelined_class(plugin_class))
     plugin.pipeline_group, plugin.uncounted, plugin.job = group, uncounted, job
     scaler = getattr(plugin, "scaler", None)
     if scaler is not None and not isinstance(scaler, SharedGradScaler):
@@ -176,5 +181,5 @@ def pipelined(
 def unpipelined(plugin: Any) -> None:
     """Give ``plugin`` its own class back (after a run; its scaler stays shared, with its state)."""
     if isinstance(plugin, PipelinePrecision):
-        plugin.__class__ = type(plugin).__bases__[1]
+        set_plugin_class(plugin, type(plugin).__bases__[1])
         del plugin.pipeline_group, plugin.uncounted, plugin.job

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_gpipe.engine.partition import find_backbone
+from lightning_gpipe.engine import find_backbone
 from lightning_gpipe.lightning.backbone import profile_module
 from lightning_gpipe.planning.costs import CostModel, ProfiledCosts, optimizer_state_factor
 from lightning_gpipe.planning.profiling import module_state_factor
@@ -62,7 +62,7 @@ def plan(
         schedule: the schedule, fixed.
         balance: layers per (virtual) stage (a list), or a mode of :data:`lightning_gpipe.planning.balance.MODES`.
         virtual_stages: model chunks per stage, fixed. The planner tries 1 and 2 only where the strategy can run
-            them: on the CPU (gloo), for a backbone without skip connections.
+            them: on the CPU (gloo).
 
     Returns:
         The :class:`~lightning_gpipe.planning.report.PlanReport`: ``report.chosen.plan.options()`` are the

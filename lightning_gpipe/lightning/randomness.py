@@ -19,8 +19,8 @@ generators, NumPy's and Python's ``random``, as :func:`lightning.fabric.utilitie
   after the backbone call (head, loss) (:meth:`StageRandomness.stage`). Under fill-drain, where only Lightning's
   own code runs between ``training_step`` and ``backward`` (no hook in between is overridden:
   :func:`~lightning_gpipe.lightning.step.quiet_until_backward`), the stage stream stays in from the backbone call
-  to the end of the drain: one exchange of the generators' states each way per step instead of two (each costs
-  about 0.1 ms of host time, most of it NumPy's ``get_state``/``set_state``).
+  to the end of the drain: one exchange of the generators' states each way per step instead of two (most of an
+  exchange's host time is NumPy's ``get_state``/``set_state``).
 
 A pipeline of one stage keeps a single stream, so it draws exactly as one device does. With several stages,
 dropout masks are independent between stages and reproducible for a given seed and number of stages, but not
@@ -35,7 +35,8 @@ from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+
+from lightning_gpipe.lightning._lightning import collect_rng_states, set_rng_states
 
 
 class StageRandomness:
@@ -62,8 +63,8 @@ class StageRandomness:
             broadcast: sends a picklable object from global rank 0 to every process and returns it (a collective
                 call); the identity for a single process.
         """
-        seed, states = broadcast((_run_seed(), _collect_rng_states()))
-        _set_rng_states(states)
+        seed, states = broadcast((_run_seed(), collect_rng_states()))
+        set_rng_states(states)
         return cls(stage_states(seed, stage_index) if num_stages > 1 else None)
 
     @contextmanager
@@ -97,11 +98,11 @@ class StageRandomness:
 def stage_states(seed: int, stage_index: int) -> dict[str, Any]:
     """The generator states of the stage stream of pipeline rank ``stage_index`` in a run seeded with ``seed``,
     made without changing the current ones."""
-    current = _collect_rng_states()
+    current = collect_rng_states()
     derived = int.from_bytes(hashlib.blake2b(f"{seed}/stage/{stage_index}".encode(), digest_size=8).digest(), "big")
     _seed_every_generator(derived)
-    states = _collect_rng_states()
-    _set_rng_states(current)
+    states = collect_rng_states()
+    set_rng_states(current)
     return states
 
 
@@ -109,12 +110,12 @@ def stage_states(seed: int, stage_index: int) -> dict[str, Any]:
 def fixed_seed(seed: int = 0) -> Iterator[None]:
     """Draw from torch's, NumPy's and Python's generators seeded from ``seed`` inside the block, the same on every
     process; the states they had are put back after it, so the run draws as if the block had not run."""
-    current = _collect_rng_states()
+    current = collect_rng_states()
     _seed_every_generator(seed)
     try:
         yield
     finally:
-        _set_rng_states(current)
+        set_rng_states(current)
 
 
 def _seed_every_generator(seed: int) -> None:
@@ -130,8 +131,8 @@ def _seed_every_generator(seed: int) -> None:
 
 def _exchange(states: dict[str, Any]) -> dict[str, Any]:
     """Install ``states`` and return the ones they replace."""
-    current = _collect_rng_states()
-    _set_rng_states(states)
+    current = collect_rng_states()
+    set_rng_states(states)
     return current
 
 

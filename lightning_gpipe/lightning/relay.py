@@ -15,7 +15,7 @@ What ``training_step`` returns reaches the other stages too (:func:`share_step_o
 import io
 import pickle
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import lightning.pytorch as pl
 import numpy as np
@@ -25,6 +25,14 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_gpipe.faults import collectives, waiting
+from lightning_gpipe.lightning._lightning import SCALAR_FIELDS as SCALAR_FIELDS
+from lightning_gpipe.lightning._lightning import TENSOR_FIELDS as TENSOR_FIELDS
+from lightning_gpipe.lightning._lightning import (
+    logged_results,
+    new_result_metric,
+    result_metric_state,
+    set_result_metric_state,
+)
 from lightning_gpipe.lightning.agreement import REGION_WORDS
 
 if TYPE_CHECKING:
@@ -55,7 +63,7 @@ class LogRelay:
         Raises:
             PipelineFailure: if another stage failed while this one waited for it.
         """
-        results = trainer._results
+        results = logged_results(trainer)
         if results is None or not dist.is_initialized() or dist.get_world_size() == 1:
             return
         mine = dist.get_rank() == self.src
@@ -84,13 +92,14 @@ class LogRelay:
     def _dumps(self, obj: Any) -> bytes:
         buffer = io.BytesIO()
         pickler = pickle.Pickler(buffer)
-        pickler.persistent_id = lambda o: "strategy" if o is self.strategy else None
+        # an attribute of the instance, as pickle documents; typeshed declares it as a method
+        pickler.persistent_id = lambda o: "strategy" if o is self.strategy else None  # type: ignore[method-assign]
         pickler.dump(obj)
         return buffer.getvalue()
 
     def _loads(self, data: bytes) -> Any:
         unpickler = pickle.Unpickler(io.BytesIO(data))
-        unpickler.persistent_load = lambda pid: self.strategy
+        unpickler.persistent_load = lambda pid: self.strategy  # type: ignore[method-assign]  # as persistent_id
         return unpickler.load()
 
 
@@ -121,13 +130,6 @@ def _hook_then_relay(hook: Callable[[], None], relay: Callable[[], None]) -> Cal
         relay()
 
     return hook_then_relay
-
-
-TENSOR_FIELDS = ("value", "cumulated_batch_size", "_forward_cache", "_computed")
-"""The attributes of a logged value (Lightning's ``_ResultMetric``) that hold its tensors."""
-
-SCALAR_FIELDS = ("_update_count", "has_reset", "_is_synced", "_should_unsync")
-"""The attributes of a logged value that change from step to step and are not tensors."""
 
 
 class StepRelay:
@@ -187,9 +189,12 @@ class StepRelay:
         """At the end of ``training_step``: the step's output on every stage, its loss the last stage's, its other
         tensors filled in by :meth:`exchange` (a collective call of the pipeline; ``output``: the last stage's,
         ignored on the others)."""
+        assert self._description is not None  # called only when shaped
+        layout: list[tuple[str, tuple]]  # dtype name and shape of each tensor (see pack)
         _, layout, described, count, loss_slot = self._description
         if self.is_src:
-            sent = _loss_of(output).detach().to(torch.float64).reshape(1)
+            loss = cast(Tensor, _loss_of(output))  # the last stage's step returns its loss (Lightning requires it)
+            sent = loss.detach().to(torch.float64).reshape(1)
             self._finish(self._pending)  # the last step's: long completed
             self._pending = [dist.broadcast(sent, self.src, group=self.group, async_op=True)]
             self._tensors = [sent]  # kept alive until it has completed
@@ -219,12 +224,12 @@ class StepRelay:
         data = pickle.dumps(self._description, protocol=5)
         size = sum(_padded(t) for t in tensors)
         fits = len(data) <= 8 * (REGION_WORDS - _HEADER)
-        described = torch.from_numpy(_to_words(data).copy())  # writable, as torch wants
-        inline = fits and self.device.type == "cpu" and len(described) + size // 8 <= REGION_WORDS - _HEADER
+        description = torch.from_numpy(_to_words(data).copy())  # writable, as torch wants
+        inline = fits and self.device.type == "cpu" and len(description) + size // 8 <= REGION_WORDS - _HEADER
         header = torch.tensor([len(data) if fits else -len(data), size, int(inline)], dtype=torch.int64)
         if not fits:
             return header
-        words = [header, described]
+        words = [header, description]
         return torch.cat(words + [_buffer(tensors, self.device).view(torch.int64)] if inline else words)
 
     def exchange(self, region: np.ndarray, trainer: "pl.Trainer") -> None:
@@ -256,13 +261,15 @@ class StepRelay:
             self._pending = []
         self._tensors = [buffer]  # the sent bytes kept alive until the next step
         if not self.is_src:
+            assert self._description is not None  # received above
             self._land(trainer, _views(buffer, self._description[1]))
 
     def _land(self, trainer: "pl.Trainer", tensors: list[Tensor]) -> None:
         """Install the received logged values, and make the last stage's output this stage's: fill the placeholders
         :meth:`share_loss` returned where they have its tensors' shapes."""
+        assert self._description is not None  # received by exchange
         records, layout, described, count, loss_slot = self._description
-        self._install(trainer._results, records, tensors)
+        self._install(logged_results(trainer), records, tensors)
         self.output = self._unpickle(described, tensors[:count])
         self.reshaped = len(self._placeholders) != count
         for placeholder, tensor in zip(self._placeholders, tensors[:count]):
@@ -279,22 +286,25 @@ class StepRelay:
         data = torch.frombuffer(bytearray(pickle.dumps(self._description)), dtype=torch.uint8) if self.is_src else None
         data = data if data is not None else torch.empty(length, dtype=torch.uint8)
         collectives.broadcast(self.job, data, self.src, group=self.control)
-        return self._description if self.is_src else pickle.loads(data.numpy().tobytes())
+        if self.is_src:
+            assert self._description is not None  # set by this step's pack
+            return self._description
+        return pickle.loads(data.numpy().tobytes())
 
     def _record(self, key: str, value: Any, tensors: list[Tensor]) -> tuple:
         """One logged entry: a tensor ``_ResultMetric`` as its metadata, tensor fields and counters; anything else
         pickled whole, its tensors appended to ``tensors``."""
-        fields = getattr(value, "__dict__", {})
-        names = [name for name in TENSOR_FIELDS if name in fields]
-        if not (getattr(value, "is_tensor", False) and all(isinstance(fields[n], (Tensor, type(None))) for n in names)):
+        state = result_metric_state(value)
+        if state is None:
             return ("object", key, self._pickled(value, tensors))
+        fields, scalars = state
         slots = []
-        for name in names:
-            slots.append(None if fields[name] is None else len(tensors))
-            if fields[name] is not None:
-                tensors.append(fields[name])
+        for tensor in fields.values():
+            slots.append(None if tensor is None else len(tensors))
+            if tensor is not None:
+                tensors.append(tensor)
         meta = self._pickled(value.meta, [])
-        return ("metric", key, meta, tuple(zip(names, slots)), tuple(fields.get(n) for n in SCALAR_FIELDS))
+        return ("metric", key, meta, tuple(zip(fields, slots)), scalars)
 
     def _install(self, results: Any, records: list[tuple], tensors: list[Tensor]) -> None:
         """Replace ``results``'s entries by the last stage's, rebuilt around the received ``tensors``."""
@@ -305,12 +315,10 @@ class StepRelay:
                 continue
             _, key, meta, slots, scalars = record
             if (key, meta) not in self._objects:
-                self._objects[(key, meta)] = _result_metric(self._unpickle(meta, []), self.device)
+                self._objects[(key, meta)] = new_result_metric(self._unpickle(meta, []), self.device)
             value = self._objects[(key, meta)]
-            for name, slot in slots:
-                object.__setattr__(value, name, None if slot is None else tensors[slot])
-            for name, scalar in zip(SCALAR_FIELDS, scalars):
-                object.__setattr__(value, name, scalar)
+            received = {name: None if slot is None else tensors[slot] for name, slot in slots}
+            set_result_metric_state(value, received, scalars)
             results[key] = value
 
     def _pickled(self, obj: Any, tensors: list[Tensor]) -> bytes:
@@ -326,13 +334,17 @@ class StepRelay:
                 return len(tensors) - 1
             return None
 
-        pickler.persistent_id = persistent_id
+        pickler.persistent_id = persistent_id  # type: ignore[method-assign]  # as in LogRelay._dumps
         pickler.dump(obj)
         return buffer.getvalue()
 
     def _unpickle(self, data: bytes, tensors: list[Tensor]) -> Any:
         unpickler = pickle.Unpickler(io.BytesIO(data))
-        unpickler.persistent_load = lambda pid: self.strategy if pid == "strategy" else tensors[pid]
+
+        def persistent_load(pid: Any) -> Any:
+            return self.strategy if pid == "strategy" else tensors[pid]
+
+        unpickler.persistent_load = persistent_load  # type: ignore[method-assign]  # as in LogRelay._loads
         return unpickler.load()
 
     def _finish(self, works: list) -> None:
@@ -389,10 +401,3 @@ def _to_words(data: bytes) -> np.ndarray:
 
 def _from_words(words: np.ndarray, length: int) -> bytes:
     return words.astype(np.int64, copy=False).tobytes()[:length]
-
-
-def _result_metric(meta: Any, device: torch.device) -> Any:
-    """A new Lightning ``_ResultMetric`` of tensor values with the metadata ``meta``, on ``device``."""
-    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
-
-    return _ResultMetric(meta, is_tensor=True).to(device)

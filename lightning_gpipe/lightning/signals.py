@@ -17,12 +17,14 @@ thread, which Lightning turns into a shutdown that ends every stage process.
 
 import signal
 import threading
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_gpipe.lightning._lightning import mark_sigterm, original_signal_handler, requeue
 
 SIGTERM, REQUEUE = 0, 1
 """Indices of the requests in :meth:`StopSignals.requests`."""
@@ -43,17 +45,17 @@ class StopSignals:
         self.trainer, self.launcher = trainer, launcher
         self.marks = [False, False]
         requeue = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
-        self.requeue_signal: signal.Signals | None = environment.requeue_signal if requeue else None
+        slurm = cast(SLURMEnvironment, environment)  # when ``requeue``: checked by the isinstance above
+        self.requeue_signal: signal.Signals | None = slurm.requeue_signal if requeue else None
 
     def install(self) -> None:
         """Replace Lightning's SIGTERM and requeue handlers by marking ones, and let SIGINT raise
         ``KeyboardInterrupt`` (Lightning's signal connector restores every handler when the run ends)."""
         if threading.current_thread() is not threading.main_thread():
             return
-        connector = self.trainer._signal_connector
         if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
             signal.signal(signal.SIGINT, signal.default_int_handler)
-        previous = connector._original_handlers.get(signal.SIGTERM)
+        previous = original_signal_handler(self.trainer, signal.SIGTERM)
 
         def on_sigterm(signum: int, frame: Any) -> None:
             if not self.marks[SIGTERM] and self.launcher is not None:
@@ -63,7 +65,7 @@ class StopSignals:
                 previous(signum, frame)
 
         signal.signal(signal.SIGTERM, on_sigterm)
-        if self.requeue_signal is not None and connector._original_handlers.get(self.requeue_signal) in (
+        if self.requeue_signal is not None and original_signal_handler(self.trainer, self.requeue_signal) in (
             None,
             signal.SIG_DFL,
         ):  # Lightning leaves a handler of the user's in place, and so do we
@@ -90,9 +92,9 @@ class StopSignals:
         """
         if agreed[SIGTERM]:
             self.marks[SIGTERM] = True
-            self.trainer._signal_connector.received_sigterm = True
+            mark_sigterm(self.trainer)
         if agreed[REQUEUE] and training and self.requeue_signal is not None:
             # every stage names the file before any writes it (the save starts with collectives): the same path
-            self.trainer._signal_connector._slurm_sigusr_handler_fn(self.requeue_signal, None)
+            requeue(self.trainer, self.requeue_signal)
             rank_zero_info("Saved the checkpoint and requeued the job; ending every stage.")
             raise SIGTERMException

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from lightning_gpipe.faults import collectives
+from lightning_gpipe.lightning._lightning import torch_optimizer
 
 if TYPE_CHECKING:
     from lightning_gpipe.faults.job import Job
@@ -81,7 +82,7 @@ def load_optimizer_states(module: nn.Module, optimizers: list, states: list[dict
                 " index, not name), so it cannot be split between stages. Resume it with the strategy it was"
                 " written with, or load only the weights: `Module.load_from_checkpoint(path)`."
             )
-        load_optimizer_state(module, getattr(optimizer, "_optimizer", optimizer), state)
+        load_optimizer_state(module, torch_optimizer(optimizer), state)
 
 
 def local_entries(state_dict: dict[str, Tensor], module: nn.Module) -> dict[str, Tensor]:
@@ -131,9 +132,7 @@ def stage_template(module: nn.Module, optimizers: list, fitting: bool) -> dict[s
     (name-keyed, whatever layout this run writes)."""
     template: dict[str, Any] = {"state_dict": module.state_dict()}
     if fitting:
-        template["optimizer_states"] = [
-            optimizer_state(module, getattr(optimizer, "_optimizer", optimizer)) for optimizer in optimizers
-        ]
+        template["optimizer_states"] = [optimizer_state(module, torch_optimizer(optimizer)) for optimizer in optimizers]
     return template
 
 

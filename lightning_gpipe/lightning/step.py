@@ -1,10 +1,10 @@
 """How one training step runs through Lightning's hooks: the two step protocols, side by side.
 
 Lightning's automatic optimization calls ``strategy.training_step``, then (on the first batch of an accumulation
-window) the optimizer's ``zero_grad``, then ``strategy.backward``, then the optimizer step. A stage's plan
-(:mod:`lightning_gpipe.engine.schedule`) has one cut: the runtime runs the actions before it in ``training_step``
-and the rest in ``backward`` (:class:`~lightning_gpipe.engine.runtime.Runtime`). Where the user's loss runs
-decides where the cut is, and so which of two protocols a schedule follows:
+window) the optimizer's ``zero_grad``, then ``strategy.backward``, then the optimizer step. A stage's plan has one
+cut: the stage's pipeline runs the actions before it in ``training_step`` and the rest in ``backward``
+(:meth:`~lightning_gpipe.engine.StagePipeline.forward`, :meth:`~lightning_gpipe.engine.StagePipeline.backward`).
+Where the user's loss runs decides where the cut is, and so which of two protocols a schedule follows:
 
     ==================  ========================================  ==============================================
     Lightning calls     FillDrain (``"gpipe"``)                   PerMicroBatch (``"1f1b"``, zero-bubble)
@@ -43,6 +43,7 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
+from lightning_gpipe.lightning._lightning import backward_skipped, closure_result, logged_results
 from lightning_gpipe.lightning.relay import share_step_output
 from lightning_gpipe.lightning.run import StageRun
 
@@ -59,7 +60,7 @@ class FillDrain:
         the stage's random stream the backbone call moved to stays in place until the drain has ended: one exchange
         of the generators' states each way per step instead of two.
         """
-        keep = run.runtime.num_stages > 1 and quiet_until_backward(module)  # one stage: one stream, nothing to keep
+        keep = run.pipeline.num_stages > 1 and quiet_until_backward(module)  # one stage: one stream, nothing to keep
         return user_step(run, module, "training_step", precision.train_step_context, args, kwargs, keep=keep)
 
     @staticmethod
@@ -69,11 +70,11 @@ class FillDrain:
         then every stage drains its micro-batches."""
         try:
             with run.randomness.stage():  # the loss's backward and the drain draw from the stage's stream
-                if run.last_chunk.is_last:
+                if run.pipeline.is_last:
                     run.announce_loss_backward(loss)
                     precision.backward(loss, module, *args, **kw)
                 with precision.train_step_context(), run.job.board.reporting():
-                    run.runtime.backward()  # recomputes as the fill did
+                    run.pipeline.backward()  # recomputes as the fill did
         finally:
             run.backbone_call.end_kept()  # the fill's stream region, if training_step kept it: the shared one again
 
@@ -84,7 +85,7 @@ class PerMicroBatch:
 
     @staticmethod
     def training_step(run: StageRun, module: "pl.LightningModule", precision: Any, args: tuple, kwargs: dict) -> Any:
-        """The whole plan (see :meth:`~lightning_gpipe.engine.contract.BackboneCall.micro_batch_steps`); its
+        """The whole plan (see :meth:`~lightning_gpipe.lightning.contract.BackboneCall.micro_batch_steps`); its
         gradients are kept apart until Lightning's ``backward`` (which zeroes the previous step's in between, on
         the first batch of an accumulation window: those are freed at once). The combined output on the last
         stage."""
@@ -110,7 +111,7 @@ Protocol = type[FillDrain] | type[PerMicroBatch]
 
 def protocol_of(run: StageRun) -> Protocol:
     """The step protocol of ``run``'s plans: :class:`PerMicroBatch` when they call a head per micro-batch."""
-    return PerMicroBatch if run.runtime.loss_per_micro_batch else FillDrain
+    return PerMicroBatch if run.pipeline.loss_per_micro_batch else FillDrain
 
 
 def training_step(run: StageRun, module: "pl.LightningModule", precision: Any, args: tuple, kwargs: dict) -> Any:
@@ -127,19 +128,19 @@ def training_step(run: StageRun, module: "pl.LightningModule", precision: Any, a
         PipelineFailure: if another stage failed while this one waited for it.
     """
     output = protocol_of(run).training_step(run, module, precision, args, kwargs)
-    is_last, relay = run.last_chunk.is_last, run.step_relay
+    is_last, relay = run.pipeline.is_last, run.step_relay
     if is_last and output is None:
         raise RuntimeError(
             "`training_step` returned None on the last stage; under GPipeStrategy every step must return its"
             " loss, since all stages take part in the drain."
         )
-    if run.runtime.num_stages == 1:
+    if run.pipeline.num_stages == 1:
         return output
     if is_last:
         relay.output = output
     if relay.shaped:  # shaped like the last step's: the loss now, the rest with the logged values
         return relay.share_loss(output)
-    return share_step_output(output, is_last, run.share, run.last_chunk.link.device)
+    return share_step_output(output, is_last, run.share, run.pipeline.device)
 
 
 def agree(run: StageRun, trainer: "pl.Trainer", agree_step: Callable[[Tensor | None], np.ndarray]) -> None:
@@ -153,10 +154,11 @@ def agree(run: StageRun, trainer: "pl.Trainer", agree_step: Callable[[Tensor | N
         PipelineFailure: if another stage failed while this one waited for it.
     """
     relay = run.step_relay
-    if run.runtime.num_stages == 1:
+    if run.pipeline.num_stages == 1:
         agree_step(None)
         return
-    results = trainer._results if trainer._results is not None else {}
+    results = logged_results(trainer)
+    results = results if results is not None else {}
     words = relay.pack(results, relay.output) if relay.is_src else torch.empty(0, dtype=torch.int64)
     relay.exchange(agree_step(words), trainer)
 
@@ -167,8 +169,8 @@ def hand_output(run: StageRun, closure: Any) -> None:
     shaped otherwise (other keys, other shapes): the step's output Lightning hands to ``on_train_batch_end`` becomes
     the last stage's (its ``Closure``'s result). Outside an optimizer step (the first batches of a
     gradient-accumulation window) the output keeps the last step's shape, its loss the last stage's."""
-    relay, result = run.step_relay, getattr(closure, "_result", None)
-    if relay.is_src or not relay.reshaped or result is None or run.runtime.num_stages == 1:
+    relay, result = run.step_relay, closure_result(closure)
+    if relay.is_src or not relay.reshaped or result is None or run.pipeline.num_stages == 1:
         return
     output = relay.output
     if isinstance(output, Mapping):
@@ -218,7 +220,7 @@ def user_step(
 ) -> Any:
     """One call of the user's ``hook`` with ``args`` and ``kwargs`` within ``context``, ending at the backbone call
     on all stages but the last; ``keep``: the stage's random stream stays in place after it (see
-    :meth:`~lightning_gpipe.engine.contract.BackboneCall.user_step`). What an earlier step kept and no ``backward``
+    :meth:`~lightning_gpipe.lightning.contract.BackboneCall.user_step`). What an earlier step kept and no ``backward``
     ended (a failed one) ends first: the step starts on the shared stream."""
     run.backbone_call.end_kept()
     step = getattr(module, hook)
@@ -238,12 +240,12 @@ def quiet_until_backward(module: "pl.LightningModule") -> bool:
     Lightning calls in between (``on_before_zero_grad``, ``optimizer_zero_grad``, ``on_before_backward``; in its
     class or on the instance, as ``LambdaCallback`` does)."""
     trainer = module.trainer
-    if not module.automatic_optimization or trainer.fit_loop._skip_backward:
+    if not module.automatic_optimization or backward_skipped(trainer):
         return False
     if any(is_overridden(hook, module, pl.LightningModule) for hook in _MODULE_HOOKS_BEFORE_BACKWARD):
         return False
     hooks = _CALLBACK_HOOKS_BEFORE_BACKWARD
-    return not any(is_overridden(hook, callback, pl.Callback) for callback in trainer.callbacks for hook in hooks)
+    return not any(is_overridden(hook, callback, pl.Callback) for callback in trainer.callbacks for hook in hooks)  # type: ignore[attr-defined]  # Lightning's callback connector sets it
 
 
 def _backward_micro_batch(

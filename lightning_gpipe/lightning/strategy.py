@@ -5,9 +5,9 @@ cut (fill-drain: the fill), ``backward`` the rest (the drain); the optimizer ste
 gradient accumulation stay Lightning's. Each hook hands its work to a piece with one concern: the processes of
 the mesh, their agreement before each step and their failures (:class:`~lightning_gpipe.lightning.mesh.MeshStrategy`,
 the base class), the options (:mod:`~lightning_gpipe.lightning.config`), this run's pipeline
-(:mod:`~lightning_gpipe.lightning.run`, over :mod:`~lightning_gpipe.engine.runtime` and
-:mod:`~lightning_gpipe.engine.contract`), checkpoints (:mod:`~lightning_gpipe.lightning.state_dict`) and optimizer steps
-(:mod:`~lightning_gpipe.lightning.optimization`).
+(:mod:`~lightning_gpipe.lightning.run`, over the engine's :class:`~lightning_gpipe.engine.StagePipeline` and the
+user contract, :mod:`~lightning_gpipe.lightning.contract`), checkpoints (:mod:`~lightning_gpipe.lightning.state_dict`)
+and optimizer steps (:mod:`~lightning_gpipe.lightning.optimization`).
 """
 
 from collections.abc import Callable, Generator
@@ -19,19 +19,16 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gpipe.engine.compilation import CompileOption
-from lightning_gpipe.engine.contract import check_automatic_optimization
-from lightning_gpipe.engine.partition import find_backbone, is_whole
-from lightning_gpipe.engine.topology import Size
+from lightning_gpipe.engine import CompileOption, Size, find_backbone, is_whole
 from lightning_gpipe.lightning import step
-from lightning_gpipe.lightning.build import StageBuilder, build_stage
+from lightning_gpipe.lightning._lightning import optimizers_to_device
+from lightning_gpipe.lightning.build import Process, build_stage, stage_spec
 from lightning_gpipe.lightning.checkpoints import CheckpointHooks
 from lightning_gpipe.lightning.config import (
     Balance,
@@ -41,6 +38,7 @@ from lightning_gpipe.lightning.config import (
     StartMethod,
     StateDictType,
 )
+from lightning_gpipe.lightning.contract import check_automatic_optimization
 from lightning_gpipe.lightning.measure import planned_config, shared_layer_costs
 from lightning_gpipe.lightning.mesh import MeshStrategy
 from lightning_gpipe.lightning.optimization import pipelined, unpipelined
@@ -134,9 +132,30 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        options = {k: v for k, v in locals().items() if k in PipelineConfig.__dataclass_fields__}
+        config = PipelineConfig(
+            backbone=backbone,  # how the backbone is split into stages
+            balance=balance,
+            balance_memory_limit=balance_memory_limit,
+            chunks=chunks,  # how a step runs through them
+            schedule=schedule,
+            virtual_stages=virtual_stages,
+            checkpoint=checkpoint,
+            defer_weight_grad=defer_weight_grad,
+            deferred_batch_norm=deferred_batch_norm,
+            compile=compile,
+            pipeline_parallel_size=pipeline_parallel_size,  # the processes: mesh, launcher, groups, timeouts
+            data_parallel_size=data_parallel_size,
+            start_method=start_method,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            stall_timeout=stall_timeout,
+            plan=plan,  # planning
+            memory_limit=memory_limit,
+            cost_model=cost_model,
+            state_dict_type=state_dict_type,  # checkpoints
+        )
         plugins = (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
-        super().__init__(PipelineConfig(**options), *plugins)
+        super().__init__(config, *plugins)
         self.layer_costs: list[LayerCost] | None = None  # profiled per backbone layer, when a mode needs them
         self.plan_report: PlanReport | None = None  # what plan="auto" chose and why, once planned
         self._requested = self.config  # the options as given; plan="auto" runs a config with the plan's values
@@ -179,9 +198,11 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
             RuntimeError: for a module with manual optimization.
             PipelineFailure: if another stage failed while this one waited for it.
         """
+        assert self.accelerator is not None  # given by the Trainer
         self.accelerator.setup(trainer)
         replace_model_summary(trainer)  # Lightning's would count this stage's part only
         module, fitting = self.lightning_module, trainer.state.fn == TrainerFn.FITTING
+        assert module is not None  # attached by the Trainer before setup
         check_automatic_optimization(module)
         self._whole_before_split = self.broadcast(is_whole(module), src=0)  # rank 0's module, the user's, decides
         name = find_backbone(module, self.config.backbone)
@@ -192,11 +213,12 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
             LogRelay(self, last, group, self._job),
             StepRelay(self, last, self.global_rank == last, group, self._control_group, device, self._job),
         )
-        options = (self.config, self.topology, self.global_rank, device, self._job, self._control_group)
-        builder = StageBuilder(module, name, *options)
-        costs = shared_layer_costs(self, module, name)
-        run = self._run = build_stage(builder, costs, self._randomness, self._share_from_last_stage, relays)
+        process = Process(self.topology, self.global_rank, device, self._job, self._control_group)
+        spec = stage_spec(module, name, self.config, process, shared_layer_costs(self, module, name))
+        share = self._share_from_last_stage
+        run = self._run = build_stage(module, name, spec, self._job, self._randomness, share, relays)
         run.start(module, self.root_device)
+        assert self.model is not None  # the attached module, at least
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         run.ties.synchronize()  # tied copies start equal, even when each stage initialised its own
@@ -207,26 +229,30 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         self.setup_precision_plugin()
         pipelined(self.precision_plugin, self.pipeline_group, run.ties.uncounted, self._job)
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Accumulate without averaging over the replicas within a gradient-accumulation window (see
         :meth:`~lightning_gpipe.lightning.run.StageRun.no_gradient_sync`)."""
+        assert self._run is not None  # split in setup
         with self._run.no_gradient_sync():
             yield
 
     @override
     def model_to_device(self) -> None:
         """Move this stage's part of the module to its device."""
+        assert self.model is not None  # the attached module, at least
         self.model.to(self.root_device)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """The plan up to its cut; the last stage's output on every stage (see
         :func:`~lightning_gpipe.lightning.step.training_step`)."""
-        return step.training_step(self._run, self.lightning_module, self.precision_plugin, args, kwargs)
+        run, module = self._run, self.lightning_module
+        assert run is not None and module is not None  # split in setup
+        return step.training_step(run, module, self.precision_plugin, args, kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -234,13 +260,16 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         ``on_before_backward`` and ``on_after_backward``; then the step's agreement, which carries the last stage's
         logged values to every stage (see :func:`~lightning_gpipe.lightning.step.agree`)."""
         module, precision = self.lightning_module, self.precision_plugin
+        assert module is not None  # attached by the Trainer
         self.pre_backward(closure_loss)
         closure_loss = precision.pre_backward(closure_loss, module)
-        step.backward(self._run, module, precision, closure_loss, optimizer, *args, **kwargs)
+        run = self._run
+        assert run is not None  # split in setup
+        step.backward(run, module, precision, closure_loss, optimizer, *args, **kwargs)
         closure_loss = precision.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
-        with self._run.events.span("relay"):
-            step.agree(self._run, module.trainer, self.agree_step)
+        with run.events.span("relay"):
+            step.agree(run, module.trainer, self.agree_step)
         return closure_loss
 
     @override
@@ -248,8 +277,10 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         """Lightning's optimizer step, with the gradients of tied parameters summed over the stages that hold a
         copy right after the step's closure (see :mod:`lightning_gpipe.engine.ties`); then the step's output that
         callbacks see is the last stage's (:func:`~lightning_gpipe.lightning.step.hand_output`)."""
-        result = super().optimizer_step(optimizer, self._run.ties.after(closure), model, **kwargs)
-        step.hand_output(self._run, closure)
+        run = self._run
+        assert run is not None  # split in setup
+        result = super().optimizer_step(optimizer, run.ties.after(closure), model, **kwargs)
+        step.hand_output(run, closure)
         return result
 
     @override
@@ -271,7 +302,9 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         """Agree on the batch (:meth:`_agree`), then run the step (see
         :func:`~lightning_gpipe.lightning.step.evaluation_step`)."""
         self._agree(f"{hook.removesuffix('_step').replace('predict', 'prediction')} batch {args[1]}")
-        return step.evaluation_step(self._run, self.lightning_module, hook, context, args, kwargs)
+        run, module = self._run, self.lightning_module
+        assert run is not None and module is not None  # split in setup
+        return step.evaluation_step(run, module, hook, context, args, kwargs)
 
     @override
     def teardown(self) -> None:
@@ -281,12 +314,14 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         module, run, whole = self.lightning_module, self._run, None
         completed = module is not None and module.trainer.state.status != TrainerStatus.INTERRUPTED
         if run is not None and completed and self._whole_before_split:
+            assert module is not None  # completed
             whole = run.whole_state(module, self.replica_index, self.pipeline_group)
         if module is not None and not is_whole(module):
             module.to_empty(device="cpu")  # a failed materialize; Lightning's teardown cannot move meta tensors
         unpipelined(self.precision_plugin)
         super().teardown()
         if run is not None:
+            assert module is not None  # the module it was split from stays attached
             run.close(module, whole)
         self._run = None
 

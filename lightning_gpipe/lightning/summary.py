@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.model_summary.model_summary import (
 from torch import nn
 
 from lightning_gpipe.faults.job import Job
+from lightning_gpipe.lightning._lightning import summary_kwargs, summary_max_depth
 
 _log = logging.getLogger("lightning.pytorch.callbacks.model_summary")
 """Lightning's model summary logger, so that whatever silences Lightning's summary silences this one too."""
@@ -87,7 +88,7 @@ def _pipeline_of(trainer: "pl.Trainer") -> _Pipeline | None:
     The only function here that reads the strategy's attributes. It recognises the strategy by them rather
     than by class, so that this module does not import the strategy (which swaps in the summary).
     """
-    strategy = trainer.strategy
+    strategy: Any = trainer.strategy  # read by its attributes (GPipeStrategy's), not by its class
     partition = getattr(getattr(strategy, "run", None), "partition", None)
     if not isinstance(partition, nn.Module):
         return None
@@ -151,7 +152,7 @@ class PipelineModelSummary(ModelSummary):
     @property
     def max_depth(self) -> int:
         """The maximum depth of layer nesting in the layer table (0: no summary, -1: every layer)."""
-        return self._max_depth
+        return summary_max_depth(self)
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Gather every stage's part and print the whole model's summary on global rank 0 (a collective call).
@@ -162,9 +163,9 @@ class PipelineModelSummary(ModelSummary):
         if pipeline is None:
             super().on_fit_start(trainer, pl_module)
             return
-        if not self._max_depth:
+        if not self.max_depth:
             return
-        local = _local_part(pl_module, pipeline.partition, pipeline.stage, self._max_depth)
+        local = _local_part(pl_module, pipeline.partition, pipeline.stage, self.max_depth)
         parts: list[Any] = [None] * dist.get_world_size()
         with _collective(pipeline.job):
             dist.all_gather_object(parts, local)
@@ -174,7 +175,7 @@ class PipelineModelSummary(ModelSummary):
             _log.info("\n" + _format(table, self.stages, _PRECISION_BITS.get(str(trainer.precision), 32)))
 
 
-def replace_model_summary(trainer: "pl.Trainer") -> PipelineModelSummary | None:
+def replace_model_summary(trainer: "pl.Trainer") -> ModelSummary | None:
     """Swap Lightning's ``ModelSummary`` or ``RichModelSummary`` in ``trainer.callbacks`` for a
     :class:`PipelineModelSummary` with the same ``max_depth``, at the same place in the list.
 
@@ -189,10 +190,10 @@ def replace_model_summary(trainer: "pl.Trainer") -> PipelineModelSummary | None:
         The summary callback now in ``trainer.callbacks`` (the new one, or the one kept), or ``None`` when
         there is none.
     """
-    for index, callback in enumerate(trainer.callbacks):
+    for index, callback in enumerate(trainer.callbacks):  # type: ignore[attr-defined]  # set by Lightning, undeclared
         if type(callback) in (ModelSummary, RichModelSummary):
-            replacement = PipelineModelSummary(callback._max_depth, **callback._summarize_kwargs)
-            trainer.callbacks[index] = replacement
+            replacement = PipelineModelSummary(summary_max_depth(callback), **summary_kwargs(callback))
+            trainer.callbacks[index] = replacement  # type: ignore[attr-defined]
             return replacement
         if isinstance(callback, ModelSummary):
             return callback

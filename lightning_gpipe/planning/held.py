@@ -86,6 +86,7 @@ def _step(state: _Level, action: Action, sends: bool, checkpoint: str, micro_bat
     kind, i = action.kind, action.micro_batch
     unsaved = state.output_bytes - state.output_saved_bytes
     if kind is Kind.FORWARD:
+        assert i is not None  # a forward is of one micro-batch
         if checkpointed(checkpoint, i, micro_batches):
             state.add(state.input_bytes + (state.output_bytes if sends else 0))
         else:

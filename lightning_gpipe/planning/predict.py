@@ -129,8 +129,7 @@ def modelled_stage_costs(
     ``model.compute_scale``; the engine's cost per micro-batch is added half to the forward, half to the backward,
     and the cost of copying what the stage receives and sends (``model.copy_time``: in the forward the input and the
     output, in the backward their gradients) to each. A recompute is the forward's compute alone: it receives and
-    sends nothing (measured on AmoebaNet's stage 0, 248 ms of recomputes against 250 of forwards, whose copies and
-    bookkeeping the model had counted twice).
+    sends nothing (counting the copies and bookkeeping again would count them twice).
     With ``split`` (a schedule that splits its backwards into B and W), every stage after the first runs each
     layer's measured B and W (``LayerCost.input_grad`` and ``weight_grad``; a layer not measured so keeps its whole
     backward, with no W) and holds the gradients B keeps for W (``kept_grad_bytes``) with the micro-batch's saved

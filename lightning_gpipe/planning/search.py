@@ -5,8 +5,8 @@ The candidates are every pipeline x data-parallel size whose product is the worl
 up to the mini-batch's rows (and :data:`MAX_CHUNKS`), every re-materialization mode, every schedule of
 :data:`lightning_gpipe.engine.schedule.SCHEDULES` that runs whole backwards by default (so a schedule added there is
 planned for too; one that splits its backwards into B and W, ``"zb-h1"`` or ``"zb-1p"``, only when the user names
-it: its time is predicted from the profiled B and W, but its last stage's measured peak still exceeds the
-prediction, by up to 14% on the benchmark MLP, docs/planning.md) and each of :data:`VIRTUAL_STAGES` model chunks per
+it: its time is predicted from the profiled B and W, but its last stage's measured peak can exceed the
+prediction: docs/planning.md gives the figure) and each of :data:`VIRTUAL_STAGES` model chunks per
 stage that the layers allow, minus what the user fixed (:class:`Constraints`). For each, the balance is the
 time-optimal split into ``K * v`` (virtual) stages (:func:`~lightning_gpipe.planning.balance.solve`) if it fits the
 memory limit, else (one model chunk per stage only) the fastest split whose stages fit by the additive part of their
@@ -18,6 +18,7 @@ predicted (:func:`~lightning_gpipe.planning.predict.predict`); the fastest per r
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from itertools import product
+from typing import cast
 
 from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES
 from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, SCHEDULES
@@ -231,7 +232,7 @@ def _balances(
     fastest one whose stages fit by their additive memory (if any)."""
     k, m, mode, schedule, d, v = shape
     if constraints.listed:
-        return [list(constraints.balance)]
+        return [list(cast("Sequence[int]", constraints.balance))]  # listed: a list or tuple of ints
     if isinstance(constraints.balance, str):
         return [balance_by(constraints.balance, layers, k * v)]
     times = [c.forward + c.backward for c in layers]
@@ -253,7 +254,7 @@ def _balances(
 def _additive_memory(layers: Sequence[LayerCost], held: int, parameter_copies: int) -> list[float]:
     """Each layer's part of a stage's memory that adds up along the stage: ``parameter_copies`` times its parameters
     and ``held`` micro-batches of its saved activations (a storage shared with the previous layer counted once)."""
-    memory = []
+    memory: list[float] = []
     for j, cost in enumerate(layers):
         shared = min(layers[j - 1].output_saved_bytes, cost.input_saved_bytes) if j else 0
         memory.append(parameter_copies * cost.parameter_bytes + held * (cost.activation_bytes - shared))

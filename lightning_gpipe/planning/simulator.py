@@ -133,7 +133,8 @@ def stage_costs(costs: Sequence[LayerCost], balance: Sequence[int], input_bytes:
     """
     if sum(balance) != len(costs) or any(n < 1 for n in balance):
         raise ValueError(f"balance={list(balance)} does not split {len(costs)} layers into non-empty stages.")
-    stages, start = [], 0
+    stages: list[StageCost] = []
+    start = 0
     for count in balance:
         layers = costs[start : start + count]
         start += count
@@ -268,6 +269,7 @@ def _work(
     """Seconds, bytes of input kept and bytes of activations saved of one stage's ``kind`` of micro-batch ``i``
     (``split``: whether the stage's backwards leave the weight gradient to a W action of its own)."""
     if kind == "forward":
+        assert i is not None  # a forward is of one micro-batch
         kept = 0 if checkpointed(checkpoint, i, micro_batches) else cost.activation_bytes
         return cost.forward, cost.input_bytes, kept
     if kind == "loss":

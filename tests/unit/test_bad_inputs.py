@@ -13,8 +13,8 @@ from torch import nn
 
 from lightning_gpipe import GPipeStrategy, forward_and_share
 from lightning_gpipe.engine import microbatch
-from lightning_gpipe.engine.contract import BackboneCall
 from lightning_gpipe.engine.partition import Partition
+from lightning_gpipe.lightning.contract import BackboneCall
 
 ARGUMENTS = {
     "chunks_zero": (dict(chunks=0), "chunks is the number of micro-batches, an integer >= 1"),

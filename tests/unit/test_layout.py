@@ -155,7 +155,7 @@ def test_the_partition_knows_nothing_of_the_rest_of_the_engine():
         "lightning_gpipe.engine.model_chunk",
         "lightning_gpipe.engine.schedule",
         "lightning_gpipe.engine.runtime",
-        "lightning_gpipe.engine.contract",
+        "lightning_gpipe.lightning.contract",
     }
     assert import_graph()["lightning_gpipe.engine.partition"].isdisjoint(engine)
 
@@ -250,3 +250,117 @@ def test_the_module_maps_name_every_module(document):
     modules = {str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py") if "__pycache__" not in path.parts}
     modules -= {m for m in modules if m.endswith("/__init__.py")}  # a folder's line stands for its __init__
     assert listed_modules((PACKAGE.parent / document).read_text()) == modules
+
+
+ENGINE_FACE = "lightning_gpipe.engine"
+"""The engine's front door: the layers above import the engine's names from here, never from its modules."""
+
+
+def engine_imports_past_the_door(source: str) -> list[str]:
+    """Where ``source`` imports the engine other than through its package face: ``from lightning_gpipe.engine.x
+    import ...``, ``import lightning_gpipe.engine.x``, or a name the face does not list in ``__all__``."""
+    import lightning_gpipe.engine as face
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(ENGINE_FACE):
+            if node.module != ENGINE_FACE:
+                found.append(f"line {node.lineno}: from {node.module}")
+            found += [f"line {node.lineno}: {a.name} not in __all__" for a in node.names if a.name not in face.__all__]
+        elif isinstance(node, ast.Import):
+            found += [f"line {node.lineno}: import {a.name}" for a in node.names if a.name.startswith(ENGINE_FACE)]
+    return found
+
+
+def test_the_door_finder_finds_a_reach_past_it():
+    source = "from lightning_gpipe.engine.runtime import Runtime\nfrom lightning_gpipe.engine import Kind, StageSpec\n"
+    assert engine_imports_past_the_door(source) == [
+        "line 1: from lightning_gpipe.engine.runtime",
+        "line 1: Runtime not in __all__",
+        "line 2: Kind not in __all__",
+    ]
+
+
+def test_the_adapters_use_the_engine_through_its_door_only():
+    above = {name: path for name, path in _modules().items() if _layer(name) >= LAYERS.index("lightning")}
+    assert "lightning_gpipe.lightning.build" in above  # the finder reads the adapter at all
+    found = {name: engine_imports_past_the_door(path.read_text()) for name, path in above.items()}
+    assert {name: where for name, where in found.items() if where} == {}
+
+
+LIGHTNING_API = {
+    "LightningModule",
+    "LightningDataModule",
+    "Trainer",
+    "trainer",
+    "Callback",
+    "training_step",
+    "validation_step",
+    "test_step",
+    "predict_step",
+    "automatic_optimization",
+    "manual_backward",
+    "log_dict",
+    "fit_loop",
+    "lightning",
+    "lightning_utilities",
+    "pytorch_lightning",
+}
+"""Names of Lightning's API (its classes, hooks, attributes and packages) that only the adapter may name."""
+
+
+def lightning_names(source: str) -> list[str]:
+    """Where ``source``'s code names Lightning's API: an identifier, attribute, argument, import or string constant
+    (a message, a ``getattr`` name) that is, or whose dotted parts include, one of :data:`LIGHTNING_API`. Docstrings
+    and comments are prose and may explain what the adapter does with a value."""
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        words: list[str] = []
+        if isinstance(node, ast.Name):
+            words = [node.id]
+        elif isinstance(node, ast.Attribute):
+            words = [node.attr]
+        elif isinstance(node, ast.arg):
+            words = [node.arg]
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            words = [part for alias in node.names for part in alias.name.split(".")]
+            words += (getattr(node, "module", None) or "").split(".")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            words = [w.strip("`'\"().,:;") for w in node.value.replace(".", " ").split()]
+        found += [f"line {node.lineno}: {word}" for word in words if word in LIGHTNING_API]
+    return found
+
+
+def test_the_name_finder_finds_lightning_in_code_not_in_prose():
+    source = (
+        '"""Runs training_step."""\ndef f(module):\n    """The trainer\'s."""\n'
+        '    return module.trainer, "`training_step` failed"\n'
+    )
+    assert lightning_names(source) == ["line 4: trainer", "line 4: training_step"]
+
+
+def test_the_engine_planning_and_faults_never_name_lightning():
+    below = {name: path for name, path in _modules().items() if 0 <= _layer(name) < LAYERS.index("lightning")}
+    assert "lightning_gpipe.engine.runtime" in below  # the finder reads the lower layers at all
+    found = {name: lightning_names(path.read_text()) for name, path in below.items()}
+    assert {name: where for name, where in found.items() if where} == {}
+
+
+def test_the_engine_api_page_shows_its_door_and_names_every_exported_name():
+    """docs/api/engine.md renders the engine's front door only (its internals are not API) and names every name
+    of ``lightning_gpipe.engine.__all__``."""
+    import lightning_gpipe.engine as face
+
+    text = (PACKAGE.parent / "docs" / "api" / "engine.md").read_text()
+    rendered = {line.split()[1] for line in text.splitlines() if line.startswith(":::")}
+    assert rendered == {"lightning_gpipe.engine.pipeline"}
+    assert [name for name in face.__all__ if f"`{name}`" not in text] == []

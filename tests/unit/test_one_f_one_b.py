@@ -17,15 +17,15 @@ from torch import nn
 from lightning_gpipe import GPipeStrategy
 from lightning_gpipe.engine.actions import Kind
 from lightning_gpipe.engine.batchnorm import convert_deferred_batch_norm
-from lightning_gpipe.engine.contract import BackboneCall
 from lightning_gpipe.engine.events import Recorder
 from lightning_gpipe.engine.model_chunk import ModelChunk
 from lightning_gpipe.engine.partition import Split
-from lightning_gpipe.engine.per_micro_batch import RowWeighted, batch_rows, check_input_rows, split_batch
 from lightning_gpipe.engine.runtime import Runtime
 from lightning_gpipe.engine.schedule import one_f_one_b, plans
 from lightning_gpipe.engine.transfer import Link
 from lightning_gpipe.faults.job import Job
+from lightning_gpipe.lightning.contract import BackboneCall
+from lightning_gpipe.lightning.per_micro_batch import RowWeighted, batch_rows, check_input_rows, split_batch
 from lightning_gpipe.planning.simulator import StageCost, action_costs, simulate
 
 # --------------------------------------------------------------------------- the order, on fake stages
@@ -280,7 +280,7 @@ def test_1f1b_last_stage_backpropagates_a_kept_graph_from_the_loss_in_one_autogr
     net.load_state_dict(reference.state_dict())
     reference.training_step(batch, 0)["loss"].backward()
     call = _one_stage(net, 4, checkpoint)
-    chunk = call.runtime.model_chunks[0]
+    chunk = call.pipeline.model_chunks[0]
     chunk.events.enabled = True
     reached, completes = [], []
 

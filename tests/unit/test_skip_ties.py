@@ -138,11 +138,10 @@ def test_virtual_stages_split_into_chunks_and_refuse_a_skip_within_one_stage():
     import torch as _torch
 
     from lightning_gpipe.engine.events import TrackingRecorder
+    from lightning_gpipe.engine.pipeline import StageSpec, _Wiring
     from lightning_gpipe.engine.topology import Topology
     from lightning_gpipe.engine.transfer import Turn
     from lightning_gpipe.faults.job import Job
-    from lightning_gpipe.lightning.build import StageBuilder
-    from lightning_gpipe.lightning.config import PipelineConfig
 
     module = nn.Module()
     module.backbone = nn.Sequential(Stash(), dense(), Pop(), dense())
@@ -152,10 +151,10 @@ def test_virtual_stages_split_into_chunks_and_refuse_a_skip_within_one_stage():
     assert list(module.backbone._modules) == ["0", "2"]  # one module under the original names
     layout, job, turn = SkipLayout(split.sequential, [1, 1, 1, 1]), Job(), Turn()
     # a skip between two chunks of one stage goes through a turn both chunks share, not a transfer to itself
-    builder = StageBuilder(module, "backbone", PipelineConfig(), topology, 0, _torch.device("cpu"), job)
-    builder.skips, builder.turns, builder.groups = layout, {("skip", 0, 2): turn}, {}
-    _, stashing = builder._links(0, TrackingRecorder(job.position))
-    _, popping = builder._links(2, TrackingRecorder(job.position))
+    wiring = _Wiring(StageSpec(topology, 0, _torch.device("cpu"), balance=[1, 1, 1, 1]), layout, job)
+    wiring.turns, wiring.groups = {("skip", 0, 2): turn}, {}
+    _, stashing = wiring._chunk_links(0, TrackingRecorder(job.position))
+    _, popping = wiring._chunk_links(2, TrackingRecorder(job.position))
     stashed = {key: _torch.ones(3, FEATURES) for key in layout.outgoing(0)[2]}
     stashing.send(stashed, 0)
     received = popping.receive(training=True)

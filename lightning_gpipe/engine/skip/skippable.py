@@ -4,7 +4,7 @@
 import functools
 import inspect
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any, Optional, Protocol, TypeGuard, TypeVar
 
 from torch import Tensor, nn
 
@@ -118,19 +118,31 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()):
     return decorate
 
 
-def is_skippable(module: nn.Module) -> bool:
+class Skippable(Protocol):
+    """What :func:`skippable` adds to a module class, as type checkers see a layer of it (see :func:`is_skippable`)."""
+
+    stashable_names: frozenset[str]
+    poppable_names: frozenset[str]
+
+    def namespaced(self, name: str) -> Key: ...
+
+
+_Layer = TypeVar("_Layer", bound=Skippable)
+
+
+def is_skippable(module: nn.Module) -> TypeGuard[Skippable]:
     """Whether ``module`` is an instance of a class decorated with :func:`skippable`."""
     return hasattr(type(module), "stashable_names") and hasattr(type(module), "poppable_names")
 
 
-def _names(names: Iterable[str], kind: str) -> frozenset:
+def _names(names: Iterable[str], kind: str) -> frozenset[str]:
     names = (names,) if isinstance(names, str) else tuple(names)
     if not all(isinstance(name, str) for name in names):
         raise TypeError(f"@skippable({kind}={names!r}): give the skip names as strings.")
     return frozenset(names)
 
 
-def _isolate(self: nn.Module, ns: Namespace, *, only: Iterable[str] | None = None) -> nn.Module:
+def _isolate(self: _Layer, ns: Namespace, *, only: Iterable[str] | None = None) -> _Layer:
     """Put this layer's skip names (all, or ``only`` these) in namespace ``ns``; returns the layer itself.
 
     Raises:
@@ -144,13 +156,15 @@ def _isolate(self: nn.Module, ns: Namespace, *, only: Iterable[str] | None = Non
     return self
 
 
-def _namespaced(self: nn.Module, name: str) -> Key:
+def _namespaced(self: Skippable, name: str) -> Key:
     """The key of this layer's skip ``name``: ``(namespace, name)``."""
     return self.__dict__.get("_skip_namespaces", {}).get(name), name
 
 
-def _dispatch(layer: nn.Module, generator: Any) -> Any:
+def _dispatch(layer: Skippable, generator: Any) -> Any:
     """Run the ``forward`` generator of ``layer``, answering its commands from the current tracker."""
+    done_stash: set[str]
+    done_pop: set[str]
     if not inspect.isgenerator(generator):
         done_stash, done_pop = set(), set()
         output = generator
@@ -167,7 +181,9 @@ def _dispatch(layer: nn.Module, generator: Any) -> Any:
     return output
 
 
-def _drive(layer: nn.Module, generator: Any, skips: "tracker.SkipTracker") -> tuple[Any, set, set]:
+def _drive(layer: Skippable, generator: Any, skips: "tracker.SkipTracker") -> tuple[Any, set[str], set[str]]:
+    stashed: set[str]
+    popped: set[str]
     stashed, popped, reply = set(), set(), None
     try:
         while True:
@@ -193,7 +209,7 @@ def _drive(layer: nn.Module, generator: Any, skips: "tracker.SkipTracker") -> tu
         return stop.value, stashed, popped
 
 
-def _check(layer: nn.Module, name: str, declared: frozenset, done: set, kind: str) -> None:
+def _check(layer: Skippable, name: str, declared: frozenset[str], done: set[str], kind: str) -> None:
     if name not in declared:
         raise RuntimeError(
             f"{type(layer).__name__} yielded {kind}({name!r}) but declares {kind}={sorted(declared)}; add {name!r} to"

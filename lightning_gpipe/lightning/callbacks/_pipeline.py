@@ -18,13 +18,13 @@ import os
 import socket
 import time
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_gpipe.engine.trace import StageTrace, StepTrace
+from lightning_gpipe.engine import StageTrace, StepTrace
 from lightning_gpipe.faults import collectives
 from lightning_gpipe.lightning.strategy import GPipeStrategy
 
@@ -33,6 +33,7 @@ class _Collector:
     """Records the training steps of one stage and gathers them; shared by all pipeline callbacks of a run."""
 
     def __init__(self, strategy: GPipeStrategy) -> None:
+        assert strategy.run is not None  # made during a run (PipelineCallback._collector)
         self.strategy, self.run = strategy, strategy.run
         self.batch: int | None = None
         self.start = 0.0
@@ -81,6 +82,7 @@ class _Collector:
             if self.clock is None:
                 collectives.barrier(self.strategy.job, group)
                 self.clock = time.perf_counter()
+            assert self.batch is not None  # gathered after batch_start
             mine = (self.batch_end(), self.clock, socket.gethostname())
             parts = collectives.gather_object(self.strategy.job, mine, dst=0, group=group)
             step = StepTrace(self.batch, _on_one_clock(parts)) if parts is not None else None
@@ -119,7 +121,7 @@ class PipelineCallback(pl.Callback, ABC):
         if run is None:
             return None
         if run.collector is None:
-            run.collector = _Collector(trainer.strategy)
+            run.collector = _Collector(cast(GPipeStrategy, trainer.strategy))  # a run: a GPipeStrategy
         return run.collector
 
     @override
@@ -144,6 +146,7 @@ class PipelineCallback(pl.Callback, ABC):
         if collector is None:
             return
         collector.batch_end()
+        assert collector.batch is not None  # on_train_batch_start came first
         if self.wants(collector.batch):
             step = collector.gather()
             if step is not None:

@@ -4,15 +4,15 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_gpipe.engine.events import TRANSFER, WORK
-from lightning_gpipe.engine.rematerialization import recomputed_share
-from lightning_gpipe.engine.trace import StepTrace
+from lightning_gpipe.engine import TRANSFER, WORK, StepTrace, recomputed_share
 from lightning_gpipe.lightning.callbacks._pipeline import PipelineCallback, log_dir, log_metrics
+from lightning_gpipe.lightning.strategy import GPipeStrategy
 from lightning_gpipe.planning.balance import solve
 from lightning_gpipe.planning.balance.costs import LayerCost
 from lightning_gpipe.planning.simulator import simulate, stage_costs
@@ -161,9 +161,12 @@ class PipelineBalance(PipelineCallback):
             rank_zero_info(format_table(self.report))
 
     def _report(self, trainer: "pl.Trainer") -> dict:
+        assert isinstance(trainer.strategy, GPipeStrategy)  # steps are gathered under it only
         loads = stage_loads(self.measured)
         chunks, checkpoint = self.measured[0].micro_batches, trainer.strategy.config.checkpoint
-        report = {
+        virtual_stages = trainer.strategy.config.virtual_stages
+        assert checkpoint is not None and virtual_stages is not None  # PipelineConfig gave the defaults
+        report: dict[str, Any] = {
             "steps": [s.step for s in self.measured],
             "chunks": chunks,
             "checkpoint": checkpoint,
@@ -178,7 +181,7 @@ class PipelineBalance(PipelineCallback):
                 metrics[f"pipeline/stage{load.stage}/{name}_s"] = getattr(load, name)
             metrics[f"pipeline/stage{load.stage}/activation_bytes"] = load.activation_bytes
         log_metrics(trainer, metrics)
-        if report["imbalance"] <= self.threshold or trainer.strategy.config.virtual_stages > 1:
+        if report["imbalance"] <= self.threshold or virtual_stages > 1:
             return report  # with virtual stages a stage's layers are not contiguous: no split is suggested
         profiled = getattr(trainer.strategy, "layer_costs", None)
         costs = list(profiled) if profiled else layer_estimates(loads, chunks)

@@ -10,7 +10,7 @@ import torch
 from lightning.fabric.utilities.throughput import Throughput
 from typing_extensions import override
 
-from lightning_gpipe.engine.trace import StepTrace
+from lightning_gpipe.engine import StepTrace
 from lightning_gpipe.lightning.callbacks._pipeline import PipelineCallback, log_metrics
 
 
@@ -116,6 +116,7 @@ class PipelineThroughput(PipelineCallback):
     @override
     def on_step(self, trainer: "pl.Trainer", step: StepTrace) -> None:
         """Update the throughput and the shares; log them every ``log_every_n_steps`` batches."""
+        assert self.throughput is not None  # made by on_train_start
         self.throughput.update(
             time=time.perf_counter() - self._t0,
             batches=self._totals["batches"],
@@ -123,7 +124,7 @@ class PipelineThroughput(PipelineCallback):
             lengths=self._totals["lengths"] if self.length_fn is not None else None,
         )
         self._shares.append((step.wall, [s.busy for s in step.stages]))
-        if (step.step + 1) % trainer.log_every_n_steps:
+        if (step.step + 1) % trainer.log_every_n_steps:  # type: ignore[attr-defined]  # set by Lightning, undeclared
             return
         wall = sum(w for w, _ in self._shares)
         efficiency = [sum(busy[k] for _, busy in self._shares) / wall for k in range(len(step.stages))]

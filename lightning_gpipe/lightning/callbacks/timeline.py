@@ -3,13 +3,12 @@
 import json
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_gpipe.engine.events import TRANSFER
-from lightning_gpipe.engine.trace import StepTrace
+from lightning_gpipe.engine import TRANSFER, StepTrace
 from lightning_gpipe.lightning.callbacks._pipeline import PipelineCallback, log_dir
 
 if TYPE_CHECKING:
@@ -135,10 +134,11 @@ class PipelineTimeline(PipelineCallback):
                 os.makedirs(own, exist_ok=True)
                 figure.savefig(os.path.join(own, os.path.basename(png)))
                 self.written.append(os.path.join(own, os.path.basename(png)))
-            experiment = getattr(logger, "experiment", None)
+            experiment: Any = getattr(logger, "experiment", None)
             if hasattr(experiment, "add_figure"):
                 experiment.add_figure("pipeline/timeline", figure, global_step=trainer.global_step)
             elif hasattr(logger, "log_image"):
                 logger.log_image(key="pipeline/timeline", images=[png], step=trainer.global_step)
             elif hasattr(experiment, "log_artifact") and getattr(logger, "run_id", None) is not None:
-                experiment.log_artifact(logger.run_id, png, "pipeline")  # MLflow's MlflowClient.log_artifact
+                # MLflow's MlflowClient.log_artifact, with MLFlowLogger's run_id (checked above)
+                experiment.log_artifact(logger.run_id, png, "pipeline")  # type: ignore[attr-defined]

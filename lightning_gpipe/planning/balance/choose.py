@@ -11,7 +11,7 @@ from lightning_gpipe.planning.balance.solver import solve
 MODES = ("params", "time", "memory")
 
 
-def layer_weights(mode: str, costs: Sequence[LayerCost]) -> list[float]:
+def layer_weights(mode: str, costs: Sequence[LayerCost]) -> Sequence[float]:
     """What each layer adds to its stage's cost under ``mode``.
 
     Args:

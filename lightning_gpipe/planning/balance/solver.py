@@ -1,6 +1,6 @@
 """The optimal contiguous partition of a chain of layers with known costs."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 
 
@@ -48,6 +48,8 @@ def solve(
                 if candidate < best[k][i] and fits(j, i):
                     best[k][i], cut[k][i] = candidate, j
     if best[num_stages][layers] == float("inf"):
+        # without a memory limit every split fits, and there is one (_check): only the limit leaves none
+        assert memory is not None and memory_limit is not None
         smallest = max(stage_sums(memory, solve(memory, num_stages)))
         raise ValueError(
             f"No split into {num_stages} stages keeps every stage within memory_limit={memory_limit:g} bytes; the"
@@ -74,10 +76,11 @@ def _check(costs: Sequence[float], num_stages: int, memory: Sequence[float] | No
         raise ValueError(f"`memory` needs one non-negative size per layer ({layers}), got {len(memory)} values.")
 
 
-def _fits(memory: Sequence[float] | None, limit: float | None):
+def _fits(memory: Sequence[float] | None, limit: float | None) -> Callable[[int, int], bool]:
     """Whether the stage of layers ``j`` to ``i - 1`` fits in ``limit``."""
     if memory is None:
         return lambda j, i: True
+    assert limit is not None  # _check: both or neither
     prefix = [0.0, *accumulate(memory)]
     return lambda j, i: prefix[i] - prefix[j] <= limit
 

@@ -14,14 +14,13 @@ import inspect
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_gpipe.engine import microbatch
-from lightning_gpipe.engine.microbatch import Value
+from lightning_gpipe.engine import Value, batch_size
 
 _FIX = "or use GPipeStrategy(schedule='gpipe'), which runs training_step once on the whole batch"
 
@@ -47,7 +46,7 @@ def batch_rows(batch: Any) -> int:
             f" of the batch needs the batch's rows in dim 0; got shapes {shapes}. Keep per-batch constants out"
             f" of the batch (e.g. as module attributes), {_FIX}."
         )
-    return sizes.pop()
+    return cast(int, sizes.pop())  # not None, checked above
 
 
 def check_input_rows(value: Value, rows: int) -> None:
@@ -57,7 +56,7 @@ def check_input_rows(value: Value, rows: int) -> None:
         ValueError: if its tensors' dim 0 is not ``rows`` (see also
             :func:`lightning_gpipe.engine.microbatch.batch_size`).
     """
-    size = microbatch.batch_size(value)
+    size = batch_size(value)
     if size != rows:
         raise ValueError(
             f"schedule='1f1b' runs training_step on each micro-batch's rows of the batch, so the backbone input"

@@ -8,9 +8,9 @@ logging) belongs to the last stage. :meth:`BackboneCall.user_step` runs one step
 under that contract and checks it called the backbone exactly once.
 
 Under 1F1B (:meth:`BackboneCall.micro_batch_steps`) the step on the whole batch ends at the backbone
-call on every stage, giving the backbone input; the stage's runtime then runs the whole step, and the last
+call on every stage, giving the backbone input; the stage's pipeline then runs the whole step, and the last
 stage runs the user's step once more per micro-batch, on its rows of the batch, the backbone call
-answering with that micro-batch's output (:mod:`lightning_gpipe.engine.per_micro_batch`).
+answering with that micro-batch's output (:mod:`lightning_gpipe.lightning.per_micro_batch`).
 
 The part of a step before the backbone call runs alike on every stage and draws random numbers from the
 stream the stages share; from the backbone call on, a stage draws from its own
@@ -24,10 +24,9 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe.engine import per_micro_batch
-from lightning_gpipe.engine.microbatch import Value
-from lightning_gpipe.engine.partition import Partition
+from lightning_gpipe.engine import Partition, Value
 from lightning_gpipe.faults.watchdog import Position
+from lightning_gpipe.lightning import per_micro_batch
 
 
 class RandomStreams(Protocol):
@@ -57,10 +56,11 @@ class BackboneReached(BaseException):
 
 
 class PlanRunner(Protocol):
-    """What runs this process's plan, as the contract sees it (:class:`lightning_gpipe.engine.runtime.Runtime`)."""
+    """What runs this process's plan, as the contract sees it (:class:`lightning_gpipe.engine.StagePipeline`)."""
 
-    loss_per_micro_batch: bool
-    """Whether the plan calls a head per micro-batch (1F1B, zero-bubble), its cut at the end."""
+    @property
+    def loss_per_micro_batch(self) -> bool:
+        """Whether the plan calls a head per micro-batch (1F1B, zero-bubble), its cut at the end."""
 
     def forward(self, value: Value | None, head: Callable[[int, int, Value], None] | None = None) -> Any:
         """Run the plan up to its cut on the backbone input ``value``; on the last stage, the backbone output of the
@@ -69,7 +69,7 @@ class PlanRunner(Protocol):
 
 
 Answer = Callable[[Value], Value | None]
-"""What answers a plain backbone call: the runtime's forward, or a stand-in of
+"""What answers a plain backbone call: the pipeline's forward, or a stand-in of
 :meth:`BackboneCall.micro_batch_steps`."""
 
 
@@ -78,7 +78,7 @@ class BackboneCall:
     it.
 
     Args:
-        runtime: what runs this process's plan (:class:`~lightning_gpipe.engine.runtime.Runtime`).
+        pipeline: what runs this process's plan (the engine's :class:`~lightning_gpipe.engine.StagePipeline`).
         is_last: whether this is the last stage, where the user's step goes on after the backbone call.
         share: sends a picklable object from the last stage to every stage of the pipeline and returns it
             (a collective call); the identity by default, for a single process.
@@ -90,15 +90,15 @@ class BackboneCall:
 
     def __init__(
         self,
-        runtime: PlanRunner,
+        pipeline: PlanRunner,
         is_last: bool,
         share: Callable[[Any], Any] = lambda obj: obj,
         randomness: Optional["RandomStreams"] = None,
         position: Position | None = None,
     ) -> None:
-        self.runtime, self.is_last, self.share = runtime, is_last, share
+        self.pipeline, self.is_last, self.share = pipeline, is_last, share
         self.position = position if position is not None else Position()
-        self._answer: Answer = runtime.forward
+        self._answer: Answer = pipeline.forward
         self._stage_stream = True  # whether a plain backbone call moves the step to the stage's stream
         self.randomness = randomness if randomness is not None else OneStream()
         self._plain = self._shared = 0
@@ -106,7 +106,7 @@ class BackboneCall:
         self._rest_of_step: ExitStack | None = None  # what ends with the user's step (see `user_step`)
         self._kept = ExitStack()  # what a step kept open past its end (`user_step(keep=True)`), until `end_kept`
 
-    def __call__(self, value: Value) -> Value:
+    def __call__(self, value: Value) -> Value | None:
         """The pipelined forward of the backbone input ``value`` (ignored on stages after the first).
 
         Returns:
@@ -153,7 +153,7 @@ class BackboneCall:
             )
         self._shared += 1
         with self.randomness.stage():
-            output = self.runtime.forward(value)
+            output = self.pipeline.forward(value)
             result = fn(output) if self.is_last else None
         return self.share(result)
 
@@ -168,12 +168,12 @@ class BackboneCall:
         """Run one training step whose schedule needs each micro-batch's loss before the next forwards (1F1B).
 
         Every stage runs the user's step on the whole batch up to its backbone call, which ends it there and
-        gives the backbone input. The runtime then runs the stage's whole plan, forwards and backwards. On the last
+        gives the backbone input. The stage's pipeline then runs its whole plan, forwards and backwards. On the last
         stage, after each micro-batch's forward, the user's step runs again on that micro-batch's rows of the
-        batch (``args[0]``, split by :func:`~lightning_gpipe.engine.per_micro_batch.split_batch`), its backbone call
+        batch (``args[0]``, split by :func:`~lightning_gpipe.lightning.per_micro_batch.split_batch`), its backbone call
         returning the micro-batch's output; the loss it returns, times the micro-batch's share of the rows,
         goes to ``backward``. What the steps log and return is combined by
-        :class:`~lightning_gpipe.engine.per_micro_batch.RowWeighted` (row-weighted means).
+        :class:`~lightning_gpipe.lightning.per_micro_batch.RowWeighted` (row-weighted means).
 
         Args:
             module: the LightningModule, whose method ``hook`` is the step.
@@ -185,21 +185,24 @@ class BackboneCall:
 
         Returns:
             On the last stage, the combined output (see
-            :meth:`~lightning_gpipe.engine.per_micro_batch.RowWeighted.finish`); ``None`` on the others.
+            :meth:`~lightning_gpipe.lightning.per_micro_batch.RowWeighted.finish`); ``None`` on the others.
 
         Raises:
             TypeError, ValueError: on every stage alike before any micro-batch runs, for a batch whose tensors do
                 not share dim 0 or a backbone input without the batch's rows (see
-                :func:`~lightning_gpipe.engine.per_micro_batch.batch_rows`).
+                :func:`~lightning_gpipe.lightning.per_micro_batch.batch_rows`).
             RuntimeError: if a step does not call the backbone exactly once, or a micro-batch's step returns no loss.
             PipelineFailure: if another stage failed while this one waited for it.
         """
         step, (batch, *rest) = getattr(module, hook), args
         rows = per_micro_batch.batch_rows(batch)
-        results, captured, parts = per_micro_batch.RowWeighted(module, rows), [], []
+        results = per_micro_batch.RowWeighted(module, rows)
+        captured: list[Value] = []
+        parts: list[Any] = []
         with self._answering(lambda value: _capture(captured, value), stage_stream=False):
             results.run(0, lambda: self.user_step(hook, lambda: step(*args, **kwargs)))
-        value = captured[0] if captured else None
+        assert captured  # `user_step` raised if the step made no backbone call
+        value = captured[0]
         per_micro_batch.check_input_rows(value, rows)
 
         def head(index: int, micro_batches: int, output: Value) -> None:
@@ -211,7 +214,7 @@ class BackboneCall:
             backward(per_micro_batch.loss_of(returned, hook, index) * (part_rows / rows), index == micro_batches - 1)
 
         with self.randomness.stage():
-            self.runtime.forward(value, head)
+            self.pipeline.forward(value, head)
         return results.finish() if self.is_last else None
 
     @contextmanager
