@@ -8,6 +8,7 @@ Every model is built from a small config (the hub is not reachable here).
 """
 
 import json
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -154,6 +155,43 @@ def trained_on_one_device(family: str):
     return _TRAINED[family]
 
 
+_IN_FLOAT64: dict = {}
+
+
+def trained_in_float64(family: str) -> dict:
+    """The state of :func:`trained_on_one_device`'s model trained the same way in float64: the result fp32 rounding
+    is measured against. Computed once per family."""
+    if family not in _IN_FLOAT64:
+        model = WORKER.initial_model(family).double()
+        model.config._attn_implementation = "eager"
+        optimizer, schedule = _one_device_optimizer(model, WORKER.STEPS)
+        model.train()
+        _train(model, optimizer, schedule, WORKER.batches(family))
+        _IN_FLOAT64[family] = model.state_dict()
+    return _IN_FLOAT64[family]
+
+
+ROUNDING_FACTOR = 4
+"""How far from the float64 result a pipelined fp32 fit may land, in multiples of the one-device fp32 fit's own
+distance to it (each tensor's largest difference), on top of the suite's 1e-5."""
+
+
+def assert_within_fp32_rounding(state: dict, expected: dict, exact: Callable[[], dict]) -> None:
+    """Assert every tensor of ``state`` (a pipelined fp32 fit) is within 1e-5 of ``expected`` (the one-device fp32
+    fit), or, where AdamW amplifies the rounding of another CPU's kernels past that (an AMD EPYC's MKL and ATen
+    paths differ from an Intel Xeon's), no farther from ``exact()`` (the float64 fit, made only then: the mixtures
+    of experts' grouped products take no float64) than ``ROUNDING_FACTOR`` times
+    the one-device fp32 fit's own distance to it, plus 1e-5: what fp32 rounding can explain, not an engine error."""
+    assert state.keys() == expected.keys()
+    for key in expected:
+        if torch.allclose(state[key], expected[key], atol=1e-5, rtol=0):
+            continue
+        exact_key = exact()[key]
+        own = (expected[key].double() - exact_key).abs().max().item()
+        bound = 1e-5 + ROUNDING_FACTOR * own
+        torch.testing.assert_close(state[key].double(), exact_key, atol=bound, rtol=0, msg=f"{key} ({bound:.2e})")
+
+
 def _merged_state(out, stages: int) -> dict:
     merged: dict = {}
     for rank in range(stages):
@@ -166,7 +204,7 @@ def test_a_pipelined_fit_equals_the_model_trained_on_one_device_loss_and_every_p
     out = FITS[family, stages]()
     reference, losses, _ = trained_on_one_device(family)
     expected = reference.state_dict()
-    assert_states_close(_merged_state(out, stages), expected)
+    assert_within_fp32_rounding(_merged_state(out, stages), expected, lambda: trained_in_float64(family))
     torch.testing.assert_close(torch.tensor(torch.load(out / "losses.pt")), torch.tensor(losses), atol=1e-5, rtol=0)
     for copy, source in reference.all_tied_weights_keys.items():  # every stage's copy of a tied tensor stepped alike
         for rank in range(stages):

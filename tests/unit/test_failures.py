@@ -149,7 +149,7 @@ class _RecordingChunk:
         self.seen[index] = self.position.record()
         return index
 
-    def send(self, output, index, micro_batches):
+    def send(self, output, index):
         pass
 
 

@@ -88,7 +88,7 @@ class _FakeChunk:
         self.wire.send(message)
         self.sends.add(message)
 
-    def send(self, y, i, micro_batches):
+    def send(self, y, i):
         self.calls.append(("send", i))
         self._send(("activation", self.virtual_stage, i))
 
