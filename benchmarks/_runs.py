@@ -486,9 +486,9 @@ def run_bare(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    _, head = _local_layers(args, rank, world)
+    (whole,), head = _parts(args, 1)  # the layers and weights every run uses, split below as GPipeStrategy splits
     module = torch.nn.Module()
-    module.backbone = _backbone(args)
+    module.backbone = torch.nn.Sequential(collections.OrderedDict(whole))
     defer = DEFERRED_BY_DEFAULT[args.schedule] if args.defer_weight_grad is None else args.defer_weight_grad
     balance = resolve_balance(None, module.backbone, world)
     spec = StageSpec(Topology(world, world), rank, torch.device("cpu"), balance, args.schedule, args.chunks,
@@ -512,12 +512,6 @@ def run_bare(args: argparse.Namespace) -> None:
     params = [*pipeline.partition.parameters(), *(head.parameters() if pipeline.is_last else [])]
     _train(step, params, args, rank)
     dist.destroy_process_group()
-
-
-def _backbone(args: argparse.Namespace) -> torch.nn.Sequential:
-    """The whole backbone with the initial weights every run uses (those of :func:`_parts`)."""
-    parts, _ = _parts(args, 1)
-    return torch.nn.Sequential(collections.OrderedDict(parts[0]))
 
 
 def run_tp(args: argparse.Namespace) -> None:

@@ -17,7 +17,7 @@ takes a ``head`` that runs the loss of one micro-batch and runs the whole plan.
 """
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -77,8 +77,8 @@ class StageSpec:
     defer_weight_grad: bool = False
     compile: CompileOption = False
     deferred_batch_norm: bool = False
-    action_costs: Sequence[ActionCost] | None = field(default=None, compare=False)
-    control: dist.ProcessGroup | None = field(default=None, compare=False)
+    action_costs: Sequence[ActionCost] | None = None
+    control: dist.ProcessGroup | None = None
 
     @property
     def stage(self) -> int:
@@ -230,7 +230,7 @@ def build_pipeline(module: nn.Module, backbone: str, spec: StageSpec, job: Job) 
     tie_groups = find_ties(module, backbone, spec.balance, topology.num_stages, topology.v_shape)
     split = Split(module, backbone, spec.balance, spec.stage, topology.num_stages, spec.held)
     compile_layers(split.partition, compile_options(spec.compile), spec.defer_weight_grad)
-    links = _Wiring(spec, skips, job).links()
+    links = _wiring(spec, skips, job).links()
     options = (topology.num_virtual, spec.micro_batches, spec.checkpoint, spec.defer_weight_grad)
     chunks = [
         ModelChunk(partition, link, virtual, *options, skip_links)
@@ -241,25 +241,41 @@ def build_pipeline(module: nn.Module, backbone: str, spec: StageSpec, job: Job) 
     return StagePipeline(split, chunks, runtime, ties)
 
 
+def _wiring(spec: StageSpec, skips: SkipLayout, job: Job) -> "_Wiring":
+    """The wiring of this process's model chunks. A collective call: every process creates every link's process
+    group (:mod:`~lightning_gpipe.engine.channels`)."""
+    held = spec.held
+    groups = link_groups(spec.topology, skips, spec.rank)
+    routes = [("link", s, s + 1) for s in held] + [("skip", r.src, r.dst) for r in skips.routes]
+    turns = {route: Turn() for route in routes if route[1] in held and route[2] in held}
+    return _Wiring(spec, skips, job, groups, turns)
+
+
 class _Wiring:
     """Each model chunk's :class:`~lightning_gpipe.engine.transfer.Link` to its neighbouring virtual stages and its
-    :class:`~lightning_gpipe.engine.skip.links.SkipLinks` to the virtual stages its skips reach (a
-    :class:`~lightning_gpipe.engine.transfer.Turn` where both ends are this process's)."""
+    :class:`~lightning_gpipe.engine.skip.links.SkipLinks` to the virtual stages its skips reach.
 
-    def __init__(self, spec: StageSpec, skips: SkipLayout, job: Job) -> None:
-        self.spec, self.skips, self.job = spec, skips, job
+    Args:
+        spec: the stage's spec.
+        skips: the backbone's skip connections.
+        job: the run's job (the links' waits).
+        groups: the process groups of the links that have one, by link (:func:`~lightning_gpipe.engine.channels.
+            link_groups`).
+        turns: a :class:`~lightning_gpipe.engine.transfer.Turn` per route whose both ends are this process's, by
+            ``("link" | "skip", sending virtual stage, receiving virtual stage)``.
+    """
+
+    def __init__(
+        self, spec: StageSpec, skips: SkipLayout, job: Job, groups: dict[LinkKey, dist.ProcessGroup], turns: dict
+    ) -> None:
+        self.spec, self.skips, self.job, self.groups, self.turns = spec, skips, job, groups, turns
         self.replica = spec.topology.replica_of(spec.rank)
         self.place = partial(spec.topology.rank_of_virtual, replica=self.replica)
 
     def links(self) -> list[tuple[Link, SkipLinks]]:
-        """Every model chunk's links, in model chunk order. A collective call: every process creates every link's
-        process group (:mod:`~lightning_gpipe.engine.channels`)."""
-        spec, held = self.spec, self.spec.held
-        self.groups = link_groups(spec.topology, self.skips, spec.rank)
-        routes = [("link", s, s + 1) for s in held] + [("skip", r.src, r.dst) for r in self.skips.routes]
-        self.turns = {route: Turn() for route in routes if route[1] in held and route[2] in held}
+        """Every model chunk's links, in model chunk order."""
         recorder = TrackingRecorder(self.job.position)
-        return [self._chunk_links(virtual, recorder.for_chunk(c)) for c, virtual in enumerate(held)]
+        return [self._chunk_links(virtual, recorder.for_chunk(c)) for c, virtual in enumerate(self.spec.held)]
 
     def _chunk_links(self, virtual: int, events: Recorder) -> tuple[Link, SkipLinks]:
         """Virtual stage ``virtual``'s link and skip links, both recording into ``events``."""

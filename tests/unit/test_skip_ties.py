@@ -151,8 +151,8 @@ def test_virtual_stages_split_into_chunks_and_refuse_a_skip_within_one_stage():
     assert list(module.backbone._modules) == ["0", "2"]  # one module under the original names
     layout, job, turn = SkipLayout(split.sequential, [1, 1, 1, 1]), Job(), Turn()
     # a skip between two chunks of one stage goes through a turn both chunks share, not a transfer to itself
-    wiring = _Wiring(StageSpec(topology, 0, _torch.device("cpu"), balance=[1, 1, 1, 1]), layout, job)
-    wiring.turns, wiring.groups = {("skip", 0, 2): turn}, {}
+    spec = StageSpec(topology, 0, _torch.device("cpu"), balance=[1, 1, 1, 1])
+    wiring = _Wiring(spec, layout, job, groups={}, turns={("skip", 0, 2): turn})
     _, stashing = wiring._chunk_links(0, TrackingRecorder(job.position))
     _, popping = wiring._chunk_links(2, TrackingRecorder(job.position))
     stashed = {key: _torch.ones(3, FEATURES) for key in layout.outgoing(0)[2]}
