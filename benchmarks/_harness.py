@@ -350,6 +350,7 @@ def interleave(configs: list[Config], repeats: int, settle_s: float = 0.0) -> di
             series.contended.append(max(max(r["runq_wait"] for r in records), stolen) > CONTENDED)
             cpu = "/".join(f"{r['cpu_s']:.4f}" for r in records)
             wait = "/".join(f"{100 * r['runq_wait']:.0f}%" for r in records)
+            found += "; B/W split" if main.get("split") else ""
             print(
                 f"repeat {repeat + 1}  {config.name:<16} {main['median_s']:.4f} s/step  (range"
                 f" {min(main['step_s']):.4f}-{max(main['step_s']):.4f} s; CPU s/step {cpu}; waited for a CPU {wait};"

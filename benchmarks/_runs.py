@@ -3,8 +3,9 @@
 Kinds (every process prints one JSON line through :func:`_harness.emit` at the end; ``lightning`` runs also one
 ``"event": "trained"`` line when training ends, before the strategy's teardown):
 
-- ``lightning``: ``Trainer.fit`` of the MLP or AmoebaNet module, plain (``--strategy plain``, one process) or
-  under ``GPipeStrategy`` (``--strategy gpipe``; Lightning's launcher re-runs this script for the other stages).
+- ``lightning``: ``Trainer.fit`` of the MLP, AmoebaNet or translation module, plain (``--strategy plain``, one
+  process) or under ``GPipeStrategy`` (``--strategy gpipe``; Lightning's launcher re-runs this script for the other
+  stages).
   ``--count-saved`` also counts the bytes autograd saves (see :class:`SavedBytes`), and every stage process reports
   ``rss_growth_mib``, its peak resident set during ``fit`` over the resident set at ``on_train_start``; such a
   process gives every allocation of 64 KiB or more its own mapping, returned to the system when freed
@@ -49,7 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Options of one measurement (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kind", choices=KINDS)
-    parser.add_argument("--model", choices=("mlp", "amoebanet"), default="mlp")
+    parser.add_argument("--model", choices=("mlp", "amoebanet", "translation"), default="mlp")
+    parser.add_argument(
+        "--max-tokens", type=int, default=4096, help="translation: padded tokens per side of its batch (default 4096)"
+    )
     parser.add_argument("--strategy", choices=("plain", "gpipe"), default="gpipe", help="lightning only")
     parser.add_argument("--devices", type=int, default=2, help="K, pipeline stages")
     parser.add_argument("--chunks", type=int, default=8, help="M, micro-batches")
@@ -63,7 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--count-saved", action="store_true", help="lightning only: count autograd-saved bytes")
     parser.add_argument("--channels-last", action="store_true", help="lightning amoebanet only: channels_last")
-    parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="gpipe", help="lightning gpipe, bare")
+    parser.add_argument(
+        "--schedule",
+        choices=tuple(SCHEDULES),
+        help="lightning gpipe, bare (default: lightning gpipe leaves it unset, so the strategy chooses the B/W split;"
+        " bare runs gpipe)",
+    )
     parser.add_argument(
         "--virtual-stages", type=int, help="lightning gpipe only: GPipeStrategy(virtual_stages=...) (default: its own)"
     )
@@ -87,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     fixable = ("chunks", "checkpoint", "schedule", "virtual_stages")
     parser.add_argument("--plan-fix", nargs="*", default=[], choices=fixable)
     parser.add_argument(
+        "--plan-balance", type=int, nargs="+", help="with --plan-limit-mib: a balance list the planner keeps"
+    )
+    parser.add_argument(
         "--default-allocator",
         action="store_true",
         help="with --count-saved or --plan-limit-mib: keep glibc's allocator as a user has it, so that the step time"
@@ -102,9 +114,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(args: argparse.Namespace):
     if args.model == "amoebanet":
         return models.image_batch(args.batch_size)
+    if args.model == "translation":
+        return models.translation_batch(args.max_tokens)
     return models.mlp_batch(args.batch_size, args.width)
 
 
@@ -263,11 +277,14 @@ def run_lightning(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     if args.model == "amoebanet":
         module = models.amoebanet_classifier(channels_last=args.channels_last)
+    elif args.model == "translation":
+        module = models.translation_module()
     else:
         module = models.MLPClassifier(args.width, args.depth, momentum=args.momentum)
     counter = _Deferred(module, lambda: getattr(trainer.strategy, "stage", None)) if args.count_saved else None
     batch = _batch(args)
-    live = LiveBytes(excluded=tensors(batch)) if args.count_live else None
+    data = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    live = LiveBytes(excluded=data) if args.count_live else None
     callback = Clock()
     breakdown = step_breakdown(args.warmup) if args.breakdown else None
     trainer_kwargs = {
@@ -293,6 +310,7 @@ def run_lightning(args: argparse.Namespace) -> None:
         if args.plan_limit_mib is not None:
             options = {key: value for key, value in options.items() if key in args.plan_fix}
             options.update(plan="auto", memory_limit=int(args.plan_limit_mib * 2**20))
+            options.update({"balance": args.plan_balance} if args.plan_balance else {})
         else:
             options.update(balance=args.balance)
         strategy = GPipeStrategy(defer_weight_grad=args.defer_weight_grad, **options)
@@ -307,6 +325,8 @@ def run_lightning(args: argparse.Namespace) -> None:
     else:
         trainer.fit(module, loader)
     record = {**callback.clock.summary(), "threads": torch.get_num_threads(), "world_size": trainer.world_size}
+    if args.strategy != "plain":
+        record.update(split=trainer.strategy.config.splits_backward)  # what ran: given, or the default's choice
     if counter is not None:
         record.update(saved_peak=counter.counter.peak, kept_inputs=counter.kept, peak=counter.peak)
     if callback.rss_growth is not None:
@@ -489,9 +509,10 @@ def run_bare(args: argparse.Namespace) -> None:
     (whole,), head = _parts(args, 1)  # the layers and weights every run uses, split below as GPipeStrategy splits
     module = torch.nn.Module()
     module.backbone = torch.nn.Sequential(collections.OrderedDict(whole))
-    defer = DEFERRED_BY_DEFAULT[args.schedule] if args.defer_weight_grad is None else args.defer_weight_grad
+    schedule = args.schedule or "gpipe"
+    defer = DEFERRED_BY_DEFAULT[schedule] if args.defer_weight_grad is None else args.defer_weight_grad
     balance = resolve_balance(None, module.backbone, world)
-    spec = StageSpec(Topology(world, world), rank, torch.device("cpu"), balance, args.schedule, args.chunks,
+    spec = StageSpec(Topology(world, world), rank, torch.device("cpu"), balance, schedule, args.chunks,
                      args.checkpoint, defer)  # fmt: skip
     pipeline = build_pipeline(module, "backbone", spec, Job())
     x, y = _batch(args)

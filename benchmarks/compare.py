@@ -5,7 +5,9 @@ the same mini-batch, the same M, the same initial weights, SGD, ``checkpoint="ne
 (ScheduleGPipe has no re-materialization of its own; ``--checkpoint`` sets ours and torchgpipe's). For each M:
 
   plain    plain Lightning, no pipeline: 1 process x 1 thread (ratios over it are speed-ups)
-  ours/L   GPipeStrategy through Lightning's Trainer: K processes x 1 thread (the user-facing cost)
+  ours/L   GPipeStrategy through Lightning's Trainer with its defaults: K processes x 1 thread (the user-facing cost;
+           the default chooses whole backwards or the B/W split from the profiled layers)
+  ours/LB  ours/L with whole backwards fixed (``defer_weight_grad=False``)
   ours/E   our engine alone (ModelChunk, Partition, Link) in K torch.distributed processes x 1 thread, no Trainer
   ours/LW, ours/EW   the same with deferred weight gradients (``defer_weight_grad=True``, the B/W split)
   tp       PipelineStage + ScheduleGPipe in K torch.distributed processes x 1 thread
@@ -54,7 +56,8 @@ import _harness as harness
 
 KINDS = {
     "plain": ("lightning", 1, ["--strategy", "plain"], "plain Lightning on one device, 1 process x 1 thread"),
-    "ours/L": ("lightning", 1, [], "GPipeStrategy through the Trainer, {k} processes x 1 thread"),
+    "ours/L": ("lightning", 1, [], "GPipeStrategy through the Trainer (its defaults), {k} processes x 1 thread"),
+    "ours/LB": ("lightning", 1, ["--no-defer-weight-grad"], "ours/L with whole backwards (defer_weight_grad=False)"),
     "ours/E": ("bare", None, [], "our ModelChunk/Partition/Link without the Trainer, {k} processes x 1 thread"),
     "ours/LW": ("lightning", 1, ["--defer-weight-grad"], "ours/L with defer_weight_grad=True (B/W split)"),
     "ours/EW": ("bare", None, ["--defer-weight-grad"], "ours/E with deferred weight gradients (B/W split)"),
@@ -225,7 +228,9 @@ def print_ceiling(args: argparse.Namespace, results: dict[str, harness.Series], 
 
 
 SPLITS = (
-    ("ours/LW", "ours/L", "fill-drain, B/W split over whole backwards"),
+    ("ours/LW", "ours/LB", "fill-drain, B/W split over whole backwards"),
+    ("ours/L", "ours/LB", "the default's choice over whole backwards"),
+    ("ours/L", "ours/LW", "the default's choice over the B/W split"),
     ("ours/LW-1f1b", "ours/L-1f1b", "1F1B, B/W split over whole backwards"),
     ("ours/L-zb", "ours/L-1f1b", "ZB-H1 over 1F1B"),
     ("ours/L-zb", "ours/LW-1f1b", "ZB-H1 over 1F1B with the B/W split"),

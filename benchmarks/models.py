@@ -4,18 +4,21 @@ The balanced MLP: a backbone of ``depth`` x (``Linear(width, width)``, ``ReLU``)
 a ``Linear(width, 10)`` head and cross-entropy against random labels. :class:`MLPClassifier` is its
 LightningModule (layers built in ``configure_model``); :func:`mlp_sequential` the same layers as one plain
 ``nn.Sequential`` for the pipelines that take one (torch.distributed.pipelining, torchgpipe). The AmoebaNet-D
-benchmark model is the example's :func:`amoebanet_classifier` on random images.
+benchmark model is the example's :func:`amoebanet_classifier` on random images; the translation model is the example's
+Transformer (:func:`translation_module`) on a real batch of the shipped Multi30k subset (:func:`translation_batch`).
 
 Import as ``benchmarks.models`` from the repository root, or as ``models`` from a script in ``benchmarks/``.
 """
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_CLASSES = 10
@@ -66,14 +69,38 @@ class MLPClassifier(pl.LightningModule):
 def amoebanet_classifier(num_layers: int = 6, num_filters: int = 16, channels_last: bool = False) -> pl.LightningModule:
     """The AmoebaNet-D (L, D) example's LightningModule for 32 x 32 images (examples/amoebanet, CPU config);
     ``channels_last``: its weights and inputs in ``torch.channels_last`` memory format."""
-    examples = str(REPO / "examples")
-    if examples not in sys.path:
-        sys.path.insert(0, examples)
+    _examples_on_path()
     from amoebanet.module import AmoebaNetClassifier
 
     return AmoebaNetClassifier(
         num_layers=num_layers, num_filters=num_filters, image_size=32, channels_last=channels_last
     )
+
+
+def translation_module() -> pl.LightningModule:
+    """The translation example's Transformer (``examples/translation/configs/cpu.yaml``'s model: d_model 256, 3 + 3
+    layers, the shipped 8,000-word vocabulary), without decoding in validation."""
+    _examples_on_path()
+    from translation.module import TranslationModule
+
+    return TranslationModule(decode=False)
+
+
+def translation_batch(max_tokens: int = 4096) -> dict:
+    """The first training batch of the translation example's data module on its shipped Multi30k subset, batches of
+    at most ``max_tokens`` padded tokens per side (4,096, the CPU config's: 113 sentence pairs)."""
+    _examples_on_path()
+    from translation.data import TranslationDataModule
+
+    data = TranslationDataModule(max_tokens=max_tokens)
+    data.setup("fit")
+    return next(iter(data.train_dataloader()))
+
+
+def _examples_on_path() -> None:
+    examples = str(REPO / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
 
 
 def mlp_batch(rows: int, width: int = 1024, seed: int = 0) -> tuple[Tensor, Tensor]:
@@ -91,19 +118,20 @@ def image_batch(rows: int, size: int = 32, seed: int = 0) -> tuple[Tensor, Tenso
 
 class Repeat(torch.utils.data.Dataset):
     """The same mini-batch ``length`` times: a data set with no loading cost (use ``batch_size=None``); ``fresh``:
-    a copy each time, as a loader that collates makes a new batch (so that memory measurements see it)."""
+    a copy of its tensors each time, as a loader that collates makes a new batch (so that memory measurements see
+    it)."""
 
-    def __init__(self, batch: tuple[Tensor, Tensor], length: int, fresh: bool = False) -> None:
+    def __init__(self, batch: Any, length: int, fresh: bool = False) -> None:
         self.batch, self.length, self.fresh = batch, length, fresh
 
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
-        return tuple(t.clone() for t in self.batch) if self.fresh else self.batch
+    def __getitem__(self, index: int) -> Any:
+        return pytree.tree_map_only(Tensor, Tensor.clone, self.batch) if self.fresh else self.batch
 
 
-def repeat_loader(batch: tuple[Tensor, Tensor], length: int, fresh: bool = False) -> torch.utils.data.DataLoader:
+def repeat_loader(batch: Any, length: int, fresh: bool = False) -> torch.utils.data.DataLoader:
     """A DataLoader yielding ``batch`` ``length`` times (copies if ``fresh``), in the main process."""
     dataset = Repeat(batch, length, fresh)
     return torch.utils.data.DataLoader(dataset, batch_size=None, shuffle=False, num_workers=0)

@@ -16,6 +16,9 @@ first tests, the classes are chosen for what each exercises of the adapter:
   (``output_router_logits=True``, ``router_aux_loss_coef=0.1``); Qwen3-MoE normalises the top-k weights.
 - RoBERTa (masked LM), XLM-RoBERTa (sequence classification): encoders without a pooler, positions counted past the
   padding id.
+- GPT-NeoX (Pythia), Phi 1/2: cut only where their declared pipeline plans say (``embed_in``, ``emb_dropout``,
+  ``final_layer_norm``; ``embed_dropout``, ``final_layernorm``), GPT-NeoX's blocks taking the cache as
+  ``layer_past``; partial rotary embeddings, biases, LayerNorm.
 """
 
 VOCAB = 61
@@ -128,6 +131,18 @@ FAMILIES = {
         ),
     ),  # fmt: skip
     "olmoe": ("OlmoeForCausalLM", "CausalLM", dict(model_type="olmoe", **DECODER, **MOE, num_experts=4)),
+    "gpt_neox": (
+        "GPTNeoXForCausalLM",
+        "CausalLM",
+        dict(
+            model_type="gpt_neox",
+            **{k: v for k, v in DECODER.items() if k != "num_key_value_heads"},
+            rotary_pct=0.5,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        ),
+    ),  # fmt: skip
+    "phi": ("PhiForCausalLM", "CausalLM", dict(model_type="phi", **DECODER, partial_rotary_factor=0.5)),
     "roberta_mlm": (
         "RobertaForMaskedLM",
         "MaskedLM",

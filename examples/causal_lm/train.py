@@ -9,6 +9,7 @@ Usage (from the repository root)::
     python examples/causal_lm/train.py fit --model.pretrained=PATH/OR/HUB/NAME   # a pretrained checkpoint
     python examples/causal_lm/train.py fit --model.pretrained=causal_lm_model --model.lora=true  # LoRA adapters
     python examples/causal_lm/train.py fit --save_pretrained.dirpath=runs/my_model
+    python examples/causal_lm/train.py fit --data.packing=true --data.max_tokens=2048  # packed rows, a token budget
 
 Defaults (``configs/cpu.yaml`` writes them out): a new Llama-architecture model built from a config (hidden size
 256, 4 blocks, the translation example's 8,000-token BPE tokenizer, tied embeddings, ~5M parameters), trained on
@@ -16,7 +17,10 @@ the translation example's shipped Multi30k sentences (en, de, fr, cs) as monolin
 CPU processes, 200 steps of 32 sentences, AdamW (lr 1e-3, 20 warmup steps, cosine decay), validation loss every 50
 steps, CSV logs under ``<default_root_dir>/lightning_logs/causal_lm/version_N/``, and after fit a directory that
 ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load (``--save_pretrained.dirpath``,
-default ``causal_lm_model``), each stage writing its own shard.
+default ``<default_root_dir>/causal_lm_model``: ``default_root_dir`` is the working directory unless
+``--trainer.default_root_dir`` is given), each stage writing its own shard. ``--data.packing=true
+--data.max_tokens=2048`` packs the sentences into rows of ``--data.max_length`` tokens (no padding, attention inside
+each sentence) under a token budget per batch.
 
 ``--model.pretrained`` (a local ``save_pretrained`` directory, or a Hub name on a machine that reaches the Hub)
 replaces the model config by the checkpoint's and, unless ``--data.tokenizer`` is given, the tokenizer by the
@@ -25,6 +29,7 @@ with another ``model.config`` (``configs/qwen3.yaml``) trains another family; ``
 adapters (``peft``) on the frozen model instead of every weight, and writes the adapter directory.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -85,14 +90,20 @@ class CausalLMCLI(ExampleCLI):
         """Model defaults; the ``SavePretrained`` callback's options."""
         parser.set_defaults({f"model.{key}": value for key, value in MODEL_DEFAULTS.items()})
         parser.add_lightning_class_args(SavePretrained, "save_pretrained")
-        parser.set_defaults({"save_pretrained.dirpath": "causal_lm_model"})
+        parser.set_defaults({"save_pretrained.dirpath": f"{DEFAULT_ROOT_DIR}/causal_lm_model"})
 
     def before_instantiate_classes(self) -> None:
-        """The checkpoint's tokenizer for a pretrained model, unless one is named."""
+        """The checkpoint's tokenizer for a pretrained model, unless one is named; the fitted model's directory under
+        ``--trainer.default_root_dir`` where ``--save_pretrained.dirpath`` starts with ``<default_root_dir>`` (as the
+        logs)."""
         super().before_instantiate_classes()
         config = self.config[self.subcommand] if self.subcommand else self.config
         if config.model.pretrained is not None and config.data.tokenizer is None:
             config.data.tokenizer = config.model.pretrained
+        dirpath = str(config.save_pretrained.dirpath)
+        if dirpath.startswith(DEFAULT_ROOT_DIR):
+            root = config.trainer.default_root_dir or os.getcwd()
+            config.save_pretrained.dirpath = os.path.join(root, dirpath[len(DEFAULT_ROOT_DIR) :].lstrip("/\\"))
 
 
 def main(args: list[str] | None = None, run: bool = True) -> CausalLMCLI:

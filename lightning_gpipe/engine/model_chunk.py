@@ -1,7 +1,8 @@
-"""One stage's primitives: take the micro-batches, forward one, send it, receive a gradient, backward one.
+"""One model chunk's primitives: take the micro-batches, forward one, send it, receive a gradient, backward one.
 
-A schedule (:mod:`lightning_gpipe.engine.schedule`) decides the order of these calls, which the runtime
-(:mod:`lightning_gpipe.engine.runtime`) makes; the stage does each
+A model chunk is a stage's piece of the backbone, one virtual stage of the pipeline (a stage holds one, or
+``virtual_stages`` of them). A schedule (:mod:`lightning_gpipe.engine.schedule`) decides the order of these calls,
+which the runtime (:mod:`lightning_gpipe.engine.runtime`) makes; the model chunk does each
 one and keeps what a micro-batch's backward needs: its input, its output (or, when re-materialized,
 the random state to recompute it from), and the shapes of the gradients that will come back.
 Parameter gradients accumulate over the micro-batches, so a mini-batch's micro-batches together

@@ -142,6 +142,11 @@ class StagePipeline:
         return self.split.partition
 
     @property
+    def partitions(self) -> list[Partition]:
+        """Each model chunk's backbone layers, in model chunk order (``[partition]`` with one per stage)."""
+        return self.split.model_chunks
+
+    @property
     def events(self) -> Recorder:
         """The process's recorder of timed spans (forwards, backwards, transfers), marked with their model chunk."""
         return self._chunks[0].events
@@ -191,6 +196,13 @@ class StagePipeline:
         data-parallel gradient sync starts. Where that call is the loss's own (see :attr:`loss_ends_backward`), the
         caller calls it."""
         self._chunks[0].before_last_backward = callback
+
+    def on_backward_start(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once per training step, right before this process's first action that backpropagates
+        through its layers (a recompute, a backward, a weight gradient, or under a plan with a loss per micro-batch, a
+        micro-batch's loss): where a sharded data-parallel stage keeps its gathered parameters until the step's end.
+        Under fill-drain the last stage's loss backpropagates to the stage's boundary before it, not through it."""
+        self._runtime.before_first_backward = callback
 
     @property
     def loss_ends_backward(self) -> bool:

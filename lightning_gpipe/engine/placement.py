@@ -40,13 +40,14 @@ def place_weights(
             :func:`~lightning_gpipe.engine.actions.virtual_stage` places it in a V where the plans say so).
         alternatives: complete plans to time beside the placements, preferred on a tie.
     """
-    candidates = [_Clock(plans, costs) for plans in alternatives]
-    candidates += [_Clock(base, costs, share) for share in GAP_SHARES]
-    return min(candidates, key=lambda clock: clock.step_time).plans
+    candidates = [_Placer(plans, costs) for plans in alternatives]
+    candidates += [_Placer(base, costs, share) for share in GAP_SHARES]
+    return min(candidates, key=lambda placer: placer.step_time).plans
 
 
-class _Clock:
-    """Runs the stages' plans (``base``) together on a clock of the actions' costs, placing each stage's W with a
+class _Placer:
+    """Runs the stages' plans (``base``) together on the plans' clock (:class:`~lightning_gpipe.engine.clock.Clock`)
+    with the actions' costs, placing each stage's W with a
     ``share`` (see the module docstring); with ``share=None`` it only times ``base``, whose W are placed already."""
 
     def __init__(self, base: Sequence[Plan], costs: Sequence[ActionCost], share: float | None = None) -> None:

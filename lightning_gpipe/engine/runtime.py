@@ -47,6 +47,9 @@ class Runtime:
     Attributes:
         stage: the process's pipeline rank.
         loss_per_micro_batch: whether the plans call a head per micro-batch (the cut is at the end of the plan).
+        before_first_backward: called once per training step, right before the process's first action that
+            backpropagates through it (a recompute, a backward, a weight gradient, or a micro-batch's loss); set
+            through :meth:`~lightning_gpipe.engine.StagePipeline.on_backward_start`. ``None`` (default): nothing.
 
     Raises:
         ValueError: for an unknown schedule.
@@ -70,6 +73,8 @@ class Runtime:
         self._inputs: list[Iterator[tuple[int, Value, int]]] = []
         self._outputs: dict[tuple[int, int], Value] = {}  # by (model chunk, micro-batch)
         self._micro_batches = 0
+        self.before_first_backward: Callable[[], None] | None = None
+        self._backward_begun = True  # in the current step (evaluation never begins one)
 
     @property
     def is_last(self) -> bool:
@@ -146,6 +151,7 @@ class Runtime:
         self._micro_batches = first[2] if first is not None else 0
         self._inputs = [_chain(first, inputs[0]), *inputs[1:]]
         self._outputs, self._done = {}, 0
+        self._backward_begun = not self.model_chunks[0].training
         self._plan = self.plan(self._micro_batches, self.model_chunks[0].training)
         self.model_chunks[-1].loss_through = self._plan.backward_follows_loss
         for chunk in self.model_chunks:
@@ -160,6 +166,10 @@ class Runtime:
                 action = plan.actions[number]
                 if position is not None:
                     position.act(number + 1, total, action.kind.value, action.micro_batch, action.model_chunk)
+                if not self._backward_begun and action.kind in _BACKPROPAGATING and action.micro_batch is not None:
+                    self._backward_begun = True
+                    if self.before_first_backward is not None:
+                        self.before_first_backward()
                 if action.kind is Kind.WEIGHT:  # W back to back run at once (one product per linear layer)
                     together = _weights_from(plan.actions, number, end)
                     self.model_chunks[action.model_chunk].backward_weights(together)
@@ -196,6 +206,11 @@ class Runtime:
             chunk.recompute(i)
         elif kind is Kind.BACKWARD:
             chunk.backward(i)
+
+
+_BACKPROPAGATING = (Kind.LOSS, Kind.RECOMPUTE, Kind.BACKWARD, Kind.WEIGHT)
+"""The kinds of action that may backpropagate through the stage (a loss of one micro-batch, under a plan with a loss
+per micro-batch; fill-drain's loss of the whole mini-batch has no micro-batch and runs between the plan's parts)."""
 
 
 def _weights_from(actions: tuple[Action, ...], start: int, end: int) -> list[int]:

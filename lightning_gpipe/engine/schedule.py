@@ -398,14 +398,15 @@ def _v_order(num_stages: int, micro_batches: int, checkpoint: str, costs: Sequen
     new micro-batch, only while it holds fewer than 2K micro-batches of a model chunk), else waits for the next input to
     arrive.
     Each virtual stage runs its micro-batches in order, so every link's transfers are in order."""
-    clock = _VClock(num_stages, micro_batches, costs)
-    clock.run()
-    return [clock.plan(k, checkpoint) for k in range(num_stages)]
+    order = _VOrder(num_stages, micro_batches, costs)
+    order.run()
+    return [order.plan(k, checkpoint) for k in range(num_stages)]
 
 
-class _VClock:
-    """The clock of :func:`_v_order` (:class:`~lightning_gpipe.engine.clock.Clock`, the plans' rules): each stage's
-    next forward and backward per model chunk, chosen as the module docstring of :func:`_v_order` says."""
+class _VOrder:
+    """The order of :func:`_v_order`, found by running the stages on the plans' one clock
+    (:class:`~lightning_gpipe.engine.clock.Clock`): each stage's next forward and backward per model chunk, chosen as
+    the docstring of :func:`_v_order` says."""
 
     def __init__(self, num_stages: int, micro_batches: int, costs: Sequence[ActionCost]) -> None:
         self.num_stages, self.micro_batches, self.costs = num_stages, micro_batches, costs

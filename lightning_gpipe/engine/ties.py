@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_gpipe.engine.actions import stage_of_virtual
 from lightning_gpipe.engine.topology import Topology
@@ -130,7 +131,7 @@ class TiedParameters:
         """
         for tie, group, first in self._held:
             with torch.no_grad():
-                collectives.broadcast(self.job, self._parameter(tie).data, first, group)
+                collectives.broadcast(self.job, _local(self._parameter(tie).data), first, group)
 
     def reduce_grads(self) -> None:
         """Sum each tie's gradients over its holding stages, in place. A copy without a gradient counts as zeros
@@ -138,7 +139,8 @@ class TiedParameters:
         all-reduce per tie, of the gradient and a has-gradient count together; a copy that had a gradient knows the
         sum has one without reading the count (no device-to-host copy in the usual step). Call once per optimizer step,
         after the last backward of the step (a collective call). A frozen tie (``requires_grad=False``, alike on every
-        copy: one parameter of the user's model) has no gradient to sum and is skipped.
+        copy: one parameter of the user's model) has no gradient to sum and is skipped. Copies sharded over the
+        data-parallel replicas (FSDP2's ``DTensor``) sum their local shards: each replica's copies hold the same rows.
 
         Raises:
             PipelineFailure: if another stage failed or stalled meanwhile.
@@ -148,14 +150,14 @@ class TiedParameters:
             if not parameter.requires_grad:
                 continue
             has = parameter.grad is not None
-            grad = cast(Tensor, parameter.grad) if has else torch.zeros_like(parameter)
+            grad = _local(cast(Tensor, parameter.grad) if has else torch.zeros_like(parameter))
             flat = torch.cat([grad.flatten(), grad.new_full((1,), float(has))])
             collectives.all_reduce(self.job, flat, group=group)
             if has or flat[-1].item() > 0:  # the count is read on the host only where this copy had no gradient
                 if not has:
                     parameter.grad = torch.empty_like(parameter)
                 assert parameter.grad is not None  # it had one, or got one just now
-                parameter.grad.copy_(flat[:-1].view_as(parameter))
+                _local(parameter.grad).copy_(flat[:-1].view_as(grad))
 
     def after(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         """``closure`` (Lightning's step closure: the step's forward and backward), then :meth:`reduce_grads`, so that
@@ -172,3 +174,9 @@ class TiedParameters:
         """This stage's copies that the global gradient norm must not count: every tie's copies but those of its
         first holding stage, so a tied parameter is counted once."""
         return [self._parameter(tie) for tie, _, _ in self._held if tie.stages[0] != self.stage]
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """``tensor``'s local values: a ``DTensor``'s shard on this process (FSDP2 shards a tie's copies alike on every
+    stage: same shape, same data-parallel replicas), else ``tensor`` itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

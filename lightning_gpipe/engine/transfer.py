@@ -139,31 +139,44 @@ def read_step_message(message: Tensor) -> tuple[int, list[Signature | None]]:
 
 class _Peer(NamedTuple):
     """A neighbour of a link: its global rank (``None``: none), the payloads' tag and process group (``None``: the
-    default group), and the control messages' group and tag."""
+    default group), the control messages' group and tag, and the run's job (whose failure board names the cause when
+    a transfer cannot even be posted)."""
 
     rank: int | None
     tag: int
     group: dist.ProcessGroup | None
     control: dist.ProcessGroup | None
     control_tag: int
-
-    # torch's irecv and isend return None only to a process outside the group: a link's process is in its groups
+    job: "Job"
 
     def irecv(self, buffer: Tensor) -> dist.Work:
         """Post the receive of the peer's next payload into ``buffer``."""
-        return cast(dist.Work, dist.irecv(buffer, self.rank, group=self.group, tag=self.tag))
+        return self._posted(dist.irecv, buffer, self.group, self.tag)
 
     def isend(self, tensor: Tensor) -> dist.Work:
         """Send ``tensor`` to the peer as its next payload."""
-        return cast(dist.Work, dist.isend(tensor, self.rank, group=self.group, tag=self.tag))
+        return self._posted(dist.isend, tensor, self.group, self.tag)
 
     def irecv_control(self, buffer: Tensor) -> dist.Work:
         """Post the receive of the peer's next control message into the CPU tensor ``buffer``."""
-        return cast(dist.Work, dist.irecv(buffer, self.rank, group=self.control, tag=self.control_tag))
+        return self._posted(dist.irecv, buffer, self.control, self.control_tag)
 
     def isend_control(self, tensor: Tensor) -> dist.Work:
         """Send the CPU tensor ``tensor`` to the peer as its next control message."""
-        return cast(dist.Work, dist.isend(tensor, self.rank, group=self.control, tag=self.control_tag))
+        return self._posted(dist.isend, tensor, self.control, self.control_tag)
+
+    def _posted(self, post: Any, tensor: Tensor, group: dist.ProcessGroup | None, tag: int) -> dist.Work:
+        """The work of ``post`` (``dist.irecv`` or ``dist.isend``) of ``tensor`` with the peer.
+
+        Raises:
+            PipelineFailure: if the transfer cannot be posted: gloo refuses once the connection to the peer has
+                closed (the peer's process ended), naming the cause as a failed wait does.
+        """
+        try:
+            # torch returns None only to a process outside the group: a link's process is in its groups
+            return cast(dist.Work, post(tensor, self.rank, group=group, tag=tag))
+        except RuntimeError as error:
+            raise self.job.board.failure(error, self.job.watchdog.last_positions) from error
 
 
 class _Send(NamedTuple):
@@ -297,8 +310,8 @@ class Link:
         self._turns = turns
         self.events = events if events is not None else Recorder()
         prev_tag, next_tag = tag if isinstance(tag, tuple) else (tag, tag)
-        self._prev = _peer(prev_rank, prev_tag, groups[0], control)
-        self._next = _peer(next_rank, next_tag, groups[1], control)
+        self._prev = _peer(prev_rank, prev_tag, groups[0], control, job)
+        self._next = _peer(next_rank, next_tag, groups[1], control, job)
         self._device = _Device(device)
         self._polled = waiting.polls(device)  # NCCL: the compute stream waits, not the host; gloo: a helper thread
         self._pending_sends: list[_Send] = []  # posted, not known to have completed: their tensors kept alive
@@ -522,9 +535,9 @@ class Link:
         waiting.wait(self.job, works, self.job.watchdog.name_of(peer))
 
 
-def _peer(rank: int | None, tag: int, group: dist.ProcessGroup | None, control: dist.ProcessGroup | None):
+def _peer(rank: int | None, tag: int, group: dist.ProcessGroup | None, control: dist.ProcessGroup | None, job: "Job"):
     """A neighbour, its control messages on ``control`` (``None``: ``group``) on a tag of their own."""
-    return _Peer(rank, tag, group, control if control is not None else group, tag + CONTROL_TAG)
+    return _Peer(rank, tag, group, control if control is not None else group, tag + CONTROL_TAG, job)
 
 
 def _through(send: _Send, through: int | None) -> bool:

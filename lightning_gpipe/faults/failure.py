@@ -65,13 +65,21 @@ class FailureBoard:
             :meth:`lightning_gpipe.engine.topology.Topology.name`).
         processes: the number of processes of the job (those :meth:`linger` waits for).
         rank: this process's global rank (the key it counts its boards under).
+        holder: the name of global rank 0, whose process holds the store (named when the store is lost).
 
     Raises:
         RuntimeError: if the store cannot be reached.
     """
 
-    def __init__(self, store: dist.Store | None = None, name: str = "stage 0", processes: int = 1, rank: int = 0):
-        self.store, self.name, self.processes = store, name, processes
+    def __init__(
+        self,
+        store: dist.Store | None = None,
+        name: str = "stage 0",
+        processes: int = 1,
+        rank: int = 0,
+        holder: str = "stage 0",
+    ):
+        self.store, self.name, self.processes, self.holder = store, name, processes, holder
         self.generation = store.add(f"{_PREFIX}/boards/{rank}", 1) if store is not None else 0
         self.reserve = bytearray(_RESERVE_BYTES) if store is not None else None
         self.read = False  # whether this process counted itself among those that know the cause
@@ -153,13 +161,23 @@ class FailureBoard:
 
         The store lives in global rank 0's process, and Lightning's launcher kills every stage once one has
         exited: a failing process that exited at once could take the cause with it, or get the others killed
-        before they read and named it.
+        before they read and named it. Returns at once when the store cannot be reached (global rank 0's process
+        has ended): no process can read the cause there any more.
         """
-        if self.store is None or self.published_cause() is None:
+        try:
+            if self.store is None or self.published_cause() is None:
+                return
+            deadline = time.monotonic() + _LINGER
+            while self.store.add(self.key("read"), 0) < self.processes and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except RuntimeError:  # the store went with global rank 0's process
             return
-        deadline = time.monotonic() + _LINGER
-        while self.store.add(self.key("read"), 0) < self.processes and time.monotonic() < deadline:
-            time.sleep(0.05)
+
+    def store_lost(self) -> str:
+        """What a lost store means, for messages: ``"global rank 0's process (stage 0) has ended: the job's store,
+        which lives in it, cannot be reached"``."""
+        holder = f"global rank 0's process ({self.holder})"
+        return f"{holder} has ended: the job's store, which lives in it, cannot be reached"
 
     @contextmanager
     def as_pipeline_failure(self, detail: Callable[[], str] | None = None) -> Iterator[None]:
@@ -170,22 +188,28 @@ class FailureBoard:
                 last was); by default the transport's error alone is named.
 
         Raises:
-            PipelineFailure: with the published cause, or the transport's error (and ``detail``) when none was
-                published.
+            PipelineFailure: as :meth:`failure` makes it.
         """
         try:
             yield
         except RuntimeError as error:
             if isinstance(error, PipelineFailure):
                 raise
-            try:
-                cause = self.published_cause(_WAIT_FOR_CAUSE)
-            except RuntimeError:
-                cause = None
-            if cause is None:
-                more = f"; {detail()}" if detail is not None else ""
-                raise PipelineFailure(f"{self.name}: another stage stopped responding ({error}){more}") from error
-            raise PipelineFailure(f"{self.name} stopped because {cause}") from error
+            raise self.failure(error, detail) from error
+
+    def failure(self, error: RuntimeError, detail: Callable[[], str] | None = None) -> PipelineFailure:
+        """The :class:`PipelineFailure` a failed transfer or collective (torch.distributed's ``error``) stands for:
+        the published cause (waiting a few seconds for one); the loss of global rank 0's process when the store
+        cannot be reached (:meth:`store_lost`); else the transport's error and ``detail`` (e.g. where each stage
+        was last seen)."""
+        try:
+            cause = self.published_cause(_WAIT_FOR_CAUSE)
+        except RuntimeError:
+            return PipelineFailure(f"{self.name} stopped because {self.store_lost()} ({error})")
+        if cause is None:
+            more = f"; {detail()}" if detail is not None else ""
+            return PipelineFailure(f"{self.name}: another stage stopped responding ({error}){more}")
+        return PipelineFailure(f"{self.name} stopped because {cause}")
 
     def stopped_because(self, cause: str) -> PipelineFailure:
         """The :class:`PipelineFailure` this stage raises when it stops because of the job's ``cause``."""
@@ -194,10 +218,16 @@ class FailureBoard:
         return PipelineFailure(f"{self.name} stopped because {cause}")
 
     def say(self, message: str) -> None:
-        """Write ``message`` to this process's stderr at once (also when the process is about to end abruptly)."""
-        with suppress(OSError, ValueError):  # a closed or broken stderr: nothing left to tell
-            sys.stderr.write(f"[{self.name}] {message}\n")
-            sys.stderr.flush()
+        """Write ``message`` to this process's stderr at once (see :func:`say`)."""
+        say(self.name, message)
+
+
+def say(name: str, message: str) -> None:
+    """Write ``message`` to this process's stderr at once, as ``[name] message`` (also when the process is about to
+    end abruptly)."""
+    with suppress(OSError, ValueError):  # a closed or broken stderr: nothing left to tell
+        sys.stderr.write(f"[{name}] {message}\n")
+        sys.stderr.flush()
 
 
 def _where(exception: BaseException) -> str:

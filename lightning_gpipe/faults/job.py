@@ -77,7 +77,8 @@ class Job:
     ) -> None:
         names = dict(names) if names is not None else {rank: f"stage {rank}"}
         name = names.get(rank, f"rank {rank}")
-        self.board = FailureBoard(store, name, processes if processes is not None else len(names), rank)
+        processes = processes if processes is not None else len(names)
+        self.board = FailureBoard(store, name, processes, rank, names.get(0, "rank 0"))
         self.position = Position()
         self.watchdog = Watchdog(self.board, self.position, rank, names, limit)
         self.waiter = Waiter()

@@ -17,25 +17,42 @@ within :data:`GRACE` seconds (it is stuck outside the package's waits, e.g. in u
 it is the stage the watchdog named, so that no process is left behind.
 
 Both are instance state of one run (:class:`lightning_gpipe.faults.job.Job` creates them); the module keeps no state.
+
+**The launcher watch.** Lightning's launchers start the stage processes from the user's main process: the
+subprocess-script launcher runs the script again once per further stage (the main process is global rank 0), the
+spawn launcher starts every stage (the main process waits for them). Until the job's store exists, the processes
+cannot tell each other anything: one that waits for the store of a main process that has ended, or talks to another
+program listening on ``MASTER_PORT``, waits for the process group's ``timeout`` (30 minutes by default). So the
+launching process marks itself in the environment that the processes it starts inherit (:func:`mark_launcher`), and
+each of them watches it during a run (:func:`watch_launcher`, the strategy's state): once the launcher has ended, it
+publishes that as the job's failure if the job's store exists (under the spawn launcher the store outlives the main
+process, and every stage then stops naming the cause) and ends within :data:`GRACE` seconds unless it ended by
+itself; before the job's store exists, at once. A launching process whose run fails before the job's store exists
+ends the processes it started itself (:meth:`lightning_gpipe.lightning.mesh.MeshStrategy.setup_environment`).
 """
 
 import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, cast
 
 import torch.distributed as dist
 
-from lightning_gpipe.faults.failure import FailureBoard
+from lightning_gpipe.faults.failure import FailureBoard, say
 
 INTERVAL = 1.0
 """Seconds between two publications of a stage's position (and two looks at the failure board)."""
 
 GRACE = 10.0
-"""Seconds a process may take to fail by itself once the job has failed elsewhere, before its heartbeat ends it."""
+"""Seconds a process may take to fail by itself once the job has failed elsewhere, before its heartbeat ends it (or
+once its launcher has ended, before the launcher watch does)."""
+
+LAUNCHER = "LIGHTNING_GPIPE_LAUNCHER"
+"""The environment variable holding the process id of the process that launched this one (see the module
+docstring)."""
 
 _KINDS = {
     "forward": "the forward of micro-batch {}",
@@ -266,7 +283,7 @@ class Watchdog:
                     age = now - position["since"]
                     seen.append(f"{self.names[rank]} was last seen in {phrase(position)}, {age:.0f} s before")
         except RuntimeError:
-            return "the job's store cannot be reached (global rank 0's process has ended)"
+            return self.board.store_lost()
         return "; ".join(seen) or "no other stage published its position"
 
     def mark_stalled(self, rank: int) -> None:
@@ -299,7 +316,7 @@ class _Heartbeat(threading.Thread):
                 self._publish()
                 cause, named = self.board.published_cause(), self._named()
             except RuntimeError:
-                cause, named = "the job's store, in global rank 0's process, cannot be reached: rank 0 has ended", False
+                cause, named = self.board.store_lost(), False
             if cause is not None:
                 self._end_if_left_behind(cause, named)
 
@@ -323,3 +340,80 @@ class _Heartbeat(threading.Thread):
             left = "" if named else f" {now - self.trouble_since:.0f} s after the job failed"
             self.board.say(f"ending this process{left}: {cause}")
             os._exit(1)
+
+
+# ------------------------------------------------------------------------------------------ the launcher watch
+
+
+def mark_launcher() -> None:
+    """Mark this process as the launcher of the processes it starts from now on (they inherit the mark)."""
+    os.environ[LAUNCHER] = str(os.getpid())
+
+
+class LauncherWatch(threading.Thread):
+    """Ends this process when the process that launched it has ended (see the module docstring).
+
+    Args:
+        launcher: the launcher's process id (this process's parent).
+        name: how messages name this process (``"stage 1"``).
+        board: gives the failure board of the strategy's current run (one without a store until the job's store
+            exists, and after the run).
+    """
+
+    def __init__(self, launcher: int, name: str, board: Callable[[], FailureBoard]) -> None:
+        super().__init__(daemon=True, name="lightning-gpipe-launcher-watch")
+        self.launcher, self.name, self.board = launcher, name, board
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        """Look once a second whether the launcher has ended, until :meth:`stop`."""
+        while os.getppid() == self.launcher:  # a process whose parent ends gets another parent
+            if self.stopped.wait(INTERVAL):
+                return
+        self._end()
+
+    def stop(self) -> None:
+        """Stop watching (at the end of the run: the launcher may then end before this process)."""
+        self.stopped.set()
+
+    def _end(self) -> None:
+        cause = f"the process that launched this one (pid {self.launcher}) has ended"
+        board = self.board()
+        if board.store is not None:
+            board.publish(cause)  # where the store outlives the launcher (spawn), every stage stops naming it
+            if self.stopped.wait(GRACE):  # the run ended by itself meanwhile (its transfers failed, naming it)
+                return
+        elif self.stopped.is_set():  # the run ended (it stops the watch before it closes its job)
+            return
+        say(self.name, f"ending this process: {cause}")
+        os._exit(1)
+
+
+def watch_launcher(name: str, board: Callable[[], FailureBoard]) -> LauncherWatch | None:
+    """Start watching the process that launched this one (see :class:`LauncherWatch`); ``None`` for a process that
+    no launcher of the package started (the main process, a process of torchrun or SLURM) or that is not its child.
+    """
+    value = os.environ.get(LAUNCHER)
+    if value is None or int(value) == os.getpid():
+        return None
+    launcher = int(value)
+    if os.getppid() != launcher and not _ended(launcher):
+        return None  # not its child (a process of torchrun started from it, say): its own launcher ends it
+    watch = LauncherWatch(launcher, name, board)
+    watch.start()
+    return watch
+
+
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended: it is gone, or a zombie that its parent has not reaped yet."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[-1].split()[0] == "Z"
+    except OSError:  # no /proc (not Linux): it exists
+        return False

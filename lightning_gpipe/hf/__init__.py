@@ -1,13 +1,13 @@
 """Hugging Face ``transformers`` models in the pipeline (``lightning_gpipe.hf``).
 
-:func:`to_sequential` turns a loaded model (any decoder of ``transformers`` 5's standard layout, GPT-2, BERT-style
-encoders, a ``peft`` LoRA model of one) into the backbone contract without copying weights, after proving its cut on
-a miniature of the same class (the self-check); :class:`~lightning_gpipe.hf.module.CausalLM`,
-:class:`~lightning_gpipe.hf.module.MaskedLM` and :class:`~lightning_gpipe.hf.module.SequenceClassifier` fine-tune
-one with ``GPipeStrategy`` (every weight, or LoRA adapters with ``lora=``), each stage building its layers on the
-meta device and loading only its own weights; :func:`greedy_generate` decodes through the pipeline, each stage
-keeping its own blocks' key/value caches. Needs ``transformers`` 5.24 or newer (``peft`` for LoRA). Guide:
-docs/transformers.md.
+:func:`to_sequential` turns a loaded model (a decoder cut where its declared pipeline plan says, or of ``transformers``
+5's standard layout, GPT-2, BERT-style encoders, a ``peft`` LoRA model of one) into the backbone contract without
+copying weights, after proving its cut on a miniature of the same class (the self-check);
+:class:`~lightning_gpipe.hf.module.CausalLM`, :class:`~lightning_gpipe.hf.module.MaskedLM` and
+:class:`~lightning_gpipe.hf.module.SequenceClassifier` fine-tune one with ``GPipeStrategy`` (every weight, or LoRA
+adapters with ``lora=``), each stage building its layers on the meta device and loading only its own weights;
+:func:`greedy_generate` decodes through the pipeline, each stage keeping its own blocks' key/value caches. Needs
+``transformers`` 5.24 or newer (``peft`` for LoRA). Guide: docs/transformers.md.
 
 Importing it with an older ``transformers`` (or none) raises ``ImportError`` naming the ``pip`` command that fixes it:
 5.24 renamed the arguments of the ``masking_utils`` functions the decoders call, so an older one would fail later, in
@@ -22,7 +22,13 @@ if not _TRANSFORMERS:
 
 # ruff: noqa: E402 - the package's modules are imported only once the requirement holds
 from lightning_gpipe.hf.adapter import FAMILIES, Family, check_class, family_of, register_family, to_sequential
-from lightning_gpipe.hf.decoder import CachedDecoderBlock, clear_kv_caches, positions_from_mask
+from lightning_gpipe.hf.decoder import (
+    CachedDecoderBlock,
+    clear_kv_caches,
+    pack_documents,
+    packed_batch,
+    positions_from_mask,
+)
 from lightning_gpipe.hf.layer import HFLayer, UnsupportedModelError
 from lightning_gpipe.hf.module import (
     CausalLM,
@@ -56,6 +62,8 @@ __all__ = [
     "family_of",
     "greedy_generate",
     "lr_factor",
+    "pack_documents",
+    "packed_batch",
     "positions_from_mask",
     "register_family",
     "save_stage_shards",

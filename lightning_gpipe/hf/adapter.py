@@ -7,12 +7,30 @@ model, so a layer's state-dict names are the model's (``backbone.3.model.layers.
 model ties (input embedding and output projection) is one ``nn.Parameter`` in two layers, which the strategy's tie
 mechanism (:mod:`lightning_gpipe.engine.ties`) finds by itself.
 
-Which layers a model is cut into is its :class:`Family`'s business. Models are recognised by their structure, not
-their class name: the standard decoder layout of ``transformers`` 5 (:mod:`lightning_gpipe.hf.decoder`) and the
-BERT-style encoders (:mod:`lightning_gpipe.hf.encoder`); GPT-2 is a family by name, and :func:`register_family` adds
-more. Before a class is cut for the first time in a process, the self-check (:mod:`lightning_gpipe.hf.selfcheck`)
-proves its cut on a miniature built from the same config, so a class that looks standard and is not is refused
-rather than trained wrongly. A ``peft`` model is cut as the model inside it (:mod:`lightning_gpipe.hf.lora`).
+Which layers a model is cut into is its :class:`Family`'s business. Models are recognised by what ``transformers``
+declares and by their structure, not their class name: first the pipeline plan a decoder declares (below), then the
+standard decoder layout of ``transformers`` 5 (:mod:`lightning_gpipe.hf.decoder`) and the BERT-style encoders
+(:mod:`lightning_gpipe.hf.encoder`); GPT-2 is a family by name, and :func:`register_family` adds more. Before a class
+is cut for the first time in a process, the self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves its cut on a
+miniature built from the same config, so a class that looks standard and is not is refused rather than trained
+wrongly. A ``peft`` model is cut as the model inside it (:mod:`lightning_gpipe.hf.lora`).
+
+**The declared plan.** Since ``transformers`` PR #36091 (2025) a config may carry ``base_model_pp_plan``, which maps
+the base model's children in order to the names of what each takes and gives (Llama's: ``{"embed_tokens":
+(["input_ids"], ["inputs_embeds"]), "layers": (["hidden_states", "attention_mask"], ["hidden_states"]), "norm":
+(["hidden_states"], ["hidden_states"])}``), and a causal-LM class a ``_pp_plan`` for its head (``{"lm_head":
+(["hidden_states"], ["logits"])}``). ``PreTrainedModel.pp_plan`` merges them under the base model's attribute name;
+it is the library's own contract for pipeline parallelism (its pipeline inference and vLLM's ``transformers`` backend
+read it), and it names the modules by the model's own names: GPT-NeoX's ``embed_in``, ``emb_dropout``, ``layers``,
+``final_layer_norm``; Phi's ``embed_tokens``, ``embed_dropout``, ``layers``, ``final_layernorm``; CodeGen's and
+GPT-J's ``wte``, ``drop``, ``h``, ``ln_f``. :func:`declared_cut` reads it into a
+:class:`~lightning_gpipe.hf.decoder.DecoderCut`: the embedding (the entry that takes ``input_ids``), at most one
+module on the embeddings before the blocks, the blocks (the ``nn.ModuleList``), the final norm and the head (the
+entry that gives ``logits``); the base model may hold nothing else but its rotary embedding (``rotary_emb``, which the
+plan leaves out: every block's layer rebuilds its cos/sin). The blocks are called as the standard layout's, with what
+the config declares around them (:func:`~lightning_gpipe.hf.decoder.decoder_layers`). Where a class declares no plan,
+or one the adapter cannot follow, the structure decides; a plan and a structure that both take a model must cut it
+alike; the self-check proves whichever cut on a miniature.
 """
 
 from __future__ import annotations
@@ -24,9 +42,132 @@ from typing import Any, cast
 from torch import nn
 
 from lightning_gpipe.hf import lora, selfcheck
-from lightning_gpipe.hf.decoder import gpt2_layers, standard_decoder, standard_decoder_layers
+from lightning_gpipe.hf.decoder import (
+    DecoderCut,
+    block_arguments_reason,
+    decoder_layers,
+    gpt2_layers,
+    layer_types_reason,
+    standard_cut,
+    standard_decoder,
+    standard_decoder_layers,
+)
 from lightning_gpipe.hf.encoder import standard_encoder, standard_encoder_layers
 from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel, UnsupportedModelError
+
+# ------------------------------------------------------------------ the pipeline plan transformers declares
+
+ROTARY = "rotary_emb"
+"""The base model's child the plan leaves out that the adapter knows: the rotary embedding."""
+
+
+def plan_of(model: nn.Module) -> dict[str, tuple[list[str], list[str]]]:
+    """``model``'s declared pipeline plan (``PreTrainedModel.pp_plan``: the class's ``_pp_plan`` and the config's
+    ``base_model_pp_plan`` under the base model's name), ``{path: (inputs, outputs)}``; empty when it declares
+    none."""
+    plan = getattr(model, "pp_plan", None) or {}
+    return {path: (list(io[0]), list(io[1])) for path, io in plan.items()}
+
+
+def declared_cut(model: nn.Module) -> DecoderCut | str:
+    """The cut ``model``'s declared plan (:func:`plan_of`) gives, or why the plan gives none: no plan, a path the
+    model lacks, entries that are not embedding, (one module on the embeddings), blocks, one final norm and a head
+    giving ``logits`` in that order, or a module of the base model the plan leaves out (other than its rotary
+    embedding)."""
+    plan = plan_of(model)
+    if not isinstance(model, PreTrainedModel) or not getattr(model.config, "base_model_pp_plan", None):
+        return "it declares no pipeline plan (config.base_model_pp_plan)"
+    missing = [path for path in plan if not _has(model, path)]
+    if missing:
+        return f"its plan names {missing}, which {type(model).__name__} does not have"
+    heads = [path for path, (_, outputs) in plan.items() if outputs == ["logits"]]
+    lists = [path for path in plan if isinstance(model.get_submodule(path), nn.ModuleList)]
+    if len(heads) != 1 or len(lists) != 1:
+        return f"its plan names {len(heads)} modules giving logits and {len(lists)} lists of blocks, not one each"
+    blocks, head = lists[0], heads[0]
+    parent = blocks.rpartition(".")[0]
+    base = [path for path in plan if path.rpartition(".")[0] == parent and path != head]
+    where = base.index(blocks)
+    before, after = base[:where], base[where + 1 :]
+    if not 1 <= len(before) <= 2 or plan[before[0]][0] != ["input_ids"] or len(after) != 1:
+        return (
+            f"its plan {list(plan)} is not an embedding taking input_ids (and at most one module on it), the blocks,"
+            " one final norm and the head"
+        )
+    base_model = model.get_submodule(parent) if parent else model
+    left = [name for name, child in base_model.named_children() if f"{parent}.{name}".lstrip(".") not in plan]
+    unknown = [name for name in left if name != ROTARY]
+    outside = [name for name, _ in model.named_children() if name != head and name != parent.split(".")[0]]
+    if unknown or outside:
+        return f"it holds {[*outside, *unknown]} besides the modules its plan names (and `{ROTARY}`)"
+    rotary = f"{parent}.{ROTARY}" if ROTARY in left else None
+    return DecoderCut(before[0], before[1] if len(before) > 1 else None, blocks, rotary, after[0], head)
+
+
+def _has(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def declared_decoder(model: nn.Module) -> str | None:
+    """``None`` when ``model`` is cut by its declared plan (:func:`declared_cut`), else why not: no plan or one the
+    adapter cannot follow, layer types it does not rebuild, blocks taking what it does not give them.
+
+    Raises:
+        UnsupportedModelError: if the model is also of the standard layout (:func:`standard_decoder`) and the plan
+            cuts it elsewhere: naming both cuts (the self-check cannot say which the model's forward follows before
+            one is chosen).
+    """
+    cut = declared_cut(model)
+    if isinstance(cut, str):
+        return cut
+    config = cast(Any, model).config
+    blocks = cast(nn.ModuleList, model.get_submodule(cut.blocks))
+    if len(blocks) != config.num_hidden_layers:
+        return f"`{cut.blocks}` holds {len(blocks)} blocks, not num_hidden_layers ({config.num_hidden_layers})"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "use_bidirectional_attention=True (a bidirectional encoder, not a causal LM)"
+    rotary = None if cut.rotary is None else model.get_submodule(cut.rotary)
+    reason = layer_types_reason(config, rotary) or block_arguments_reason(blocks[0])
+    if reason is None and standard_decoder(model) is None:
+        structural = standard_cut(cast(PreTrainedModel, model))
+        if structural != cut:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}'s declared pipeline plan and its structure disagree: the plan cuts it as"
+                f" {cut.describe()}, the standard layout as {structural.describe()}. Pass the cut you mean as a"
+                " Family (docs/transformers.md, 'Adding a family'); the self-check then proves it on the model's own"
+                " forward."
+            )
+    return reason
+
+
+def declared_decoder_layers(model: PreTrainedModel) -> list[nn.Module]:
+    """The backbone layers of a model its declared plan cuts (:func:`~lightning_gpipe.hf.decoder.decoder_layers` at
+    :func:`declared_cut`)."""
+    cut = declared_cut(model)
+    assert not isinstance(cut, str)  # the family takes only models whose plan gives a cut
+    return decoder_layers(model, cut)
+
+
+def plan_source(model: nn.Module) -> str:
+    """Where the declared plan's cut of ``model`` comes from, and what the structure says of it (for messages)."""
+    cut = declared_cut(model)
+    assert not isinstance(cut, str)  # asked of models the plan cuts
+    structure = standard_decoder(model)
+    verdict = "the same" if structure is None else f"none ({structure})"
+    return f"cut where its declared pipeline plan says ({cut.describe()}; the cut by structure: {verdict})"
+
+
+def structure_source(model: nn.Module) -> str:
+    """Where the structural cut of ``model`` comes from, and why its declared plan (if any) was not followed."""
+    cut = standard_cut(cast(PreTrainedModel, model))
+    return f"cut by its structure ({cut.describe()}; not where a declared plan says: {declared_decoder(model)})"
+
+
+# ------------------------------------------------------------------ families
 
 
 @dataclass(frozen=True)
@@ -44,6 +185,9 @@ class Family:
         encoder: whether the backbone takes an encoder's ``(input_ids, attention_mask, token_type_ids)`` (else a
             causal LM's ``(input_ids, attention_mask, position_ids)``, whose loss the self-check compares too).
             Default ``False``.
+        source: where the cut of a model it takes comes from, a phrase for the self-check's messages (the decoder
+            families: the declared plan or the structure, and what the other says); ``None`` (default): the
+            family's name.
     """
 
     name: str
@@ -52,6 +196,12 @@ class Family:
     inputs: str
     structure: Callable[[nn.Module], str | None] | None = None
     encoder: bool = False
+    source: Callable[[nn.Module], str] | None = None
+
+    def describe(self, model: nn.Module) -> str:
+        """Where the cut of ``model`` (a model this family takes) comes from: :attr:`source`'s phrase, else "cut by
+        the <name> family"."""
+        return self.source(model) if self.source is not None else f"cut by the {self.name} family"
 
 
 DECODER_INPUTS = "(input_ids, attention_mask, position_ids)"
@@ -62,12 +212,21 @@ ENCODER_INPUTS = "(input_ids, attention_mask, token_type_ids)"
 
 FAMILIES: list[Family] = [
     Family("gpt2", ("GPT2LMHeadModel",), gpt2_layers, DECODER_INPUTS),
-    Family("decoder", (), standard_decoder_layers, DECODER_INPUTS, structure=standard_decoder),
+    Family(
+        "declared plan",
+        (),
+        declared_decoder_layers,
+        DECODER_INPUTS,
+        structure=declared_decoder,
+        source=plan_source,
+    ),
+    Family("decoder", (), standard_decoder_layers, DECODER_INPUTS, structure=standard_decoder, source=structure_source),
     Family("encoder", (), standard_encoder_layers, ENCODER_INPUTS, structure=standard_encoder, encoder=True),
 ]
-"""The registered families, tried in order by :func:`family_of`: GPT-2 by name, then the standard decoder layout
-(:func:`~lightning_gpipe.hf.decoder.standard_decoder`) and the BERT-style encoders
-(:func:`~lightning_gpipe.hf.encoder.standard_encoder`) by structure."""
+"""The registered families, tried in order by :func:`family_of`: GPT-2 by name; then a decoder cut where its
+declared pipeline plan says (:func:`declared_decoder`: ``config.base_model_pp_plan``, the
+first source); then by structure, the standard decoder layout (:func:`~lightning_gpipe.hf.decoder.standard_decoder`,
+the fallback) and the BERT-style encoders (:func:`~lightning_gpipe.hf.encoder.standard_encoder`)."""
 
 
 def register_family(family: Family) -> None:

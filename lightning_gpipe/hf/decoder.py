@@ -5,24 +5,27 @@
 the rotary cos/sin, the 4-D mask and the cache, ``model.norm``, ``model.rotary_emb`` and ``lm_head``.
 :func:`standard_decoder` recognises that layout from the modules and the config (not the class name) and
 :func:`standard_decoder_layers` cuts it, handling the deviations the config declares: a multiplier on the embeddings
-(Granite's ``embedding_multiplier``) or a dropout on them (StarCoder 2's ``embedding_dropout``), logits scaled
-(``logits_scaling``, ``logit_scale``) or soft-capped (``final_logit_softcapping``), attention by layer type
+(Granite's ``embedding_multiplier``) or a dropout on them (StarCoder 2's ``embedding_dropout``), the hidden states
+scaled before the head (MiniCPM3's ``dim_model_base``), logits scaled (``logits_scaling``, ``logit_scale``) or
+soft-capped (``final_logit_softcapping``), attention by layer type
 (``layer_types``: full or sliding window, each with its own rotary table where the rotary module takes a
 ``layer_type``), and mixture-of-experts routers whose load-balancing loss travels as per-row statistics
 (:mod:`lightning_gpipe.hf.moe`). Whatever else a class does differently is caught by the self-check
 (:mod:`lightning_gpipe.hf.selfcheck`) before the first step.
 
 Between layers only tensors travel, each with the batch in dim 0: ``(hidden (N, S, H), attention_mask (N, S),
-position_ids (N, S)[, router statistics (N, 2E + 1)][, rows (n,)])``. Each block rebuilds what the model's forward
-builds once for all blocks (the 4-D mask with ``transformers.masking_utils``, the rotary cos/sin from the positions)
-and calls the block as the model's forward does.
+position_ids (N, S)[, router statistics (N, 2E + 1)][, documents (N, S)][, rows (n,)])`` (``documents`` for packed
+rows, :func:`decoder_input`; ``rows`` for cached decoding). Each block rebuilds what the model's forward builds once
+for all blocks (the 4-D mask with ``transformers.masking_utils``, kept inside each document of a packed row, the
+rotary cos/sin from the positions) and calls the block as the model's forward does.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -34,17 +37,20 @@ from lightning_gpipe.hf.moe import RouterLoss, router_loss_of
 try:
     from transformers import DynamicCache
     from transformers.loss.loss_utils import ForCausalLMLoss
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING
 except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError(
         "lightning_gpipe.hf needs `transformers` 5.24 or newer: pip install 'transformers>=5.24'"
     ) from error
 
 MASKS: dict[str, Callable[..., Any]] = {
-    "full_attention": create_causal_mask,
-    "sliding_attention": create_sliding_window_causal_mask,
+    layer_type: helper for layer_type, helper in LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING.items() if callable(helper)
 }
-"""The attention mask helper of each layer type the adapter rebuilds (``config.layer_types``)."""
+"""The mask helper of each layer type the adapter rebuilds (``config.layer_types``), as ``transformers`` declares them
+(``masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING``): a 4-D causal mask for ``full_attention``, a sliding-window
+one for ``sliding_attention``, chunked for ``chunked_attention``, the ``(N, S)`` padding mask for recurrent layers
+(``linear_attention``, ``conv``; ``None`` without padding)... Types that map to several masks at once (``hybrid``)
+are not taken."""
 
 
 def positions_from_mask(attention_mask: Tensor) -> Tensor:
@@ -56,35 +62,151 @@ def positions_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0).masked_fill(attention_mask == 0, 0)
 
 
-def decoder_input(input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """A decoder backbone's input for a training or evaluation batch: ``(input_ids, attention_mask, position_ids)``,
-    each ``(N, S)`` long, positions ``0 .. S-1`` as the model's forward numbers a batch given no positions (the mask
-    all ones when ``None``)."""
+def decoder_input(
+    input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+) -> tuple[Tensor, ...]:
+    """A decoder backbone's input for a training or evaluation batch, each item ``(N, S)`` long (the mask all ones
+    when ``None``).
+
+    Without ``position_ids``: ``(input_ids, attention_mask, position_ids)``, positions ``0 .. S-1`` as the model's
+    forward numbers a batch given no positions. With them, a batch of packed rows (several documents in a row, each
+    numbered from 0): ``(input_ids, attention_mask, position_ids, documents)``, where ``documents`` numbers each
+    row's documents (a new one wherever a real token's position is 0; the padding at a row's end goes with its last
+    document) and every block keeps attention inside a document (:func:`document_mask`). Tensor operations only: no
+    host synchronisation.
+    """
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    if position_ids is not None:
+        documents = ((position_ids == 0) & (mask != 0)).long().cumsum(-1)
+        return input_ids, mask, position_ids, documents
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1).contiguous()
     return input_ids, mask, positions
 
 
-def causal_lm_loss(output: Tensor | tuple[Tensor, Tensor], labels: Tensor, router: RouterLoss | None) -> Tensor:
+def pack_documents(documents: Sequence[Sequence[int]], row_length: int, window: int = 64) -> list[list[Sequence[int]]]:
+    """``documents`` (token ids each) packed into rows of at most ``row_length`` tokens, no document split: each goes
+    to the first of the last ``window`` rows it fits in, else starts a row (first fit over a window: rows come out
+    nearly full, in about the documents' order, in ``O(len(documents) * window)``).
+
+    Raises:
+        ValueError: for a document longer than ``row_length`` (cut it first).
+    """
+    rows: list[list[Sequence[int]]] = []
+    free: list[int] = []  # tokens left in each row
+    for document in documents:
+        if len(document) > row_length:
+            raise ValueError(f"A document of {len(document)} tokens does not fit rows of {row_length}: cut it first.")
+        first = max(len(rows) - window, 0)
+        row = next((i for i in range(first, len(rows)) if free[i] >= len(document)), None)
+        if row is None:
+            rows.append([])
+            free.append(row_length)
+            row = len(rows) - 1
+        rows[row].append(document)
+        free[row] -= len(document)
+    return rows
+
+
+def packed_batch(rows: Sequence[Sequence[Sequence[int]]], pad_token_id: int) -> dict[str, Any]:
+    """A batch of packed rows (:func:`pack_documents`) as :class:`~lightning_gpipe.hf.CausalLM` takes it.
+
+    ``input_ids``, ``attention_mask`` (1 on tokens, 0 on the padding at a row's end), ``position_ids`` (each
+    document numbered from 0) and ``labels`` (the ids; ``-100`` on padding and on each document's first token, so no
+    token predicts the next document's), each ``(N, S)`` long with ``S`` the longest row; and two ints of the whole
+    batch, ``num_targets`` (the tokens predicted: each document's length less one) and ``num_rows``, which make the
+    loss the mean over the batch's targets under every schedule (:meth:`~lightning_gpipe.hf.CausalLM.loss`).
+    """
+    length = max(sum(len(document) for document in row) for row in rows)
+    ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
+    mask, positions = torch.zeros_like(ids), torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for r, row in enumerate(rows):
+        start = 0
+        for document in row:
+            end = start + len(document)
+            ids[r, start:end] = torch.tensor(document, dtype=torch.long)
+            mask[r, start:end] = 1
+            positions[r, start:end] = torch.arange(len(document))
+            labels[r, start + 1 : end] = ids[r, start + 1 : end]
+            start = end
+    targets = sum(max(len(document) - 1, 0) for row in rows for document in row)
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": positions,
+        "labels": labels,
+        "num_targets": targets,
+        "num_rows": len(rows),
+    }
+
+
+def same_document(documents: Tensor) -> Callable[..., Tensor]:
+    """The mask function (``transformers.masking_utils``' ``and_mask_function``) that lets a query attend only to the
+    keys of its own document: ``documents[b, q] == documents[b, kv]``, with ``documents`` ``(N, S)`` long (see
+    :func:`decoder_input`); :func:`document_mask`'s way for masks other than eager's and SDPA's."""
+
+    def inner(batch_idx: Any, head_idx: Any, q_idx: Any, kv_idx: Any) -> Tensor:
+        return documents[batch_idx, q_idx] == documents[batch_idx, kv_idx]
+
+    return inner
+
+
+def document_mask(helper: Callable[..., Any], documents: Tensor, **arguments: Any) -> Any:
+    """A layer type's mask (``helper``, one of :data:`MASKS`, given ``arguments``) kept inside each document of packed
+    rows (``documents`` ``(N, S)``, see :func:`decoder_input`): block-diagonal.
+
+    The helper builds the layer type's mask for the attention implementation as for any batch (causal, sliding window
+    or chunked, with the padding), without its check whether the mask may be skipped (a host read of the padding
+    mask); then a key of another document is masked out: ``False`` in an SDPA boolean mask, the dtype's minimum in an
+    eager additive one. Tensor operations only. For another kind of mask (a flex-attention block mask...) the helper
+    builds it with :func:`same_document` as its ``and_mask_function`` (element by element: slower).
+    """
+    mask = helper(**arguments, allow_is_causal_skip=False)
+    if isinstance(mask, Tensor) and mask.dim() == 4:
+        same = documents[:, None, :, None] == documents[:, None, None, :]
+        if mask.dtype == torch.bool:
+            return mask & same
+        if mask.is_floating_point():
+            return mask.masked_fill(~same, torch.finfo(mask.dtype).min)
+    return helper(**arguments, and_mask_function=same_document(documents))
+
+
+def unpackable_layer_types(config: Any) -> list[str]:
+    """The layer types of ``config`` that cannot keep a packed row's documents apart: those whose mask helper
+    (:data:`MASKS`) builds no attention mask to narrow (it takes no ``and_mask_function``), the recurrent layers'
+    padding masks (``linear_attention``, ``conv``), whose state runs along the row."""
+    types = {layer_type(config, i) for i in range(config.num_hidden_layers)}
+    return sorted(t for t in types if "and_mask_function" not in inspect.signature(MASKS[t]).parameters)
+
+
+def causal_lm_loss(
+    output: Tensor | tuple[Tensor, Tensor], labels: Tensor, router: RouterLoss | None, num_targets: int | None = None
+) -> Tensor:
     """A causal LM's loss from its backbone's output, as the model's forward computes it with ``labels``.
 
     Next-token cross-entropy over the labelled tokens (``ForCausalLMLoss``: ``labels`` ``(N, S)`` long, ``-100``
     where no loss is wanted), plus ``router.coefficient`` times the load-balancing loss of the router statistics
     when the output is ``(logits (N, S, V), statistics (N, 2E + 1))`` (a mixture of experts with
-    ``output_router_logits=True``, see :mod:`lightning_gpipe.hf.moe`).
+    ``output_router_logits=True``, see :mod:`lightning_gpipe.hf.moe`). The cross-entropy is the mean over these
+    labelled tokens, or with ``num_targets`` their sum over ``num_targets`` (``transformers``' ``num_items_in_batch``:
+    the targets of a whole batch of which ``labels`` are some rows).
     """
     logits, statistics = output if isinstance(output, tuple) else (output, None)
-    loss = ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
+    # an int divides on the device (transformers takes one, though it annotates a tensor): no host-to-device copy
+    loss = ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1], num_items_in_batch=cast(Any, num_targets))
     if statistics is not None and router is not None:
         loss = loss + router.coefficient * router.aux_loss(statistics)
     return loss
 
 
 def _unpack(value: tuple[Tensor, ...], router: RouterLoss | None):
-    """``(hidden, attention_mask, position_ids, statistics or None, rows or None)`` of a decoder value."""
+    """``(hidden, attention_mask, position_ids, statistics, documents, rows)`` of a decoder value, ``None`` for what
+    it does not carry: packed rows carry ``documents`` ``(N, S)``, cached decoding ``rows`` ``(n,)``."""
     hidden, attention_mask, position_ids, *rest = value
     statistics = rest.pop(0) if router is not None else None
-    return hidden, attention_mask, position_ids, statistics, rest[0] if rest else None
+    documents = next((item for item in rest if item.dim() == 2), None)
+    rows = next((item for item in rest if item.dim() == 1), None)
+    return hidden, attention_mask, position_ids, statistics, documents, rows
 
 
 def _pack(*items: Tensor | None) -> tuple[Tensor, ...]:
@@ -92,9 +214,10 @@ def _pack(*items: Tensor | None) -> tuple[Tensor, ...]:
 
 
 class DecoderEmbedding(HFLayer):
-    """Token (and learned position) embeddings of a decoder: ``(input_ids, attention_mask, position_ids[, rows])``,
-    each ``(N, S)`` long (rows ``(n,)``, see :class:`CachedDecoderBlock`), to ``(hidden (N, S, H), attention_mask,
-    position_ids[, statistics][, rows])``.
+    """Token (and learned position) embeddings of a decoder: ``(input_ids, attention_mask, position_ids[,
+    documents][, rows])``, each ``(N, S)`` long (packed rows' ``documents``, see :func:`decoder_input`; rows ``(n,)``,
+    see :class:`CachedDecoderBlock`), to ``(hidden (N, S, H), attention_mask, position_ids[, statistics][,
+    documents][, rows])``.
 
     Args:
         model: the model.
@@ -181,8 +304,16 @@ class CachedDecoderBlock(HFLayer):
         self._mask = MASKS[self.layer_type]
         self.kv_cache: dict[tuple[int, ...], Any] = {}
 
-    def cache_and_mask(self, hidden: Tensor, attention_mask: Tensor, position_ids: Tensor, rows: Tensor | None):
-        """The cache of ``rows`` (``None`` without rows) and the block's 4-D mask against it.
+    def cache_and_mask(
+        self,
+        hidden: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor,
+        rows: Tensor | None,
+        documents: Tensor | None = None,
+    ):
+        """The cache of ``rows`` (``None`` without rows) and the block's mask against it; with ``documents`` (packed
+        rows, see :func:`decoder_input`) kept inside each document (:func:`same_document`).
 
         Raises:
             RuntimeError: if ``attention_mask`` covers earlier tokens whose keys and values this block has not
@@ -203,7 +334,7 @@ class CachedDecoderBlock(HFLayer):
                     " each later step the new tokens of the same rows (every step split alike), and call"
                     " `clear_kv_caches(backbone)` between generations."
                 )
-        mask = self._mask(
+        arguments = dict(
             config=self.config,
             inputs_embeds=hidden,
             attention_mask=attention_mask,
@@ -211,6 +342,7 @@ class CachedDecoderBlock(HFLayer):
             position_ids=position_ids,
             layer_idx=self.layer_index,
         )
+        mask = self._mask(**arguments) if documents is None else document_mask(self._mask, documents, **arguments)
         return cache, mask
 
 
@@ -228,31 +360,42 @@ class RotaryDecoderBlock(CachedDecoderBlock):
     Rebuilds the block's 4-D mask (by its layer type: causal or sliding-window, for the configured attention
     implementation) from the ``(N, S)`` padding mask, and the rotary cos/sin from the positions with the model's
     rotary module (for the block's layer type when the module takes one, as Gemma 3's), then calls the block as the
-    model's forward does. With router statistics, adds those of the block's routers (:mod:`lightning_gpipe.hf.moe`).
-    With ``rows``, decodes incrementally with its own key/value cache (see :class:`CachedDecoderBlock`).
+    model's forward does: the cache under the name the block takes (``cache``, GPT-NeoX's ``layer_past``). With router
+    statistics, adds those of the block's routers (:mod:`lightning_gpipe.hf.moe`). With ``rows``, decodes
+    incrementally with its own key/value cache (see :class:`CachedDecoderBlock`).
 
     Args:
         model: the model.
         block: path of the block (``"model.layers.2"``).
         rotary: path of the model's rotary embedding (``"model.rotary_emb"``); held by every block layer (its
-            buffers are not saved, so no name is added to the checkpoint).
+            buffers are not saved, so no name is added to the checkpoint). ``None`` for a model without one (its
+            blocks get no ``position_embeddings``).
         layer_index: the block's index in the model (which mask it uses).
         router: see :class:`CachedDecoderBlock`.
     """
 
     def __init__(
-        self, model: PreTrainedModel, block: str, rotary: str, layer_index: int, router: RouterLoss | None = None
+        self,
+        model: PreTrainedModel,
+        block: str,
+        rotary: str | None,
+        layer_index: int,
+        router: RouterLoss | None = None,
     ) -> None:
-        super().__init__(model, [block, rotary], layer_index, router)
+        super().__init__(model, [block] if rotary is None else [block, rotary], layer_index, router)
         self._block, self._rotary = block, rotary
-        typed = "layer_type" in inspect.signature(self.part(rotary).forward).parameters
+        typed = rotary is not None and "layer_type" in inspect.signature(self.part(rotary).forward).parameters
         self._rotary_type = (self.layer_type,) if typed else ()
         self._routers = [] if router is None else router.routers(self.part(block), block)
+        arguments = inspect.signature(self.part(block).forward).parameters
+        self._cache_argument = "layer_past" if "layer_past" in arguments and "cache" not in arguments else "cache"
 
     def forward(self, value: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        hidden, attention_mask, position_ids, statistics, rows = _unpack(value, self.router)
-        cache, mask = self.cache_and_mask(hidden, attention_mask, position_ids, rows)
-        cos_sin = self.part(self._rotary)(hidden, position_ids, *self._rotary_type)
+        hidden, attention_mask, position_ids, statistics, documents, rows = _unpack(value, self.router)
+        cache, mask = self.cache_and_mask(hidden, attention_mask, position_ids, rows, documents)
+        rotary: dict[str, Any] = {}
+        if self._rotary is not None:
+            rotary["position_embeddings"] = self.part(self._rotary)(hidden, position_ids, *self._rotary_type)
         # statistics come with a router only (_unpack)
         recording: AbstractContextManager[list[Tensor]] = (
             cast(RouterLoss, self.router).recording(self._routers) if statistics is not None else nullcontext([])
@@ -261,15 +404,15 @@ class RotaryDecoderBlock(CachedDecoderBlock):
             output = self.part(self._block)(
                 hidden,
                 attention_mask=mask,
-                position_embeddings=cos_sin,
                 position_ids=position_ids,
-                cache=cache,
                 use_cache=cache is not None,
+                **{self._cache_argument: cache},
+                **rotary,
             )
         for logits in router_logits:
             assert self.router is not None  # router logits are recorded with a router only
             statistics = statistics + self.router.statistics(logits, attention_mask[:, -hidden.shape[1] :])
-        return _pack(output, attention_mask, position_ids, statistics, rows)
+        return _pack(output, attention_mask, position_ids, statistics, documents, rows)
 
 
 class GPT2Block(CachedDecoderBlock):
@@ -287,12 +430,12 @@ class GPT2Block(CachedDecoderBlock):
         self._block = block
 
     def forward(self, value: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        hidden, attention_mask, position_ids, _, rows = _unpack(value, None)
-        cache, mask = self.cache_and_mask(hidden, attention_mask, position_ids, rows)
+        hidden, attention_mask, position_ids, _, documents, rows = _unpack(value, None)
+        cache, mask = self.cache_and_mask(hidden, attention_mask, position_ids, rows, documents)
         hidden = self.part(self._block)(
             hidden, cache, mask, None, use_cache=cache is not None, position_ids=position_ids
         )
-        return _pack(hidden, attention_mask, position_ids, rows)
+        return _pack(hidden, attention_mask, position_ids, documents, rows)
 
 
 class FinalNorm(HFLayer):
@@ -304,15 +447,21 @@ class FinalNorm(HFLayer):
         norm: path of the norm (``"model.norm"``).
         router: the model's :class:`~lightning_gpipe.hf.moe.RouterLoss` when the value carries router statistics,
             else ``None`` (default).
+        divisor: what the normalised hidden states are divided by before the head (MiniCPM3's
+            ``config.logits_scaling``, ``hidden_size / dim_model_base``), or ``None`` (default).
     """
 
-    def __init__(self, model: PreTrainedModel, norm: str, router: RouterLoss | None = None) -> None:
+    def __init__(
+        self, model: PreTrainedModel, norm: str, router: RouterLoss | None = None, divisor: float | None = None
+    ) -> None:
         super().__init__(model, [norm])
-        self._norm, self.router = norm, router
+        self._norm, self.router, self.divisor = norm, router, divisor
 
     def forward(self, value: tuple[Tensor, ...]) -> Tensor | tuple[Tensor, Tensor]:
-        hidden, _, _, statistics, _ = _unpack(value, self.router)
+        hidden, _, _, statistics, _, _ = _unpack(value, self.router)
         hidden = self.part(self._norm)(hidden)
+        if self.divisor is not None:
+            hidden = hidden / self.divisor
         return hidden if statistics is None else (hidden, statistics)
 
 
@@ -356,62 +505,183 @@ class Head(HFLayer):
 STANDARD_BASE = ("embed_tokens", "layers", "norm", "rotary_emb")
 """The modules of a standard decoder's base model, and nothing else."""
 
+BLOCK_ARGUMENTS = frozenset(
+    ("hidden_states", "attention_mask", "position_embeddings", "position_ids", "cache", "layer_past", "use_cache")
+    + ("output_attentions",)
+)
+"""The named arguments a decoder block may take: what the adapter gives it as the model's forward does (the hidden
+states, the 4-D mask, the rotary cos/sin, the positions, the cache, as ``cache`` or GPT-NeoX's ``layer_past``, and
+whether to use it), and ``output_attentions``, which both leave at its default."""
+
+ADVICE = (
+    "Register a Family whose layers compute what the model's forward gives its blocks (docs/transformers.md, 'Adding"
+    " a family')"
+)
+"""What a user can do about a decoder the adapter does not take."""
+
+
+def base_model_reason(model: nn.Module) -> str | None:
+    """``None`` when ``model``'s ``base_model_prefix`` names one of its children, and its children are exactly that
+    base model and ``lm_head``; else why not (Llama 4's text model names ``language_model`` but holds ``model``)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    children = sorted(name for name, child in model._modules.items() if child is not None)
+    if prefix not in children:
+        return (
+            f"its base_model_prefix {prefix!r} names none of its children {children}: the adapter finds the base"
+            f" model under that prefix, as transformers does (`model.base_model`), so it does not follow this one."
+            f" {ADVICE}"
+        )
+    if children != sorted([prefix, "lm_head"]):
+        return f"its children are {children}, not exactly the base model `{prefix}` and lm_head"
+    return None
+
+
+def layer_types_reason(config: Any, rotary: nn.Module | None) -> str | None:
+    """``None`` when the adapter rebuilds what the model's forward gives every layer type of ``config``, else why not:
+    a type without a mask in :data:`MASKS` (``linear_attention``...), or, with a ``rotary`` module per layer type,
+    one the config gives no rotary parameters (Beam's ``full_attention`` layers: no position embedding, an attention
+    scaling of their own)."""
+    types = sorted({layer_type(config, i) for i in range(config.num_hidden_layers)})
+    unknown = [t for t in types if t not in MASKS]
+    if unknown:
+        return (
+            f"its layer types include {unknown}, which the adapter does not know: it rebuilds the one mask each of"
+            f" {', '.join(MASKS)} layers takes (transformers' LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING). {ADVICE}"
+        )
+    rope = getattr(config, "rope_parameters", None)
+    typed = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
+    if typed and isinstance(rope, dict) and any(t in rope for t in types):
+        bare = [t for t in types if rope.get(t) is None]
+        if bare:
+            return (
+                f"its {bare[0]!r} layers have no rotary parameters (config.rope_parameters[{bare[0]!r}] is None): the"
+                f" model's forward gives that layer type no rotary embedding but arguments of its own, which the"
+                f" adapter does not rebuild. {ADVICE}"
+            )
+    return None
+
+
+def block_arguments_reason(block: nn.Module) -> str | None:
+    """``None`` when ``block``'s forward takes no named argument beyond :data:`BLOCK_ARGUMENTS`, else why not (the
+    model's forward computes something else for it: Beam's ``attention_scaling``, Gemma 4's ``per_layer_input``)."""
+    parameters = inspect.signature(block.forward).parameters.values()
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    extra = [p.name for p in parameters if p.kind in named and p.name not in BLOCK_ARGUMENTS]
+    if extra:
+        return (
+            f"its blocks ({type(block).__name__}) take {extra}, which the model's forward computes for them and the"
+            f" adapter does not. {ADVICE}"
+        )
+    return None
+
 
 def standard_decoder(model: nn.Module) -> str | None:
     """``None`` when ``model`` is of the standard decoder layout (see the module docstring), else why not: its
-    children must be exactly the base model and ``lm_head``, the base model's exactly :data:`STANDARD_BASE` (the
-    blocks an ``nn.ModuleList`` of ``num_hidden_layers``), and every layer type one of :data:`MASKS`."""
+    children must be exactly the base model (``base_model_prefix``) and ``lm_head``, the base model's exactly
+    :data:`STANDARD_BASE` (the blocks an ``nn.ModuleList`` of ``num_hidden_layers``), every layer type one the
+    adapter rebuilds (:func:`layer_types_reason`) and the blocks taking what it gives them
+    (:func:`block_arguments_reason`)."""
     if not isinstance(model, PreTrainedModel):
         return "it is not a transformers PreTrainedModel"
+    reason = base_model_reason(model)
+    if reason is not None:
+        return reason
     prefix, config = model.base_model_prefix, model.config
-    children = sorted(name for name, child in model._modules.items() if child is not None)
-    base = getattr(model, prefix, None) if prefix else None
-    if base is None or children != sorted([prefix, "lm_head"]):
-        return f"its children are {children}, not the base model and lm_head"
+    base = model.get_submodule(prefix)
     inner = sorted(name for name, child in base._modules.items() if child is not None)
     if inner != sorted(STANDARD_BASE):
         return f"`{prefix}` holds {inner}, not exactly {list(STANDARD_BASE)}"
     if not isinstance(base.layers, nn.ModuleList) or len(base.layers) != config.num_hidden_layers:
         return f"`{prefix}.layers` is not an nn.ModuleList of num_hidden_layers blocks"
-    unknown = sorted({layer_type(config, i) for i in range(config.num_hidden_layers)} - set(MASKS))
-    if unknown:
-        return f"layer types {unknown} (supported: {', '.join(MASKS)})"
     if getattr(config, "use_bidirectional_attention", False):
         return "use_bidirectional_attention=True (a bidirectional encoder, not a causal LM)"
-    return None
+    return layer_types_reason(config, base.get_submodule("rotary_emb")) or block_arguments_reason(base.layers[0])
 
 
-def standard_decoder_layers(model: PreTrainedModel) -> list[nn.Module]:
-    """The backbone layers of a model of the standard decoder layout: embeddings, one layer per block, final norm,
-    head, with the deviations its config declares (see the module docstring).
+def head_scaling(config: Any) -> tuple[float | None, dict[str, float | None]]:
+    """How the model's forward scales its output, as its config declares it: ``(divisor of the final norm's output,
+    the :class:`Head`'s keyword arguments)``.
+
+    MiniCPM3 (``dim_model_base``) divides the hidden states by ``logits_scaling = hidden_size / dim_model_base``
+    before the head; Granite divides the logits by ``logits_scaling``, Cohere multiplies them by ``logit_scale``,
+    Gemma 2 and 3 soft-cap them (``final_logit_softcapping``).
+    """
+    hidden_divisor = config.logits_scaling if getattr(config, "dim_model_base", None) is not None else None
+    head = {
+        "multiplier": getattr(config, "logit_scale", None),
+        "divisor": None if hidden_divisor is not None else getattr(config, "logits_scaling", None),
+        "softcap": getattr(config, "final_logit_softcapping", None),
+    }
+    return hidden_divisor, head
+
+
+@dataclass(frozen=True)
+class DecoderCut:
+    """Where a decoder is cut: the paths in the model of the modules each backbone layer holds.
+
+    Attributes:
+        embedding: the token embedding (``"model.embed_tokens"``, GPT-NeoX's ``"gpt_neox.embed_in"``).
+        dropout: a module applied to the embeddings before the blocks (Phi's ``"model.embed_dropout"``), or ``None``.
+        blocks: the ``nn.ModuleList`` of blocks (``"model.layers"``).
+        rotary: the rotary embedding every block's layer holds (``"model.rotary_emb"``), or ``None``.
+        norm: the final norm (``"model.norm"``, Phi's ``"model.final_layernorm"``).
+        head: the output head (``"lm_head"``).
+    """
+
+    embedding: str
+    dropout: str | None
+    blocks: str
+    rotary: str | None
+    norm: str
+    head: str
+
+    def describe(self) -> str:
+        """The cut as a line: ``"model.embed_tokens -> model.layers.* -> model.norm -> lm_head"``."""
+        first = [self.embedding, *([self.dropout] if self.dropout else [])]
+        return " -> ".join([*first, f"{self.blocks}.*", self.norm, self.head])
+
+
+def standard_cut(model: PreTrainedModel) -> DecoderCut:
+    """The cut of a model of the standard decoder layout (:func:`standard_decoder`)."""
+    prefix = model.base_model_prefix
+    return DecoderCut(
+        f"{prefix}.embed_tokens", None, f"{prefix}.layers", f"{prefix}.rotary_emb", f"{prefix}.norm", "lm_head"
+    )
+
+
+def decoder_layers(model: PreTrainedModel, cut: DecoderCut) -> list[nn.Module]:
+    """The backbone layers of a decoder cut at ``cut``: embeddings, one layer per block, final norm, head, with the
+    deviations its config declares (see the module docstring).
 
     Raises:
-        ValueError: if the config asks for router logits the adapter cannot carry (:func:`router_loss_of`).
+        UnsupportedModelError: if the model adds a load-balancing loss the adapter cannot carry
+            (:func:`router_loss_of`).
     """
-    prefix, config = model.base_model_prefix, model.config
+    config = model.config
     router = router_loss_of(model)
-    rotary = f"{prefix}.rotary_emb"
+    hidden_divisor, head = head_scaling(config)
     return [
         DecoderEmbedding(
             model,
-            f"{prefix}.embed_tokens",
+            cut.embedding,
+            dropout=cut.dropout,
             multiplier=getattr(config, "embedding_multiplier", None),
             dropout_p=getattr(config, "embedding_dropout", None),
             router=router,
         ),
         *(
-            RotaryDecoderBlock(model, f"{prefix}.layers.{i}", rotary, i, router)
+            RotaryDecoderBlock(model, f"{cut.blocks}.{i}", cut.rotary, i, router)
             for i in range(config.num_hidden_layers)
         ),
-        FinalNorm(model, f"{prefix}.norm", router),
-        Head(
-            model,
-            "lm_head",
-            multiplier=getattr(config, "logit_scale", None),
-            divisor=getattr(config, "logits_scaling", None),
-            softcap=getattr(config, "final_logit_softcapping", None),
-        ),
+        FinalNorm(model, cut.norm, router, hidden_divisor),
+        Head(model, cut.head, **head),
     ]
+
+
+def standard_decoder_layers(model: PreTrainedModel) -> list[nn.Module]:
+    """The backbone layers of a model of the standard decoder layout (:func:`decoder_layers` at
+    :func:`standard_cut`)."""
+    return decoder_layers(model, standard_cut(model))
 
 
 def gpt2_layers(model: PreTrainedModel) -> list[nn.Module]:

@@ -26,13 +26,20 @@ from torch import Tensor, nn
 from lightning_gpipe.engine import Partition, materialize
 from lightning_gpipe.hf import lora as peft_lora
 from lightning_gpipe.hf.adapter import Family, check_class, family_of, to_sequential
-from lightning_gpipe.hf.decoder import causal_lm_loss, clear_kv_caches, decoder_input, positions_from_mask
+from lightning_gpipe.hf.decoder import (
+    causal_lm_loss,
+    clear_kv_caches,
+    decoder_input,
+    positions_from_mask,
+    unpackable_layer_types,
+)
 from lightning_gpipe.hf.encoder import encoder_input
 from lightning_gpipe.hf.layer import UnsupportedModelError, hf_name
 from lightning_gpipe.hf.moe import RouterLoss, router_loss_of
 from lightning_gpipe.hf.weights import SafetensorsWeights, save_stage_shards
 from lightning_gpipe.lightning._lightning import attached_trainer
 from lightning_gpipe.lightning.contract import forward_and_share
+from lightning_gpipe.lightning.data_parallel import whole_tensors
 
 try:
     from huggingface_hub import snapshot_download
@@ -322,6 +329,7 @@ class HFModule(pl.LightningModule):
         strategy = cast("GPipeStrategy", self.trainer.strategy)  # the backbone is split: a pipelined run
         writes = getattr(strategy, "replica_index", 0) == 0
         state = {hf_name(k): v for k, v in self.backbone.state_dict().items() if not v.is_meta}
+        state = whole_tensors(state)  # a sharded stage's DTensors gathered whole: a collective call of its replicas
         if writes:
             save_stage_shards(
                 directory,
@@ -344,14 +352,20 @@ class HFModule(pl.LightningModule):
         if not isinstance(self.backbone, Partition):
             self.peft_model.save_pretrained(str(directory))
             return directory
-        strategy = cast("GPipeStrategy", self.trainer.strategy)  # the backbone is split: a pipelined run
-        state = self.backbone.state_dict(keep_vars=True)
-        local = {hf_name(k): v.detach().cpu() for k, v in state.items() if v.requires_grad and not v.is_meta}
-        everything = _gather_over_world(local if getattr(strategy, "replica_index", 0) == 0 else None)
-        if strategy.global_rank == 0:
-            peft_lora.save_adapters(self.peft_model, directory, {k: v for part in everything for k, v in part.items()})
-        strategy.barrier("save_pretrained")
+        _save_stage_adapters(self, cast("GPipeStrategy", self.trainer.strategy), directory)
         return directory
+
+
+def _save_stage_adapters(module: HFModule, strategy: GPipeStrategy, directory: Path) -> None:
+    """Every stage's trainable tensors (whole: a sharded stage's gathered over its replicas, a collective call) sent to
+    global rank 0, which writes the adapter directory."""
+    state = module.backbone.state_dict(keep_vars=True)
+    local = {hf_name(k): v.detach() for k, v in state.items() if v.requires_grad and not v.is_meta}
+    local = {k: v.cpu() for k, v in whole_tensors(local).items()}
+    everything = _gather_over_world(local if getattr(strategy, "replica_index", 0) == 0 else None)
+    if strategy.global_rank == 0:
+        peft_lora.save_adapters(module.peft_model, directory, {k: v for part in everything for k, v in part.items()})
+    strategy.barrier("save_pretrained")
 
 
 def _is_object(value: Any) -> bool:
@@ -397,6 +411,13 @@ class CausalLM(HFModule):
     ``router_aux_loss_coef``). Positions are ``0 .. S-1``, as the model's forward numbers a training batch.
     ``predict`` decodes greedily through the pipeline.
 
+    Packed rows (several documents back to back in a row, no padding between them) are batches with ``position_ids``
+    too, each document numbered from 0 (:func:`~lightning_gpipe.hf.packed_batch` makes them): attention stays inside
+    each document (a block-diagonal causal mask) and the positions restart. A batch may carry two ints of the whole
+    batch, ``num_targets`` (its labelled targets) and ``num_rows`` (its rows; both from ``packed_batch``), which make
+    the loss the mean over the batch's targets under every schedule, 1F1B's per-micro-batch losses included
+    (:meth:`loss`).
+
     A mixture of experts with the load-balancing loss needs the batch's loss at once: under a schedule that runs
     the loss per micro-batch (``schedule="1f1b"`` and the other non-fill-drain schedules) :meth:`on_fit_start`
     refuses it (see :mod:`lightning_gpipe.hf.moe`).
@@ -415,14 +436,38 @@ class CausalLM(HFModule):
         super().__init__(*args, **kwargs)
         self.max_new_tokens, self.kv_cache = max_new_tokens, kv_cache
 
-    def backbone_input(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """``(input_ids, attention_mask, position_ids)`` (:func:`~lightning_gpipe.hf.decoder.decoder_input`)."""
-        return decoder_input(batch["input_ids"], batch.get("attention_mask"))
+    def backbone_input(self, batch: dict[str, Any]) -> tuple[Tensor, ...]:
+        """``(input_ids, attention_mask, position_ids)``, or for packed rows (a batch with ``position_ids``)
+        ``(input_ids, attention_mask, position_ids, documents)`` (:func:`~lightning_gpipe.hf.decoder.decoder_input`).
 
-    def loss(self, output: Tensor | tuple[Tensor, Tensor], batch: dict[str, Tensor]) -> Tensor:
+        Raises:
+            ValueError: for packed rows of a model with recurrent layers (``linear_attention``...), whose state would
+                run from one document into the next.
+        """
+        positions = batch.get("position_ids")
+        if positions is not None:
+            recurrent = unpackable_layer_types(self.hf_model.config)
+            if recurrent:
+                raise ValueError(
+                    f"{type(self.hf_model).__name__} has {recurrent} layers, whose state runs across a packed row's"
+                    " documents: give it unpacked batches (no position_ids)."
+                )
+        return decoder_input(batch["input_ids"], batch.get("attention_mask"), positions)
+
+    def loss(self, output: Tensor | tuple[Tensor, Tensor], batch: dict[str, Any]) -> Tensor:
         """The model's loss with ``batch["labels"]`` (:func:`~lightning_gpipe.hf.decoder.causal_lm_loss`): next-token
-        cross-entropy over the labelled tokens, plus the load-balancing loss of a mixture of experts."""
-        return causal_lm_loss(output, batch["labels"], self.router_loss)
+        cross-entropy over the labelled tokens, plus the load-balancing loss of a mixture of experts.
+
+        With ``batch["num_targets"]`` and ``batch["num_rows"]`` (ints of the whole batch: its labelled targets and
+        its rows; see the class), the cross-entropy is the sum over these rows' targets over ``num_targets``, times
+        ``num_rows`` over these rows: the engine weighs a micro-batch's loss by its share of the rows, so the step's
+        loss and gradients are the mean over the whole batch's targets under every schedule.
+        """
+        labels = batch["labels"]
+        loss = causal_lm_loss(output, labels, self.router_loss, batch.get("num_targets"))
+        if "num_rows" in batch:
+            loss = loss * (batch["num_rows"] / labels.shape[0])
+        return loss
 
     def on_fit_start(self) -> None:
         """Refuse a load-balancing loss under a schedule that runs the loss per micro-batch, before step 1.

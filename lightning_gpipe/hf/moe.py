@@ -17,13 +17,17 @@ rows and computes ``aux`` (:meth:`RouterLoss.aux_loss`), which the model adds to
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
+
+from lightning_gpipe.hf.layer import UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -102,25 +106,51 @@ class RouterLoss:
         return (counts / tokens * (probabilities / tokens)).sum() * self.num_experts
 
 
+def adds_load_balancing_loss(model_class: type) -> bool:
+    """Whether ``model_class``'s forward adds ``transformers``' load-balancing loss: some ``forward`` of its classes
+    (subclasses first, decorators unwrapped) calls ``load_balancing_loss_func``, as the mixtures of experts whose loss
+    takes ``router_aux_loss_coef`` do (Mixtral, Qwen2/3-MoE, OLMoE...); others return router logits and add nothing
+    (DeepSeek-V3, GLM-4-MoE...). The self-check compares the loss, so a class this reads wrongly is refused."""
+    for cls in model_class.__mro__:
+        forward = cls.__dict__.get("forward")
+        code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+        if code is not None and "load_balancing_loss_func" in code.co_names:
+            return True
+    return False
+
+
+_NOTED: set[str] = set()
+"""The classes whose ignored ``output_router_logits`` this process has noted already (one note per class)."""
+
+
 def router_loss_of(model: nn.Module) -> RouterLoss | None:
     """The :class:`RouterLoss` a ``transformers`` causal LM adds to its loss, or ``None``.
 
-    A model adds it when its config has ``output_router_logits=True`` (as ``transformers`` does: off by default) and
-    it records ``router_logits`` from a router module (``_can_record_outputs``), with ``num_experts``,
-    ``num_experts_per_tok`` and ``router_aux_loss_coef`` on the model (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE...).
+    A model adds it when its config has ``output_router_logits=True`` (as ``transformers`` does: off by default),
+    its forward adds the load-balancing loss (:func:`adds_load_balancing_loss`; a class that only returns its router
+    logits adds none, so the flag is ignored with a one-line note) and it records ``router_logits`` from a router
+    module (``_can_record_outputs``), with ``num_experts``, ``num_experts_per_tok`` and ``router_aux_loss_coef`` on
+    the model (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE...).
 
     Raises:
-        ValueError: if the config asks for router logits but the model's recorder or counts are not of that form.
+        UnsupportedModelError: if the model adds the loss but its recorder or counts are not of that form (naming
+            the way out: ``output_router_logits=False``).
     """
     if not getattr(model.config, "output_router_logits", False):
+        return None
+    name = type(model).__name__
+    if not adds_load_balancing_loss(type(model)):
+        if name not in _NOTED:
+            _NOTED.add(name)
+            rank_zero_info(f"{name} adds no load-balancing loss: lightning_gpipe.hf ignores output_router_logits=True.")
         return None
     recorder: Any = getattr(model, "_can_record_outputs", {}).get("router_logits")
     fields = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
     if getattr(recorder, "target_class", None) is None or not all(hasattr(model, f) for f in fields):
-        raise ValueError(
-            f"{type(model).__name__} has output_router_logits=True but no router recorder with a module class, or no"
-            f" {', '.join(fields)}: lightning_gpipe.hf cannot carry its load-balancing loss. Set"
-            " output_router_logits=False (overrides={'output_router_logits': False})."
+        raise UnsupportedModelError(
+            f"{name} adds a load-balancing loss (output_router_logits=True) but records its router logits from no"
+            f" module class, or has no {', '.join(fields)}: lightning_gpipe.hf cannot carry that loss through the"
+            " pipeline. Train without it: output_router_logits=False (overrides={'output_router_logits': False})."
         )
     moe = cast(Any, model)  # a transformers MoE model: these are its attributes, which nn.Module does not declare
     return RouterLoss(

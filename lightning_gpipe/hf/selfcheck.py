@@ -61,9 +61,11 @@ LIMITS = {
     "num_experts": 4,
     "num_experts_per_tok": 2,
     "sliding_window": 4,
+    "rotary_dim": 8,
 }
 """The miniature's upper bounds, each applied where the config has an integer of that name (key/value heads equal to
-the attention heads stay equal; experts are kept when the config groups them, ``n_group``)."""
+the attention heads stay equal; experts are kept when the config groups them, ``n_group``; CodeGen's and GPT-J's
+rotary width within a head's)."""
 
 ROWS, LENGTH, TOLERANCE = 3, 10, 1e-5
 """The probe batch's rows and tokens, and the largest difference allowed."""
@@ -72,6 +74,15 @@ ROWS, LENGTH, TOLERANCE = 3, 10, 1e-5
 class SelfCheckError(UnsupportedModelError):
     """A model class whose miniature, cut into backbone layers, does not equal its own forward (or could not be
     checked); the message names the class and the first backbone layer that differs."""
+
+
+class _Failed(Exception):
+    """An error while checking: of the model's own side (building the miniature, its forward), which ``check=False``
+    steps around, or of the cut (``where``: a backbone layer), which the real model's cut would meet too."""
+
+    def __init__(self, error: Exception, where: str | None = None) -> None:
+        super().__init__(error)
+        self.error, self.where = error, where
 
 
 def _kept_layers(config: Any) -> list[int]:
@@ -116,13 +127,14 @@ def miniature_config(config: Any) -> Any:
     if getattr(config, "num_key_value_heads", None) == config.num_attention_heads:
         mini.num_key_value_heads = mini.num_attention_heads
     mini.use_cache = False
-    if mini._attn_implementation not in ("eager", "sdpa"):
-        mini._attn_implementation = "sdpa"
     return mini
 
 
 def _integer(config: Any, name: str) -> bool:
-    value = getattr(config, name, None)
+    try:
+        value = getattr(config, name, None)
+    except RuntimeError:  # a per-layer attribute of a heterogeneous config: no global value to shrink
+        return False
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -141,9 +153,13 @@ def _cpu_fp32() -> Iterator[None]:
 def miniature(model_class: type, config: Any) -> nn.Module:
     """The miniature of ``model_class`` for ``config`` (:func:`miniature_config`), in fp32 on the CPU, every
     parameter drawn at random from a seeded generator (matrices with standard deviation ``1 / sqrt(fan_in)``,
-    vectors in [0.5, 1.5])."""
+    vectors in [0.5, 1.5]); with the config's attention implementation when it is ``eager`` or ``sdpa``, else (a
+    flash or kernel one, or none chosen) ``sdpa`` where the class supports it, else ``eager``."""
+    mini = miniature_config(config)
+    if mini._attn_implementation not in ("eager", "sdpa"):  # flash or a kernel: the CPU runs its reference instead
+        mini._attn_implementation = "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
     with _cpu_fp32():
-        model = model_class(miniature_config(config)).float()
+        model = model_class(mini).float()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for parameter in model.parameters():
@@ -202,11 +218,17 @@ def _compare(model: nn.Module, layers: list[HFLayer], value: tuple, mask: Tensor
     """``None`` when every backbone layer's output (and the loss, with ``labels``) equals the model's, else
     ``(layer index or None for the loss, difference)``; the backbone's output is the last one."""
     torch.manual_seed(0)  # both sides draw the same dropout masks if they apply the same dropouts in the same order
-    output, received = _received(model, layers, value[0], mask, **({} if labels is None else {"labels": labels}))
+    try:
+        output, received = _received(model, layers, value[0], mask, **({} if labels is None else {"labels": labels}))
+    except Exception as error:
+        raise _Failed(error) from error
     expected = [*received, output.logits]
     torch.manual_seed(0)
     for index, layer in enumerate(layers):
-        value = layer(value)
+        try:
+            value = layer(value)
+        except Exception as error:
+            raise _Failed(error, f"backbone layer {index} ({', '.join(layer.paths)})") from error
         difference = _difference(_first(value), expected[index], mask)
         if not difference <= TOLERANCE:
             return index, difference
@@ -218,7 +240,7 @@ def _compare(model: nn.Module, layers: list[HFLayer], value: tuple, mask: Tensor
     return None
 
 
-def _describe(model_class: type, mini: nn.Module, layers: list[HFLayer], where: tuple, mode: str) -> str:
+def _describe(model_class: type, mini: nn.Module, family: Any, layers: list[HFLayer], where: tuple, mode: str) -> str:
     index, difference = where
     place = "its loss with labels" if index is None else f"backbone layer {index} ({', '.join(layers[index].paths)})"
     config: Any = mini.config  # a transformers config
@@ -226,16 +248,24 @@ def _describe(model_class: type, mini: nn.Module, layers: list[HFLayer], where: 
         f"{model_class.__name__} is not cut into backbone layers correctly: {place} differs from the model's own"
         f" forward by {difference:.3g} (largest absolute difference on the real tokens of a left- and right-padded"
         f" probe; allowed {TOLERANCE:g}) {mode}, in a miniature of your config ({config.num_hidden_layers} layers,"
-        f" hidden size {config.hidden_size}, fp32, {config._attn_implementation} attention). The class's forward"
-        " computes something the standard layout does not, so lightning_gpipe.hf refuses it before training rather"
-        " than train another model. Register a Family that cuts it (docs/transformers.md, 'Adding a family')."
+        f" hidden size {config.hidden_size}, fp32, {config._attn_implementation} attention), {family.describe(mini)}."
+        " The class's forward computes something that cut does not, so lightning_gpipe.hf refuses it before training"
+        " rather than train another model. Register a Family that cuts it (docs/transformers.md, 'Adding a family')."
     )
 
 
 def _check(model_class: type, config: Any, family_of: Callable[[nn.Module], Any]) -> Any:
-    mini = miniature(model_class, config)
+    try:
+        mini = miniature(model_class, config)
+    except Exception as error:
+        raise _Failed(error) from error
     family = family_of(mini)
-    layers = family.layers(mini)
+    try:
+        layers = family.layers(mini)
+    except UnsupportedModelError:
+        raise
+    except Exception as error:
+        raise _Failed(error, f"the {family.name} family's cut") from error
     ids, mask = probe()
     value = encoder_input(ids, mask) if family.encoder else decoder_input(ids, mask)
     labels = None if family.encoder else ids.masked_fill(mask == 0, -100)
@@ -250,7 +280,7 @@ def _check(model_class: type, config: Any, family_of: Callable[[nn.Module], Any]
         with torch.no_grad():
             where = _compare(mini, layers, value, mask, mode_labels)
         if where is not None:
-            raise SelfCheckError(_describe(model_class, mini, layers, where, mode))
+            raise SelfCheckError(_describe(model_class, mini, family, layers, where, mode))
     return family
 
 
@@ -267,18 +297,32 @@ def verify(model_class: type, config: Any, family_of: Callable[[nn.Module], Any]
 
     Raises:
         SelfCheckError: if a backbone layer of the miniature, or its loss, differs from the model's own forward
-            (naming the class and the layer), or the miniature cannot be built or run (naming the error).
-        UnsupportedModelError: if no family takes the miniature.
+            (naming the class and the layer); if a backbone layer fails where the model's own forward runs (naming
+            the layer and the error: the cut's failure, which ``check=False`` would not step around); or if the
+            miniature cannot be built or run (naming the error, and ``check=False`` for a class verified otherwise).
+        UnsupportedModelError: if no family takes the miniature, or its family refuses to cut it (a load-balancing
+            loss it cannot carry).
     """
     with torch.random.fork_rng():
         try:
             return _check(model_class, config, family_of)
-        except (SelfCheckError, UnsupportedModelError):
-            raise
-        except Exception as error:
-            raise SelfCheckError(
-                f"lightning_gpipe.hf could not check how it cuts {model_class.__name__}: a miniature of your config"
-                f" (hidden size {SIZES['hidden_size']}) failed with {type(error).__name__}: {error}. Without the check"
-                " a class may train wrongly without a word; pass `check=False` to `to_sequential` (`self_check=False`"
-                " to the LightningModules) only for a class you have verified yourself."
-            ) from error
+        except _Failed as failed:
+            raise SelfCheckError(_unchecked(model_class, failed)) from failed.error
+
+
+def _unchecked(model_class: type, failed: _Failed) -> str:
+    """The message of a check that failed with an error: where, and whether ``check=False`` would help."""
+    error = f"{type(failed.error).__name__}: {failed.error}"
+    if failed.where is None:  # the model's own side: the miniature could not be built or run
+        return (
+            f"lightning_gpipe.hf could not check how it cuts {model_class.__name__}: a miniature of your config"
+            f" (hidden size {SIZES['hidden_size']}) failed with {error}. Without the check a class may train wrongly"
+            " without a word; pass `check=False` to `to_sequential` (`self_check=False` to the LightningModules) only"
+            " for a class you have verified yourself."
+        )
+    return (
+        f"{model_class.__name__} is not cut into backbone layers correctly: {failed.where} fails on a miniature of"
+        f" your config with {error}, where the model's own forward runs. The cut does not follow this class's"
+        " forward (your model would be cut the same way, so skipping the check would not help): register a Family"
+        " that cuts it (docs/transformers.md, 'Adding a family')."
+    )

@@ -143,6 +143,30 @@ class LaunchedParallelStrategy(ParallelStrategy):
             self._launcher = _MultiProcessingLauncher(self, start_method=multiprocessing_method)
 
 
+def end_launched_processes(launcher: Any) -> None:
+    """End the processes that Lightning's subprocess-script launcher ``launcher`` started (its ``procs``: kill them
+    and wait until they have ended); any other launcher's are left to it.
+
+    Args:
+        launcher: the strategy's launcher (``Strategy.launcher``), or ``None``.
+
+    Why: a main process whose run fails before the job's store exists cannot tell the processes it started, which
+    would wait for the store until the process group's timeout (:mod:`~lightning_gpipe.faults.watchdog`). The list is
+    emptied first: Lightning's child-process observer reads the same list and, seeing a process that exited
+    non-zero, kills this process too, before it could raise its own error.
+
+    Checked on: lightning 2.6.6.
+    """
+    if not isinstance(launcher, _SubprocessScriptLauncher):
+        return  # the spawn launcher's main process runs no stage; torch ends the others when one fails
+    processes = list(launcher.procs)
+    launcher.procs.clear()
+    for process in processes:
+        process.kill()
+    for process in processes:
+        process.wait()
+
+
 def optimizers_to_device(optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> None:
     """Move the state tensors of ``optimizers`` to ``device`` (``lightning.fabric.utilities.optimizer.
     _optimizers_to_device``).

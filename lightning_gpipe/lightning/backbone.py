@@ -1,27 +1,35 @@
-"""Profiling a LightningModule's backbone in place: finding a sample micro-batch, then measuring each layer.
+"""Profiling a LightningModule's backbone in place: finding a sample micro-batch, then measuring each layer, and
+what runs after the backbone.
 
 The backbone input is not the batch: ``training_step`` prepares it first (data preparation
 only, see the user contract). To get it without running anything that holds parameters,
 the backbone is swapped for a stand-in that records its input and stops the step there.
+What runs after the backbone (head, loss) is measured likewise, with a stand-in that returns
+an output of the backbone's shape (:func:`after_backbone`).
 """
 
-from collections.abc import Callable, Iterator
+import copy
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
-from torch import nn
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
-from lightning_gpipe.engine import Value, scatter
+from lightning_gpipe.engine import Value, batch_size, materialize, scatter
 from lightning_gpipe.lightning._lightning import collect_rng_states, set_rng_states, training_dataloaders
 from lightning_gpipe.lightning.contract import BackboneReached
+from lightning_gpipe.lightning.per_micro_batch import batch_rows, split_batch
 from lightning_gpipe.planning.balance.costs import LayerCost
 from lightning_gpipe.planning.balance.profile import profile_layers
 from lightning_gpipe.planning.costs import ProfiledCosts
-from lightning_gpipe.planning.profiling import profile_sizes
+from lightning_gpipe.planning.profiling import AfterBackbone, profile_sizes
 
 
 class _InputRecorder(nn.Module):
@@ -86,14 +94,18 @@ def sample_backbone_input(module: LightningModule, backbone: str, batch: Any = N
         RuntimeError: if the call returns without calling the backbone.
     """
     example = module.example_input_array
-    if batch is not None:
-        return _backbone_input(module, backbone, lambda: module.training_step(batch, 0), "training_step")
-    if example is not None:
+    if batch is None and example is not None:
         return _backbone_input(module, backbone, lambda: _call_forward(module, example), "forward")
-    return _backbone_input(module, backbone, _first_training_step(module), "training_step")
+    batch = batch if batch is not None else first_training_batch(module)
+    return _backbone_input(module, backbone, lambda: module.training_step(batch, 0), "training_step")
 
 
-def _first_training_step(module: LightningModule) -> Callable[[], Any]:
+def first_training_batch(module: LightningModule) -> Any:
+    """The first batch of the training data, moved to the device with the user's transfer hooks.
+
+    Raises:
+        ValueError: if the Trainer is not fitting.
+    """
     trainer = module.trainer
     if trainer.state.fn != TrainerFn.FITTING:
         raise ValueError(
@@ -101,8 +113,7 @@ def _first_training_step(module: LightningModule) -> Callable[[], Any]:
             " `example_input_array` (the input of `forward`); set it, or give `balance` as a list of layer counts."
         )
     batch, _, _ = next(iter(CombinedLoader(training_dataloaders(trainer), "max_size_cycle")))
-    batch = trainer.strategy.batch_to_device(batch)
-    return lambda: module.training_step(batch, 0)
+    return trainer.strategy.batch_to_device(batch)
 
 
 def _backbone_input(module: LightningModule, backbone: str, call: Callable[[], Any], name: str) -> Value:
@@ -146,5 +157,107 @@ def profile_module(
         ValueError, RuntimeError: as :func:`sample_backbone_input`.
     """
     with unchanged_random_state():
+        if batch is None and module.example_input_array is None:
+            batch = first_training_batch(module)
         value = sample_backbone_input(module, backbone, batch)
-        return profile_sizes(getattr(module, backbone), value, device, chunks, split)
+        with after_backbone(module, backbone, batch, batch_size(value), device) as after:
+            return profile_sizes(getattr(module, backbone), value, device, chunks, split, after)
+
+
+@contextmanager
+def after_backbone(
+    module: LightningModule, backbone: str, batch: Any, rows: int, device: torch.device | str
+) -> Iterator[AfterBackbone | None]:
+    """What runs after the backbone in ``module``'s ``training_step`` on ``batch`` (whose backbone input has ``rows``
+    rows), for the planner to measure (:class:`~lightning_gpipe.planning.profiling.AfterBackbone`, its loss from
+    :func:`_loss_after`); ``None`` without a batch (a sample from ``example_input_array`` has no step to run).
+
+    Inside the block the modules outside the backbone are copies in training mode on ``device`` (initialised there if
+    they were on the meta device), so that the module's own (its metrics' states, its parameters' gradients) are left
+    as they were.
+    """
+    if batch is None:
+        yield None
+        return
+    inside = set(getattr(module, backbone).modules())
+    originals = {name: child for name, child in module.named_children() if child not in inside}
+    copies = {name: _copy_on(child, device) for name, child in originals.items()}
+    try:
+        for name, child in copies.items():
+            setattr(module, name, child)
+        parameters = [t for child in copies.values() for t in (*child.parameters(), *child.buffers())]
+        existing = [t for t in pytree.tree_leaves(batch) if isinstance(t, Tensor)]
+        yield AfterBackbone(partial(_loss_after, module, backbone, batch), parameters, existing, _rows(batch) == rows)
+    finally:
+        for name, child in originals.items():
+            setattr(module, name, child)
+
+
+def _copy_on(child: nn.Module, device: torch.device | str) -> nn.Module:
+    """A copy of ``child`` in training mode on ``device``, initialised there if it was on the meta device."""
+    replica = copy.deepcopy(child)
+    materialize(replica, torch.device(device))
+    return replica.to(device).train()
+
+
+def _rows(batch: Any) -> int | None:
+    """The rows of ``batch`` if its tensors share them in dim 0 (it splits into micro-batches), else ``None``."""
+    try:
+        return batch_rows(batch)
+    except (TypeError, ValueError):
+        return None
+
+
+class _OutputGiver(nn.Module):
+    """Stands for the backbone: returns ``output`` (the backbone's output on the step's rows) whatever its input."""
+
+    def __init__(self, output: Value) -> None:
+        super().__init__()
+        self.output, self.called = output, False
+
+    def forward(self, value: Value) -> Value:
+        self.called = True
+        return self.output
+
+
+class _LastScalar(TorchFunctionMode):
+    """Keeps the last one-element tensor with a gradient that a torch function returns inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensor: Tensor | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, Tensor) and out.numel() == 1 and out.requires_grad:
+            self.tensor = out
+        return out
+
+
+def _loss_after(module: LightningModule, backbone: str, batch: Any, chunks: int, output: Value) -> Tensor | None:
+    """The loss of ``training_step`` on the first of ``chunks`` micro-batches of ``batch`` (1: all of it, as under
+    fill-drain), the backbone returning ``output``, with ``self.log`` recording nothing: the Tensor it returns, or a
+    dict's ``"loss"``. If the step returns none, or raises after the backbone call (it may need what only a running
+    Trainer has, such as ``self.trainer.optimizers`` before they exist), the last one-element tensor with a gradient
+    it computed.
+
+    Raises:
+        Exception: what the step raises before the backbone call, or after it without a loss computed.
+    """
+    part = batch if chunks == 1 else split_batch(batch, chunks)[0]
+    original, stand_in = getattr(module, backbone), _OutputGiver(output)
+    setattr(module, backbone, stand_in)
+    module.__dict__["log"] = lambda *args, **kwargs: None  # `log_dict` calls it too
+    try:
+        with _LastScalar() as last:
+            try:
+                result = module.training_step(part, 0)
+            except Exception:
+                if not stand_in.called or last.tensor is None:
+                    raise
+                return last.tensor
+    finally:
+        setattr(module, backbone, original)
+        module.__dict__.pop("log", None)
+    loss = result.get("loss") if isinstance(result, Mapping) else result
+    return loss if isinstance(loss, Tensor) else last.tensor

@@ -58,8 +58,7 @@ def stage_spec(
         ValueError: if ``balance`` does not fit the backbone.
     """
     topology = process.topology
-    limit, v = config.balance_memory_limit, topology.virtual_stages
-    balance = resolve_balance(config.balance, getattr(module, name), topology.num_virtual, costs, limit, v)
+    balance = stage_balance(module, name, config, topology, costs)
     assert config.schedule is not None and config.checkpoint is not None  # PipelineConfig gave the defaults
     placed = None
     if config.placed_by_cost:
@@ -79,6 +78,20 @@ def stage_spec(
         action_costs=placed,
         control=process.control,
     )
+
+
+def stage_balance(
+    module: "pl.LightningModule", name: str, config: PipelineConfig, topology: Topology, costs: list[LayerCost] | None
+) -> list[int]:
+    """Backbone layers per (virtual) stage: the user's ``balance``, or the one its mode chooses (from ``costs`` only
+    where the mode or a limit needs them: otherwise ``"params"`` counts the parameters, whether profiled or not).
+
+    Raises:
+        ValueError: if ``balance`` does not fit the backbone.
+    """
+    limit, v = config.balance_memory_limit, topology.virtual_stages
+    measured = costs if config.profiled else None
+    return resolve_balance(config.balance, getattr(module, name), topology.num_virtual, measured, limit, v)
 
 
 def build_stage(

@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from lightning_gpipe.lightning import state_dict
 from lightning_gpipe.lightning._lightning import optimizers_to_device, torch_optimizer
+from lightning_gpipe.lightning.data_parallel import placed_like, placed_optimizer_states, whole_tensors
 
 if TYPE_CHECKING:  # the class it comes ahead of, whose attributes the hooks use and whose methods they override
     from lightning_gpipe.lightning.mesh import MeshStrategy as _Strategy
@@ -53,7 +54,8 @@ class CheckpointHooks(_Strategy):
     def _whole_or_local(self, local: dict[str, Any]) -> dict[str, Any]:
         if self.config.state_dict_type == "sharded":
             return local
-        return state_dict.whole_on_rank_zero(local, self.replica_index, self.pipeline_group, self._job) or {}
+        whole = whole_tensors(local)  # a stage's shards over its replicas (sharding_strategy), gathered whole
+        return state_dict.whole_on_rank_zero(whole, self.replica_index, self.pipeline_group, self._job) or {}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -67,14 +69,18 @@ class CheckpointHooks(_Strategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read a full checkpoint file on every stage, or this stage's part of a sharded checkpoint directory.
+        """Read a full checkpoint file on every stage, or this stage's part of a sharded checkpoint directory (the
+        other stages' model entries as meta tensors, see :func:`~lightning_gpipe.lightning.state_dict.load_sharded`).
 
         Raises:
             FileNotFoundError: for a directory that is not a sharded checkpoint (it has no ``meta.pt``).
+            DamagedCheckpointError: for a damaged or truncated checkpoint file, naming it (see
+                :func:`~lightning_gpipe.lightning.state_dict.reading`).
         """
         with self._job.position.unbounded_phase("reading a checkpoint"):
             if not Path(checkpoint_path).is_dir():
-                return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+                with state_dict.reading(checkpoint_path):
+                    return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
             module = self.lightning_module
             assert module is not None  # restored after setup (restore_checkpoint_after_setup): attached
             fitting = module.trainer.state.fn == TrainerFn.FITTING
@@ -83,10 +89,21 @@ class CheckpointHooks(_Strategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load this stage's entries of the checkpoint's (whole or sharded) model state."""
+        """Check the checkpoint's model state against the whole model, every stage's entries, on every stage alike
+        (see :func:`~lightning_gpipe.lightning.state_dict.check_model_state`), then load this stage's entries.
+
+        Raises:
+            RuntimeError: as ``torch.nn.Module.load_state_dict`` does without a pipeline: with ``strict``
+                (``LightningModule.strict_loading``), for the keys of the model the checkpoint lacks and those of no
+                stage it holds; for an entry of another shape, naming both.
+        """
         module = self.lightning_module
         assert module is not None  # restored after setup (restore_checkpoint_after_setup): attached
-        module.load_state_dict(state_dict.local_entries(checkpoint["state_dict"], module), strict=strict)
+        with self._job.position.unbounded_phase("reading a checkpoint"):  # the others may still be reading it
+            shapes = state_dict.whole_model_shapes(module, self._job)
+        state_dict.check_model_state(checkpoint["state_dict"], shapes, strict, type(module).__name__)
+        local = state_dict.local_entries(checkpoint["state_dict"], module)
+        module.load_state_dict(placed_like(local, module.state_dict()), strict=strict)  # whole tensors into shards
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -94,5 +111,6 @@ class CheckpointHooks(_Strategy):
         (see :func:`~lightning_gpipe.lightning.state_dict.load_optimizer_states`)."""
         module = self.lightning_module
         assert module is not None  # restored after setup (restore_checkpoint_after_setup): attached
-        state_dict.load_optimizer_states(module, self.optimizers, checkpoint["optimizer_states"])
+        states = placed_optimizer_states(module, self.optimizers, checkpoint["optimizer_states"])
+        state_dict.load_optimizer_states(module, self.optimizers, states)
         optimizers_to_device(self.optimizers, self.root_device)

@@ -38,6 +38,10 @@ StartMethod = Literal["popen", "spawn"]
 StateDictType = Literal["full", "sharded"]
 """``state_dict_type``: a checkpoint as one file or as a directory of shards."""
 
+ShardingStrategy = Literal["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"]
+"""``sharding_strategy``: how a stage's replicas hold its state, with the names of Lightning's ``FSDPStrategy``: whole
+copies averaged by DDP, or shards by torch's FSDP2 (:mod:`lightning_gpipe.lightning.data_parallel`)."""
+
 BalanceMode = Literal["params", "time", "memory"]
 """The modes ``balance`` takes besides a list (:data:`lightning_gpipe.planning.balance.MODES`)."""
 
@@ -50,6 +54,11 @@ CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     "start_method": (get_args(StartMethod), "choose 'popen' or 'spawn'"),
     "state_dict_type": (get_args(StateDictType), "choose 'full' or 'sharded'"),
+    "sharding_strategy": (
+        get_args(ShardingStrategy),
+        "choose 'NO_SHARD' (each replica holds the stage's whole state, averaged by DDP), 'SHARD_GRAD_OP' or"
+        " 'FULL_SHARD' (FSDP2 shards it over the replicas)",
+    ),
 }
 """The options that take one of a few names: option -> (allowed values, how the error names them). The one source of
 the allowed names: ``GPipeStrategy``'s type hints (:data:`CheckpointMode`, :data:`ScheduleName`, ...), which the
@@ -138,7 +147,10 @@ class PipelineConfig:
             the last stage runs every weight gradient after its last input gradient (its graphs are all held
             at the fill's end anyway); elsewhere a micro-batch's graph is held no longer than without the
             split (docs/how-it-works.md). ``False`` computes both in one backward. ``None`` (default): the
-            schedule's default, :data:`~lightning_gpipe.engine.schedule.DEFERRED_BY_DEFAULT`.
+            schedule's default, :data:`~lightning_gpipe.engine.schedule.DEFERRED_BY_DEFAULT`; with ``schedule``
+            and ``plan`` unset too, chosen at fit start on a pipeline of several stages: the backbone's layers are
+            profiled (B and W timed apart) and the split is taken where the simulator predicts fill-drain faster
+            with it (:func:`~lightning_gpipe.planning.split.choose_split`), the choice printed on global rank 0.
         pipeline_parallel_size: K, the stages of each pipeline. ``"auto"`` (default): the length of a list
             ``balance``, else ``devices * num_nodes / data_parallel_size`` if that is given, else ``devices`` (one
             pipeline per node).
@@ -152,6 +164,8 @@ class PipelineConfig:
             optimizer state, gathered on global rank 0; it loads into the plain LightningModule without the
             strategy. ``"sharded"`` writes a directory with torch.distributed.checkpoint, each stage its own
             part, for models too large to gather. Both resume with any number of stages and any ``balance``.
+        sharding_strategy: ``"NO_SHARD"`` (default): each replica of a stage holds its whole state, DDP averages; with
+            ``"SHARD_GRAD_OP"``/``"FULL_SHARD"`` FSDP2 shards it (:mod:`~lightning_gpipe.lightning.data_parallel`).
         timeout: the process group's timeout, a ``datetime.timedelta``: how long a collective or transfer may wait
             before torch.distributed gives up (30 minutes by default; ``None``: torch.distributed's default); it also
             caps ``stall_timeout``. On the command line, ``--trainer.strategy.timeout=0:30:00`` (hours:minutes:seconds).
@@ -191,7 +205,7 @@ class PipelineConfig:
             positive integer nor ``"auto"``; a ``plan`` other than ``"auto"`` or ``None``, a ``memory_limit`` that is
             not a positive integer, ``memory_limit`` or ``cost_model`` without ``plan="auto"``, or ``plan="auto"`` with
             ``balance_memory_limit``; a ``compile`` that is neither a bool nor a dict of ``torch.compile``'s keyword
-            arguments.
+            arguments, or ``compile`` with a ``sharding_strategy`` other than ``"NO_SHARD"``.
     """
 
     balance: Balance = None
@@ -205,6 +219,7 @@ class PipelineConfig:
     balance_memory_limit: int | None = None
     start_method: StartMethod = "popen"
     state_dict_type: StateDictType = "full"
+    sharding_strategy: ShardingStrategy = "NO_SHARD"
     pipeline_parallel_size: Size = "auto"
     data_parallel_size: Size = "auto"
     timeout: timedelta | None = default_pg_timeout
@@ -230,8 +245,8 @@ class PipelineConfig:
         self._check_weight_split()
         self._check_virtual_stages()
         self._check_balance()
-        self._check_plan()
-        compile_options(self.compile)  # raises ValueError for a bad value, before any process starts
+        _check_plan(self)
+        _check_compile(self)  # raises ValueError for a bad value, before any process starts
         _check_timeouts(self)
         checked_size(self.pipeline_parallel_size, "pipeline_parallel_size")
         checked_size(self.data_parallel_size, "data_parallel_size")
@@ -302,27 +317,6 @@ class PipelineConfig:
                 " balance; use balance='time' (or 'params', 'memory') with it, or drop the limit."
             )
 
-    def _check_plan(self) -> None:
-        plan, limit = self.plan, self.memory_limit
-        if plan not in (None, "auto"):
-            raise ValueError(f"GPipeStrategy(plan={plan!r}): choose 'auto' (plan the pipeline) or None.")
-        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-            raise ValueError(
-                f"GPipeStrategy(memory_limit={limit!r}): give the bytes one device may hold, an integer >= 1, or None"
-                " for what the accelerator reports."
-            )
-        if plan is None and (limit is not None or self.cost_model is not None):
-            raise ValueError(
-                "GPipeStrategy(memory_limit=..., cost_model=...) steer the planner; add plan='auto', or drop them"
-                " (balance_memory_limit limits the balance alone)."
-            )
-        if plan == "auto" and self.balance_memory_limit is not None:
-            raise ValueError(
-                "GPipeStrategy(plan='auto', balance_memory_limit=...): the planner takes the whole memory of a device"
-                " as memory_limit=BYTES (parameters, gradients, optimizer state, activations); drop"
-                " balance_memory_limit."
-            )
-
     def constraints(self) -> Constraints:
         """What the user fixed, for the planner: ``chunks``, a ``balance`` (list or mode), the mesh sizes that are
         not ``"auto"``, and ``checkpoint``, ``schedule`` and ``virtual_stages`` when given explicitly (even at their
@@ -335,6 +329,7 @@ class PipelineConfig:
             schedule=self.schedule if "schedule" in self._given else None,
             balance=self.balance,
             virtual_stages=self.virtual_stages if "virtual_stages" in self._given else None,
+            sharding_strategy=self.sharding_strategy,
         )
 
     @property
@@ -342,6 +337,13 @@ class PipelineConfig:
         """Whether the run needs each layer's profiled cost: to choose the balance (``"time"``, ``"memory"`` or a
         limit), or to place the actions of a schedule by cost (``"zb-1p"``, see :attr:`placed_by_cost`)."""
         return self.balance in ("time", "memory") or self.balance_memory_limit is not None or self.placed_by_cost
+
+    @property
+    def chooses_split(self) -> bool:
+        """Whether the strategy chooses between whole backwards and the B/W split at fit start
+        (:func:`~lightning_gpipe.planning.split.choose_split`): the user fixed neither ``schedule`` nor
+        ``defer_weight_grad`` and asked for no plan."""
+        return self.plan is None and "schedule" not in self._given and self.defer_weight_grad is None
 
     @property
     def placed_by_cost(self) -> bool:
@@ -386,6 +388,42 @@ def _check_types(config: "PipelineConfig") -> None:
         )
 
 
+def _check_plan(config: "PipelineConfig") -> None:
+    """``plan`` and the options that steer it: ``memory_limit`` and ``cost_model`` only with ``plan="auto"``, which
+    takes the place of ``balance_memory_limit``."""
+    plan, limit = config.plan, config.memory_limit
+    if plan not in (None, "auto"):
+        raise ValueError(f"GPipeStrategy(plan={plan!r}): choose 'auto' (plan the pipeline) or None.")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise ValueError(
+            f"GPipeStrategy(memory_limit={limit!r}): give the bytes one device may hold, an integer >= 1, or None"
+            " for what the accelerator reports."
+        )
+    if plan is None and (limit is not None or config.cost_model is not None):
+        raise ValueError(
+            "GPipeStrategy(memory_limit=..., cost_model=...) steer the planner; add plan='auto', or drop them"
+            " (balance_memory_limit limits the balance alone)."
+        )
+    if plan == "auto" and config.balance_memory_limit is not None:
+        raise ValueError(
+            "GPipeStrategy(plan='auto', balance_memory_limit=...): the planner takes the whole memory of a device"
+            " as memory_limit=BYTES (parameters, gradients, optimizer state, activations); drop"
+            " balance_memory_limit."
+        )
+
+
+def _check_compile(config: "PipelineConfig") -> None:
+    """``compile``'s value (:func:`~lightning_gpipe.engine.compile_options`), and not with sharding: compiled layers
+    have not been run under FSDP2's hooks."""
+    compile_options(config.compile)
+    if config.sharding_strategy != "NO_SHARD" and config.compile is not False:
+        raise ValueError(
+            f"GPipeStrategy(sharding_strategy={config.sharding_strategy!r}, compile=...): layers compiled with"
+            " torch.compile have not been run under FSDP2's gathering hooks by GPipeStrategy; set compile=False, or"
+            " sharding_strategy='NO_SHARD' to keep compile."
+        )
+
+
 def _check_timeouts(config: "PipelineConfig") -> None:
     """``timeout`` and ``stall_timeout``: positive ``timedelta``s or ``None``."""
     for option, what, example, without in _TIMEOUTS:
@@ -398,3 +436,27 @@ def _check_timeouts(config: "PipelineConfig") -> None:
             f"{seconds}, or None ({without}). On the command line: --trainer.strategy.{option}=0:30:00"
             " (hours:minutes:seconds)."
         )
+
+
+def one_stage_warning(config: PipelineConfig, num_stages: int, device_type: str) -> str | None:
+    """The warning for a pipeline of one stage on a CPU that no option asked for, else ``None``.
+
+    ``Trainer(devices="auto")``, Lightning's default, is one process on a CPU, so leaving ``devices`` out gives a
+    pipeline of one stage: nothing is split. Lightning resolves ``"auto"`` before the strategy sees it, so an explicit
+    ``devices=1`` looks the same here; ``pipeline_parallel_size=1`` or a one-entry ``balance`` says that one stage is
+    meant, and silences the warning.
+
+    Args:
+        config: the strategy's options.
+        num_stages: K, as resolved from the devices.
+        device_type: the type of the stage's device (``"cpu"``, ``"cuda"``...).
+    """
+    meant = config.pipeline_parallel_size != "auto" or isinstance(config.balance, list)
+    if num_stages > 1 or device_type != "cpu" or meant:
+        return None
+    return (
+        "GPipeStrategy runs a pipeline of one stage: the whole backbone in one process, nothing split. On a CPU,"
+        " Trainer(devices='auto'), the default, is one process; give one device per stage, e.g."
+        " Trainer(accelerator='cpu', devices=2) for 2 stages. For one stage on purpose, say so with"
+        " GPipeStrategy(pipeline_parallel_size=1)."
+    )

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from lightning_gpipe.lightning.state_dict import METADATA
+from lightning_gpipe.lightning.state_dict import DCP_METADATA, METADATA, DamagedCheckpointError, read_metadata, reading
 
 COMMAND = "python -m lightning_gpipe.consolidate"
 """The shell command that writes a sharded checkpoint directory as one file (see :func:`main`)."""
@@ -61,23 +61,24 @@ def consolidated_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: if ``directory`` does not exist, has no ``meta.pt`` (not a sharded checkpoint), or has
-            ``meta.pt`` but no torch.distributed.checkpoint metadata (an incomplete copy).
+            ``meta.pt`` but no torch.distributed.checkpoint metadata or not every shard file (an incomplete copy).
         NotADirectoryError: if ``directory`` is a file (a single-file checkpoint already).
+        DamagedCheckpointError: if a file of the directory is damaged or truncated, naming it.
     """
     directory = _sharded_directory(directory)
-    reader = FileSystemReader(directory)
-    try:
-        reader.read_metadata()
-    except FileNotFoundError as error:
+    if not (directory / DCP_METADATA).is_file():
         raise FileNotFoundError(
-            f"{directory} has {METADATA} but no torch.distributed.checkpoint metadata ({error.filename}): the"
-            " stages' part of the checkpoint is missing. Copy the whole directory."
-        ) from None
+            f"{directory} has {METADATA} but no torch.distributed.checkpoint metadata ({directory / DCP_METADATA}):"
+            " the stages' part of the checkpoint is missing. Copy the whole directory."
+        )
+    read_metadata(directory)  # names a damaged or truncated file before the read stops in it
     sharded: dict[str, Any] = {}
     # The planner rebuilds the nested dictionary ("state_dict", "optimizer_states": [...]) from the saved metadata,
     # so the stages' entries need no template; `no_dist` reads without a process group.
+    reader = FileSystemReader(directory)
     _load_state_dict(sharded, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    meta = torch.load(directory / METADATA, map_location="cpu", weights_only=False)
+    with reading(directory / METADATA):
+        meta = torch.load(directory / METADATA, map_location="cpu", weights_only=False)
     return {**meta, **sharded}
 
 
@@ -146,8 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         0 once ``OUTPUT`` is written; a line on stdout names it and what it holds.
 
     Raises:
-        SystemExit: with status 2 and a message on stderr for a ``DIRECTORY`` that is not a sharded checkpoint or an
-            ``OUTPUT`` that exists (without ``--force``) or is a directory; with status 0 after ``--help``.
+        SystemExit: with status 2 and a message on stderr for a ``DIRECTORY`` that is not a sharded checkpoint (or
+            a damaged one) or an ``OUTPUT`` that exists (without ``--force``) or is a directory; with status 0 after
+            ``--help``.
     """
     parser = argparse.ArgumentParser(
         prog=COMMAND,
@@ -170,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         checkpoint = _consolidate(args.directory, args.output, args.force)
-    except (FileNotFoundError, NotADirectoryError, FileExistsError, IsADirectoryError) as error:
+    except (FileNotFoundError, NotADirectoryError, FileExistsError, IsADirectoryError, DamagedCheckpointError) as error:
         parser.error(str(error))
     print(f"Wrote {args.output}: {_summary(checkpoint)}.")
     return 0

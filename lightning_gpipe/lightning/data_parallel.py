@@ -1,38 +1,91 @@
-"""Averaging one stage's gradients over its data-parallel replicas, once per optimizer step, by torch's DDP.
+"""A stage's replicas: their gradients averaged once per optimizer step by torch's DDP, or the stage's state sharded
+over them by torch's FSDP2.
 
-Each stage's replicas (the same stage of every pipeline, its ``"dp"`` process group) hold the same
-parameters and compute gradients on different shards of the data. :class:`GradientSync` wraps what this
-stage trains in :class:`torch.nn.parallel.DistributedDataParallel` and lets DDP's reducer average the
-gradients: bucketed, and overlapped with the step's last backward. The micro-batches' gradients accumulate
-locally first; only the step's last autograd call on this stage, the one that completes its gradients, is
-announced to the reducer (``reducer.prepare_for_backward``, as torch.distributed.pipelining's stages do
-with DDP), so the reducer all-reduces each bucket once, as soon as that call has produced it. Parameters
-whose gradients were complete before that call (a head on the last stage, layers an earlier micro-batch
-used) are found by DDP's ``find_unused_parameters`` search and reduced with the first bucket; parameters no
-replica gave a gradient keep ``None``, as under DDP. Within a gradient-accumulation window nothing is
-announced, so the window's summed gradients are reduced once, at its end.
+**Averaged by DDP** (``sharding_strategy="NO_SHARD"``, the default). Each stage's replicas (the same stage of every
+pipeline, its ``"dp"`` process group) hold the same parameters and compute gradients on different shards of the data.
+:class:`GradientSync` wraps what this stage trains in :class:`torch.nn.parallel.DistributedDataParallel` and lets DDP's
+reducer average the gradients: bucketed, and overlapped with the step's last backward. The micro-batches' gradients
+accumulate locally first; only the step's last autograd call on this stage, the one that completes its gradients, is
+announced to the reducer (``reducer.prepare_for_backward``, as torch.distributed.pipelining's stages do with DDP), so
+the reducer all-reduces each bucket once, as soon as that call has produced it. Parameters whose gradients were complete
+before that call (a head on the last stage, layers an earlier micro-batch used) are found by DDP's
+``find_unused_parameters`` search and reduced with the first bucket; parameters no replica gave a gradient keep
+``None``, as under DDP. Within a gradient-accumulation window nothing is announced, so the window's summed gradients are
+reduced once, at its end. Forwards do not go through DDP: the engine runs the stage's layers itself (micro-batches,
+recomputes), so DDP's per-forward buffer broadcast is off; the replicas start from rank 0's parameters and buffers,
+which DDP broadcasts when it is built.
 
-Forwards do not go through DDP: the engine runs the stage's layers itself (micro-batches, recomputes), so
-DDP's per-forward buffer broadcast is off; the replicas start from rank 0's parameters and buffers, which
-DDP broadcasts when it is built.
+**Sharded by FSDP2** (``sharding_strategy="SHARD_GRAD_OP" | "FULL_SHARD"``, with several replicas): the replicas of a
+stage no longer each hold its whole state. :class:`ShardedStage` applies torch's FSDP2
+(:func:`torch.distributed.fsdp.fully_shard`) over the ``"dp"`` dimension, as torchtitan composes its pipeline with FSDP
+(``fully_shard`` on each stage's model chunk over the data-parallel mesh; torch.distributed.pipelining's
+``_PipelineStageBase.backward_maybe_with_nosync`` and ``perform_reduce_grad`` drive FSDP2 the same way). Each
+parameter becomes a ``DTensor`` sharded on dim 0; FSDP2 all-gathers and reduce-scatters, nothing is home-made.
+
+What is one FSDP unit (one all-gather, one reduce-scatter): each model chunk's backbone layers together (a group,
+``fully_shard([layer, ...])``), whose forward is each micro-batch's run through them; and the stage's other
+parameters (on the last stage, the modules after the backbone), gathered explicitly for each step, since the user's
+code calls them (or reads their weights) in its own way. A layer that shares a parameter with another module of the
+stage, or appears twice, joins the other parameters.
+
+One step, on each stage (torch.distributed.pipelining's recipe):
+
+- Between steps every parameter, gradient and AdamW state is a shard: ``1/D`` of the stage's.
+- Forwards gather each chunk's parameters: ``"FULL_SHARD"`` gathers for each micro-batch forward and frees them
+  after it, until the stage's first backward of the step; ``"SHARD_GRAD_OP"`` gathers once and keeps them.
+- From the stage's first backward of the step (:meth:`ShardedStage.begin_backward`) to its end the parameters stay
+  gathered (``set_reshard_after_backward(False)``, and ``set_reshard_after_forward(False)`` for the forwards,
+  recomputes and deferred weight gradients still to come): a backward gathers at most once per step.
+- The micro-batches' gradients accumulate unsharded (``set_requires_gradient_sync(False)``,
+  ``set_is_last_backward(False)``); at the step's end (:meth:`ShardedStage.finish_backward`) one reduce-scatter per
+  unit averages them over the replicas and leaves each replica its shard, and the parameters are freed. Within a
+  gradient-accumulation window the reduce-scatter waits for the window's last batch.
+
+Checkpoints: a ``"sharded"`` one is torch.distributed.checkpoint's own (``DTensor`` entries, each shard written once,
+read into any layout); a ``"full"`` one gathers the shards whole (:func:`whole_tensors`), and whole tensors load into
+shards (:func:`placed_like`, :func:`placed_optimizer_states`). After a completed fit :meth:`ShardedStage.release`
+gives the module back plain, as DDP leaves it.
 """
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+from torch.distributed._composable_state import _module_state_mapping
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gpipe.faults import collectives
+from lightning_gpipe.lightning import state_dict
+from lightning_gpipe.lightning._lightning import torch_optimizer
 
 if TYPE_CHECKING:
     from lightning_gpipe.faults.job import Job
 
 
-class GradientSync:
+class _Reducing:
+    """What both kinds of replica synchronisation share: :attr:`enabled`, switched off for a gradient-accumulation
+    window (``Strategy.block_backward_sync``)."""
+
+    enabled = True
+
+    @contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Inside the block, accumulate without reducing over the replicas (:attr:`enabled` is ``False``)."""
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
+
+
+class GradientSync(_Reducing):
     """DDP over one stage's trained module, told when the step's last backward on this stage starts.
 
     Args:
@@ -54,21 +107,11 @@ class GradientSync:
             forward_sync_buffers=False,
             find_unused_parameters=True,
         )
-        self.enabled = True
 
     @staticmethod
     def trains(module: nn.Module) -> bool:
         """Whether ``module`` has a parameter that requires grad (DDP refuses a module without one)."""
         return any(p.requires_grad for p in module.parameters())
-
-    @contextmanager
-    def disabled(self) -> Iterator[None]:
-        """Inside the block, accumulate without averaging (:attr:`enabled` is ``False``)."""
-        self.enabled = False
-        try:
-            yield
-        finally:
-            self.enabled = True
 
     def prepare(self, outputs: Iterable[Tensor]) -> None:
         """Announce the step's last backward on this stage, from ``outputs`` (the tensors it backpropagates).
@@ -103,3 +146,226 @@ def reduce_over_replicas(
     result = tensor.to(torch.get_default_dtype()) if mean and not tensor.is_floating_point() else tensor.clone()
     collectives.all_reduce(job, result, group=group)
     return result / replicas if mean else result
+
+
+class ShardedStage(_Reducing):
+    """FSDP2 over one stage's trained module, driven once per step (see the module docstring).
+
+    A collective call of the stage's replicas: the replicas start from the first replica's parameters and buffers (as
+    DDP starts), then each keeps its shard.
+
+    Args:
+        trained: what this stage trains: its partition, or on the last stage the whole local LightningModule.
+        chunks: the stage's model chunks (one :class:`~lightning_gpipe.engine.Partition` per virtual stage held).
+        group: the stage's data-parallel process group (the ``"dp"`` dimension of the mesh).
+        device: the stage's device.
+        full_shard: free the gathered parameters after each forward until the step's first backward
+            (``"FULL_SHARD"``); else keep them from the first forward (``"SHARD_GRAD_OP"``).
+        job: the run's :class:`~lightning_gpipe.faults.job.Job`, whose waits the first broadcast uses.
+
+    Attributes:
+        enabled: ``False`` inside a gradient-accumulation window: the gradients accumulate, unsharded.
+    """
+
+    def __init__(
+        self,
+        trained: nn.Module,
+        chunks: Sequence[nn.Module],
+        group: dist.ProcessGroup,
+        device: torch.device,
+        full_shard: bool,
+        job: "Job",
+    ) -> None:
+        _replicate_first(trained, group, job)
+        mesh = DeviceMesh.from_group(group, device.type)
+        for layers in units(trained, chunks):
+            fully_shard(layers, mesh=mesh, reshard_after_forward=full_shard)
+        self.root = fully_shard(_Stage(trained, chunks), mesh=mesh, reshard_after_forward=False)
+        _initialize(self.root)
+        self.full_shard = full_shard
+        _accumulate(self.root, True)
+
+    def begin_step(self) -> None:
+        """Gather the parameters outside the chunks' units for the step (on the last stage: the modules after the
+        backbone); nothing where there are none. A collective call of the replicas."""
+        self.root.unshard()
+
+    def begin_backward(self) -> None:
+        """At the stage's first backward of a training step: keep the parameters gathered until the step's end."""
+        if self.full_shard:
+            self.root.set_reshard_after_forward(False)
+
+    def finish_backward(self) -> None:
+        """At the end of a training step's backward on this stage: reduce-scatter each unit's gradients over the
+        replicas (unless :attr:`enabled` is ``False``), their mean becoming each replica's shard of ``.grad``, and free
+        the gathered parameters. A collective call of the replicas."""
+        _end_step(self.root, reduce=self.enabled)
+        if self.full_shard:
+            self.root.set_reshard_after_forward(True)
+
+    def end_evaluation_step(self) -> None:
+        """After an evaluation step: free the gathered parameters (gradients accumulated so far are kept)."""
+        _end_step(self.root, reduce=False)
+
+    def release(self) -> None:
+        """Gather every parameter whole and undo FSDP2 (see :func:`unshard_for_good`): the module is a plain one
+        again. A collective call of the replicas."""
+        _end_step(self.root, reduce=False)
+        unshard_for_good(cast(nn.Module, self.root))
+
+
+class _Stage(nn.Module):
+    """The FSDP2 root of a stage: its trained module and its model chunks, whose units the root's lazy
+    initialisation collects; the root's own parameters are the stage's parameters outside the units. Never called."""
+
+    def __init__(self, trained: nn.Module, chunks: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.trained, self.chunks = trained, nn.ModuleList(chunks)
+
+    def forward(self) -> None:
+        """Never called: the units run in the engine's micro-batches, the rest is gathered for each step."""
+        raise RuntimeError("The FSDP2 root of a pipeline stage is never called.")
+
+
+def units(trained: nn.Module, chunks: Sequence[nn.Module]) -> list[list[nn.Module]]:
+    """The FSDP units of a stage: per model chunk, its layers that hold parameters of their own alone (used by no
+    other module of ``trained`` and by no other layer, and appearing once in the stage), in order; chunks with none
+    are left out. What is left out is sharded with the stage's root (gathered for each step)."""
+    positions = [[layer for layer in chunk._modules.values() if layer is not None] for chunk in chunks]
+    layers = [layer for chunk in positions for layer in chunk]  # a layer at two positions twice (children() once)
+    inside = {sub for layer in layers for sub in layer.modules()}
+    owners: dict[int, set[nn.Module | None]] = {}
+    for layer in layers:
+        for parameter in layer.parameters():
+            owners.setdefault(id(parameter), set()).add(layer)
+    for module in trained.modules():
+        if module not in inside:
+            for parameter in module.parameters(recurse=False):
+                owners.setdefault(id(parameter), set()).add(None)
+    counts = {layer: sum(1 for other in layers if other is layer) for layer in layers}
+
+    def alone(layer: nn.Module) -> bool:
+        parameters = list(layer.parameters())
+        return bool(parameters) and counts[layer] == 1 and all(owners[id(p)] == {layer} for p in parameters)
+
+    found = [[layer for layer in chunk if alone(layer)] for chunk in positions]
+    return [chunk for chunk in found if chunk]
+
+
+def whole_tensors(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with every ``DTensor`` gathered whole (``full_tensor``: a collective call of its replicas, in the order
+    of ``state``'s keys, which every replica shares), for a ``"full"`` checkpoint; other values as they are."""
+    return {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in state.items()}
+
+
+def placed_like(values: Mapping[str, Any], template: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with each whole tensor whose entry in ``template`` is a ``DTensor`` cut to that ``DTensor``'s shard
+    (each replica takes its own rows, no communication: ``distribute_tensor(src_data_rank=None)``), so that a whole
+    checkpoint (``"full"``, or one written without sharding) loads into a sharded stage; other values as they are."""
+    placed = dict(values)
+    for key, value in values.items():
+        like = template.get(key)
+        if isinstance(like, DTensor) and isinstance(value, Tensor) and not isinstance(value, DTensor):
+            placed[key] = distribute_tensor(
+                value.to(like.device), like.device_mesh, like.placements, src_data_rank=None
+            )
+    return placed
+
+
+def placed_optimizer_states(module: nn.Module, optimizers: Sequence[Any], states: Sequence[Any]) -> list[Any]:
+    """Each optimizer's name-keyed ``states`` placed like its own state (:func:`placed_like`) where ``module``'s
+    parameters are sharded; as they are otherwise."""
+    if not any(isinstance(p, DTensor) for p in module.parameters()):
+        return list(states)
+    current = (state_dict.optimizer_state(module, torch_optimizer(optimizer)) for optimizer in optimizers)
+    return [placed_like(state, like) if isinstance(state, Mapping) else state for state, like in zip(states, current)]
+
+
+def _replicate_first(module: nn.Module, group: dist.ProcessGroup, job: "Job") -> None:
+    """Give every replica of ``group`` the first replica's parameters and buffers (FSDP2 shards each replica's own)."""
+    first = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            collectives.broadcast(job, tensor.data, first, group)
+
+
+# --- FSDP2's internals, used as torch.distributed.pipelining uses them (torch/distributed/pipelining/stage.py,
+# ``perform_reduce_grad``); each says what it stands for. Checked on: torch 2.13.0.
+
+
+def _state(module: Any) -> Any:
+    """The ``FSDPState`` of a module ``fully_shard`` was applied to (the state its ``contract`` decorator keeps)."""
+    return fully_shard.state(module)  # type: ignore[attr-defined]  # set by torch's contract decorator
+
+
+def _initialize(root: FSDPModule) -> None:
+    """Make ``root`` the FSDP2 root of its units now (``FSDPState._lazy_init``), as its first forward would: its
+    forward is never called, and a unit whose forward ran first would make itself a root instead."""
+    _state(root)._lazy_init()
+
+
+def _accumulate(root: FSDPModule, accumulating: bool) -> None:
+    """Within a step (``accumulating``): gradients accumulate unsharded, parameters stay gathered after a backward,
+    and no backward is the last (FSDP2's public setters, recursive over the units); outside, the reverse."""
+    root.set_requires_gradient_sync(not accumulating)
+    root.set_reshard_after_backward(not accumulating)
+    root.set_is_last_backward(not accumulating)
+
+
+def _end_step(root: FSDPModule, reduce: bool) -> None:
+    """The end of a step: every unit's post-backward (``FSDPParamGroup.post_backward``: the reduce-scatter if
+    ``reduce``, then freeing the gathered parameters) and the root's final callback
+    (``FSDPState._root_post_backward_final_callback``: waiting for the reductions, resetting the step's state), which
+    FSDP2 runs after a backward it sees whole; the pipeline's backwards are several autograd calls."""
+    state = _state(root)
+    _accumulate(root, False)
+    root.set_requires_gradient_sync(reduce)
+    for each in state._state_ctx.all_states:
+        for group in each._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+    _accumulate(root, True)
+
+
+def unshard_for_good(root: nn.Module) -> None:
+    """Undo FSDP2 on ``root`` and its units: each ``DTensor`` parameter replaced by a plain parameter of its whole
+    value (one all-gather each: a collective call of the replicas), FSDP2's hooks removed, each unit's class and state
+    back as before :func:`~torch.distributed.fsdp.fully_shard` (its ``FSDP<Class>`` subclass, its entries in the
+    composable state and registry); so the user's module leaves the run as a plain module, which a later run may
+    shard again. FSDP2 has no public inverse."""
+    whole: dict[int, nn.Parameter] = {}
+    with torch.no_grad():
+        for module in root.modules():
+            for name, parameter in list(module._parameters.items()):
+                if isinstance(parameter, DTensor):
+                    if id(parameter) not in whole:
+                        value = parameter.full_tensor()
+                        whole[id(parameter)] = nn.Parameter(value, requires_grad=parameter.requires_grad)
+                    module._parameters[name] = whole[id(parameter)]
+    states = {_state(module) for module in root.modules() if isinstance(module, FSDPModule)}
+    for state in states:
+        _remove_state(state)
+    for module in root.modules():
+        module.__dict__.pop("_is_fsdp_managed_module", None)
+        module.__dict__.pop("_fsdp_use_orig_params", None)
+
+
+def _remove_state(state: object) -> None:
+    """Remove one ``FSDPState`` from its modules: its forward hooks, its parameter groups' and parameters' state-dict
+    hooks, the modules' ``FSDP<Class>`` classes and their entries in the composable API's state and registry."""
+    handles = [state._pre_forward_hook_handle, state._post_forward_hook_handle]  # type: ignore[attr-defined]
+    for group in state._fsdp_param_groups:  # type: ignore[attr-defined]
+        handles += [*group._module_to_pre_save_state_dict_hook_handle.values()]
+        handles += [*group._module_to_pre_load_state_dict_hook_handle.values()]
+        handles += [parameter._post_load_hook_handle for parameter in group.fsdp_params]
+    for handle in handles:
+        handle.remove()
+    for module in state._modules:  # type: ignore[attr-defined]
+        fsdp_class, original = type(module).__bases__
+        assert fsdp_class is FSDPModule  # fully_shard made the class (FSDPModule, original)
+        module.__class__ = original
+        module.__dict__[STATE_KEY] = {
+            key: value for key, value in module.__dict__[STATE_KEY].items() if value is not state
+        }
+        module.__dict__[REGISTRY_KEY].pop("fully_shard", None)
+        _module_state_mapping.pop(module, None)

@@ -1,10 +1,11 @@
 """The backbone measured before the split: once per run, on global rank 0, shared with every process.
 
 ``GPipeStrategy`` measures the whole backbone in ``setup``, before each process keeps only its stage: the
-per-layer costs a profiled ``balance`` mode needs (:func:`shared_layer_costs`, kept in ``strategy.layer_costs``)
-and the plan of ``plan="auto"`` (:func:`planned_config`, kept in ``strategy.plan_report``). Both run on global rank
-0 only and are broadcast, so every stage splits alike; both are kept on the strategy and reused by its later runs
-(``fit`` then ``validate``) while the backbone keeps its number of layers.
+per-layer costs a profiled ``balance`` mode or the default's choice of the B/W split needs
+(:func:`shared_layer_costs`, kept in ``strategy.layer_costs``; the choice: :func:`chosen_split`, kept in
+``strategy.config``) and the plan of ``plan="auto"`` (:func:`planned_config`, kept in ``strategy.plan_report``). All
+run on global rank 0 only and are broadcast, so every stage splits alike; all are kept on the strategy and reused by
+its later runs (``fit`` then ``validate``) while the backbone keeps its number of layers.
 """
 
 from collections.abc import Iterator
@@ -15,10 +16,13 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_gpipe.engine import Topology
 from lightning_gpipe.lightning.backbone import profile_backbone, profile_module
+from lightning_gpipe.lightning.build import stage_balance
 from lightning_gpipe.lightning.config import PipelineConfig
 from lightning_gpipe.lightning.planner import plan_for_strategy
 from lightning_gpipe.planning.balance.costs import LayerCost
+from lightning_gpipe.planning.split import SplitChoice, choose_split
 
 Strategy = Any
 """The ``GPipeStrategy`` being set up (not imported: the strategy imports this module)."""
@@ -31,21 +35,63 @@ def _measuring(strategy: Strategy, what: str) -> Iterator[None]:
         yield
 
 
-def shared_layer_costs(strategy: Strategy, module: "pl.LightningModule", name: str) -> list[LayerCost] | None:
-    """The backbone layers' costs where the balance or the schedule needs them (``strategy.config.profiled``), else
-    ``None``: profiled on global rank 0 (:func:`~lightning_gpipe.lightning.backbone.profile_backbone`, with the B/W
-    split for a schedule placed by cost), broadcast, and kept in ``strategy.layer_costs``."""
-    if not strategy.config.profiled:
+def shared_layer_costs(
+    strategy: Strategy, module: "pl.LightningModule", name: str, choosing: bool = False
+) -> list[LayerCost] | None:
+    """The backbone layers' costs where the balance or the schedule needs them (``strategy.config.profiled``) or
+    (``choosing``) the default chooses the B/W split, else ``None``: profiled on global rank 0
+    (:func:`~lightning_gpipe.lightning.backbone.profile_backbone`, with the B/W split for a schedule placed by cost or
+    the choice), broadcast, and kept in ``strategy.layer_costs``. Where only the choice needs them, a backbone that
+    cannot be profiled gives ``None`` (the choice keeps whole backwards) instead of stopping the run."""
+    config = strategy.config
+    if not (config.profiled or choosing):
         return None
-    costs, split = strategy.layer_costs, strategy.config.placed_by_cost
+    costs, split = strategy.layer_costs, config.placed_by_cost or choosing
     unsplit = split and costs is not None and not any(cost.weight_grad for cost in costs)
     if costs is None or len(costs) != len(getattr(module, name)) or unsplit:
-        chunks = strategy.config.micro_batches_for(strategy.topology.num_stages)
+        chunks = config.micro_batches_for(strategy.topology.num_stages)
         with _measuring(strategy, "profiling the backbone"):
-            zero = strategy.is_global_zero
-            own = profile_backbone(module, name, chunks, strategy.root_device, split) if zero else None
-        strategy.layer_costs = strategy.broadcast(own, src=0)
+            own = _profiled(module, name, chunks, strategy.root_device, split, config.profiled)
+        strategy.layer_costs = strategy.broadcast(own if strategy.is_global_zero else None, src=0)
     return strategy.layer_costs
+
+
+def _profiled(
+    module: "pl.LightningModule", name: str, chunks: int, device: Any, split: bool, needed: bool
+) -> list[LayerCost] | None:
+    """:func:`~lightning_gpipe.lightning.backbone.profile_backbone`, or ``None`` where it fails and the costs are
+    not ``needed`` (only the default's choice of the split asked for them)."""
+    try:
+        return profile_backbone(module, name, chunks, device, split)
+    except Exception:  # noqa: BLE001 - a run the choice cannot profile trains as before, with whole backwards
+        if needed:
+            raise
+        return None
+
+
+def chosen_split(
+    strategy: Strategy, module: "pl.LightningModule", name: str, costs: list[LayerCost] | None
+) -> PipelineConfig:
+    """``strategy.config`` with ``defer_weight_grad`` chosen by :func:`~lightning_gpipe.planning.split.choose_split`
+    from the profiled ``costs`` (whole backwards without them): decided on global rank 0, broadcast so that every
+    process runs the same plan, and printed there in one line."""
+    config, topology = strategy.config, strategy.topology
+    balance = stage_balance(module, name, config, topology, costs)  # on every process: a bad balance fails on each
+    own = _split_choice(config, topology, balance, costs) if strategy.is_global_zero else None
+    choice = strategy.broadcast(own, src=0)
+    rank_zero_info(choice.line())
+    return replace(config, defer_weight_grad=choice.split)
+
+
+def _split_choice(
+    config: PipelineConfig, topology: Topology, balance: list[int], costs: list[LayerCost] | None
+) -> SplitChoice:
+    """:func:`~lightning_gpipe.planning.split.choose_split` on the ``balance`` this run will split by."""
+    if costs is None:
+        return SplitChoice(False, 0.0, 0.0, "the backbone could not be profiled")
+    assert config.checkpoint is not None  # PipelineConfig gave the default
+    micro_batches, limit = config.micro_batches_for(topology.num_stages), config.balance_memory_limit
+    return choose_split(costs, balance, micro_batches, config.checkpoint, topology.virtual_stages, memory_limit=limit)
 
 
 def planned_config(

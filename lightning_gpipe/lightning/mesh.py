@@ -10,6 +10,8 @@ what every process of the job does alike, whatever runs in it: the launcher, the
 (:mod:`~lightning_gpipe.lightning.agreement`, :mod:`~lightning_gpipe.lightning.signals`).
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -28,9 +30,11 @@ from typing_extensions import override
 from lightning_gpipe.engine import Topology, groups, resolve_topology
 from lightning_gpipe.faults import collectives
 from lightning_gpipe.faults.job import Job
+from lightning_gpipe.faults.watchdog import LauncherWatch, mark_launcher, watch_launcher
 from lightning_gpipe.lightning._lightning import (
     LaunchedParallelStrategy,
     default_process_group_backend,
+    end_launched_processes,
     evaluation_max_batches,
     init_process_group,
     replace_sigterm_broadcast,
@@ -84,6 +88,7 @@ class MeshStrategy(LaunchedParallelStrategy):
         self._batch_name = ""
         self._signals: StopSignals | None = None
         self._job = Job()  # one without a store until setup_environment creates the run's
+        self._launcher_watch: LauncherWatch | None = None  # in a process a launcher started, from setup_environment
 
     @property
     @override
@@ -166,29 +171,30 @@ class MeshStrategy(LaunchedParallelStrategy):
     @override
     def _launch_start_method(self) -> str:
         _ = self.topology  # a mesh that does not fit the job fails here, before any process starts
+        if self.config.start_method != "popen" or not _environment_of(self).creates_processes_externally:
+            mark_launcher()  # this process starts the others, which watch it (see faults.watchdog)
         return self.config.start_method
 
     @override
     def setup_environment(self) -> None:
         """Select the device, join the process groups, the failure board and the stall watchdog, take the stages'
         shared random state (see :mod:`lightning_gpipe.lightning.randomness`), and prepare the agreement before each
-        step."""
-        super().setup_environment()
-        reset_seed()
-        environment, topology = self.cluster_environment, self.topology
-        assert environment is not None  # given by the Trainer, as the launcher needed it
-        environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-        environment.set_world_size(self.num_nodes * self.num_processes)
-        # Lightning sets this attribute on its function at run time; its annotations do not declare it
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-        backend = self.config.process_group_backend or default_process_group_backend(self.root_device)
-        init_process_group(environment, backend, self.config.timeout)
-        self._pipeline_group, self._data_parallel_group = groups(topology.mesh(self.root_device.type))
-        self._control_group = None if backend == "gloo" else dist.new_group(backend="gloo")  # host-read messages
-        names = {rank: topology.name(rank) for rank in range(topology.world_size)}
-        store = dist.distributed_c10d._get_default_store()
-        self._job.close()
-        self._job = Job(store, self.global_rank, names, self.config.stall_limit(), self.world_size)
+        step. Until the job's store exists, a failure ends the processes this one launched, and a process that a
+        launcher started ends once the launcher has (see :mod:`~lightning_gpipe.faults.watchdog`)."""
+        environment, topology = _environment_of(self), self.topology
+        with _ending_launched_processes_on_failure(self.launcher):
+            super().setup_environment()
+            reset_seed()
+            environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            environment.set_world_size(self.num_nodes * self.num_processes)
+            # Lightning sets this attribute on its function at run time; its annotations do not declare it
+            rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+            self._launcher_watch = watch_launcher(topology.name(self.global_rank), lambda: self._job.board)
+            self._pipeline_group, self._data_parallel_group, self._control_group = _join_process_groups(self)
+            names = {rank: topology.name(rank) for rank in range(topology.world_size)}
+            store = dist.distributed_c10d._get_default_store()
+            self._job.close()
+            self._job = Job(store, self.global_rank, names, self.config.stall_limit(), self.world_size)
         self._randomness = StageRandomness.synchronized(self.stage_index, topology.num_stages, self.broadcast)
         replicas = topology.data_parallel_size
         self._agreement = StepAgreement(self.replica_index, replicas, names, self._job, self._control_group)
@@ -335,11 +341,59 @@ class MeshStrategy(LaunchedParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """Lightning's teardown, then close this run's agreement and :class:`~lightning_gpipe.faults.job.Job`."""
+        """Lightning's teardown, then stop watching the launcher, and close this run's agreement and job."""
         super().teardown()
+        if self._launcher_watch is not None:  # first: a watch that then finds the job closed knows the run ended
+            self._launcher_watch.stop()
         self._agreement = self._signals = None
         self._randomness = StageRandomness()
         self._job.close()
+
+
+def _environment_of(strategy: MeshStrategy) -> ClusterEnvironment:
+    """The strategy's cluster environment, given by the Trainer before it configures the launcher."""
+    environment = strategy.cluster_environment
+    assert environment is not None  # given by the Trainer before it configures the launcher
+    return environment
+
+
+@contextmanager
+def _ending_launched_processes_on_failure(launcher: Any) -> Iterator[None]:
+    """End the processes ``launcher`` started (see :func:`~lightning_gpipe.lightning._lightning.
+    end_launched_processes`) if the block raises: before the job's store exists, they cannot learn of it."""
+    try:
+        yield
+    except BaseException:
+        end_launched_processes(launcher)
+        raise
+
+
+def _join_process_groups(
+    strategy: MeshStrategy,
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup | None]:
+    """Join the default process group (see :func:`~lightning_gpipe.lightning._lightning.init_process_group`), then
+    create the mesh's groups; return this process's pipeline group, data-parallel group, and the gloo group of the
+    host-read messages beside a device backend (``None`` on gloo).
+
+    Raises:
+        RuntimeError: torch.distributed's error; when global rank 0 cannot listen on ``MASTER_PORT`` (another
+            program does), of the same type, naming the port and what to do.
+    """
+    environment, device = _environment_of(strategy), strategy.root_device
+    backend = strategy.config.process_group_backend or default_process_group_backend(device)
+    try:
+        init_process_group(environment, backend, strategy.config.timeout)
+    except RuntimeError as error:
+        if "EADDRINUSE" not in str(error):
+            raise
+        port, address = environment.main_port, environment.main_address
+        raise type(error)(
+            f"MASTER_PORT={port} is in use on {address} (EADDRINUSE): another program listens there, so global rank"
+            " 0 cannot create the job's store. Set MASTER_PORT to a free port (without MASTER_PORT, Lightning's"
+            " default environment picks a free one)."
+        ) from error
+    pipeline, data_parallel = groups(strategy.topology.mesh(device.type))
+    return pipeline, data_parallel, None if backend == "gloo" else dist.new_group(backend="gloo")
 
 
 def _trainer_of(strategy: MeshStrategy) -> "pl.Trainer":

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_gpipe.faults import collectives
 from lightning_gpipe.lightning._lightning import set_plugin_class
@@ -43,12 +44,15 @@ def clip_grad_norm_(
 
     Equals ``torch.nn.utils.clip_grad_norm_`` over the whole model: the squared norms of
     the stages are summed (an all-reduce; every stage must call this), then each stage
-    scales its gradients with ``torch.nn.utils.clip_grads_with_norm_``.
+    scales its gradients as ``torch.nn.utils.clip_grads_with_norm_`` does. A gradient sharded over the data-parallel
+    replicas (FSDP2's ``DTensor``, see :mod:`~lightning_gpipe.lightning.data_parallel`) counts and is scaled by its
+    local shard, so with sharding ``group`` must be every process: each shard is counted once, on its replica.
 
     Args:
         parameters: this stage's parameters (their ``.grad`` is scaled in place).
         max_norm: the largest allowed 2-norm of all gradients together.
-        group: the stages of one pipeline; ``None`` is the default (whole-world) group.
+        group: the stages of one pipeline, or with sharding every process; ``None`` is the default (whole-world)
+            group.
         uncounted: parameters among ``parameters`` whose gradients are scaled but left out of this stage's norm:
             the copies of a tied parameter held by several stages, on all of them but one, so that it counts
             once (see :meth:`lightning_gpipe.engine.ties.TiedParameters.uncounted`). None by default.
@@ -61,18 +65,25 @@ def clip_grad_norm_(
     Raises:
         PipelineFailure: if another stage failed while this one waited for it.
     """
-    parameters = list(parameters)
     skipped = {id(p) for p in uncounted}
-    grads = [p.grad for p in parameters if p.grad is not None and id(p) not in skipped]
-    device = grads[0].device if grads else torch.device("cpu")
-    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
+    grads = [(_local(p.grad), id(p) not in skipped) for p in parameters if p.grad is not None]
+    counted = [grad for grad, counts in grads if counts]
+    device = counted[0].device if counted else torch.device("cpu")
+    local = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros((), device=device)
     squared = local.double() ** 2
     if dist.is_initialized():
         assert job is not None, "clip_grad_norm_ needs the run's job once torch.distributed is initialised"
         collectives.all_reduce(job, squared, group=group)
     total = squared.sqrt().to(local.dtype)
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch.nn.utils.clip_grads_with_norm_'s
+    for grad, _ in grads:
+        grad.mul_(coefficient.to(grad.device))
     return total
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """A ``DTensor``'s shard on this process (which scaling in place scales), else ``tensor`` itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class SharedGradScaler(torch.amp.GradScaler):
@@ -153,7 +164,11 @@ def _pipelined_class(plugin_class: type) -> type:
 
 
 def pipelined(
-    plugin: Any, group: dist.ProcessGroup | None, uncounted: Callable[[], Iterable[Tensor]], job: "Job"
+    plugin: Any,
+    group: dist.ProcessGroup | None,
+    uncounted: Callable[[], Iterable[Tensor]],
+    job: "Job",
+    sharded: bool = False,
 ) -> None:
     """Make a Lightning precision plugin clip by the norm of all stages' gradients and share its gradient scaler's
     found-inf decision (:class:`SharedGradScaler`); undone by :func:`unpipelined`.
@@ -166,7 +181,21 @@ def pipelined(
         group: the stages of this process's pipeline.
         uncounted: returns the parameters left out of this stage's norm (see :func:`clip_grad_norm_`).
         job: the run's :class:`~lightning_gpipe.faults.job.Job`, whose waits the all-reduces use.
+        sharded: whether the stages' gradients are sharded over their replicas (FSDP2,
+            :mod:`~lightning_gpipe.lightning.data_parallel`): the norm is then summed over every process, each shard
+            once.
+
+    Raises:
+        ValueError: with ``sharded``, for a plugin with a gradient scaler (``precision="16-mixed"``), whose unscaling
+            of sharded gradients has not been run.
     """
+    if sharded and getattr(plugin, "scaler", None) is not None:
+        raise ValueError(
+            "GPipeStrategy(sharding_strategy=...) with precision='16-mixed': the gradient scaler's unscaling of FSDP2's"
+            " sharded gradients has not been run by GPipeStrategy; use precision='bf16-mixed' (no scaler) or"
+            " '32-true', or sharding_strategy='NO_SHARD'."
+        )
+    group = None if sharded else group
     if not isinstance(plugin, PipelinePrecision):
         plugin_class: type = type(plugin)  # a class, hashable (mypy reads type(Any) as type[Any], maybe unhashable)
         set_plugin_class(plugin, _pipelined_class(plugin_class))

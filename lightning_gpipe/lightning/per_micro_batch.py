@@ -133,13 +133,15 @@ class RowWeighted:
     def run(self, rows: int, step: Callable[[], Any]) -> Any:
         """Run ``step()``, the user's step on a micro-batch of ``rows`` rows, and return its output.
 
-        ``rows=0`` runs it without recording (the step on the whole batch, which ends at the backbone call).
+        ``rows=0`` runs it without recording (the step on the whole batch, which ends at the backbone call). What
+        it records is detached: a loss's graph would keep the micro-batch's output and its gradient alive until the
+        step ends.
         """
         logged: dict[str, dict[str, Any]] = {}
         with _recording_logs(self.module, self._signature, logged):
             output = step()
         if rows:
-            self._parts.append(_Part(rows / self.rows, output, logged))
+            self._parts.append(_Part(rows / self.rows, apply_to_collection(output, Tensor, Tensor.detach), logged))
         return output
 
     def finish(self) -> Any:

@@ -49,7 +49,8 @@ def plan(
         world_size: devices (processes) of the job.
         memory_limit: bytes each device may hold (parameters, gradients, optimizer state, activations, buffers).
         example_batch: one training batch, as the data loader yields it (per replica): the backbone input is
-            what ``training_step`` passes to the backbone. ``None``: the module's ``example_input_array``.
+            what ``training_step`` passes to the backbone, and the rest of the step (head, loss) is measured on it.
+            ``None``: the module's ``example_input_array`` (no loss is measured then).
         optimizer: for the optimizer state's size: a name (``"sgd"``, ``"momentum"``, ``"adam"``, ``"adamw"``,
             ``"amsgrad"``) or an optimizer; ``None`` (default): the module's ``configure_optimizers()``.
         device: where to profile the layers (default ``"cpu"``); use the kind of device you will train on.

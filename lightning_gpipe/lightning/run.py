@@ -18,7 +18,7 @@ from lightning_gpipe.engine import Partition, Recorder, StagePipeline, StepGradi
 from lightning_gpipe.faults.job import Job
 from lightning_gpipe.lightning import state_dict
 from lightning_gpipe.lightning.contract import BackboneCall
-from lightning_gpipe.lightning.data_parallel import GradientSync
+from lightning_gpipe.lightning.data_parallel import GradientSync, ShardedStage
 from lightning_gpipe.lightning.randomness import StageRandomness
 from lightning_gpipe.lightning.relay import LogRelay, StepRelay
 
@@ -36,6 +36,7 @@ class StageRun:
         share: sends a picklable object from the last stage to every stage of the pipeline (a collective call).
         job: the run's :class:`~lightning_gpipe.faults.job.Job` (failure board, position, watchdog, waits).
         gradient_sync: DDP over the stage's replicas, with several of them (set by :meth:`sync_gradients`).
+        sharded: FSDP2 over the stage's replicas instead, with a ``sharding_strategy`` (set by :meth:`sync_gradients`).
         step_gradients: a 1F1B step's gradients, kept apart until Lightning's ``backward``.
         collector: what the pipeline callbacks (:mod:`lightning_gpipe.lightning.callbacks`) record of this run's steps,
             shared by all of them; the first one that needs it sets it.
@@ -49,6 +50,7 @@ class StageRun:
     share: Callable[[Any], Any]
     job: Job
     gradient_sync: GradientSync | None = None
+    sharded: ShardedStage | None = None
     step_gradients: StepGradients = field(default_factory=StepGradients)
     collector: Any = None
 
@@ -67,13 +69,24 @@ class StageRun:
         """The stage's recorder, which every model chunk's spans go to (marked with their model chunk)."""
         return self.pipeline.events
 
-    def sync_gradients(self, module: "pl.LightningModule", group: Any, device: torch.device) -> None:
+    def sync_gradients(
+        self, module: "pl.LightningModule", group: Any, device: torch.device, sharding: str = "NO_SHARD"
+    ) -> None:
         """Let DDP average this stage's gradients over its data-parallel ``group`` (several replicas only; see
         :mod:`lightning_gpipe.lightning.data_parallel`): what the stage trains is its partition, and on the last stage
         also the modules after the backbone. The sync starts at the step's last backward on the stage
         (:meth:`~lightning_gpipe.engine.StagePipeline.on_last_backward`); the other model chunks' parameters are
-        complete by then, and DDP reduces them with the first bucket."""
+        complete by then, and DDP reduces them with the first bucket. With a ``sharding`` other than ``"NO_SHARD"``,
+        FSDP2 shards what the stage holds over ``group`` instead (:class:`~lightning_gpipe.lightning.data_parallel.
+        ShardedStage`), keeping the gathered parameters from the stage's first backward of a step
+        (:meth:`~lightning_gpipe.engine.StagePipeline.on_backward_start`) to its end. A collective call of ``group``."""
         trained = module if self.pipeline.is_last else self.partition
+        if sharding != "NO_SHARD":
+            if any(True for _ in trained.parameters()):
+                full = sharding == "FULL_SHARD"
+                self.sharded = ShardedStage(trained, self.pipeline.partitions, group, device, full, self.job)
+                self.pipeline.on_backward_start(self.sharded.begin_backward)
+            return
         if not GradientSync.trains(trained):
             return
         self.gradient_sync = GradientSync(trained, group, device)
@@ -98,8 +111,13 @@ class StageRun:
         enters this for every batch of the window but the last). Under a schedule with a loss per micro-batch (1F1B)
         every batch's gradients are averaged: they are computed apart from the window's earlier ones (see
         :class:`~lightning_gpipe.engine.gradients.StepGradients`), and the average of a sum is the sum of the
-        averages."""
+        averages. With sharding, FSDP2 keeps the window's gradients unsharded apart from ``.grad`` under every plan,
+        and reduce-scatters them once, at the window's end."""
         sync = self.gradient_sync
+        if self.sharded is not None:  # FSDP2 keeps the window's gradients to itself, whatever the plan
+            with self.sharded.disabled():
+                yield
+            return
         with nullcontext() if sync is None or self.pipeline.loss_per_micro_batch else sync.disabled():
             yield
 
@@ -108,6 +126,32 @@ class StageRun:
         (:attr:`~lightning_gpipe.engine.StagePipeline.loss_ends_backward`)."""
         if self.gradient_sync is not None and self.pipeline.loss_ends_backward:
             self.gradient_sync.prepare([loss])
+
+    def begin_step(self) -> None:
+        """At the start of a step (training or evaluation), with sharding: gather what FSDP2 does not gather in the
+        micro-batches (see :meth:`~lightning_gpipe.lightning.data_parallel.ShardedStage.begin_step`)."""
+        if self.sharded is not None:
+            self.sharded.begin_step()
+
+    def finish_backward(self) -> None:
+        """At the end of a training step's backward, with sharding: the step's reduce-scatter (not within a
+        gradient-accumulation window) and the gathered parameters freed (see
+        :meth:`~lightning_gpipe.lightning.data_parallel.ShardedStage.finish_backward`)."""
+        if self.sharded is not None:
+            self.sharded.finish_backward()
+
+    def end_evaluation_step(self) -> None:
+        """After an evaluation step, with sharding: the gathered parameters freed."""
+        if self.sharded is not None:
+            self.sharded.end_evaluation_step()
+
+    def unshard(self) -> None:
+        """With sharding, after a completed fit: every parameter whole again and FSDP2 undone, so the module leaves
+        the run plain (see :meth:`~lightning_gpipe.lightning.data_parallel.ShardedStage.release`). A collective call of
+        the stage's replicas."""
+        if self.sharded is not None:
+            self.sharded.release()
+            self.sharded = None
 
     def whole_state(self, module: "pl.LightningModule", replica: int, group: Any) -> dict | None:
         """Every stage's part of ``module``'s state on the process of pipeline replica ``replica`` that gets the

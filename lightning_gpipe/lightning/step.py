@@ -127,6 +127,7 @@ def training_step(run: StageRun, module: "pl.LightningModule", precision: Any, a
             stage.
         PipelineFailure: if another stage failed while this one waited for it.
     """
+    run.begin_step()
     output = protocol_of(run).training_step(run, module, precision, args, kwargs)
     is_last, relay = run.pipeline.is_last, run.step_relay
     if is_last and output is None:
@@ -182,12 +183,15 @@ def hand_output(run: StageRun, closure: Any) -> None:
 
 def backward(run: StageRun, module: "pl.LightningModule", precision: Any, loss: Tensor, *args: Any, **kw: Any) -> None:
     """``strategy.backward``, between the precision plugin's ``pre_backward`` and ``post_backward``: the plan after
-    its cut under the run's protocol (:func:`protocol_of`).
+    its cut under the run's protocol (:func:`protocol_of`); then, with sharding, the step's reduce-scatter
+    (:meth:`~lightning_gpipe.lightning.run.StageRun.finish_backward`), so that ``on_after_backward`` sees each
+    replica's shard of the averaged gradients, as DDP's hooks see the average.
 
     Raises:
         PipelineFailure: if another stage failed while this one waited for it.
     """
     protocol_of(run).backward(run, module, precision, loss, *args, **kw)
+    run.finish_backward()
 
 
 def evaluation_step(
@@ -202,7 +206,9 @@ def evaluation_step(
             :func:`~lightning_gpipe.forward_and_share`).
         PipelineFailure: if another stage failed while this one waited for it.
     """
+    run.begin_step()
     output = user_step(run, module, hook, context, args, kwargs)
+    run.end_evaluation_step()
     if hook == "predict_step":
         return run.share(output)
     run.relay(module.trainer)

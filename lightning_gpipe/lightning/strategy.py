@@ -21,13 +21,15 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_gpipe.engine import CompileOption, Size, find_backbone, is_whole
 from lightning_gpipe.lightning import step
-from lightning_gpipe.lightning._lightning import optimizers_to_device
+from lightning_gpipe.lightning._lightning import attached_trainer, optimizers_to_device
 from lightning_gpipe.lightning.build import Process, build_stage, stage_spec
 from lightning_gpipe.lightning.checkpoints import CheckpointHooks
 from lightning_gpipe.lightning.config import (
@@ -35,11 +37,13 @@ from lightning_gpipe.lightning.config import (
     CheckpointMode,
     PipelineConfig,
     ScheduleName,
+    ShardingStrategy,
     StartMethod,
     StateDictType,
+    one_stage_warning,
 )
 from lightning_gpipe.lightning.contract import check_automatic_optimization
-from lightning_gpipe.lightning.measure import planned_config, shared_layer_costs
+from lightning_gpipe.lightning.measure import chosen_split, planned_config, shared_layer_costs
 from lightning_gpipe.lightning.mesh import MeshStrategy
 from lightning_gpipe.lightning.optimization import pipelined, unpipelined
 from lightning_gpipe.lightning.relay import LogRelay, StepRelay
@@ -76,6 +80,7 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         balance_memory_limit: bytes one stage may hold when choosing the balance (default: no limit).
         start_method: ``"popen"`` (default) or ``"spawn"``.
         state_dict_type: checkpoints as one ``"full"`` file (default) or a ``"sharded"`` directory.
+        sharding_strategy: a stage's replicas hold its state whole (``"NO_SHARD"``, DDP; default) or sharded by FSDP2.
         schedule: ``"gpipe"`` (fill-drain; ``None``, default), ``"1f1b"``, ``"zb-h1"``, ``"zb-1p"`` or ``"zb-v"``.
         virtual_stages: model chunks per stage, interleaved (``None``, default: 1, or the planner's choice).
         pipeline_parallel_size: K, the stages of each pipeline (default ``"auto"``).
@@ -115,6 +120,7 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         balance_memory_limit: int | None = None,
         start_method: StartMethod = "popen",
         state_dict_type: StateDictType = "full",
+        sharding_strategy: ShardingStrategy = "NO_SHARD",
         schedule: ScheduleName | None = None,
         virtual_stages: int | None = None,
         pipeline_parallel_size: Size = "auto",
@@ -145,6 +151,7 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
             compile=compile,
             pipeline_parallel_size=pipeline_parallel_size,  # the processes: mesh, launcher, groups, timeouts
             data_parallel_size=data_parallel_size,
+            sharding_strategy=sharding_strategy,
             start_method=start_method,
             process_group_backend=process_group_backend,
             timeout=timeout,
@@ -201,6 +208,8 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         assert self.accelerator is not None  # given by the Trainer
         self.accelerator.setup(trainer)
         replace_model_summary(trainer)  # Lightning's would count this stage's part only
+        if warning := one_stage_warning(self.config, self.topology.num_stages, self.root_device.type):
+            rank_zero_warn(warning, category=PossibleUserWarning)
         module, fitting = self.lightning_module, trainer.state.fn == TrainerFn.FITTING
         assert module is not None  # attached by the Trainer before setup
         check_automatic_optimization(module)
@@ -214,7 +223,11 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
             StepRelay(self, last, self.global_rank == last, group, self._control_group, device, self._job),
         )
         process = Process(self.topology, self.global_rank, device, self._job, self._control_group)
-        spec = stage_spec(module, name, self.config, process, shared_layer_costs(self, module, name))
+        choosing = fitting and self.config.chooses_split and self.topology.num_stages > 1
+        costs = shared_layer_costs(self, module, name, choosing)
+        if choosing:
+            self.config = chosen_split(self, module, name, costs)
+        spec = stage_spec(module, name, self.config, process, costs)
         share = self._share_from_last_stage
         run = self._run = build_stage(module, name, spec, self._job, self._randomness, share, relays)
         run.start(module, self.root_device)
@@ -223,11 +236,11 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         self.model_to_device()
         run.ties.synchronize()  # tied copies start equal, even when each stage initialised its own
         if fitting and self.topology.data_parallel_size > 1:
-            run.sync_gradients(module, self._data_parallel_group, self.root_device)
+            run.sync_gradients(module, self._data_parallel_group, self.root_device, self.config.sharding_strategy)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        pipelined(self.precision_plugin, self.pipeline_group, run.ties.uncounted, self._job)
+        pipelined(self.precision_plugin, self.pipeline_group, run.ties.uncounted, self._job, run.sharded is not None)
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
 
@@ -309,10 +322,13 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
     @override
     def teardown(self) -> None:
         """Undo the split (see :meth:`~lightning_gpipe.lightning.run.StageRun.close`): after a completed run, global
-        rank
-        0's module gets every stage's weights back, if it was whole before the split."""
+        rank 0's module gets every stage's weights back, if it was whole before the split. Under the spawn launcher
+        the main process runs no stage: its module, never attached to the Trainer, was not split."""
         module, run, whole = self.lightning_module, self._run, None
-        completed = module is not None and module.trainer.state.status != TrainerStatus.INTERRUPTED
+        trainer = attached_trainer(module) if module is not None else None
+        completed = trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED
+        if run is not None and completed:
+            run.unshard()  # with sharding: every parameter whole again (a collective call of the replicas)
         if run is not None and completed and self._whole_before_split:
             assert module is not None  # completed
             whole = run.whole_state(module, self.replica_index, self.pipeline_group)

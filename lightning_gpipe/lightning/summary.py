@@ -1,15 +1,15 @@
 """PipelineModelSummary: Lightning's model summary for the whole pipelined model, and how it is split.
 
-Under ``GPipeStrategy`` every stage process holds only its own backbone layers (and the last stage the
-modules after the backbone), so Lightning's ``ModelSummary`` would print one stage's part as if it were
-the model. :class:`PipelineModelSummary` gathers every stage's modules and parameters at fit start (one
-collective call all stages join) and prints, on global rank 0, the whole model's layer table and totals
-followed by the split: each stage's backbone layers and parameters. ``GPipeStrategy`` puts it in place of
-Lightning's default summary with :func:`replace_model_summary`.
+Under ``GPipeStrategy`` every stage process holds only its own backbone layers (and the stage that ends the
+backbone, the last one or stage 0 in ZB-V's V, the modules after the backbone), so Lightning's ``ModelSummary``
+would print one stage's part as if it were the model. :class:`PipelineModelSummary` gathers every stage's modules
+and parameters at fit start (one collective call all stages join) and prints, on global rank 0, the whole model's
+layer table and totals followed by the split: each stage's backbone layers and parameters. ``GPipeStrategy`` puts it
+in place of Lightning's default summary with :func:`replace_model_summary`.
 """
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.model_summary.model_summary import (
     get_formatted_model_size,
     get_human_readable_count,
 )
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_gpipe.faults.job import Job
 from lightning_gpipe.lightning._lightning import summary_kwargs, summary_max_depth
@@ -41,8 +41,9 @@ class StageSummary:
     Attributes:
         stage: pipeline rank (0 is the first stage).
         layers: names of the stage's backbone layers, in order (their names in the ``nn.Sequential``).
-        parameters: parameter elements the stage holds: its backbone layers, and on the last stage also
-            the modules after the backbone (heads, losses with weights).
+        parameters: parameter elements the stage holds: its backbone layers, and on the stage that ends the backbone
+            also the modules after it (heads, losses with weights). A parameter tied across stages counts on every
+            stage that holds a copy of it.
         trainable_parameters: those of ``parameters`` that require gradients.
     """
 
@@ -60,6 +61,7 @@ class _Row:
     type: str
     parameters: int
     training: bool
+    copies: int = 0  # of ``parameters``, the elements of tied copies counted on another stage
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,8 @@ class _Local:
     rows: tuple[_Row, ...]
     parameters: dict[str, tuple[int, bool]]  # name -> (elements, requires_grad)
     modes: dict[str, bool]  # module name -> training, every module but the root
+    holds_head: bool  # whether the stage ends the backbone and holds the modules after it
+    copies: frozenset[str]  # the names of tied copies counted on another stage
 
 
 class _Pipeline(NamedTuple):
@@ -80,6 +84,8 @@ class _Pipeline(NamedTuple):
     stage: int
     partition: nn.Module
     job: Job
+    holds_head: bool
+    copies: list[Tensor]
 
 
 def _pipeline_of(trainer: "pl.Trainer") -> _Pipeline | None:
@@ -89,10 +95,11 @@ def _pipeline_of(trainer: "pl.Trainer") -> _Pipeline | None:
     than by class, so that this module does not import the strategy (which swaps in the summary).
     """
     strategy: Any = trainer.strategy  # read by its attributes (GPipeStrategy's), not by its class
-    partition = getattr(getattr(strategy, "run", None), "partition", None)
+    run: Any = getattr(strategy, "run", None)
+    partition = getattr(run, "partition", None)
     if not isinstance(partition, nn.Module):
         return None
-    return _Pipeline(strategy.stage_index, partition, strategy.job)
+    return _Pipeline(strategy.stage_index, partition, strategy.job, run.pipeline.is_last, run.ties.uncounted())
 
 
 @contextmanager
@@ -117,8 +124,10 @@ class PipelineModelSummary(ModelSummary):
     - one row per stage: its backbone layers (by name: ``0-4``, or ``stem .. reduction1`` for named
       layers), how many they are, the parameters the stage holds and their share of the model.
 
-    Parameters are counted once per name, so the totals equal those of Lightning's summary of the same
-    module without the strategy. Every rank keeps the result (see Attributes).
+    Each parameter is counted once, a parameter tied across stages (an embedding and an output head sharing one
+    weight) included, so the totals equal those of Lightning's summary of the same module without the strategy;
+    a stage's row counts every parameter the stage holds, its copies of tied ones too. Every rank keeps the result
+    (see Attributes).
 
     Under any other strategy it is Lightning's ``ModelSummary``. ``GPipeStrategy`` swaps Lightning's
     default summary for this one (see :func:`replace_model_summary`); to change the depth, pass
@@ -165,7 +174,9 @@ class PipelineModelSummary(ModelSummary):
             return
         if not self.max_depth:
             return
-        local = _local_part(pl_module, pipeline.partition, pipeline.stage, self.max_depth)
+        local = _local_part(
+            pl_module, pipeline.partition, pipeline.stage, self.max_depth, pipeline.holds_head, pipeline.copies
+        )
         parts: list[Any] = [None] * dist.get_world_size()
         with _collective(pipeline.job):
             dist.all_gather_object(parts, local)
@@ -210,21 +221,45 @@ class _Table:
     trainable: int
     modes: dict[str, bool]
     num_stages: int
+    head_stage: int  # the stage ending the backbone, which holds the modules after it
 
 
-def _local_part(module: nn.Module, partition: nn.Module, stage: int, max_depth: int) -> _Local:
-    """This stage's layer rows (up to ``max_depth``), parameters and module modes."""
+def _local_part(
+    module: nn.Module,
+    partition: nn.Module,
+    stage: int,
+    max_depth: int,
+    holds_head: bool,
+    copies: Iterable[Tensor] = (),
+) -> _Local:
+    """This stage's layer rows (up to ``max_depth``), parameters and module modes.
+
+    Args:
+        module: this stage's LightningModule.
+        partition: the stage's backbone layers.
+        stage: the stage's pipeline rank.
+        max_depth: the summary's depth.
+        holds_head: whether the stage ends the backbone (and holds the modules after it).
+        copies: the stage's copies of tied parameters that another stage counts
+            (:meth:`~lightning_gpipe.engine.TiedParameters.uncounted`).
+    """
     names = {sub: name for name, sub in module.named_modules()}
+    copied = {id(p) for p in copies}
+
+    def row(name: str, sub: nn.Module) -> _Row:
+        elements = sum(_numel(p) for p in sub.parameters())
+        tied = sum(_numel(p) for p in sub.parameters() if id(p) in copied)
+        return _Row(name, type(sub).__name__, elements, sub.training, tied)
+
     return _Local(
         stage=stage,
         backbone=names[partition],
         layers=tuple(partition._modules),  # every position, a layer used at two included
-        rows=tuple(
-            _Row(name, type(sub).__name__, sum(_numel(p) for p in sub.parameters()), sub.training)
-            for name, sub in _named_layers(module, max_depth)
-        ),
+        rows=tuple(row(name, sub) for name, sub in _named_layers(module, max_depth)),
         parameters={name: (_numel(p), p.requires_grad) for name, p in module.named_parameters()},
         modes={name: sub.training for name, sub in list(module.named_modules())[1:]},
+        holds_head=holds_head,
+        copies=frozenset(name for name, p in module.named_parameters() if id(p) in copied),
     )
 
 
@@ -244,40 +279,42 @@ def _numel(parameter: nn.Parameter) -> int:
 def _merge(parts: list[_Local]) -> tuple[_Table, list[StageSummary]]:
     """The whole model's layer table and the stages' summaries, from every stage's part.
 
-    A row present on several stages (the backbone itself, a module that lives on the last stage only and
-    is a placeholder elsewhere) adds up their parameters and takes the type and mode of the last stage
-    holding it. Rows keep the model's order: top-level modules as declared, the backbone's layers stage
-    by stage. With several data-parallel replicas, the first part of each stage is used.
+    A row present on several stages (the backbone itself, a module that lives on the stage ending the backbone only
+    and is a placeholder elsewhere) adds up their parameters, less the tied copies another stage counts where
+    several stages hold some of them, and takes the type and mode of the stage ending the backbone. Rows keep the
+    model's order: top-level modules as declared, the backbone's layers stage by stage. The totals count a tied
+    parameter once, as Lightning's summary of the module without the strategy does. With several data-parallel
+    replicas, the first part of each stage is used.
     """
     by_stage: dict[int, _Local] = {}
     for part in parts:
         by_stage.setdefault(part.stage, part)
     stages = [by_stage[k] for k in sorted(by_stage)]
-    backbone = stages[-1].backbone
-    top = {row.name: i for i, row in enumerate(r for r in stages[-1].rows if "." not in r.name)}
+    ordered = sorted(stages, key=lambda part: part.holds_head)  # the stage ending the backbone last: its rows win
+    head = ordered[-1]
+    top = {row.name: i for i, row in enumerate(r for r in head.rows if "." not in r.name)}
     merged: dict[str, tuple[tuple[int, int, int], _Row]] = {}
-    for part in stages:
+    for part in ordered:
         for position, row in enumerate(part.rows):
-            inside = row.name.startswith(backbone + ".")
+            inside = row.name.startswith(head.backbone + ".")
             key = (top.get(row.name.split(".")[0], len(top)), part.stage if inside else -1, position)
             if row.name in merged:
-                row = _Row(row.name, row.type, merged[row.name][1].parameters + row.parameters, row.training)
+                row = _merge_row(merged[row.name][1], row)
             merged[row.name] = (key, row)
     rows = [row for _, row in sorted(merged.values(), key=lambda item: item[0])]
+    sequential = f"Sequential ({_stages(len(stages))})"
     rows = [
-        _Row(row.name, f"Sequential ({_stages(len(stages))})", row.parameters, row.training) if row.name == backbone
-        else row
-        for row in rows
-    ]  # fmt: skip
+        _Row(row.name, sequential, row.parameters, row.training) if row.name == head.backbone else row for row in rows
+    ]
     parameters: dict[str, tuple[int, bool]] = {}
     modes: dict[str, bool] = {}
-    for part in stages:
-        parameters.update(part.parameters)
+    for part in ordered:
+        parameters.update((name, counts) for name, counts in part.parameters.items() if name not in part.copies)
         modes.update(part.modes)
     total = sum(n for n, _ in parameters.values())
     trainable = sum(n for n, requires_grad in parameters.values() if requires_grad)
     leftover = max(total - sum(row.parameters for row in rows), 0)
-    table = _Table(rows, leftover, total, trainable, modes, len(stages))
+    table = _Table(rows, leftover, total, trainable, modes, len(stages), head.stage)
     summaries = [
         StageSummary(
             stage=part.stage,
@@ -288,6 +325,16 @@ def _merge(parts: list[_Local]) -> tuple[_Table, list[StageSummary]]:
         for part in stages
     ]
     return table, summaries
+
+
+def _merge_row(seen: _Row, row: _Row) -> _Row:
+    """One row of two stages' (``seen``: of the earlier ones): their parameters together, a tied copy once where
+    both hold parameters of the row; the type and mode of ``row``."""
+    if seen.parameters and row.parameters:
+        parameters, copies = seen.parameters + row.parameters - row.copies - seen.copies, 0
+    else:
+        parameters, copies = seen.parameters + row.parameters, seen.copies + row.copies
+    return _Row(row.name, row.type, parameters, row.training, copies)
 
 
 def _stages(count: int, noun: str = "stage") -> str:
@@ -355,8 +402,8 @@ def _format(table: _Table, stages: list[StageSummary], precision_bits: int) -> s
         [
             layer_table,
             *(f"{value:<10}{label}" for value, label in totals),
-            f"Split into {_stages(table.num_stages, 'pipeline stage')} (the modules after the backbone are on its last"
-            " stage):",
+            f"Split into {_stages(table.num_stages, 'pipeline stage')} (the modules after the backbone are on"
+            f" {'its last stage' if table.head_stage == table.num_stages - 1 else f'stage {table.head_stage}'}):",
             stage_table,
         ]
     )

@@ -3,9 +3,12 @@
 Layers are profiled at two micro-batch sizes (:class:`ProfiledCosts`): time per layer is modelled as affine in the
 rows of a micro-batch, ``a + b * rows`` through the two measurements, extrapolated beyond them (so a small
 micro-batch keeps the fixed cost of launching its operators, which is why smaller micro-batches are slower per
-row), and the activation, output and transient bytes as proportional to the rows. :class:`CostModel` holds what
-profiling one layer cannot see: the transfers between stages, the engine's cost per micro-batch and per step,
-the optimizer step, the data-parallel all-reduce, and the optimizer state's size (:func:`optimizer_state_factor`).
+row), the transient bytes likewise (a transient may hold the weights' gradients, whatever the rows), and the
+activation and output bytes as proportional to the rows. What runs after the backbone on the last stage (the rest of
+the user's step: head and loss) is measured apart, in bytes, at every row count a plan runs it on (:class:`HeadCost`).
+:class:`CostModel` holds what profiling one layer cannot see: the transfers between stages, the engine's cost per
+micro-batch and per step, the optimizer step, the data-parallel all-reduce, and the optimizer state's size
+(:func:`optimizer_state_factor`).
 Its defaults were measured on a 2-core CPU machine (docs/planning.md, "Calibrating"); give your own for another machine.
 """
 
@@ -100,6 +103,44 @@ def optimizer_state_factor(optimizer: str | Any) -> int:
 
 
 @dataclass(frozen=True)
+class HeadCost:
+    """What runs after the backbone on the last stage (the rest of the user's step: head, loss) and the loss's
+    backward, measured at several row counts: the rows of one call of the step (the whole mini-batch under fill-drain,
+    one micro-batch's under a schedule that runs the step per micro-batch).
+
+    Args:
+        rows: the rows of each measured call, ascending.
+        peak_bytes: for each, the bytes of the tensors the call makes, at their peak over the step and the loss's
+            backward, less the gradients of the backbone's output and of the head's parameters (counted with the
+            last stage's buffers and gradients): the logits' softmax, the loss's graph, their gradients.
+        parameter_bytes: the parameters and buffers of the modules outside the backbone (they live on the last stage).
+
+    Raises:
+        ValueError: for no measurement, or rows and bytes of different lengths.
+    """
+
+    rows: tuple[int, ...]
+    peak_bytes: tuple[int, ...]
+    parameter_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.rows or len(self.rows) != len(self.peak_bytes):
+            raise ValueError(f"HeadCost needs one peak per measured row count, got {self.rows} and {self.peak_bytes}.")
+
+    def at(self, rows: int) -> int:
+        """The peak bytes of a call on ``rows`` rows: the measurement at those rows; between two, the straight line
+        through them; beyond them, the nearest scaled by the rows."""
+        pairs = sorted(zip(self.rows, self.peak_bytes))
+        below = [pair for pair in pairs if pair[0] <= rows]
+        above = [pair for pair in pairs if pair[0] >= rows]
+        if below and above:
+            (r0, b0), (r1, b1) = below[-1], above[0]
+            return b0 if r0 == r1 else round(b0 + (b1 - b0) * (rows - r0) / (r1 - r0))
+        near_rows, near_bytes = below[-1] if below else above[0]
+        return round(near_bytes * rows / near_rows)
+
+
+@dataclass(frozen=True)
 class ProfiledCosts:
     """Per-layer costs measured at two micro-batch sizes, and the backbone input's size.
 
@@ -109,6 +150,8 @@ class ProfiledCosts:
         small: the same at ``rows[1]``.
         batch_rows: N, the rows of one mini-batch of the backbone input (per replica).
         input_bytes: bytes of the whole mini-batch's backbone input.
+        head: what runs after the backbone on the last stage (:class:`HeadCost`); ``None`` (default) when it was not
+            measured (the backbone's sample came from ``example_input_array``, with no training step to run).
 
     Raises:
         ValueError: if the two lists differ in length or a size is below 1.
@@ -119,6 +162,7 @@ class ProfiledCosts:
     small: Sequence[LayerCost]
     batch_rows: int
     input_bytes: int
+    head: HeadCost | None = None
 
     def __post_init__(self) -> None:
         if len(self.large) != len(self.small) or min(*self.rows, self.batch_rows) < 1:
@@ -138,8 +182,10 @@ class ProfiledCosts:
 
 
 def _interpolate(big: LayerCost, small: LayerCost, big_rows: int, small_rows: int, rows: int) -> LayerCost:
-    """``big`` and ``small`` (measured at ``big_rows`` and ``small_rows``) at ``rows``: times affine, bytes scaled
-    from ``big``; neither part of a time is negative (else, from noise, the time is ``big``'s scaled by the rows)."""
+    """``big`` and ``small`` (measured at ``big_rows`` and ``small_rows``) at ``rows``: times and transient bytes
+    affine (a transient may hold tensors of the parameters' size, the weights' gradients, whatever the rows), the
+    other bytes scaled from ``big``; neither part of an affine cost is negative (else, from noise, it is ``big``'s
+    scaled by the rows)."""
 
     def affine(t_big: float, t_small: float) -> float:
         slope = (t_big - t_small) / (big_rows - small_rows) if big_rows != small_rows else -1.0
@@ -157,6 +203,6 @@ def _interpolate(big: LayerCost, small: LayerCost, big_rows: int, small_rows: in
         output_bytes=round(big.output_bytes * scale),
         input_saved_bytes=round(big.input_saved_bytes * scale),
         output_saved_bytes=round(big.output_saved_bytes * scale),
-        transient_bytes=round(big.transient_bytes * scale),
+        transient_bytes=round(affine(big.transient_bytes, small.transient_bytes)),
         kept_grad_bytes=round(big.kept_grad_bytes * scale),
     )

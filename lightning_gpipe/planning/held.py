@@ -10,7 +10,7 @@ moves a payload only then; an activation's is posted when the receiver runs that
 ahead, by an ``expect`` action), and the stage drops its completed sends when it posts its next send and at a
 ``flush`` (:mod:`lightning_gpipe.engine.transfer`). :func:`held_peak` walks a stage's own plan
 (:func:`lightning_gpipe.engine.schedule.plans`, the list the runtime executes) and returns the peak of inputs,
-activations and these together, in bytes.
+activations and these together, in bytes; :func:`held_levels` also what the stage holds where the user's loss runs.
 """
 
 from collections.abc import Sequence
@@ -34,6 +34,10 @@ class _Level:
     from_forward: set = field(default_factory=set)  # ... whose record holds the forward's output (not recomputed)
     grads: int = 0  # bytes of input gradients whose send is pending
     expected: set = field(default_factory=set)  # micro-batches whose output gradient's receive is posted
+    boundary: set = field(default_factory=set)  # last stage: re-materialized micro-batches whose fill output is held
+    forwards: int = 0  # forwards left in the plan
+    ahead: bool = False  # the next forward's input is received into a buffer posted at the one before
+    at_loss: int = 0  # the most held at a ``loss`` action
 
     def add(self, nbytes: int) -> None:
         self.level += nbytes
@@ -50,9 +54,20 @@ class _Level:
 def held_peak(
     actions: Sequence[Action], sends: bool, checkpoint: str, micro_batches: int, stage_bytes: tuple[int, int, int, int]
 ) -> int:
-    """Peak bytes one stage holds over its plan: kept inputs, saved activations, outputs (held by their record until
-    the backward, and by their send while it is pending), input gradients sent (while their send is pending) and the
-    buffers output gradients are received into (from their ``expect`` to their ``backward``; an output's size each).
+    """The peak of :func:`held_levels`."""
+    return held_levels(actions, sends, checkpoint, micro_batches, stage_bytes)[0]
+
+
+def held_levels(
+    actions: Sequence[Action], sends: bool, checkpoint: str, micro_batches: int, stage_bytes: tuple[int, int, int, int]
+) -> tuple[int, int]:
+    """Peak bytes one stage holds over its plan, and the most it holds at a ``loss`` action (where the last stage runs
+    the user's step after the backbone; 0 without one): kept inputs, saved activations, outputs (held by their record
+    until the backward, on the last stage a re-materialized one's too, which the loss took, beside the recomputed one;
+    and by their send while it is pending), input gradients sent (while their send is pending) and the buffers inputs
+    and output gradients are received into (an input's from the forward before its own, where the stage takes that
+    input and posts the next one's receive; an output gradient's from its ``expect`` to its ``backward``, an output's
+    size each).
 
     The rule for a send, which the stage's own plan alone must decide: it is pending from its action (``send``, or
     the ``backward`` whose input gradient it sends) until the stage's next send (a ``send`` action, or a
@@ -74,11 +89,11 @@ def held_peak(
         stage_bytes: per micro-batch, bytes of the stage's kept input (0 on the first stage: a view of the batch),
             its saved activations, its output, and of the output the activations include (saved by the last layer).
     """
-    state = _Level(*stage_bytes)
+    state = _Level(*stage_bytes, forwards=sum(action.kind is Kind.FORWARD for action in actions))
     weights = {action.micro_batch for action in actions if action.kind is Kind.WEIGHT}
     for action in actions:
         _step(state, action, sends, checkpoint, micro_batches, weights)
-    return state.peak
+    return state.peak, state.at_loss
 
 
 def _step(state: _Level, action: Action, sends: bool, checkpoint: str, micro_batches: int, weights: set) -> None:
@@ -87,10 +102,16 @@ def _step(state: _Level, action: Action, sends: bool, checkpoint: str, micro_bat
     unsaved = state.output_bytes - state.output_saved_bytes
     if kind is Kind.FORWARD:
         assert i is not None  # a forward is of one micro-batch
-        if checkpointed(checkpoint, i, micro_batches):
-            state.add(state.input_bytes + (state.output_bytes if sends else 0))
+        own = 0 if state.ahead else state.input_bytes  # its input's buffer, if not posted at the forward before
+        state.forwards -= 1
+        state.ahead = state.forwards > 0  # taking this input posts the next one's receive
+        received = own + state.input_bytes * state.ahead
+        if checkpointed(checkpoint, i, micro_batches):  # the output: held by its send, or by its record for the loss
+            state.add(received + state.output_bytes)
+            if not sends:
+                state.boundary.add(i)
         else:
-            state.add(state.input_bytes + state.activation_bytes + unsaved)
+            state.add(received + state.activation_bytes + unsaved)
             state.from_forward.add(i)
     elif kind is Kind.SEND:
         state.release()
@@ -100,6 +121,8 @@ def _step(state: _Level, action: Action, sends: bool, checkpoint: str, micro_bat
     elif kind is Kind.BACKWARD:
         kept = i in state.posted and i in state.from_forward  # the send still holds the output, saved part too
         freed = state.input_bytes + unsaved * (not kept) - state.output_saved_bytes * kept
+        freed += state.output_bytes * (i in state.boundary)
+        state.boundary.discard(i)
         state.add(-freed - (0 if i in weights else state.activation_bytes))
         state.from_forward.discard(i)
         state.add(state.input_bytes)  # the input gradient, made while the earlier sends are pending
@@ -116,3 +139,5 @@ def _step(state: _Level, action: Action, sends: bool, checkpoint: str, micro_bat
         state.add(-state.activation_bytes)
     elif kind is Kind.FLUSH:
         state.release()
+    elif kind is Kind.LOSS:
+        state.at_loss = max(state.at_loss, state.level)

@@ -5,22 +5,26 @@ plans) over the layers' costs at the plan's micro-batch size (:class:`~lightning
 with the engine's cost per micro-batch, the transfers between stages and the stage's own copies of them, the
 optimizer step and, with several replicas, the gradient all-reduce (:class:`~lightning_gpipe.planning.costs.CostModel`).
 Memory per stage (per process: its model chunks together) is parameters + gradients + optimizer state (+ DDP's
-gradient buckets with several replicas) + the simulator's peak of kept inputs and saved activations (and, under a B/W
+gradient buckets with several replicas; sharded by FSDP2, each process's ``1/D`` of them and the backward's gathered
+parameters and unsharded gradients) + the simulator's peak of kept inputs and saved activations (and, under a B/W
 split, the gradients B keeps for W) + what it holds for its transfers on top (outputs, sent gradients, the buffers of
-received ones: :mod:`~lightning_gpipe.planning.held`) + the largest transient (a layer's, or W's products) + the
-batch every stage loads (:class:`StageMemory`).
+received ones: :mod:`~lightning_gpipe.planning.held`) + the largest transient (a layer's, or W's products, or on the
+last stage the tensors of what runs after the backbone: the loss's) + the batch every stage loads
+(:class:`StageMemory`). The modules after the backbone add their parameters, gradients and optimizer state to the last
+stage.
 PipeDream's planner (Narayanan et al. 2019, section 3.1) predicts from a per-layer profile the same way.
 """
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from lightning_gpipe.engine.actions import Kind, virtual_stage
+from lightning_gpipe.engine.actions import Kind, Plan, virtual_stage
 from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, V_SHAPED, plans
 from lightning_gpipe.planning.balance.costs import LayerCost
 from lightning_gpipe.planning.balance.solver import stage_sums
-from lightning_gpipe.planning.costs import CostModel, ProfiledCosts
-from lightning_gpipe.planning.held import held_peak
+from lightning_gpipe.planning.costs import CostModel, HeadCost, ProfiledCosts
+from lightning_gpipe.planning.held import held_levels
 from lightning_gpipe.planning.simulator import StageCost, Transfer, simulate
 
 
@@ -37,6 +41,8 @@ class PipelinePlan:
             (:data:`~lightning_gpipe.engine.schedule.DEFERRED_BY_DEFAULT`).
         balance: backbone layers per stage, ``K * virtual_stages`` entries (per virtual stage).
         virtual_stages: v, model chunks per stage (``GPipeStrategy(virtual_stages=...)``); 1 by default.
+        sharding_strategy: how a stage's replicas hold its state (``GPipeStrategy(sharding_strategy=...)``, fixed by
+            the user); ``"NO_SHARD"`` (DDP) by default.
     """
 
     pipeline_parallel_size: int
@@ -46,10 +52,20 @@ class PipelinePlan:
     schedule: str
     balance: tuple[int, ...]
     virtual_stages: int = 1
+    sharding_strategy: str = "NO_SHARD"
 
     def options(self) -> dict:
-        """The plan as ``GPipeStrategy`` keyword arguments (``balance`` as a list)."""
-        return {**asdict(self), "balance": list(self.balance)}
+        """The plan as ``GPipeStrategy`` keyword arguments (``balance`` as a list; ``sharding_strategy`` only where
+        it shards)."""
+        options = {**asdict(self), "balance": list(self.balance)}
+        if self.sharding_strategy == "NO_SHARD":
+            del options["sharding_strategy"]
+        return options
+
+    @property
+    def sharded(self) -> bool:
+        """Whether FSDP2 shards each stage's state over its replicas (a sharding strategy, and several replicas)."""
+        return self.sharding_strategy != "NO_SHARD" and self.data_parallel_size > 1
 
 
 @dataclass(frozen=True)
@@ -63,12 +79,17 @@ class StageMemory:
         activations: the simulator's peak of kept micro-batch inputs and saved activations.
         transfers: what the stage holds for its transfers on top of that, at its peak: outputs kept for the backward
             or by an unfinished send, input gradients sent, output gradients' receive buffers
-            (:func:`~lightning_gpipe.planning.held.held_peak`).
+            (:func:`~lightning_gpipe.planning.held.held_levels`).
         transient: the largest transient of the stage's layers on one micro-batch (``LayerCost.transient_bytes``):
             a layer's forward or backward runs on top of what the stage holds; under a B/W split, W's weight-gradient
             products if larger (the split model chunks' parameter bytes).
         buffers: the batches every stage loads (the current one and the next), DDP's buckets, the last stage's
-            joined output and its gradient.
+            gradient of the backbone's output (and under fill-drain with several micro-batches their outputs joined).
+        loss: on the last stage, what the tensors of what runs after the backbone (head, loss; ``HeadCost``) add to
+            its peak: their peak for one run (on the whole mini-batch under fill-drain, on one micro-batch under a
+            schedule that runs the user's step per micro-batch), less what the stage holds at its peak but not while
+            they exist (the activations a re-materialized micro-batch recomputes after its loss). It runs while no
+            layer does, so it and ``transient`` are not added: the larger counts.
     """
 
     parameters: int
@@ -78,12 +99,13 @@ class StageMemory:
     buffers: int
     transfers: int = 0
     transient: int = 0
+    loss: int = 0
 
     @property
     def total(self) -> int:
-        """The sum of the parts, in bytes."""
-        parts = (self.parameters, self.gradients, self.optimizer, self.activations, self.transfers, self.transient)
-        return sum(parts) + self.buffers
+        """The bytes of the parts, the larger of ``transient`` and ``loss`` counted."""
+        parts = (self.parameters, self.gradients, self.optimizer, self.activations, self.transfers, self.buffers)
+        return sum(parts) + max(self.transient, self.loss)
 
 
 @dataclass(frozen=True)
@@ -180,7 +202,7 @@ def predict(
 
     Args:
         plan: the plan.
-        profiled: the layers' costs at two micro-batch sizes.
+        profiled: the layers' costs at two micro-batch sizes, and what runs after the backbone.
         model: the machine's constants.
         state_factor: tensors of a parameter's size the optimizer keeps (see
             :func:`~lightning_gpipe.planning.costs.optimizer_state_factor`).
@@ -190,8 +212,7 @@ def predict(
     chunks = min(plan.chunks, rows_n)
     layers = profiled.for_chunks(chunks)
     stages = modelled_stage_costs(layers, plan.balance, model, DEFERRED_BY_DEFAULT[plan.schedule])
-    per_virtual = stage_sums([c.parameter_bytes for c in layers], plan.balance)
-    params = [round(sum(per_virtual[s] for s in _chunks_of(plan, k))) for k in range(plan.pipeline_parallel_size)]
+    params = _parameters(plan, layers, profiled.head)
     replicas = plan.data_parallel_size
     optimizer = [model.optimizer_time(p, state_factor) + model.all_reduce_time(p, replicas) for p in params]
     transfer = Transfer(model.transfer_latency, model.transfer_bandwidth)
@@ -200,16 +221,17 @@ def predict(
         virtual_stages=plan.virtual_stages,
     )  # fmt: skip
     joined = profiled.at(rows_n)[-1].output_bytes
-    held = _held(plan, chunks, stages, layers)
+    every = plans(plan.schedule, plan.pipeline_parallel_size, chunks, plan.checkpoint, None, plan.virtual_stages)
+    held = _held(plan, every, chunks, stages, layers)
     memory = tuple(
         StageMemory(
-            parameters=p,
-            gradients=p,
-            optimizer=state_factor * p,
+            **_state(plan, p, state_factor),
             activations=simulated.peak_activation_bytes[k],
-            buffers=_buffers(plan, stages, k, profiled.input_bytes, joined) + p * (replicas > 1),
-            transfers=max(held[k] - simulated.peak_activation_bytes[k], 0),
+            buffers=_buffers(plan, stages, k, profiled.input_bytes, joined, every[k], chunks)
+            + p * (replicas > 1 and not plan.sharded),
+            transfers=max(held[k][0] - simulated.peak_activation_bytes[k], 0),
             transient=_transient(plan, layers, stages, k),
+            loss=max(_loss(plan, profiled, every[k].loss_per_micro_batch, k) - held[k][1], 0),
         )
         for k, p in enumerate(params)
     )
@@ -222,6 +244,39 @@ def predict(
         rows_n,
         all(stage.total <= usable for stage in memory),
     )
+
+
+def _state(plan: PipelinePlan, p: int, state_factor: int) -> dict[str, int]:
+    """A process's parameter, gradient and optimizer-state bytes at its peak, of a stage with ``p`` bytes of
+    parameters: whole under DDP (whose gradient buckets, another ``p``, are counted with the buffers); sharded over
+    the D replicas by FSDP2 (docs/scaling.md, "Sharding a stage over its replicas"): each process holds ``1/D`` of
+    each, and in the backward also the gathered parameters and their unsharded gradients (``16 P / D + 8 P`` with
+    AdamW in fp32)."""
+    if not plan.sharded:
+        return {"parameters": p, "gradients": p, "optimizer": state_factor * p}
+    shard = math.ceil(p / plan.data_parallel_size)
+    return {"parameters": shard + p, "gradients": shard + p, "optimizer": state_factor * shard}
+
+
+def _parameters(plan: PipelinePlan, layers: Sequence[LayerCost], head: HeadCost | None) -> list[int]:
+    """Per process, the bytes of its layers' parameters and buffers; on the process with the last stage also the
+    modules' after the backbone (``head``)."""
+    per_virtual = stage_sums([c.parameter_bytes for c in layers], plan.balance)
+    extra, last = (head.parameter_bytes if head is not None else 0), len(plan.balance) - 1
+    return [
+        round(sum(per_virtual[s] for s in _chunks_of(plan, k))) + (extra if last in _chunks_of(plan, k) else 0)
+        for k in range(plan.pipeline_parallel_size)
+    ]
+
+
+def _loss(plan: PipelinePlan, profiled: ProfiledCosts, per_micro_batch: bool, k: int) -> int:
+    """Process ``k``'s bytes of what runs after the backbone (:class:`~lightning_gpipe.planning.costs.HeadCost`) on
+    the rows of one run: on the process with the last stage, the whole mini-batch's, or one micro-batch's where the
+    plan runs the user's step ``per_micro_batch``; 0 elsewhere or where it was not measured."""
+    if profiled.head is None or len(plan.balance) - 1 not in _chunks_of(plan, k):
+        return 0
+    rows = profiled.batch_rows
+    return profiled.head.at(math.ceil(rows / min(plan.chunks, rows)) if per_micro_batch else rows)
 
 
 def _chunks_of(plan: PipelinePlan, k: int) -> list[int]:
@@ -244,39 +299,68 @@ def _process_layers(plan: PipelinePlan, layers: Sequence[LayerCost], k: int) -> 
 
 
 def _transient(plan: PipelinePlan, layers: Sequence[LayerCost], stages: Sequence[StageCost], k: int) -> int:
-    """Process ``k``'s transient: its largest layer's, or where its model chunks split their backwards, the
-    weight-gradient products of W (:func:`~lightning_gpipe.engine.weightgrad.run_together` computes every linear layer's
-    before adding them
-    to ``.grad``), as large as the parameters of those model chunks, if that is larger."""
-    largest = max(c.transient_bytes for c in _process_layers(plan, layers, k))
+    """Process ``k``'s transient: its largest layer's (:func:`_layer_transient`), or where its model chunks split their
+    backwards, the weight-gradient products of W (:func:`~lightning_gpipe.engine.weightgrad.run_together` computes every
+    linear layer's before adding them to ``.grad``), as large as the parameters of those model chunks, if that is
+    larger."""
+    largest = max(_layer_transient(_stage_layers(layers, plan.balance, s)) for s in _chunks_of(plan, k))
     split = [s for s in _chunks_of(plan, k) if stages[s].weight]
     products = sum(c.parameter_bytes for s in split for c in _stage_layers(layers, plan.balance, s))
     return max(largest, products)
 
 
-def _held(plan: PipelinePlan, chunks: int, stages: Sequence[StageCost], layers: Sequence[LayerCost]) -> list[int]:
+def _layer_transient(part: Sequence[LayerCost]) -> int:
+    """The most a (virtual) stage's layer adds for a moment to what the stage holds at its peak: its profiled
+    transient, and in its backward the gradients of its output and of its input, which live between two layers of the
+    stage (the stage's output and input gradients, received and sent, are counted with its transfers); less what the
+    layers after it keep of the micro-batch, which its backward runs after they were freed and its forward before they
+    exist (their saved tensors but their inputs, which a layer before may keep too)."""
+    last = len(part) - 1
+    return max(
+        cost.transient_bytes
+        + cost.output_bytes * (j < last)
+        + (part[j - 1].output_bytes if j else 0)
+        - sum(later.activation_bytes - later.input_saved_bytes for later in part[j + 1 :])
+        for j, cost in enumerate(part)
+    )
+
+
+def _held(
+    plan: PipelinePlan, every: Sequence[Plan], chunks: int, stages: Sequence[StageCost], layers: Sequence[LayerCost]
+) -> list[tuple[int, int]]:
     """Per process, the peak bytes of kept inputs, saved activations and what it holds for its transfers, walked over
-    each model chunk's actions of the process's own plan (:func:`~lightning_gpipe.planning.held.held_peak`) and added up
-    over its model chunks."""
-    every = plans(plan.schedule, plan.pipeline_parallel_size, chunks, plan.checkpoint, None, plan.virtual_stages)
-    peaks = []
+    each model chunk's actions of the process's own plan (of ``every``, the plan's per process:
+    :func:`~lightning_gpipe.planning.held.held_levels`) and added up over its model chunks; and for the model chunk
+    with the last stage, what of its peak it does not hold where the user's loss runs (0 elsewhere)."""
+    found = []
     for k, stage_plan in enumerate(every):
-        peak = 0
+        peak = spared = 0
         for c, s in enumerate(_chunks_of(plan, k)):
             stage, last = stages[s], _stage_layers(layers, plan.balance, s)[-1]
             per_micro = (stage.input_bytes, stage.activation_bytes, stage.output_bytes, last.output_saved_bytes)
             actions = [
                 a for a in stage_plan.actions if a.model_chunk == c or a.kind is Kind.FLUSH
             ]  # a flush: every model chunk's
-            peak += held_peak(actions, s < len(stages) - 1, plan.checkpoint, chunks, per_micro)
-        peaks.append(peak)
-    return peaks
+            chunk_peak, at_loss = held_levels(actions, s < len(stages) - 1, plan.checkpoint, chunks, per_micro)
+            peak += chunk_peak
+            spared += chunk_peak - at_loss if s == len(stages) - 1 else 0
+        found.append((peak, spared))
+    return found
 
 
-def _buffers(plan: PipelinePlan, stages: Sequence[StageCost], k: int, batch_bytes: int, joined: int) -> int:
-    """Bytes of process ``k``'s buffers: two batches (every stage loads them: Lightning's loop fetches the next batch
-    before the step on the current one ends), and on the process with the last stage the whole mini-batch's output
-    (``joined``) and its gradient: measured under 1F1B too, whose user step takes one micro-batch at a time. The
-    input gradients it sends and the output gradients it receives are ``StageMemory.transfers``."""
+def _buffers(
+    plan: PipelinePlan, stages: Sequence[StageCost], k: int, batch_bytes: int, joined: int, own: Plan, chunks: int
+) -> int:
+    """Bytes of process ``k``'s buffers (``own``: its plan, of ``chunks`` micro-batches): two batches (every stage
+    loads them: Lightning's loop fetches the next batch before the step on the current one ends), and on the process
+    with the last stage the gradient of the backbone's output the user's step takes: under fill-drain with several
+    micro-batches, the whole mini-batch's output (``joined``, a copy of the micro-batches' outputs) and its gradient;
+    with one micro-batch (not copied) or where the plan runs the user's step per micro-batch, one micro-batch's output
+    gradient. The micro-batches' outputs the stage keeps, the input gradients it sends and the output gradients it
+    receives are ``StageMemory.transfers``."""
     last = len(stages) - 1
-    return 2 * batch_bytes + (2 * joined if last in _chunks_of(plan, k) else 0)
+    if last not in _chunks_of(plan, k):
+        return 2 * batch_bytes
+    if chunks > 1 and not own.loss_per_micro_batch:
+        return 2 * batch_bytes + 2 * joined
+    return 2 * batch_bytes + stages[last].output_bytes

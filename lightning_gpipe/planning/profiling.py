@@ -1,18 +1,46 @@
-"""The planner's measurements: a backbone's layers at two micro-batch sizes, and a module's optimizer state."""
+"""The planner's measurements: a backbone's layers at two micro-batch sizes, what runs after the backbone at every
+size a plan runs it on, and a module's optimizer state."""
 
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_gpipe.engine import microbatch
+from lightning_gpipe.engine.events import PeakBytes
 from lightning_gpipe.engine.microbatch import Value
-from lightning_gpipe.planning.balance.profile import profile_layers
-from lightning_gpipe.planning.costs import ProfiledCosts, optimizer_state_factor
-from lightning_gpipe.planning.search import MAX_CHUNKS
+from lightning_gpipe.planning.balance.profile import profile_with_output
+from lightning_gpipe.planning.costs import HeadCost, ProfiledCosts, optimizer_state_factor
+from lightning_gpipe.planning.search import MAX_CHUNKS, chunk_counts
 
 PROFILED_CHUNKS = 8
 """The larger profiled micro-batch is one of this many (times for fewer micro-batches are extrapolated)."""
+
+
+@dataclass(frozen=True)
+class AfterBackbone:
+    """What runs after the backbone on the last stage (the rest of the user's step: head, loss), as the planner
+    runs it to measure it (:func:`profile_head`).
+
+    Args:
+        loss: ``loss(chunks, output)`` runs it on the first of ``chunks`` micro-batches of the batch's rows (1: the
+            whole batch), with ``output`` standing for the backbone's output on those rows, and returns the loss
+            (``None`` if there is none to differentiate).
+        parameters: the parameters and buffers it holds (the modules outside the backbone), whose gradients the
+            loss's backward makes.
+        existing: the tensors it reads that exist before it runs and after (the batch's): views of them are not new
+            memory.
+        per_micro_batch: whether it can run on a micro-batch's rows (the batch splits row for row like the backbone
+            input); if not, it is measured on the whole batch only.
+    """
+
+    loss: Callable[[int, Value], Tensor | None]
+    parameters: Sequence[Tensor]
+    existing: Sequence[Tensor] = ()
+    per_micro_batch: bool = True
 
 
 def profile_sizes(
@@ -21,13 +49,15 @@ def profile_sizes(
     device: torch.device | str,
     chunks: int | None = None,
     split: bool = False,
+    after: AfterBackbone | None = None,
 ) -> ProfiledCosts:
     """Profile ``layers`` (:func:`~lightning_gpipe.planning.balance.profile_layers`; with ``split``, the B/W split timed
     too, for a named schedule that splits its backwards, :attr:`~lightning_gpipe.planning.search.Constraints.splits`) on
     two micro-batches of the mini-batch ``value``: one of :data:`PROFILED_CHUNKS` and one of
     :data:`~lightning_gpipe.planning.search.MAX_CHUNKS` (or, when ``chunks`` is fixed, one of ``chunks`` micro-batches,
     twice the same size). Not the whole mini-batch: a layer's activations on all of it may not fit a device that
-    trains the model in micro-batches.
+    trains the model in micro-batches. With ``after``, also what runs after the backbone (:func:`profile_head`), on
+    the backbone's output, at the whole batch and at every micro-batch size the planner may choose.
 
     Raises:
         TypeError, ValueError: as :func:`~lightning_gpipe.engine.microbatch.batch_size` and
@@ -36,11 +66,72 @@ def profile_sizes(
     rows = microbatch.batch_size(value)
     large_chunks, small_chunks = (chunks, chunks) if chunks is not None else (PROFILED_CHUNKS, MAX_CHUNKS)
     large, small = (microbatch.scatter(value, m)[0] for m in (large_chunks, small_chunks))
-    large_costs = profile_layers(layers, large, device, split=split)
-    small_costs = large_costs if small_chunks == large_chunks else profile_layers(layers, small, device, split=split)
+    large_costs, output = profile_with_output(layers, large, device, split=split)
+    same = small_chunks == large_chunks
+    small_costs = large_costs if same else profile_with_output(layers, small, device, split=split)[0]
     sizes = (microbatch.batch_size(large), microbatch.batch_size(small))
     input_bytes = sum(t.numel() * t.element_size() for t in microbatch.tensors(value))
-    return ProfiledCosts(sizes, large_costs, small_costs, rows, input_bytes)
+    head = None
+    if after is not None:
+        counts = [1, *chunk_counts(rows, chunks)] if after.per_micro_batch else [1]
+        head = profile_head(after, output, rows, counts)
+    return ProfiledCosts(sizes, large_costs, small_costs, rows, input_bytes, head)
+
+
+def profile_head(after: AfterBackbone, output: Value, batch_rows: int, counts: Sequence[int]) -> HeadCost:
+    """Measure what runs after the backbone (``after``) on the first of ``chunks`` micro-batches of a batch of
+    ``batch_rows`` rows, for each ``chunks`` of ``counts``: the bytes of the tensors it makes, at their peak over its
+    run and the loss's backward, less the gradients that :class:`~lightning_gpipe.planning.predict.StageMemory` counts
+    elsewhere (the backbone output's, with the last stage's buffers; the parameters', with its gradients).
+
+    The backbone's output on those rows is ``output`` (its output on one profiled micro-batch) repeated along dim 0
+    to the rows: the same shape as the real one, whose values a loss's memory does not depend on. The gradients it
+    makes on the parameters are dropped again.
+
+    Raises:
+        TypeError, ValueError: as :func:`~lightning_gpipe.engine.microbatch.batch_size`; what ``after.loss``
+            raises.
+    """
+    measured: dict[int, int] = {}
+    for chunks in sorted(set(counts)):
+        rows = math.ceil(batch_rows / min(chunks, batch_rows))  # the first of torch.tensor_split's micro-batches
+        if rows not in measured:
+            measured[rows] = _head_peak(after, chunks, _repeated(output, rows))
+    parameter_bytes = sum(t.numel() * t.element_size() for t in after.parameters)
+    return HeadCost(tuple(sorted(measured)), tuple(measured[r] for r in sorted(measured)), parameter_bytes)
+
+
+def _repeated(value: Value, rows: int) -> Value:
+    """``value``'s tensors repeated along dim 0 and cut to ``rows`` rows, as new leaves (floating ones require
+    grad, as the backbone's output does on the last stage)."""
+
+    def repeat(t: Tensor) -> Tensor:
+        times = math.ceil(rows / t.shape[0])
+        return t.repeat(times, *[1] * (t.dim() - 1))[:rows].clone()
+
+    repeated = repeat(value) if isinstance(value, Tensor) else tuple(
+        repeat(x) if isinstance(x, Tensor) else x for x in value
+    )  # fmt: skip
+    return microbatch.leaves(repeated)
+
+
+def _head_peak(after: AfterBackbone, chunks: int, output: Value) -> int:
+    """The peak bytes of one run of ``after`` and its loss's backward, less the gradients it leaves on ``output`` and
+    on the parameters (see :func:`profile_head`)."""
+    before = [t.grad for t in after.parameters]
+    with torch.enable_grad(), PeakBytes() as counted:
+        for t in [*microbatch.tensors(output), *after.parameters, *after.existing]:
+            t.detach()  # seen once here, a view of it later is not counted as new memory
+        start = counted.restart()
+        loss = after.loss(chunks, output)
+        if loss is not None and loss.requires_grad:
+            torch.autograd.backward(loss, torch.ones_like(loss))
+        peak = counted.peak - start
+    made = [t.grad for t in microbatch.tensors(output)]
+    made += [t.grad for t, old in zip(after.parameters, before) if t.grad is not old]
+    for t, old in zip(after.parameters, before):
+        t.grad = old
+    return max(peak - sum(g.numel() * g.element_size() for g in made if g is not None), 0)
 
 
 def module_state_factor(module: Any) -> int | None:

@@ -11,7 +11,7 @@ RUNNERS_UP = 5
 """How many runners-up the table and the dict show."""
 
 
-@dataclass
+@dataclass(repr=False)
 class PlanReport:
     """Every predicted plan, fastest per row first among those that fit, then those that do not.
 
@@ -46,6 +46,16 @@ class PlanReport:
     def smallest_fitting_limit(self) -> float:
         """The smallest memory limit (bytes per device) under which some candidate would fit."""
         return min(p.peak_bytes for p in self.predictions) / (1 - self.model.memory_margin)
+
+    def __repr__(self) -> str:
+        """The chosen plan and how many fit, in one line (:meth:`table` ranks them; the fields hold every plan)."""
+        fits = sum(p.fits for p in self.predictions)
+        options = ", ".join(f"{key}={value!r}" for key, value in self.chosen.plan.options().items())
+        return (
+            f"PlanReport(chosen: {options}; step {self.chosen.step_time:.4g} s predicted; {fits} of"
+            f" {len(self.predictions)} plans fit {self.memory_limit / MIB:,.0f} MiB per device on {self.world_size}"
+            " processes)"
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """The report as plain data (for a logger or a JSON file): the limit, the world size, how many plans were

@@ -11,9 +11,10 @@ stage that the layers allow, minus what the user fixed (:class:`Constraints`). F
 time-optimal split into ``K * v`` (virtual) stages (:func:`~lightning_gpipe.planning.balance.solve`) if it fits the
 memory limit, else (one model chunk per stage only) the fastest split whose stages fit by the additive part of their
 memory (parameters, gradients, optimizer state, saved activations; the boundaries' share is reserved for the largest
-layer output), walked a layer at a time towards one that fits by the whole prediction if neither does. Each plan is
-predicted (:func:`~lightning_gpipe.planning.predict.predict`); the fastest per row that fits wins. PipeDream's planner
-(Narayanan et al. 2019, section 3.1) chose partition and replication from a profile alike."""
+layer output), walked a layer at a time towards one that fits by the whole prediction if neither does (with two
+stages, every split predicted). Each plan is predicted (:func:`~lightning_gpipe.planning.predict.predict`); the fastest
+per row that fits wins. PipeDream's planner (Narayanan et al. 2019, section 3.1) chose partition and replication from a
+profile alike."""
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -51,6 +52,7 @@ class Constraints:
         balance: layers per (virtual) stage (a list fixes the split, and K with ``virtual_stages``), or a mode of
             :data:`lightning_gpipe.planning.balance.MODES` that chooses the split.
         virtual_stages: v, model chunks per stage (a list ``balance`` without it means 1).
+        sharding_strategy: how a stage's replicas hold its state (the planner predicts with it, never chooses it).
     """
 
     pipeline_parallel_size: int | None = None
@@ -60,6 +62,7 @@ class Constraints:
     schedule: str | None = None
     balance: None | str | Sequence[int] = None
     virtual_stages: int | None = None
+    sharding_strategy: str = "NO_SHARD"
 
     @property
     def splits(self) -> bool:
@@ -100,11 +103,18 @@ def meshes(world_size: int, num_layers: int, constraints: Constraints) -> list[t
     return pairs
 
 
+def chunk_counts(rows: int, fixed: int | None = None) -> list[int]:
+    """The ``chunks`` the planner tries for a mini-batch of ``rows`` rows: ``fixed`` if the user fixed it, else the
+    powers of two up to ``rows`` and :data:`MAX_CHUNKS`."""
+    if fixed is not None:
+        return [fixed]
+    return [2**i for i in range(MAX_CHUNKS.bit_length()) if 2**i <= min(rows, MAX_CHUNKS)]
+
+
 def candidates(world_size: int, profiled: ProfiledCosts, constraints: Constraints) -> Iterator[tuple]:
     """Every ``(K, D, M, checkpoint, schedule, v)`` the constraints allow (see the module docstring)."""
-    rows, num_layers = profiled.batch_rows, len(profiled.large)
-    powers = [2**i for i in range(MAX_CHUNKS.bit_length()) if 2**i <= min(rows, MAX_CHUNKS)]
-    chunks = [constraints.chunks] if constraints.chunks is not None else powers
+    num_layers = len(profiled.large)
+    chunks = chunk_counts(profiled.batch_rows, constraints.chunks)
     modes = [constraints.checkpoint] if constraints.checkpoint is not None else list(CHECKPOINT_MODES)
     whole = [name for name in SCHEDULES if not DEFERRED_BY_DEFAULT[name]]  # the split's memory is not yet trusted
     schedules = [constraints.schedule] if constraints.schedule is not None else whole
@@ -173,10 +183,8 @@ def _shape_predictions(
     split fits is not refused for the first splits' sake."""
     k, m, mode, schedule, d, v = shape
     balances = _balances(profiled.for_chunks(m), shape, state_factor, limit, model, constraints)
-    found = [
-        predict(PipelinePlan(k, d, m, mode, schedule, tuple(b), v), profiled, model, state_factor, limit)
-        for b in balances
-    ]
+    plans = [PipelinePlan(k, d, m, mode, schedule, tuple(b), v, constraints.sharding_strategy) for b in balances]
+    found = [predict(plan, profiled, model, state_factor, limit) for plan in plans]
     if any(p.fits for p in found) or v > 1 or constraints.balance is not None:
         return found
     closest = min(found, key=lambda p: p.peak_bytes)
@@ -189,9 +197,16 @@ def _walk(
 ) -> PlanPrediction:
     """From ``start`` (one model chunk per stage), move one layer across one stage boundary at a time, the move that
     lowers the largest stage's predicted peak most, while the plan does not fit and a move lowers it, at most
-    :data:`WALK_MOVES` times (the part of a stage's memory that is not additive, its buffers and transfers, moves with
-    the boundary); returns the fastest of the first moves that fit, else the prediction reached (``start`` if no
-    move lowers its peak)."""
+    :data:`WALK_MOVES` times (the part of a stage's memory that is not additive, its buffers, transfers and transients,
+    moves with the boundary, and need not fall steadily along the layers); returns the fastest of the first moves that
+    fit, else the prediction reached (``start`` if no move lowers its peak). With two stages every split is predicted
+    instead (one per layer): the fastest that fits, else the one of the lowest peak."""
+    if len(start.plan.balance) == 2:
+        layers = sum(start.plan.balance)
+        splits = [replace(start.plan, balance=(j, layers - j)) for j in range(1, layers)]
+        tried = [predict(plan, profiled, model, state_factor, limit) for plan in splits]
+        fitting = [p for p in tried if p.fits]
+        return min(fitting, key=lambda p: p.step_time) if fitting else min([start, *tried], key=lambda p: p.peak_bytes)
     current = start  # does not fit
     for _ in range(WALK_MOVES):
         plans = [replace(current.plan, balance=moved) for moved in _one_layer_moves(current.plan.balance)]

@@ -80,11 +80,12 @@ def test_balance_reports_each_stage_and_suggests_the_even_split(run):
     assert float(imbalance[0]) == pytest.approx(report["imbalance"])
     suggested = report["suggested_balance"]
     assert suggested is None or f"suggested balance={suggested} instead of [2, 6]" in output
+    assert suggested is not None or "best_balance" not in report or "no faster balance than [2, 6] found" in output
     contention = max(json.loads((out / f"contention_rank{k}.json").read_text()) for k in (0, 1))
     if contention > CONTENDED:  # the measured times say more about the machine than about the stages
         pytest.skip(f"the machine was busy (a stage waited for a CPU {contention:.0%} of the time)")
     assert report["imbalance"] > 1.1 and suggested == [4, 4]  # one Linear against three
-    assert report["suggested_step_s"] < report["predicted_step_s"]
+    assert report["best_step_s"] < 0.99 * report["predicted_step_s"] and report["speedup"] > 1.01
 
 
 def test_throughput_logs_samples_per_second_bubble_and_efficiency(run):

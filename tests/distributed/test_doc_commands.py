@@ -1,7 +1,8 @@
-"""The docs' runnable command blocks run: each trains on 2 stage processes.
+"""The docs' runnable blocks run: each trains on 2 stage processes.
 
-In README.md and docs/quickstart.md, a fenced ``bash`` block right after the line ``<!-- runnable -->`` (an HTML
-comment, invisible on GitHub and on the site) is run by :func:`test_runnable_command_blocks_run`: each line of the
+In README.md and docs/quickstart.md, a fenced ``python`` block right after the line ``<!-- runnable -->`` (an HTML
+comment, invisible on GitHub and on the site) is a script, run as printed by :func:`test_runnable_scripts_run`; a
+fenced ``bash`` block after that line is run by :func:`test_runnable_command_blocks_run`: each line of the
 block (``\\`` continues a line) is split at ``&&``, the ``pip install`` parts are skipped (the package is installed),
 and each ``python examples/...`` command is run from an empty directory with no ``../shared`` beside it, the script's
 path made absolute, shortened by :data:`SHORTEN` (``--trainer.max_steps=2`` and tiny batches, appended, so they win
@@ -39,20 +40,36 @@ SHORTEN = {
 scripts get ``--trainer.max_steps=2``."""
 
 
-def runnable_commands(text: str) -> list[tuple[int, str]]:
-    """``(line number, command)`` of every command in the fenced blocks marked :data:`RUNNABLE` in ``text``."""
+def read(name: str) -> str:
+    """The text of the repository's file ``name``."""
+    return (ROOT / name).read_text(encoding="utf-8")
+
+
+def runnable_blocks(text: str, language: str) -> list[tuple[int, list[str]]]:
+    """``(line number of the first line, lines)`` of every fenced ``language`` block marked :data:`RUNNABLE` in
+    ``text``."""
     lines = text.splitlines()
-    commands = []
+    blocks = []
     for index, line in enumerate(lines):
         if line.strip() != RUNNABLE:
             continue
         start = next(i for i in range(index + 1, len(lines)) if lines[i].strip())
         assert lines[start].startswith("```"), f"line {index + 1}: {RUNNABLE} must come right before a fenced block"
         end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("```"))
+        if lines[start][3:].strip() == language:
+            blocks.append((start + 2, lines[start + 1 : end]))
+    return blocks
+
+
+def runnable_commands(text: str) -> list[tuple[int, str]]:
+    """``(line number, command)`` of every command in the fenced ``bash`` blocks marked :data:`RUNNABLE` in
+    ``text``."""
+    commands = []
+    for first_line, block in runnable_blocks(text, "bash"):
         joined, first = "", None
-        for number in range(start + 1, end):
-            body = lines[number].split(" #")[0].rstrip() if not lines[number].lstrip().startswith("#") else ""
-            first = first if joined else number + 1
+        for number, line in enumerate(block, first_line):
+            body = line.split(" #")[0].rstrip() if not line.lstrip().startswith("#") else ""
+            first = first if joined else number
             joined += body[:-1] + " " if body.endswith("\\") else body
             if not body.endswith("\\"):
                 if joined.strip():
@@ -95,3 +112,30 @@ def test_runnable_command_blocks_run(name: str, line: int, command: str, tmp_pat
     assert result.returncode == 0, f"{name}:{line}: `{command}` failed:\n{result.stderr[-3000:]}"
     metrics = list(root.glob("lightning_logs/*/version_*/metrics.csv"))
     assert metrics and "train_loss" in metrics[0].read_text(), f"{name}:{line}: `{command}` logged no train_loss"
+
+
+def test_the_quickstart_script_is_marked_runnable() -> None:
+    """docs/quickstart.md's module is one marked python block (so :func:`test_runnable_scripts_run` runs it)."""
+    ((_, block),) = runnable_blocks(read("docs/quickstart.md"), "python")
+    script = "\n".join(block)
+    assert "class Classifier(L.LightningModule):" in script and '\nif __name__ == "__main__":' in script
+
+
+@pytest.mark.parametrize("strategy", ["gpipe", "gpipe_spawn"])
+@pytest.mark.parametrize(
+    ("name", "line", "block"),
+    [
+        pytest.param(name, line, block, id=f"{name}:{line}")
+        for name in RUNNABLE_FILES
+        for line, block in runnable_blocks(read(name), "python")
+    ],
+)
+def test_runnable_scripts_run(name: str, line: int, block: list[str], strategy: str, tmp_path: Path) -> None:
+    """Each marked script runs as printed from an empty directory and trains to the end of its first epoch (its
+    checkpoint), also with ``strategy="gpipe_spawn"``, which the text offers instead (whose workers import the
+    script)."""
+    script = "\n".join(block).replace('strategy="gpipe"', f'strategy="{strategy}"')
+    (tmp_path / "train.py").write_text(script + "\n", encoding="utf-8")
+    result = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, f"{name}:{line} with {strategy}:\n{result.stderr[-3000:]}"
+    assert list(tmp_path.glob("lightning_logs/version_0/checkpoints/epoch=0-step=*.ckpt")), result.stderr[-3000:]

@@ -9,6 +9,8 @@ import re
 import signal
 import socket
 import time
+from contextlib import suppress
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,3 +143,69 @@ def test_a_stage_killed_mid_save_leaves_the_previous_checkpoint_which_resumes(tm
         resumed = torch.load(tmp_path / f"resumed_{kind}.pt")
         for key, expected in reference_state.items():
             torch.testing.assert_close(resumed[key], expected, rtol=0, atol=1e-5, msg=f"{kind}: {key}")
+
+
+def _processes_of(out: Path) -> list[int]:
+    """The running processes of a worker started on ``out`` (an argument of theirs; a zombie has none)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(out).encode() in (entry / "cmdline").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except OSError:  # ended meanwhile
+            pass
+    return pids
+
+
+def _end_processes_of(out: Path) -> None:
+    """Kill what a failed test left behind, so that it does not outlive the test."""
+    for pid in _processes_of(out):
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_port_in_use_names_the_port_and_leaves_no_process_behind(tmp_path):
+    # another program listens on MASTER_PORT: global rank 0 cannot create the job's store, and the processes it
+    # launched (which would wait for the store until the process group's timeout) end with it
+    with socket.socket() as foreign:
+        foreign.bind(("127.0.0.1", 0))
+        foreign.listen()
+        port = foreign.getsockname()[1]
+        try:
+            env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            result = run_worker("failure.py", "validation", str(tmp_path), env=env, timeout=120)
+        finally:
+            left = _processes_of(tmp_path)
+            _end_processes_of(tmp_path)
+    assert result.returncode == 1 and left == [], result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]  # the error the user sees last is the cause, naming the fix
+    assert last.startswith(f"torch.distributed.DistNetworkError: MASTER_PORT={port} is in use on 127.0.0.1"), last
+    assert "Set MASTER_PORT to a free port" in last
+
+
+def test_the_processes_a_killed_main_process_launched_end_before_the_jobs_store_exists(tmp_path):
+    process = start_worker("failure.py", "before_the_store", str(tmp_path))
+    try:
+        wait_for_file(tmp_path / "paused", process)  # rank 1 waits for the store rank 0 has not created
+        killed = time.time()
+        process.kill()
+        _, stderr = process.communicate(timeout=60)  # the output ends once rank 1, which shares it, has ended
+    finally:
+        _end_processes_of(tmp_path)
+    assert f"[stage 1] ending this process: the process that launched this one (pid {process.pid}) has ended" in stderr
+    assert_every_stage_exits(tmp_path, within=30, since=killed)
+
+
+def test_a_killed_main_process_is_named_by_the_stage_that_waited_for_it(tmp_path):
+    process = start_worker("failure.py", "sigterm", str(tmp_path))
+    try:
+        wait_for_file(tmp_path / "training", process)
+        killed = time.time()
+        process.kill()
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        _end_processes_of(tmp_path)
+    last = [line for line in stderr.splitlines() if line.startswith("[rank1]: ")][-1]
+    lost = "stage 1 stopped because global rank 0's process (stage 0) has ended: the job's store"
+    assert last.startswith(f"[rank1]: lightning_gpipe.faults.failure.PipelineFailure: {lost}"), stderr[-3000:]
+    assert_every_stage_exits(tmp_path, within=30, since=killed)

@@ -30,6 +30,7 @@ REFERENCE = {  # which single-device run each configuration of the worker must e
     "pp4_dp1_from_v2_resumed": {},
     "pp4_dp1_from_zb_v_resumed": {},
 }
+NAMED_ONLY = {"pp2_dp2_full_shard": {}}  # the worker runs it only where named: in the torchrun test
 
 
 MESH = shared_run("mesh.py", "--devices=4", devices=4, timeout=600)
@@ -52,9 +53,10 @@ def _assert_equals_reference(out, names) -> None:
 
 def _assert_equals_one_device(out, name, references) -> None:
     try:
-        key = tuple(sorted(REFERENCE[name].items()))
+        overrides = {**REFERENCE, **NAMED_ONLY}[name]
+        key = tuple(sorted(overrides.items()))
         if key not in references:
-            references[key] = _reference(**REFERENCE[name])
+            references[key] = _reference(**overrides)
         state, losses = references[key]
         got = torch.load(out / f"{name}.pt")
         assert_states_close(got["state"], state)
@@ -116,7 +118,8 @@ def _environment(**extra: str) -> dict:
 
 
 def test_two_torchrun_nodes_train_like_one_device(tmp_path):
-    """Two ``torchrun --nnodes=2 --node-rank=i`` commands of 2 processes each (TorchElasticEnvironment)."""
+    """Two ``torchrun --nnodes=2 --node-rank=i`` commands of 2 processes each (TorchElasticEnvironment), with DDP and
+    with each stage's state sharded over its replicas (FSDP2's ``FULL_SHARD``)."""
     port = _free_port()
     commands = [
         [
@@ -134,13 +137,14 @@ def test_two_torchrun_nodes_train_like_one_device(tmp_path):
             "--num-nodes=2",
             "--configs",
             "pp2_dp2",
+            "pp2_dp2_full_shard",
         ]  # fmt: skip
         for node in range(2)
     ]
     results = _run_all(commands, [_environment(), _environment()])
     assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
-    _assert_equals_reference(tmp_path, ["pp2_dp2"])
-    assert torch.load(tmp_path / "pp2_dp2.pt")["environment"] == "TorchElasticEnvironment"
+    _assert_equals_reference(tmp_path, ["pp2_dp2", "pp2_dp2_full_shard"])
+    assert torch.load(tmp_path / "pp2_dp2_full_shard.pt")["environment"] == "TorchElasticEnvironment"
 
 
 def test_slurm_environment_trains_like_one_device(tmp_path):

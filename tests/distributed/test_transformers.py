@@ -1,5 +1,5 @@
 """Hugging Face models in the pipeline (lightning_gpipe.hf), distributed: tests/workers/transformers_hf.py in the
-shared launches of 2, 3 and 4 processes (tiny models of tests/hf_families.py: 14 decoder classes, mixtures of experts
+shared launches of 2, 3 and 4 processes (tiny models of tests/hf_families.py: 16 decoder classes, mixtures of experts
 among them, and 3 encoder classes; pipelined fit against the unmodified model trained on one device, 1F1B with
 balance="time", pipeline replicas, a resume on another number of stages, pipelined greedy generation against
 ``generate``, ``save_pretrained`` after fit, LoRA adapters with ``peft``).
@@ -8,11 +8,10 @@ Every model is built from a small config (the hub is not reachable here).
 """
 
 import json
-from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import assert_states_close, shared_run
+from conftest import assert_states_close, assert_within_fp32_rounding, hf_one_device_optimizer, hf_worker, shared_run
 from hf_families import FIRST
 
 transformers = pytest.importorskip("transformers")
@@ -21,19 +20,7 @@ transformers = pytest.importorskip("transformers")
 # --------------------------------------------------------------------------- pipelined: 2 stages (and 3)
 
 
-def _worker():
-    """tests/workers/transformers_hf.py as a module (its FAMILIES, batches and prompts; the run is under __main__)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parents[1] / "workers" / "transformers_hf.py"
-    spec = importlib.util.spec_from_file_location("transformers_hf_worker", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-WORKER = _worker()
+WORKER = hf_worker()
 PIPELINED = [(family, k) for family in ("llama", "gpt2", "bert_mlm") for k in (2, 3)] + [("bert_classifier", 2)]
 RUNS = {
     (family, k): shared_run(
@@ -93,24 +80,6 @@ DECODING = [(family, k, (True, False)) for family, k in RUNS if WORKER.is_decode
 DECODING += [(family, k, (True,)) for family, k in QUICK if WORKER.is_decoder(family)]
 
 
-def _one_device_optimizer(model, total_steps: int):
-    """AdamW with the module's parameter groups and learning-rate schedule (:meth:`HFModule.configure_optimizers`),
-    over the unmodified model's trainable parameters."""
-    from lightning_gpipe.hf.module import lr_factor
-
-    options = WORKER.OPTIMIZATION
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in parameters if p.dim() >= 2], "weight_decay": options["weight_decay"]},
-        {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=options["lr"], betas=options["betas"])
-    factor = lambda step: lr_factor(  # noqa: E731
-        step, options["warmup_steps"], total_steps, options["decay"], options["min_lr_ratio"]
-    )
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
 def _train(model, optimizer, schedule, batches, bf16: bool = False) -> list[float]:
     losses = []
     for batch in batches:
@@ -134,7 +103,7 @@ def trained_on_one_device(family: str):
     if family not in _TRAINED:
         model = WORKER.initial_model(family)
         model.config._attn_implementation = "eager"
-        optimizer, schedule = _one_device_optimizer(model, WORKER.STEPS)
+        optimizer, schedule = hf_one_device_optimizer(model, WORKER.OPTIMIZATION, WORKER.STEPS)
         model.train()
         losses = _train(model, optimizer, schedule, WORKER.batches(family))
         generated = None
@@ -164,32 +133,11 @@ def trained_in_float64(family: str) -> dict:
     if family not in _IN_FLOAT64:
         model = WORKER.initial_model(family).double()
         model.config._attn_implementation = "eager"
-        optimizer, schedule = _one_device_optimizer(model, WORKER.STEPS)
+        optimizer, schedule = hf_one_device_optimizer(model, WORKER.OPTIMIZATION, WORKER.STEPS)
         model.train()
         _train(model, optimizer, schedule, WORKER.batches(family))
         _IN_FLOAT64[family] = model.state_dict()
     return _IN_FLOAT64[family]
-
-
-ROUNDING_FACTOR = 4
-"""How far from the float64 result a pipelined fp32 fit may land, in multiples of the one-device fp32 fit's own
-distance to it (each tensor's largest difference), on top of the suite's 1e-5."""
-
-
-def assert_within_fp32_rounding(state: dict, expected: dict, exact: Callable[[], dict]) -> None:
-    """Assert every tensor of ``state`` (a pipelined fp32 fit) is within 1e-5 of ``expected`` (the one-device fp32
-    fit), or, where AdamW amplifies the rounding of another CPU's kernels past that (an AMD EPYC's MKL and ATen
-    paths differ from an Intel Xeon's), no farther from ``exact()`` (the float64 fit, made only then: the mixtures
-    of experts' grouped products take no float64) than ``ROUNDING_FACTOR`` times
-    the one-device fp32 fit's own distance to it, plus 1e-5: what fp32 rounding can explain, not an engine error."""
-    assert state.keys() == expected.keys()
-    for key in expected:
-        if torch.allclose(state[key], expected[key], atol=1e-5, rtol=0):
-            continue
-        exact_key = exact()[key]
-        own = (expected[key].double() - exact_key).abs().max().item()
-        bound = 1e-5 + ROUNDING_FACTOR * own
-        torch.testing.assert_close(state[key].double(), exact_key, atol=bound, rtol=0, msg=f"{key} ({bound:.2e})")
 
 
 def _merged_state(out, stages: int) -> dict:
@@ -259,7 +207,7 @@ def test_two_pipeline_replicas_of_two_stages_equal_the_model_trained_on_one_devi
     batches = [{k: torch.stack([rows[j][k] for j in order[i : i + 6]]) for k in rows[0]} for i in range(0, 24, 6)]
     reference = WORKER.initial_model("bert_classifier")
     reference.config._attn_implementation = "eager"
-    optimizer, schedule = _one_device_optimizer(reference, WORKER.STEPS)
+    optimizer, schedule = hf_one_device_optimizer(reference, WORKER.OPTIMIZATION, WORKER.STEPS)
     reference.train()
     _train(reference, optimizer, schedule, batches)
     expected = reference.state_dict()
@@ -280,7 +228,7 @@ def test_a_full_checkpoint_of_2_stages_resumes_on_3_as_one_device_continues():
     out = RESUMED()
     model = WORKER.initial_model("llama")
     model.config._attn_implementation = "eager"
-    optimizer, schedule = _one_device_optimizer(model, WORKER.STEPS)
+    optimizer, schedule = hf_one_device_optimizer(model, WORKER.OPTIMIZATION, WORKER.STEPS)
     model.train()
     _train(model, optimizer, schedule, WORKER.batches("llama"))
     total, options = WORKER.STEPS + WORKER.RESUMED_STEPS, WORKER.OPTIMIZATION
@@ -327,7 +275,7 @@ def test_a_pipelined_bf16_mixed_fit_is_close_to_the_model_trained_on_one_device_
     for bf16 in (True, False):
         model = WORKER.initial_model("llama")
         model.config._attn_implementation = "eager"
-        optimizer, schedule = _one_device_optimizer(model, WORKER.STEPS)
+        optimizer, schedule = hf_one_device_optimizer(model, WORKER.OPTIMIZATION, WORKER.STEPS)
         model.train()
         one_device[bf16] = (model.state_dict(), _train(model, optimizer, schedule, WORKER.batches("llama"), bf16))
     (bf16_state, bf16_losses), (fp32_state, _) = one_device[True], one_device[False]
@@ -369,7 +317,7 @@ def _trained_lora():
     """The worker's starting LoRA model trained on one device as the pipeline trains it: ``(model, losses)``."""
     model = WORKER.initial_lora("llama")
     model.get_base_model().config._attn_implementation = "eager"
-    optimizer, schedule = _one_device_optimizer(model, WORKER.STEPS)
+    optimizer, schedule = hf_one_device_optimizer(model, WORKER.OPTIMIZATION, WORKER.STEPS)
     model.train()
     return model, _train(model, optimizer, schedule, WORKER.batches("llama"))
 
@@ -434,7 +382,7 @@ def test_a_lora_checkpoint_of_2_stages_resumes_on_4_stages_as_one_device_continu
     assert not any(".lora_" in name for name in states[3])  # nothing to train on the last stage
     model = WORKER.initial_lora("llama")
     model.get_base_model().config._attn_implementation = "eager"
-    optimizer, schedule = _one_device_optimizer(model, WORKER.STEPS)
+    optimizer, schedule = hf_one_device_optimizer(model, WORKER.OPTIMIZATION, WORKER.STEPS)
     model.train()
     _train(model, optimizer, schedule, WORKER.batches("llama"))
     total, options = WORKER.STEPS + WORKER.RESUMED_STEPS, WORKER.OPTIMIZATION

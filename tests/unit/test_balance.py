@@ -1,17 +1,23 @@
 """Automatic balance: the memory-limited solver, the layer profiler, the modes (the strategy's choice on stage
 processes: tests/distributed/test_balance.py)."""
 
+import json
 import statistics
 import time
 from itertools import combinations
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from models import TupleNet
 from torch import nn
 
-from lightning_gpipe import GPipeStrategy, balance_by, profile_layers, solve
+from lightning_gpipe import GPipeStrategy, PipelineBalance, balance_by, profile_layers, solve
+from lightning_gpipe.engine import StageTrace, StepTrace
+from lightning_gpipe.engine.events import Span
 from lightning_gpipe.lightning.backbone import sample_micro_batch
+from lightning_gpipe.lightning.callbacks.balance import format_table
 from lightning_gpipe.planning.balance import LayerCost, layer_weights, resolve_balance, stage_sums
 
 
@@ -44,6 +50,30 @@ def test_memory_limit_error_names_the_smallest_limit_that_fits():
         solve(costs, 2, memory=memory, memory_limit=4)
     with pytest.raises(ValueError, match="Give both `memory`"):
         solve(costs, 2, memory=memory)
+
+
+def test_memory_limit_error_names_the_option_a_strategy_user_set():
+    """GPipeStrategy's option is balance_memory_limit (its memory_limit is the planner's); the error names it."""
+    with pytest.raises(
+        ValueError, match=r"within the balance's memory limit of 4 bytes \(GPipeStrategy\(balance_memory_limit="
+    ):
+        resolve_balance("memory", nn.Sequential(nn.Identity(), nn.Identity()), 2, [LayerCost(1.0, 1.0, 5)] * 2, 4)
+
+
+def test_stage_sums_takes_the_profiled_costs_as_docs_balance_md_shows():
+    """``stage_sums(costs, balance)`` on ``profile_layers``'s costs: each stage's forward + backward seconds; numbers
+    as before."""
+    backbone = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    costs = profile_layers(backbone, torch.randn(4, 8), repeats=1)
+    balance = balance_by("time", costs, num_stages=2)
+    times = [c.forward + c.backward for c in costs]
+    assert (
+        stage_sums(costs, balance) == stage_sums(times, balance) == [sum(times[: balance[0]]), sum(times[balance[0] :])]
+    )
+    assert stage_sums(layer_weights("memory", costs), [2, 1]) == [
+        costs[0].activation_bytes + costs[0].parameter_bytes + costs[1].activation_bytes + costs[1].parameter_bytes,
+        costs[2].activation_bytes + costs[2].parameter_bytes,
+    ]
 
 
 def test_modes_weigh_time_memory_or_parameters():
@@ -247,3 +277,70 @@ def test_a_layer_at_two_positions_is_profiled_at_each():
     assert len(list(layers.named_children())) == 2 and len(layers) == 3
     costs = profile_layers(layers, torch.randn(8, 4), "cpu", repeats=1, warmup=0)
     assert len(costs) == 3 and costs[0].parameter_bytes == costs[2].parameter_bytes == 80
+
+
+def _balance_report(tmp_path, balance: list[int], costs: list[LayerCost]) -> tuple[dict, str]:
+    """``PipelineBalance``'s report and table after one measured step of two stages whose work differs threefold,
+    the strategy holding the profiled ``costs`` (a trainer as the callback reads it)."""
+    strategy = GPipeStrategy(balance=balance, chunks=2, checkpoint="always")
+    strategy.layer_costs = costs
+    trainer = SimpleNamespace(strategy=strategy, loggers=[], logger=None, default_root_dir=str(tmp_path), global_step=0)
+    stages = [
+        StageTrace(k, [Span("forward", i, 0.0, seconds) for i in range(2)], 0.0, 1.0, layers=n)
+        for k, (n, seconds) in enumerate(zip(balance, (0.1, 0.3)))
+    ]
+    callback = PipelineBalance(warmup=0, steps=1)
+    callback.on_step(trainer, StepTrace(0, stages))
+    assert callback.report is not None
+    return callback.report, format_table(callback.report)
+
+
+def test_pipeline_balance_suggests_only_a_split_the_simulator_predicts_faster_and_by_how_much(tmp_path):
+    """On these costs the solver's even split, [2, 2], is slower on the simulator than [3, 1] (the first stage's
+    recomputes hide in its waits for gradients): from [3, 1] nothing is suggested; from [1, 3] the fastest split the
+    search finds, [3, 1], is, with its speed-up."""
+    costs = [LayerCost(5.0, 1.0), LayerCost(2.0, 4.0), LayerCost(5.0, 1.0), LayerCost(5.0, 8.0)]
+    assert solve([2 * c.forward + c.backward for c in costs], 2) == [2, 2]
+
+    report, table = _balance_report(tmp_path, [3, 1], costs)
+    assert report["suggested_balance"] is None and report["best_balance"] == [3, 1]
+    assert report["predicted_step_s"] == report["best_step_s"] == 66.0 and report["speedup"] == 1.0
+    assert "suggested balance" not in table
+    assert "no faster balance than [3, 1] found (from profiled layer costs; simulated step 66s;" in table
+
+    report, table = _balance_report(tmp_path, [1, 3], costs)
+    assert report["suggested_balance"] == [3, 1] and report["predicted_step_s"] == 80.0
+    assert table.splitlines()[-1] == (
+        "suggested balance=[3, 1] instead of [1, 3] (from profiled layer costs): simulated step 66s vs 80s,"
+        " 1.21x as fast"
+    )
+    assert json.loads((tmp_path / "pipeline_balance.json").read_text()) == report
+
+
+def test_the_balance_table_docs_observability_md_shows_is_the_callbacks_format():
+    """docs/observability.md's PipelineBalance output, its figures put back into a report, is what the table prints."""
+    linear = 1024 * 1024 + 1024
+
+    def stage(k, layers, forward, backward, loss, waiting, mib):
+        return {
+            "stage": k, "layers": layers, "parameters": layers // 2 * linear, "forward": forward, "recompute": 0.0,
+            "backward": backward, "loss": loss, "waiting": waiting, "activation_bytes": mib * 2**20,
+        }  # fmt: skip
+
+    report = {
+        "steps": [1, 2, 3],
+        "chunks": 8,
+        "checkpoint": "never",
+        "balance": [4, 12],
+        "stages": [stage(0, 4, 0.1222, 0.1704, 0.0, 0.5665, 12), stage(1, 12, 0.3156, 0.6796, 0.0079, 0.0517, 28)],
+        "imbalance": 1.55,
+        "suggested_balance": [8, 8],
+        "cost_source": "profiled layer costs",
+        "predicted_step_s": 0.6123,
+        "best_balance": [8, 8],
+        "best_step_s": 0.4398,
+        "speedup": 0.6123 / 0.4398,
+    }
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "observability.md").read_text(encoding="utf-8")
+    block = docs.split("```\nPipeline balance, mean per step")[1].split("\n```")[0]
+    assert "Pipeline balance, mean per step" + block == format_table(report)

@@ -10,11 +10,20 @@ from pathlib import Path
 from typing import Literal, get_args, get_origin
 
 import pytest
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
+from models import fit_trainer
 
 from lightning_gpipe import GPipeStrategy
 from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES
 from lightning_gpipe.engine.schedule import SCHEDULES
-from lightning_gpipe.lightning.config import CHOICES, BalanceMode, CheckpointMode, PipelineConfig, ScheduleName
+from lightning_gpipe.lightning.config import (
+    CHOICES,
+    BalanceMode,
+    CheckpointMode,
+    PipelineConfig,
+    ScheduleName,
+    one_stage_warning,
+)
 from lightning_gpipe.planning.balance import MODES
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -75,3 +84,19 @@ def test_every_value_of_every_option_is_accepted_by_each_examples_command_line(e
     for bad in ("--trainer.strategy.schedule=zb-2p", "--trainer.strategy.timeout=30"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--trainer.strategy=lightning_gpipe.GPipeStrategy", bad])
+
+
+def test_devices_left_out_on_a_cpu_warn_that_the_pipeline_has_one_stage() -> None:
+    """Trainer(devices="auto"), the default, is one process on a CPU: a pipeline of one stage, which the strategy says
+    loudly, naming the fix; one stage asked for (pipeline_parallel_size=1, a one-entry balance), several stages, or a
+    GPU say nothing."""
+    with pytest.warns(PossibleUserWarning, match=r"pipeline of one stage.*Trainer\(accelerator='cpu', devices=2\)"):
+        fit_trainer(strategy="gpipe", devices="auto", max_steps=1)
+    assert one_stage_warning(PipelineConfig(), 1, "cpu") is not None
+    for config, stages, device in [
+        (PipelineConfig(pipeline_parallel_size=1), 1, "cpu"),
+        (PipelineConfig(balance=[8]), 1, "cpu"),
+        (PipelineConfig(), 2, "cpu"),
+        (PipelineConfig(), 1, "cuda"),
+    ]:
+        assert one_stage_warning(config, stages, device) is None

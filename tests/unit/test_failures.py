@@ -14,6 +14,7 @@ import torch.distributed as dist
 from lightning_gpipe import PipelineFailure
 from lightning_gpipe.engine.actions import Action, Kind
 from lightning_gpipe.engine.runtime import Runtime
+from lightning_gpipe.engine.transfer import Link
 from lightning_gpipe.faults import waiting
 from lightning_gpipe.faults.job import Job
 from lightning_gpipe.faults.watchdog import Position
@@ -203,3 +204,40 @@ def test_a_failure_of_an_earlier_run_is_not_read_by_a_later_one_in_the_same_proc
         assert later.board.generation == earlier.board.generation + 1
     with Job(store, 1, {1: "stage 1"}) as other_rank:  # every process counts its own runs
         assert other_rank.board.generation == earlier.board.generation
+
+
+class _LostStore:
+    """Stands for the job's store once global rank 0's process, which holds it, has ended: every call fails."""
+
+    def __getattr__(self, name):
+        def lost(*args, **kwargs):
+            raise dist.DistNetworkError("Broken pipe")
+
+        return lost
+
+
+def test_a_lost_store_ends_the_linger_and_names_global_rank_0s_process():
+    # stage 1 after the main process (global rank 0, stage 0) was killed: its transfer failed, its store is gone
+    with Job(None, 1, {0: "stage 0", 1: "stage 1"}) as job:
+        job.board.store = _LostStore()
+        job.board.linger()  # returns: nobody can read a cause there any more
+        lost = re.escape("stage 1 stopped because global rank 0's process (stage 0) has ended: the job's store")
+        with pytest.raises(PipelineFailure, match=rf"^{lost}.*\(Connection reset by peer\)$"):
+            with job.board.as_pipeline_failure(detail=job.watchdog.last_positions):
+                raise RuntimeError("Connection reset by peer")
+        assert job.watchdog.last_positions().startswith("global rank 0's process (stage 0) has ended")
+
+
+@pytest.mark.parametrize("transfer", ["receive", "send"])
+def test_a_transfer_that_cannot_be_posted_is_a_pipeline_failure_naming_the_lost_peer(monkeypatch, transfer):
+    # gloo refuses to post a transfer once the connection to the peer has closed
+    def refused(*args, **kwargs):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer [127.0.0.1]:29500")
+
+    monkeypatch.setattr(dist, "irecv", refused)
+    monkeypatch.setattr(dist, "isend", refused)
+    with Job(None, 1, {0: "stage 0", 1: "stage 1"}) as job:
+        job.board.store = _LostStore()
+        link = Link(0, 0, torch.device("cpu"), job=job)
+        with pytest.raises(PipelineFailure, match=r"^stage 1 stopped because global rank 0's process \(stage 0\)"):
+            link.receive_step() if transfer == "receive" else link.send_step(1, [None])

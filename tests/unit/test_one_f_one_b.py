@@ -7,6 +7,7 @@ tests/distributed/test_one_f_one_b.py.
 """
 
 import threading
+import weakref
 from contextlib import contextmanager
 
 import pytest
@@ -376,6 +377,23 @@ def test_row_weighted_logs_the_mean_a_device_logs():
         ("mean", pytest.approx(1.4)),
         ("acc", metric),
     ]
+
+
+def test_row_weighted_keeps_no_micro_batchs_loss_graph_past_its_step():
+    """A micro-batch's loss kept with its graph would keep the micro-batch's output (a boundary leaf) and its gradient
+    alive until the whole step ends: the last stage under 1F1B would hold every re-materialized micro-batch's."""
+    results, outputs = RowWeighted(_Net(), rows=4), []
+
+    def step() -> dict:
+        output = torch.ones(2, 3, requires_grad=True)  # the micro-batch's output, as the boundary gives it
+        outputs.append(weakref.ref(output))
+        return {"loss": (2 * output).sum()}
+
+    returned = results.run(2, step)
+    returned["loss"].backward()
+    del returned
+    assert outputs[0]() is None
+    assert results.finish()["loss"] == 12
 
 
 def test_deferred_batch_norm_counts_each_micro_batch_once_under_1f1b():

@@ -22,7 +22,8 @@ from lightning_gpipe.planning import (
     search,
 )
 from lightning_gpipe.planning.balance import LayerCost, profile_layers
-from lightning_gpipe.planning.held import held_peak
+from lightning_gpipe.planning.costs import HeadCost
+from lightning_gpipe.planning.held import held_levels, held_peak
 from lightning_gpipe.planning.predict import modelled_stage_costs
 from lightning_gpipe.planning.search import meshes
 from lightning_gpipe.planning.simulator import simulate
@@ -120,12 +121,106 @@ def test_a_layers_transient_is_profiled_and_the_stages_largest_is_added_on_top()
     prediction = predict(PipelinePlan(2, 1, 2, "never", "gpipe", (2, 2)), profiled_costs, FREE, 0, 2**40)
     layers_at = profiled_costs.for_chunks(2)
     for k, stage in enumerate(prediction.memory):
-        assert stage.transient == max(c.transient_bytes for c in layers_at[2 * k : 2 * k + 2]) > 0  # a peak, no sum
+        first, second = layers_at[2 * k : 2 * k + 2]  # the gradient between them lives in either's backward
+        freed = second.activation_bytes - second.input_saved_bytes  # before the first's backward, after its forward
+        in_first, in_second = first.transient_bytes - freed, second.transient_bytes  # a peak, no sum
+        assert stage.transient == max(in_first, in_second) + first.output_bytes > first.output_bytes
     without = [dataclasses.replace(c, transient_bytes=0) for c in costs]
     plain = predict(prediction.plan, ProfiledCosts((32, 32), without, without, 64, 2 * x.nbytes), FREE, 0, 2**40)
     assert [s.total - p.total for s, p in zip(prediction.memory, plain.memory)] == [
-        s.transient for s in prediction.memory
+        s.transient - p.transient for s, p in zip(prediction.memory, plain.memory)
     ]
+
+
+def test_a_transient_is_affine_in_the_rows_as_a_weights_gradient_in_it_does_not_grow_with_them():
+    fixed, per_row = 1000, 10
+    big, small = (LayerCost(0.0, 0.0, transient_bytes=fixed + per_row * rows) for rows in (64, 8))
+    costs = ProfiledCosts((64, 8), [big], [small], 512, 4 * 512)
+    assert [costs.at(rows)[0].transient_bytes for rows in (8, 32, 512)] == [fixed + per_row * r for r in (8, 32, 512)]
+
+
+def test_the_loss_costs_are_measured_where_planned_and_a_straight_line_between():
+    head = HeadCost((8, 64), (800, 6400), parameter_bytes=12)
+    assert [head.at(rows) for rows in (8, 36, 64, 128, 4)] == [800, 3600, 6400, 12800, 400]
+
+
+VOCABULARY = 4096
+
+
+class BigVocabulary(pl.LightningModule):
+    """A backbone of small layers whose last makes logits over a large vocabulary, as the translation example's: the
+    loss (log-probabilities, then their gradient) holds twice the logits, more than the layers keep. With
+    ``needs_trainer`` its step reads the Trainer's optimizers after the loss, as the example logs its learning rate;
+    with ``head``, a module after the backbone (a norm with running statistics, a projection) makes the logits."""
+
+    def __init__(self, needs_trainer: bool = False, head: bool = False) -> None:
+        super().__init__()
+        width = 16 if head else VOCABULARY
+        self.backbone = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, width))
+        self.head = nn.Sequential(nn.BatchNorm1d(16), nn.Linear(16, VOCABULARY)) if head else None
+        self.needs_trainer = needs_trainer
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.backbone(x)
+        loss = nn.functional.cross_entropy(self.head(out) if self.head is not None else out, y)
+        self.log("train_loss", loss)
+        if self.needs_trainer:
+            self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _vocabulary_batch(rows: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(rows, 16), torch.randint(0, VOCABULARY, (rows,))
+
+
+@pytest.mark.parametrize("needs_trainer", [False, True])
+def test_the_last_stage_counts_the_loss_on_the_batch_under_fill_drain_and_on_a_micro_batch_under_1f1b(needs_trainer):
+    """The loss's tensors, twice the logits, are on the last stage's total: the whole batch's once under fill-drain,
+    one micro-batch's under 1F1B (its step runs per micro-batch). A step that needs a running Trainer after the loss
+    (not there when planning) is measured all the same."""
+    fixed = {"pipeline_parallel_size": 2, "chunks": 4, "checkpoint": "never"}
+    logits = 64 * VOCABULARY * 4
+    memory = {}
+    for name in ("gpipe", "1f1b"):
+        report = plan(BigVocabulary(needs_trainer), 2, 2**40, example_batch=_vocabulary_batch(), schedule=name, **fixed)
+        memory[name] = report.chosen.memory
+    assert memory["gpipe"][1].loss == pytest.approx(2 * logits, rel=0.05) and memory["gpipe"][0].loss == 0
+    assert memory["1f1b"][1].loss == pytest.approx(2 * logits / 4, rel=0.05)
+    for stages in memory.values():
+        last = stages[1]
+        assert last.total - dataclasses.replace(last, loss=0).total == last.loss - last.transient > 0
+
+
+def test_the_loss_is_profiled_at_every_micro_batch_size_the_planner_tries():
+    head = plan(BigVocabulary(), 2, 2**40, example_batch=_vocabulary_batch()).profiled.head
+    assert head is not None and head.rows == (1, 2, 4, 8, 16, 32, 64)  # 64 rows in 64, 32, ... 1 micro-batches
+    assert head.peak_bytes[-1] == pytest.approx(2 * 64 * VOCABULARY * 4, rel=0.05)
+
+
+def test_the_modules_after_the_backbone_are_counted_on_the_last_stage_and_left_as_they_were():
+    module = BigVocabulary(head=True)
+    state = {name: t.clone() for name, t in module.head.state_dict().items()}
+    report = plan(
+        module, 2, 2**40, example_batch=_vocabulary_batch(), backbone="backbone", pipeline_parallel_size=2, chunks=2
+    )
+    head = report.profiled.head
+    assert head is not None and head.parameter_bytes == sum(t.nbytes for t in module.head.state_dict().values())
+    layers, first = report.profiled.for_chunks(2), report.chosen.plan.balance[0]
+    assert report.chosen.memory[1].parameters == sum(c.parameter_bytes for c in layers[first:]) + head.parameter_bytes
+    assert head.peak_bytes[-1] >= 2 * 64 * VOCABULARY * 4  # the head's logits too
+    assert all(torch.equal(t, state[name]) for name, t in module.head.state_dict().items())  # running statistics
+    assert all(p.grad is None for p in module.parameters())
+
+
+def test_under_1f1b_the_last_stage_holds_one_micro_batchs_output_gradient_not_the_batchs():
+    costs = profiled()
+    fill, one = (predict(PipelinePlan(2, 1, 4, "never", s, (4, 4)), costs, FREE, 0, 2**40) for s in ("gpipe", "1f1b"))
+    batches, joined, micro = 2 * costs.input_bytes, costs.at(64)[-1].output_bytes, costs.for_chunks(4)[-1].output_bytes
+    assert (fill.memory[1].buffers, one.memory[1].buffers) == (batches + 2 * joined, batches + micro)
 
 
 @pytest.mark.parametrize("chunks", [4, 8])
@@ -153,6 +248,16 @@ def _actions(text: str) -> list[actions.Action]:
     ]
 
 
+def test_the_last_stage_holds_a_re_materialized_output_the_loss_took_until_its_backward_beside_the_recomputed_one():
+    """Bytes per micro-batch: kept input 1, activations 100, output 10. Under 1F1B with ``"always"`` the last stage's
+    loss takes the fill's output, kept until the backward while the recompute makes another; what the stage holds at
+    a loss (inputs, that output) is far below its peak (the recomputed activations), which the loss's tensors are not
+    added to; without re-materialization the loss runs at the peak."""
+    one_f = "F0 L0 R0 B0 F1 L1 R1 B1 flush"
+    assert held_levels(_actions(one_f), False, "always", 2, (1, 100, 10, 0)) == (122, 12)  # input grad 1 + 1 + 10
+    assert held_levels(_actions("F0 L0 B0 F1 L1 B1 flush"), False, "never", 2, (1, 100, 10, 0)) == (112, 112)
+
+
 def test_a_send_is_released_at_the_stages_next_send_or_flush():
     """Output bytes only (10 per micro-batch): a checkpointed output lives from its forward until the send after its
     own, so two at a time in the fill, and the last one until the flush; a recomputed output is another tensor; an
@@ -175,10 +280,11 @@ def test_an_output_its_record_holds_is_freed_by_the_record_not_by_the_send():
 
 def test_an_input_gradient_is_released_at_the_next_send_or_flush():
     """Input and its gradient 10 bytes each, on a stage that sends no output: a micro-batch's gradient is pending
-    until the next backward's send, so at most one beside the next micro-batch's input (a flush frees it too)."""
+    until the next backward's send, so at most one beside the next micro-batch's input and the buffer of the one
+    after it, whose receive taking that input posts (a flush frees the gradient too)."""
     one_at_a_time = _actions("F0 B0 F1 B1 F2 B2 flush")
-    assert held_peak(one_at_a_time, False, "never", 3, (10, 0, 0, 0)) == 20
-    assert held_peak(_actions("F0 B0 flush F1 B1 flush F2 B2 flush"), False, "never", 3, (10, 0, 0, 0)) == 10
+    assert held_peak(one_at_a_time, False, "never", 3, (10, 0, 0, 0)) == 30
+    assert held_peak(_actions("F0 B0 flush F1 B1 flush F2 B2 flush"), False, "never", 3, (10, 0, 0, 0)) == 20
 
 
 def test_the_chosen_plan_is_the_fastest_that_fits_and_no_faster_one_fits():
@@ -302,7 +408,8 @@ def test_split_stages_run_the_measured_b_and_w_and_hold_what_b_keeps_except_the_
     assert split[1].activation_bytes == whole[1].activation_bytes + sum(c.kept_grad_bytes for c in linears)
     memory = predict(PipelinePlan(2, 1, 4, "never", "zb-h1", (4, 4)), split_profiled(), FREE, 0, 2**40).memory
     assert memory[1].transient == sum(c.parameter_bytes for c in layers[4:])  # W's products before .grad
-    assert memory[0].transient == max(c.transient_bytes for c in layers[:4])  # the first stage does not split
+    row = layers[0].output_bytes  # no transient of their own: the gradients between two layers, less what is freed
+    assert memory[0].transient == row  # the first stage does not split
 
 
 def test_copies_cost_each_stage_what_it_receives_and_sends():
@@ -348,7 +455,7 @@ def test_an_interleaved_process_holds_its_chunks_together():
     assert predicted.step_time == pytest.approx(
         simulate(stages, 4, "never", schedule="1f1b", virtual_stages=2).step_time + FREE.step_overhead
     )
-    assert predicted.memory[1].buffers > predicted.memory[0].buffers  # the joined output and its gradient
+    assert predicted.memory[1].buffers > predicted.memory[0].buffers  # the backbone output's gradient
 
 
 def test_the_report_is_a_table_and_plain_data():
@@ -447,3 +554,13 @@ def test_plan_auto_runs_the_chosen_plan_on_one_stage(tmp_path):
         chosen.chunks, chosen.checkpoint, list(chosen.balance),
     )  # fmt: skip
     assert trainer.global_step == 2
+
+
+def test_a_plan_reports_repr_is_one_short_line_naming_the_chosen_plan():
+    """``repr(report)`` (what a REPL or a log shows) names the chosen plan and how many fit, not every prediction."""
+    batch = (torch.randn(32, 64), torch.randint(0, 2, (32,)))
+    report = plan(SmallMLP(), 2, 2**30, example_batch=batch)
+    text = repr(report)
+    assert text.startswith("PlanReport(chosen: pipeline_parallel_size=") and "\n" not in text and len(text) < 400
+    assert f"balance={list(report.chosen.plan.balance)!r}" in text and "MiB per device on 2 processes)" in text
+    assert f"of {len(report.predictions)} plans fit 1,024 MiB" in text

@@ -44,6 +44,7 @@ import inspect
 import pkgutil
 import re
 import signal
+import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
@@ -358,6 +359,16 @@ def test_the_shim_reaches_what_it_names():
     again, again_scalars = shim.result_metric_state(rebuilt)
     assert again_scalars == scalars and again.keys() == tensors.keys() and torch.equal(again["value"], tensors["value"])
     assert shim.result_metric_state(object()) is None
+
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+
+    launcher = _SubprocessScriptLauncher(LightningEnvironment(), num_processes=2, num_nodes=1)
+    launcher.procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]))
+    (started,) = launcher.procs
+    shim.end_launched_processes(launcher)
+    assert launcher.procs == [] and started.returncode is not None
+    shim.end_launched_processes(None)  # another launcher (or none): left to it
 
 
 # ------------------------------------------------------------------------------------- the shim's docstrings

@@ -8,6 +8,7 @@ real 2-stage run.
 
 import copy
 import logging
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -15,12 +16,17 @@ import torch
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 from lightning.pytorch.utilities.model_summary import summarize
 from models import TupleNet, fit_trainer
+from nonchain import FEATURES, VOCAB, TiedNet
 from torch import nn
 
 from lightning_gpipe import PipelineModelSummary
+from lightning_gpipe.engine.actions import stage_of_virtual
+from lightning_gpipe.engine.partition import Split
+from lightning_gpipe.engine.ties import find_ties
 from lightning_gpipe.faults.job import Job
 from lightning_gpipe.lightning.callbacks import replace_model_summary
 from lightning_gpipe.lightning.summary import StageSummary, _format, _layer_range, _local_part, _merge
+from lightning_gpipe.planning.balance import resolve_balance
 
 
 class Net(TupleNet):
@@ -32,29 +38,33 @@ class Net(TupleNet):
         self.backbone[0].requires_grad_(False)
 
 
-class LastStageOnly(nn.Module):
-    """Stands for a module outside the backbone on the stages before the last (no parameters)."""
+def stage_module(
+    model: L.LightningModule, balance: list[int], stage: int, num_stages: int | None = None, v_shape: bool = False
+) -> tuple[L.LightningModule, nn.Module, bool]:
+    """A copy of ``model`` split as stage ``stage`` holds it (:class:`~lightning_gpipe.engine.partition.Split`: its
+    backbone layers under their names, those of every virtual stage on it, ``balance`` having one entry per virtual
+    stage; a placeholder for each module outside the backbone with parameters, but on the stage that ends the
+    backbone: the last, or stage 0 in a V); and whether it is that stage."""
+    num_stages = num_stages or len(balance)
+    virtual = [v for v in range(len(balance)) if stage_of_virtual(v, num_stages, v_shape)[0] == stage]
+    split = Split(copy.deepcopy(model), "backbone", balance, stage, num_stages, virtual)
+    return split.module, split.partition, len(balance) - 1 in virtual
 
 
-def stage_module(model: Net, balance: list[int], stage: int) -> tuple[Net, nn.Module]:
-    """A copy of ``model`` as stage ``stage`` holds it: its backbone layers under their names, no head but on the
-    last stage."""
-    module = copy.deepcopy(model)
-    first = sum(balance[:stage])
-    partition = nn.Module()
-    for name, layer in list(module.backbone.named_children())[first : first + balance[stage]]:
-        partition.add_module(name, layer)
-    module.backbone = partition
-    if stage < len(balance) - 1:
-        module.head = LastStageOnly()
-    return module, partition
+def stage_part(model: L.LightningModule, balance: list[int], stage: int, max_depth: int = 1, **v):
+    """Stage ``stage``'s part of the summary (see :func:`stage_module`), with its tied copies that another stage
+    counts, as ``TiedParameters.uncounted`` gives them."""
+    module, partition, holds_head = stage_module(model, balance, stage, **v)
+    ties = find_ties(model, "backbone", balance, v.get("num_stages"), v.get("v_shape", False))
+    copies = [module.get_parameter(t.local_name(stage)) for t in ties if stage in t.stages and t.stages[0] != stage]
+    return _local_part(module, partition, stage, max_depth, holds_head, copies)
 
 
 @pytest.mark.parametrize("max_depth", [1, 2, -1])
 def test_stage_parts_merge_into_the_whole_models_summary(max_depth) -> None:
     """Rows, parameter counts and modes of 3 stages add up to Lightning's summary of the unsplit module."""
     model, balance = Net(), [2, 3, 3]
-    parts = [_local_part(*stage_module(model, balance, k), k, max_depth) for k in range(3)]
+    parts = [stage_part(model, balance, k, max_depth) for k in range(3)]
     table, stages = _merge([parts[2], parts[0], parts[1]])  # in any order, as gathered
     plain = summarize(model, max_depth=max_depth)
     assert [row.name for row in table.rows] == plain.layer_names
@@ -74,7 +84,7 @@ def test_stage_parts_merge_into_the_whole_models_summary(max_depth) -> None:
 
 def test_printed_summary_shows_totals_and_the_split() -> None:
     model, balance = Net(), [2, 6]
-    parts = [_local_part(*stage_module(model, balance, k), k, 1) for k in range(2)]
+    parts = [stage_part(model, balance, k) for k in range(2)]
     table, stages = _merge(parts)
     text = _format(table, stages, precision_bits=32)
     lines = text.splitlines()
@@ -103,6 +113,52 @@ def test_printed_summary_shows_totals_and_the_split() -> None:
 
 def cells(line: str) -> list[str]:
     return [cell.strip() for cell in line.split("|")]
+
+
+def test_a_parameter_tied_across_stages_counts_once_in_the_totals_and_the_backbone() -> None:
+    """TiedNet on 3 stages: the embedding (stage 0) is the head's weight (stage 2), one Linear is at backbone positions
+    1 (stage 0) and 5 (stage 2). The totals and rows equal Lightning's summary of the whole module; each stage's row
+    counts the copies it holds."""
+    model, balance = TiedNet(), [3, 2, 2]
+    table, stages = _merge([stage_part(model, balance, k) for k in range(3)])
+    plain = summarize(model, max_depth=1)
+    assert (table.total, table.trainable) == (plain.total_parameters, plain.trainable_parameters)
+    assert [(row.name, row.parameters) for row in table.rows] == list(zip(plain.layer_names, plain.param_nums))
+    embedding, linear = VOCAB * FEATURES, FEATURES * FEATURES + FEATURES
+    assert plain.total_parameters == embedding + 2 * linear
+    assert [s.parameters for s in stages] == [embedding + linear, linear, linear + embedding]  # the copies held
+    assert "Total params" in _format(table, stages, precision_bits=32)
+
+
+def test_under_zb_v_the_summary_names_stage_0_for_the_modules_after_the_backbone() -> None:
+    """In ZB-V's V (K = 2, virtual stages 0 and 3 on stage 0) the head is on stage 0: the split line says so, and the
+    head's row is the head's (its type, mode and parameters), not stage 1's placeholder."""
+    model, balance = Net(), [2, 2, 2, 2]
+    parts = [stage_part(model, balance, k, num_stages=2, v_shape=True) for k in range(2)]
+    table, stages = _merge(parts)
+    plain = summarize(model, max_depth=1)
+    assert [(row.name, row.type, row.parameters) for row in table.rows] == [
+        ("backbone", "Sequential (2 stages)", plain.param_nums[0]),
+        ("head", "Linear", plain.param_nums[1]),
+    ]
+    assert table.total == plain.total_parameters and [s.layers for s in stages] == [tuple("0167"), tuple("2345")]
+    text = _format(table, stages, precision_bits=32)
+    assert "Split into 2 pipeline stages (the modules after the backbone are on stage 0):" in text.splitlines()
+
+
+def test_the_summary_docs_observability_md_shows_is_what_the_default_amoebanet_prints() -> None:
+    """docs/observability.md's summary of the default AmoebaNet-D (6, 16) on 2 stages, split as the strategy splits it
+    (``balance="params"``), is what the summary prints (each line without trailing blanks; the real 2-process run
+    prints the same: tests/distributed/test_amoebanet.py)."""
+    from amoebanet.module import AmoebaNetClassifier
+
+    model = AmoebaNetClassifier()
+    balance = resolve_balance("params", model.backbone, 2)
+    table, stages = _merge([stage_part(model, balance, k) for k in range(2)])
+    printed = [line.rstrip() for line in _format(table, stages, precision_bits=32).splitlines()]
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "observability.md").read_text(encoding="utf-8")
+    block = docs.split("For the default AmoebaNet-D (6, 16) on 2 stages:\n\n```text\n")[1].split("\n```")[0]
+    assert block.splitlines() == printed
 
 
 def test_layer_ranges_name_the_first_and_last_layer() -> None:
@@ -175,8 +231,11 @@ def test_on_fit_start_gathers_the_stages_and_prints_on_rank_zero() -> None:
     import torch.distributed as dist
 
     model = Net()
-    module, partition = stage_module(model, [8], 0)
-    strategy = SimpleNamespace(run=SimpleNamespace(partition=partition), stage_index=0, job=Job())
+    module, partition, _ = stage_module(model, [8], 0)
+    run = SimpleNamespace(
+        partition=partition, pipeline=SimpleNamespace(is_last=True), ties=SimpleNamespace(uncounted=list)
+    )
+    strategy = SimpleNamespace(run=run, stage_index=0, job=Job())
     trainer = SimpleNamespace(strategy=strategy, is_global_zero=True, precision="bf16-true")
     handler, logger = Collect(), logging.getLogger("lightning.pytorch.callbacks.model_summary")
     summary = PipelineModelSummary()

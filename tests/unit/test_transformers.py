@@ -194,7 +194,10 @@ def test_a_model_of_another_layout_is_refused_by_name_with_the_reasons_before_an
 
     model = OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
                                      num_attention_heads=2, word_embed_proj_dim=16))  # fmt: skip
-    message = r"OPTForCausalLM: not the decoder layout: `model` holds \['decoder'\].*no registered family names it"
+    message = (
+        r"OPTForCausalLM: not the declared plan layout: it declares no pipeline plan.*"
+        r"not the decoder layout: `model` holds \['decoder'\].*no registered family names it"
+    )
     with pytest.raises(UnsupportedModelError, match=message):
         to_sequential(model)
     with pytest.raises(UnsupportedModelError, match="MyModel"):
@@ -206,16 +209,17 @@ def test_a_model_of_another_layout_is_refused_by_name_with_the_reasons_before_an
     [
         (
             "qwen3_next",
-            dict(layer_types=["linear_attention", "full_attention"]),
-            "layer types \\['linear_attention'\\]",
+            dict(layer_types=["hybrid", "full_attention"]),
+            "layer types include \\['hybrid'\\]",
         ),
-        ("phi", {}, "`model` holds \\['embed_dropout', 'embed_tokens', 'final_layernorm', 'layers', 'rotary_emb'\\]"),
+        ("persimmon", {}, "`model` holds \\['embed_tokens', 'final_layernorm', 'layers', 'rotary_emb'\\]"),
         ("megatron-bert", {}, "`bert.encoder` holds \\['layer', 'ln'\\]"),
     ],
 )
 def test_a_deviation_the_adapter_does_not_handle_is_refused_by_structure(model_type, fields, reason):
-    """Linear attention layers, a dropout and a norm of its own in a decoder's base model, a final norm in an
-    encoder: modules or layer types the standard layouts do not have (on the meta device: nothing is allocated)."""
+    """Hybrid layer types, a norm of another name in a decoder's base model that declares no plan (Persimmon), a
+    final norm in an encoder: modules or layer types the standard layouts do not have (on the meta device: nothing is
+    allocated)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
     config = AutoConfig.for_model(model_type, num_hidden_layers=2, **fields)
@@ -232,10 +236,11 @@ def test_positions_from_mask_number_each_rows_real_tokens_as_generate_does():
 
 
 GENERATING = [(name, a) for name in ("llama", "mistral", "qwen2", "gpt2") for a in ("eager", "sdpa")]
-GENERATING += [("gemma2", "eager"), ("gemma3", "sdpa"), ("mixtral", "sdpa")]
+GENERATING += [("gemma2", "eager"), ("gemma3", "sdpa"), ("mixtral", "sdpa"), ("gpt_neox", "sdpa")]
 """Decoding on one device: the first families with both attention implementations; Gemma 2 (alternating sliding
-layers, soft-capped logits), Gemma 3 (a rotary table per layer type) and Mixtral (router statistics in the cached
-steps). Every decoder family decodes through the pipeline in tests/distributed/test_transformers.py."""
+layers, soft-capped logits), Gemma 3 (a rotary table per layer type), Mixtral (router statistics in the cached
+steps) and GPT-NeoX (its blocks' cache argument is ``layer_past``). Every decoder family decodes through the pipeline
+in tests/distributed/test_transformers.py."""
 
 
 @pytest.mark.parametrize("name, attention", GENERATING)

@@ -106,7 +106,7 @@ def test_the_check_names_the_family_and_leaves_the_random_state_alone():
     torch.manual_seed(0)
     family = check_class(LlamaForCausalLM, LlamaConfig(**TINY))
     assert torch.equal(torch.rand(3), expected)  # the miniature's random weights come from a generator of its own
-    assert family.name == "decoder" and not family.encoder
+    assert family.name == "declared plan" and not family.encoder  # Llama's config declares base_model_pp_plan
 
 
 def test_a_miniature_that_cannot_be_built_is_refused_with_the_error_and_the_way_out():

@@ -20,7 +20,9 @@ full checkpoint, the last stage for a sharded one; OUT_DIR/killed_{kind} marks t
 "resume" (resume from both checkpoints to step 6, writing rank 0's module state to OUT_DIR/resumed_{kind}.pt),
 "requeue" (the run of "sigterm" as one task of a SLURM job with ``SLURMEnvironment(auto_requeue=True)`` and
 ``default_root_dir=OUT_DIR``: the test starts each stage itself, with SLURM's variables; OUT_DIR/stopped_rank{r} holds
-the global step at which Lightning's SIGTERMException ended rank r).
+the global step at which Lightning's SIGTERMException ended rank r),
+"before_the_store" (global rank 0 stops before it creates the job's store, once rank 1 is about to wait for it:
+rank 1 writes OUT_DIR/joining, rank 0 then writes OUT_DIR/paused and sleeps for an hour, for a test that kills it).
 --timeout and --stall set GPipeStrategy(timeout=, stall_timeout=) in seconds.
 Each process writes OUT_DIR/rank{r}.txt holding its pid and the time it started, so that the test can check
 that none is left and how long they took to exit.
@@ -42,6 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from lightning.fabric.plugins.environments import LightningEnvironment  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E402
 from models import FEATURES, TupleNet, fit, fit_trainer, loader  # noqa: E402
@@ -203,6 +206,22 @@ def kill_in_the_write(kind: str) -> None:
             fsync(fd)
 
         os.fsync = kill_at_sync
+
+
+class PausedBeforeTheStore(LightningEnvironment):
+    """Global rank 0 stops before it creates the job's store (the strategy sets the world size right before it joins
+    the process group), once rank 1 has got there too."""
+
+    def set_world_size(self, size: int) -> None:
+        super().set_world_size(size)
+        joining, paused = (os.path.join(args.out, name) for name in ("joining", "paused"))
+        if self.global_rank() > 0:
+            open(joining, "w").close()
+            return
+        while not os.path.exists(joining):
+            time.sleep(0.05)
+        open(paused, "w").close()
+        time.sleep(3600)
 
 
 def strategy(**kwargs) -> lightning_gpipe.GPipeStrategy:
@@ -390,6 +409,8 @@ elif args.case in MODULES:
     )
 elif args.case == "bad_inputs":
     bad_inputs()
+elif args.case == "before_the_store":
+    fit(strategy=strategy(), devices=args.devices, plugins=[PausedBeforeTheStore()])
 elif args.case.startswith("kill_"):
     kind = args.case.removeprefix("kill_")
     kill_in_the_write(kind)

@@ -60,7 +60,11 @@ CONFIGS = {
     # ZB-V on (2, 2), its two chunks per stage in a V, resumed on 4 stages of one chunk
     "pp2_dp2_zb_v_sharded_first4": (2, 2, {"state_dict_type": "sharded", "schedule": "zb-v", "chunks": 4}, {}, None, 4),
     "pp4_dp1_from_zb_v_resumed": (4, 1, {}, {}, "pp2_dp2_zb_v_sharded_first4", 6),
+    # each stage's state sharded over its replicas by FSDP2; run only where named (the two torchrun "nodes")
+    "pp2_dp2_full_shard": (2, 2, {"sharding_strategy": "FULL_SHARD"}, {}, None, 6),
 }
+NAMED_ONLY = ("pp2_dp2_full_shard",)
+"""Configurations that run only where ``--configs`` names them (the sharded run is tested in its own launch)."""
 
 
 def run(name: str, out: str, devices: int, num_nodes: int) -> None:
@@ -117,7 +121,7 @@ if __name__ == "__main__":
     parser.add_argument("out")
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--num-nodes", type=int, default=1)
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=[name for name in CONFIGS if name not in NAMED_ONLY])
     parser.add_argument("--fail-rank", type=int, default=None)
     args = parser.parse_args()
     if args.fail_rank is not None:

@@ -4,6 +4,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from itertools import product
 from typing import Any
 
 import lightning.pytorch as pl
@@ -108,6 +109,82 @@ def suggest_balance(
     return solve(times, num_stages)
 
 
+MIN_GAIN = 0.01
+"""The least share of the step a split must be predicted to save to be suggested: below it, the costs' noise decides."""
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """The fastest split the simulator found against the current one (see :func:`fastest_split`).
+
+    Args:
+        balance: the current ``balance``.
+        step: its simulated step time in seconds.
+        best: the fastest split found (the current one when none is faster).
+        best_step: its simulated step time in seconds.
+    """
+
+    balance: list[int]
+    step: float
+    best: list[int]
+    best_step: float
+
+    @property
+    def speedup(self) -> float:
+        """How many times as fast as the current split the best one is predicted (1.0: no faster)."""
+        return self.step / self.best_step if self.best_step > 0 else 1.0
+
+    @property
+    def suggested(self) -> list[int] | None:
+        """The best split if it is another one predicted at least :data:`MIN_GAIN` faster, else ``None``."""
+        return self.best if self.best != self.balance and self.best_step < (1 - MIN_GAIN) * self.step else None
+
+
+def fastest_split(
+    costs: Sequence[LayerCost],
+    balance: Sequence[int],
+    chunks: int,
+    checkpoint: str,
+    loss: float = 0.0,
+    schedule: str = "gpipe",
+    defer_weight_grad: bool | None = None,
+) -> Suggestion:
+    """The fastest split by :func:`~lightning_gpipe.planning.simulator.simulate`'s step time, from the solver's split.
+
+    :func:`suggest_balance` evens out the stages' times, which is not the same as the fastest step (a stage's
+    recompute can hide in its wait for a gradient, the head runs once between fill and drain): so the search starts
+    from its split and moves one boundary by one layer while that shortens the simulated step.
+
+    Args:
+        costs: per-layer costs for one micro-batch.
+        balance: the current split, simulated alike.
+        chunks: M.
+        checkpoint: the checkpoint mode.
+        loss: seconds per step of the head and loss.
+        schedule: the schedule, as for ``GPipeStrategy`` (default ``"gpipe"``).
+        defer_weight_grad: whether backwards are split into B and W, as for ``GPipeStrategy``.
+    """
+
+    def step(split: Sequence[int]) -> float:
+        stages = stage_costs(costs, split)
+        return simulate(
+            stages, chunks, checkpoint, loss=loss, schedule=schedule, defer_weight_grad=defer_weight_grad
+        ).step_time
+
+    best = suggest_balance(costs, len(balance), checkpoint, chunks, loss)
+    best_step, improved = step(best), True
+    while improved:
+        improved = False
+        for k, move in product(range(len(best) - 1), (-1, 1)):  # stage k gives one layer to k + 1, or takes one
+            split = [*best[:k], best[k] + move, best[k + 1] - move, *best[k + 2 :]]
+            if min(split) >= 1 and (candidate := step(split)) < best_step:
+                best, best_step, improved = split, candidate, True
+    current = step(balance)
+    if current <= best_step:
+        best, best_step = list(balance), current
+    return Suggestion(list(balance), current, best, best_step)
+
+
 class PipelineBalance(PipelineCallback):
     """Per stage: parameters, forward, backward and recompute time, waiting, activation memory; the imbalance.
 
@@ -117,12 +194,15 @@ class PipelineBalance(PipelineCallback):
     and ``.../activation_bytes`` to the trainer's loggers, and writes ``pipeline_balance.json`` into the
     logger's ``log_dir`` (or ``default_root_dir``).
 
-    When the imbalance (the slowest stage's work over the mean) exceeds ``threshold``, it suggests a better
-    ``balance`` with :func:`lightning_gpipe.solve`, on the strategy's profiled per-layer costs
-    (``strategy.layer_costs``, a list of :class:`~lightning_gpipe.planning.balance.costs.LayerCost`) when it has them,
-    else on the measured stage times spread evenly over each stage's layers, and predicts the step time
-    of both splits with :func:`lightning_gpipe.planning.simulator.simulate`. With ``virtual_stages > 1`` it reports the
-    stages (``balance``: the layers each stage holds over all its model chunks) and suggests nothing.
+    When the imbalance (the slowest stage's work over the mean) exceeds ``threshold``, it looks for a faster
+    ``balance`` (:func:`fastest_split`: :func:`lightning_gpipe.solve`'s split, improved one boundary at a time on the
+    step time :func:`lightning_gpipe.planning.simulator.simulate` predicts for the run's schedule), on the strategy's
+    profiled per-layer costs (``strategy.layer_costs``, a list of
+    :class:`~lightning_gpipe.planning.balance.costs.LayerCost`) when it has them, else on the measured stage times
+    spread evenly over each stage's layers. It suggests that split only when the simulator predicts it at least
+    :data:`MIN_GAIN` faster than the current one, and says by how much; otherwise it says that no faster split was
+    found. With ``virtual_stages > 1`` it reports the stages (``balance``: the layers each stage holds over all its
+    model chunks) and suggests nothing.
 
     Activation memory is counted in the measured steps only (a hook per saved tensor, a few percent of
     those steps' time).
@@ -185,12 +265,15 @@ class PipelineBalance(PipelineCallback):
             return report  # with virtual stages a stage's layers are not contiguous: no split is suggested
         profiled = getattr(trainer.strategy, "layer_costs", None)
         costs = list(profiled) if profiled else layer_estimates(loads, chunks)
-        loss = loads[-1].loss
-        suggested = suggest_balance(costs, len(loads), checkpoint, chunks, loss)
-        report["suggested_balance"] = suggested
+        config = trainer.strategy.config
+        assert config.schedule is not None  # PipelineConfig gave the default
+        found = fastest_split(
+            costs, report["balance"], chunks, checkpoint, loads[-1].loss, config.schedule, config.splits_backward
+        )
+        report["suggested_balance"] = found.suggested
         report["cost_source"] = "profiled layer costs" if profiled else "measured stage times"
-        for name, balance in (("predicted_step_s", report["balance"]), ("suggested_step_s", suggested)):
-            report[name] = simulate(stage_costs(costs, balance), chunks, checkpoint, loss=loss).step_time
+        report |= {"predicted_step_s": found.step, "best_balance": found.best, "best_step_s": found.best_step}
+        report["speedup"] = found.speedup
         return report
 
 
@@ -213,7 +296,12 @@ def format_table(report: dict) -> str:
     if report["suggested_balance"] is not None:
         lines.append(
             f"suggested balance={report['suggested_balance']} instead of {report['balance']}"
-            f" (from {report['cost_source']}; simulated step {report['suggested_step_s']:.3f}s vs"
-            f" {report['predicted_step_s']:.3f}s)"
+            f" (from {report['cost_source']}): simulated step {report['best_step_s']:.4g}s vs"
+            f" {report['predicted_step_s']:.4g}s, {report['speedup']:.2f}x as fast"
+        )
+    elif "best_balance" in report:
+        lines.append(
+            f"no faster balance than {report['balance']} found (from {report['cost_source']}; simulated step"
+            f" {report['predicted_step_s']:.4g}s; no other split is predicted {MIN_GAIN:.0%} faster or more)"
         )
     return "\n".join(lines)

@@ -72,6 +72,23 @@ def profile_layers(
             initialised.
         TypeError: if a layer returns anything but a Tensor or a tuple of Tensors.
     """
+    return profile_with_output(layers, sample, device, repeats, warmup, split)[0]
+
+
+def profile_with_output(
+    layers: nn.Sequential,
+    sample: Value,
+    device: torch.device | str = "cpu",
+    repeats: int = 5,
+    warmup: int = 2,
+    split: bool = False,
+) -> tuple[list[LayerCost], Value]:
+    """:func:`profile_layers`, and the last layer's output on the sample (on ``device``, cut from autograd): the
+    backbone's output on one micro-batch, on which the planner measures what runs after the backbone.
+
+    Raises:
+        ValueError, TypeError: as :func:`profile_layers`.
+    """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"profile_layers needs repeats >= 1 and warmup >= 0, got {repeats} and {warmup}.")
     device = torch.device(device)
@@ -82,7 +99,7 @@ def profile_layers(
         for name, layer in layers._modules.items():  # every position, a layer used at two (tied) included
             cost, value = _profile_copy(name, layer, value, skips, device, (repeats, warmup, split))
             costs.append(cost)
-    return costs
+    return costs, value
 
 
 def _profile_copy(

@@ -3,6 +3,8 @@
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 
+from lightning_gpipe.planning.balance.costs import LayerCost
+
 
 def solve(
     costs: Sequence[float],
@@ -52,9 +54,10 @@ def solve(
         assert memory is not None and memory_limit is not None
         smallest = max(stage_sums(memory, solve(memory, num_stages)))
         raise ValueError(
-            f"No split into {num_stages} stages keeps every stage within memory_limit={memory_limit:g} bytes; the"
-            f" smallest limit that fits is {smallest:g} bytes. Raise the limit, use more devices, or split the"
-            " largest layers."
+            f"No split into {num_stages} stages keeps every stage within the balance's memory limit of"
+            f" {memory_limit:,.0f} bytes (GPipeStrategy(balance_memory_limit=...), or the memory_limit argument of"
+            f" solve and balance_by); the smallest limit that fits is {smallest:,.0f} bytes. Raise the limit, use"
+            " more devices, or split the largest layers."
         )
     balance, end = [], layers
     for k in range(num_stages, 0, -1):
@@ -85,11 +88,14 @@ def _fits(memory: Sequence[float] | None, limit: float | None) -> Callable[[int,
     return lambda j, i: prefix[i] - prefix[j] <= limit
 
 
-def stage_sums(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
+def stage_sums(costs: Sequence[float | LayerCost], balance: Sequence[int]) -> list[float]:
     """The total cost of each stage of ``balance``, e.g. its time or memory.
 
     Args:
-        costs: cost of each layer in order.
+        costs: cost of each layer in order: numbers (seconds, bytes...), or the :class:`LayerCost` of each layer
+            (from :func:`~lightning_gpipe.planning.balance.profile_layers`), which count their time, ``forward +
+            backward`` seconds (what ``balance="time"`` evens out). For another measure pass its numbers, e.g.
+            ``layer_weights("memory", costs)``.
         balance: layers per stage, summing to ``len(costs)``.
 
     Raises:
@@ -97,5 +103,6 @@ def stage_sums(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
     """
     if sum(balance) != len(costs):
         raise ValueError(f"balance={list(balance)} sums to {sum(balance)} but there are {len(costs)} layer costs.")
+    values = [cost.forward + cost.backward if isinstance(cost, LayerCost) else cost for cost in costs]
     bounds = [0, *accumulate(balance)]
-    return [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return [sum(values[a:b]) for a, b in zip(bounds, bounds[1:])]

@@ -1,0 +1,188 @@
+"""Conformance of ``lightning_gpipe.hf`` over every causal-LM class of the installed ``transformers`` that declares a
+pipeline plan (``config.base_model_pp_plan``, transformers PR #36091): equal, refused or wrong.
+
+For each model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` whose config class declares a plan, a tiny config (the
+type's default config, fixed where ``transformers``' own default cannot build or run its model, see
+:data:`CONFIG_FIXES`, then shrunk as the self-check shrinks it: ``miniature_config``) and:
+
+- ``refused``: ``check_class`` raises ``UnsupportedModelError`` or ``SelfCheckError`` (the message is the reason);
+- ``equal``: taken, and the backbone applied layer by layer equals the class's own forward on a probe of its own
+  (2 rows of 13 tokens, one left- and one right-padded, a seed other than the self-check's): the logits on the real
+  tokens, the loss with labels and every parameter's gradient, each within 1e-5 (absolute, or relative to the
+  tensor's largest entry where that exceeds 1);
+- ``wrong``: taken, but something differs (the worst tensor named): the adapter would train another model.
+
+Run from the repository root (a few minutes on one CPU thread)::
+
+    python benchmarks/hf_conformance.py                 # every declaring class, a table and the counts
+    python benchmarks/hf_conformance.py --only gpt_neox phi qwen3_next
+    python benchmarks/hf_conformance.py --json out.json
+
+tests/unit/test_transformers_plan.py runs :func:`conform` on a representative few; docs/transformers.md gives the
+counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CONFIG_FIXES: dict[str, dict] = {
+    "ministral": {"head_dim": 128},  # default head_dim None: its attention takes None ** -0.5
+    "deepseek_v2": {"num_experts_per_tok": 6},  # default None: its router's topk takes k=None
+    "dots1": {"n_routed_experts": 128, "num_experts_per_tok": 8, "n_shared_experts": 2},  # defaults None: no experts
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+}
+"""Fields set on ``transformers`` 5.24's default configs that cannot build or run their own model (the values are
+the types' documented ones; nothing of the adapter's)."""
+
+TOLERANCE = 1e-5
+ROWS, LENGTH = 2, 13
+
+
+@dataclass
+class Result:
+    """One class's verdict: ``equal``, ``refused`` or ``wrong``, with the family that took it (or ``None``) and the
+    reason (refused), the worst difference (equal) or the worst tensor (wrong)."""
+
+    model_type: str
+    model_class: str
+    verdict: str
+    family: str | None
+    detail: str
+    seconds: float
+
+
+def declaring_types() -> list[tuple[str, str]]:
+    """``(model_type, class name)`` of every causal LM whose config class declares ``base_model_pp_plan``."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return [
+        (model_type, name)
+        for model_type, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
+        if model_type in CONFIG_MAPPING and getattr(CONFIG_MAPPING[model_type], "base_model_pp_plan", None)
+    ]
+
+
+def tiny_config(model_type: str):
+    """The type's default config with :data:`CONFIG_FIXES`, shrunk as the self-check's miniature is."""
+    from transformers import AutoConfig
+
+    from lightning_gpipe.hf.selfcheck import miniature_config
+
+    return miniature_config(AutoConfig.for_model(model_type, **CONFIG_FIXES.get(model_type, {})))
+
+
+def _probe() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, 128, (ROWS, LENGTH), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[1, -3:] = 0
+    return ids, mask, ids.masked_fill(mask == 0, -100)
+
+
+def _worst(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> tuple[str, float]:
+    """The tensor that differs most, relative to its largest entry where that exceeds 1."""
+    worst = ("", -1.0)
+    for name, expected in theirs.items():
+        got = ours.get(name)
+        if got is None or got.shape != expected.shape:
+            return name, float("inf")
+        difference = (got.double() - expected.double()).abs().max().item()
+        difference /= max(1.0, expected.abs().max().item())
+        if not difference <= worst[1]:  # NaN counts as the worst
+            worst = (name, difference)
+    return worst
+
+
+def compare(model_class: type, config) -> tuple[str, float]:
+    """The backbone layer by layer against ``model_class``'s own forward on a miniature of ``config``: ``(worst
+    tensor, its difference)`` over the logits, the loss and every gradient."""
+    from lightning_gpipe.hf import to_sequential
+    from lightning_gpipe.hf.decoder import causal_lm_loss, decoder_input
+    from lightning_gpipe.hf.moe import router_loss_of
+    from lightning_gpipe.hf.selfcheck import miniature
+
+    model = miniature(model_class, config).eval()
+    ids, mask, labels = _probe()
+    output = model(input_ids=ids, attention_mask=mask, labels=labels)
+    output.loss.backward()
+    real = mask.bool()
+    theirs = {"logits": output.logits[real].detach(), "loss": output.loss.detach()}
+    theirs |= {f"grad {n}": p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    value = decoder_input(ids, mask)
+    for layer in to_sequential(model, check=False):
+        value = layer(value)
+    loss = causal_lm_loss(value, labels, router_loss_of(model))
+    loss.backward()
+    logits = value[0] if isinstance(value, tuple) else value
+    ours = {"logits": logits[real].detach(), "loss": loss.detach()}
+    ours |= {f"grad {n}": p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return _worst(ours, theirs)
+
+
+def conform(model_type: str) -> Result:
+    """The verdict on ``model_type``'s causal-LM class (see the module docstring)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from lightning_gpipe.hf import UnsupportedModelError, check_class
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    model_class = getattr(transformers, name)
+    start = time.perf_counter()
+    try:
+        config = tiny_config(model_type)
+    except Exception as error:  # transformers' own config: refused before the adapter sees it
+        return Result(model_type, name, "refused", None, f"tiny config: {error!r}", time.perf_counter() - start)
+    try:
+        family = check_class(model_class, config).name
+    except UnsupportedModelError as refusal:
+        return Result(model_type, name, "refused", None, str(refusal), time.perf_counter() - start)
+    with torch.random.fork_rng():
+        tensor, difference = compare(model_class, config)
+    verdict = "equal" if difference <= TOLERANCE else "wrong"
+    detail = f"{tensor}: {difference:.2g}"
+    return Result(model_type, name, verdict, family, detail, time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="model types (default: every declaring one)")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    import transformers
+
+    torch.set_num_threads(1)
+    types = args.only or [model_type for model_type, _ in declaring_types()]
+    results = []
+    print("model_type | class | verdict | family | detail")
+    for model_type in types:
+        result = conform(model_type)
+        results.append(result)
+        detail = result.detail if result.verdict != "refused" else result.detail[:160]
+        print(f"{model_type} | {result.model_class} | {result.verdict} | {result.family} | {detail}", flush=True)
+    counts = {verdict: sum(r.verdict == verdict for r in results) for verdict in ("equal", "refused", "wrong")}
+    share = counts["equal"] / len(results)
+    print(f"transformers {transformers.__version__}: {len(results)} declaring classes, {counts}, {share:.1%} equal")
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
+
+
+if __name__ == "__main__":
+    main()
