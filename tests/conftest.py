@@ -243,17 +243,37 @@ def assert_within_fp32_rounding(state: dict, expected: dict, exact: Callable[[],
         torch.testing.assert_close(state[key].double(), exact_key, atol=bound, rtol=0, msg=f"{key} ({bound:.2e})")
 
 
-def hf_worker():
-    """tests/workers/transformers_hf.py as a module (its families, starting models, LoRA config, batches and
-    optimization; the run is under ``__main__``)."""
+def worker_module(script: str):
+    """``tests/workers/<script>`` as a module, for what it defines (the run is under ``__main__``)."""
     import importlib.util
 
-    path = Path(__file__).parent / "workers" / "transformers_hf.py"
-    spec = importlib.util.spec_from_file_location("transformers_hf_worker", path)
+    path = Path(__file__).parent / "workers" / script
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_worker", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def hf_worker():
+    """tests/workers/transformers_hf.py as a module (its families, starting models, LoRA config, batches and
+    optimization)."""
+    return worker_module("transformers_hf.py")
+
+
+def documents_one_by_one(model, documents):
+    """``documents`` (lists of token ids) through ``model``'s own forward one at a time, no padding, no packing: the
+    mean next-token cross-entropy over all their targets, backpropagated (the gradients accumulate in ``model``)."""
+    import torch
+
+    total = sum(len(d) - 1 for d in documents)
+    loss = torch.zeros(())
+    for document in documents:
+        if len(document) > 1:
+            ids = torch.tensor([document])
+            loss = loss + model(input_ids=ids, labels=ids).loss * (len(document) - 1) / total
+    loss.backward()
+    return loss.detach()
 
 
 def hf_one_device_optimizer(model, options: dict, total_steps: int):

@@ -6,26 +6,16 @@ the same documents run one by one through the unmodified model on one device (1e
 ``num_targets`` and ``num_rows``, which make the per-micro-batch losses of 1F1B and ZB-1P add up to the mean over the
 whole batch's targets."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import shared_run
+from conftest import documents_one_by_one, hf_one_device_optimizer, shared_run, worker_module
 
 transformers = pytest.importorskip("transformers")
 
 
-def _worker():
-    """tests/workers/hf_packed.py as a module (its documents, batches and models; the run is under __main__)."""
-    path = Path(__file__).parents[1] / "workers" / "hf_packed.py"
-    spec = importlib.util.spec_from_file_location("hf_packed_worker", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-WORKER = _worker()
+WORKER = worker_module("hf_packed.py")
 RUNS = {
     schedule: shared_run(
         "hf_packed.py", "--devices=2", f"--schedule={schedule}", devices=2, timeout=180, name=f"hf-packed-{schedule}"
@@ -35,42 +25,17 @@ RUNS = {
 LORA = shared_run("hf_packed.py", "--devices=2", "--lora", devices=2, timeout=180, name="hf-packed-lora")
 
 
-def _one_by_one(model, documents) -> torch.Tensor:
-    """The documents through the model's own forward one at a time: the mean next-token cross-entropy over all their
-    targets (its gradients accumulated in the model)."""
-    total = sum(len(d) - 1 for d in documents)
-    loss = torch.zeros(())
-    for document in documents:
-        if len(document) > 1:
-            ids = torch.tensor([document])
-            loss = loss + model(input_ids=ids, labels=ids).loss * (len(document) - 1) / total
-    loss.backward()
-    return loss.detach()
-
-
 def _reference(lora: bool):
     """One device: the worker's starting model trained the same AdamW steps on the same documents, one by one:
     ``(the first step's gradients, per-step losses, the final state)``, by the model's names."""
-    from lightning_gpipe.hf.module import lr_factor
-
     model = WORKER.initial_lora() if lora else WORKER.initial_model(False)
     inner = model.get_base_model() if lora else model
     inner.config._attn_implementation = "eager"
-    options = WORKER.OPTIMIZATION
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in parameters if p.dim() >= 2], "weight_decay": options["weight_decay"]},
-        {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=options["lr"], betas=options["betas"])
-    factor = lambda step: lr_factor(  # noqa: E731
-        step, options["warmup_steps"], WORKER.STEPS, options["decay"], options["min_lr_ratio"]
-    )
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    optimizer, schedule = hf_one_device_optimizer(model, WORKER.OPTIMIZATION, WORKER.STEPS)
     model.train()
     losses, first = [], {}
     for step in range(WORKER.STEPS):
-        losses.append(_one_by_one(model, WORKER.documents(step)).item())
+        losses.append(documents_one_by_one(model, WORKER.documents(step)).item())
         if step == 0:
             first = {n: p.grad.clone() for n, p in inner.named_parameters() if p.grad is not None}
         optimizer.step()

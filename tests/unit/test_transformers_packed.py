@@ -12,6 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import documents_one_by_one  # noqa: E402
 from hf_families import build  # noqa: E402
 
 from lightning_gpipe.hf import CausalLM, pack_documents, packed_batch, to_sequential  # noqa: E402
@@ -29,13 +30,7 @@ def documents(seed: int = 0) -> list[list[int]]:
 def one_by_one(model, docs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The documents through the model's own forward one at a time (no padding, no packing): the mean of every
     document's next-token cross-entropy over all their targets, and every parameter's gradient of it."""
-    total = sum(len(d) - 1 for d in docs)
-    loss = torch.zeros(())
-    for doc in docs:
-        if len(doc) > 1:
-            ids = torch.tensor([doc])
-            loss = loss + model(input_ids=ids, labels=ids).loss * (len(doc) - 1) / total
-    loss.backward()
+    loss = documents_one_by_one(model, docs)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return loss.detach(), grads
