@@ -1,5 +1,6 @@
-"""What the stages' agreement before every step costs: GPipeStrategy with the batch fingerprints and stop requests
-all-reduced before each step (:mod:`lightning_gpipe.lightning.agreement`) against the same runs without that agreement.
+"""What the check that every stage read the same batch costs: GPipeStrategy with the batch fingerprints taken and
+compared in each step's agreement (:mod:`lightning_gpipe.lightning.agreement`) against the same runs without them
+(the agreement's all-reduce stays: it carries the stop requests and the logged values' relay).
 
 The benchmark MLP (benchmarks/models.py, 8 x Linear(1024) by default, batch 1024, split by parameters, SGD,
 ``checkpoint="never"``) through Lightning's Trainer, K processes, M micro-batches. The figure is rank 0's

@@ -1,9 +1,9 @@
 """Autocast's casts of the weights once per step against once per micro-batch, in a one-stage pipeline.
 
-Under mixed precision the strategy's step keeps autocast's cache on (``lightning_gpipe.lightning.casts``), so each
+Under mixed precision the strategy's step keeps autocast's cache on (``lightning_gpipe.lightning.step``), so each
 weight is cast once per autocast region of a step instead of once per micro-batch, as Lightning's own step context
 (cache off) would. This times one ``GPipeStrategy(chunks=M)`` process with the cache (``cached``) and without it
-(``per use``: the check :func:`~lightning_gpipe.lightning.casts.cache_keeps_gradients` answered False), in
+(``per use``: the check :func:`~lightning_gpipe.lightning.step.cache_keeps_gradients` answered False), in
 interleaved repeats, on CUDA if there is a GPU (the device synchronised at each step's end), else on the CPU on one
 thread. Prints each run's median seconds per step and the ratio per use / cached (> 1: the cache is faster).
 
@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._harness import StepClock  # noqa: E402
 from benchmarks.models import MLPClassifier, mlp_batch, repeat_loader  # noqa: E402
 from lightning_gpipe import GPipeStrategy  # noqa: E402
-from lightning_gpipe.lightning import casts  # noqa: E402
+from lightning_gpipe.lightning import step  # noqa: E402
 
-_PROBE = casts.cache_keeps_gradients
+_PROBE = step.cache_keeps_gradients
 
 
 class _Clock(pl.Callback):
@@ -46,7 +46,7 @@ class _Clock(pl.Callback):
 def step_seconds(args: argparse.Namespace, cached: bool) -> float:
     """Median seconds per step of one fit, with the weights' casts cached or cast per use."""
     if not cached:
-        casts.cache_keeps_gradients = lambda: False
+        step.cache_keeps_gradients = lambda: False
     try:
         clock = _Clock(args.warmup)
         batch = mlp_batch(args.rows, args.width)
@@ -58,7 +58,7 @@ def step_seconds(args: argparse.Namespace, cached: bool) -> float:
         trainer.fit(MLPClassifier(args.width, args.depth), repeat_loader(batch, args.warmup + args.steps))
         return clock.clock.summary()["median_s"]
     finally:
-        casts.cache_keeps_gradients = _PROBE
+        step.cache_keeps_gradients = _PROBE
 
 
 def main() -> None:

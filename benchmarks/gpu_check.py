@@ -16,6 +16,11 @@ plan, re-materialization, the B/W split, the relay and the agreement's bookkeepi
 - ``syncs``: steady-state steps of a one-stage pipeline under ``torch.cuda.set_sync_debug_mode("error")``: a host
   synchronisation in a step raises (CUDA only); a schedule that fails is run again under ``"warn"`` to print how
   many synchronisations a step makes and where (the innermost frame of this package on the stack);
+- ``packed``: a small Llama from ``lightning_gpipe.hf`` on packed rows of documents (``pack_documents``,
+  ``packed_batch``: no padding but at a row's end, positions restarting per document), the batch's shape changing
+  every step, under ``gpipe``, ``1f1b`` and ``zb-1p``: on CUDA its steady-state steps run under
+  ``set_sync_debug_mode("error")`` (0 host synchronisations per step, as ``syncs``; else where they are); on the CPU
+  (a dry run) fill-drain's steps train, the synchronisations unchecked;
 - ``speed``: 8 x Linear(4096), batch 8192, bf16-mixed, median milliseconds per step (the device synchronised at each
   step's end): a plain PyTorch loop with M micro-batches (gradient accumulation) against ``GPipeStrategy(chunks=M)``,
   M = 1, 4, 8, ``--repeats`` interleaved repeats (default 3), the ratio and each repeat's; ``host`` is ours' time
@@ -53,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning_gpipe  # noqa: E402
 from lightning_gpipe import GPipeStrategy  # noqa: E402
 
-PARTS = ("equal", "dropout", "bf16", "compile", "hf", "plan", "syncs", "speed")
+PARTS = ("equal", "dropout", "bf16", "compile", "hf", "plan", "syncs", "packed", "speed")
 
 
 class Check:
@@ -206,7 +211,7 @@ def part_plan(check: Check) -> None:
     strategy = GPipeStrategy(plan="auto", memory_limit=limit)
     _state(check, strategy, steps=3)
     chosen = strategy.plan_report.chosen.plan
-    check.report("plan", "PASS", chunks=chosen.chunks, checkpoint=chosen.checkpoint, schedule=chosen.schedule)
+    check.report("plan", "PASS", chunks=chosen.micro_batches, checkpoint=chosen.checkpoint, schedule=chosen.schedule)
 
 
 class _SyncsForbidden(L.Callback):
@@ -278,6 +283,48 @@ def part_syncs(check: Check) -> None:
             results[schedule] = _sync_sites(check, schedule)
     passed = all(result.endswith("0_syncs") for result in results.values())
     check.report("syncs", "PASS" if passed else "FAIL", **results)
+
+
+def _packed_batches(count: int, vocab: int, generator: torch.Generator) -> list[dict]:
+    """``count`` batches of 4 rows packed from documents of 4 to 24 random tokens, batch ``i``'s rows at most
+    ``40 + 3 * i`` tokens long: each batch of another shape."""
+    from lightning_gpipe.hf import pack_documents, packed_batch
+
+    batches = []
+    for i in range(count):
+        lengths = torch.randint(4, 25, (24,), generator=generator).tolist()
+        documents = [torch.randint(1, vocab, (n,), generator=generator).tolist() for n in lengths]
+        batches.append(packed_batch(pack_documents(documents, row_length=40 + 3 * i)[:4], pad_token_id=0))
+    return batches
+
+
+def part_packed(check: Check) -> None:
+    try:
+        from lightning_gpipe.hf import CausalLM
+    except ImportError as error:  # no transformers, or one older than lightning_gpipe.hf needs
+        check.report("packed", "SKIP", why=str(error).replace(" ", "_"))
+        return
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    batches = _packed_batches(10, config.vocab_size, torch.Generator().manual_seed(0))
+    results = {}
+    for schedule in ("gpipe", "1f1b", "zb-1p") if check.cuda else ("gpipe",):
+        L.seed_everything(0, verbose=False)
+        forbidden = _SyncsForbidden(start=3)
+        trainer = check.trainer(GPipeStrategy(chunks=4, schedule=schedule), max_steps=len(batches),
+                                callbacks=[forbidden] if check.cuda else [])  # fmt: skip
+        try:
+            trainer.fit(CausalLM(config=config, lr=1e-3), DataLoader(batches, batch_size=None))
+            results[schedule] = f"{forbidden.steps}_steps_0_syncs" if check.cuda else f"{len(batches)}_steps"
+        except RuntimeError as error:  # a host synchronisation under "error" (or another failure: named)
+            if check.cuda:
+                torch.cuda.set_sync_debug_mode("default")
+            results[schedule] = repr(error)[:120].replace(" ", "_")
+    lengths = sorted({batch["input_ids"].shape[1] for batch in batches})
+    passed = all(result.endswith("_syncs" if check.cuda else "_steps") for result in results.values())
+    check.report("packed", "PASS" if passed else "FAIL", lengths=",".join(map(str, lengths)), **results)
 
 
 class _Repeat(Dataset):
@@ -368,7 +415,7 @@ def part_speed(check: Check) -> None:
 
 RUNS: dict[str, Callable[[Check], None]] = {
     "equal": part_equal, "dropout": part_dropout, "bf16": part_bf16, "compile": part_compile, "hf": part_hf,
-    "plan": part_plan, "syncs": part_syncs, "speed": part_speed,
+    "plan": part_plan, "syncs": part_syncs, "packed": part_packed, "speed": part_speed,
 }  # fmt: skip
 
 

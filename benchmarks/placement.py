@@ -36,7 +36,7 @@ def draw(rng: random.Random) -> dict:
         weight = forward * rng.uniform(0.5, 2.0)
         stages.append(StageCost(forward, forward * rng.uniform(0.8, 1.5) + weight, weight=weight))
     mode, loss = rng.choice(CHECKPOINT_MODES), rng.choice([0.0, count / 2])
-    return dict(stages=stages, chunks=count, checkpoint=mode, loss=loss, virtual_stages=virtual)
+    return dict(stages=stages, micro_batches=count, checkpoint=mode, loss=loss, virtual_stages=virtual)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -85,6 +85,68 @@ def assert_every_stage_exits(out: Path, within: float = 60, since: float | None 
         assert process_exits(int(pid), within=left), f"rank {rank} is left"
 
 
+def concurrently(jobs: dict, at_once: int = 2) -> dict:
+    """Call the functions of ``jobs`` (each runs worker processes and waits for them) ``at_once`` at a time, in
+    threads; return, by key, a function that gives the job's result or raises what it raised.
+
+    A launch of stage processes keeps one core busy for most of its time: its main process imports Lightning (seconds)
+    before the launcher starts the other processes, which import it too. Two launches side by side keep two cores
+    busy, and each still runs, and is checked, exactly as alone.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(at_once) as pool:
+        futures = {key: pool.submit(job) for key, job in jobs.items()}
+    return {key: future.result for key, future in futures.items()}
+
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository."""
+
+SHORT_EXAMPLE_RUNS = {
+    "examples/amoebanet/train.py": [
+        "--trainer.max_steps=4", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
+        "--trainer.log_every_n_steps=1", "--data.batch_size=8",
+    ],
+    "examples/translation/train.py": [
+        "--trainer.max_steps=3", "--trainer.val_check_interval=3", "--data.max_tokens=400", "--data.val_rows=2",
+        "--model.max_new_tokens=2", "--trainer.log_every_n_steps=1",
+    ],
+}  # fmt: skip
+"""Options that make a run of an example short (a few steps, each logged, tiny batches, one validation), appended to
+its command line by the docs' command test and by the example's own test, which then share one run
+(:func:`run_example`)."""
+
+_EXAMPLE_RUNS: dict[tuple, tuple[subprocess.CompletedProcess, Path, Path]] = {}
+"""The runs of :func:`run_example` so far, by command line (as :func:`_example_key` reads it)."""
+
+
+def _example_key(script: str, args: tuple[str, ...]) -> tuple:
+    """What a command line of ``script`` asks for: its other arguments in order, and the last value of each
+    ``--key=value`` option (the one the command line parser keeps)."""
+    options = dict(arg.split("=", 1) for arg in args if arg.startswith("--") and "=" in arg)
+    others = tuple(arg for arg in args if not (arg.startswith("--") and "=" in arg))
+    return script, others, tuple(sorted(options.items()))
+
+
+def run_example(script: str, *args: str, timeout: float = 400) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """``python <script> ARGS`` (``script``: a path in the repository) with ``--trainer.default_root_dir=ROOT_DIR``,
+    from an empty directory with no ``../shared`` beside it: ``(the result, that directory, ROOT_DIR)``.
+
+    Run once per session for each command line that asks for the same (:func:`_example_key`): the docs' command test
+    and the example's own test, each with its own assertions, read one run.
+    """
+    key = _example_key(script, args)
+    if key not in _EXAMPLE_RUNS:
+        tmp = Path(tempfile.mkdtemp(prefix="example_"))
+        cwd, root = tmp / "cwd", tmp / "runs"
+        cwd.mkdir()
+        command = [sys.executable, str(ROOT / script), *args, f"--trainer.default_root_dir={root}"]
+        result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+        _EXAMPLE_RUNS[key] = (result, cwd, root)
+    return _EXAMPLE_RUNS[key]
+
+
 _SHARED: dict[int, list[tuple[str, tuple[str, ...], float, str, int | None]]] = {}
 """Registered runs of worker scripts, by number of stage processes: (script, args, timeout, name, output_of)."""
 
@@ -162,9 +224,11 @@ def _no_process_group_left():
 
 
 def pytest_sessionfinish(session):
-    """Remove the shared launches' output directories."""
+    """Remove the shared launches' and the example runs' output directories."""
     for root, _ in _LAUNCHED.values():
         shutil.rmtree(root, ignore_errors=True)
+    for _, cwd, _ in _EXAMPLE_RUNS.values():
+        shutil.rmtree(cwd.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -179,14 +243,14 @@ def one_stage_pipeline(module, chunks: int, checkpoint: str, defer_weight_grad: 
     """Split ``module.backbone`` into a one-stage pipeline in this process.
 
     Calling ``module.backbone`` then runs the fill (straight through the runtime: there is no user step around
-    the calls here); the returned fill-drain :class:`~lightning_gpipe.engine.runtime.Runtime`'s ``backward()`` runs the
+    the calls here); the returned fill-drain :class:`~lightning_gpipe.engine.pipeline.Runtime`'s ``backward()`` runs the
     drain, and its ``stages[0].events`` records the spans.
     """
     import torch
 
     from lightning_gpipe.engine.model_chunk import ModelChunk
     from lightning_gpipe.engine.partition import Split
-    from lightning_gpipe.engine.runtime import Runtime
+    from lightning_gpipe.engine.pipeline import Runtime
     from lightning_gpipe.engine.transfer import Link
     from lightning_gpipe.faults.job import Job
 

@@ -19,6 +19,8 @@ first tests, the classes are chosen for what each exercises of the adapter:
 - GPT-NeoX (Pythia), Phi 1/2: cut only where their declared pipeline plans say (``embed_in``, ``emb_dropout``,
   ``final_layer_norm``; ``embed_dropout``, ``final_layernorm``), GPT-NeoX's blocks taking the cache as
   ``layer_past``; partial rotary embeddings, biases, LayerNorm.
+- GLM-MoE-DSA: each block's indexer takes the top-k indices the previous block chose (``prev_topk_indices``), an
+  integer tensor carried from block to block, across the stages; latent attention, dense and sparse MLPs.
 """
 
 VOCAB = 61
@@ -143,6 +145,27 @@ FAMILIES = {
         ),
     ),  # fmt: skip
     "phi": ("PhiForCausalLM", "CausalLM", dict(model_type="phi", **DECODER, partial_rotary_factor=0.5)),
+    "glm_moe_dsa": (
+        "GlmMoeDsaForCausalLM",
+        "CausalLM",
+        dict(
+            model_type="glm_moe_dsa",
+            **{**DECODER, "num_key_value_heads": 4},
+            head_dim=8,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            qk_head_dim=16,
+            v_head_dim=16,
+            moe_intermediate_size=16,
+            num_experts_per_tok=2,
+            n_routed_experts=4,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            layer_types=["indexed_attention"] * 3,
+            indexer_types=["full", "full", "full"],
+        ),
+    ),  # fmt: skip
     "roberta_mlm": (
         "RobertaForMaskedLM",
         "MaskedLM",

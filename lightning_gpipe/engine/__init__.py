@@ -7,7 +7,7 @@ its internals.
 
 Inside, a schedule is data (:mod:`~lightning_gpipe.engine.schedule`: each stage's ordered
 :mod:`~lightning_gpipe.engine.actions`), checked and timed on one clock (:mod:`~lightning_gpipe.engine.clock`); the
-:mod:`~lightning_gpipe.engine.runtime` executes a process's plan over the primitives of its model chunks
+:class:`~lightning_gpipe.engine.pipeline.Runtime` executes a process's plan over the primitives of its model chunks
 (:mod:`~lightning_gpipe.engine.model_chunk`), which move activations and gradients through
 :mod:`~lightning_gpipe.engine.transfer`. The engine imports only itself and :mod:`lightning_gpipe.faults`; it knows
 tensors, plans and process groups, never a LightningModule.

@@ -5,7 +5,7 @@ items are tensors (other items, e.g. a flag, are allowed in a backbone input and
 unchanged in every micro-batch). Tensors carry the batch in dim 0.
 
 :func:`scatter` splits a mini-batch into micro-batches with :func:`torch.tensor_split` semantics,
-so a batch that does not divide by ``chunks`` gives uneven micro-batches (the first ones one row
+so a batch that does not divide by M gives uneven micro-batches (the first ones one row
 longer); :func:`gather` joins them back. :class:`MicroBatch` and :func:`current_micro_batch` tell a
 layer which micro-batch it is running on. The names follow torchgpipe's ``microbatch`` module.
 """
@@ -119,7 +119,7 @@ class MicroBatch:
 
     Attributes:
         index: its position in the mini-batch, from 0.
-        micro_batches: M, the micro-batches of this mini-batch (fewer than ``chunks`` for a batch with fewer rows).
+        micro_batches: M, the micro-batches of this mini-batch (fewer than configured for a batch with fewer rows).
         recompute: ``True`` for the drain's re-materialization of a forward that already ran in the fill.
     """
 

@@ -2,7 +2,7 @@
 
 A model chunk is a stage's piece of the backbone, one virtual stage of the pipeline (a stage holds one, or
 ``virtual_stages`` of them). A schedule (:mod:`lightning_gpipe.engine.schedule`) decides the order of these calls,
-which the runtime (:mod:`lightning_gpipe.engine.runtime`) makes; the model chunk does each
+which the runtime (:class:`lightning_gpipe.engine.pipeline.Runtime`) makes; the model chunk does each
 one and keeps what a micro-batch's backward needs: its input, its output (or, when re-materialized,
 the random state to recompute it from), and the shapes of the gradients that will come back.
 Parameter gradients accumulate over the micro-batches, so a mini-batch's micro-batches together
@@ -35,6 +35,7 @@ backpropagated with the activation's), and the received ones inputs (their gradi
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import cast
 
@@ -47,7 +48,7 @@ from lightning_gpipe.engine.microbatch import MicroBatch, Value
 from lightning_gpipe.engine.partition import Partition
 from lightning_gpipe.engine.rematerialization import RngState, checkpointed
 from lightning_gpipe.engine.skip import tracker
-from lightning_gpipe.engine.skip.links import SkipLinks, no_skips
+from lightning_gpipe.engine.skip.links import SkipLinks
 from lightning_gpipe.engine.transfer import Link, Meta, Signature, signature
 from lightning_gpipe.engine.weightgrad import DeferredWeightGradient, backward_input, run_together
 
@@ -81,11 +82,12 @@ class ModelChunk:
         checkpoint: ``"always"``, ``"except_last"`` (all micro-batches but the last) or ``"never"``.
         defer_weight_grad: ``True`` splits each backward of a stage that sends input gradients into B (sent at
             once) and W (queued for :meth:`backward_weights`); ``False`` (default) runs them together.
-        skips: the stage's skip connections to other stages (:class:`~lightning_gpipe.engine.skip.links.SkipLinks`);
-            none by default.
+        skips: the model chunk's skip connections (:class:`~lightning_gpipe.engine.skip.links.SkipLinks`, its links
+            to other stages, maybe none); ``None`` (default): its layers neither stash nor pop a skip.
 
     Attributes:
         events: the :class:`~lightning_gpipe.engine.events.Recorder` the pipeline callbacks read.
+        pops: whether the model chunk pops skip tensors from earlier stages (they arrive with each micro-batch).
         training: whether the current forward keeps what a backward needs (gradients were enabled when
             :meth:`inputs` started).
         before_last_backward: called with the outputs of the step's last backward right before its autograd call,
@@ -109,7 +111,8 @@ class ModelChunk:
         skips: SkipLinks | None = None,
     ) -> None:
         self.partition, self.link = partition, link
-        self.skips = skips if skips is not None else no_skips(link.device, link.job, link.events)
+        self.skips = skips
+        self.pops = skips is not None and skips.pops
         self.virtual_stage = virtual_stage
         self.is_first, self.is_last = virtual_stage == 0, virtual_stage == num_virtual - 1
         self.micro_batches, self.checkpoint, self.defer_weight_grad = micro_batches, checkpoint, defer_weight_grad
@@ -120,8 +123,6 @@ class ModelChunk:
         self.receive_ahead = False
         self.shapes = Shapes()
         self.name = f"virtual stage {virtual_stage}"
-        self._keys: list[Hashable | None] = []
-        self._predicted: list[Signature | None] = []
         self._records: dict[int, _Record] = {}
         self._weights: deque[tuple[int, DeferredWeightGradient, list[Tensor]]] = deque()
         self._backwards = 0  # of the current step
@@ -156,9 +157,8 @@ class ModelChunk:
         """Predict this step's output shapes from the inputs' (``keys``; ``None``: not known before they arrive) and
         send the next virtual stage its step message. A model chunk that pops skip tensors predicts nothing: they
         arrive with the micro-batch."""
-        self._keys = [None if key is None or self.skips.pops else (self.training, key) for key in keys]
-        self._predicted = [self.shapes.predict(key) for key in self._keys]
-        self.link.send_step(micro_batches, self._predicted)
+        keys = [None] * len(keys) if self.pops else keys
+        self.link.send_step(micro_batches, self.shapes.begin_step(keys, self.training))
 
     def forward(self, index: int, x: Value, micro_batches: int) -> Value:
         """Run micro-batch ``index`` of ``micro_batches`` through this stage's layers and return its output.
@@ -174,42 +174,34 @@ class ModelChunk:
             TypeError: if a layer returns anything but a Tensor or a tuple of Tensors.
             PipelineFailure: if a stage this one pops a skip from failed while this one waited for it.
         """
-        training = self.training
-        received = self.skips.receive(training)
-        skips = tracker.SkipTracker(received)
-        remat = training and checkpointed(self.checkpoint, index, micro_batches)
+        training, skips = self.training, self.skips
+        received = skips.receive(training) if skips is not None else {}
+        remat = training and self.checkpoint != "never" and checkpointed(self.checkpoint, index, micro_batches)
         rng = RngState.capture(self.link.device) if remat else None
         micro = MicroBatch(index, micro_batches)
         memory_of = (self.partition, x) if training else None
         with (
             torch.set_grad_enabled(training and not remat),
             microbatch.running(micro),
-            tracker.tracking(skips),
+            _tracking(skips, received) as stashed,
             self.events.span("forward", index, memory_of),
         ):
             y = self.partition.run(x)
-        if not self.is_last:
-            self._check_shapes(index, x, y)
-        self.skips.send(skips.stashed, index)
+        if not self.is_last:  # a headed input (not scattered, no skips): its shapes are known now
+            self.shapes.check(index, x, y, not (self.is_first or self.pops), f"micro-batch {index} of {self.name}")
+        if skips is not None:
+            skips.send(stashed, index)
         if not training or (self.is_first and self.is_last and micro_batches == 1 and not remat):
             return y
         metas = [(t.shape, t.dtype) for t in microbatch.floats(y)]
         record = self._records[index] = _Record(x, None if remat else y, metas, micro, rng)
-        record.skip_in, record.skip_out = received, skips.stashed
+        record.skip_in, record.skip_out = received, stashed
         if self.is_last:  # the output keeps its graph where it may (see `loss_through`), else it is the boundary
             record.through = self.loss_through and not remat and not self.defer_weight_grad and _in_graph(y)
             if not record.through:
                 y = microbatch.leaves(y)
                 record.boundary = microbatch.floats(y)
         return y
-
-    def _check_shapes(self, index: int, x: Value, y: Value) -> None:
-        """Learn micro-batch ``index``'s output shapes from its input ``x``'s, and check the step message's
-        prediction of them (see :class:`Shapes`)."""
-        key = self._keys[index]
-        if key is None and not (self.is_first or self.skips.pops):  # a headed input: its shapes are known now
-            key = (self.training, signature(x))
-        self.shapes.learn(key, signature(y), self._predicted[index], f"micro-batch {index} of {self.name}")
 
     def loss(self, index: int, y: Value, head: Callable[[Value], None]) -> None:
         """On the last stage, run ``head`` on micro-batch ``index``'s output ``y``: the user's step on the
@@ -252,7 +244,8 @@ class ModelChunk:
             PipelineFailure: if a neighbour failed while this one waited for it.
         """
         self.link.flush()
-        self.skips.flush(sent=not self.training)
+        if self.skips is not None:
+            self.skips.flush(sent=not self.training)
 
     def begin_backward(self) -> int:
         """Start the backward of the last forward; returns its number of micro-batches, M.
@@ -278,7 +271,8 @@ class ModelChunk:
         record = self._records[index]
         if not self.is_last:
             self.link.post_grads(record.metas)
-        self.skips.expect_grads(record.skip_out)
+        if self.skips is not None:
+            self.skips.expect_grads(record.skip_out)
 
     def recompute(self, index: int) -> None:
         """Re-materialize micro-batch ``index``'s forward with autograd, if it was checkpointed.
@@ -295,10 +289,10 @@ class ModelChunk:
             cast(RngState, record.rng).restored(),  # a checkpointed micro-batch kept it
             torch.enable_grad(),
             microbatch.running(micro),
-            tracker.tracking(tracker.SkipTracker(record.skip_in)) as skips,
+            _tracking(self.skips, record.skip_in) as stashed,
         ):
             record.output = self.partition.run(record.input)
-        record.skip_out = skips.stashed
+        record.skip_out = stashed
 
     def backward(self, index: int) -> None:
         """Backpropagate micro-batch ``index`` (recomputed first, if checkpointed) and send its input gradients.
@@ -319,14 +313,16 @@ class ModelChunk:
         if not self.is_first:
             inputs = microbatch.floats(record.input)
             self.link.send_grads([x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs], index)
-        self.skips.send_grads(record.skip_in, index)
+        if self.skips is not None:
+            self.skips.send_grads(record.skip_in, index)
 
     def _backpropagate(self, index: int, record: _Record, last: bool) -> None:
         """The autograd call of micro-batch ``index``'s backward (B only, with W queued, when deferred), from its
         output gradients; ``last``: whether it is the step's last backward on this stage."""
-        outputs = microbatch.floats(cast(Value, record.output)) + self.skips.outputs(record.skip_out)  # recomputed
+        outputs, skips = microbatch.floats(cast(Value, record.output)), self.skips  # the output: kept or recomputed
         grads = [b.grad for b in record.boundary] if self.is_last else self.link.recv_grads(index)
-        grads = grads + self.skips.backward(index)
+        if skips is not None:  # the stashed tensors sent on are outputs too
+            outputs, grads = outputs + skips.outputs(record.skip_out), grads + skips.backward(index)
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
         skip_inputs = microbatch.floats(tuple(record.skip_in.values()))
         needed = [x for x in microbatch.floats(record.input) + skip_inputs if x.requires_grad]
@@ -369,6 +365,17 @@ class ModelChunk:
             self.before_last_backward(outputs)
 
 
+@contextmanager
+def _tracking(skips: SkipLinks | None, received: dict) -> Iterator[dict]:
+    """Run the block under a skip tracker given the ``received`` skip tensors, where the model chunk has skip
+    connections (``skips``); yields the dict of those stashed in the block and not popped, which fills as it runs."""
+    if skips is None:
+        yield {}
+        return
+    with tracker.tracking(tracker.SkipTracker(received)) as tracked:
+        yield tracked.stashed
+
+
 class Shapes:
     """What a model chunk's forward makes of its inputs' shapes: each output signature learnt by the input's, so
     that a step's output shapes are known before they are computed, for the step message (see
@@ -384,6 +391,29 @@ class Shapes:
 
     def __init__(self) -> None:
         self._known: dict[Hashable, Signature] = {}
+        self._keys: list[Hashable | None] = []  # of the step's inputs
+        self._predicted: list[Signature | None] = []  # the step's output signatures, as announced
+        self._training = False
+
+    def begin_step(self, keys: Sequence[Hashable | None], training: bool) -> list[Signature | None]:
+        """The step's output signatures predicted from its inputs' ``keys`` (``None``: not known before the input
+        arrives), in training or not; kept for :meth:`check`."""
+        self._keys = [None if key is None else (training, key) for key in keys]
+        self._predicted, self._training = [self.predict(key) for key in self._keys], training
+        return self._predicted
+
+    def check(self, index: int, x: Value, y: Value, headed: bool, where: str) -> None:
+        """Learn micro-batch ``index``'s output shapes (of ``y``) from its input ``x``'s, and check the step's
+        prediction of them; ``headed``: whether an input whose key was not known ahead is known now (it arrived
+        headed by its signature).
+
+        Raises:
+            RuntimeError: as :meth:`learn`, naming ``where``.
+        """
+        key = self._keys[index]
+        if key is None and headed:
+            key = (self._training, signature(x))
+        self.learn(key, signature(y), self._predicted[index], where)
 
     def predict(self, key: Hashable | None) -> Signature | None:
         """The output signature learnt for the input ``key``; ``None`` if there is none yet."""

@@ -14,32 +14,48 @@ drives a step through the pipeline alone, as torchgpipe's ``GPipe.forward`` driv
 
 Where the plan computes each micro-batch's loss during the step (1F1B, zero-bubble), :meth:`StagePipeline.forward`
 takes a ``head`` that runs the loss of one micro-batch and runs the whole plan.
+
+Behind the door, one :class:`Runtime` executes a process's plan (:mod:`lightning_gpipe.engine.schedule`) over its
+model chunks. A plan is made for the step's number of micro-batches M, which a process learns as its first model
+chunk takes its inputs (the first stage scatters the backbone input; the others learn M from the previous stage).
+With several model chunks per process (``virtual_stages``), each is a
+:class:`~lightning_gpipe.engine.model_chunk.ModelChunk`, a virtual stage of the pipeline of ``K * v``, and an action
+runs on the model chunk it names.
+
+A step's two phases are one cut in the plan: :meth:`Runtime.forward` runs the actions before the cut,
+:meth:`Runtime.backward` the rest. Under fill-drain the cut follows the fill and the user's loss runs on the whole
+mini-batch between the two; a schedule whose last stage needs each micro-batch's loss during the step (1F1B,
+zero-bubble) has its cut at the end, and its ``loss`` actions call a head per micro-batch; where each micro-batch's
+backward follows its loss at once, the loss backpropagates through the last stage in the same autograd call
+(:attr:`ModelChunk.loss_through <lightning_gpipe.engine.model_chunk.ModelChunk.loss_through>`). Evaluation runs the
+forwards and sends of fill-drain's fill (whatever the schedule), then waits for the sends. W actions that follow each
+other run as one call (:meth:`ModelChunk.backward_weights
+<lightning_gpipe.engine.model_chunk.ModelChunk.backward_weights>`), which computes each plain linear layer's weight
+gradient over their micro-batches as one matrix product.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_gpipe.engine.actions import ActionCost
+from lightning_gpipe.engine.actions import Action, ActionCost, Kind, Plan
 from lightning_gpipe.engine.batchnorm import convert_deferred_batch_norm, revert_deferred_batch_norm
-from lightning_gpipe.engine.channels import LinkKey, link_groups
+from lightning_gpipe.engine.channels import wire
 from lightning_gpipe.engine.compilation import CompileOption, compile_layers, compile_options, uncompile_layers
-from lightning_gpipe.engine.events import Recorder, TrackingRecorder
+from lightning_gpipe.engine.events import Recorder
 from lightning_gpipe.engine.microbatch import Value
 from lightning_gpipe.engine.model_chunk import ModelChunk
 from lightning_gpipe.engine.partition import Partition, Split
-from lightning_gpipe.engine.runtime import Head, Runtime
+from lightning_gpipe.engine.schedule import V_SHAPED, check, evaluation, plans
 from lightning_gpipe.engine.skip import SkipLayout
-from lightning_gpipe.engine.skip.links import SkipLinks
 from lightning_gpipe.engine.ties import TiedParameters, find_ties
 from lightning_gpipe.engine.topology import Topology
-from lightning_gpipe.engine.transfer import Link, Turn
 from lightning_gpipe.faults.job import Job
+from lightning_gpipe.faults.watchdog import Position
 
 
 @dataclass(frozen=True)
@@ -106,7 +122,7 @@ class StagePipeline:
         ties: the parameters this process shares with other stages.
     """
 
-    def __init__(self, split: Split, model_chunks: list[ModelChunk], runtime: Runtime, ties: TiedParameters) -> None:
+    def __init__(self, split: Split, model_chunks: list[ModelChunk], runtime: "Runtime", ties: TiedParameters) -> None:
         self.split, self.ties = split, ties
         self._chunks, self._runtime = model_chunks, runtime
 
@@ -151,7 +167,7 @@ class StagePipeline:
         """The process's recorder of timed spans (forwards, backwards, transfers), marked with their model chunk."""
         return self._chunks[0].events
 
-    def forward(self, value: Value | None, head: Head | None = None) -> Value | None:
+    def forward(self, value: Value | None, head: "Head | None" = None) -> Value | None:
         """Run the plan up to its cut: fill-drain's fill, or with a loss per micro-batch the whole plan.
 
         Args:
@@ -242,7 +258,7 @@ def build_pipeline(module: nn.Module, backbone: str, spec: StageSpec, job: Job) 
     tie_groups = find_ties(module, backbone, spec.balance, topology.num_stages, topology.v_shape)
     split = Split(module, backbone, spec.balance, spec.stage, topology.num_stages, spec.held)
     compile_layers(split.partition, compile_options(spec.compile), spec.defer_weight_grad)
-    links = _wiring(spec, skips, job).links()
+    links = wire(spec, skips, job).links()
     options = (topology.num_virtual, spec.micro_batches, spec.checkpoint, spec.defer_weight_grad)
     chunks = [
         ModelChunk(partition, link, virtual, *options, skip_links)
@@ -253,79 +269,206 @@ def build_pipeline(module: nn.Module, backbone: str, spec: StageSpec, job: Job) 
     return StagePipeline(split, chunks, runtime, ties)
 
 
-def _wiring(spec: StageSpec, skips: SkipLayout, job: Job) -> "_Wiring":
-    """The wiring of this process's model chunks. A collective call: every process creates every link's process
-    group (:mod:`~lightning_gpipe.engine.channels`)."""
-    held = spec.held
-    groups = link_groups(spec.topology, skips, spec.rank)
-    routes = [("link", s, s + 1) for s in held] + [("skip", r.src, r.dst) for r in skips.routes]
-    turns = {route: Turn() for route in routes if route[1] in held and route[2] in held}
-    return _Wiring(spec, skips, job, groups, turns)
+Head = Callable[[int, int, Value], None]
+"""The rest of the user's step on one micro-batch, on the last stage: ``head(index, micro_batches, output)`` computes
+the micro-batch's loss from its backbone output and backpropagates it to the output (the stage's boundary)."""
 
 
-class _Wiring:
-    """Each model chunk's :class:`~lightning_gpipe.engine.transfer.Link` to its neighbouring virtual stages and its
-    :class:`~lightning_gpipe.engine.skip.links.SkipLinks` to the virtual stages its skips reach.
+class Runtime:
+    """Runs one process's plan of each step, in the order the schedule gives.
 
     Args:
-        spec: the stage's spec.
-        skips: the backbone's skip connections.
-        job: the run's job (the links' waits).
-        groups: the process groups of the links that have one, by link (:func:`~lightning_gpipe.engine.channels.
-            link_groups`).
-        turns: a :class:`~lightning_gpipe.engine.transfer.Turn` per route whose both ends are this process's, by
-            ``("link" | "skip", sending virtual stage, receiving virtual stage)``.
+        model_chunks: the process's model chunks, in order: one :class:`ModelChunk` (virtual stage k of K), or with v
+            per process those of virtual stages k, k + K, ... of ``K * v`` (or as a V places them).
+        schedule: a name of :data:`lightning_gpipe.engine.schedule.SCHEDULES`.
+        num_stages: K, the processes of the pipeline.
+        position: the process's position (its run's :attr:`lightning_gpipe.faults.job.Job.position`), which records
+            the action being executed (number, kind, micro-batch, model chunk) for the stall watchdog; none by default.
+        costs: one :class:`~lightning_gpipe.engine.actions.ActionCost` per virtual stage, for a schedule that places
+            its actions by cost (``"zb-1p"``, ``"zb-v"``); ``None`` (default): equal costs.
+
+    Attributes:
+        stage: the process's pipeline rank.
+        loss_per_micro_batch: whether the plans call a head per micro-batch (the cut is at the end of the plan).
+        before_first_backward: called once per training step, right before the process's first action that
+            backpropagates through it (a recompute, a backward, a weight gradient, or a micro-batch's loss); set
+            through :meth:`~lightning_gpipe.engine.StagePipeline.on_backward_start`. ``None`` (default): nothing.
+
+    Raises:
+        ValueError: for an unknown schedule.
     """
 
     def __init__(
-        self, spec: StageSpec, skips: SkipLayout, job: Job, groups: dict[LinkKey, dist.ProcessGroup], turns: dict
+        self,
+        model_chunks: Sequence[ModelChunk],
+        schedule: str,
+        num_stages: int,
+        position: Position | None = None,
+        costs: Sequence[ActionCost] | None = None,
     ) -> None:
-        self.spec, self.skips, self.job, self.groups, self.turns = spec, skips, job, groups, turns
-        self.replica = spec.topology.replica_of(spec.rank)
-        self.place = partial(spec.topology.rank_of_virtual, replica=self.replica)
+        self.model_chunks, self.schedule, self.num_stages = list(model_chunks), schedule, num_stages
+        self.position, self.costs = position, costs
+        self.stage = model_chunks[0].virtual_stage  # model chunk 0's virtual stage is the pipeline rank
+        self._plans: dict[tuple[int, bool], Plan] = {}  # by (number of micro-batches, training)
+        self.loss_per_micro_batch = self.plan(1).loss_per_micro_batch
+        self._plan: Plan | None = None
+        self._done = 0
+        self._inputs: list[Iterator[tuple[int, Value, int]]] = []
+        self._outputs: dict[tuple[int, int], Value] = {}  # by (model chunk, micro-batch)
+        self._micro_batches = 0
+        self.before_first_backward: Callable[[], None] | None = None
+        self._backward_begun = True  # in the current step (evaluation never begins one)
 
-    def links(self) -> list[tuple[Link, SkipLinks]]:
-        """Every model chunk's links, in model chunk order."""
-        recorder = TrackingRecorder(self.job.position)
-        return [self._chunk_links(virtual, recorder.for_chunk(c)) for c, virtual in enumerate(self.spec.held)]
+    @property
+    def is_last(self) -> bool:
+        """Whether this process runs the pipeline's last (virtual) stage, after which the user's head follows."""
+        return self.model_chunks[-1].is_last
 
-    def _chunk_links(self, virtual: int, events: Recorder) -> tuple[Link, SkipLinks]:
-        """Virtual stage ``virtual``'s link and skip links, both recording into ``events``."""
-        return self._link(virtual, events), self._skips(virtual, events)
+    def plan(self, micro_batches: int, training: bool = True) -> Plan:
+        """This process's plan of a step of ``micro_batches`` micro-batches, made once per M, when every stage's plans
+        are checked (see :func:`~lightning_gpipe.engine.schedule.check`); with ``training=False`` the forwards and
+        sends of fill-drain's fill, then a flush (:func:`~lightning_gpipe.engine.schedule.evaluation`).
 
-    def _link(self, virtual: int, events: Recorder) -> Link:
-        """Virtual stage ``virtual``'s link to the virtual stages before and after it."""
-        topology, place, last = self.spec.topology, self.place, self.spec.topology.num_virtual - 1
-        return Link(
-            prev_rank=place(virtual - 1) if virtual > 0 else None,
-            next_rank=place(virtual + 1) if virtual < last else None,
-            device=self.spec.device,
-            events=events,
-            tag=(topology.link_tag(virtual - 1), topology.link_tag(virtual)),
-            job=self.job,
-            groups=(self._group(virtual - 1, virtual), self._group(virtual, virtual + 1)),
-            turns=(self.turns.get(("link", virtual - 1, virtual)), self.turns.get(("link", virtual, virtual + 1))),
-            control=self.spec.control,
-        )
+        Raises:
+            ScheduleError: if the plans could not run to their end, before any of their actions runs.
+        """
+        if (micro_batches, training) not in self._plans:
+            first, v, num_stages = self.model_chunks[0], len(self.model_chunks), self.num_stages
+            if training:
+                defer = first.defer_weight_grad
+                every = plans(self.schedule, num_stages, micro_batches, first.checkpoint, defer, v, self.costs)
+            else:
+                every = evaluation(num_stages, micro_batches, v, self.schedule in V_SHAPED)
+            check(every, training)
+            self._plans[(micro_batches, training)] = every[self.stage]
+        return self._plans[(micro_batches, training)]
 
-    def _skips(self, virtual: int, events: Recorder) -> SkipLinks:
-        """Virtual stage ``virtual``'s links to the virtual stages its skip connections reach."""
-        peers: dict[str, dict] = {"outgoing": {}, "incoming": {}}
-        groups, turns = {}, {}
-        for direction, ends in (("outgoing", self.skips.outgoing(virtual)), ("incoming", self.skips.incoming(virtual))):
-            for other, keys in ends.items():
-                src, dst = (virtual, other) if direction == "outgoing" else (other, virtual)
-                peer = (self.place(other), self.spec.topology.skip_tag(src, dst))
-                peers[direction][peer] = keys
-                groups[peer] = self._group(src, dst)
-                if ("skip", src, dst) in self.turns:
-                    turns[peer] = self.turns[("skip", src, dst)]
-        return SkipLinks(
-            **peers, device=self.spec.device, events=events, job=self.job, groups=groups, turns=turns,
-            control=self.spec.control,
-        )  # fmt: skip
+    def forward(self, value: Value | None, head: Head | None = None) -> Value | None:
+        """The plan up to its cut (``training_step``'s part): fill-drain's fill, or with a loss per micro-batch the
+        whole plan; in evaluation every forward and send.
 
-    def _group(self, src: int, dst: int) -> dist.ProcessGroup | None:
-        """The process group of the link from virtual stage ``src`` to ``dst`` (``None``: the default group)."""
-        key: LinkKey = (self.replica, src, dst)
-        return self.groups.get(key)
+        Args:
+            value: the backbone input of the whole mini-batch (used on the first stage only).
+            head: on the last stage, for a plan with a loss per micro-batch, called at each ``loss`` action (see
+                :data:`Head`).
+
+        Returns:
+            On the last stage, the backbone output of the whole mini-batch when the loss is on the whole mini-batch
+            (fill-drain, evaluation); else ``None``.
+
+        Raises:
+            TypeError, ValueError: for a backbone input that cannot be split (first stage).
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
+        plan = self._begin(value)
+        self._run(plan, plan.cut, head)
+        if plan.cut == len(plan.actions):
+            self._plan = None
+        if not self.is_last or plan.loss_per_micro_batch:
+            return None
+        last = len(self.model_chunks) - 1
+        return self.model_chunks[-1].output([self._outputs.pop((last, i)) for i in range(self._micro_batches)])
+
+    def backward(self) -> None:
+        """The rest of the plan after the cut (fill-drain: the drain). On the last stage, the user's loss must have
+        been backpropagated to the boundary first.
+
+        Raises:
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
+        if self._plan is None:
+            return
+        if not sum(chunk.begin_backward() for chunk in self.model_chunks):  # one stage ran the step unsplit
+            self.model_chunks[0].flush()
+        else:
+            self._run(self._plan, len(self._plan.actions))
+        self._plan = None
+
+    def _begin(self, value: Value | None) -> Plan:
+        """Take the step's micro-batches (the first one is needed to know their number) and make the plan. The
+        model chunks after the first take theirs when their first forward runs."""
+        for chunk in self.model_chunks:
+            chunk.receive_ahead = False  # until this step's plan says (its M comes with the first input)
+        inputs = [chunk.inputs(value) for chunk in self.model_chunks]
+        first = next(inputs[0], None)
+        self._micro_batches = first[2] if first is not None else 0
+        self._inputs = [_chain(first, inputs[0]), *inputs[1:]]
+        self._outputs, self._done = {}, 0
+        self._backward_begun = not self.model_chunks[0].training
+        self._plan = self.plan(self._micro_batches, self.model_chunks[0].training)
+        self.model_chunks[-1].loss_through = self._plan.backward_follows_loss
+        for chunk in self.model_chunks:
+            chunk.receive_ahead = self._plan.forwards_first
+        return self._plan
+
+    def _run(self, plan: Plan, end: int, head: Head | None = None) -> None:
+        """Execute ``plan.actions`` from where the last call stopped up to ``end``, each recorded in the position."""
+        position, total, number = self.position, len(plan.actions), self._done
+        try:
+            while number < end:
+                action = plan.actions[number]
+                if position is not None:
+                    position.act(number + 1, total, action.kind.value, action.micro_batch, action.model_chunk)
+                if not self._backward_begun and action.kind in _BACKPROPAGATING and action.micro_batch is not None:
+                    self._backward_begun = True
+                    if self.before_first_backward is not None:
+                        self.before_first_backward()
+                if action.kind is Kind.WEIGHT:  # W back to back run at once (one product per linear layer)
+                    together = _weights_from(plan.actions, number, end)
+                    self.model_chunks[action.model_chunk].backward_weights(together)
+                    number += len(together)
+                else:
+                    self._execute(action, head)
+                    number += 1
+        finally:
+            if position is not None:
+                position.leave_plan()
+        self._done = end
+
+    def _execute(self, action: Action, head: Head | None) -> None:
+        """Run one action on its model chunk (a flush: on every model chunk)."""
+        kind, i, c = action.kind, action.micro_batch, action.model_chunk
+        if kind is Kind.FLUSH:
+            for each in self.model_chunks:
+                each.flush()
+            return
+        if i is None:  # fill-drain's `loss`: the loss of the whole mini-batch runs between the plan's two parts
+            return
+        chunk = self.model_chunks[c]
+        if kind is Kind.FORWARD:
+            index, x, micro_batches = next(self._inputs[c])
+            self._outputs[(c, index)] = chunk.forward(index, x, micro_batches)
+        elif kind is Kind.SEND:
+            chunk.send(self._outputs.pop((c, i)), i)
+        elif kind is Kind.LOSS:
+            assert head is not None  # a plan with a loss per micro-batch runs with a head (`forward`'s argument)
+            chunk.loss(i, self._outputs.pop((c, i)), lambda y: head(i, self._micro_batches, y))
+        elif kind is Kind.EXPECT:
+            chunk.expect_grad(i)
+        elif kind is Kind.RECOMPUTE:
+            chunk.recompute(i)
+        elif kind is Kind.BACKWARD:
+            chunk.backward(i)
+
+
+_BACKPROPAGATING = (Kind.LOSS, Kind.RECOMPUTE, Kind.BACKWARD, Kind.WEIGHT)
+"""The kinds of action that may backpropagate through the stage (a loss of one micro-batch, under a plan with a loss
+per micro-batch; fill-drain's loss of the whole mini-batch has no micro-batch and runs between the plan's parts)."""
+
+
+def _weights_from(actions: tuple[Action, ...], start: int, end: int) -> list[int]:
+    """The micro-batches of the W actions from ``actions[start]`` on, up to the first action of another kind or
+    model chunk, or ``end``."""
+    indices: list[int] = []
+    for action in actions[start:end]:
+        if action.kind is not Kind.WEIGHT or action.model_chunk != actions[start].model_chunk:
+            break
+        assert action.micro_batch is not None  # a W is of one micro-batch
+        indices.append(action.micro_batch)
+    return indices
+
+
+def _chain(first: tuple[int, Value, int] | None, rest: Iterator) -> Iterator[tuple[int, Value, int]]:
+    if first is not None:
+        yield first
+        yield from rest

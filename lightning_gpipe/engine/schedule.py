@@ -3,7 +3,7 @@
 A schedule is a function of (pipeline rank k, K stages, M micro-batches, checkpoint mode, deferred weight
 gradients) that returns one :class:`Plan` per stage: the stage's :class:`Action` list, in the order the stage runs
 it, and the cut where Lightning's ``training_step`` ends and ``backward`` begins. One runtime executes a plan over
-a stage's primitives (:class:`lightning_gpipe.engine.runtime.Runtime`); the simulator
+a stage's primitives (:class:`lightning_gpipe.engine.pipeline.Runtime`); the simulator
 (:mod:`lightning_gpipe.planning.simulator`) times the same lists, and :func:`check` runs them abstractly before the
 first step, so a schedule whose sends and receives do not pair up, or whose stages would wait for each other, is an
 error rather than a hang. A new schedule is one more function in :data:`SCHEDULES`.

@@ -107,11 +107,15 @@ class TiedParameters:
         topology: the job's mesh.
         rank: this process's global rank.
         job: the run's :class:`~lightning_gpipe.faults.job.Job`, whose waits the collectives use.
+
+    Attributes:
+        held: whether this stage holds a copy of any tie (else a step needs nothing of it).
     """
 
     def __init__(self, ties: list[Tie], module: nn.Module, topology: Topology, rank: int, job: "Job") -> None:
         self.module, self.stage, self.job = module, topology.stage_of(rank), job
         self._held: list[tuple[Tie, dist.ProcessGroup | None, int]] = []
+        self.held = False
         replica = topology.replica_of(rank)
         for r in range(topology.data_parallel_size):
             for tie in ties:
@@ -119,6 +123,7 @@ class TiedParameters:
                 group = dist.new_group(ranks) if dist.is_initialized() else None
                 if r == replica and rank in ranks:
                     self._held.append((tie, group, ranks[0]))
+        self.held = bool(self._held)
 
     def _parameter(self, tie: Tie) -> nn.Parameter:
         return self.module.get_parameter(tie.local_name(self.stage))

@@ -2,10 +2,10 @@
 
 Each stage process keeps its :class:`Position`: the step, the phase (the forward of micro-batch 3, the user's
 ``training_step`` after the backbone call, writing a checkpoint...), the action of the stage's plan it executes
-(:mod:`lightning_gpipe.engine.runtime`: "action 5 of 24"), since when, and the stage it waits for, if it waits. Setting
-it costs a few attribute writes; a heartbeat thread of the :class:`Watchdog` publishes it to the job's c10d store once
-a second when it changed (:meth:`Watchdog.start`), so a stage stuck in user code is still described by its last
-position.
+(:class:`lightning_gpipe.engine.pipeline.Runtime`: "action 5 of 24"), since when, and the stage it waits for, if it
+waits. Setting it costs a few attribute writes; a heartbeat thread of the :class:`Watchdog` publishes it to the job's
+c10d store once a second when it changed (:meth:`Watchdog.start`), so a stage stuck in user code is still described
+by its last position.
 
 A stage that has waited for another longer than the stall limit (:mod:`lightning_gpipe.faults.waiting` checks)
 asks :meth:`Watchdog.diagnose` who stopped: the stage that is not waiting and has been in its position longest,

@@ -26,15 +26,19 @@ read it), and it names the modules by the model's own names: GPT-NeoX's ``embed_
 GPT-J's ``wte``, ``drop``, ``h``, ``ln_f``. :func:`declared_cut` reads it into a
 :class:`~lightning_gpipe.hf.decoder.DecoderCut`: the embedding (the entry that takes ``input_ids``), at most one
 module on the embeddings before the blocks, the blocks (the ``nn.ModuleList``), the final norm and the head (the
-entry that gives ``logits``); the base model may hold nothing else but its rotary embedding (``rotary_emb``, which the
-plan leaves out: every block's layer rebuilds its cos/sin). The blocks are called as the standard layout's, with what
-the config declares around them (:func:`~lightning_gpipe.hf.decoder.decoder_layers`). Where a class declares no plan,
+entry that gives ``logits``). Of the base model's modules the plan leaves out, the adapter takes those it knows what
+the forward does with (:func:`_left_out`): the rotary embedding (``rotary_emb``: every block's layer rebuilds its
+cos/sin), modules on ``(input_ids, inputs_embeds)`` (Phi-4-multimodal), rotary modules per layer theta
+(Granite-SWA), per-layer embeddings (Gemma 4), the collapse of hyper-connection streams (HY-V4) and modules without
+tensors; anything else is refused. The blocks are called as the standard layout's, with what the config declares
+around them (:func:`~lightning_gpipe.hf.decoder.decoder_layers`). Where a class declares no plan,
 or one the adapter cannot follow, the structure decides; a plan and a structure that both take a model must cut it
 alike; the self-check proves whichever cut on a miniature.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -44,13 +48,16 @@ from torch import nn
 from lightning_gpipe.hf import lora, selfcheck
 from lightning_gpipe.hf.decoder import (
     DecoderCut,
+    bidirectional,
     block_arguments_reason,
     decoder_layers,
     gpt2_layers,
+    kv_sharing_reason,
     layer_types_reason,
     standard_cut,
     standard_decoder,
     standard_decoder_layers,
+    sublayers,
 )
 from lightning_gpipe.hf.encoder import standard_encoder, standard_encoder_layers
 from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel, UnsupportedModelError
@@ -59,6 +66,12 @@ from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel, UnsupportedModelE
 
 ROTARY = "rotary_emb"
 """The base model's child the plan leaves out that the adapter knows: the rotary embedding."""
+
+
+PER_LAYER = ("get_per_layer_inputs", "project_per_layer_inputs")
+"""The methods of a base model that computes per-layer inputs for its blocks from the tokens and the embeddings
+(Gemma 4's per-layer embeddings): the embedding layer calls them (:class:`~lightning_gpipe.hf.decoder.DecoderCut`'s
+``per_layer``)."""
 
 
 def plan_of(model: nn.Module) -> dict[str, tuple[list[str], list[str]]]:
@@ -95,13 +108,57 @@ def declared_cut(model: nn.Module) -> DecoderCut | str:
             " one final norm and the head"
         )
     base_model = model.get_submodule(parent) if parent else model
-    left = [name for name, child in base_model.named_children() if f"{parent}.{name}".lstrip(".") not in plan]
-    unknown = [name for name in left if name != ROTARY]
+    left = {name: child for name, child in base_model.named_children() if f"{parent}.{name}".lstrip(".") not in plan}
+    kinds = {name: _left_out(model, base_model, name, child) for name, child in left.items() if name != ROTARY}
+    unknown = [name for name, kind in kinds.items() if kind is None]
     outside = [name for name, _ in model.named_children() if name != head and name != parent.split(".")[0]]
     if unknown or outside:
-        return f"it holds {[*outside, *unknown]} besides the modules its plan names (and `{ROTARY}`)"
+        return (
+            f"it holds {[*outside, *unknown]} besides the modules its plan names and those the adapter knows"
+            f" (`{ROTARY}`, modules on (input_ids, inputs_embeds), rotary modules per layer_rope_theta, per-layer"
+            " embeddings, a hyper-connection collapse, modules without parameters or buffers)"
+        )
     rotary = f"{parent}.{ROTARY}" if ROTARY in left else None
-    return DecoderCut(before[0], before[1] if len(before) > 1 else None, blocks, rotary, after[0], head)
+    extensions = tuple(f"{parent}.{name}".lstrip(".") for name, kind in kinds.items() if kind == "extension")
+    rotaries = [f"{parent}.{name}".lstrip(".") for name, kind in kinds.items() if kind == "rotaries"]
+    per_layer = tuple(f"{parent}.{name}".lstrip(".") for name, kind in kinds.items() if kind == "per layer")
+    collapse = [f"{parent}.{name}".lstrip(".") for name, kind in kinds.items() if kind == "collapse"]
+    if len(rotaries) > 1 or len(collapse) > 1:
+        return f"it holds {[*rotaries, *collapse]} besides the modules its plan names: more than one of a kind"
+    dropout = before[1] if len(before) > 1 else None
+    return DecoderCut(
+        before[0], dropout, blocks, rotary, after[0], head, extensions, next(iter(rotaries), None), per_layer,
+        next(iter(collapse), None),
+    )  # fmt: skip
+
+
+def _left_out(model: nn.Module, base_model: nn.Module, name: str, child: nn.Module) -> str | None:
+    """What a child of the base model the plan leaves out is to the cut: ``"extension"``, a module taking
+    ``(input_ids, inputs_embeds)`` (applied on the embeddings, :class:`~lightning_gpipe.hf.decoder.DecoderEmbedding`:
+    Phi-4-multimodal's image and audio features); ``"rotaries"``, an ``nn.ModuleList`` of modules of the class of the
+    base model's rotary embedding where the config gives each layer its ``layer_rope_theta`` (Granite-SWA); ``"idle"``,
+    a module without parameters or buffers (nothing to hold; the self-check proves the forward does not need it:
+    Phi-4-multimodal's ``embed_dropout``, which its forward never calls); ``"per layer"``, a module named
+    ``...per_layer...`` of a base model with the per-layer embedding methods (:data:`PER_LAYER`: Gemma 4's
+    ``embed_tokens_per_layer``...), which compute the per-layer inputs from it at the embedding (not Gemma 3n's
+    ``altup_projections``); ``"collapse"``, any other module of a model with hyper-connections (``config.hc_mult``
+    streams: HY-V4's ``hc_head``), applied before the final norm; else ``None``."""
+    if not [*child.parameters(), *child.buffers()]:
+        return "idle"
+    if "per_layer" in name and all(callable(getattr(base_model, method, None)) for method in PER_LAYER):
+        return "per layer"
+    if isinstance(getattr(cast(Any, model).config, "hc_mult", None), int):
+        return "collapse"
+    arguments = list(inspect.signature(child.forward).parameters)
+    if arguments[:2] == ["input_ids", "inputs_embeds"]:
+        return "extension"
+    rotary = getattr(base_model, ROTARY, None)
+    config = cast(Any, model).config
+    per_layer = getattr(config, "layer_rope_theta", None)
+    if isinstance(child, nn.ModuleList) and rotary is not None and isinstance(per_layer, (list, tuple)):
+        if len(child) and all(type(member) is type(rotary) for member in child):
+            return "rotaries"
+    return None
 
 
 def _has(model: nn.Module, path: str) -> bool:
@@ -126,12 +183,15 @@ def declared_decoder(model: nn.Module) -> str | None:
         return cut
     config = cast(Any, model).config
     blocks = cast(nn.ModuleList, model.get_submodule(cut.blocks))
-    if len(blocks) != config.num_hidden_layers:
-        return f"`{cut.blocks}` holds {len(blocks)} blocks, not num_hidden_layers ({config.num_hidden_layers})"
-    if getattr(config, "use_bidirectional_attention", False):
+    per_block = sublayers(config, len(blocks))
+    if isinstance(per_block, str):
+        return f"`{cut.blocks}` holds {len(blocks)} blocks: {per_block}"
+    if bidirectional(config):
         return "use_bidirectional_attention=True (a bidirectional encoder, not a causal LM)"
     rotary = None if cut.rotary is None else model.get_submodule(cut.rotary)
-    reason = layer_types_reason(config, rotary) or block_arguments_reason(blocks[0])
+    reason = (
+        layer_types_reason(config, rotary) or kv_sharing_reason(config) or block_arguments_reason(blocks[0], config)
+    )
     if reason is None and standard_decoder(model) is None:
         structural = standard_cut(cast(PreTrainedModel, model))
         if structural != cut:

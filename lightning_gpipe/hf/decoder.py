@@ -9,20 +9,28 @@ the rotary cos/sin, the 4-D mask and the cache, ``model.norm``, ``model.rotary_e
 scaled before the head (MiniCPM3's ``dim_model_base``), logits scaled (``logits_scaling``, ``logit_scale``) or
 soft-capped (``final_logit_softcapping``), attention by layer type
 (``layer_types``: full or sliding window, each with its own rotary table where the rotary module takes a
-``layer_type``), and mixture-of-experts routers whose load-balancing loss travels as per-row statistics
-(:mod:`lightning_gpipe.hf.moe`). Whatever else a class does differently is caught by the self-check
-(:mod:`lightning_gpipe.hf.selfcheck`) before the first step.
+``layer_type``; hybrid types taking an attention and a recurrent mask, :data:`HYBRID`), and mixture-of-experts
+routers whose load-balancing loss travels as per-row statistics (:mod:`lightning_gpipe.hf.moe`). The declared plan
+(:mod:`lightning_gpipe.hf.adapter`) adds what its :class:`DecoderCut` names: modules on the embeddings, per-layer
+inputs, rotary modules per layer, hyper-connection streams, blocks of several attention layers; and the blocks get
+what the model's forward gives them where they ask for it (a value carried from block to block, ``prev_...``; what
+their modeling module computes from the positions, :func:`computed_arguments`; the token ids, :func:`tokens_of`;
+rotary tables of several kinds, :func:`rotary_kinds`). Whatever else a class does
+differently is caught by the self-check (:mod:`lightning_gpipe.hf.selfcheck`) before the first step.
 
 Between layers only tensors travel, each with the batch in dim 0: ``(hidden (N, S, H), attention_mask (N, S),
-position_ids (N, S)[, router statistics (N, 2E + 1)][, documents (N, S)][, rows (n,)])`` (``documents`` for packed
-rows, :func:`decoder_input`; ``rows`` for cached decoding). Each block rebuilds what the model's forward builds once
-for all blocks (the 4-D mask with ``transformers.masking_utils``, kept inside each document of a packed row, the
+position_ids (N, S)[, router statistics (N, 2E + 1)][, per-layer inputs (N, S, L, D)][, token ids (N, S)][, carried
+(N, S, k)][, documents (N, S)][, rows (n,)])`` (``documents`` for packed rows, :func:`decoder_input`; ``rows`` for
+cached decoding; per-layer inputs, token ids and a carried value only for the models whose blocks take them; with
+hyper-connections the hidden states are ``(N, S, streams, H)``). Each block rebuilds what the model's forward builds
+once for all blocks (the 4-D mask with ``transformers.masking_utils``, kept inside each document of a packed row, the
 rotary cos/sin from the positions) and calls the block as the model's forward does.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -49,8 +57,27 @@ MASKS: dict[str, Callable[..., Any]] = {
 """The mask helper of each layer type the adapter rebuilds (``config.layer_types``), as ``transformers`` declares them
 (``masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING``): a 4-D causal mask for ``full_attention``, a sliding-window
 one for ``sliding_attention``, chunked for ``chunked_attention``, the ``(N, S)`` padding mask for recurrent layers
-(``linear_attention``, ``conv``; ``None`` without padding)... Types that map to several masks at once (``hybrid``)
-are not taken."""
+(``linear_attention``, ``conv``; ``None`` without padding)... Types that map to several masks at once are
+:data:`HYBRID`."""
+
+
+def _recurrent(helper: Callable[..., Any]) -> bool:
+    """Whether a mask helper builds a recurrent layer's padding mask (no attention mask: no ``and_mask_function``)."""
+    return "and_mask_function" not in inspect.signature(helper).parameters
+
+
+HYBRID: dict[str, tuple[str, str]] = {
+    layer_type: (attention, recurrent)
+    for layer_type, helpers in LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING.items()
+    if isinstance(helpers, dict) and len(helpers) == 2
+    for attention, recurrent in [sorted(helpers, key=lambda t: t in MASKS and _recurrent(MASKS[t]))]
+    if attention in MASKS and recurrent in MASKS and not _recurrent(MASKS[attention]) and _recurrent(MASKS[recurrent])
+}
+"""The layer types that take two masks at once, as ``transformers`` declares them (``hybrid``: ``full_attention``
+and ``linear_attention``; ``hybrid_sliding``: ``sliding_attention`` and ``linear_attention``; Inkling's blocks):
+``{layer type: (attention type, recurrent type)}``. A block of such a type gets the attention type's mask (of
+:data:`MASKS`, as the model's forward builds it) as ``attention_mask`` and the recurrent type's under the one other
+``..._mask`` argument it takes (Inkling's ``conv_mask``)."""
 
 
 def positions_from_mask(attention_mask: Tensor) -> Tensor:
@@ -176,7 +203,7 @@ def unpackable_layer_types(config: Any) -> list[str]:
     (:data:`MASKS`) builds no attention mask to narrow (it takes no ``and_mask_function``), the recurrent layers'
     padding masks (``linear_attention``, ``conv``), whose state runs along the row."""
     types = {layer_type(config, i) for i in range(config.num_hidden_layers)}
-    return sorted(t for t in types if "and_mask_function" not in inspect.signature(MASKS[t]).parameters)
+    return sorted(t for t in types if t in HYBRID or _recurrent(MASKS[t]))
 
 
 def causal_lm_loss(
@@ -199,14 +226,31 @@ def causal_lm_loss(
     return loss
 
 
-def _unpack(value: tuple[Tensor, ...], router: RouterLoss | None):
+def _unpack(value: tuple[Tensor, ...], router: RouterLoss | None, tokens: bool = False):
     """``(hidden, attention_mask, position_ids, statistics, documents, rows)`` of a decoder value, ``None`` for what
-    it does not carry: packed rows carry ``documents`` ``(N, S)``, cached decoding ``rows`` ``(n,)``."""
+    it does not carry: packed rows carry ``documents`` ``(N, S)``, cached decoding ``rows`` ``(n,)`` (and a value
+    carried from block to block, :func:`carried_of`, has 3 dimensions or more). With ``tokens`` the value carries the
+    token ids ``(N, S)`` for the blocks (:func:`tokens_of`) before ``documents``."""
     hidden, attention_mask, position_ids, *rest = value
     statistics = rest.pop(0) if router is not None else None
-    documents = next((item for item in rest if item.dim() == 2), None)
+    documents = [item for item in rest if item.dim() == 2][1 if tokens else 0 :]
     rows = next((item for item in rest if item.dim() == 1), None)
-    return hidden, attention_mask, position_ids, statistics, documents, rows
+    return hidden, attention_mask, position_ids, statistics, next(iter(documents), None), rows
+
+
+def tokens_of(value: tuple[Tensor, ...], router: RouterLoss | None) -> Tensor:
+    """The token ids ``(N, S)`` a value carries for blocks that take them (DeepSeek-V4's, whose hash-routed experts
+    choose by token, see :class:`DecoderEmbedding`): its first item of 2 dimensions after the hidden states, mask,
+    positions and router statistics."""
+    return next(item for item in value[4 if router is not None else 3 :] if item.dim() == 2)
+
+
+def carried_of(value: tuple[Tensor, ...], dim: int = 3) -> Tensor | None:
+    """The item after the hidden states, mask and positions with ``dim`` dimensions, or ``None`` (router statistics
+    have 2, ``documents`` 2, ``rows`` 1): with 3, the value a block gave the next (GLM-MoE-DSA's top-k indices ``(N, S,
+    k)``, see :class:`RotaryDecoderBlock`); with 4, the per-layer inputs ``(N, S, L, D)`` the embedding gives every
+    block (Gemma 4's, see :class:`DecoderEmbedding`)."""
+    return next((item for item in value[3:] if item.dim() == dim), None)
 
 
 def _pack(*items: Tensor | None) -> tuple[Tensor, ...]:
@@ -229,6 +273,18 @@ class DecoderEmbedding(HFLayer):
             ``config.embedding_dropout``, as ``nn.functional.dropout``), or ``None``.
         router: the model's :class:`~lightning_gpipe.hf.moe.RouterLoss`: the layer starts each row's router
             statistics at zero; ``None`` (default) for none.
+        extensions: paths of modules the model's forward applies to ``(input_ids, embeddings)`` right after the
+            token embedding (Phi-4-multimodal's ``embed_tokens_extend``, which merges image and audio features
+            into the embeddings and, for text, gives them back unchanged); default none.
+        per_layer: ``(path of the base model, paths of its per-layer embedding modules)`` for a model whose base
+            model computes per-layer inputs from the tokens and the embeddings (Gemma 4's ``get_per_layer_inputs``
+            and ``project_per_layer_inputs``): the layer computes them as its forward does and passes them on, ``(N,
+            S, L, D)`` after the positions (and router statistics), for each block to take its own; ``None``
+            (default) for none.
+        streams: the number of hyper-connection streams (HY-V4's ``config.hc_mult``): the embeddings are repeated
+            into ``(N, S, streams, H)`` for the blocks, as the model's forward does; ``None`` (default) for none.
+        pass_tokens: pass the token ids on to blocks that take them (DeepSeek-V4's ``input_ids``, see
+            :func:`tokens_of`); default ``False``.
     """
 
     def __init__(
@@ -240,14 +296,28 @@ class DecoderEmbedding(HFLayer):
         multiplier: float | None = None,
         dropout_p: float | None = None,
         router: RouterLoss | None = None,
+        extensions: Sequence[str] = (),
+        per_layer: tuple[str, Sequence[str]] | None = None,
+        streams: int | None = None,
+        pass_tokens: bool = False,
     ) -> None:
-        super().__init__(model, [p for p in (tokens, positions, dropout) if p is not None])
+        own = [] if per_layer is None else list(per_layer[1])
+        super().__init__(model, [p for p in (tokens, *extensions, *own, positions, dropout) if p is not None])
         self._tokens, self._positions, self._dropout = tokens, positions, dropout
         self.multiplier, self.dropout_p, self.router = multiplier, dropout_p, router
+        self._extensions = tuple(extensions)
+        self._per_layer_base = None if per_layer is None else per_layer[0]
+        self.streams, self.pass_tokens = streams, pass_tokens
 
     def forward(self, value: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         input_ids, attention_mask, position_ids, *rows = value
         hidden = self.part(self._tokens)(input_ids)
+        for extension in self._extensions:
+            hidden = self.part(extension)(input_ids, hidden)
+        per_layer = None
+        if self._per_layer_base is not None:  # the base model's own methods, on the modules this layer holds
+            base = cast(Any, self.hf_model.get_submodule(self._per_layer_base))
+            per_layer = base.project_per_layer_inputs(hidden, base.get_per_layer_inputs(input_ids, hidden))
         if self.multiplier is not None:
             hidden = hidden * self.multiplier
         if self._positions is not None:
@@ -256,10 +326,13 @@ class DecoderEmbedding(HFLayer):
             hidden = self.part(self._dropout)(hidden)
         if self.dropout_p is not None:
             hidden = nn.functional.dropout(hidden, p=self.dropout_p, training=self.training)
+        if self.streams is not None:  # hyper-connections: the blocks take (N, S, streams, H)
+            hidden = hidden.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()
         statistics = None
         if self.router is not None:
             statistics = torch.zeros(input_ids.shape[0], self.router.width, device=hidden.device)
-        return _pack(hidden, attention_mask, position_ids, statistics, *rows)
+        given = input_ids if self.pass_tokens else None
+        return _pack(hidden, attention_mask, position_ids, statistics, per_layer, given, *rows)
 
 
 def layer_type(config: Any, layer_index: int) -> str:
@@ -301,7 +374,9 @@ class CachedDecoderBlock(HFLayer):
         super().__init__(model, paths)
         self.layer_index, self.router = layer_index, router
         self.layer_type = layer_type(model.config, layer_index)
-        self._mask = MASKS[self.layer_type]
+        attention, recurrent = HYBRID.get(self.layer_type, (self.layer_type, None))
+        self._mask = MASKS[attention]
+        self._recurrent_mask = None if recurrent is None else MASKS[recurrent]
         self.kv_cache: dict[tuple[int, ...], Any] = {}
 
     def cache_and_mask(
@@ -313,7 +388,8 @@ class CachedDecoderBlock(HFLayer):
         documents: Tensor | None = None,
     ):
         """The cache of ``rows`` (``None`` without rows) and the block's mask against it; with ``documents`` (packed
-        rows, see :func:`decoder_input`) kept inside each document (:func:`same_document`).
+        rows, see :func:`decoder_input`) kept inside each document (:func:`same_document`); for a layer type of
+        :data:`HYBRID`, the mask is ``(attention mask, recurrent mask)``.
 
         Raises:
             RuntimeError: if ``attention_mask`` covers earlier tokens whose keys and values this block has not
@@ -343,6 +419,8 @@ class CachedDecoderBlock(HFLayer):
             layer_idx=self.layer_index,
         )
         mask = self._mask(**arguments) if documents is None else document_mask(self._mask, documents, **arguments)
+        if self._recurrent_mask is not None:  # a hybrid layer type: (attention mask, recurrent mask)
+            mask = (mask, self._recurrent_mask(**arguments))
         return cache, mask
 
 
@@ -362,16 +440,23 @@ class RotaryDecoderBlock(CachedDecoderBlock):
     rotary module (for the block's layer type when the module takes one, as Gemma 3's), then calls the block as the
     model's forward does: the cache under the name the block takes (``cache``, GPT-NeoX's ``layer_past``). With router
     statistics, adds those of the block's routers (:mod:`lightning_gpipe.hf.moe`). With ``rows``, decodes
-    incrementally with its own key/value cache (see :class:`CachedDecoderBlock`).
+    incrementally with its own key/value cache (see :class:`CachedDecoderBlock`). A block taking an argument named
+    ``prev_...`` (:data:`CARRIED`; GLM-MoE-DSA's ``prev_topk_indices``) gives ``(hidden, what the next block takes
+    there)``, as the model's forward passes it on: the layer carries it in the value to the next block's layer
+    (:func:`carried_of`; the first block gets ``None``, as in the model's forward).
 
     Args:
         model: the model.
         block: path of the block (``"model.layers.2"``).
-        rotary: path of the model's rotary embedding (``"model.rotary_emb"``); held by every block layer (its
-            buffers are not saved, so no name is added to the checkpoint). ``None`` for a model without one (its
-            blocks get no ``position_embeddings``).
-        layer_index: the block's index in the model (which mask it uses).
+        rotary: path of the rotary embedding the block's layer calls (``"model.rotary_emb"``; Granite-SWA's
+            ``"model.rotary_embs.1"``, the one of its layer's ``rope_theta``); held by every block layer (its
+            buffers are not saved, so no name is added to the checkpoint). ``None`` for a model without one, or a
+            block the forward gives none (its blocks get no ``position_embeddings``).
+        layer_index: the index in the model of the block's first attention layer (which mask it uses, its cache's
+            layer: ``i * k`` for blocks of ``k`` attention sublayers, LongCat-Flash's two).
         router: see :class:`CachedDecoderBlock`.
+        held: paths of other modules the layer holds without calling them (rotary modules the model builds and its
+            forward leaves unused: Granite-SWA's ``model.rotary_emb``); default none.
     """
 
     def __init__(
@@ -381,21 +466,57 @@ class RotaryDecoderBlock(CachedDecoderBlock):
         rotary: str | None,
         layer_index: int,
         router: RouterLoss | None = None,
+        held: Sequence[str] = (),
     ) -> None:
-        super().__init__(model, [block] if rotary is None else [block, rotary], layer_index, router)
+        paths = [block, *([] if rotary is None else [rotary]), *(p for p in held if p != rotary)]
+        super().__init__(model, paths, layer_index, router)
         self._block, self._rotary = block, rotary
         typed = rotary is not None and "layer_type" in inspect.signature(self.part(rotary).forward).parameters
         self._rotary_type = (self.layer_type,) if typed else ()
         self._routers = [] if router is None else router.routers(self.part(block), block)
         arguments = inspect.signature(self.part(block).forward).parameters
         self._cache_argument = "layer_past" if "layer_past" in arguments and "cache" not in arguments else "cache"
+        self._carry = next((name for name in arguments if name.startswith(CARRIED)), None)
+        self._block_index = int(block.rsplit(".", 1)[1])
+        self._second_mask = next((n for n in arguments if n.endswith("_mask") and n != "attention_mask"), None)
+        self._per_layer, self._shared_kv = "per_layer_input" in arguments, "shared_kv_states" in arguments
+        self._computed = computed_arguments(self.part(block))
+        self.tokens = "input_ids" in arguments
+        rope = getattr(model.config, "rope_parameters", None)
+        self._kinds = rotary_kinds(model.config) if typed else []
+        self._nope = (
+            bool(typed) and isinstance(rope, dict) and self.layer_type in rope and rope[self.layer_type] is None
+        )
+
+    def _arguments(self, value: tuple[Tensor, ...], hidden: Tensor, position_ids: Tensor, mask: Any) -> dict:
+        """What the model's forward gives the block besides the hidden states, the cache and the positions."""
+        arguments: dict[str, Any] = {"attention_mask": mask}
+        if self._nope:  # a layer type without rotary parameters: none, and what the model computes instead
+            arguments["position_embeddings"] = None
+        elif self._kinds:  # a table per kind the config names, all for every block (DeepSeek-V4's main, compress)
+            rotary = self.part(cast(str, self._rotary))
+            arguments["position_embeddings"] = {kind: rotary(hidden, position_ids, kind) for kind in self._kinds}
+        elif self._rotary is not None:
+            arguments["position_embeddings"] = self.part(self._rotary)(hidden, position_ids, *self._rotary_type)
+        if self.tokens:
+            arguments["input_ids"] = tokens_of(value, self.router)
+        for name, compute in self._computed.items():
+            arguments[name] = compute(position_ids) if self._nope else None
+        if self._carry is not None:
+            arguments[self._carry] = carried_of(value)
+        if self._per_layer:  # Gemma 4: its own slice of the per-layer inputs, None where the model computes none
+            per_layer = carried_of(value, 4)
+            arguments["per_layer_input"] = None if per_layer is None else per_layer[:, :, self._block_index, :]
+        if self._shared_kv:  # no layer reads another's keys and values (kv_sharing_reason): each its own store
+            arguments["shared_kv_states"] = {}
+        if isinstance(mask, tuple):  # a hybrid layer type: the recurrent mask under the block's other mask argument
+            arguments["attention_mask"], arguments[cast(str, self._second_mask)] = mask
+        return arguments
 
     def forward(self, value: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        hidden, attention_mask, position_ids, statistics, documents, rows = _unpack(value, self.router)
+        hidden, attention_mask, position_ids, statistics, documents, rows = _unpack(value, self.router, self.tokens)
         cache, mask = self.cache_and_mask(hidden, attention_mask, position_ids, rows, documents)
-        rotary: dict[str, Any] = {}
-        if self._rotary is not None:
-            rotary["position_embeddings"] = self.part(self._rotary)(hidden, position_ids, *self._rotary_type)
+        arguments = self._arguments(value, hidden, position_ids, mask)
         # statistics come with a router only (_unpack)
         recording: AbstractContextManager[list[Tensor]] = (
             cast(RouterLoss, self.router).recording(self._routers) if statistics is not None else nullcontext([])
@@ -403,16 +524,19 @@ class RotaryDecoderBlock(CachedDecoderBlock):
         with recording as router_logits:
             output = self.part(self._block)(
                 hidden,
-                attention_mask=mask,
                 position_ids=position_ids,
                 use_cache=cache is not None,
                 **{self._cache_argument: cache},
-                **rotary,
+                **arguments,
             )
+        given = None
+        if self._carry is not None:  # the block gives (hidden, what the next block takes)
+            output, given = output
         for logits in router_logits:
             assert self.router is not None  # router logits are recorded with a router only
             statistics = statistics + self.router.statistics(logits, attention_mask[:, -hidden.shape[1] :])
-        return _pack(output, attention_mask, position_ids, statistics, documents, rows)
+        per_layer, tokens = carried_of(value, 4), tokens_of(value, self.router) if self.tokens else None
+        return _pack(output, attention_mask, position_ids, statistics, per_layer, tokens, given, documents, rows)
 
 
 class GPT2Block(CachedDecoderBlock):
@@ -449,16 +573,25 @@ class FinalNorm(HFLayer):
             else ``None`` (default).
         divisor: what the normalised hidden states are divided by before the head (MiniCPM3's
             ``config.logits_scaling``, ``hidden_size / dim_model_base``), or ``None`` (default).
+        collapse: path of a module the model's forward applies before the norm (HY-V4's ``"model.hc_head"``, which
+            collapses the hyper-connection streams, see :class:`DecoderCut`), or ``None`` (default).
     """
 
     def __init__(
-        self, model: PreTrainedModel, norm: str, router: RouterLoss | None = None, divisor: float | None = None
+        self,
+        model: PreTrainedModel,
+        norm: str,
+        router: RouterLoss | None = None,
+        divisor: float | None = None,
+        collapse: str | None = None,
     ) -> None:
-        super().__init__(model, [norm])
-        self._norm, self.router, self.divisor = norm, router, divisor
+        super().__init__(model, [norm] if collapse is None else [collapse, norm])
+        self._norm, self.router, self.divisor, self._collapse = norm, router, divisor, collapse
 
     def forward(self, value: tuple[Tensor, ...]) -> Tensor | tuple[Tensor, Tensor]:
         hidden, _, _, statistics, _, _ = _unpack(value, self.router)
+        if self._collapse is not None:
+            hidden = self.part(self._collapse)(hidden)
         hidden = self.part(self._norm)(hidden)
         if self.divisor is not None:
             hidden = hidden / self.divisor
@@ -476,6 +609,8 @@ class Head(HFLayer):
         divisor: what the logits are divided by (Granite's ``config.logits_scaling``), or ``None``.
         softcap: ``c`` of the soft-capping ``c * tanh(logits / c)`` (Gemma 2's ``config.final_logit_softcapping``),
             or ``None``.
+        vocab: how many of the head's outputs are logits (Inkling's ``config.unpadded_vocab_size``, the rest
+            padding), or ``None`` (default: all).
     """
 
     def __init__(
@@ -485,14 +620,17 @@ class Head(HFLayer):
         multiplier: float | None = None,
         divisor: float | None = None,
         softcap: float | None = None,
+        vocab: int | None = None,
     ) -> None:
         super().__init__(model, [head])
         self._head = head
-        self.multiplier, self.divisor, self.softcap = multiplier, divisor, softcap
+        self.multiplier, self.divisor, self.softcap, self.vocab = multiplier, divisor, softcap, vocab
 
     def forward(self, value: Tensor | tuple[Tensor, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
         hidden, *statistics = value if isinstance(value, tuple) else (value,)
         logits = self.part(self._head)(hidden)
+        if self.vocab is not None:
+            logits = logits[..., : self.vocab]
         if self.multiplier is not None:
             logits = logits * self.multiplier
         if self.divisor is not None:
@@ -507,11 +645,16 @@ STANDARD_BASE = ("embed_tokens", "layers", "norm", "rotary_emb")
 
 BLOCK_ARGUMENTS = frozenset(
     ("hidden_states", "attention_mask", "position_embeddings", "position_ids", "cache", "layer_past", "use_cache")
-    + ("output_attentions",)
+    + ("output_attentions", "per_layer_input", "shared_kv_states", "input_ids")
 )
 """The named arguments a decoder block may take: what the adapter gives it as the model's forward does (the hidden
 states, the 4-D mask, the rotary cos/sin, the positions, the cache, as ``cache`` or GPT-NeoX's ``layer_past``, and
-whether to use it), and ``output_attentions``, which both leave at its default."""
+whether to use it), and ``output_attentions``, which both leave at its default; besides one named ``prev_...``
+(:data:`CARRIED`)."""
+
+CARRIED = "prev_"
+"""The prefix of a block argument that takes what the previous block gave (GLM-MoE-DSA's ``prev_topk_indices``):
+such a block returns ``(hidden, that value)`` and :class:`RotaryDecoderBlock` carries it to the next block."""
 
 ADVICE = (
     "Register a Family whose layers compute what the model's forward gives its blocks (docs/transformers.md, 'Adding"
@@ -536,43 +679,89 @@ def base_model_reason(model: nn.Module) -> str | None:
     return None
 
 
-def layer_types_reason(config: Any, rotary: nn.Module | None) -> str | None:
-    """``None`` when the adapter rebuilds what the model's forward gives every layer type of ``config``, else why not:
-    a type without a mask in :data:`MASKS` (``linear_attention``...), or, with a ``rotary`` module per layer type,
-    one the config gives no rotary parameters (Beam's ``full_attention`` layers: no position embedding, an attention
-    scaling of their own)."""
+def layer_types_reason(config: Any, rotary: nn.Module | None = None) -> str | None:
+    """``None`` when the adapter rebuilds the mask the model's forward gives every layer type of ``config``, else why
+    not: a type neither in :data:`MASKS` nor in :data:`HYBRID`. (A type the config gives no rotary parameters, with a
+    ``rotary`` module per layer type, gets no rotary embedding and what its modeling module computes for it instead:
+    Beam's ``full_attention`` layers, :func:`computed_arguments`.)"""
     types = sorted({layer_type(config, i) for i in range(config.num_hidden_layers)})
-    unknown = [t for t in types if t not in MASKS]
+    unknown = [t for t in types if t not in MASKS and t not in HYBRID]
     if unknown:
         return (
-            f"its layer types include {unknown}, which the adapter does not know: it rebuilds the one mask each of"
-            f" {', '.join(MASKS)} layers takes (transformers' LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING). {ADVICE}"
+            f"its layer types include {unknown}, which the adapter does not know: it rebuilds the masks"
+            f" {', '.join([*MASKS, *HYBRID])} layers take (transformers' LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING)."
+            f" {ADVICE}"
         )
-    rope = getattr(config, "rope_parameters", None)
-    typed = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
-    if typed and isinstance(rope, dict) and any(t in rope for t in types):
-        bare = [t for t in types if rope.get(t) is None]
-        if bare:
-            return (
-                f"its {bare[0]!r} layers have no rotary parameters (config.rope_parameters[{bare[0]!r}] is None): the"
-                f" model's forward gives that layer type no rotary embedding but arguments of its own, which the"
-                f" adapter does not rebuild. {ADVICE}"
-            )
     return None
 
 
-def block_arguments_reason(block: nn.Module) -> str | None:
-    """``None`` when ``block``'s forward takes no named argument beyond :data:`BLOCK_ARGUMENTS`, else why not (the
-    model's forward computes something else for it: Beam's ``attention_scaling``, Gemma 4's ``per_layer_input``)."""
+def rotary_kinds(config: Any) -> list[str]:
+    """The kinds of rotary table a config names that are no layer types (DeepSeek-V4's ``rope_parameters`` ``{"main":
+    ..., "compress": ...}``): the model's forward gives every block all of them, ``{kind: (cos, sin)}``; empty where
+    the config's rotary parameters are one set or one per layer type."""
+    rope = getattr(config, "rope_parameters", None)
+    if not isinstance(rope, dict) or not rope or not all(isinstance(v, dict) for v in rope.values()):
+        return []
+    types = {layer_type(config, i) for i in range(config.num_hidden_layers)}
+    return [] if types & set(rope) else list(rope)
+
+
+def computed_arguments(block: nn.Module) -> dict[str, Callable[[Tensor], Tensor]]:
+    """The arguments of ``block`` that its modeling module computes from the positions, by name: ``X`` where the
+    module defines ``compute_X(position_ids)`` (Beam's ``attention_scaling``, which its forward gives the layers of
+    a type without rotary parameters, and ``None`` the others; see :class:`RotaryDecoderBlock`)."""
+    module = sys.modules.get(type(block).__module__)
+    names = inspect.signature(block.forward).parameters
+    found = {name: getattr(module, f"compute_{name}", None) for name in names}
+    return {name: compute for name, compute in found.items() if callable(compute)}
+
+
+def kv_sharing_reason(config: Any) -> str | None:
+    """``None`` unless layers of ``config`` reuse the keys and values of earlier layers (``num_kv_shared_layers``:
+    Gemma 3n, Gemma 4), which the adapter does not carry from block to block (the blocks of a model without such
+    layers get an empty store of their own, ``shared_kv_states``)."""
+    shared = getattr(config, "num_kv_shared_layers", 0)
+    if shared:
+        return (
+            f"its last {shared} layers reuse the keys and values of earlier layers (num_kv_shared_layers={shared}),"
+            " which the adapter does not carry between blocks: set num_kv_shared_layers=0 if your checkpoint has no"
+            f" such layers. {ADVICE}"
+        )
+    return None
+
+
+def block_arguments_reason(block: nn.Module, config: Any = None) -> str | None:
+    """``None`` when ``block``'s forward takes no named argument beyond :data:`BLOCK_ARGUMENTS` (and one named
+    ``prev_...``, :data:`CARRIED`; where ``config`` has a layer type of :data:`HYBRID`, one more ``..._mask``), else
+    why not (the model's forward computes something else for it: Beam's ``attention_scaling``)."""
     parameters = inspect.signature(block.forward).parameters.values()
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     extra = [p.name for p in parameters if p.kind in named and p.name not in BLOCK_ARGUMENTS]
+    extra = [name for name in extra if name not in computed_arguments(block)]
+    carried = [name for name in extra if name.startswith(CARRIED)]
+    masks = [name for name in extra if name.endswith("_mask")]
+    hybrid = config is not None and any(layer_type(config, i) in HYBRID for i in range(config.num_hidden_layers))
+    if hybrid and len(masks) != 1:
+        return (
+            f"its layer types take an attention and a recurrent mask at once ({', '.join(HYBRID)}), but its blocks"
+            f" ({type(block).__name__}) take {len(masks)} mask arguments besides attention_mask, not one. {ADVICE}"
+        )
+    for allowed in (carried, masks if hybrid else []):
+        if len(allowed) == 1:
+            extra.remove(allowed[0])
     if extra:
         return (
             f"its blocks ({type(block).__name__}) take {extra}, which the model's forward computes for them and the"
             f" adapter does not. {ADVICE}"
         )
     return None
+
+
+def bidirectional(config: Any) -> bool:
+    """Whether ``config``'s text tokens attend both ways: ``use_bidirectional_attention`` ``True`` or ``"all"``
+    (Gemma 4 Unified's ``"vision"``: only image tokens do, the text stays causal)."""
+    value = getattr(config, "use_bidirectional_attention", False)
+    return value is True or value == "all"
 
 
 def standard_decoder(model: nn.Module) -> str | None:
@@ -593,26 +782,42 @@ def standard_decoder(model: nn.Module) -> str | None:
         return f"`{prefix}` holds {inner}, not exactly {list(STANDARD_BASE)}"
     if not isinstance(base.layers, nn.ModuleList) or len(base.layers) != config.num_hidden_layers:
         return f"`{prefix}.layers` is not an nn.ModuleList of num_hidden_layers blocks"
-    if getattr(config, "use_bidirectional_attention", False):
+    if bidirectional(config):
         return "use_bidirectional_attention=True (a bidirectional encoder, not a causal LM)"
-    return layer_types_reason(config, base.get_submodule("rotary_emb")) or block_arguments_reason(base.layers[0])
+    return layer_types_reason(config, base.get_submodule("rotary_emb")) or block_arguments_reason(
+        base.layers[0], config
+    )
 
 
-def head_scaling(config: Any) -> tuple[float | None, dict[str, float | None]]:
+def head_scaling(config: Any) -> tuple[float | None, dict[str, Any]]:
     """How the model's forward scales its output, as its config declares it: ``(divisor of the final norm's output,
     the :class:`Head`'s keyword arguments)``.
 
     MiniCPM3 (``dim_model_base``) divides the hidden states by ``logits_scaling = hidden_size / dim_model_base``
-    before the head; Granite divides the logits by ``logits_scaling``, Cohere multiplies them by ``logit_scale``,
-    Gemma 2 and 3 soft-cap them (``final_logit_softcapping``).
+    before the head, Inkling by ``logits_mup_width_multiplier``; Granite divides the logits by ``logits_scaling``,
+    Cohere multiplies them by ``logit_scale``, Gemma 2 and 3 soft-cap them (``final_logit_softcapping``); Inkling
+    keeps the first ``unpadded_vocab_size``.
     """
-    hidden_divisor = config.logits_scaling if getattr(config, "dim_model_base", None) is not None else None
+    hidden_divisor = getattr(config, "logits_mup_width_multiplier", None)
+    if getattr(config, "dim_model_base", None) is not None:
+        hidden_divisor = config.logits_scaling
+    vocab = getattr(config, "unpadded_vocab_size", None)
     head = {
         "multiplier": getattr(config, "logit_scale", None),
         "divisor": None if hidden_divisor is not None else getattr(config, "logits_scaling", None),
         "softcap": getattr(config, "final_logit_softcapping", None),
+        "vocab": vocab if vocab is not None and vocab < config.vocab_size else None,
     }
     return hidden_divisor, head
+
+
+def own_field(config: Any, name: str) -> Any:
+    """``config``'s field ``name``, or ``None`` where it has none or ``name`` is an alias of another field
+    (``attribute_map``: Inkling's ``embedding_multiplier`` reads its ``logits_mup_width_multiplier``, which its
+    forward applies before the head, not to the embeddings)."""
+    if name in getattr(config, "attribute_map", {}):
+        return None
+    return getattr(config, name, None)
 
 
 @dataclass(frozen=True)
@@ -626,6 +831,18 @@ class DecoderCut:
         rotary: the rotary embedding every block's layer holds (``"model.rotary_emb"``), or ``None``.
         norm: the final norm (``"model.norm"``, Phi's ``"model.final_layernorm"``).
         head: the output head (``"lm_head"``).
+        extensions: modules applied to ``(input_ids, embeddings)`` after the embedding (Phi-4-multimodal's
+            ``"model.embed_tokens_extend"``, see :class:`DecoderEmbedding`); default none.
+        rotaries: an ``nn.ModuleList`` of rotary embeddings, one per ``rope_theta`` of the config's per-layer
+            ``layer_rope_theta`` (Granite-SWA's ``"model.rotary_embs"``; a theta of 0: no rotary), which the
+            blocks call instead of ``rotary`` (see :func:`block_rotary`); default ``None``.
+        per_layer: the base model's per-layer embedding modules (Gemma 4's ``"model.embed_tokens_per_layer"``,
+            ``"model.per_layer_model_projection"``, ``"model.per_layer_projection_norm"``), held by the embedding
+            layer, which computes the per-layer inputs with the base model's own methods (see
+            :class:`DecoderEmbedding`); default none.
+        collapse: with hyper-connections (``config.hc_mult`` streams of hidden states, which the embedding layer
+            makes), the module that collapses them before the final norm (HY-V4's ``"model.hc_head"``); default
+            ``None``.
     """
 
     embedding: str
@@ -634,11 +851,42 @@ class DecoderCut:
     rotary: str | None
     norm: str
     head: str
+    extensions: tuple[str, ...] = ()
+    rotaries: str | None = None
+    per_layer: tuple[str, ...] = ()
+    collapse: str | None = None
 
     def describe(self) -> str:
         """The cut as a line: ``"model.embed_tokens -> model.layers.* -> model.norm -> lm_head"``."""
-        first = [self.embedding, *([self.dropout] if self.dropout else [])]
-        return " -> ".join([*first, f"{self.blocks}.*", self.norm, self.head])
+        first = [self.embedding, *self.extensions, *([self.dropout] if self.dropout else [])]
+        last = [*([self.collapse] if self.collapse else []), self.norm, self.head]
+        return " -> ".join([*first, f"{self.blocks}.*", *last])
+
+
+def sublayers(config: Any, blocks: int) -> int | str:
+    """How many attention layers each of ``blocks`` blocks holds (``num_hidden_layers`` counts attention layers:
+    LongCat-Flash's blocks hold two), or why that is not a whole number of layers of one type per block."""
+    count = config.num_hidden_layers
+    if blocks == 0 or count % blocks:
+        return f"its {blocks} blocks do not divide num_hidden_layers ({count}) into whole attention layers"
+    per_block = count // blocks
+    mixed = [i for i in range(blocks) if len({layer_type(config, i * per_block + j) for j in range(per_block)}) > 1]
+    if mixed:
+        return f"block {mixed[0]} holds attention layers of several types (config.layer_types)"
+    return per_block
+
+
+def block_rotary(model: nn.Module, cut: DecoderCut, index: int) -> tuple[str | None, tuple[str, ...]]:
+    """``(the rotary embedding block ``index``'s layer calls, or None; the rotary modules it holds uncalled)``: the
+    cut's ``rotary``; with per-layer thetas (:attr:`DecoderCut.rotaries`), the one of ``config.layer_rope_theta
+    [index]`` (none for 0), holding the model's global one, which its forward leaves unused."""
+    if cut.rotaries is None:
+        return cut.rotary, ()
+    theta = cast(Any, model).config.layer_rope_theta[index]
+    rotaries = cast(nn.ModuleList, model.get_submodule(cut.rotaries))
+    own = [i for i, r in enumerate(rotaries) if cast(Any, r).config.rope_parameters["rope_theta"] == theta]
+    called = f"{cut.rotaries}.{own[0]}" if theta else None
+    return called, tuple(path for path in (cut.rotary,) if path is not None)
 
 
 def standard_cut(model: PreTrainedModel) -> DecoderCut:
@@ -660,20 +908,28 @@ def decoder_layers(model: PreTrainedModel, cut: DecoderCut) -> list[nn.Module]:
     config = model.config
     router = router_loss_of(model)
     hidden_divisor, head = head_scaling(config)
+    count = len(cast(nn.ModuleList, model.get_submodule(cut.blocks)))
+    per_block = sublayers(config, count)
+    assert isinstance(per_block, int)  # the families take only models whose blocks hold whole layers
+    blocks = []
+    for i in range(count):
+        rotary, held = block_rotary(model, cut, i)
+        blocks.append(RotaryDecoderBlock(model, f"{cut.blocks}.{i}", rotary, i * per_block, router, held))
     return [
         DecoderEmbedding(
             model,
             cut.embedding,
             dropout=cut.dropout,
-            multiplier=getattr(config, "embedding_multiplier", None),
-            dropout_p=getattr(config, "embedding_dropout", None),
+            multiplier=own_field(config, "embedding_multiplier"),
+            dropout_p=own_field(config, "embedding_dropout"),
             router=router,
+            extensions=cut.extensions,
+            per_layer=(cut.blocks.rpartition(".")[0], cut.per_layer) if cut.per_layer else None,
+            streams=getattr(config, "hc_mult", None) if cut.collapse else None,
+            pass_tokens=any(block.tokens for block in blocks),
         ),
-        *(
-            RotaryDecoderBlock(model, f"{cut.blocks}.{i}", cut.rotary, i, router)
-            for i in range(config.num_hidden_layers)
-        ),
-        FinalNorm(model, cut.norm, router, hidden_divisor),
+        *blocks,
+        FinalNorm(model, cut.norm, router, hidden_divisor, cut.collapse),
         Head(model, cut.head, **head),
     ]
 

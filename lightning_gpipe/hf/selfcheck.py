@@ -50,10 +50,12 @@ SIZES = {
     "qk_nope_head_dim": 8,
     "qk_head_dim": 16,
     "v_head_dim": 16,
+    "hidden_size_per_layer_input": 16,
+    "vocab_size_per_layer_input": 128,
 }
 """The miniature's widths, each set where the config has an integer of that name: hidden size, vocabulary,
 attention heads and their width (multi-head latent attention's ranks and widths too, its ``head_dim`` following
-``qk_rope_head_dim``), feed-forward widths."""
+``qk_rope_head_dim``), feed-forward widths, per-layer embeddings (Gemma 4's)."""
 
 LIMITS = {
     "num_key_value_heads": 2,
@@ -86,13 +88,15 @@ class _Failed(Exception):
 
 
 def _kept_layers(config: Any) -> list[int]:
-    """The blocks the miniature keeps: the first block of each kind the config's per-layer lists tell apart
-    (``layer_types``...), then the next ones up to two."""
+    """The blocks the miniature keeps: the first block of each kind the config's per-layer lists (``layer_types``...)
+    and per-layer overrides (:func:`_overrides`) tell apart, then the next ones up to two."""
     count = config.num_hidden_layers
     lists = [v for v in vars(config).values() if isinstance(v, (list, tuple)) and len(v) == count]
+    overrides = _overrides(config) or {}
     first: dict[tuple, int] = {}
     for index in range(count):
-        first.setdefault(tuple(repr(values[index]) for values in lists), index)
+        kind = (*(repr(values[index]) for values in lists), repr(sorted(overrides.get(index, {}).items())))
+        first.setdefault(kind, index)
     kept = sorted(first.values())
     for index in range(count):
         if len(kept) >= min(2, count):
@@ -102,11 +106,26 @@ def _kept_layers(config: Any) -> list[int]:
     return kept
 
 
+def _overrides(config: Any) -> dict[int, dict[str, Any]] | None:
+    """A heterogeneous config's per-layer overrides (``transformers``' ``per_layer_config``: Dots3-Note's sliding
+    layers with other widths), ``{layer: {name: value}}`` with every per-layer name, or ``None``."""
+    spec = config.__dict__.get("_heterogeneity_spec")
+    if spec is None:
+        return None
+    names = spec.explicit_per_layer_attributes
+    # each layer's config (a copy without the per-layer overrides) reads them without a warning
+    return {i: {n: getattr(config.per_layer_config[i], n) for n in names} for i in range(config.num_hidden_layers)}
+
+
 def miniature_config(config: Any) -> Any:
-    """A copy of ``config`` for the miniature: the blocks :func:`_kept_layers` keeps (per-layer lists cut alike), the
-    widths of :data:`SIZES`, the bounds of :data:`LIMITS`, token ids within the vocabulary, no cache; every other
-    option (dropout probabilities included) as given."""
+    """A copy of ``config`` for the miniature: the blocks :func:`_kept_layers` keeps (per-layer lists and a
+    heterogeneous config's per-layer overrides cut alike), the widths of :data:`SIZES` and the bounds of
+    :data:`LIMITS` (per layer too, :func:`_shrunk`), token ids within the vocabulary, no cache; every other option
+    (dropout probabilities included) as given."""
     mini = copy.deepcopy(config)
+    overrides = _overrides(config)
+    if overrides is not None:
+        mini.per_layer_config = None  # the global values; the kept layers' own are set again below
     kept = _kept_layers(config)
     for name, value in vars(config).items():
         if isinstance(value, (list, tuple)) and len(value) == config.num_hidden_layers:
@@ -114,20 +133,41 @@ def miniature_config(config: Any) -> Any:
         elif name.endswith("_token_id") and isinstance(value, int):
             setattr(mini, name, min(value, SIZES["vocab_size"] - 1))
     mini.num_hidden_layers = len(kept)
-    sizes = dict(
-        SIZES, head_dim=SIZES["qk_rope_head_dim"] if _integer(config, "qk_rope_head_dim") else SIZES["head_dim"]
-    )
-    for name, size in sizes.items():
-        if _integer(config, name):
-            setattr(mini, name, size)
-    for name, limit in LIMITS.items():
-        grouped = name.endswith("experts") and _integer(config, "n_group")
-        if _integer(config, name) and not grouped:
-            setattr(mini, name, min(getattr(config, name), limit))
-    if getattr(config, "num_key_value_heads", None) == config.num_attention_heads:
-        mini.num_key_value_heads = mini.num_attention_heads
+    grouped = _integer(mini, "n_group")
+    for name, size in _shrunk(lambda name: getattr(mini, name, None), grouped).items():
+        setattr(mini, name, size)
+    if overrides is not None:
+        originals = {name: vars(config).get(name) for name in overrides[0]}
+        layers = [_shrunk({**originals, **overrides[i]}.get, grouped) for i in kept]
+        names = set(overrides[0])
+        mini.per_layer_config = {j: {n: v for n, v in values.items() if n in names} for j, values in enumerate(layers)}
     mini.use_cache = False
     return mini
+
+
+def _shrunk(get: Callable[[str], Any], grouped: bool) -> dict[str, int]:
+    """The miniature's values of the widths and bounds a config (or one layer of it) has, ``get`` reading its values:
+    :data:`SIZES`; the head width ``qk_rope_head_dim``'s, times the config's ratio of the two where the rotary part is a
+    whole fraction of the head (a ``qk_nope_head_dim`` that fills the rest of the head does so again); the bounds of
+    :data:`LIMITS` (experts kept where grouped, ``n_group``); as many key/value heads as attention heads where the
+    config has as many."""
+    values = {name: size for name, size in SIZES.items() if _is_integer(get(name))}
+    rope, head, nope = get("qk_rope_head_dim"), get("head_dim"), get("qk_nope_head_dim")
+    if _is_integer(rope) and _is_integer(head):
+        ratio = head // rope if rope and head % rope == 0 else 1
+        values["head_dim"] = SIZES["qk_rope_head_dim"] * ratio
+        if _is_integer(nope) and head == nope + rope and ratio > 1:
+            values["qk_nope_head_dim"] = values["head_dim"] - SIZES["qk_rope_head_dim"]
+    for name, limit in LIMITS.items():
+        if _is_integer(get(name)) and not (name.endswith("experts") and grouped):
+            values[name] = min(get(name), limit)
+    if get("num_key_value_heads") is not None and get("num_key_value_heads") == get("num_attention_heads"):
+        values["num_key_value_heads"] = values.get("num_attention_heads", get("num_attention_heads"))
+    return values
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _integer(config: Any, name: str) -> bool:
@@ -135,7 +175,7 @@ def _integer(config: Any, name: str) -> bool:
         value = getattr(config, name, None)
     except RuntimeError:  # a per-layer attribute of a heterogeneous config: no global value to shrink
         return False
-    return isinstance(value, int) and not isinstance(value, bool)
+    return _is_integer(value)
 
 
 @contextmanager

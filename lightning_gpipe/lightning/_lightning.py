@@ -410,7 +410,7 @@ def requeue(trainer: "pl.Trainer", signum: int) -> None:
         signum: the requeue signal.
 
     Why: every stage runs it at the same step, once the stages agree on a requeue, instead of inside the signal
-    handler (:mod:`~lightning_gpipe.lightning.signals`).
+    handler (:class:`~lightning_gpipe.lightning.agreement.StopSignals`).
 
     Checked on: lightning 2.6.0, 2.6.6.
     """

@@ -17,20 +17,42 @@ description of the step, :class:`~lightning_gpipe.lightning.relay.StepRelay`); s
 processes hold the reduction's neutral element. It is reduced on the run's CPU (gloo) group, and read on the host
 once: in training at the end of ``backward``, before the optimizer step, so a mismatch still stops every stage
 before the weights change; in evaluation before the step.
+
+Signals that stop or requeue a job are taken at a step that every process agrees on (:class:`StopSignals`). A signal
+reaches each stage process at a different point of its step: one in its fill, another in a transfer
+or an optimizer step. Lightning acts on SIGTERM and SLURM's requeue signal where they land: its SIGTERM handler
+broadcasts from rank 0 inside the handler (which can pair with another stage's collective), marks the trainer,
+and its loop then checks the mark locally at the end of every batch, so a stage that is a step ahead of the
+others stops one step later than they do; its requeue handler saves a checkpoint inside the handler. Here a
+handler only marks the request; the marks travel with the stages' agreement before each step
+(:class:`StepAgreement`), and every process acts on the agreed requests at the same point
+(:meth:`StopSignals.act`): SIGTERM sets Lightning's mark on every process at once, so its loop ends
+every stage after the same step; a requeue saves Lightning's HPC checkpoint on every stage and requeues the job.
+
+SIGINT must end the job even where the process inherited it ignored (a background job of a non-interactive
+shell ignores it, so ``kill -INT`` would do nothing): during a run it raises ``KeyboardInterrupt`` in the main
+thread, which Lightning turns into a shutdown that ends every stage process.
 """
 
 import functools
 import hashlib
+import signal
+import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
+import lightning.pytorch as pl
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from lightning_gpipe.faults import collectives
+from lightning_gpipe.lightning._lightning import mark_sigterm, original_signal_handler, requeue
 
 if TYPE_CHECKING:
     from lightning_gpipe.faults.job import Job
@@ -215,3 +237,142 @@ def same_batch_counts(loop: str, counts: list, job: "Job") -> None:
             " of the pipeline, so all stages need the same data loaders: the same dataset length, batch size,"
             " `drop_last` and sampler on every process."
         )
+
+
+SIGTERM, REQUEUE = 0, 1
+"""Indices of the requests in :meth:`StopSignals.requests`."""
+
+
+class StopSignals:
+    """Marks SIGTERM and SLURM's requeue signal, and acts on them once the processes agree (see the module
+    docstring). One per run; handlers are installed in the main thread only.
+
+    Args:
+        trainer: the running Trainer (its signal connector holds Lightning's SIGTERM mark and requeue handler).
+        launcher: the strategy's launcher, which forwards a SIGTERM to the processes it started.
+        environment: the cluster environment; under ``SLURMEnvironment(auto_requeue=True)`` the requeue signal is
+            handled too.
+    """
+
+    def __init__(self, trainer: "pl.Trainer", launcher: Any | None, environment: Any | None) -> None:
+        self.trainer, self.launcher = trainer, launcher
+        self.marks = [False, False]
+        requeue = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
+        slurm = cast(SLURMEnvironment, environment)  # when ``requeue``: checked by the isinstance above
+        self.requeue_signal: signal.Signals | None = slurm.requeue_signal if requeue else None
+
+    def install(self) -> None:
+        """Replace Lightning's SIGTERM and requeue handlers by marking ones, and let SIGINT raise
+        ``KeyboardInterrupt`` (Lightning's signal connector restores every handler when the run ends)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        previous = original_signal_handler(self.trainer, signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            if not self.marks[SIGTERM] and self.launcher is not None:
+                self.launcher.kill(signum)  # the processes it started get the signal too, as with Lightning's
+            self.marks[SIGTERM] = True
+            if callable(previous):
+                previous(signum, frame)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        if self.requeue_signal is not None and original_signal_handler(self.trainer, self.requeue_signal) in (
+            None,
+            signal.SIG_DFL,
+        ):  # Lightning leaves a handler of the user's in place, and so do we
+            signal.signal(self.requeue_signal, lambda signum, frame: self._mark(REQUEUE))
+        else:
+            self.requeue_signal = None
+
+    def _mark(self, request: int) -> None:
+        self.marks[request] = True
+
+    def requests(self) -> list[bool]:
+        """This process's marks, in the order of :data:`SIGTERM` and :data:`REQUEUE`, for the agreement."""
+        return list(self.marks)
+
+    def act(self, agreed: list[bool], training: bool) -> None:
+        """Act on the requests agreed by every process (the same call on every process, at the same step).
+
+        A SIGTERM sets Lightning's mark, so that its loops stop every stage at the end of this batch. A requeue
+        (in training only; it stays pending during evaluation) saves Lightning's HPC checkpoint on every stage,
+        has global rank 0 run ``scontrol requeue`` (Lightning's own handler), and ends every stage.
+
+        Raises:
+            SIGTERMException: after a requeue's checkpoint, as SLURM's SIGTERM after the requeue would end the job.
+        """
+        if agreed[SIGTERM]:
+            self.marks[SIGTERM] = True
+            mark_sigterm(self.trainer)
+        if agreed[REQUEUE] and training and self.requeue_signal is not None:
+            # every stage names the file before any writes it (the save starts with collectives): the same path
+            requeue(self.trainer, self.requeue_signal)
+            rank_zero_info("Saved the checkpoint and requeued the job; ending every stage.")
+            raise SIGTERMException
+
+
+class RunAgreement:
+    """What a run's processes agree on at each step (see the module docstring): the batch each read (its
+    :func:`fingerprint`, taken as the batch moves to the device: :meth:`take`) and the stop requests, which take
+    effect at a step boundary every process shares. One per run, made at the strategy's ``setup_environment``.
+
+    Args:
+        agreement: the step's all-reduce (``None``: a run of one process, which agrees with itself).
+        signals: the run's :class:`StopSignals`.
+    """
+
+    def __init__(self, agreement: StepAgreement | None, signals: StopSignals) -> None:
+        self.agreement, self.signals = agreement, signals
+        self.fingerprint = torch.zeros((), dtype=torch.int64)  # of the batch this process is about to run
+        self._agreed: list[bool] | None = None  # the stop requests agreed in the last training step
+        self._batch_name = ""
+
+    def take(self, batch: Any) -> None:
+        """Keep the :func:`fingerprint` of ``batch``, the one this process is about to run (several processes only)."""
+        if self.agreement is not None:
+            self.fingerprint = fingerprint(batch)
+
+    def begin_training_step(self, batch_idx: int) -> None:
+        """At the start of training batch ``batch_idx``: act on the stop requests the processes agreed on in the
+        last step (:meth:`end_training_step`), at this step boundary, on every process alike (one process: on its
+        own requests)."""
+        self._batch_name = f"training batch {batch_idx}"
+        requests, self._agreed = self._agreed, None
+        if self.agreement is None:
+            requests = self.signals.requests()
+        if requests is not None:
+            self.signals.act(requests, training=True)
+
+    def end_training_step(self, epoch: int, relay: Tensor | None) -> np.ndarray:
+        """The agreement of one training step of epoch ``epoch``, at the end of its ``backward`` (one all-reduce on
+        the CPU group, :meth:`StepAgreement.agree`): the stages of each pipeline must have read the same batch, and
+        a SIGTERM or requeue signal that reached any process takes effect on all of them at the next step boundary
+        (:meth:`begin_training_step`); ``relay``: this process's words of its replica's relay region (``None``: no
+        region, a pipeline of one stage). Returns the region (nothing with one process).
+
+        Raises:
+            BatchMismatchError: on every process, if the stages of a pipeline read different batches.
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
+        if self.agreement is None:
+            return np.empty(0, dtype=np.int64)
+        where = lambda: f"epoch {epoch}, {self._batch_name}"  # noqa: E731
+        self._agreed, region = self.agreement.agree(self.fingerprint, self.signals.requests(), where, relay)
+        return region
+
+    def before_step(self, epoch: int, which: str, training: bool = False) -> None:
+        """The agreement before one evaluation step of epoch ``epoch`` (one all-reduce): the stages of each
+        pipeline must have read the same batch (``which`` names it), and a stop request that reached any process
+        takes effect on all of them at this step (:meth:`StopSignals.act`; a requeue in training only).
+
+        Raises:
+            BatchMismatchError: on every process, if the stages of a pipeline read different batches.
+            SIGTERMException: after a SLURM requeue's checkpoint.
+            PipelineFailure: if another stage failed while this one waited for it.
+        """
+        if self.agreement is None:
+            return
+        agreed, _ = self.agreement.agree(self.fingerprint, self.signals.requests(), lambda: f"epoch {epoch}, {which}")
+        self.signals.act(agreed, training)

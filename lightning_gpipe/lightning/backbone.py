@@ -41,7 +41,7 @@ class _InputRecorder(nn.Module):
 
 
 def profile_backbone(
-    module: LightningModule, backbone: str, chunks: int, device: torch.device, split: bool = False
+    module: LightningModule, backbone: str, micro_batches: int, device: torch.device, split: bool = False
 ) -> list[LayerCost]:
     """Measure each backbone layer on the first micro-batch of a sample batch (see :func:`sample_micro_batch`);
     with ``split``, also its backward's B and W halves (:func:`profile_layers`).
@@ -52,7 +52,7 @@ def profile_backbone(
     Args:
         module: the LightningModule, attached to a Trainer, before the backbone is split.
         backbone: attribute name of its ``nn.Sequential`` backbone.
-        chunks: M, the number of micro-batches per mini-batch.
+        micro_batches: M, the number of micro-batches per mini-batch.
         device: where to run the layers, one at a time.
 
     Raises:
@@ -60,7 +60,7 @@ def profile_backbone(
             (see :func:`sample_micro_batch`); TypeError or ValueError from :func:`profile_layers`.
     """
     with unchanged_random_state():
-        sample = sample_micro_batch(module, backbone, chunks)
+        sample = sample_micro_batch(module, backbone, micro_batches)
         return profile_layers(getattr(module, backbone), sample, device, split=split)
 
 
@@ -74,10 +74,10 @@ def unchanged_random_state() -> Iterator[None]:
         set_rng_states(states)
 
 
-def sample_micro_batch(module: LightningModule, backbone: str, chunks: int) -> Value:
-    """The first of ``chunks`` micro-batches of a backbone input the module really produces (see
+def sample_micro_batch(module: LightningModule, backbone: str, micro_batches: int) -> Value:
+    """The first of ``micro_batches`` micro-batches of a backbone input the module really produces (see
     :func:`sample_backbone_input`)."""
-    return scatter(sample_backbone_input(module, backbone), chunks)[0]
+    return scatter(sample_backbone_input(module, backbone), micro_batches)[0]
 
 
 def sample_backbone_input(module: LightningModule, backbone: str, batch: Any = None) -> Value:
@@ -146,7 +146,7 @@ def profile_module(
     backbone: str,
     device: torch.device | str,
     batch: Any = None,
-    chunks: int | None = None,
+    micro_batches: int | None = None,
     split: bool = False,
 ) -> ProfiledCosts:
     """:func:`~lightning_gpipe.planning.profiling.profile_sizes` of ``module``'s backbone ``backbone`` on the backbone
@@ -161,7 +161,7 @@ def profile_module(
             batch = first_training_batch(module)
         value = sample_backbone_input(module, backbone, batch)
         with after_backbone(module, backbone, batch, batch_size(value), device) as after:
-            return profile_sizes(getattr(module, backbone), value, device, chunks, split, after)
+            return profile_sizes(getattr(module, backbone), value, device, micro_batches, split, after)
 
 
 @contextmanager
@@ -234,17 +234,17 @@ class _LastScalar(TorchFunctionMode):
         return out
 
 
-def _loss_after(module: LightningModule, backbone: str, batch: Any, chunks: int, output: Value) -> Tensor | None:
-    """The loss of ``training_step`` on the first of ``chunks`` micro-batches of ``batch`` (1: all of it, as under
-    fill-drain), the backbone returning ``output``, with ``self.log`` recording nothing: the Tensor it returns, or a
-    dict's ``"loss"``. If the step returns none, or raises after the backbone call (it may need what only a running
-    Trainer has, such as ``self.trainer.optimizers`` before they exist), the last one-element tensor with a gradient
-    it computed.
+def _loss_after(module: LightningModule, backbone: str, batch: Any, micro_batches: int, output: Value) -> Tensor | None:
+    """The loss of ``training_step`` on the first of ``micro_batches`` micro-batches of ``batch`` (1: all of it, as
+    under fill-drain), the backbone returning ``output``, with ``self.log`` recording nothing: the Tensor it returns,
+    or a dict's ``"loss"``. If the step returns none, or raises after the backbone call (it may need what only a
+    running Trainer has, such as ``self.trainer.optimizers`` before they exist), the last one-element tensor with a
+    gradient it computed.
 
     Raises:
         Exception: what the step raises before the backbone call, or after it without a loss computed.
     """
-    part = batch if chunks == 1 else split_batch(batch, chunks)[0]
+    part = batch if micro_batches == 1 else split_batch(batch, micro_batches)[0]
     original, stand_in = getattr(module, backbone), _OutputGiver(output)
     setattr(module, backbone, stand_in)
     module.__dict__["log"] = lambda *args, **kwargs: None  # `log_dict` calls it too

@@ -5,7 +5,7 @@ actions' costs where the schedule places them by cost, turns the strategy's opti
 :class:`~lightning_gpipe.engine.StageSpec`, builds the :class:`~lightning_gpipe.engine.StagePipeline` through the
 engine's one door (:func:`~lightning_gpipe.engine.build_pipeline`), and installs the user contract's
 :class:`~lightning_gpipe.lightning.contract.BackboneCall` in front of it. The strategy then holds the
-:class:`~lightning_gpipe.lightning.run.StageRun` it returns.
+:class:`~lightning_gpipe.lightning.step.StageRun` it returns.
 """
 
 from collections.abc import Callable
@@ -21,7 +21,7 @@ from lightning_gpipe.lightning.config import PipelineConfig
 from lightning_gpipe.lightning.contract import BackboneCall
 from lightning_gpipe.lightning.randomness import StageRandomness
 from lightning_gpipe.lightning.relay import LogRelay, StepRelay
-from lightning_gpipe.lightning.run import StageRun
+from lightning_gpipe.lightning.step import StageRun
 from lightning_gpipe.planning.balance import LayerCost, resolve_balance
 from lightning_gpipe.planning.costs import CostModel
 from lightning_gpipe.planning.predict import modelled_stage_costs
@@ -103,8 +103,8 @@ def build_stage(
     share: Callable[[Any], Any],
     relays: tuple[LogRelay, StepRelay],
 ) -> StageRun:
-    """Split ``module`` into this process's stage and return its :class:`~lightning_gpipe.lightning.run.StageRun`
-    (then call its :meth:`~lightning_gpipe.lightning.run.StageRun.start`). A collective call.
+    """Split ``module`` into this process's stage and return its :class:`~lightning_gpipe.lightning.step.StageRun`
+    (then call its :meth:`~lightning_gpipe.lightning.step.StageRun.start`). A collective call.
 
     Args:
         module: the LightningModule, whole (or created on the meta device).

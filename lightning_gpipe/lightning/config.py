@@ -324,7 +324,7 @@ class PipelineConfig:
         return Constraints(
             pipeline_parallel_size=None if self.pipeline_parallel_size == "auto" else self.pipeline_parallel_size,
             data_parallel_size=None if self.data_parallel_size == "auto" else self.data_parallel_size,
-            chunks=self.chunks,
+            micro_batches=self.chunks,
             checkpoint=self.checkpoint if "checkpoint" in self._given else None,
             schedule=self.schedule if "schedule" in self._given else None,
             balance=self.balance,

@@ -49,20 +49,20 @@ def shared_layer_costs(
     costs, split = strategy.layer_costs, config.placed_by_cost or choosing
     unsplit = split and costs is not None and not any(cost.weight_grad for cost in costs)
     if costs is None or len(costs) != len(getattr(module, name)) or unsplit:
-        chunks = config.micro_batches_for(strategy.topology.num_stages)
+        micro_batches = config.micro_batches_for(strategy.topology.num_stages)
         with _measuring(strategy, "profiling the backbone"):
-            own = _profiled(module, name, chunks, strategy.root_device, split, config.profiled)
+            own = _profiled(module, name, micro_batches, strategy.root_device, split, config.profiled)
         strategy.layer_costs = strategy.broadcast(own if strategy.is_global_zero else None, src=0)
     return strategy.layer_costs
 
 
 def _profiled(
-    module: "pl.LightningModule", name: str, chunks: int, device: Any, split: bool, needed: bool
+    module: "pl.LightningModule", name: str, micro_batches: int, device: Any, split: bool, needed: bool
 ) -> list[LayerCost] | None:
     """:func:`~lightning_gpipe.lightning.backbone.profile_backbone`, or ``None`` where it fails and the costs are
     not ``needed`` (only the default's choice of the split asked for them)."""
     try:
-        return profile_backbone(module, name, chunks, device, split)
+        return profile_backbone(module, name, micro_batches, device, split)
     except Exception:  # noqa: BLE001 - a run the choice cannot profile trains as before, with whole backwards
         if needed:
             raise
@@ -97,7 +97,7 @@ def _split_choice(
 def planned_config(
     strategy: Strategy, requested: PipelineConfig, module: "pl.LightningModule", name: str
 ) -> PipelineConfig:
-    """``requested`` with the chunks, checkpoint mode, schedule, virtual stages and balance of ``plan="auto"``'s
+    """``requested`` with ``chunks``, checkpoint mode, schedule, virtual stages and balance of ``plan="auto"``'s
     plan (:func:`~lightning_gpipe.lightning.planner.plan_for_strategy`, profiled on global rank 0), kept with its report
     in ``strategy.plan_report`` and printed on global rank 0.
 
@@ -111,7 +111,7 @@ def planned_config(
 
         def profile():
             split = requested.constraints().splits
-            return profile_module(module, name, device, chunks=requested.chunks, split=split) if zero else None
+            return profile_module(module, name, device, micro_batches=requested.chunks, split=split) if zero else None
 
         mesh = (strategy.topology.num_stages, strategy.topology.data_parallel_size)
         with _measuring(strategy, "planning"):
@@ -119,5 +119,5 @@ def planned_config(
         strategy.plan_report = report
         rank_zero_info(report.table())
     chosen = report.chosen.plan
-    options = {key: getattr(chosen, key) for key in ("chunks", "checkpoint", "schedule", "virtual_stages")}
-    return replace(requested, balance=list(chosen.balance), **options)
+    options = {key: getattr(chosen, key) for key in ("checkpoint", "schedule", "virtual_stages")}
+    return replace(requested, chunks=chosen.micro_batches, balance=list(chosen.balance), **options)

@@ -7,7 +7,7 @@ what every process of the job does alike, whatever runs in it: the launcher, the
 (:mod:`~lightning_gpipe.faults.failure`, :mod:`~lightning_gpipe.faults.watchdog`), the shared random state
 (:mod:`~lightning_gpipe.lightning.randomness`), collectives that leave signals handled
 (:mod:`~lightning_gpipe.faults.collectives`), and the agreement before every step
-(:mod:`~lightning_gpipe.lightning.agreement`, :mod:`~lightning_gpipe.lightning.signals`).
+(:mod:`~lightning_gpipe.lightning.agreement`).
 """
 
 from collections.abc import Iterator
@@ -15,7 +15,6 @@ from contextlib import contextmanager
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -40,12 +39,11 @@ from lightning_gpipe.lightning._lightning import (
     replace_sigterm_broadcast,
     uses_distributed_sampler,
 )
-from lightning_gpipe.lightning.agreement import StepAgreement, fingerprint, same_batch_counts
+from lightning_gpipe.lightning.agreement import RunAgreement, StepAgreement, StopSignals, same_batch_counts
 from lightning_gpipe.lightning.config import PipelineConfig
 from lightning_gpipe.lightning.data import same_batches, same_datasets
 from lightning_gpipe.lightning.data_parallel import reduce_over_replicas
 from lightning_gpipe.lightning.randomness import StageRandomness
-from lightning_gpipe.lightning.signals import StopSignals
 
 
 class MeshStrategy(LaunchedParallelStrategy):
@@ -82,11 +80,7 @@ class MeshStrategy(LaunchedParallelStrategy):
         self._data_parallel_group: dist.ProcessGroup | None = None  # the replicas of this process's stage
         self._control_group: dist.ProcessGroup | None = None  # gloo beside a device backend (NCCL); None: gloo
         self._randomness = StageRandomness()  # one stream until setup_environment seeds the stage's own
-        self._agreement: StepAgreement | None = None
-        self._fingerprint = torch.zeros((), dtype=torch.int64)  # of the batch this process is about to run
-        self._agreed: list[bool] | None = None  # the stop requests agreed in the last training step
-        self._batch_name = ""
-        self._signals: StopSignals | None = None
+        self._agreement: RunAgreement | None = None  # from setup_environment
         self._job = Job()  # one without a store until setup_environment creates the run's
         self._launcher_watch: LauncherWatch | None = None  # in a process a launcher started, from setup_environment
 
@@ -113,6 +107,12 @@ class MeshStrategy(LaunchedParallelStrategy):
         """The device of this process."""
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
+
+    @override
+    def model_to_device(self) -> None:
+        """Move this process's part of the module (its stage) to its device."""
+        assert self.model is not None  # the attached module, at least
+        self.model.to(self.root_device)
 
     @property
     def topology(self) -> Topology:
@@ -196,15 +196,16 @@ class MeshStrategy(LaunchedParallelStrategy):
             self._job.close()
             self._job = Job(store, self.global_rank, names, self.config.stall_limit(), self.world_size)
         self._randomness = StageRandomness.synchronized(self.stage_index, topology.num_stages, self.broadcast)
-        replicas = topology.data_parallel_size
-        self._agreement = StepAgreement(self.replica_index, replicas, names, self._job, self._control_group)
-        self._signals = StopSignals(_trainer_of(self), self.launcher, self.cluster_environment)
+        replicas, signals = topology.data_parallel_size, StopSignals(_trainer_of(self), self.launcher, environment)
+        step = StepAgreement(self.replica_index, replicas, names, self._job, self._control_group)
+        self._agreement = RunAgreement(step if self.world_size > 1 else None, signals)
 
     @override
     def on_train_start(self) -> None:
         """Check the stages' batch counts and take stop signals at step boundaries (see :meth:`_start_loop`). The
-        stages agree on stop signals in every step (:meth:`agree_step`), so Lightning's own per-step broadcast of
-        rank 0's SIGTERM mark, a blocking collective with a device-to-host copy, is left out."""
+        stages agree on stop signals in every step (:class:`~lightning_gpipe.lightning.agreement.RunAgreement`), so
+        Lightning's own per-step broadcast of rank 0's SIGTERM mark, a blocking collective with a device-to-host copy,
+        is left out."""
         trainer = _trainer_of(self)
         self._start_loop("training", [trainer.num_training_batches])
         if self.world_size > 1:
@@ -214,41 +215,9 @@ class MeshStrategy(LaunchedParallelStrategy):
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Take the batch's fingerprint on the host, before Lightning moves it to the device (see
         :func:`~lightning_gpipe.lightning.agreement.fingerprint`), then move it."""
-        if self.world_size > 1:
-            self._fingerprint = fingerprint(batch)
+        if self._agreement is not None:
+            self._agreement.take(batch)
         return super().batch_to_device(batch, device, dataloader_idx)
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Act on the stop requests the processes agreed on in the last step (:meth:`agree_step`): at this step
-        boundary, on every process alike."""
-        self._batch_name = f"training batch {batch_idx}"
-        requests, self._agreed = self._agreed, None
-        if self.world_size == 1:
-            assert self._signals is not None  # made in setup_environment
-            requests = self._signals.requests()
-        if requests is not None:
-            assert self._signals is not None  # made in setup_environment
-            self._signals.act(requests, training=True)
-
-    def agree_step(self, relay: Tensor | None) -> np.ndarray:
-        """The agreement of one training step, at the end of its ``backward`` (one all-reduce on the CPU group, see
-        :mod:`lightning_gpipe.lightning.agreement`): the stages of each pipeline must have read the same batch, and
-        a SIGTERM or requeue signal that reached any process takes effect on all of them at the next step boundary
-        (see :meth:`on_train_batch_start`); ``relay``: this process's words of its replica's relay region
-        (``None``: no region, a pipeline of one stage). Returns the region (nothing with one process).
-
-        Raises:
-            BatchMismatchError: on every process, if the stages of a pipeline read different batches.
-            PipelineFailure: if another stage failed while this one waited for it.
-        """
-        if self.world_size == 1:
-            return np.empty(0, dtype=np.int64)
-        epoch = _trainer_of(self).current_epoch
-        assert self._agreement is not None and self._signals is not None  # made in setup_environment
-        where = lambda: f"epoch {epoch}, {self._batch_name}"  # noqa: E731
-        self._agreed, region = self._agreement.agree(self._fingerprint, self._signals.requests(), where, relay)
-        return region
 
     @override
     def on_validation_start(self) -> None:
@@ -271,27 +240,8 @@ class MeshStrategy(LaunchedParallelStrategy):
         the stop signals at step boundaries (Lightning registers its handlers at the start of each loop)."""
         same_datasets(_trainer_of(self), loop, self.topology, self._job)
         same_batch_counts(loop, counts, self._job)
-        assert self._signals is not None  # made in setup_environment
-        self._signals.install()
-
-    def _agree(self, which: str, training: bool = False) -> None:
-        """The agreement before one step (one all-reduce, see :mod:`lightning_gpipe.lightning.agreement`): the stages of
-        each pipeline must have read the same batch (``which`` names it), and a SIGTERM or requeue signal that reached
-        any process takes effect on all of them at this step (see
-        :meth:`~lightning_gpipe.lightning.signals.StopSignals.act`).
-
-        Raises:
-            BatchMismatchError: on every process, if the stages of a pipeline read different batches.
-            SIGTERMException: after a SLURM requeue's checkpoint.
-            PipelineFailure: if another stage failed while this one waited for it.
-        """
-        if self.world_size == 1:
-            return
-        epoch = _trainer_of(self).current_epoch
-        assert self._agreement is not None and self._signals is not None  # made in setup_environment
-        where = lambda: f"epoch {epoch}, {which}"  # noqa: E731
-        agreed, _ = self._agreement.agree(self._fingerprint, self._signals.requests(), where)
-        self._signals.act(agreed, training)
+        assert self._agreement is not None  # made in setup_environment
+        self._agreement.signals.install()
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
@@ -345,7 +295,7 @@ class MeshStrategy(LaunchedParallelStrategy):
         super().teardown()
         if self._launcher_watch is not None:  # first: a watch that then finds the job closed knows the run ended
             self._launcher_watch.stop()
-        self._agreement = self._signals = None
+        self._agreement = None
         self._randomness = StageRandomness()
         self._job.close()
 
@@ -405,4 +355,4 @@ def _trainer_of(strategy: MeshStrategy) -> "pl.Trainer":
 
 def _agreed_instead() -> None:
     """Stands for Lightning's per-step broadcast of rank 0's SIGTERM mark: the stages agree on stop signals in
-    every step instead (:meth:`MeshStrategy.agree_step`)."""
+    every step instead (:meth:`~lightning_gpipe.lightning.agreement.RunAgreement.end_training_step`)."""

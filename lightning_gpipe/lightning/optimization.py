@@ -10,13 +10,11 @@ step depend on all the gradients of the model, not one stage's part:
   any stage must make every stage skip the step and back off the scale together,
   or the stages' weights and scales drift apart.
 
-Clipping by value needs nothing: it is element-wise. :func:`pipelined` gives the strategy's precision plugin both,
-and a step context that casts each weight once per step (:mod:`lightning_gpipe.lightning.casts`).
+Clipping by value needs nothing: it is element-wise. :func:`pipelined` gives the strategy's precision plugin both.
 """
 
 import functools
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -26,7 +24,6 @@ from torch.distributed.tensor import DTensor
 
 from lightning_gpipe.faults import collectives
 from lightning_gpipe.lightning._lightning import set_plugin_class
-from lightning_gpipe.lightning.casts import step_casts_cached
 
 if TYPE_CHECKING:
     from lightning_gpipe.faults.job import Job
@@ -137,20 +134,12 @@ class SharedGradScaler(torch.amp.GradScaler):
 class PipelinePrecision:
     """What :func:`pipelined` mixes into a precision plugin: Lightning's gradient clipping by norm goes through
     :func:`clip_grad_norm_` over the stages of ``pipeline_group``, leaving out ``uncounted()`` (tied copies), with
-    the waits of ``job`` (the run's), and its step context keeps autocast's casts of the weights for the whole
-    region (:func:`~lightning_gpipe.lightning.casts.step_casts_cached`). Set on the instance by :func:`pipelined`."""
+    the waits of ``job`` (the run's). Set on the instance by :func:`pipelined`."""
 
     pipeline_group: dist.ProcessGroup | None
     uncounted: Callable[[], Iterable[Tensor]]
     job: "Job"
     main_params: Callable[[Any], Iterable[Tensor]]  # the precision plugin's own method (the mixed class's base)
-
-    @contextmanager
-    def train_step_context(self) -> Iterator[None]:
-        """The plugin's own training-step context (autocast under mixed precision), in which each weight is cast
-        once, not once per micro-batch."""
-        with super().train_step_context(), step_casts_cached():  # type: ignore[misc]
-            yield
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         """Clip ``optimizer``'s gradients by the norm of every stage's gradients (a collective call of the pipeline)."""

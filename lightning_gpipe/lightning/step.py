@@ -1,10 +1,15 @@
-"""How one training step runs through Lightning's hooks: the two step protocols, side by side.
+"""This process's stage for one run, and how one training step runs through Lightning's hooks.
 
-Lightning's automatic optimization calls ``strategy.training_step``, then (on the first batch of an accumulation
-window) the optimizer's ``zero_grad``, then ``strategy.backward``, then the optimizer step. A stage's plan has one
-cut: the stage's pipeline runs the actions before it in ``training_step`` and the rest in ``backward``
-(:meth:`~lightning_gpipe.engine.StagePipeline.forward`, :meth:`~lightning_gpipe.engine.StagePipeline.backward`).
-Where the user's loss runs decides where the cut is, and so which of two protocols a schedule follows:
+:func:`~lightning_gpipe.lightning.build.build_stage` builds a :class:`StageRun` at the strategy's setup: this
+process's part of the pipeline (the engine's door) and what Lightning adds to it. The strategy's hooks hand it
+their work through the two step protocols below, and :meth:`StageRun.close` undoes the split at teardown.
+
+One training step: Lightning's automatic optimization calls ``strategy.training_step``, then (on the first batch
+of an accumulation window) the optimizer's ``zero_grad``, then ``strategy.backward``, then the optimizer step. A
+stage's plan has one cut: the stage's pipeline runs the actions before it in ``training_step`` and the rest in
+``backward`` (:meth:`~lightning_gpipe.engine.StagePipeline.forward`,
+:meth:`~lightning_gpipe.engine.StagePipeline.backward`). Where the user's loss runs decides where the cut is, and
+so which of two protocols a schedule follows:
 
     ==================  ========================================  ==============================================
     Lightning calls     FillDrain (``"gpipe"``)                   PerMicroBatch (``"1f1b"``, zero-bubble)
@@ -32,20 +37,188 @@ Both end ``training_step`` with the last stage's output on every stage (:func:`~
 share_step_output`) and ``backward`` with its logged values on every stage (:class:`~lightning_gpipe.lightning.
 relay.LogRelay`). Evaluation (validation, test, predict) runs fill-drain's fill whatever the schedule
 (:func:`evaluation_step`). docs/how-it-works.md shows the same table with the hooks' call chains.
+
+Autocast's casts of the weights, made once per step instead of once per micro-batch: under ``precision="bf16-mixed"``
+or ``"16-mixed"`` every floating-point weight a layer uses is cast to the lower precision where the layer runs.
+torch's autocast keeps the cast of a leaf tensor that requires grad (a weight) for the rest of the outermost autocast
+region, so a plain PyTorch loop that runs M micro-batches inside one region casts each weight once per step.
+Lightning 2.6 turns that cache off (``MixedPrecision.autocast_context_manager`` passes ``cache_enabled=False``, a
+workaround for torch's cache losing gradients after a ``no_grad`` forward, Lightning-AI/pytorch-lightning#20644),
+which costs nothing where a step calls each layer once; a pipeline calls each layer once per micro-batch, so every
+weight was cast M times per step, and each micro-batch's graph kept its own low-precision copy of every weight until
+its backward (the figures: docs/benchmarks.md, "Host synchronisations and casts"). :func:`step_casts_cached` turns
+the cache back on for the regions of a pipeline step (the precision plugin's step context), where the installed
+torch keeps gradients through a cast first made under ``no_grad`` (pytorch/pytorch#165068, which re-materialized
+micro-batches and users' own ``no_grad`` forwards need): :func:`cache_keeps_gradients` checks that once per process,
+on the CPU. The values and gradients are the same as without the cache: the cast is computed once and shared by the
+micro-batches' graphs, each of which backpropagates through it into the weight's ``.grad``.
 """
 
-from collections.abc import Callable, Mapping
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
+from lightning_gpipe.engine import Partition, Recorder, StagePipeline, StepGradients, TiedParameters, materialize
+from lightning_gpipe.faults.job import Job
+from lightning_gpipe.lightning import state_dict
 from lightning_gpipe.lightning._lightning import backward_skipped, closure_result, logged_results
-from lightning_gpipe.lightning.relay import share_step_output
-from lightning_gpipe.lightning.run import StageRun
+from lightning_gpipe.lightning.agreement import RunAgreement
+from lightning_gpipe.lightning.contract import BackboneCall
+from lightning_gpipe.lightning.data_parallel import GradientSync, ShardedStage
+from lightning_gpipe.lightning.randomness import StageRandomness
+from lightning_gpipe.lightning.relay import LogRelay, StepRelay, share_step_output
+
+
+@dataclass
+class StageRun:
+    """This process's part of one run (see the module docstring).
+
+    Args:
+        pipeline: this process's part of the pipeline (the engine's door).
+        backbone_call: the call the partition goes through (installed as ``partition.backbone_call``).
+        relay: copies the last stage's logged values to every stage (evaluation steps, epoch-end hooks).
+        step_relay: the last stage's logged values and output in training steps.
+        randomness: the stage's random streams (see :mod:`lightning_gpipe.lightning.randomness`).
+        share: sends a picklable object from the last stage to every stage of the pipeline (a collective call).
+        job: the run's :class:`~lightning_gpipe.faults.job.Job` (failure board, position, watchdog, waits).
+        gradient_sync: DDP over the stage's replicas, with several of them (set by :meth:`sync_gradients`).
+        sharded: FSDP2 over the stage's replicas instead, with a ``sharding_strategy`` (set by :meth:`sync_gradients`).
+        step_gradients: a 1F1B step's gradients, kept apart until Lightning's ``backward``.
+        collector: what the pipeline callbacks (:mod:`lightning_gpipe.lightning.callbacks`) record of this run's steps,
+            shared by all of them; the first one that needs it sets it.
+    """
+
+    pipeline: StagePipeline
+    backbone_call: BackboneCall
+    relay: LogRelay
+    step_relay: StepRelay
+    randomness: StageRandomness
+    share: Callable[[Any], Any]
+    job: Job
+    gradient_sync: GradientSync | None = None
+    sharded: ShardedStage | None = None
+    step_gradients: StepGradients = field(default_factory=StepGradients)
+    collector: Any = None
+
+    @property
+    def partition(self) -> Partition:
+        """Every backbone layer this stage holds, under its original names (all its model chunks')."""
+        return self.pipeline.partition
+
+    @property
+    def ties(self) -> TiedParameters:
+        """The parameters this stage shares with others."""
+        return self.pipeline.ties
+
+    @property
+    def events(self) -> Recorder:
+        """The stage's recorder, which every model chunk's spans go to (marked with their model chunk)."""
+        return self.pipeline.events
+
+    def sync_gradients(
+        self, module: "pl.LightningModule", group: Any, device: torch.device, sharding: str = "NO_SHARD"
+    ) -> None:
+        """Let DDP average this stage's gradients over its data-parallel ``group`` (several replicas only; see
+        :mod:`lightning_gpipe.lightning.data_parallel`): what the stage trains is its partition, and on the last stage
+        also the modules after the backbone. The sync starts at the step's last backward on the stage
+        (:meth:`~lightning_gpipe.engine.StagePipeline.on_last_backward`); the other model chunks' parameters are
+        complete by then, and DDP reduces them with the first bucket. With a ``sharding`` other than ``"NO_SHARD"``,
+        FSDP2 shards what the stage holds over ``group`` instead (:class:`~lightning_gpipe.lightning.data_parallel.
+        ShardedStage`), keeping the gathered parameters from the stage's first backward of a step
+        (:meth:`~lightning_gpipe.engine.StagePipeline.on_backward_start`) to its end. A collective call of ``group``."""
+        trained = module if self.pipeline.is_last else self.partition
+        if sharding != "NO_SHARD":
+            if any(True for _ in trained.parameters()):
+                full = sharding == "FULL_SHARD"
+                self.sharded = ShardedStage(trained, self.pipeline.partitions, group, device, full, self.job)
+                self.pipeline.on_backward_start(self.sharded.begin_backward)
+            return
+        if not GradientSync.trains(trained):
+            return
+        self.gradient_sync = GradientSync(trained, group, device)
+        if GradientSync.trains(self.partition):
+            self.pipeline.on_last_backward(self.gradient_sync.prepare)
+
+    def start(self, module: "pl.LightningModule", device: torch.device) -> None:
+        """Initialise the stage's layers on ``device`` if ``module`` was created on the meta device (see
+        :func:`~lightning_gpipe.engine.partition.materialize`), with the stage's random stream, and relay what the
+        module's epoch-end hooks log. Once the run exists, so that :meth:`close` undoes the split if this fails.
+
+        Raises:
+            ValueError: if a layer created on the meta device cannot be initialised.
+        """
+        with self.randomness.stage():  # each stage initialises its own layers
+            materialize(module, device)
+        self.relay.relay_after_epoch_end_hooks(module)
+
+    @contextmanager
+    def no_gradient_sync(self) -> Iterator[None]:
+        """Within a gradient-accumulation window, accumulate without averaging over the replicas (Lightning's loop
+        enters this for every batch of the window but the last). Under a schedule with a loss per micro-batch (1F1B)
+        every batch's gradients are averaged: they are computed apart from the window's earlier ones (see
+        :class:`~lightning_gpipe.engine.gradients.StepGradients`), and the average of a sum is the sum of the
+        averages. With sharding, FSDP2 keeps the window's gradients unsharded apart from ``.grad`` under every plan,
+        and reduce-scatters them once, at the window's end."""
+        sync = self.gradient_sync
+        if self.sharded is not None:  # FSDP2 keeps the window's gradients to itself, whatever the plan
+            with self.sharded.disabled():
+                yield
+            return
+        with nullcontext() if sync is None or self.pipeline.loss_per_micro_batch else sync.disabled():
+            yield
+
+    def announce_loss_backward(self, loss: Tensor) -> None:
+        """On the last stage, announce the step's last backward to the gradient sync when it is the loss's
+        (:attr:`~lightning_gpipe.engine.StagePipeline.loss_ends_backward`)."""
+        if self.gradient_sync is not None and self.pipeline.loss_ends_backward:
+            self.gradient_sync.prepare([loss])
+
+    def begin_step(self) -> None:
+        """At the start of a step (training or evaluation), with sharding: gather what FSDP2 does not gather in the
+        micro-batches (see :meth:`~lightning_gpipe.lightning.data_parallel.ShardedStage.begin_step`)."""
+        if self.sharded is not None:
+            self.sharded.begin_step()
+
+    def finish_backward(self) -> None:
+        """At the end of a training step's backward, with sharding: the step's reduce-scatter (not within a
+        gradient-accumulation window) and the gathered parameters freed (see
+        :meth:`~lightning_gpipe.lightning.data_parallel.ShardedStage.finish_backward`)."""
+        if self.sharded is not None:
+            self.sharded.finish_backward()
+
+    def end_evaluation_step(self) -> None:
+        """After an evaluation step, with sharding: the gathered parameters freed."""
+        if self.sharded is not None:
+            self.sharded.end_evaluation_step()
+
+    def unshard(self) -> None:
+        """With sharding, after a completed fit: every parameter whole again and FSDP2 undone, so the module leaves
+        the run plain (see :meth:`~lightning_gpipe.lightning.data_parallel.ShardedStage.release`). A collective call of
+        the stage's replicas."""
+        if self.sharded is not None:
+            self.sharded.release()
+            self.sharded = None
+
+    def whole_state(self, module: "pl.LightningModule", replica: int, group: Any) -> dict | None:
+        """Every stage's part of ``module``'s state on the process of pipeline replica ``replica`` that gets the
+        whole model back (see :func:`~lightning_gpipe.lightning.state_dict.whole_on_rank_zero`; ``None`` elsewhere): a
+        collective call over the pipeline's ``group``."""
+        return state_dict.whole_on_rank_zero(module.state_dict(), replica, group, self.job)
+
+    def close(self, module: "pl.LightningModule", whole: dict[str, Any] | None) -> None:
+        """Undo the split (see :meth:`~lightning_gpipe.engine.StagePipeline.close`; ``whole``: every stage's state, on
+        the process that gets the whole model back), the relay's hooks, and put back the shared random stream (if a
+        step that failed kept the stage's)."""
+        self.backbone_call.end_kept()
+        LogRelay.unwrap_epoch_end_hooks(module)
+        self.pipeline.close(whole)
 
 
 class FillDrain:
@@ -61,7 +234,8 @@ class FillDrain:
         of the generators' states each way per step instead of two.
         """
         keep = run.pipeline.num_stages > 1 and quiet_until_backward(module)  # one stage: one stream, nothing to keep
-        return user_step(run, module, "training_step", precision.train_step_context, args, kwargs, keep=keep)
+        context = lambda: _train_step_context(precision)  # noqa: E731
+        return user_step(run, module, "training_step", context, args, kwargs, keep=keep)
 
     @staticmethod
     def backward(run: StageRun, module: "pl.LightningModule", precision: Any, loss: Tensor, *args: Any, **kw) -> None:
@@ -73,7 +247,7 @@ class FillDrain:
                 if run.pipeline.is_last:
                     run.announce_loss_backward(loss)
                     precision.backward(loss, module, *args, **kw)
-                with precision.train_step_context(), run.job.board.reporting():
+                with _train_step_context(precision), run.job.board.reporting():
                     run.pipeline.backward()  # recomputes as the fill did
         finally:
             run.backbone_call.end_kept()  # the fill's stream region, if training_step kept it: the shared one again
@@ -96,7 +270,7 @@ class PerMicroBatch:
         def backward(loss: Tensor, last: bool) -> None:
             _backward_micro_batch(run, module, precision, loss, last)
 
-        with precision.train_step_context(), run.job.board.reporting():
+        with _train_step_context(precision), run.job.board.reporting():
             with run.step_gradients.computing(list(module.parameters()), zeroed_after=zeroed):
                 return run.backbone_call.micro_batch_steps(module, "training_step", args, kwargs, backward)
 
@@ -144,9 +318,9 @@ def training_step(run: StageRun, module: "pl.LightningModule", precision: Any, a
     return share_step_output(output, is_last, run.share, run.pipeline.device)
 
 
-def agree(run: StageRun, trainer: "pl.Trainer", agree_step: Callable[[Tensor | None], np.ndarray]) -> None:
-    """At the end of ``strategy.backward``: the step's agreement (``agree_step``, one all-reduce on the CPU group,
-    see :class:`~lightning_gpipe.lightning.agreement.StepAgreement`), whose region carries the last stage's
+def agree(run: StageRun, trainer: "pl.Trainer", agreement: RunAgreement) -> None:
+    """At the end of ``strategy.backward``: the step's agreement (one all-reduce on the CPU group, see
+    :meth:`~lightning_gpipe.lightning.agreement.RunAgreement.end_training_step`), whose region carries the last stage's
     description of its logged values and output, then their tensors (:class:`~lightning_gpipe.lightning.relay.
     StepRelay`): every stage then holds the last stage's logged values before Lightning's loop reads them.
 
@@ -154,14 +328,14 @@ def agree(run: StageRun, trainer: "pl.Trainer", agree_step: Callable[[Tensor | N
         BatchMismatchError: on every process, if the stages of a pipeline read different batches.
         PipelineFailure: if another stage failed while this one waited for it.
     """
-    relay = run.step_relay
+    relay, epoch = run.step_relay, trainer.current_epoch
     if run.pipeline.num_stages == 1:
-        agree_step(None)
+        agreement.end_training_step(epoch, None)
         return
     results = logged_results(trainer)
     results = results if results is not None else {}
     words = relay.pack(results, relay.output) if relay.is_src else torch.empty(0, dtype=torch.int64)
-    relay.exchange(agree_step(words), trainer)
+    relay.exchange(agreement.end_training_step(epoch, words), trainer)
 
 
 def hand_output(run: StageRun, closure: Any) -> None:
@@ -184,7 +358,7 @@ def hand_output(run: StageRun, closure: Any) -> None:
 def backward(run: StageRun, module: "pl.LightningModule", precision: Any, loss: Tensor, *args: Any, **kw: Any) -> None:
     """``strategy.backward``, between the precision plugin's ``pre_backward`` and ``post_backward``: the plan after
     its cut under the run's protocol (:func:`protocol_of`); then, with sharding, the step's reduce-scatter
-    (:meth:`~lightning_gpipe.lightning.run.StageRun.finish_backward`), so that ``on_after_backward`` sees each
+    (:meth:`StageRun.finish_backward`), so that ``on_after_backward`` sees each
     replica's shard of the averaged gradients, as DDP's hooks see the average.
 
     Raises:
@@ -266,3 +440,43 @@ def _backward_micro_batch(
     loss = loss / module.trainer.accumulate_grad_batches
     scaler = getattr(precision, "scaler", None)
     precision.backward(scaler.scale(loss) if scaler is not None else loss, module, None)
+
+
+@functools.cache
+def cache_keeps_gradients() -> bool:
+    """Whether the installed torch's autocast cache keeps a weight's gradient when the weight was first cast under
+    ``no_grad`` (true from pytorch/pytorch#165068 on). Checked once per process with a 2 x 2 ``Linear`` under CPU
+    autocast (the cache's code is the same for every device)."""
+    with torch.inference_mode(False), torch.enable_grad():
+        layer = torch.nn.Linear(2, 2)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=True):
+            with torch.no_grad():
+                layer(torch.ones(1, 2))
+            return layer(torch.ones(1, 2)).requires_grad
+
+
+@contextmanager
+def step_casts_cached() -> Iterator[None]:
+    """Keep autocast's casts of the weights inside this region until the enclosing autocast region ends (for a
+    pipeline step: the precision plugin's step context), where :func:`cache_keeps_gradients`; else change nothing.
+
+    The region must not change a weight in place between two uses of it: a cached cast would not see the change
+    (torch's own default, as in a plain loop under ``torch.autocast``).
+    """
+    if not cache_keeps_gradients():
+        yield
+        return
+    previous = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(True)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(previous)
+
+
+@contextmanager
+def _train_step_context(precision: Any) -> Iterator[None]:
+    """The precision plugin's training-step context (autocast under mixed precision), in which each weight is cast
+    once per step, not once per micro-batch (:func:`step_casts_cached`)."""
+    with precision.train_step_context(), step_casts_cached():
+        yield

@@ -5,9 +5,9 @@ cut (fill-drain: the fill), ``backward`` the rest (the drain); the optimizer ste
 gradient accumulation stay Lightning's. Each hook hands its work to a piece with one concern: the processes of
 the mesh, their agreement before each step and their failures (:class:`~lightning_gpipe.lightning.mesh.MeshStrategy`,
 the base class), the options (:mod:`~lightning_gpipe.lightning.config`), this run's pipeline
-(:mod:`~lightning_gpipe.lightning.run`, over the engine's :class:`~lightning_gpipe.engine.StagePipeline` and the
-user contract, :mod:`~lightning_gpipe.lightning.contract`), checkpoints (:mod:`~lightning_gpipe.lightning.state_dict`)
-and optimizer steps (:mod:`~lightning_gpipe.lightning.optimization`).
+(:class:`~lightning_gpipe.lightning.step.StageRun`, over the engine's :class:`~lightning_gpipe.engine.StagePipeline`
+and the user contract, :mod:`~lightning_gpipe.lightning.contract`), checkpoints
+(:mod:`~lightning_gpipe.lightning.state_dict`) and optimizer steps (:mod:`~lightning_gpipe.lightning.optimization`).
 """
 
 from collections.abc import Callable, Generator
@@ -47,7 +47,7 @@ from lightning_gpipe.lightning.measure import chosen_split, planned_config, shar
 from lightning_gpipe.lightning.mesh import MeshStrategy
 from lightning_gpipe.lightning.optimization import pipelined, unpipelined
 from lightning_gpipe.lightning.relay import LogRelay, StepRelay
-from lightning_gpipe.lightning.run import StageRun
+from lightning_gpipe.lightning.step import StageRun
 from lightning_gpipe.lightning.summary import replace_model_summary
 from lightning_gpipe.planning import CostModel, PlanReport
 from lightning_gpipe.planning.balance import LayerCost
@@ -248,16 +248,17 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Accumulate without averaging over the replicas within a gradient-accumulation window (see
-        :meth:`~lightning_gpipe.lightning.run.StageRun.no_gradient_sync`)."""
+        :meth:`~lightning_gpipe.lightning.step.StageRun.no_gradient_sync`)."""
         assert self._run is not None  # split in setup
         with self._run.no_gradient_sync():
             yield
 
     @override
-    def model_to_device(self) -> None:
-        """Move this stage's part of the module to its device."""
-        assert self.model is not None  # the attached module, at least
-        self.model.to(self.root_device)
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Act on the stop requests the processes agreed on in the last step, on every process alike (see
+        :meth:`~lightning_gpipe.lightning.agreement.RunAgreement.begin_training_step`)."""
+        assert self._agreement is not None  # made in setup_environment
+        self._agreement.begin_training_step(batch_idx)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -281,8 +282,9 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         step.backward(run, module, precision, closure_loss, optimizer, *args, **kwargs)
         closure_loss = precision.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
+        assert self._agreement is not None  # made in setup_environment
         with run.events.span("relay"):
-            step.agree(run, module.trainer, self.agree_step)
+            step.agree(run, module.trainer, self._agreement)
         return closure_loss
 
     @override
@@ -292,7 +294,8 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         callbacks see is the last stage's (:func:`~lightning_gpipe.lightning.step.hand_output`)."""
         run = self._run
         assert run is not None  # split in setup
-        result = super().optimizer_step(optimizer, run.ties.after(closure), model, **kwargs)
+        ties = run.pipeline.ties
+        result = super().optimizer_step(optimizer, ties.after(closure) if ties.held else closure, model, **kwargs)
         step.hand_output(run, closure)
         return result
 
@@ -312,16 +315,17 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         return self._evaluation_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
 
     def _evaluation_step(self, hook: str, context: Callable, args: tuple, kwargs: dict) -> Any:
-        """Agree on the batch (:meth:`_agree`), then run the step (see
-        :func:`~lightning_gpipe.lightning.step.evaluation_step`)."""
-        self._agree(f"{hook.removesuffix('_step').replace('predict', 'prediction')} batch {args[1]}")
-        run, module = self._run, self.lightning_module
-        assert run is not None and module is not None  # split in setup
+        """Agree on the batch (:meth:`~lightning_gpipe.lightning.agreement.RunAgreement.before_step`), then run the
+        step (see :func:`~lightning_gpipe.lightning.step.evaluation_step`)."""
+        run, module, agreement = self._run, self.lightning_module, self._agreement
+        assert run is not None and module is not None and agreement is not None  # split in setup
+        which = f"{hook.removesuffix('_step').replace('predict', 'prediction')} batch {args[1]}"
+        agreement.before_step(module.trainer.current_epoch, which)
         return step.evaluation_step(run, module, hook, context, args, kwargs)
 
     @override
     def teardown(self) -> None:
-        """Undo the split (see :meth:`~lightning_gpipe.lightning.run.StageRun.close`): after a completed run, global
+        """Undo the split (see :meth:`~lightning_gpipe.lightning.step.StageRun.close`): after a completed run, global
         rank 0's module gets every stage's weights back, if it was whole before the split. Under the spawn launcher
         the main process runs no stage: its module, never attached to the Trainer, was not split."""
         module, run, whole = self.lightning_module, self._run, None

@@ -175,10 +175,10 @@ class ProfiledCosts:
         """Each layer's cost for a micro-batch of ``rows`` rows (see the module docstring)."""
         return [_interpolate(big, small, *self.rows, rows) for big, small in zip(self.large, self.small)]
 
-    def for_chunks(self, chunks: int) -> list[LayerCost]:
-        """Each layer's cost for the first (largest) of ``chunks`` micro-batches of the mini-batch (row counts as
+    def for_micro_batches(self, micro_batches: int) -> list[LayerCost]:
+        """Each layer's cost for the first (largest) of ``micro_batches`` micro-batches of the mini-batch (row counts as
         ``torch.tensor_split`` gives them)."""
-        return self.at(math.ceil(self.batch_rows / min(chunks, self.batch_rows)))
+        return self.at(math.ceil(self.batch_rows / min(micro_batches, self.batch_rows)))
 
 
 def _interpolate(big: LayerCost, small: LayerCost, big_rows: int, small_rows: int, rows: int) -> LayerCost:

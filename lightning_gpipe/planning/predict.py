@@ -35,7 +35,7 @@ class PipelinePlan:
     Args:
         pipeline_parallel_size: K, stages per pipeline.
         data_parallel_size: D, pipeline replicas.
-        chunks: M, micro-batches per mini-batch.
+        micro_batches: M, micro-batches per mini-batch (``GPipeStrategy(chunks=...)``).
         checkpoint: the re-materialization mode (``GPipeStrategy(checkpoint=...)``).
         schedule: a name of :data:`lightning_gpipe.engine.schedule.SCHEDULES`, run with its default B/W split
             (:data:`~lightning_gpipe.engine.schedule.DEFERRED_BY_DEFAULT`).
@@ -47,7 +47,7 @@ class PipelinePlan:
 
     pipeline_parallel_size: int
     data_parallel_size: int
-    chunks: int
+    micro_batches: int
     checkpoint: str
     schedule: str
     balance: tuple[int, ...]
@@ -55,9 +55,10 @@ class PipelinePlan:
     sharding_strategy: str = "NO_SHARD"
 
     def options(self) -> dict:
-        """The plan as ``GPipeStrategy`` keyword arguments (``balance`` as a list; ``sharding_strategy`` only where
-        it shards)."""
-        options = {**asdict(self), "balance": list(self.balance)}
+        """The plan as ``GPipeStrategy`` keyword arguments (``micro_batches`` as ``chunks``, ``balance`` as a list;
+        ``sharding_strategy`` only where it shards)."""
+        options = {("chunks" if key == "micro_batches" else key): value for key, value in asdict(self).items()}
+        options["balance"] = list(self.balance)
         if self.sharding_strategy == "NO_SHARD":
             del options["sharding_strategy"]
         return options
@@ -209,25 +210,25 @@ def predict(
         limit: bytes per device; a plan fits if every stage's total is within ``limit * (1 - model.memory_margin)``.
     """
     rows_n = profiled.batch_rows
-    chunks = min(plan.chunks, rows_n)
-    layers = profiled.for_chunks(chunks)
+    micro_batches = min(plan.micro_batches, rows_n)
+    layers = profiled.for_micro_batches(micro_batches)
     stages = modelled_stage_costs(layers, plan.balance, model, DEFERRED_BY_DEFAULT[plan.schedule])
     params = _parameters(plan, layers, profiled.head)
     replicas = plan.data_parallel_size
     optimizer = [model.optimizer_time(p, state_factor) + model.all_reduce_time(p, replicas) for p in params]
     transfer = Transfer(model.transfer_latency, model.transfer_bandwidth)
     simulated = simulate(
-        stages, chunks, plan.checkpoint, transfer, optimizer=optimizer, schedule=plan.schedule,
+        stages, micro_batches, plan.checkpoint, transfer, optimizer=optimizer, schedule=plan.schedule,
         virtual_stages=plan.virtual_stages,
     )  # fmt: skip
     joined = profiled.at(rows_n)[-1].output_bytes
-    every = plans(plan.schedule, plan.pipeline_parallel_size, chunks, plan.checkpoint, None, plan.virtual_stages)
-    held = _held(plan, every, chunks, stages, layers)
+    every = plans(plan.schedule, plan.pipeline_parallel_size, micro_batches, plan.checkpoint, None, plan.virtual_stages)
+    held = _held(plan, every, micro_batches, stages, layers)
     memory = tuple(
         StageMemory(
             **_state(plan, p, state_factor),
             activations=simulated.peak_activation_bytes[k],
-            buffers=_buffers(plan, stages, k, profiled.input_bytes, joined, every[k], chunks)
+            buffers=_buffers(plan, stages, k, profiled.input_bytes, joined, every[k], micro_batches)
             + p * (replicas > 1 and not plan.sharded),
             transfers=max(held[k][0] - simulated.peak_activation_bytes[k], 0),
             transient=_transient(plan, layers, stages, k),
@@ -264,7 +265,8 @@ def _parameters(plan: PipelinePlan, layers: Sequence[LayerCost], head: HeadCost 
     per_virtual = stage_sums([c.parameter_bytes for c in layers], plan.balance)
     extra, last = (head.parameter_bytes if head is not None else 0), len(plan.balance) - 1
     return [
-        round(sum(per_virtual[s] for s in _chunks_of(plan, k))) + (extra if last in _chunks_of(plan, k) else 0)
+        round(sum(per_virtual[s] for s in _model_chunks_of(plan, k)))
+        + (extra if last in _model_chunks_of(plan, k) else 0)
         for k in range(plan.pipeline_parallel_size)
     ]
 
@@ -273,16 +275,15 @@ def _loss(plan: PipelinePlan, profiled: ProfiledCosts, per_micro_batch: bool, k:
     """Process ``k``'s bytes of what runs after the backbone (:class:`~lightning_gpipe.planning.costs.HeadCost`) on
     the rows of one run: on the process with the last stage, the whole mini-batch's, or one micro-batch's where the
     plan runs the user's step ``per_micro_batch``; 0 elsewhere or where it was not measured."""
-    if profiled.head is None or len(plan.balance) - 1 not in _chunks_of(plan, k):
+    if profiled.head is None or len(plan.balance) - 1 not in _model_chunks_of(plan, k):
         return 0
     rows = profiled.batch_rows
-    return profiled.head.at(math.ceil(rows / min(plan.chunks, rows)) if per_micro_batch else rows)
+    return profiled.head.at(math.ceil(rows / min(plan.micro_batches, rows)) if per_micro_batch else rows)
 
 
-def _chunks_of(plan: PipelinePlan, k: int) -> list[int]:
+def _model_chunks_of(plan: PipelinePlan, k: int) -> list[int]:
     """The virtual stages process ``k`` runs, in model chunk order: ``k``, ``k + K``, ... (one without virtual stages;
-    in
-    a V, :func:`~lightning_gpipe.engine.actions.virtual_stage`)."""
+    in a V, :func:`~lightning_gpipe.engine.actions.virtual_stage`)."""
     v_shape = plan.schedule in V_SHAPED
     return [virtual_stage(k, c, plan.pipeline_parallel_size, v_shape) for c in range(plan.virtual_stages)]
 
@@ -295,7 +296,7 @@ def _stage_layers(layers: Sequence[LayerCost], balance: Sequence[int], s: int) -
 
 def _process_layers(plan: PipelinePlan, layers: Sequence[LayerCost], k: int) -> list[LayerCost]:
     """The layers of process ``k``'s model chunks."""
-    return [c for s in _chunks_of(plan, k) for c in _stage_layers(layers, plan.balance, s)]
+    return [c for s in _model_chunks_of(plan, k) for c in _stage_layers(layers, plan.balance, s)]
 
 
 def _transient(plan: PipelinePlan, layers: Sequence[LayerCost], stages: Sequence[StageCost], k: int) -> int:
@@ -303,8 +304,8 @@ def _transient(plan: PipelinePlan, layers: Sequence[LayerCost], stages: Sequence
     backwards, the weight-gradient products of W (:func:`~lightning_gpipe.engine.weightgrad.run_together` computes every
     linear layer's before adding them to ``.grad``), as large as the parameters of those model chunks, if that is
     larger."""
-    largest = max(_layer_transient(_stage_layers(layers, plan.balance, s)) for s in _chunks_of(plan, k))
-    split = [s for s in _chunks_of(plan, k) if stages[s].weight]
+    largest = max(_layer_transient(_stage_layers(layers, plan.balance, s)) for s in _model_chunks_of(plan, k))
+    split = [s for s in _model_chunks_of(plan, k) if stages[s].weight]
     products = sum(c.parameter_bytes for s in split for c in _stage_layers(layers, plan.balance, s))
     return max(largest, products)
 
@@ -326,7 +327,11 @@ def _layer_transient(part: Sequence[LayerCost]) -> int:
 
 
 def _held(
-    plan: PipelinePlan, every: Sequence[Plan], chunks: int, stages: Sequence[StageCost], layers: Sequence[LayerCost]
+    plan: PipelinePlan,
+    every: Sequence[Plan],
+    micro_batches: int,
+    stages: Sequence[StageCost],
+    layers: Sequence[LayerCost],
 ) -> list[tuple[int, int]]:
     """Per process, the peak bytes of kept inputs, saved activations and what it holds for its transfers, walked over
     each model chunk's actions of the process's own plan (of ``every``, the plan's per process:
@@ -335,13 +340,13 @@ def _held(
     found = []
     for k, stage_plan in enumerate(every):
         peak = spared = 0
-        for c, s in enumerate(_chunks_of(plan, k)):
+        for c, s in enumerate(_model_chunks_of(plan, k)):
             stage, last = stages[s], _stage_layers(layers, plan.balance, s)[-1]
             per_micro = (stage.input_bytes, stage.activation_bytes, stage.output_bytes, last.output_saved_bytes)
             actions = [
                 a for a in stage_plan.actions if a.model_chunk == c or a.kind is Kind.FLUSH
             ]  # a flush: every model chunk's
-            chunk_peak, at_loss = held_levels(actions, s < len(stages) - 1, plan.checkpoint, chunks, per_micro)
+            chunk_peak, at_loss = held_levels(actions, s < len(stages) - 1, plan.checkpoint, micro_batches, per_micro)
             peak += chunk_peak
             spared += chunk_peak - at_loss if s == len(stages) - 1 else 0
         found.append((peak, spared))
@@ -349,9 +354,15 @@ def _held(
 
 
 def _buffers(
-    plan: PipelinePlan, stages: Sequence[StageCost], k: int, batch_bytes: int, joined: int, own: Plan, chunks: int
+    plan: PipelinePlan,
+    stages: Sequence[StageCost],
+    k: int,
+    batch_bytes: int,
+    joined: int,
+    own: Plan,
+    micro_batches: int,
 ) -> int:
-    """Bytes of process ``k``'s buffers (``own``: its plan, of ``chunks`` micro-batches): two batches (every stage
+    """Bytes of process ``k``'s buffers (``own``: its plan, of ``micro_batches``): two batches (every stage
     loads them: Lightning's loop fetches the next batch before the step on the current one ends), and on the process
     with the last stage the gradient of the backbone's output the user's step takes: under fill-drain with several
     micro-batches, the whole mini-batch's output (``joined``, a copy of the micro-batches' outputs) and its gradient;
@@ -359,8 +370,8 @@ def _buffers(
     gradient. The micro-batches' outputs the stage keeps, the input gradients it sends and the output gradients it
     receives are ``StageMemory.transfers``."""
     last = len(stages) - 1
-    if last not in _chunks_of(plan, k):
+    if last not in _model_chunks_of(plan, k):
         return 2 * batch_bytes
-    if chunks > 1 and not own.loss_per_micro_batch:
+    if micro_batches > 1 and not own.loss_per_micro_batch:
         return 2 * batch_bytes + 2 * joined
     return 2 * batch_bytes + stages[last].output_bytes

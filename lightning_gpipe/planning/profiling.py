@@ -14,9 +14,9 @@ from lightning_gpipe.engine.events import PeakBytes
 from lightning_gpipe.engine.microbatch import Value
 from lightning_gpipe.planning.balance.profile import profile_with_output
 from lightning_gpipe.planning.costs import HeadCost, ProfiledCosts, optimizer_state_factor
-from lightning_gpipe.planning.search import MAX_CHUNKS, chunk_counts
+from lightning_gpipe.planning.search import MAX_MICRO_BATCHES, micro_batch_counts
 
-PROFILED_CHUNKS = 8
+PROFILED_MICRO_BATCHES = 8
 """The larger profiled micro-batch is one of this many (times for fewer micro-batches are extrapolated)."""
 
 
@@ -26,9 +26,9 @@ class AfterBackbone:
     runs it to measure it (:func:`profile_head`).
 
     Args:
-        loss: ``loss(chunks, output)`` runs it on the first of ``chunks`` micro-batches of the batch's rows (1: the
-            whole batch), with ``output`` standing for the backbone's output on those rows, and returns the loss
-            (``None`` if there is none to differentiate).
+        loss: ``loss(micro_batches, output)`` runs it on the first of ``micro_batches`` micro-batches of the batch's
+            rows (1: the whole batch), with ``output`` standing for the backbone's output on those rows, and returns
+            the loss (``None`` if there is none to differentiate).
         parameters: the parameters and buffers it holds (the modules outside the backbone), whose gradients the
             loss's backward makes.
         existing: the tensors it reads that exist before it runs and after (the batch's): views of them are not new
@@ -47,14 +47,14 @@ def profile_sizes(
     layers: nn.Sequential,
     value: Value,
     device: torch.device | str,
-    chunks: int | None = None,
+    micro_batches: int | None = None,
     split: bool = False,
     after: AfterBackbone | None = None,
 ) -> ProfiledCosts:
     """Profile ``layers`` (:func:`~lightning_gpipe.planning.balance.profile_layers`; with ``split``, the B/W split timed
     too, for a named schedule that splits its backwards, :attr:`~lightning_gpipe.planning.search.Constraints.splits`) on
-    two micro-batches of the mini-batch ``value``: one of :data:`PROFILED_CHUNKS` and one of
-    :data:`~lightning_gpipe.planning.search.MAX_CHUNKS` (or, when ``chunks`` is fixed, one of ``chunks`` micro-batches,
+    two micro-batches of the mini-batch ``value``: one of :data:`PROFILED_MICRO_BATCHES` and one of
+    :data:`~lightning_gpipe.planning.search.MAX_MICRO_BATCHES` (or, when ``micro_batches`` is fixed, one of that many,
     twice the same size). Not the whole mini-batch: a layer's activations on all of it may not fit a device that
     trains the model in micro-batches. With ``after``, also what runs after the backbone (:func:`profile_head`), on
     the backbone's output, at the whole batch and at every micro-batch size the planner may choose.
@@ -64,23 +64,24 @@ def profile_sizes(
             :func:`~lightning_gpipe.planning.balance.profile_layers`.
     """
     rows = microbatch.batch_size(value)
-    large_chunks, small_chunks = (chunks, chunks) if chunks is not None else (PROFILED_CHUNKS, MAX_CHUNKS)
-    large, small = (microbatch.scatter(value, m)[0] for m in (large_chunks, small_chunks))
+    fixed = micro_batches
+    large_m, small_m = (fixed, fixed) if fixed is not None else (PROFILED_MICRO_BATCHES, MAX_MICRO_BATCHES)
+    large, small = (microbatch.scatter(value, m)[0] for m in (large_m, small_m))
     large_costs, output = profile_with_output(layers, large, device, split=split)
-    same = small_chunks == large_chunks
+    same = small_m == large_m
     small_costs = large_costs if same else profile_with_output(layers, small, device, split=split)[0]
     sizes = (microbatch.batch_size(large), microbatch.batch_size(small))
     input_bytes = sum(t.numel() * t.element_size() for t in microbatch.tensors(value))
     head = None
     if after is not None:
-        counts = [1, *chunk_counts(rows, chunks)] if after.per_micro_batch else [1]
+        counts = [1, *micro_batch_counts(rows, micro_batches)] if after.per_micro_batch else [1]
         head = profile_head(after, output, rows, counts)
     return ProfiledCosts(sizes, large_costs, small_costs, rows, input_bytes, head)
 
 
 def profile_head(after: AfterBackbone, output: Value, batch_rows: int, counts: Sequence[int]) -> HeadCost:
-    """Measure what runs after the backbone (``after``) on the first of ``chunks`` micro-batches of a batch of
-    ``batch_rows`` rows, for each ``chunks`` of ``counts``: the bytes of the tensors it makes, at their peak over its
+    """Measure what runs after the backbone (``after``) on the first of M micro-batches of a batch of
+    ``batch_rows`` rows, for each M of ``counts``: the bytes of the tensors it makes, at their peak over its
     run and the loss's backward, less the gradients that :class:`~lightning_gpipe.planning.predict.StageMemory` counts
     elsewhere (the backbone output's, with the last stage's buffers; the parameters', with its gradients).
 
@@ -93,10 +94,10 @@ def profile_head(after: AfterBackbone, output: Value, batch_rows: int, counts: S
             raises.
     """
     measured: dict[int, int] = {}
-    for chunks in sorted(set(counts)):
-        rows = math.ceil(batch_rows / min(chunks, batch_rows))  # the first of torch.tensor_split's micro-batches
+    for m in sorted(set(counts)):
+        rows = math.ceil(batch_rows / min(m, batch_rows))  # the first of torch.tensor_split's micro-batches
         if rows not in measured:
-            measured[rows] = _head_peak(after, chunks, _repeated(output, rows))
+            measured[rows] = _head_peak(after, m, _repeated(output, rows))
     parameter_bytes = sum(t.numel() * t.element_size() for t in after.parameters)
     return HeadCost(tuple(sorted(measured)), tuple(measured[r] for r in sorted(measured)), parameter_bytes)
 
@@ -115,7 +116,7 @@ def _repeated(value: Value, rows: int) -> Value:
     return microbatch.leaves(repeated)
 
 
-def _head_peak(after: AfterBackbone, chunks: int, output: Value) -> int:
+def _head_peak(after: AfterBackbone, micro_batches: int, output: Value) -> int:
     """The peak bytes of one run of ``after`` and its loss's backward, less the gradients it leaves on ``output`` and
     on the parameters (see :func:`profile_head`)."""
     before = [t.grad for t in after.parameters]
@@ -123,7 +124,7 @@ def _head_peak(after: AfterBackbone, chunks: int, output: Value) -> int:
         for t in [*microbatch.tensors(output), *after.parameters, *after.existing]:
             t.detach()  # seen once here, a view of it later is not counted as new memory
         start = counted.restart()
-        loss = after.loss(chunks, output)
+        loss = after.loss(micro_batches, output)
         if loss is not None and loss.requires_grad:
             torch.autograd.backward(loss, torch.ones_like(loss))
         peak = counted.peak - start

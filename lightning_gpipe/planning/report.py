@@ -90,8 +90,9 @@ def _row(mark: str, p: PlanPrediction) -> str:
     peaks = " / ".join(f"{stage.total / MIB:,.0f}" for stage in p.memory)
     schedule = plan.schedule + (f" v{plan.virtual_stages}" if plan.virtual_stages > 1 else "")  # model chunks per stage
     return (
-        f"{mark} {f'{plan.pipeline_parallel_size}x{plan.data_parallel_size}':<6}{plan.chunks:>7}  {plan.checkpoint:<12}"
-        f"{schedule:<10}{balance:<16}{p.step_time:>9.4f}{1e3 * p.seconds_per_row:>8.3f}{p.bubble:>8.1%}  {peaks}"
+        f"{mark} {f'{plan.pipeline_parallel_size}x{plan.data_parallel_size}':<6}{plan.micro_batches:>7}"
+        f"  {plan.checkpoint:<12}{schedule:<10}{balance:<16}"
+        f"{p.step_time:>9.4f}{1e3 * p.seconds_per_row:>8.3f}{p.bubble:>8.1%}  {peaks}"
     )
 
 

@@ -1,8 +1,8 @@
-"""Choosing the plan: every feasible (mesh, chunks, checkpoint, schedule, virtual stages) with its best balance,
+"""Choosing the plan: every feasible (mesh, micro-batches, checkpoint, schedule, virtual stages) with its best balance,
 predicted, ranked.
 
-The candidates are every pipeline x data-parallel size whose product is the world size, ``chunks`` in powers of two
-up to the mini-batch's rows (and :data:`MAX_CHUNKS`), every re-materialization mode, every schedule of
+The candidates are every pipeline x data-parallel size whose product is the world size, M (micro-batches) in powers of
+two up to the mini-batch's rows (and :data:`MAX_MICRO_BATCHES`), every re-materialization mode, every schedule of
 :data:`lightning_gpipe.engine.schedule.SCHEDULES` that runs whole backwards by default (so a schedule added there is
 planned for too; one that splits its backwards into B and W, ``"zb-h1"`` or ``"zb-1p"``, only when the user names
 it: its time is predicted from the profiled B and W, but its last stage's measured peak can exceed the
@@ -30,8 +30,8 @@ from lightning_gpipe.planning.costs import CostModel, ProfiledCosts
 from lightning_gpipe.planning.predict import PipelinePlan, PlanPrediction, predict
 from lightning_gpipe.planning.report import PlanReport, no_plan_fits
 
-MAX_CHUNKS = 64
-"""The most micro-batches the planner tries (unless the user fixes ``chunks``)."""
+MAX_MICRO_BATCHES = 64
+"""The most micro-batches the planner tries (unless the user fixes M, ``GPipeStrategy(chunks=...)``)."""
 
 VIRTUAL_STAGES = (1, 2)
 """The model chunks per stage the planner tries (unless the user fixes ``virtual_stages``). Each model chunk more adds a
@@ -46,7 +46,7 @@ class Constraints:
     Args:
         pipeline_parallel_size: K.
         data_parallel_size: D.
-        chunks: M.
+        micro_batches: M (``GPipeStrategy(chunks=...)``).
         checkpoint: the re-materialization mode.
         schedule: the schedule's name.
         balance: layers per (virtual) stage (a list fixes the split, and K with ``virtual_stages``), or a mode of
@@ -57,7 +57,7 @@ class Constraints:
 
     pipeline_parallel_size: int | None = None
     data_parallel_size: int | None = None
-    chunks: int | None = None
+    micro_batches: int | None = None
     checkpoint: str | None = None
     schedule: str | None = None
     balance: None | str | Sequence[int] = None
@@ -103,26 +103,26 @@ def meshes(world_size: int, num_layers: int, constraints: Constraints) -> list[t
     return pairs
 
 
-def chunk_counts(rows: int, fixed: int | None = None) -> list[int]:
-    """The ``chunks`` the planner tries for a mini-batch of ``rows`` rows: ``fixed`` if the user fixed it, else the
-    powers of two up to ``rows`` and :data:`MAX_CHUNKS`."""
+def micro_batch_counts(rows: int, fixed: int | None = None) -> list[int]:
+    """The M (micro-batches) the planner tries for a mini-batch of ``rows`` rows: ``fixed`` if the user fixed it, else
+    the powers of two up to ``rows`` and :data:`MAX_MICRO_BATCHES`."""
     if fixed is not None:
         return [fixed]
-    return [2**i for i in range(MAX_CHUNKS.bit_length()) if 2**i <= min(rows, MAX_CHUNKS)]
+    return [2**i for i in range(MAX_MICRO_BATCHES.bit_length()) if 2**i <= min(rows, MAX_MICRO_BATCHES)]
 
 
 def candidates(world_size: int, profiled: ProfiledCosts, constraints: Constraints) -> Iterator[tuple]:
     """Every ``(K, D, M, checkpoint, schedule, v)`` the constraints allow (see the module docstring)."""
     num_layers = len(profiled.large)
-    chunks = chunk_counts(profiled.batch_rows, constraints.chunks)
+    micro_batches = micro_batch_counts(profiled.batch_rows, constraints.micro_batches)
     modes = [constraints.checkpoint] if constraints.checkpoint is not None else list(CHECKPOINT_MODES)
     whole = [name for name in SCHEDULES if not DEFERRED_BY_DEFAULT[name]]  # the split's memory is not yet trusted
     schedules = [constraints.schedule] if constraints.schedule is not None else whole
     if constraints.virtual_stages is not None:
-        chunked = [constraints.virtual_stages]
+        virtual = [constraints.virtual_stages]
     else:
-        chunked = [1] if constraints.listed else list(VIRTUAL_STAGES)
-    grid = product(meshes(world_size, num_layers, constraints), chunks, modes, schedules, chunked)
+        virtual = [1] if constraints.listed else list(VIRTUAL_STAGES)
+    grid = product(meshes(world_size, num_layers, constraints), micro_batches, modes, schedules, virtual)
     for (k, d), m, mode, schedule, v in grid:
         if m == 1 and mode == "except_last" and constraints.checkpoint is None:
             continue  # the same plan as "never": one micro-batch, the last, is never recomputed
@@ -182,7 +182,7 @@ def _shape_predictions(
     not additive and differ by stage), of the split :func:`_walk` reaches from the closest, so that a candidate some
     split fits is not refused for the first splits' sake."""
     k, m, mode, schedule, d, v = shape
-    balances = _balances(profiled.for_chunks(m), shape, state_factor, limit, model, constraints)
+    balances = _balances(profiled.for_micro_batches(m), shape, state_factor, limit, model, constraints)
     plans = [PipelinePlan(k, d, m, mode, schedule, tuple(b), v, constraints.sharding_strategy) for b in balances]
     found = [predict(plan, profiled, model, state_factor, limit) for plan in plans]
     if any(p.fits for p in found) or v > 1 or constraints.balance is not None:

@@ -182,7 +182,7 @@ def simulate(
             model chunks are placed in a V).
 
     Raises:
-        ValueError: for no stages, ``chunks < 1``, an unknown ``checkpoint`` mode or ``schedule``, a zero-bubble
+        ValueError: for no stages, ``micro_batches < 1``, an unknown ``checkpoint`` mode or ``schedule``, a zero-bubble
             schedule with ``defer_weight_grad=False``, ``"zb-v"`` with other than 2 model chunks per process, or a
             number of stages that ``virtual_stages`` does not divide.
     """

@@ -5,8 +5,8 @@ comment, invisible on GitHub and on the site) is a script, run as printed by :fu
 fenced ``bash`` block after that line is run by :func:`test_runnable_command_blocks_run`: each line of the
 block (``\\`` continues a line) is split at ``&&``, the ``pip install`` parts are skipped (the package is installed),
 and each ``python examples/...`` command is run from an empty directory with no ``../shared`` beside it, the script's
-path made absolute, shortened by :data:`SHORTEN` (``--trainer.max_steps=2`` and tiny batches, appended, so they win
-over the block's own values) and with ``--trainer.default_root_dir`` in a temporary directory. Mark only blocks whose
+path made absolute, shortened by :data:`SHORTEN` (a few steps and tiny batches, appended, so they win over the
+block's own values) and with ``--trainer.default_root_dir`` in a temporary directory. Mark only blocks whose
 commands are cheap with these settings: every example run starts 2 stage processes. The other checks of the docs
 against the code (``GPipeStrategy`` arguments, data errors) are in tests/unit/test_doc_commands.py.
 """
@@ -14,9 +14,11 @@ against the code (``GPipeStrategy`` arguments, data errors) are in tests/unit/te
 import shlex
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
+from conftest import SHORT_EXAMPLE_RUNS, concurrently, run_example
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,18 +28,10 @@ RUNNABLE = "<!-- runnable -->"
 RUNNABLE_FILES = ("README.md", "docs/quickstart.md")
 """The files whose marked blocks are run."""
 
-SHORTEN = {
-    "examples/amoebanet/train.py": [
-        "--trainer.max_steps=2", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
-        "--trainer.log_every_n_steps=1", "--data.batch_size=8",
-    ],
-    "examples/translation/train.py": [
-        "--trainer.max_steps=2", "--trainer.val_check_interval=2", "--data.max_tokens=400", "--data.val_rows=2",
-        "--model.max_new_tokens=2", "--trainer.log_every_n_steps=1",
-    ],
-}  # fmt: skip
-"""Options appended to a runnable command of each script (2 steps, each logged, tiny batches and validation); other
-scripts get ``--trainer.max_steps=2``."""
+SHORTEN = SHORT_EXAMPLE_RUNS
+"""Options appended to a runnable command of each script (a few steps, each logged, tiny batches and one validation:
+those of the example's own test, tests/distributed/test_amoebanet.py and test_translation.py, which read the same run);
+other scripts get ``--trainer.max_steps=2``."""
 
 
 def read(name: str) -> str:
@@ -98,17 +92,12 @@ def test_runnable_marker_is_found_before_the_example_commands() -> None:
         if not command.startswith("pip install")
     ],
 )
-def test_runnable_command_blocks_run(name: str, line: int, command: str, tmp_path: Path) -> None:
+def test_runnable_command_blocks_run(name: str, line: int, command: str) -> None:
     """Each marked command runs, shortened, from an empty directory, and trains (a metrics file with losses)."""
     args = shlex.split(command)
     assert args[0] == "python", f"{name}:{line}: only `python ...` commands are run, not {command!r}"
     script = args[1]
-    cwd, root = tmp_path / "cwd", tmp_path / "runs"
-    cwd.mkdir()
-    argv = [sys.executable, str(ROOT / script), *args[2:], *SHORTEN.get(script, ["--trainer.max_steps=2"])]
-    result = subprocess.run(
-        [*argv, f"--trainer.default_root_dir={root}"], cwd=cwd, capture_output=True, text=True, timeout=400
-    )
+    result, _, root = run_example(script, *args[2:], *SHORTEN.get(script, ["--trainer.max_steps=2"]))
     assert result.returncode == 0, f"{name}:{line}: `{command}` failed:\n{result.stderr[-3000:]}"
     metrics = list(root.glob("lightning_logs/*/version_*/metrics.csv"))
     assert metrics and "train_loss" in metrics[0].read_text(), f"{name}:{line}: `{command}` logged no train_loss"
@@ -121,21 +110,41 @@ def test_the_quickstart_script_is_marked_runnable() -> None:
     assert "class Classifier(L.LightningModule):" in script and '\nif __name__ == "__main__":' in script
 
 
-@pytest.mark.parametrize("strategy", ["gpipe", "gpipe_spawn"])
-@pytest.mark.parametrize(
-    ("name", "line", "block"),
-    [
-        pytest.param(name, line, block, id=f"{name}:{line}")
-        for name in RUNNABLE_FILES
-        for line, block in runnable_blocks(read(name), "python")
-    ],
-)
-def test_runnable_scripts_run(name: str, line: int, block: list[str], strategy: str, tmp_path: Path) -> None:
+STRATEGIES = ("gpipe", "gpipe_spawn")
+"""The strategies each marked script runs with: as printed, and the one the text offers instead."""
+
+SCRIPTS = [(name, line, block) for name in RUNNABLE_FILES for line, block in runnable_blocks(read(name), "python")]
+"""``(file, line number, lines)`` of every marked python block."""
+
+
+def _run_script(block: list[str], strategy: str, directory: Path) -> subprocess.CompletedProcess:
+    """``block`` as ``directory/train.py``, with ``strategy="gpipe"`` replaced by ``strategy``, run there."""
+    script = "\n".join(block).replace('strategy="gpipe"', f'strategy="{strategy}"')
+    (directory / "train.py").write_text(script + "\n", encoding="utf-8")
+    return subprocess.run([sys.executable, "train.py"], cwd=directory, capture_output=True, text=True, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def script_runs(tmp_path_factory) -> dict:
+    """``{(file, line, strategy): (result function, its directory)}``: every marked script with every strategy,
+    each in an empty directory of its own, two at a time (:func:`conftest.concurrently`)."""
+    directories = {
+        (name, line, strategy): tmp_path_factory.mktemp("script")
+        for name, line, _ in SCRIPTS
+        for strategy in STRATEGIES
+    }
+    blocks = {(name, line): block for name, line, block in SCRIPTS}
+    results = concurrently({key: partial(_run_script, blocks[key[:2]], key[2], d) for key, d in directories.items()})
+    return {key: (results[key], directories[key]) for key in directories}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize(("name", "line"), [pytest.param(name, line, id=f"{name}:{line}") for name, line, _ in SCRIPTS])
+def test_runnable_scripts_run(name: str, line: int, strategy: str, script_runs: dict) -> None:
     """Each marked script runs as printed from an empty directory and trains to the end of its first epoch (its
     checkpoint), also with ``strategy="gpipe_spawn"``, which the text offers instead (whose workers import the
     script)."""
-    script = "\n".join(block).replace('strategy="gpipe"', f'strategy="{strategy}"')
-    (tmp_path / "train.py").write_text(script + "\n", encoding="utf-8")
-    result = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    result_of, directory = script_runs[name, line, strategy]
+    result = result_of()
     assert result.returncode == 0, f"{name}:{line} with {strategy}:\n{result.stderr[-3000:]}"
-    assert list(tmp_path.glob("lightning_logs/version_0/checkpoints/epoch=0-step=*.ckpt")), result.stderr[-3000:]
+    assert list(directory.glob("lightning_logs/version_0/checkpoints/epoch=0-step=*.ckpt")), result.stderr[-3000:]

@@ -8,13 +8,15 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import time
 from contextlib import suppress
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_every_stage_exits, run_worker, start_worker, wait_for_file
+from conftest import assert_every_stage_exits, concurrently, run_worker, start_worker, wait_for_file
 from models import TupleNet, fit
 
 CASES = {
@@ -41,13 +43,74 @@ CASES = {
 failed one when it exits ends its waits first (lightning_gpipe.faults.job.end_waits_at_exit)."""
 
 
+def _exits(out: Path, within: float = 60, since: float | None = None) -> AssertionError | None:
+    """What :func:`conftest.assert_every_stage_exits` raises for the run on ``out``, or ``None``: called right after
+    the run ends, where the test alone called it, for the test to raise when it reads the run."""
+    try:
+        assert_every_stage_exits(out, within=within, since=since)
+    except AssertionError as error:
+        return error
+    return None
+
+
+def _failing_run(case: str, out: Path) -> tuple[subprocess.CompletedProcess, AssertionError | None]:
+    """Run ``case`` on ``out``: ``(the result, :func:`_exits`)``."""
+    result = run_worker("failure.py", case, str(out), timeout=180)
+    return result, _exits(out)
+
+
+def _signalled_run(
+    case: str, out: Path, handshake: str, signum: int, ignore_sigint: bool = False, end_what_is_left: bool = False
+) -> tuple[subprocess.CompletedProcess, AssertionError | None]:
+    """Start ``case`` on ``out``, send ``signum`` to its main process once it writes ``out/handshake`` and wait for
+    it: ``(the result, :func:`_exits` within 30 s of the signal)``; ``end_what_is_left`` kills what is left of the
+    run before that check, even if this fails."""
+    process = start_worker("failure.py", case, str(out), ignore_sigint=ignore_sigint)
+    try:
+        wait_for_file(out / handshake, process)
+        sent = time.time()
+        process.send_signal(signum)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if end_what_is_left:
+            _end_processes_of(out)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), _exits(out, 30, sent)
+
+
+SIGNALLED = {
+    "interrupted": ("stuck", "waiting", signal.SIGINT, False),  # stage 0 waits for the gradients of the stuck stage
+    "sigterm": ("sigterm", "training", signal.SIGTERM, False),
+    "killed_before_the_store": ("before_the_store", "paused", signal.SIGKILL, True),  # rank 1 waits for the store
+    "killed_while_training": ("sigterm", "training", signal.SIGKILL, True),
+}
+"""The runs a test signals: ``{name: (case, handshake, signal, end_what_is_left)}`` (see :func:`_signalled_run`)."""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """``{name: (result function, output directory)}``: each case of :data:`CASES` and each run of
+    :data:`SIGNALLED`, a launch of its own, two at a time (:func:`conftest.concurrently`)."""
+    outs = {name: tmp_path_factory.mktemp(name) for name in (*CASES, *SIGNALLED)}
+    jobs = {case: partial(_failing_run, case, outs[case]) for case in CASES}
+    for name, (case, handshake, signum, end) in SIGNALLED.items():
+        jobs[name] = partial(_signalled_run, case, outs[name], handshake, signum, end_what_is_left=end)
+    results = concurrently(jobs)
+    return {name: (results[name], outs[name]) for name in jobs}
+
+
+def _raise(error: AssertionError | None) -> None:
+    """Raise ``error`` (:func:`_exits`'s), if any."""
+    if error is not None:
+        raise error
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_failure_ends_every_stage_with_exit_code_1(case, tmp_path):
-    result = run_worker("failure.py", case, str(tmp_path), timeout=180)
+def test_failure_ends_every_stage_with_exit_code_1(case, runs):
+    result, exits = runs[case][0]()
     assert result.returncode == 1, result.stderr[-3000:]
     for message in CASES[case]:
         assert message in result.stderr, result.stderr[-3000:]
-    assert_every_stage_exits(tmp_path)
+    _raise(exits)
 
 
 def test_a_stage_stuck_in_user_code_is_named_by_the_watchdog(tmp_path):
@@ -64,28 +127,27 @@ def test_a_stage_stuck_in_user_code_is_named_by_the_watchdog(tmp_path):
 
 
 @pytest.mark.parametrize("inherited", ["handled", "ignored"])
-def test_ctrl_c_on_the_main_process_ends_every_stage_while_one_is_stuck(inherited, tmp_path):
-    # "ignored": started as a background job of a non-interactive shell starts it, where `kill -INT` did nothing
-    process = start_worker("failure.py", "stuck", str(tmp_path), ignore_sigint=inherited == "ignored")
-    wait_for_file(tmp_path / "waiting", process)  # stage 0 waits for the gradients of the stuck stage
-    sent = time.time()
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=60)
-    assert process.returncode != 0
+def test_ctrl_c_on_the_main_process_ends_every_stage_while_one_is_stuck(inherited, tmp_path, runs):
+    # "ignored": started as a background job of a non-interactive shell starts it, where `kill -INT` did nothing (run
+    # here, not in a thread beside the other runs: the child sets SIGINT's handler before it runs Python)
+    if inherited == "handled":
+        result, exits = runs["interrupted"][0]()
+    else:
+        result, exits = _signalled_run("stuck", tmp_path, "waiting", signal.SIGINT, ignore_sigint=True)
+    stderr = result.stderr
+    assert result.returncode != 0
     assert "Detected KeyboardInterrupt, attempting graceful shutdown" in stderr, stderr[-3000:]
     assert "[stage 0] interrupted; ending every stage. stage 1 was last seen in `training_step` after" in stderr
-    assert_every_stage_exits(tmp_path, within=30, since=sent)
+    _raise(exits)
 
 
-def test_sigterm_on_the_main_process_stops_every_stage_at_the_same_step(tmp_path):
-    process = start_worker("failure.py", "sigterm", str(tmp_path))
-    wait_for_file(tmp_path / "training", process)
-    sent = time.time()
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=60)
-    assert (tmp_path / "stopped_rank0").exists() and (tmp_path / "stopped_rank1").exists(), stderr[-3000:]
-    assert "PipelineFailure" not in stderr and process.returncode == 0  # Lightning's graceful stop, on both stages
-    assert_every_stage_exits(tmp_path, within=30, since=sent)
+def test_sigterm_on_the_main_process_stops_every_stage_at_the_same_step(runs):
+    result_of, out = runs["sigterm"]
+    result, exits = result_of()
+    stderr = result.stderr
+    assert (out / "stopped_rank0").exists() and (out / "stopped_rank1").exists(), stderr[-3000:]
+    assert "PipelineFailure" not in stderr and result.returncode == 0  # Lightning's graceful stop, on both stages
+    _raise(exits)
 
 
 def _free_port() -> int:
@@ -183,29 +245,19 @@ def test_a_port_in_use_names_the_port_and_leaves_no_process_behind(tmp_path):
     assert "Set MASTER_PORT to a free port" in last
 
 
-def test_the_processes_a_killed_main_process_launched_end_before_the_jobs_store_exists(tmp_path):
-    process = start_worker("failure.py", "before_the_store", str(tmp_path))
-    try:
-        wait_for_file(tmp_path / "paused", process)  # rank 1 waits for the store rank 0 has not created
-        killed = time.time()
-        process.kill()
-        _, stderr = process.communicate(timeout=60)  # the output ends once rank 1, which shares it, has ended
-    finally:
-        _end_processes_of(tmp_path)
-    assert f"[stage 1] ending this process: the process that launched this one (pid {process.pid}) has ended" in stderr
-    assert_every_stage_exits(tmp_path, within=30, since=killed)
+def test_the_processes_a_killed_main_process_launched_end_before_the_jobs_store_exists(runs):
+    result_of, out = runs["killed_before_the_store"]
+    result, exits = result_of()  # its output ends once rank 1, which shares it, has ended
+    pid = (out / "rank0.txt").read_text().split()[0]  # the main process's (global rank 0, started by the test)
+    launched = f"[stage 1] ending this process: the process that launched this one (pid {pid}) has ended"
+    assert launched in result.stderr
+    _raise(exits)
 
 
-def test_a_killed_main_process_is_named_by_the_stage_that_waited_for_it(tmp_path):
-    process = start_worker("failure.py", "sigterm", str(tmp_path))
-    try:
-        wait_for_file(tmp_path / "training", process)
-        killed = time.time()
-        process.kill()
-        _, stderr = process.communicate(timeout=60)
-    finally:
-        _end_processes_of(tmp_path)
+def test_a_killed_main_process_is_named_by_the_stage_that_waited_for_it(runs):
+    result, exits = runs["killed_while_training"][0]()
+    stderr = result.stderr
     last = [line for line in stderr.splitlines() if line.startswith("[rank1]: ")][-1]
     lost = "stage 1 stopped because global rank 0's process (stage 0) has ended: the job's store"
     assert last.startswith(f"[rank1]: lightning_gpipe.faults.failure.PipelineFailure: {lost}"), stderr[-3000:]
-    assert_every_stage_exits(tmp_path, within=30, since=killed)
+    _raise(exits)

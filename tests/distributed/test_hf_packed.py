@@ -6,6 +6,7 @@ the same documents run one by one through the unmodified model on one device (1e
 ``num_targets`` and ``num_rows``, which make the per-micro-batch losses of 1F1B and ZB-1P add up to the mean over the
 whole batch's targets."""
 
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -25,9 +26,11 @@ RUNS = {
 LORA = shared_run("hf_packed.py", "--devices=2", "--lora", devices=2, timeout=180, name="hf-packed-lora")
 
 
+@cache
 def _reference(lora: bool):
     """One device: the worker's starting model trained the same AdamW steps on the same documents, one by one:
-    ``(the first step's gradients, per-step losses, the final state)``, by the model's names."""
+    ``(the first step's gradients, per-step losses, the final state)``, by the model's names. Computed once for
+    each ``lora`` (the three schedules' runs share the one without)."""
     model = WORKER.initial_lora() if lora else WORKER.initial_model(False)
     inner = model.get_base_model() if lora else model
     inner.config._attn_implementation = "eager"

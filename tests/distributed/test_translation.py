@@ -8,13 +8,11 @@ key/value cache, beam search) gives the same translations as decoding the same w
 """
 
 import csv
-import subprocess
-import sys
 
 import pytest
 import torch
 import yaml
-from conftest import shared_run
+from conftest import SHORT_EXAMPLE_RUNS, run_example, shared_run
 from tiny_translation import DECODINGS, EXAMPLE, STEPS, TINY, fit_tiny, one_thread, predict_data
 from translation.data import DIRECTIONS
 from translation.module import TranslationModule
@@ -55,18 +53,12 @@ def test_pipeline_loss_curve_and_decoding_equal_single_device(stages, reference)
             assert got == translations, f"rank {rank}, {name}"
 
 
-def test_example_trains_on_two_stages_and_logs_bleu_and_throughput(tmp_path) -> None:
+def test_example_trains_on_two_stages_and_logs_bleu_and_throughput() -> None:
     """`train.py fit` from a directory with no shared data beside it: 2 stages, shipped subset, CSV metrics under
-    ``--trainer.default_root_dir``, a model summary of the whole model and its split."""
-    script = EXAMPLE / "train.py"
-    cwd, root = tmp_path / "cwd", tmp_path / "runs"
-    cwd.mkdir()
-    result = subprocess.run(
-        [sys.executable, str(script), "fit", "--trainer.max_steps=3", "--trainer.devices=2",
-         "--trainer.val_check_interval=3", "--trainer.log_every_n_steps=1", "--data.max_tokens=400",
-         "--data.val_rows=2", "--model.max_new_tokens=2", f"--trainer.default_root_dir={root}"],
-        cwd=cwd, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    ``--trainer.default_root_dir``, a model summary of the whole model and its split. (3 steps, one validation:
+    the run of the README's command in tests/distributed/test_doc_commands.py, which reads the same run.)"""
+    script = "examples/translation/train.py"
+    result, cwd, root = run_example(script, "fit", "--trainer.devices=2", *SHORT_EXAMPLE_RUNS[script], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in result.stderr
     assert list(cwd.iterdir()) == []  # nothing in the working directory: logs follow default_root_dir

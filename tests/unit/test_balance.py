@@ -175,7 +175,7 @@ class ForwardNet(TupleNet):
 
 def test_sample_is_the_first_micro_batch_of_what_forward_passes_to_the_backbone():
     module = ForwardNet()
-    x, mask = sample_micro_batch(module, "backbone", chunks=4)
+    x, mask = sample_micro_batch(module, "backbone", micro_batches=4)
     assert torch.equal(x, module.example_input_array[:3] * 2) and torch.equal(mask, module.example_input_array[:3] > 0)
     assert isinstance(module.backbone, nn.Sequential) and len(module.backbone) == 4
 
@@ -186,7 +186,7 @@ def test_sample_outside_fit_needs_example_input_array():
     module = TupleNet()
     module.trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
     with pytest.raises(ValueError, match="outside `trainer.fit` it takes the module's `example_input_array`"):
-        sample_micro_batch(module, "backbone", chunks=2)
+        sample_micro_batch(module, "backbone", micro_batches=2)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from conftest import one_stage_pipeline
 from torch import nn
 
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm, revert_deferred_batch_norm
-from lightning_gpipe.engine.runtime import Runtime
+from lightning_gpipe.engine.pipeline import Runtime
 
 SHAPES = {nn.BatchNorm1d: (4,), nn.BatchNorm2d: (4, 3, 3), nn.BatchNorm3d: (4, 2, 2, 2)}
 STATS = ("running_mean", "running_var", "num_batches_tracked")

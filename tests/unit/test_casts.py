@@ -1,5 +1,5 @@
 """Autocast's casts of the weights under mixed precision: once per step, not once per micro-batch, and the same
-training as with a cast per micro-batch (lightning_gpipe/lightning/casts.py)."""
+training as with a cast per micro-batch (lightning_gpipe/lightning/step.py)."""
 
 import collections
 
@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gpipe import GPipeStrategy
-from lightning_gpipe.lightning import casts
+from lightning_gpipe.lightning import step
 
 
 class _WeightCasts(TorchDispatchMode):
@@ -61,10 +61,10 @@ def _fit(schedule: str, checkpoint: str) -> tuple:
 def test_each_weight_is_cast_once_per_region_and_trains_as_when_cast_per_use(
     schedule, checkpoint, cached, uncached, monkeypatch
 ):
-    assert casts.cache_keeps_gradients()  # the torch this package needs (pytorch/pytorch#165068)
+    assert step.cache_keeps_gradients()  # the torch this package needs (pytorch/pytorch#165068)
     state, counts = _fit(schedule, checkpoint)
     assert max(counts.values()) == cached, counts
-    monkeypatch.setattr(casts, "cache_keeps_gradients", lambda: False)  # Lightning's own: a cast per use
+    monkeypatch.setattr(step, "cache_keeps_gradients", lambda: False)  # Lightning's own: a cast per use
     uncached_state, counts = _fit(schedule, checkpoint)
     assert max(counts.values()) == uncached, counts
     for name, value in state.items():

@@ -21,9 +21,11 @@ import os
 import re
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
+from conftest import concurrently
 
 from lightning_gpipe import GPipeStrategy
 from lightning_gpipe.lightning.config import CHOICES
@@ -152,18 +154,35 @@ FAIL_FAST = [
 Hub dataset offline."""
 
 
-@pytest.mark.parametrize(("example", "args", "env", "option"), FAIL_FAST)
-def test_example_commands_fail_fast_with_the_prepare_command_when_data_is_missing(
-    example: str, args: list[str], env: dict, option: str, tmp_path: Path
-) -> None:
-    """From an empty directory (no ``../shared``, an empty Hugging Face cache), a missing directory or an offline
-    Hub stops the command in the first process, with the option and the prepare command, and writes nothing."""
+def _fail_fast_run(example: str, args: list[str], env: dict, tmp_path: Path) -> subprocess.CompletedProcess:
+    """``examples/<example>/train.py ARGS`` with ``env`` from the empty directory ``tmp_path/fresh``, with an empty
+    Hugging Face cache ``tmp_path/hf_home``."""
     cwd = tmp_path / "fresh"
     cwd.mkdir()
     environment = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), **env}
     command = [sys.executable, str(ROOT / "examples" / example / "train.py")]
     command += [arg.format(root=ROOT) for arg in args]
-    result = subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=120)
+    return subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def fail_fast_runs(tmp_path_factory) -> dict:
+    """``{option: (result function, its directory)}``: each command of :data:`FAIL_FAST`, in a directory of its own,
+    two at a time (:func:`conftest.concurrently`: each is a process that imports Lightning)."""
+    directories = {option: tmp_path_factory.mktemp("fail_fast") for *_, option in FAIL_FAST}
+    jobs = {option: partial(_fail_fast_run, e, a, env, directories[option]) for e, a, env, option in FAIL_FAST}
+    results = concurrently(jobs)
+    return {option: (results[option], directories[option]) for option in directories}
+
+
+@pytest.mark.parametrize(("example", "args", "env", "option"), FAIL_FAST)
+def test_example_commands_fail_fast_with_the_prepare_command_when_data_is_missing(
+    example: str, args: list[str], env: dict, option: str, fail_fast_runs: dict
+) -> None:
+    """From an empty directory (no ``../shared``, an empty Hugging Face cache), a missing directory or an offline
+    Hub stops the command in the first process, with the option and the prepare command, and writes nothing."""
+    result_of, tmp_path = fail_fast_runs[option]
+    result, cwd = result_of(), tmp_path / "fresh"
     assert result.returncode == 1, result.stderr[-3000:]
     message = result.stderr.split("error: ", 1)[-1]
     assert result.stderr.count("error: ") == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]

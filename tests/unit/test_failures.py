@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from lightning_gpipe import PipelineFailure
 from lightning_gpipe.engine.actions import Action, Kind
-from lightning_gpipe.engine.runtime import Runtime
+from lightning_gpipe.engine.pipeline import Runtime
 from lightning_gpipe.engine.transfer import Link
 from lightning_gpipe.faults import waiting
 from lightning_gpipe.faults.job import Job

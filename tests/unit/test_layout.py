@@ -97,7 +97,7 @@ def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 def test_the_package_imports_one_way():
     graph = import_graph()
-    assert "lightning_gpipe.engine.model_chunk" in graph["lightning_gpipe.engine.runtime"]  # the graph is read at all
+    assert "lightning_gpipe.engine.model_chunk" in graph["lightning_gpipe.engine.pipeline"]  # the graph is read at all
     assert cycles(graph) == []
     assert upward_imports(graph) == []
 
@@ -154,7 +154,7 @@ def test_the_partition_knows_nothing_of_the_rest_of_the_engine():
     engine = {
         "lightning_gpipe.engine.model_chunk",
         "lightning_gpipe.engine.schedule",
-        "lightning_gpipe.engine.runtime",
+        "lightning_gpipe.engine.pipeline",
         "lightning_gpipe.lightning.contract",
     }
     assert import_graph()["lightning_gpipe.engine.partition"].isdisjoint(engine)
@@ -350,7 +350,7 @@ def test_the_name_finder_finds_lightning_in_code_not_in_prose():
 
 def test_the_engine_planning_and_faults_never_name_lightning():
     below = {name: path for name, path in _modules().items() if 0 <= _layer(name) < LAYERS.index("lightning")}
-    assert "lightning_gpipe.engine.runtime" in below  # the finder reads the lower layers at all
+    assert "lightning_gpipe.engine.pipeline" in below  # the finder reads the lower layers at all
     found = {name: lightning_names(path.read_text()) for name, path in below.items()}
     assert {name: where for name, where in found.items() if where} == {}
 

@@ -21,7 +21,7 @@ from lightning_gpipe.engine.batchnorm import convert_deferred_batch_norm
 from lightning_gpipe.engine.events import Recorder
 from lightning_gpipe.engine.model_chunk import ModelChunk
 from lightning_gpipe.engine.partition import Split
-from lightning_gpipe.engine.runtime import Runtime
+from lightning_gpipe.engine.pipeline import Runtime
 from lightning_gpipe.engine.schedule import one_f_one_b, plans
 from lightning_gpipe.engine.transfer import Link
 from lightning_gpipe.faults.job import Job

@@ -54,7 +54,8 @@ def test_costs_are_affine_in_rows_between_the_profiled_sizes_and_bytes_proportio
     assert at16.forward == pytest.approx(1e-3 + 1e-6 * 16)
     assert at16.activation_bytes == 4 * 256 * 16
     assert at16.parameter_bytes == 4 * 256 * 256
-    assert costs.for_chunks(3)[0].activation_bytes == 4 * 256 * 22  # the first of tensor_split's chunks: 22 rows
+    first = costs.for_micro_batches(3)[0]  # the first of tensor_split's micro-batches: 22 rows
+    assert first.activation_bytes == 4 * 256 * 22
 
 
 def test_a_time_that_falls_with_the_rows_is_scaled_never_extrapolated_below_zero():
@@ -90,7 +91,7 @@ def test_memory_is_parameters_gradients_optimizer_activations_and_buffers():
     p = PipelinePlan(2, 1, 4, "never", "gpipe", (4, 4))
     prediction = predict(p, costs, FREE, state_factor=1, limit=2**40)
     params = 2 * 4 * 256 * 256
-    layers = costs.for_chunks(4)
+    layers = costs.for_micro_batches(4)
     peaks = simulate(modelled_stage_costs(layers, [4, 4], FREE), 4, "never").peak_activation_bytes
     for stage, peak in zip(prediction.memory, peaks):
         assert (stage.parameters, stage.gradients, stage.optimizer, stage.activations) == (params, params, params, peak)
@@ -119,7 +120,7 @@ def test_a_layers_transient_is_profiled_and_the_stages_largest_is_added_on_top()
     assert costs[1].transient_bytes > 4 * x.nbytes  # most of the 8 x.nbytes repeated, alive only inside the forward
     profiled_costs = ProfiledCosts((32, 32), costs, costs, 64, 2 * x.nbytes)
     prediction = predict(PipelinePlan(2, 1, 2, "never", "gpipe", (2, 2)), profiled_costs, FREE, 0, 2**40)
-    layers_at = profiled_costs.for_chunks(2)
+    layers_at = profiled_costs.for_micro_batches(2)
     for k, stage in enumerate(prediction.memory):
         first, second = layers_at[2 * k : 2 * k + 2]  # the gradient between them lives in either's backward
         freed = second.activation_bytes - second.input_saved_bytes  # before the first's backward, after its forward
@@ -209,7 +210,7 @@ def test_the_modules_after_the_backbone_are_counted_on_the_last_stage_and_left_a
     )
     head = report.profiled.head
     assert head is not None and head.parameter_bytes == sum(t.nbytes for t in module.head.state_dict().values())
-    layers, first = report.profiled.for_chunks(2), report.chosen.plan.balance[0]
+    layers, first = report.profiled.for_micro_batches(2), report.chosen.plan.balance[0]
     assert report.chosen.memory[1].parameters == sum(c.parameter_bytes for c in layers[first:]) + head.parameter_bytes
     assert head.peak_bytes[-1] >= 2 * 64 * VOCABULARY * 4  # the head's logits too
     assert all(torch.equal(t, state[name]) for name, t in module.head.state_dict().items())  # running statistics
@@ -219,22 +220,24 @@ def test_the_modules_after_the_backbone_are_counted_on_the_last_stage_and_left_a
 def test_under_1f1b_the_last_stage_holds_one_micro_batchs_output_gradient_not_the_batchs():
     costs = profiled()
     fill, one = (predict(PipelinePlan(2, 1, 4, "never", s, (4, 4)), costs, FREE, 0, 2**40) for s in ("gpipe", "1f1b"))
-    batches, joined, micro = 2 * costs.input_bytes, costs.at(64)[-1].output_bytes, costs.for_chunks(4)[-1].output_bytes
+    batches, joined = 2 * costs.input_bytes, costs.at(64)[-1].output_bytes
+    micro = costs.for_micro_batches(4)[-1].output_bytes
     assert (fill.memory[1].buffers, one.memory[1].buffers) == (batches + 2 * joined, batches + micro)
 
 
-@pytest.mark.parametrize("chunks", [4, 8])
-def test_a_sent_output_is_held_until_the_next_send_not_through_the_drain(chunks):
+@pytest.mark.parametrize("micro_batches", [4, 8])
+def test_a_sent_output_is_held_until_the_next_send_not_through_the_drain(micro_batches):
     """Checkpointed micro-batches keep no output in autograd; their sends hold them until the stage's next send or
     flush: the first stage of a fill-drain step holds one output on top of the activations (the last micro-batch's,
     which no later send releases before the flush: the first stage sends no gradient), whatever M, as under 1F1B.
     Beside it, the buffers its outputs' gradients are received into, from their receive's posting to their backward:
     all M from the drain's start under fill-drain, the K = 2 micro-batches in flight under 1F1B."""
     costs = profiled()
-    out = costs.for_chunks(chunks)[3].output_bytes
-    fill_drain = predict(PipelinePlan(2, 1, chunks, "always", "gpipe", (4, 4)), costs, FREE, 0, 2**40)
-    assert fill_drain.memory[0].transfers == out + chunks * out  # the ReLU saves its output: the recomputed one counts
-    one_f_one_b = predict(PipelinePlan(2, 1, chunks, "always", "1f1b", (4, 4)), costs, FREE, 0, 2**40)
+    out = costs.for_micro_batches(micro_batches)[3].output_bytes
+    fill_drain = predict(PipelinePlan(2, 1, micro_batches, "always", "gpipe", (4, 4)), costs, FREE, 0, 2**40)
+    m = micro_batches
+    assert fill_drain.memory[0].transfers == out + m * out  # the ReLU saves its output: the recomputed one counts
+    one_f_one_b = predict(PipelinePlan(2, 1, micro_batches, "always", "1f1b", (4, 4)), costs, FREE, 0, 2**40)
     assert one_f_one_b.memory[0].transfers == out + 2 * out
 
 
@@ -304,7 +307,7 @@ def test_a_candidate_some_split_fits_is_not_refused(limit_mib):
     costs = dataclasses.replace(profiled(pairs=8, rows=256, small=4), large=_wide_outputs(profiled(8, 256).large))
     limit = limit_mib * MIB
     found = search(2, costs, 2**40, 1, FREE, Constraints(pipeline_parallel_size=2, virtual_stages=1)).predictions
-    planned = {(p.plan.chunks, p.plan.checkpoint, p.plan.schedule) for p in found}
+    planned = {(p.plan.micro_batches, p.plan.checkpoint, p.plan.schedule) for p in found}
     chosen = {}
     for m, mode, name in planned:
         shape = Constraints(2, 1, m, mode, name, virtual_stages=1)
@@ -344,9 +347,9 @@ def test_no_plan_fits_names_the_smallest_limit_that_does():
 
 def test_constraints_are_kept():
     costs = profiled()
-    kept = Constraints(chunks=4, checkpoint="always", schedule="1f1b", balance=[3, 5])
+    kept = Constraints(micro_batches=4, checkpoint="always", schedule="1f1b", balance=[3, 5])
     report = search(2, costs, 2**40, 0, FREE, kept)
-    assert {(p.plan.chunks, p.plan.checkpoint, p.plan.schedule, p.plan.balance) for p in report.predictions} == {
+    assert {(p.plan.micro_batches, p.plan.checkpoint, p.plan.schedule, p.plan.balance) for p in report.predictions} == {
         (4, "always", "1f1b", (3, 5))
     }
 
@@ -398,7 +401,7 @@ def split_profiled(pairs: int = 4, rows: int = 64) -> ProfiledCosts:
 
 
 def test_split_stages_run_the_measured_b_and_w_and_hold_what_b_keeps_except_the_first():
-    layers = split_profiled().for_chunks(4)
+    layers = split_profiled().for_micro_batches(4)
     whole, split = modelled_stage_costs(layers, (4, 4), FREE), modelled_stage_costs(layers, (4, 4), FREE, split=True)
     assert split[0] == whole[0]  # the first stage sends no input gradient: it never splits
     linears = [c for c in layers[4:] if c.parameter_bytes]
@@ -413,7 +416,7 @@ def test_split_stages_run_the_measured_b_and_w_and_hold_what_b_keeps_except_the_
 
 
 def test_copies_cost_each_stage_what_it_receives_and_sends():
-    layers, model = profiled().for_chunks(4), dataclasses.replace(FREE, copy_bandwidth=1e9)
+    layers, model = profiled().for_micro_batches(4), dataclasses.replace(FREE, copy_bandwidth=1e9)
     free, copied = modelled_stage_costs(layers, (2, 3, 3), FREE), modelled_stage_costs(layers, (2, 3, 3), model)
     out = [stage.output_bytes for stage in free]
     assert [c.forward - f.forward for c, f in zip(copied, free)] == pytest.approx(
@@ -448,7 +451,7 @@ def test_an_interleaved_process_holds_its_chunks_together():
     with the last virtual stage, and the step is the simulator's interleaved one."""
     costs, plan = profiled(pairs=4), PipelinePlan(2, 1, 4, "never", "1f1b", (2, 2, 2, 2), 2)
     predicted = predict(plan, costs, FREE, 0, 2**40)
-    layers = costs.for_chunks(4)
+    layers = costs.for_micro_batches(4)
     per_chunk = [sum(c.parameter_bytes for c in layers[2 * s : 2 * s + 2]) for s in range(4)]
     assert [m.parameters for m in predicted.memory] == [per_chunk[0] + per_chunk[2], per_chunk[1] + per_chunk[3]]
     stages = modelled_stage_costs(layers, plan.balance, FREE)
@@ -551,8 +554,9 @@ def test_plan_auto_runs_the_chosen_plan_on_one_stage(tmp_path):
     chosen = strategy.plan_report.chosen.plan
     assert {p.plan.schedule for p in strategy.plan_report.predictions} == {"gpipe"}  # given explicitly: kept
     assert (strategy.config.chunks, strategy.config.checkpoint, strategy.config.balance) == (
-        chosen.chunks, chosen.checkpoint, list(chosen.balance),
+        chosen.micro_batches, chosen.checkpoint, list(chosen.balance),
     )  # fmt: skip
+    assert chosen.options()["chunks"] == chosen.micro_batches and "micro_batches" not in chosen.options()
     assert trainer.global_step == 2
 
 

@@ -137,8 +137,9 @@ def test_clipping_leaves_uncounted_copies_out_of_the_norm():
 def test_virtual_stages_split_into_chunks_and_refuse_a_skip_within_one_stage():
     import torch as _torch
 
+    from lightning_gpipe.engine.channels import _Wiring
     from lightning_gpipe.engine.events import TrackingRecorder
-    from lightning_gpipe.engine.pipeline import StageSpec, _Wiring
+    from lightning_gpipe.engine.pipeline import StageSpec
     from lightning_gpipe.engine.topology import Topology
     from lightning_gpipe.engine.transfer import Turn
     from lightning_gpipe.faults.job import Job

@@ -210,16 +210,16 @@ def test_a_model_of_another_layout_is_refused_by_name_with_the_reasons_before_an
         (
             "qwen3_next",
             dict(layer_types=["hybrid", "full_attention"]),
-            "layer types include \\['hybrid'\\]",
+            "take an attention and a recurrent mask at once",
         ),
         ("persimmon", {}, "`model` holds \\['embed_tokens', 'final_layernorm', 'layers', 'rotary_emb'\\]"),
         ("megatron-bert", {}, "`bert.encoder` holds \\['layer', 'ln'\\]"),
     ],
 )
 def test_a_deviation_the_adapter_does_not_handle_is_refused_by_structure(model_type, fields, reason):
-    """Hybrid layer types, a norm of another name in a decoder's base model that declares no plan (Persimmon), a
-    final norm in an encoder: modules or layer types the standard layouts do not have (on the meta device: nothing is
-    allocated)."""
+    """Hybrid layer types on blocks taking one mask, a norm of another name in a decoder's base model that declares
+    no plan (Persimmon), a final norm in an encoder: modules or layer types the standard layouts do not have (on the
+    meta device: nothing is allocated)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
     config = AutoConfig.for_model(model_type, num_hidden_layers=2, **fields)

@@ -58,13 +58,104 @@ def test_a_declared_plan_cuts_the_model_at_the_modules_it_names(model_type, path
     assert len(layers) == 6 and [layers[0], layers[1], layers[-2], layers[-1]] == paths
 
 
-@pytest.mark.parametrize("model_type", ["gpt_neox", "phi", "codegen", "qwen3_next", "minicpm3", "llama"])
+@pytest.mark.parametrize(
+    "model_type",
+    ["gpt_neox", "phi", "codegen", "qwen3_next", "minicpm3", "llama"]
+    + ["longcat_flash", "phi4_multimodal", "granite_swa", "glm_moe_dsa", "dots3_note_text", "gemma4_text"]
+    + ["gemma4_unified_text", "inkling_text", "hy_v4", "deepseek_v4", "beam"],
+)
 def test_declaring_classes_of_the_installed_transformers_equal_their_own_forward(model_type):
     """benchmarks/hf_conformance.py on a few: a plan with other names (GPT-NeoX, Phi, CodeGen), linear-attention
-    layers (Qwen3-Next), the hidden states scaled before the head (MiniCPM3), the standard layout (Llama): logits,
-    loss and every gradient of the backbone layer by layer within 1e-5 of the class's own forward."""
+    layers (Qwen3-Next), the hidden states scaled before the head (MiniCPM3), the standard layout (Llama); and one of
+    each mechanism taken since: blocks of two attention sublayers (LongCat-Flash), a multimodal feature embedding
+    on the embeddings (Phi-4-multimodal), a rotary module per layer theta (Granite-SWA), a value carried from block
+    to block (GLM-MoE-DSA's top-k indices), per-layer config overrides shrunk (Dots3-Note), per-layer embeddings
+    (Gemma 4), image-only bidirectional attention (Gemma 4 Unified), hybrid layers taking two masks (Inkling),
+    hyper-connection streams (HY-V4), the token ids and every kind of rotary table given to every block (DeepSeek-V4's
+    hash-routed experts; `main` and `compress`), layers without rotary parameters given what their modeling module
+    computes (Beam): logits, loss and every gradient of the backbone layer by layer within 1e-5 of the class's own
+    forward."""
     result = _conformance().conform(model_type)
     assert (result.verdict, result.family) == ("equal", "declared plan"), result.detail
+
+
+def _equal_to_forward(model) -> None:
+    """The backbone of ``model`` (checked) layer by layer equals its forward: logits, loss, every gradient."""
+    from lightning_gpipe.hf.decoder import causal_lm_loss, decoder_input
+
+    ids = torch.randint(3, 61, (2, 11), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    model.eval()
+    expected = model(input_ids=ids, attention_mask=mask, labels=labels)
+    expected.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    value = decoder_input(ids, mask)
+    for layer in to_sequential(model):
+        value = layer(value)
+    loss = causal_lm_loss(value, labels, None)
+    torch.testing.assert_close(value[mask.bool()], expected.logits[mask.bool()], atol=1e-5, rtol=0)
+    torch.testing.assert_close(loss, expected.loss, atol=1e-5, rtol=0)
+    loss.backward()
+    assert grads and grads.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+    for name, parameter in model.named_parameters():
+        if name in grads:
+            torch.testing.assert_close(parameter.grad, grads[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_blocks_of_two_attention_sublayers_are_one_layer_each():
+    """LongCat-Flash's `layers` holds num_hidden_layers / 2 blocks of two attention sublayers each: one backbone
+    layer per block, its first sublayer's index its layer index."""
+    config = AutoConfig.for_model("longcat_flash", **{**TINY, "num_hidden_layers": 4}, num_key_value_heads=4,
+                                  q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+                                  v_head_dim=8, head_dim=4, n_routed_experts=4, moe_topk=2,
+                                  expert_ffn_hidden_size=16, ffn_hidden_size=48)  # fmt: skip
+    assert (config.num_layers, config.num_hidden_layers) == (2, 4)
+    torch.manual_seed(0)
+    model = transformers.LongcatFlashForCausalLM(config)
+    backbone = to_sequential(model)
+    assert [layer.layer_index for layer in backbone[1:3]] == [0, 2]
+    _equal_to_forward(model)
+
+
+def test_a_value_one_block_gives_the_next_is_carried_between_their_layers():
+    """GLM-MoE-DSA's `shared` layers reuse the top-k indices the previous `full` layer's indexer chose: the block
+    returns them and the next block's layer gives them back as `prev_topk_indices`."""
+    config = AutoConfig.for_model("glm_moe_dsa", **TINY, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=8,
+                                  qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4,
+                                  num_experts_per_tok=2, moe_intermediate_size=16, index_topk=4,
+                                  index_head_dim=8, index_n_heads=2,
+                                  indexer_types=["full", "shared", "shared"])  # fmt: skip
+    torch.manual_seed(0)
+    _equal_to_forward(transformers.GlmMoeDsaForCausalLM(config))
+
+
+def test_a_rotary_module_per_layer_theta_and_layers_without_rotary():
+    """Granite-SWA builds one rotary module per non-zero `layer_rope_theta` (0: no rotary embedding): each block's
+    layer calls its own theta's."""
+    config = AutoConfig.for_model("granite_swa", **TINY, layer_rope_theta=[1e4, 0, 5e5],
+                                  layer_types=["sliding_attention", "full_attention", "full_attention"],
+                                  sliding_window=4)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GraniteSWAForCausalLM(config)
+    assert [list(layer.paths) for layer in to_sequential(model)[1:4]] == [
+        ["model.layers.0", "model.rotary_embs.0", "model.rotary_emb"],
+        ["model.layers.1", "model.rotary_emb"],
+        ["model.layers.2", "model.rotary_embs.1", "model.rotary_emb"],
+    ]
+    _equal_to_forward(model)
+
+
+def test_layers_reusing_earlier_layers_keys_and_values_are_refused_naming_it():
+    """Gemma 4 with `num_kv_shared_layers`: its last layers read the keys and values of earlier ones, which the
+    adapter does not carry between blocks (without them, Gemma 4 is taken: its per-layer embeddings are computed at
+    the embedding and each block takes its own)."""
+    model = _meta("gemma4_text", num_hidden_layers=4, num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+                  vocab_size_per_layer_input=61, layer_types=["sliding_attention", "full_attention"] * 2)  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match=r"its last 2 layers reuse the keys and values of earlier layers"):
+        to_sequential(model, check=False)
 
 
 def test_the_conformance_comparison_can_find_a_difference():
@@ -133,3 +224,20 @@ def test_a_plan_naming_modules_the_model_lacks_is_refused_naming_them():
     model = _meta("hrm_text")
     with pytest.raises(UnsupportedModelError, match=r"its plan names \['model.layers', 'model.norm'\], which"):
         to_sequential(model, check=False)
+
+
+def test_modules_the_plan_leaves_out_are_held_where_the_forward_uses_them():
+    """Phi-4-multimodal: `embed_tokens_extend` (image and audio features merged into the embeddings; for text, the
+    embeddings unchanged) is applied in the embedding layer, and `embed_dropout`, which its forward never calls and
+    which holds no tensor, is held by none; HY-V4's `hc_head` collapses the hyper-connection streams in the final norm's
+    layer."""
+    phi = _meta("phi4_multimodal", pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    assert family_of(phi).name == "declared plan"
+    layers = [list(layer.paths) for layer in to_sequential(phi, check=False)]
+    assert layers[0] == ["model.embed_tokens", "model.embed_tokens_extend"]
+    assert not any("model.embed_dropout" in paths for paths in layers)
+    latent = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+                  v_head_dim=8, head_dim=4)  # fmt: skip
+    hy = _meta("hy_v4", **latent, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    assert list(to_sequential(hy, check=False)[-2].paths) == ["model.hc_head", "model.norm"]

@@ -116,26 +116,36 @@ def test_a_load_balancing_loss_the_adapter_cannot_carry_is_refused_alike_with_an
 
 
 def test_layer_types_the_adapter_does_not_know_are_named_with_what_to_do():
-    """Inkling's ``hybrid`` layers take a full and a recurrent mask at once."""
+    """A layer type for which transformers declares no mask (LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING)."""
+    config = LlamaConfig(**TINY)
+    config.layer_types = ["full_attention", "lattice_attention", "full_attention"]  # past the config's validation
+    with pytest.raises(UnsupportedModelError) as refused:
+        to_sequential(LlamaForCausalLM(config))
+    message = str(refused.value)
+    assert "its layer types include ['lattice_attention'], which the adapter does not know" in message
+    assert "Register a Family" in message and "'Adding a family'" in message
+
+
+def test_a_hybrid_layer_type_on_blocks_taking_one_mask_is_named():
+    """``hybrid`` layers (Inkling's) take a full and a recurrent mask at once: Llama's blocks take one."""
     config = LlamaConfig(**TINY, layer_types=["full_attention", "hybrid", "full_attention"])
     with pytest.raises(UnsupportedModelError) as refused:
         to_sequential(LlamaForCausalLM(config))
     message = str(refused.value)
-    assert "its layer types include ['hybrid'], which the adapter does not know" in message
-    assert "Register a Family" in message and "'Adding a family'" in message
+    assert "take an attention and a recurrent mask at once" in message and "take 0 mask arguments" in message
 
 
-def test_a_layer_type_without_rotary_parameters_is_named_not_a_key_error():
+def test_a_layer_type_without_rotary_parameters_gets_what_its_modeling_module_computes():
     """Beam's full-attention layers take no rotary embedding (``rope_parameters['full_attention']`` is None) but an
-    attention scaling its forward computes; refused before as "could not check ... KeyError: 'full_attention'"."""
+    attention scaling its modeling module computes from the positions (``compute_attention_scaling``); refused
+    before, as "'full_attention' layers have no rotary parameters". Cut exactly: loss and every gradient."""
     config = AutoConfig.for_model("beam", **TINY, layer_types=["sliding_attention", "full_attention"] * 1
                                   + ["sliding_attention"], sliding_window=4, num_local_experts=4,
                                   num_experts_per_tok=2)  # fmt: skip
-    with pytest.raises(UnsupportedModelError) as refused:
-        check_class(BeamForCausalLM, config)
-    message = str(refused.value)
-    assert "'full_attention' layers have no rotary parameters" in message and "KeyError" not in message
-    assert "'Adding a family'" in message
+    assert config.rope_parameters["full_attention"] is None
+    assert check_class(BeamForCausalLM, config).name == "declared plan"
+    torch.manual_seed(0)
+    _assert_cut_equals_forward(BeamForCausalLM(config))
 
 
 class _NeedsFlag(LlamaDecoderLayer):

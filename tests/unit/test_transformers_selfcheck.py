@@ -118,3 +118,17 @@ def test_a_miniature_that_cannot_be_built_is_refused_with_the_error_and_the_way_
 
     with pytest.raises(SelfCheckError, match=r"could not check how it cuts WideOnly.*at least 128.*`check=False`"):
         check_class(WideOnly, LlamaConfig(**{**TINY, "hidden_size": 128}))
+
+
+def test_a_heterogeneous_configs_per_layer_widths_are_shrunk_per_layer():
+    """Dots3-Note's sliding layers have widths of their own (``per_layer_config``), which its global config refuses to
+    give (refused before, "'num_key_value_heads' is a per-layer attribute"): the miniature keeps a layer of each kind
+    with its own overrides shrunk alike, the head split into rotary and other parts as the config splits it."""
+    config = transformers.AutoConfig.for_model("dots3_note_text")
+    mini = miniature_config(config)
+    assert mini.layer_types == ["indexed_attention", "indexed_attention", "sliding_attention"]
+    sliding, indexed = mini.per_layer_config[2], mini.per_layer_config[0]
+    assert (sliding.num_attention_heads, sliding.num_key_value_heads, sliding.kv_lora_rank) == (4, 4, 16)
+    assert sliding.head_dim == sliding.qk_nope_head_dim + sliding.qk_rope_head_dim == 32  # as the config's 192 + 64
+    assert (indexed.head_dim, indexed.qk_rope_head_dim, indexed.qk_nope_head_dim) == (32, 8, 8)  # rotary a quarter
+    assert config.per_layer_config[2].num_attention_heads == 64  # the user's config unchanged

@@ -3,7 +3,9 @@
 Usage: python host_reads.py OUT_DIR
 On 2 stages, an MLP of 8 x Linear(64) trains 8 steps with M = 4 and M = 8 under each of ``"gpipe"``, ``"1f1b"`` and
 ``"zb-1p"`` (``checkpoint="never"``, a progress bar off and no logger: what the user's own code reads is theirs), and
-under ``"gpipe"`` with its head's weight tied to its first layer's (``"tied"``: one parameter on both stages).
+under ``"gpipe"`` with its head's weight tied to its first layer's (``"tied"``: one parameter on both stages); and a
+tiny Llama of ``lightning_gpipe.hf.CausalLM`` on packed rows of documents whose shape changes every step, between two
+shapes (``"packed"``, fill-drain: ``pack_documents``, ``packed_batch``).
 From the fourth step to the end of the last, every call of a ``Tensor`` method that reads its values on the host
 (``item``, ``tolist``, ``numpy``, ``cpu``, ``__bool__``, ``__int__``, ``__float__``, ``__index__``) made directly by a
 module of ``lightning_gpipe``, in any thread, is counted. Each rank writes OUT_DIR/reads_rank{r}.json: per run
@@ -95,21 +97,45 @@ class MLP(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+def packed() -> tuple[L.LightningModule, list[dict]]:
+    """A tiny Llama's ``CausalLM`` and ``STEPS`` batches of 8 rows packed from documents of 3 to 12 tokens and one of
+    the row's length: rows of 16 tokens in even steps, 20 in odd ones, so that the shape changes every step and each
+    shape has been seen before the counted steps (a step's shapes are then announced ahead, not sent per
+    micro-batch)."""
+    from transformers import LlamaConfig
+
+    from lightning_gpipe.hf import CausalLM, pack_documents, packed_batch
+
+    config = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    generator, batches = torch.Generator().manual_seed(0), []
+    for step in range(STEPS):
+        row = 16 + 4 * (step % 2)
+        lengths = [row, *torch.randint(3, 13, (23,), generator=generator).tolist()]
+        documents = [torch.randint(3, 61, (n,), generator=generator).tolist() for n in lengths]
+        batches.append(packed_batch(pack_documents(documents, row_length=row)[:8], pad_token_id=0))
+    return CausalLM(config=config, lr=1e-3), batches
+
+
 def run(reads: Reads, schedule: str, chunks: int, tied: bool = False) -> tuple[int, float, dict]:
     """This process's global rank, its reads per steady step of one fit, and where they were made."""
     L.seed_everything(0, verbose=False)
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64 * STEPS, 64, generator=generator), torch.randint(0, 10, (64 * STEPS,)))
+    module, loader = MLP(tied), DataLoader(data, batch_size=64)
+    if schedule == "packed":
+        module, batches = packed()
+        schedule, loader = "gpipe", DataLoader(batches, batch_size=None)
     strategy = lightning_gpipe.GPipeStrategy(chunks=chunks, checkpoint="never", schedule=schedule)
     trainer = L.Trainer(strategy=strategy, devices=2, max_steps=STEPS, callbacks=[Steady(reads)], **trainer_kwargs())
-    trainer.fit(MLP(tied), DataLoader(data, batch_size=64))
+    trainer.fit(module, loader)
     return trainer.global_rank, sum(reads.where.values()) / (STEPS - FROM), dict(reads.where)
 
 
 if __name__ == "__main__":
     out, reads, found = sys.argv[1], Reads(), {}
     try:
-        for schedule in ("gpipe", "1f1b", "zb-1p", "tied"):
+        for schedule in ("gpipe", "1f1b", "zb-1p", "tied", "packed"):
             for chunks in (4, 8):
                 rank, per_step, where = run(reads, schedule.replace("tied", "gpipe"), chunks, schedule == "tied")
                 found[f"{schedule}-M{chunks}"] = {"per_step": per_step, "where": where}

@@ -40,7 +40,7 @@ args = parser.parse_args()
 
 planned, names, planned_state = train(args.devices, plan="auto", memory_limit=2**30, virtual_stages=2)
 chosen = planned.plan_report.chosen.plan
-options = {key: getattr(chosen, key) for key in ("chunks", "checkpoint", "schedule", "virtual_stages")}
+options = {key: chosen.options()[key] for key in ("chunks", "checkpoint", "schedule", "virtual_stages")}
 _, _, given_state = train(args.devices, balance=list(chosen.balance), **options)
 record = {
     "report": planned.plan_report.as_dict(),

@@ -28,6 +28,10 @@ class SkipLayout:
         backbone: the ``nn.Sequential`` whose direct children may be skippable layers.
         balance: layers per stage (``None``: all on one stage).
 
+    Attributes:
+        routes: the skips that cross stages (:class:`Route`), in the same order on every process.
+        stages: the stages whose layers stash or pop a skip (the others run their layers without a skip tracker).
+
     Raises:
         ValueError: as :func:`verify_skippables`.
     """
@@ -36,6 +40,7 @@ class SkipLayout:
         pairs = _pairs(backbone)
         balance = list(balance) if balance is not None else [len(backbone)]
         stage_of = [stage for stage, n in enumerate(balance) for _ in range(n)]
+        self.stages = {stage_of[layer] for pair in pairs.values() for layer in pair}
         self.routes = sorted(
             (Route(key, s, stage_of[s], stage_of[p]) for key, (s, p) in pairs.items() if stage_of[s] != stage_of[p]),
             key=lambda route: (route.stash_layer, route.key[1]),  # the same order in every process

@@ -132,8 +132,3 @@ class SkipLinks:
         """
         for _, link in self._in + (self._out if sent else []):
             link.flush()
-
-
-def no_skips(device: torch.device, job: "Job", events: Recorder | None = None) -> SkipLinks:
-    """The skip links of a stage that neither stashes for nor pops from another stage (of the run's ``job``)."""
-    return SkipLinks({}, {}, device, events if events is not None else Recorder(), job)

@@ -79,7 +79,7 @@ def imbalance(loads: Sequence[StageLoad]) -> float:
     return max(load.work for load in loads) / mean if mean > 0 else 1.0
 
 
-def layer_estimates(loads: Sequence[StageLoad], chunks: int) -> list[LayerCost]:
+def layer_estimates(loads: Sequence[StageLoad], micro_batches: int) -> list[LayerCost]:
     """Per-layer costs for one micro-batch, spreading each stage's measured time evenly over its layers.
 
     The recompute is counted as forward time (it is one), so the estimate holds for any checkpoint mode.
@@ -87,12 +87,14 @@ def layer_estimates(loads: Sequence[StageLoad], chunks: int) -> list[LayerCost]:
     costs = []
     for load in loads:
         forward = (load.forward + load.recompute) / 2 if load.recompute else load.forward
-        costs += [LayerCost(forward / load.layers / chunks, load.backward / load.layers / chunks)] * load.layers
+        costs += [
+            LayerCost(forward / load.layers / micro_batches, load.backward / load.layers / micro_batches)
+        ] * load.layers
     return costs
 
 
 def suggest_balance(
-    costs: Sequence[LayerCost], num_stages: int, checkpoint: str, chunks: int, loss: float = 0.0
+    costs: Sequence[LayerCost], num_stages: int, checkpoint: str, micro_batches: int, loss: float = 0.0
 ) -> list[int]:
     """The ``balance`` minimising the slowest stage's time per micro-batch (:func:`lightning_gpipe.solve`).
 
@@ -100,12 +102,12 @@ def suggest_balance(
         costs: per-layer costs for one micro-batch.
         num_stages: K.
         checkpoint: the checkpoint mode, which decides how many forwards are recomputed.
-        chunks: M.
+        micro_batches: M.
         loss: seconds per step of the head and loss, which always run with the last layer.
     """
-    recomputed = recomputed_share(checkpoint, chunks)
+    recomputed = recomputed_share(checkpoint, micro_batches)
     times = [c.forward * (1 + recomputed) + c.backward for c in costs]
-    times[-1] += loss / chunks
+    times[-1] += loss / micro_batches
     return solve(times, num_stages)
 
 
@@ -143,7 +145,7 @@ class Suggestion:
 def fastest_split(
     costs: Sequence[LayerCost],
     balance: Sequence[int],
-    chunks: int,
+    micro_batches: int,
     checkpoint: str,
     loss: float = 0.0,
     schedule: str = "gpipe",
@@ -158,7 +160,7 @@ def fastest_split(
     Args:
         costs: per-layer costs for one micro-batch.
         balance: the current split, simulated alike.
-        chunks: M.
+        micro_batches: M.
         checkpoint: the checkpoint mode.
         loss: seconds per step of the head and loss.
         schedule: the schedule, as for ``GPipeStrategy`` (default ``"gpipe"``).
@@ -168,10 +170,10 @@ def fastest_split(
     def step(split: Sequence[int]) -> float:
         stages = stage_costs(costs, split)
         return simulate(
-            stages, chunks, checkpoint, loss=loss, schedule=schedule, defer_weight_grad=defer_weight_grad
+            stages, micro_batches, checkpoint, loss=loss, schedule=schedule, defer_weight_grad=defer_weight_grad
         ).step_time
 
-    best = suggest_balance(costs, len(balance), checkpoint, chunks, loss)
+    best = suggest_balance(costs, len(balance), checkpoint, micro_batches, loss)
     best_step, improved = step(best), True
     while improved:
         improved = False
@@ -243,12 +245,12 @@ class PipelineBalance(PipelineCallback):
     def _report(self, trainer: "pl.Trainer") -> dict:
         assert isinstance(trainer.strategy, GPipeStrategy)  # steps are gathered under it only
         loads = stage_loads(self.measured)
-        chunks, checkpoint = self.measured[0].micro_batches, trainer.strategy.config.checkpoint
+        micro_batches, checkpoint = self.measured[0].micro_batches, trainer.strategy.config.checkpoint
         virtual_stages = trainer.strategy.config.virtual_stages
         assert checkpoint is not None and virtual_stages is not None  # PipelineConfig gave the defaults
         report: dict[str, Any] = {
             "steps": [s.step for s in self.measured],
-            "chunks": chunks,
+            "chunks": micro_batches,  # the strategy option's name, as in the JSON file users read
             "checkpoint": checkpoint,
             "balance": [load.layers for load in loads],
             "stages": [asdict(load) for load in loads],
@@ -264,11 +266,11 @@ class PipelineBalance(PipelineCallback):
         if report["imbalance"] <= self.threshold or virtual_stages > 1:
             return report  # with virtual stages a stage's layers are not contiguous: no split is suggested
         profiled = getattr(trainer.strategy, "layer_costs", None)
-        costs = list(profiled) if profiled else layer_estimates(loads, chunks)
+        costs = list(profiled) if profiled else layer_estimates(loads, micro_batches)
         config = trainer.strategy.config
         assert config.schedule is not None  # PipelineConfig gave the default
         found = fastest_split(
-            costs, report["balance"], chunks, checkpoint, loads[-1].loss, config.schedule, config.splits_backward
+            costs, report["balance"], micro_batches, checkpoint, loads[-1].loss, config.schedule, config.splits_backward
         )
         report["suggested_balance"] = found.suggested
         report["cost_source"] = "profiled layer costs" if profiled else "measured stage times"
