@@ -141,8 +141,26 @@ def miniature_config(config: Any) -> Any:
         layers = [_shrunk({**originals, **overrides[i]}.get, grouped) for i in kept]
         names = set(overrides[0])
         mini.per_layer_config = {j: {n: v for n, v in values.items() if n in names} for j, values in enumerate(layers)}
+    _one_block_towers(mini)
     mini.use_cache = False
     return mini
+
+
+SUB_CONFIG_DEPTHS = ("num_hidden_layers", "num_blocks")
+"""The depths of a nested config (a multimodal model's vision or audio tower) that the miniature cuts to one."""
+
+
+def _one_block_towers(config: Any) -> None:
+    """Cut each config nested in ``config`` (Phi-4-multimodal's ``vision_config`` and ``audio_config``: towers the
+    embedding layer holds beside the token embedding, which the text-only probe does not run through) to one block,
+    widths as given: a miniature need not build 27 full-size vision layers."""
+    from transformers import PretrainedConfig
+
+    for value in vars(config).values():
+        if isinstance(value, PretrainedConfig):
+            for name in SUB_CONFIG_DEPTHS:
+                if _is_integer(getattr(value, name, None)):
+                    setattr(value, name, 1)
 
 
 def _shrunk(get: Callable[[str], Any], grouped: bool) -> dict[str, int]:

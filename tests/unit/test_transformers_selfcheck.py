@@ -132,3 +132,13 @@ def test_a_heterogeneous_configs_per_layer_widths_are_shrunk_per_layer():
     assert sliding.head_dim == sliding.qk_nope_head_dim + sliding.qk_rope_head_dim == 32  # as the config's 192 + 64
     assert (indexed.head_dim, indexed.qk_rope_head_dim, indexed.qk_nope_head_dim) == (32, 8, 8)  # rotary a quarter
     assert config.per_layer_config[2].num_attention_heads == 64  # the user's config unchanged
+
+
+def test_a_multimodal_configs_towers_are_cut_to_one_block_in_the_miniature():
+    """Phi-4-multimodal's embedding layer holds its vision (27 layers) and audio (24 blocks) towers beside the token
+    embedding: the miniature keeps their widths and one block each, the user's config unchanged."""
+    config = transformers.AutoConfig.for_model("phi4_multimodal")
+    mini = miniature_config(config)
+    assert (mini.vision_config.num_hidden_layers, mini.audio_config.num_blocks) == (1, 1)
+    assert mini.vision_config.hidden_size == config.vision_config.hidden_size
+    assert (config.vision_config.num_hidden_layers, config.audio_config.num_blocks) == (27, 24)
