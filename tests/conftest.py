@@ -358,3 +358,21 @@ def hf_one_device_optimizer(model, options: dict, total_steps: int):
         step, options["warmup_steps"], total_steps, options["decay"], options["min_lr_ratio"]
     )
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def hf_train_one_device(model, optimizer, schedule, batches, bf16: bool = False) -> list[float]:
+    """Train the Hugging Face ``model`` on one device, a step per batch of ``batches`` (its keyword arguments, with
+    ``labels``), with ``optimizer`` and its learning-rate ``schedule`` (:func:`hf_one_device_optimizer`); under
+    ``bf16``, the forward only in CPU autocast, as Lightning's ``bf16-mixed``. Returns the per-step losses."""
+    import torch
+
+    losses = []
+    for batch in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -12,7 +12,7 @@ import os
 import lightning as L
 import torch
 import torch.nn.functional as F
-from conftest import hf_one_device_optimizer, hf_worker
+from conftest import hf_one_device_optimizer, hf_train_one_device, hf_worker
 from models import GLOBAL_BATCH, LossRecorder, SyncNet, loader, trainer_kwargs
 from nonchain import TiedNet, token_loader
 from torch.utils.data import DataLoader, Dataset
@@ -188,12 +188,5 @@ def hf_one_device(lora: bool, dtype: torch.dtype = torch.float32, steps: int = H
     base.config._attn_implementation = "eager"
     optimizer, schedule = hf_one_device_optimizer(model, worker.OPTIMIZATION, HF_STEPS)
     model.train()
-    losses = []
-    for batch in hf_global_batches()[:steps]:
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = hf_train_one_device(model, optimizer, schedule, hf_global_batches()[:steps])
     return base.state_dict(), losses

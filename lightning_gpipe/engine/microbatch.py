@@ -34,9 +34,15 @@ def floats(value: Value) -> list[Tensor]:
 
 
 @overload
-def leaves(value: Tensor, requires_grad: bool | None = True, device: torch.device | None = None) -> Tensor: ...
+def leaves(value: Tensor, requires_grad: bool | None = True, device: torch.device | None = None) -> Tensor:
+    """A Tensor's leaf (see the implementation below)."""
+
+
 @overload
-def leaves(value: tuple, requires_grad: bool | None = True, device: torch.device | None = None) -> tuple: ...
+def leaves(value: tuple, requires_grad: bool | None = True, device: torch.device | None = None) -> tuple:
+    """A tuple's leaves (see the implementation below)."""
+
+
 def leaves(value: Value, requires_grad: bool | None = True, device: torch.device | None = None) -> Value:
     """``value`` with its tensors cut from their autograd history, as new leaves.
 

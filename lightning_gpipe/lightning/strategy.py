@@ -294,8 +294,8 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         callbacks see is the last stage's (:func:`~lightning_gpipe.lightning.step.hand_output`)."""
         run = self._run
         assert run is not None  # split in setup
-        ties = run.pipeline.ties
-        result = super().optimizer_step(optimizer, ties.after(closure) if ties.held else closure, model, **kwargs)
+        stepped = run.ties.after(closure) if run.ties.held else closure  # `closure` keeps the step's output
+        result = super().optimizer_step(optimizer, stepped, model, **kwargs)
         step.hand_output(run, closure)
         return result
 

@@ -11,7 +11,14 @@ import json
 
 import pytest
 import torch
-from conftest import assert_states_close, assert_within_fp32_rounding, hf_one_device_optimizer, hf_worker, shared_run
+from conftest import (
+    assert_states_close,
+    assert_within_fp32_rounding,
+    hf_one_device_optimizer,
+    hf_train_one_device,
+    hf_worker,
+    shared_run,
+)
 from hf_families import FIRST
 
 transformers = pytest.importorskip("transformers")
@@ -80,19 +87,6 @@ DECODING = [(family, k, (True, False)) for family, k in RUNS if WORKER.is_decode
 DECODING += [(family, k, (True,)) for family, k in QUICK if WORKER.is_decoder(family)]
 
 
-def _train(model, optimizer, schedule, batches, bf16: bool = False) -> list[float]:
-    losses = []
-    for batch in batches:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # the forward only, as Lightning's
-            loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 _TRAINED: dict = {}
 
 
@@ -105,7 +99,7 @@ def trained_on_one_device(family: str):
         model.config._attn_implementation = "eager"
         optimizer, schedule = hf_one_device_optimizer(model, WORKER.OPTIMIZATION, WORKER.STEPS)
         model.train()
-        losses = _train(model, optimizer, schedule, WORKER.batches(family))
+        losses = hf_train_one_device(model, optimizer, schedule, WORKER.batches(family))
         generated = None
         if WORKER.is_decoder(family):
             model.eval()
@@ -135,7 +129,7 @@ def trained_in_float64(family: str) -> dict:
         model.config._attn_implementation = "eager"
         optimizer, schedule = hf_one_device_optimizer(model, WORKER.OPTIMIZATION, WORKER.STEPS)
         model.train()
-        _train(model, optimizer, schedule, WORKER.batches(family))
+        hf_train_one_device(model, optimizer, schedule, WORKER.batches(family))
         _IN_FLOAT64[family] = model.state_dict()
     return _IN_FLOAT64[family]
 
@@ -209,7 +203,7 @@ def test_two_pipeline_replicas_of_two_stages_equal_the_model_trained_on_one_devi
     reference.config._attn_implementation = "eager"
     optimizer, schedule = hf_one_device_optimizer(reference, WORKER.OPTIMIZATION, WORKER.STEPS)
     reference.train()
-    _train(reference, optimizer, schedule, batches)
+    hf_train_one_device(reference, optimizer, schedule, batches)
     expected = reference.state_dict()
     states = [torch.load(out / f"state_rank{rank}.pt") for rank in range(4)]
     for state in states:  # both replicas of each stage hold the one-device parameters
@@ -230,13 +224,13 @@ def test_a_full_checkpoint_of_2_stages_resumes_on_3_as_one_device_continues():
     model.config._attn_implementation = "eager"
     optimizer, schedule = hf_one_device_optimizer(model, WORKER.OPTIMIZATION, WORKER.STEPS)
     model.train()
-    _train(model, optimizer, schedule, WORKER.batches("llama"))
+    hf_train_one_device(model, optimizer, schedule, WORKER.batches("llama"))
     total, options = WORKER.STEPS + WORKER.RESUMED_STEPS, WORKER.OPTIMIZATION
     stretched = lambda step: lr_factor(  # noqa: E731 - configure_optimizers on resume: over the new last step
         step, options["warmup_steps"], total, options["decay"], options["min_lr_ratio"]
     )
     schedule.lr_lambdas = [stretched] * len(optimizer.param_groups)
-    losses = _train(model, optimizer, schedule, WORKER.batches("llama")[: WORKER.RESUMED_STEPS])
+    losses = hf_train_one_device(model, optimizer, schedule, WORKER.batches("llama")[: WORKER.RESUMED_STEPS])
     assert_states_close(_merged_state(out, 3), model.state_dict())
     torch.testing.assert_close(torch.tensor(torch.load(out / "losses.pt")), torch.tensor(losses), atol=1e-5, rtol=0)
 
@@ -277,7 +271,10 @@ def test_a_pipelined_bf16_mixed_fit_is_close_to_the_model_trained_on_one_device_
         model.config._attn_implementation = "eager"
         optimizer, schedule = hf_one_device_optimizer(model, WORKER.OPTIMIZATION, WORKER.STEPS)
         model.train()
-        one_device[bf16] = (model.state_dict(), _train(model, optimizer, schedule, WORKER.batches("llama"), bf16))
+        one_device[bf16] = (
+            model.state_dict(),
+            hf_train_one_device(model, optimizer, schedule, WORKER.batches("llama"), bf16),
+        )
     (bf16_state, bf16_losses), (fp32_state, _) = one_device[True], one_device[False]
     pipelined = _merged_state(out, 2)
     assert set(pipelined) == set(bf16_state)
@@ -319,7 +316,7 @@ def _trained_lora():
     model.get_base_model().config._attn_implementation = "eager"
     optimizer, schedule = hf_one_device_optimizer(model, WORKER.OPTIMIZATION, WORKER.STEPS)
     model.train()
-    return model, _train(model, optimizer, schedule, WORKER.batches("llama"))
+    return model, hf_train_one_device(model, optimizer, schedule, WORKER.batches("llama"))
 
 
 def test_lora_on_two_stages_trains_the_adapters_as_one_device_and_leaves_the_base_weights_as_they_were():
@@ -384,12 +381,12 @@ def test_a_lora_checkpoint_of_2_stages_resumes_on_4_stages_as_one_device_continu
     model.get_base_model().config._attn_implementation = "eager"
     optimizer, schedule = hf_one_device_optimizer(model, WORKER.OPTIMIZATION, WORKER.STEPS)
     model.train()
-    _train(model, optimizer, schedule, WORKER.batches("llama"))
+    hf_train_one_device(model, optimizer, schedule, WORKER.batches("llama"))
     total, options = WORKER.STEPS + WORKER.RESUMED_STEPS, WORKER.OPTIMIZATION
     stretched = lambda step: lr_factor(  # noqa: E731 - configure_optimizers on resume: over the new last step
         step, options["warmup_steps"], total, options["decay"], options["min_lr_ratio"]
     )
     schedule.lr_lambdas = [stretched] * len(optimizer.param_groups)
-    losses = _train(model, optimizer, schedule, WORKER.batches("llama")[: WORKER.RESUMED_STEPS])
+    losses = hf_train_one_device(model, optimizer, schedule, WORKER.batches("llama")[: WORKER.RESUMED_STEPS])
     assert_states_close(_merged_state(out, 4), model.get_base_model().state_dict())
     torch.testing.assert_close(torch.tensor(torch.load(out / "losses.pt")), torch.tensor(losses), atol=1e-5, rtol=0)

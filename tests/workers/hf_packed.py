@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_families import build  # noqa: E402
-from transformers_hf import LORA, OPTIMIZATION  # noqa: E402
+from transformers_hf import OPTIMIZATION, with_lora  # noqa: E402
 
 STEPS = 2
 ROW = 16
@@ -50,12 +50,8 @@ def initial_model(lora: bool):
 
 
 def initial_lora():
-    """The seeded starting LoRA model of :func:`initial_model` (``peft``, :data:`transformers_hf.LORA`)."""
-    from peft import LoraConfig, get_peft_model
-
-    model = initial_model(True)
-    torch.manual_seed(1)
-    return get_peft_model(model, LoraConfig(**LORA))
+    """The seeded starting LoRA model of :func:`initial_model` (:func:`transformers_hf.with_lora`)."""
+    return with_lora(initial_model(True))
 
 
 if __name__ == "__main__":

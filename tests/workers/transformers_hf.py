@@ -90,14 +90,17 @@ def initial_model(family: str = "llama"):
     return build(family)
 
 
-def initial_lora(family: str = "llama"):
-    """The seeded starting LoRA model of ``family`` (``peft.get_peft_model`` of :func:`initial_model` with
-    :data:`LORA`)."""
+def with_lora(model):
+    """``model`` with seeded LoRA adapters (``peft.get_peft_model`` with :data:`LORA`, drawn after seed 1)."""
     from peft import LoraConfig, get_peft_model
 
-    model = initial_model(family)
     torch.manual_seed(1)
     return get_peft_model(model, LoraConfig(**LORA))
+
+
+def initial_lora(family: str = "llama"):
+    """The seeded starting LoRA model of ``family``: :func:`with_lora` of :func:`initial_model`."""
+    return with_lora(initial_model(family))
 
 
 if __name__ == "__main__":
