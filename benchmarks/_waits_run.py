@@ -45,8 +45,10 @@ class _Blocking:
 
 
 def _blocking_waits() -> None:
+    from contextlib import nullcontext
+
     from lightning_gpipe.engine import events
-    from lightning_gpipe.faults import waiting
+    from lightning_gpipe.faults import waiting, watchdog
 
     def wait(job, works, peer):
         with job.board.as_pipeline_failure():
@@ -56,7 +58,8 @@ def _blocking_waits() -> None:
     waiting.wait = wait  # looked up at each call by the links and the collectives
     waiting.wait_watched = lambda job, watched, peer: wait(job, [watched], peer)
     waiting.Waiter.watch = lambda self, works, stream: _Blocking(works)  # no helper thread per stream
-    events.TrackingRecorder.span = events.Recorder.span
+    events.TrackingRecorder.span = events.Recorder.span  # a recording span: the position stays
+    watchdog.Position.span = lambda self, *args: nullcontext()  # the span while nothing records: nothing at all
 
 
 def ping_pong(argv: list[str]) -> None:

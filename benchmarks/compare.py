@@ -25,8 +25,8 @@ the same mini-batch, the same M, the same initial weights, SGD, ``checkpoint="ne
            our engine's 1F1B plans, torch's Schedule1F1B; "1F1B over fill-drain" lines compare each
            with its fill-drain twin (the same bubble: about 1.00 expected)
 
-With ``--before REF`` (a git revision of this repository), ``before/L`` (and ``before/L-1f1b``, ``before/LW``,
-``before/L-zb1p``, ``before/L-zbv`` when their ours/* run) is ours/L as that revision's code runs it: its
+With ``--before REF`` (a git revision of this repository), ``before/L`` (and ``before/E``, ``before/L-1f1b``,
+``before/LW``, ``before/L-zb1p``, ``before/L-zbv`` when their ours/* run) is ours/L as that revision's code runs it: its
 ``benchmarks/_runs.py`` and its package, from ``git archive REF``, in the same interleaved run, so a change of the
 engine is measured as not slower ("ours/L vs before/L" close to 1.00).
 
@@ -117,6 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 BEFORE = {
+    "before/E": "ours/E",
     "before/L": "ours/L",
     "before/L-1f1b": "ours/L-1f1b",
     "before/LW": "ours/LW",

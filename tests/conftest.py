@@ -3,7 +3,6 @@ other scripts that need K, see :func:`shared_run`)."""
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,19 +27,17 @@ def run_worker(script: str, *args: str, timeout: float = 300, env: dict | None =
 
 def start_worker(script: str, *args: str, env: dict | None = None, ignore_sigint: bool = False) -> subprocess.Popen:
     """Start ``tests/workers/<script>`` (the main process of its stages) and return at once; ``ignore_sigint``
-    starts it with SIGINT ignored, as a background job of a non-interactive shell is."""
+    starts it with SIGINT ignored, as a background job of a non-interactive shell is: ``sh`` ignores it and execs
+    the script (the same pid, the disposition inherited), with no ``preexec_fn``, which is unsafe in a thread of
+    :func:`concurrently`."""
     environment = {
         k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")
     }
     environment.update(env or {})
-    return subprocess.Popen(
-        [sys.executable, str(WORKERS / script), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=environment,
-        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None,
-    )
+    command = [sys.executable, str(WORKERS / script), *args]
+    if ignore_sigint:
+        command = ["/bin/sh", "-c", 'trap "" INT; exec "$0" "$@"', *command]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
 
 
 def wait_for_file(path: Path, *processes: subprocess.Popen, within: float = 150) -> None:
@@ -263,7 +260,7 @@ def one_stage_pipeline(module, chunks: int, checkpoint: str, defer_weight_grad: 
 
 
 class _ThroughSchedule:
-    """A :class:`~lightning_gpipe.engine.partition.PipelinedCall` that runs the schedule's forward on every call."""
+    """A :class:`~lightning_gpipe.engine.microbatch.PipelinedCall` that runs the schedule's forward on every call."""
 
     def __init__(self, schedule) -> None:
         self.schedule = schedule

@@ -16,8 +16,8 @@ tensors, plans and process groups, never a LightningModule.
 from lightning_gpipe.engine.compilation import CompileOption, compile_options
 from lightning_gpipe.engine.events import TRANSFER, WORK, Recorder
 from lightning_gpipe.engine.gradients import StepGradients
-from lightning_gpipe.engine.microbatch import Value, batch_size, scatter
-from lightning_gpipe.engine.partition import Partition, find_backbone, is_whole, materialize
+from lightning_gpipe.engine.microbatch import Partition, Value, batch_size, scatter
+from lightning_gpipe.engine.partition import find_backbone, is_whole, materialize
 from lightning_gpipe.engine.pipeline import StagePipeline, StageSpec, build_pipeline
 from lightning_gpipe.engine.rematerialization import recomputed_share
 from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, PLACED_BY_COST, V_SHAPED

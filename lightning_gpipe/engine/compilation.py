@@ -1,6 +1,6 @@
 """``GPipeStrategy(compile=...)``: each backbone layer of a stage compiled with :func:`torch.compile`, in place.
 
-The stage runs its layers one at a time (:meth:`~lightning_gpipe.engine.partition.Partition.run`), so compiling each
+The stage runs its layers one at a time (:meth:`~lightning_gpipe.engine.microbatch.Partition.run`), so compiling each
 layer
 compiles everything the stage does with them: the forward, the re-materialization's recompute (which runs the
 layers again, with autograd) and the backward (AOTAutograd compiles each layer's backward with its forward, as one
@@ -88,7 +88,7 @@ def compile_layers(partition: nn.Module, options: Mapping[str, Any] | None, spli
     ``None``. See the module docstring.
 
     Args:
-        partition: the stage's layers (a :class:`~lightning_gpipe.engine.partition.Partition`).
+        partition: the stage's layers (a :class:`~lightning_gpipe.engine.microbatch.Partition`).
         options: keyword arguments of :func:`torch.compile` (from :func:`compile_options`).
         split_backward: whether the stage splits its backwards into B and W (``retain_graph=True``): the layers are
             then compiled without donated buffers (see :func:`compile_layer`).

@@ -16,7 +16,7 @@ import time
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -253,16 +253,15 @@ class _Timing:
 
 
 @contextmanager
-def gradient_times(tensor: Tensor | None) -> Iterator[list[float]]:
+def gradient_times(tensor: Tensor) -> Iterator[list[float]]:
     """Inside the block, each time autograd computes ``tensor``'s gradient, ``time.perf_counter()`` is appended to the
-    list the block gets (nothing for ``None``)."""
+    list the block gets."""
     times: list[float] = []
-    hook = tensor.register_hook(lambda grad: times.append(time.perf_counter())) if tensor is not None else None
+    hook = tensor.register_hook(lambda grad: times.append(time.perf_counter()))
     try:
         yield times
     finally:
-        if hook is not None:
-            hook.remove()
+        hook.remove()
 
 
 def peak_activation_bytes(spans: Iterable[Span]) -> int:
@@ -298,15 +297,27 @@ class TrackingRecorder(Recorder):
     """A :class:`Recorder` whose spans also move a stage's :class:`~lightning_gpipe.faults.watchdog.Position`.
 
     A stage and its link open a span for every forward, recompute, backward and transfer of a micro-batch,
-    enabled or not, so the position follows the schedule at the cost of an attribute write per span.
+    enabled or not, so the position follows the schedule at the cost of an attribute write per span. While the
+    recorder is disabled, its :meth:`span` is the position's own
+    (:meth:`~lightning_gpipe.faults.watchdog.Position.span`, installed on the instance when :attr:`enabled` is set):
+    one call per span, no code of this module on the path every micro-batch takes.
 
     Args:
         position: the position the spans move.
     """
 
     def __init__(self, position: Position) -> None:
-        super().__init__()
         self.position = position
+        super().__init__()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Set an attribute; setting :attr:`enabled` also chooses :meth:`span` (``enabled`` stays a plain attribute:
+        reading it runs no code)."""
+        super().__setattr__(name, value)
+        if name == "enabled" and value:
+            self.__dict__.pop("span", None)  # this class's span: record, and move the position
+        elif name == "enabled":
+            self.__dict__["span"] = self.position.span
 
     def span(self, kind: str, micro_batch: int | None = None, memory_of: tuple | None = None, model_chunk: int = 0):
         """Move the position to ``kind`` of ``micro_batch``, then as :meth:`Recorder.span`."""

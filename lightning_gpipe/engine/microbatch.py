@@ -1,4 +1,4 @@
-"""The activation vocabulary: values, their tensors, and micro-batches of them.
+"""The activation vocabulary: values, their tensors, micro-batches of them, and the layers that map one to the next.
 
 A :data:`Value` is what flows between backbone layers and stages: a Tensor, or a tuple whose
 items are tensors (other items, e.g. a flag, are allowed in a backbone input and repeated
@@ -8,16 +8,20 @@ unchanged in every micro-batch). Tensors carry the batch in dim 0.
 so a batch that does not divide by M gives uneven micro-batches (the first ones one row
 longer); :func:`gather` joins them back. :class:`MicroBatch` and :func:`current_micro_batch` tell a
 layer which micro-batch it is running on. The names follow torchgpipe's ``microbatch`` module.
+
+A :class:`Partition` holds a stage's backbone layers (one model chunk's) under their original names and applies them
+to one value, checking each layer returns one (:meth:`Partition.run`); the user's call of the backbone goes through
+it to the pipeline (:class:`PipelinedCall`). :mod:`lightning_gpipe.engine.partition` cuts a model into them.
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, cast, overload
+from typing import Any, Protocol, cast, overload
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 Value = Tensor | tuple
 """A backbone activation: a Tensor or a tuple of tensors (and, in a backbone input, other items)."""
@@ -158,3 +162,79 @@ def running(micro: MicroBatch) -> Iterator[None]:
 
 def _kind(value: Any) -> str:
     return type(value).__name__
+
+
+class PipelinedCall(Protocol):
+    """What a call of a pipelined backbone goes through: the whole pipeline, not only this stage's layers.
+
+    Installed in a :class:`Partition` as :attr:`Partition.backbone_call` by the strategy
+    (:class:`lightning_gpipe.lightning.contract.BackboneCall`); the partition knows nothing else of the engine.
+    """
+
+    def __call__(self, value: Value) -> Value | None:
+        """Run the pipeline on the backbone input ``value``; the backbone output on the last stage."""
+
+    def forward_and_share(self, value: Value, fn: Callable[[Value], Any]) -> Any:
+        """Run the pipeline without gradients and return ``fn`` of its output on every stage."""
+
+
+class Partition(nn.Module):
+    """The backbone layers of one stage, under their original names.
+
+    :meth:`run` applies the local layers to one micro-batch. Calling the module (the user's
+    ``self.backbone(x)``) goes through :attr:`backbone_call` when one is installed, else it is :meth:`run`.
+
+    Args:
+        layers: ordered mapping of original names (``"7"``) to layers.
+
+    Attributes:
+        backbone_call: the :class:`PipelinedCall` a call of the module goes through, or ``None`` (default).
+    """
+
+    def __init__(self, layers: dict[str, nn.Module]) -> None:
+        super().__init__()
+        for name, layer in layers.items():
+            self.add_module(name, layer)
+        self.backbone_call: PipelinedCall | None = None
+
+    def forward(self, value: Value) -> Value | None:
+        """Run the pipeline on the backbone input ``value`` if one is installed, else the local layers."""
+        return self.backbone_call(value) if self.backbone_call is not None else self.run(value)
+
+    def run(self, value: Value) -> Value:
+        """Apply the local layers in order to one micro-batch.
+
+        Raises:
+            TypeError: if a layer returns anything but a Tensor or a tuple of Tensors.
+            ValueError: if a layer returns a 0-dimensional tensor (activations carry the batch in dim 0).
+        """
+        for name, layer in self._modules.items():
+            assert layer is not None  # a backbone's layers are modules
+            value = layer(value)
+            if not _is_activation(value):
+                raise TypeError(
+                    f"Backbone layer {name} ({type(layer).__name__}) returned {_describe(value)}; layers of a"
+                    " pipelined backbone must return a Tensor or a tuple of Tensors."
+                )
+            scalars = [i for i, t in enumerate(value if isinstance(value, tuple) else (value,)) if t.dim() == 0]
+            if scalars:
+                at = f" at position {scalars[0]} of its tuple" if isinstance(value, tuple) else ""
+                raise ValueError(
+                    f"Backbone layer {name} ({type(layer).__name__}) returned a 0-dimensional tensor{at}; activations"
+                    " carry the batch in dim 0, so every tensor a backbone layer returns needs one row per sample."
+                    " Keep the batch dimension (e.g. a per-sample value of shape (N,) or (N, 1)), or compute the"
+                    " scalar after the backbone, in the head or the loss."
+                )
+        return value
+
+
+def _is_activation(value: object) -> bool:
+    if isinstance(value, Tensor):
+        return True
+    return isinstance(value, tuple) and len(value) > 0 and all(isinstance(x, Tensor) for x in value)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of ({', '.join(type(x).__name__ for x in value)})"
+    return f"a {type(value).__name__}"

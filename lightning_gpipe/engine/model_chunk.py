@@ -44,8 +44,7 @@ from torch import Tensor
 
 from lightning_gpipe.engine import microbatch
 from lightning_gpipe.engine.events import gradient_times
-from lightning_gpipe.engine.microbatch import MicroBatch, Value
-from lightning_gpipe.engine.partition import Partition
+from lightning_gpipe.engine.microbatch import MicroBatch, Partition, Value
 from lightning_gpipe.engine.rematerialization import RngState, checkpointed
 from lightning_gpipe.engine.skip import tracker
 from lightning_gpipe.engine.skip.links import SkipLinks
@@ -211,11 +210,13 @@ class ModelChunk:
         reaches ``y``, as the micro-batch's ``backward`` span.
         """
         record = self._records.get(index)
-        timed = record is not None and record.through and self.events.enabled
-        with gradient_times(microbatch.floats(y)[0] if timed else None) as reached, self.events.span("loss", index):
+        if not (record is not None and record.through and self.events.enabled):  # no backward inside to time
+            with self.events.span("loss", index):
+                head(y)
+            return
+        with gradient_times(microbatch.floats(y)[0]) as reached, self.events.span("loss", index):
             head(y)
-        if timed:
-            self.events.split_last("backward", reached[0] if reached else None)
+        self.events.split_last("backward", reached[0] if reached else None)
 
     @property
     def loss_completes_gradients(self) -> bool:
@@ -252,7 +253,7 @@ class ModelChunk:
 
         On the last stage, the user's loss must have been backpropagated to the boundary first.
         """
-        if self._records and self.is_last:
+        if self._records and self.is_last and self.events.enabled:
             self.events.add("loss", None, self._filled, time.perf_counter())
         return len(self._records)
 

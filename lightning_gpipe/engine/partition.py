@@ -3,8 +3,8 @@
 Stage k keeps layers ``sum(balance[:k])`` to ``sum(balance[:k+1]) - 1`` under their
 original names, so ``backbone.7.weight`` stays ``backbone.7.weight`` and the union
 of the stages' state dicts is the full model's (with virtual stages, stage k keeps the layers of virtual stages
-k, k + K, ..., one :class:`Partition` per model chunk, all under one module). Other stages' layers go to the
-meta device (their memory is freed, their structure kept so that the split can
+k, k + K, ..., one :class:`~lightning_gpipe.engine.microbatch.Partition` per model chunk, all under one module).
+Other stages' layers go to the meta device (their memory is freed, their structure kept so that the split can
 be undone). Modules outside the backbone that hold parameters or buffers (heads,
 losses with weights) live only on the stage that ends the backbone (the last one; stage 0 in ZB-V's V); the
 others hold a placeholder that names the contract if user code calls it.
@@ -16,76 +16,11 @@ Across stages each holding stage keeps its own copy (:mod:`lightning_gpipe.engin
 """
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe.engine.microbatch import Value
-
-
-class PipelinedCall(Protocol):
-    """What a call of a pipelined backbone goes through: the whole pipeline, not only this stage's layers.
-
-    Installed in a :class:`Partition` as :attr:`Partition.backbone_call` by the strategy
-    (:class:`lightning_gpipe.lightning.contract.BackboneCall`); the partition knows nothing else of the engine.
-    """
-
-    def __call__(self, value: Value) -> Value | None:
-        """Run the pipeline on the backbone input ``value``; the backbone output on the last stage."""
-
-    def forward_and_share(self, value: Value, fn: Callable[[Value], Any]) -> Any:
-        """Run the pipeline without gradients and return ``fn`` of its output on every stage."""
-
-
-class Partition(nn.Module):
-    """The backbone layers of one stage, under their original names.
-
-    :meth:`run` applies the local layers to one micro-batch. Calling the module (the user's
-    ``self.backbone(x)``) goes through :attr:`backbone_call` when one is installed, else it is :meth:`run`.
-
-    Args:
-        layers: ordered mapping of original names (``"7"``) to layers.
-
-    Attributes:
-        backbone_call: the :class:`PipelinedCall` a call of the module goes through, or ``None`` (default).
-    """
-
-    def __init__(self, layers: dict[str, nn.Module]) -> None:
-        super().__init__()
-        for name, layer in layers.items():
-            self.add_module(name, layer)
-        self.backbone_call: PipelinedCall | None = None
-
-    def forward(self, value: Value) -> Value | None:
-        """Run the pipeline on the backbone input ``value`` if one is installed, else the local layers."""
-        return self.backbone_call(value) if self.backbone_call is not None else self.run(value)
-
-    def run(self, value: Value) -> Value:
-        """Apply the local layers in order to one micro-batch.
-
-        Raises:
-            TypeError: if a layer returns anything but a Tensor or a tuple of Tensors.
-            ValueError: if a layer returns a 0-dimensional tensor (activations carry the batch in dim 0).
-        """
-        for name, layer in self._modules.items():
-            assert layer is not None  # a backbone's layers are modules
-            value = layer(value)
-            if not _is_activation(value):
-                raise TypeError(
-                    f"Backbone layer {name} ({type(layer).__name__}) returned {_describe(value)}; layers of a"
-                    " pipelined backbone must return a Tensor or a tuple of Tensors."
-                )
-            scalars = [i for i, t in enumerate(value if isinstance(value, tuple) else (value,)) if t.dim() == 0]
-            if scalars:
-                at = f" at position {scalars[0]} of its tuple" if isinstance(value, tuple) else ""
-                raise ValueError(
-                    f"Backbone layer {name} ({type(layer).__name__}) returned a 0-dimensional tensor{at}; activations"
-                    " carry the batch in dim 0, so every tensor a backbone layer returns needs one row per sample."
-                    " Keep the batch dimension (e.g. a per-sample value of shape (N,) or (N, 1)), or compute the"
-                    " scalar after the backbone, in the head or the loss."
-                )
-        return value
+from lightning_gpipe.engine.microbatch import Partition
 
 
 class _LastStageOnly(nn.Module):
@@ -155,8 +90,8 @@ class Split:
     Attributes:
         partition: every layer this stage holds, under its original name (in backbone order), installed as the
             module's backbone.
-        model_chunks: one :class:`Partition` per model chunk, in model chunk order (``[partition]`` with one per
-            stage); each runs its virtual stage's layers.
+        model_chunks: one :class:`~lightning_gpipe.engine.microbatch.Partition` per model chunk, in model chunk order
+            (``[partition]`` with one per stage); each runs its virtual stage's layers.
     """
 
     def __init__(
@@ -310,15 +245,3 @@ def _to_meta(module: nn.Module, kept: set[nn.Module]) -> None:
 
 def _holds_state(module: nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
-
-
-def _is_activation(value: object) -> bool:
-    if isinstance(value, Tensor):
-        return True
-    return isinstance(value, tuple) and len(value) > 0 and all(isinstance(x, Tensor) for x in value)
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of ({', '.join(type(x).__name__ for x in value)})"
-    return f"a {type(value).__name__}"

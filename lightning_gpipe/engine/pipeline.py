@@ -47,9 +47,9 @@ from lightning_gpipe.engine.batchnorm import convert_deferred_batch_norm, revert
 from lightning_gpipe.engine.channels import wire
 from lightning_gpipe.engine.compilation import CompileOption, compile_layers, compile_options, uncompile_layers
 from lightning_gpipe.engine.events import Recorder
-from lightning_gpipe.engine.microbatch import Value
+from lightning_gpipe.engine.microbatch import Partition, Value
 from lightning_gpipe.engine.model_chunk import ModelChunk
-from lightning_gpipe.engine.partition import Partition, Split
+from lightning_gpipe.engine.partition import Split
 from lightning_gpipe.engine.schedule import V_SHAPED, check, evaluation, plans
 from lightning_gpipe.engine.skip import SkipLayout
 from lightning_gpipe.engine.ties import TiedParameters, find_ties

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_gpipe.engine.actions import stage_of_virtual
 from lightning_gpipe.engine.topology import Topology
-from lightning_gpipe.faults import collectives
+from lightning_gpipe.faults import waiting
 
 if TYPE_CHECKING:
     from lightning_gpipe.faults.job import Job
@@ -136,7 +136,7 @@ class TiedParameters:
         """
         for tie, group, first in self._held:
             with torch.no_grad():
-                collectives.broadcast(self.job, _local(self._parameter(tie).data), first, group)
+                waiting.broadcast(self.job, _local(self._parameter(tie).data), first, group)
 
     def reduce_grads(self) -> None:
         """Sum each tie's gradients over its holding stages, in place. A copy without a gradient counts as zeros
@@ -157,7 +157,7 @@ class TiedParameters:
             has = parameter.grad is not None
             grad = _local(cast(Tensor, parameter.grad) if has else torch.zeros_like(parameter))
             flat = torch.cat([grad.flatten(), grad.new_full((1,), float(has))])
-            collectives.all_reduce(self.job, flat, group=group)
+            waiting.all_reduce(self.job, flat, group=group)
             if has or flat[-1].item() > 0:  # the count is read on the host only where this copy had no gradient
                 if not has:
                     parameter.grad = torch.empty_like(parameter)

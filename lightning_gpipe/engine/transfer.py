@@ -420,7 +420,8 @@ class Link:
         while self._expected and (ahead or not self._arrivals) and (self._arrivals or [arrival])[-1].posted:
             self._arrivals.append(cast(_Arrival, self._expect()))  # one is expected
         value = arrival.take()
-        self.events.add("recv", None, start, time.perf_counter())
+        if self.events.enabled:
+            self.events.add("recv", None, start, time.perf_counter())
         return value
 
     def _expect(self) -> _Arrival | None:

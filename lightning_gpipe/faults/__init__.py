@@ -2,6 +2,6 @@
 
 :class:`~lightning_gpipe.faults.job.Job` holds one run's :class:`~lightning_gpipe.faults.failure.FailureBoard`, the
 stage's :class:`~lightning_gpipe.faults.watchdog.Position` and stall watchdog, and the helper threads of the
-interruptible waits (:mod:`~lightning_gpipe.faults.waiting`); :mod:`~lightning_gpipe.faults.collectives` are the
-package's collectives through those waits. The bottom layer: it imports nothing else of the package.
+interruptible waits of transfers and of the package's collectives (:mod:`~lightning_gpipe.faults.waiting`). The
+bottom layer: it imports nothing else of the package.
 """

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from datetime import timedelta
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -102,16 +103,6 @@ class FailureBoard:
             return
         self.reserve = None  # frees room for the message and the store's messages
         self.publish(f"{self.name} failed with {type(exception).__name__}: {exception}{_where(exception)}")
-
-    @contextmanager
-    def reporting(self) -> Iterator[None]:
-        """:meth:`report` an exception raised in the block at once (before Lightning's exception hooks run), then
-        let it through."""
-        try:
-            yield
-        except BaseException as exception:
-            self.report(exception)
-            raise
 
     def publish(self, cause: str) -> str | None:
         """Publish ``cause`` as the job's failure cause unless one was published first; return the job's cause.
@@ -193,9 +184,18 @@ class FailureBoard:
         try:
             yield
         except RuntimeError as error:
-            if isinstance(error, PipelineFailure):
-                raise
+            self.raise_failure(error, detail)
+
+    def raise_failure(self, error: BaseException, detail: Callable[[], str] | None = None) -> NoReturn:
+        """Raise ``error``, a failed transfer's or collective's, as the :class:`PipelineFailure` it stands for
+        (:meth:`failure`); a :class:`PipelineFailure` or an error of another type as it is.
+
+        The waits call it in an ``except`` clause rather than entering :meth:`as_pipeline_failure`: on their path,
+        taken many times a step, failure code runs only on a failure.
+        """
+        if isinstance(error, RuntimeError) and not isinstance(error, PipelineFailure):
             raise self.failure(error, detail) from error
+        raise error
 
     def failure(self, error: RuntimeError, detail: Callable[[], str] | None = None) -> PipelineFailure:
         """The :class:`PipelineFailure` a failed transfer or collective (torch.distributed's ``error``) stands for:

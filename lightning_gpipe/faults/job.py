@@ -3,7 +3,7 @@
 The strategy creates a :class:`Job` in ``setup_environment`` (once the process group, hence the job's c10d store,
 exists) and closes it in ``teardown``; what needs it gets it explicitly: the objects built per run (the links of a
 stage, the tied parameters, the logging relay, the step agreement, the precision plugin's clipping, the backbone
-call's position) at construction, the free functions (:mod:`lightning_gpipe.faults.collectives`, the waits of
+call's position) at construction, the free functions (the waits and collectives of
 :mod:`lightning_gpipe.faults.waiting`, the checkpoint gathers of :mod:`lightning_gpipe.lightning.state_dict`) as an
 argument. Nothing of it lives in a module or class variable, so two jobs in one process (two tests, two runs) do not see
 each other's position or failure.

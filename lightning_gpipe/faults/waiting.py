@@ -3,8 +3,8 @@
 A wait must not block in C++ for a transfer that may never come: there Python runs no signal handler, so a
 stage blocked on a neighbour that hangs could not be stopped by Ctrl-C, SIGTERM or SLURM's requeue signal, nor
 read the failure board or the stall limit. How a wait ends depends on the backend, so there are two mechanisms,
-and :func:`polls`, the one rule :mod:`lightning_gpipe.engine.transfer` and :mod:`lightning_gpipe.faults.collectives`
-ask, says which one the works on a device's tensors over a process group need:
+and :func:`polls`, the one rule :mod:`lightning_gpipe.engine.transfer` and this module's collectives ask, says which
+one the works on a device's tensors over a process group need:
 
 - gloo (and every other backend whose ``Work.wait()`` returns once the transfer has completed): :func:`wait`.
   gloo's point-to-point works cannot be polled (``is_completed()`` stays ``False`` until ``wait()`` returns) and
@@ -31,10 +31,20 @@ that failed stops the others even when it cannot exit) and asks the stall watchd
 (:mod:`lightning_gpipe.faults.watchdog`) whether the wait has lasted too long. ``docs/scaling.md`` says how this meets
 NCCL's own watchdog and timeouts.
 
+The package's collectives (:func:`barrier`, :func:`all_reduce`, :func:`broadcast`, :func:`broadcast_object`,
+:func:`gather_object`, :func:`all_gather_object`) are posted with ``async_op=True`` and waited for the same way, so
+a stage waiting in a collective handles signals and names a failed or stalled stage (torch's
+``broadcast_object_list`` and ``gather_object`` block in C++ instead). Objects travel as pickled bytes in a uint8
+tensor after their sizes, as in torch's object collectives; a received size is read on the host only after that
+wait, so that on CUDA the read cannot block on another stage. Not covered: the collectives inside
+``torch.distributed.checkpoint`` (sharded checkpoints), Lightning's own (its per-step SIGTERM broadcast) and those of
+DDP or FSDP between replicas; they block until the process group's ``timeout``.
+
 The waits take the run's :class:`lightning_gpipe.faults.job.Job` (its failure board, position, stall watchdog and
 :class:`Waiter`; see :class:`WaitingJob`) as their first argument; the module keeps no state of its own.
 """
 
+import pickle
 import queue
 import signal
 import threading
@@ -44,6 +54,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from lightning_gpipe.faults.failure import FailureBoard
 from lightning_gpipe.faults.watchdog import Position, Watchdog
@@ -214,12 +225,9 @@ def wait(job: WaitingJob, works: list[dist.Work], peer: str) -> None:
     if not works:
         return
     batch = job.waiter.submit(works)
-    started = time.monotonic()
-    with job.position.waiting(peer), job.board.as_pipeline_failure(detail=job.watchdog.last_positions):
-        while not batch.done.acquire(timeout=TICK):
-            _check(job, peer, time.monotonic() - started)
-        if batch.error is not None:
-            raise batch.error
+    _block(job, batch, peer)
+    if batch.error is not None:
+        job.board.raise_failure(batch.error, job.watchdog.last_positions)
 
 
 def wait_watched(job: WaitingJob, watched: "Watched", peer: str) -> None:
@@ -236,17 +244,27 @@ def wait_watched(job: WaitingJob, watched: "Watched", peer: str) -> None:
         PipelineFailure: as :func:`wait`.
     """
     batch = watched._batch
-    if batch.done.acquire(blocking=False):
-        batch.done.release()
-    else:
-        started = time.monotonic()
-        with job.position.waiting(peer), job.board.as_pipeline_failure(detail=job.watchdog.last_positions):
+    if not batch.done.acquire(blocking=False):
+        _block(job, batch, peer)
+    batch.done.release()
+    if batch.error is not None:
+        job.board.raise_failure(batch.error, job.watchdog.last_positions)
+
+
+def _block(job: WaitingJob, batch: _Works, peer: str) -> None:
+    """Block until ``batch`` is done (its lock acquired), reading the failure board and the stall limit every
+    :data:`TICK` seconds; the position says the stage waits for ``peer`` meanwhile.
+
+    Raises:
+        PipelineFailure: as :func:`wait`.
+    """
+    started = time.monotonic()
+    with job.position.waiting(peer):
+        try:
             while not batch.done.acquire(timeout=TICK):
                 _check(job, peer, time.monotonic() - started)
-            batch.done.release()
-    if batch.error is not None:
-        with job.board.as_pipeline_failure(detail=job.watchdog.last_positions):
-            raise batch.error
+        except RuntimeError as error:
+            job.board.raise_failure(error, job.watchdog.last_positions)
 
 
 def wait_completed(job: WaitingJob, works: list) -> None:
@@ -260,9 +278,11 @@ def wait_completed(job: WaitingJob, works: list) -> None:
     Raises:
         PipelineFailure: if a transfer failed (naming the published cause).
     """
-    with job.board.as_pipeline_failure(detail=job.watchdog.last_positions):
+    try:
         for work in works:
             work.wait()
+    except RuntimeError as error:
+        job.board.raise_failure(error, job.watchdog.last_positions)
 
 
 def poll(job: WaitingJob, works: list[dist.Work], peer: str) -> None:
@@ -329,3 +349,133 @@ def _check(job: WaitingJob, peer: str, waited: float) -> None:
     if culprit is not None:
         watchdog.mark_stalled(culprit)
     raise board.stopped_because(cause)
+
+
+# The package's collectives (see the module docstring), on the default process group or a given one.
+
+
+def barrier(job: WaitingJob, group: dist.ProcessGroup | None = None) -> None:
+    """Wait until every process of ``group`` (``None``: all) reaches this point.
+
+    Args are those of the torch.distributed collective, after ``job``: the run's job.
+
+    Raises:
+        PipelineFailure: if another process failed or stalled meanwhile.
+    """
+    _wait_collective(job, dist.barrier(group=group, async_op=True), _device(), group)
+
+
+def all_reduce(job: WaitingJob, tensor: Tensor, op=dist.ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> None:
+    """Reduce ``tensor`` in place over every process of ``group`` (``None``: all) with ``op``.
+
+    Args are those of the torch.distributed collective, after ``job``: the run's job.
+
+    Raises:
+        PipelineFailure: if another process failed or stalled meanwhile.
+    """
+    _wait_collective(job, dist.all_reduce(tensor, op, group=group, async_op=True), tensor.device, group)
+
+
+def broadcast(job: WaitingJob, tensor: Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
+    """Copy ``tensor`` from global rank ``src`` to every process of ``group`` (``None``: all), in place.
+
+    Args are those of the torch.distributed collective, after ``job``: the run's job.
+
+    Raises:
+        PipelineFailure: if another process failed or stalled meanwhile.
+    """
+    _wait_collective(job, dist.broadcast(tensor, src, group=group, async_op=True), tensor.device, group)
+
+
+def broadcast_object(job: WaitingJob, obj: Any, src: int, group: dist.ProcessGroup | None = None) -> Any:
+    """Send the picklable ``obj`` from global rank ``src`` to every process of ``group`` (``None``: all); returns it
+    on every one.
+
+    Args are those of the torch.distributed collective, after ``job``: the run's job.
+
+    Raises:
+        PipelineFailure: if another process failed or stalled meanwhile.
+    """
+    mine = dist.get_rank() == src
+    peer = EVERY_STAGE if mine else job.watchdog.name_of(src)  # the others wait for the sender
+    data = _bytes(obj) if mine else None
+    size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64, device=_device())  # if mine
+    _wait_collective(job, dist.broadcast(size, src, group=group, async_op=True), size.device, group, peer)
+    if not mine:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=_device())  # arrived: read without waiting
+    assert data is not None  # this process's, or the buffer for the sender's
+    _wait_collective(job, dist.broadcast(data, src, group=group, async_op=True), data.device, group, peer)
+    return obj if mine else _object(data)
+
+
+def gather_object(job: WaitingJob, obj: Any, dst: int = 0, group: dist.ProcessGroup | None = None) -> list[Any] | None:
+    """The picklable objects of every process of ``group`` (``None``: all), in rank order, on global rank ``dst``;
+    ``None`` elsewhere.
+
+    Args are those of the torch.distributed collective, after ``job``: the run's job.
+
+    Raises:
+        PipelineFailure: if another process failed or stalled meanwhile.
+    """
+    padded, sizes = _padded(job, obj, group)
+    parts = [torch.empty_like(padded) for _ in sizes] if dist.get_rank() == dst else None
+    _wait_collective(job, dist.gather(padded, parts, dst, group=group, async_op=True), padded.device, group)
+    return None if parts is None else _objects(parts, sizes)
+
+
+def all_gather_object(job: WaitingJob, obj: Any) -> list[Any]:
+    """The picklable objects of every process, in rank order, on every process.
+
+    Args are those of the torch.distributed collective, after ``job``: the run's job.
+
+    Raises:
+        PipelineFailure: if another process failed or stalled meanwhile.
+    """
+    padded, sizes = _padded(job, obj)
+    parts = [torch.empty_like(padded) for _ in sizes]
+    _wait_collective(job, dist.all_gather(parts, padded, async_op=True), padded.device, None)
+    return _objects(parts, sizes)
+
+
+def _padded(job: WaitingJob, obj: Any, group: dist.ProcessGroup | None = None) -> tuple[Tensor, list[int]]:
+    """``obj``'s bytes padded to the longest of every process's of ``group`` (a collective call), and every
+    process's size."""
+    data = _bytes(obj)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=_device()) for _ in range(dist.get_world_size(group))]
+    mine = torch.tensor([data.numel()], dtype=torch.int64, device=_device())
+    _wait_collective(job, dist.all_gather(sizes, mine, group=group, async_op=True), mine.device, group)
+    lengths = [int(size.item()) for size in sizes]  # arrived: read without waiting
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=_device())
+    padded[: data.numel()] = data
+    return padded, lengths
+
+
+def _wait_collective(
+    job: WaitingJob, work: dist.Work, device: torch.device, group: dist.ProcessGroup | None, peer: str = EVERY_STAGE
+) -> None:
+    """Wait for the collective ``work`` on tensors of ``device`` over ``group`` with the wait
+    :func:`polls` chooses (:func:`wait` on gloo);
+    ``peer`` names
+    whom it waits for in the stall watchdog's messages."""
+    if polls(device, group):
+        poll(job, [work], peer)
+    else:
+        wait(job, [work], peer)  # looked up at each call (benchmarks/waits.py puts a blocking wait there)
+
+
+def _objects(parts: list[Tensor], sizes: list[int]) -> list[Any]:
+    return [_object(part[:size]) for part, size in zip(parts, sizes)]
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _bytes(obj: Any) -> Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(_device())
+
+
+def _object(data: Tensor) -> Any:
+    return pickle.loads(data.cpu().numpy().tobytes())

@@ -36,7 +36,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, cast
 
 import torch.distributed as dist
@@ -53,6 +53,9 @@ once its launcher has ended, before the launcher watch does)."""
 LAUNCHER = "LIGHTNING_GPIPE_LAUNCHER"
 """The environment variable holding the process id of the process that launched this one (see the module
 docstring)."""
+
+_NOTHING = nullcontext()
+"""The block :meth:`Position.span` returns."""
 
 _KINDS = {
     "forward": "the forward of micro-batch {}",
@@ -103,6 +106,15 @@ class Position:
         self.phase, self.micro_batch, self.unbounded, self.waits_for = phase, micro_batch, unbounded, None
         self.since = time.time()
         self.version += 1
+
+    def span(
+        self, kind: str, micro_batch: int | None = None, memory_of: tuple | None = None, model_chunk: int = 0
+    ) -> AbstractContextManager[None]:
+        """:meth:`move` to ``kind`` of ``micro_batch``; returns a block that does nothing. A stage's span recorder
+        (:class:`lightning_gpipe.engine.events.TrackingRecorder`) is this while it records nothing; ``memory_of``
+        and ``model_chunk`` are its arguments, unused here."""
+        self.move(kind, micro_batch)
+        return _NOTHING
 
     def begin_step(self, step: str) -> None:
         """Record that this stage starts ``step`` (e.g. ``"step 17"``)."""

@@ -45,8 +45,8 @@ def collect_rng_states() -> dict[str, Any]:
     collects them for its checkpoints (``lightning.fabric.utilities.seed._collect_rng_states``).
 
     Why: profiling must leave the random streams as they were (the data order, the initialisation), and each stage
-    swaps the stages' shared stream with its own (:mod:`~lightning_gpipe.lightning.randomness`); Lightning's helper
-    covers every generator it seeds, so ours stays in step with ``seed_everything``.
+    swaps the stages' shared stream with its own (:class:`~lightning_gpipe.lightning.contract.StageRandomness`);
+    Lightning's helper covers every generator it seeds, so ours stays in step with ``seed_everything``.
 
     Checked on: lightning 2.6.0, 2.6.6.
     """

@@ -51,7 +51,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
-from lightning_gpipe.faults import collectives
+from lightning_gpipe.faults import waiting
 from lightning_gpipe.lightning._lightning import mark_sigterm, original_signal_handler, requeue
 
 if TYPE_CHECKING:
@@ -195,7 +195,7 @@ class StepAgreement:
         if relay is not None and len(relay):
             slots[start + 2 : start + 2 + len(relay)] = relay
         if dist.is_initialized():
-            collectives.all_reduce(self.job, slots, dist.ReduceOp.MAX, group=self.group)
+            waiting.all_reduce(self.job, slots, dist.ReduceOp.MAX, group=self.group)
         values = slots.numpy()  # the one host read of the step's agreement
         offsets = [len(requests) + (2 + words) * r for r in range(self.replicas)]
         if any(values[o] != -values[o + 1] for o in offsets):
@@ -205,7 +205,7 @@ class StepAgreement:
     def _mismatch(self, fingerprint: Tensor, where: str) -> None:
         """Raise :class:`BatchMismatchError` naming every process's fingerprint (a collective call)."""
         mine = int(fingerprint)
-        every = collectives.all_gather_object(self.job, mine) if dist.is_initialized() else [mine]
+        every = waiting.all_gather_object(self.job, mine) if dist.is_initialized() else [mine]
         read = ", ".join(f"{self.names.get(rank, f'rank {rank}')}: {value:016x}" for rank, value in enumerate(every))
         raise BatchMismatchError(
             f"The stages of a pipeline read different batches at {where} (batch fingerprints {read}). The last stage"
@@ -229,7 +229,7 @@ def same_batch_counts(loop: str, counts: list, job: "Job") -> None:
         ValueError: naming each process's number of batches.
         PipelineFailure: if another stage failed while this one waited for it.
     """
-    every = collectives.all_gather_object(job, counts) if dist.is_initialized() else [counts]
+    every = waiting.all_gather_object(job, counts) if dist.is_initialized() else [counts]
     if any(other != every[0] for other in every):
         per_stage = ", ".join(f"{job.watchdog.name_of(rank)}: {n}" for rank, n in enumerate(every))
         raise ValueError(

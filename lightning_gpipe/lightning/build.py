@@ -18,8 +18,7 @@ import torch.distributed as dist
 from lightning_gpipe.engine import StageSpec, Topology, build_pipeline
 from lightning_gpipe.faults.job import Job
 from lightning_gpipe.lightning.config import PipelineConfig
-from lightning_gpipe.lightning.contract import BackboneCall
-from lightning_gpipe.lightning.randomness import StageRandomness
+from lightning_gpipe.lightning.contract import BackboneCall, StageRandomness
 from lightning_gpipe.lightning.relay import LogRelay, StepRelay
 from lightning_gpipe.lightning.step import StageRun
 from lightning_gpipe.planning.balance import LayerCost, resolve_balance
@@ -111,7 +110,7 @@ def build_stage(
         name: the attribute of its ``nn.Sequential`` backbone.
         spec: the stage's spec (:func:`stage_spec`).
         job: the run's :class:`~lightning_gpipe.faults.job.Job`.
-        randomness: the stage's random streams (see :mod:`lightning_gpipe.lightning.randomness`).
+        randomness: the stage's random streams (see :class:`~lightning_gpipe.lightning.contract.StageRandomness`).
         share: sends a picklable object from the last stage to every stage of the pipeline (a collective call).
         relays: the logging relays of this process's pipeline: after evaluation steps and epoch-end hooks, and
             in training steps.

@@ -28,10 +28,10 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_gpipe.faults import collectives
+from lightning_gpipe.faults import waiting
 from lightning_gpipe.lightning._lightning import with_sampler
 from lightning_gpipe.lightning.agreement import BatchMismatchError, fingerprint
-from lightning_gpipe.lightning.randomness import fixed_seed
+from lightning_gpipe.lightning.contract import fixed_seed
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -108,7 +108,7 @@ def same_datasets(trainer: "pl.Trainer", loop: str, topology: "Topology", job: "
     found: list[DataLoader] = []
     apply_to_collection(getattr(trainer, LOADERS[loop]), DataLoader, found.append)
     mine = [(_size(loader.dataset), dataset_fingerprint(loader.dataset)) for loader in found]
-    every = collectives.all_gather_object(job, mine) if dist.is_initialized() else [mine]
+    every = waiting.all_gather_object(job, mine) if dist.is_initialized() else [mine]
     first_of_replica: dict[int, list] = {}
     if any(first_of_replica.setdefault(topology.replica_of(r), theirs) != theirs for r, theirs in enumerate(every)):
         held = "; ".join(f"{topology.name(rank)}: {_described(theirs)}" for rank, theirs in enumerate(every))
@@ -121,7 +121,7 @@ def same_datasets(trainer: "pl.Trainer", loop: str, topology: "Topology", job: "
 def dataset_fingerprint(dataset: Any) -> Tensor | None:
     """A digest of ``dataset``'s length and of its first, middle and last items (:data:`SAMPLED_ITEMS`), read with
     torch's, NumPy's and Python's generators seeded alike on every process (and put back after:
-    :func:`~lightning_gpipe.lightning.randomness.fixed_seed`), so that random augmentation in ``__getitem__`` reads
+    :func:`~lightning_gpipe.lightning.contract.fixed_seed`), so that random augmentation in ``__getitem__`` reads
     alike everywhere. ``None`` for a dataset without a length or an iterable one (the stages' batch agreement still
     checks what it yields); the length alone for one whose items cannot be read here.
     """

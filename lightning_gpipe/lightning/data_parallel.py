@@ -61,7 +61,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gpipe.faults import collectives
+from lightning_gpipe.faults import waiting
 from lightning_gpipe.lightning import state_dict
 from lightning_gpipe.lightning._lightning import torch_optimizer
 
@@ -144,7 +144,7 @@ def reduce_over_replicas(
         return tensor
     mean = op in ("mean", "avg")
     result = tensor.to(torch.get_default_dtype()) if mean and not tensor.is_floating_point() else tensor.clone()
-    collectives.all_reduce(job, result, group=group)
+    waiting.all_reduce(job, result, group=group)
     return result / replicas if mean else result
 
 
@@ -286,7 +286,7 @@ def _replicate_first(module: nn.Module, group: dist.ProcessGroup, job: "Job") ->
     first = dist.get_global_rank(group, 0)
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            collectives.broadcast(job, tensor.data, first, group)
+            waiting.broadcast(job, tensor.data, first, group)
 
 
 # --- FSDP2's internals, used as torch.distributed.pipelining uses them (torch/distributed/pipelining/stage.py,

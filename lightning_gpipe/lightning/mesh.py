@@ -1,12 +1,11 @@
 """MeshStrategy: the processes of a (data-parallel x pipeline) mesh, as Lightning's parallel strategies see them.
 
 One OS process per device, launched like DDP. This base of :class:`~lightning_gpipe.lightning.strategy.GPipeStrategy`
-owns
-what every process of the job does alike, whatever runs in it: the launcher, the process groups of the mesh
+owns what every process of the job does alike, whatever runs in it: the launcher, the process groups of the mesh
 (:mod:`~lightning_gpipe.engine.topology`), the failure board and the stall watchdog
 (:mod:`~lightning_gpipe.faults.failure`, :mod:`~lightning_gpipe.faults.watchdog`), the shared random state
-(:mod:`~lightning_gpipe.lightning.randomness`), collectives that leave signals handled
-(:mod:`~lightning_gpipe.faults.collectives`), and the agreement before every step
+(:class:`~lightning_gpipe.lightning.contract.StageRandomness`), collectives that leave signals handled
+(:mod:`~lightning_gpipe.faults.waiting`), and the agreement before every step
 (:mod:`~lightning_gpipe.lightning.agreement`).
 """
 
@@ -27,7 +26,7 @@ from torch.distributed import ReduceOp
 from typing_extensions import override
 
 from lightning_gpipe.engine import Topology, groups, resolve_topology
-from lightning_gpipe.faults import collectives
+from lightning_gpipe.faults import waiting
 from lightning_gpipe.faults.job import Job
 from lightning_gpipe.faults.watchdog import LauncherWatch, mark_launcher, watch_launcher
 from lightning_gpipe.lightning._lightning import (
@@ -41,9 +40,9 @@ from lightning_gpipe.lightning._lightning import (
 )
 from lightning_gpipe.lightning.agreement import RunAgreement, StepAgreement, StopSignals, same_batch_counts
 from lightning_gpipe.lightning.config import PipelineConfig
+from lightning_gpipe.lightning.contract import StageRandomness
 from lightning_gpipe.lightning.data import same_batches, same_datasets
 from lightning_gpipe.lightning.data_parallel import reduce_over_replicas
-from lightning_gpipe.lightning.randomness import StageRandomness
 
 
 class MeshStrategy(LaunchedParallelStrategy):
@@ -178,9 +177,9 @@ class MeshStrategy(LaunchedParallelStrategy):
     @override
     def setup_environment(self) -> None:
         """Select the device, join the process groups, the failure board and the stall watchdog, take the stages'
-        shared random state (see :mod:`lightning_gpipe.lightning.randomness`), and prepare the agreement before each
-        step. Until the job's store exists, a failure ends the processes this one launched, and a process that a
-        launcher started ends once the launcher has (see :mod:`~lightning_gpipe.faults.watchdog`)."""
+        shared random state (see :class:`~lightning_gpipe.lightning.contract.StageRandomness`), and prepare the
+        agreement before each step. Until the job's store exists, a failure ends the processes this one launched, and
+        a process that a launcher started ends once the launcher has (see :mod:`~lightning_gpipe.faults.watchdog`)."""
         environment, topology = _environment_of(self), self.topology
         with _ending_launched_processes_on_failure(self.launcher):
             super().setup_environment()
@@ -258,14 +257,14 @@ class MeshStrategy(LaunchedParallelStrategy):
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        """Wait until every process reaches this point (interruptibly: :mod:`lightning_gpipe.faults.collectives`)."""
+        """Wait until every process reaches this point (interruptibly: :mod:`lightning_gpipe.faults.waiting`)."""
         if dist.is_initialized():
-            collectives.barrier(self._job)
+            waiting.barrier(self._job)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Send the picklable ``obj`` from global rank ``src`` to every process (interruptibly)."""
-        return collectives.broadcast_object(self._job, obj, src) if dist.is_initialized() else obj
+        return waiting.broadcast_object(self._job, obj, src) if dist.is_initialized() else obj
 
     @property
     def _last_stage_rank(self) -> int:
@@ -275,7 +274,7 @@ class MeshStrategy(LaunchedParallelStrategy):
         """``obj`` of this pipeline's last stage, on every stage of the pipeline (a collective call)."""
         if not dist.is_initialized():
             return obj
-        return collectives.broadcast_object(self._job, obj, self._last_stage_rank, group=self.pipeline_group)
+        return waiting.broadcast_object(self._job, obj, self._last_stage_rank, group=self.pipeline_group)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

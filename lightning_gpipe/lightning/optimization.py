@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_gpipe.faults import collectives
+from lightning_gpipe.faults import waiting
 from lightning_gpipe.lightning._lightning import set_plugin_class
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ def clip_grad_norm_(
     squared = local.double() ** 2
     if dist.is_initialized():
         assert job is not None, "clip_grad_norm_ needs the run's job once torch.distributed is initialised"
-        collectives.all_reduce(job, squared, group=group)
+        waiting.all_reduce(job, squared, group=group)
     total = squared.sqrt().to(local.dtype)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch.nn.utils.clip_grads_with_norm_'s
     for grad, _ in grads:
@@ -126,7 +126,7 @@ class SharedGradScaler(torch.amp.GradScaler):
         flags = list(found.values())
         any_found = torch.stack([flag.to(flags[0].device) for flag in flags]).amax()
         assert self.job is not None, "SharedGradScaler needs the run's job once torch.distributed is initialised"
-        collectives.all_reduce(self.job, any_found, dist.ReduceOp.MAX, self.group)
+        waiting.all_reduce(self.job, any_found, dist.ReduceOp.MAX, self.group)
         for flag in flags:
             flag.copy_(any_found)
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_gpipe.faults import collectives, waiting
+from lightning_gpipe.faults import waiting
 from lightning_gpipe.lightning._lightning import SCALAR_FIELDS as SCALAR_FIELDS
 from lightning_gpipe.lightning._lightning import TENSOR_FIELDS as TENSOR_FIELDS
 from lightning_gpipe.lightning._lightning import (
@@ -68,7 +68,7 @@ class LogRelay:
             return
         mine = dist.get_rank() == self.src
         sent = self._dumps(dict(results)) if mine else None
-        payload = collectives.broadcast_object(self.job, sent, self.src, self.group)
+        payload = waiting.broadcast_object(self.job, sent, self.src, self.group)
         if not mine:
             results.clear()
             results.update(self._loads(payload))
@@ -285,7 +285,7 @@ class StepRelay:
         """The description of a step too large for the relay region, broadcast on the CPU group (one host read)."""
         data = torch.frombuffer(bytearray(pickle.dumps(self._description)), dtype=torch.uint8) if self.is_src else None
         data = data if data is not None else torch.empty(length, dtype=torch.uint8)
-        collectives.broadcast(self.job, data, self.src, group=self.control)
+        waiting.broadcast(self.job, data, self.src, group=self.control)
         if self.is_src:
             assert self._description is not None  # set by this step's pack
             return self._description

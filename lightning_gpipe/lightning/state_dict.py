@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint import BytesStorageMetadata, FileSystemReader, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
-from lightning_gpipe.faults import collectives
+from lightning_gpipe.faults import waiting
 from lightning_gpipe.lightning._lightning import torch_optimizer
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ def whole_model_shapes(module: nn.Module, job: "Job") -> Shapes:
     local = model_shapes(module)
     if not dist.is_initialized():
         return local
-    return {key: shape for part in collectives.all_gather_object(job, local) for key, shape in part.items()}
+    return {key: shape for part in waiting.all_gather_object(job, local) for key, shape in part.items()}
 
 
 def check_model_state(state_dict: Mapping[str, Any], shapes: Shapes, strict: bool, model: str) -> None:
@@ -197,7 +197,7 @@ def gather_union(local: dict[str, Any], group: dist.ProcessGroup | None, job: "J
     local = {key: value.cpu() if isinstance(value, Tensor) else value for key, value in local.items()}
     if not dist.is_initialized():
         return local
-    parts = collectives.gather_object(job, local, dst=0, group=group)
+    parts = waiting.gather_object(job, local, dst=0, group=group)
     if parts is None:
         return None
     return {key: value for part in parts for key, value in part.items()}
@@ -241,13 +241,13 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int, job: "Job") 
     staging = path.with_name(f".{path.name}.partial")
     if rank == 0 and staging.exists():
         shutil.rmtree(staging)
-    collectives.barrier(job)
+    waiting.barrier(job)
     with job.board.as_pipeline_failure():
         dcp.save({key: checkpoint[key] for key in SHARDED if key in checkpoint}, checkpoint_id=staging)
     if rank == 0:
         torch.save({key: value for key, value in checkpoint.items() if key not in SHARDED}, staging / METADATA)
         _replace(staging, path)
-    collectives.barrier(job)
+    waiting.barrier(job)
 
 
 def load_sharded(path: Path, template: dict[str, Any], job: "Job") -> dict[str, Any]:

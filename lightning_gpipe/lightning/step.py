@@ -58,7 +58,7 @@ import functools
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 import torch
@@ -70,10 +70,11 @@ from lightning_gpipe.faults.job import Job
 from lightning_gpipe.lightning import state_dict
 from lightning_gpipe.lightning._lightning import backward_skipped, closure_result, logged_results
 from lightning_gpipe.lightning.agreement import RunAgreement
-from lightning_gpipe.lightning.contract import BackboneCall
+from lightning_gpipe.lightning.contract import BackboneCall, StageRandomness
 from lightning_gpipe.lightning.data_parallel import GradientSync, ShardedStage
-from lightning_gpipe.lightning.randomness import StageRandomness
 from lightning_gpipe.lightning.relay import LogRelay, StepRelay, share_step_output
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -85,7 +86,7 @@ class StageRun:
         backbone_call: the call the partition goes through (installed as ``partition.backbone_call``).
         relay: copies the last stage's logged values to every stage (evaluation steps, epoch-end hooks).
         step_relay: the last stage's logged values and output in training steps.
-        randomness: the stage's random streams (see :mod:`lightning_gpipe.lightning.randomness`).
+        randomness: the stage's random streams (see :class:`~lightning_gpipe.lightning.contract.StageRandomness`).
         share: sends a picklable object from the last stage to every stage of the pipeline (a collective call).
         job: the run's :class:`~lightning_gpipe.faults.job.Job` (failure board, position, watchdog, waits).
         gradient_sync: DDP over the stage's replicas, with several of them (set by :meth:`sync_gradients`).
@@ -247,8 +248,8 @@ class FillDrain:
                 if run.pipeline.is_last:
                     run.announce_loss_backward(loss)
                     precision.backward(loss, module, *args, **kw)
-                with _train_step_context(precision), run.job.board.reporting():
-                    run.pipeline.backward()  # recomputes as the fill did
+                with _train_step_context(precision):
+                    _reported(run, run.pipeline.backward)  # recomputes as the fill did
         finally:
             run.backbone_call.end_kept()  # the fill's stream region, if training_step kept it: the shared one again
 
@@ -270,9 +271,12 @@ class PerMicroBatch:
         def backward(loss: Tensor, last: bool) -> None:
             _backward_micro_batch(run, module, precision, loss, last)
 
-        with _train_step_context(precision), run.job.board.reporting():
+        def steps() -> Any:
             with run.step_gradients.computing(list(module.parameters()), zeroed_after=zeroed):
                 return run.backbone_call.micro_batch_steps(module, "training_step", args, kwargs, backward)
+
+        with _train_step_context(precision):
+            return _reported(run, steps)
 
     @staticmethod
     def backward(run: StageRun, module: "pl.LightningModule", precision: Any, loss: Tensor, *args: Any, **kw) -> None:
@@ -405,8 +409,18 @@ def user_step(
     run.backbone_call.end_kept()
     step = getattr(module, hook)
     run.job.position.begin_step(f"step {module.trainer.global_step}")
-    with context(), run.job.board.reporting():
-        return run.backbone_call.user_step(hook, lambda: step(*args, **kwargs), keep=keep)
+    with context():
+        return _reported(run, lambda: run.backbone_call.user_step(hook, lambda: step(*args, **kwargs), keep=keep))
+
+
+def _reported(run: StageRun, call: Callable[[], T]) -> T:
+    """``call()``; an exception it raises is published on the job's failure board at once (before Lightning's
+    exception hooks run, :meth:`~lightning_gpipe.faults.failure.FailureBoard.report`), then let through."""
+    try:
+        return call()
+    except BaseException as exception:
+        run.job.board.report(exception)
+        raise
 
 
 _MODULE_HOOKS_BEFORE_BACKWARD = ("on_before_zero_grad", "optimizer_zero_grad", "on_before_backward")

@@ -53,10 +53,17 @@ def _exits(out: Path, within: float = 60, since: float | None = None) -> Asserti
     return None
 
 
-def _failing_run(case: str, out: Path) -> tuple[subprocess.CompletedProcess, AssertionError | None]:
-    """Run ``case`` on ``out``: ``(the result, :func:`_exits`)``."""
-    result = run_worker("failure.py", case, str(out), timeout=180)
+def _failing_run(case: str, out: Path, *args: str) -> tuple[subprocess.CompletedProcess, AssertionError | None]:
+    """Run ``case`` on ``out`` (with the worker's options ``args``): ``(the result, :func:`_exits`)``."""
+    result = run_worker("failure.py", case, str(out), *args, timeout=180)
     return result, _exits(out)
+
+
+def _killed_mid_save_then_resumed(out: Path) -> tuple[list, subprocess.CompletedProcess]:
+    """Run ``kill_full`` then ``kill_sharded`` on ``out``, then ``resume`` from the checkpoints they left there:
+    ``([:func:`_failing_run` of each kill], the resume's result)``."""
+    killed = [_failing_run(f"kill_{kind}", out) for kind in ("full", "sharded")]
+    return killed, run_worker("failure.py", "resume", str(out), timeout=240)
 
 
 def _signalled_run(
@@ -78,22 +85,33 @@ def _signalled_run(
 
 
 SIGNALLED = {
-    "interrupted": ("stuck", "waiting", signal.SIGINT, False),  # stage 0 waits for the gradients of the stuck stage
-    "sigterm": ("sigterm", "training", signal.SIGTERM, False),
-    "killed_before_the_store": ("before_the_store", "paused", signal.SIGKILL, True),  # rank 1 waits for the store
-    "killed_while_training": ("sigterm", "training", signal.SIGKILL, True),
+    "interrupted": ("stuck", "waiting", signal.SIGINT, False, False),  # stage 0 waits for the stuck stage's gradients
+    "interrupted_ignoring_sigint": ("stuck", "waiting", signal.SIGINT, True, False),
+    "sigterm": ("sigterm", "training", signal.SIGTERM, False, False),
+    "killed_before_the_store": ("before_the_store", "paused", signal.SIGKILL, False, True),  # rank 1 waits for it
+    "killed_while_training": ("sigterm", "training", signal.SIGKILL, False, True),
 }
-"""The runs a test signals: ``{name: (case, handshake, signal, end_what_is_left)}`` (see :func:`_signalled_run`)."""
+"""The runs a test signals: ``{name: (case, handshake, signal, ignore_sigint, end_what_is_left)}`` (see
+:func:`_signalled_run`)."""
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """``{name: (result function, output directory)}``: each case of :data:`CASES` and each run of
-    :data:`SIGNALLED`, a launch of its own, two at a time (:func:`conftest.concurrently`)."""
-    outs = {name: tmp_path_factory.mktemp(name) for name in (*CASES, *SIGNALLED)}
-    jobs = {case: partial(_failing_run, case, outs[case]) for case in CASES}
-    for name, (case, handshake, signum, end) in SIGNALLED.items():
-        jobs[name] = partial(_signalled_run, case, outs[name], handshake, signum, end_what_is_left=end)
+    """``{name: (result function, output directory)}``: the killed saves and their resume (three launches one after
+    the other, submitted first as the longest job), the stage stuck past its stall limit, the SLURM job, the run on a
+    port in use, each case of :data:`CASES` and each run of :data:`SIGNALLED`, each a launch of its own, two at a
+    time (:func:`conftest.concurrently`)."""
+    alone = {
+        "killed_mid_save": _killed_mid_save_then_resumed,
+        "stalled": lambda out: _failing_run("stuck", out, "--stall", "4"),
+        "requeued": _requeued_slurm_job,
+        "port_in_use": _run_on_a_port_in_use,
+    }
+    outs = {name: tmp_path_factory.mktemp(name) for name in (*alone, *CASES, *SIGNALLED)}
+    jobs = {name: partial(run, outs[name]) for name, run in alone.items()}
+    jobs.update({case: partial(_failing_run, case, outs[case]) for case in CASES})
+    for name, (case, handshake, signum, ignore, end) in SIGNALLED.items():
+        jobs[name] = partial(_signalled_run, case, outs[name], handshake, signum, ignore, end)
     results = concurrently(jobs)
     return {name: (results[name], outs[name]) for name in jobs}
 
@@ -113,8 +131,8 @@ def test_failure_ends_every_stage_with_exit_code_1(case, runs):
     _raise(exits)
 
 
-def test_a_stage_stuck_in_user_code_is_named_by_the_watchdog(tmp_path):
-    result = run_worker("failure.py", "stuck", str(tmp_path), "--stall", "4", timeout=180)
+def test_a_stage_stuck_in_user_code_is_named_by_the_watchdog(runs):
+    result, exits = runs["stalled"][0]()  # stall limit 4 s
     assert result.returncode != 0
     named = "stage 0 stopped because stage 1 has been in `training_step` after the backbone call at step 2 for"
     assert named in result.stderr, result.stderr[-3000:]
@@ -123,17 +141,13 @@ def test_a_stage_stuck_in_user_code_is_named_by_the_watchdog(tmp_path):
         r"stage 0 gave up after waiting \d+ s for stage 1 \(stall limit 4 s, the shorter of", result.stderr
     )
     assert "[stage 1] ending this process: stage 1 has been in" in result.stderr  # the stuck stage is ended too
-    assert_every_stage_exits(tmp_path)
+    _raise(exits)
 
 
 @pytest.mark.parametrize("inherited", ["handled", "ignored"])
-def test_ctrl_c_on_the_main_process_ends_every_stage_while_one_is_stuck(inherited, tmp_path, runs):
-    # "ignored": started as a background job of a non-interactive shell starts it, where `kill -INT` did nothing (run
-    # here, not in a thread beside the other runs: the child sets SIGINT's handler before it runs Python)
-    if inherited == "handled":
-        result, exits = runs["interrupted"][0]()
-    else:
-        result, exits = _signalled_run("stuck", tmp_path, "waiting", signal.SIGINT, ignore_sigint=True)
+def test_ctrl_c_on_the_main_process_ends_every_stage_while_one_is_stuck(inherited, runs):
+    # "ignored": started as a background job of a non-interactive shell starts it, where `kill -INT` did nothing
+    result, exits = runs["interrupted" if inherited == "handled" else "interrupted_ignoring_sigint"][0]()
     stderr = result.stderr
     assert result.returncode != 0
     assert "Detected KeyboardInterrupt, attempting graceful shutdown" in stderr, stderr[-3000:]
@@ -156,8 +170,9 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_slurm_requeue_signal_saves_a_checkpoint_every_stage_agrees_on_requeues_and_ends_every_stage(tmp_path):
-    # a 2-task SLURM job started as srun would; `scontrol` on PATH records its arguments
+def _requeued_slurm_job(tmp_path: Path) -> tuple[list[subprocess.CompletedProcess], AssertionError | None]:
+    """Run ``requeue`` on ``tmp_path`` as the 2 tasks of a SLURM job, started as srun would (`scontrol` on PATH
+    records its arguments), each sent SIGUSR1 once training: ``(each task's result, :func:`_exits`)``."""
     (tmp_path / "bin").mkdir()
     scontrol = tmp_path / "bin" / "scontrol"
     scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol_calls"}\n')
@@ -177,7 +192,13 @@ def test_slurm_requeue_signal_saves_a_checkpoint_every_stage_agrees_on_requeues_
     for task in tasks:  # SLURM signals every task of the job (`--signal=USR1@90`), each at its own point of a step
         task.send_signal(signal.SIGUSR1)
     outputs = [task.communicate(timeout=60) for task in tasks]
-    assert [task.returncode for task in tasks] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    results = [subprocess.CompletedProcess(t.args, t.returncode, *output) for t, output in zip(tasks, outputs)]
+    return results, _exits(tmp_path)
+
+
+def test_slurm_requeue_signal_saves_a_checkpoint_every_stage_agrees_on_requeues_and_ends_every_stage(runs):
+    (results, exits), tmp_path = runs["requeued"][0](), runs["requeued"][1]
+    assert [r.returncode for r in results] == [0, 0], results[0].stderr[-3000:] + results[1].stderr[-3000:]
     assert (tmp_path / "scontrol_calls").read_text() == "requeue 4242\n"  # once, from global rank 0
     (step,) = {int((tmp_path / f"stopped_rank{r}").read_text()) for r in range(2)}  # both stop at the same step
     (checkpoint,) = tmp_path.glob("hpc_ckpt_*.ckpt")
@@ -185,22 +206,21 @@ def test_slurm_requeue_signal_saves_a_checkpoint_every_stage_agrees_on_requeues_
     loaded = TupleNet.load_from_checkpoint(checkpoint).state_dict()  # both stages' layers, after the same step
     for key, expected in fit(max_steps=step).state_dict().items():
         torch.testing.assert_close(loaded[key], expected, rtol=0, atol=1e-5, msg=key)
-    assert_every_stage_exits(tmp_path)
+    _raise(exits)
 
 
-def test_a_stage_killed_mid_save_leaves_the_previous_checkpoint_which_resumes(tmp_path, reference_state):
+def test_a_stage_killed_mid_save_leaves_the_previous_checkpoint_which_resumes(runs, reference_state):
     # full: global rank 0 dies halfway through writing the file; sharded: the last stage dies after writing its shard
-    for kind in ("full", "sharded"):
-        result = run_worker("failure.py", f"kill_{kind}", str(tmp_path), timeout=180)
+    (killed, resume), tmp_path = runs["killed_mid_save"][0](), runs["killed_mid_save"][1]
+    for kind, (result, exits) in zip(("full", "sharded"), killed):
         assert result.returncode != 0 and (tmp_path / f"killed_{kind}").exists(), result.stderr[-3000:]
-        assert_every_stage_exits(tmp_path)
+        _raise(exits)
     assert "terminated with code -9" in result.stderr  # Lightning's launcher ends the job (sharded: a child died)
     assert (tmp_path / ".good_sharded.ckpt.partial").is_dir()  # the unfinished sharded checkpoint, left aside
     loaded = TupleNet.load_from_checkpoint(tmp_path / "good_full.ckpt").state_dict()
     for key, expected in fit(max_steps=3).state_dict().items():
         torch.testing.assert_close(loaded[key], expected, rtol=0, atol=1e-5)
-    result = run_worker("failure.py", "resume", str(tmp_path), timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert resume.returncode == 0, resume.stderr[-3000:]
     for kind in ("full", "sharded"):
         resumed = torch.load(tmp_path / f"resumed_{kind}.pt")
         for key, expected in reference_state.items():
@@ -226,9 +246,9 @@ def _end_processes_of(out: Path) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def test_a_port_in_use_names_the_port_and_leaves_no_process_behind(tmp_path):
-    # another program listens on MASTER_PORT: global rank 0 cannot create the job's store, and the processes it
-    # launched (which would wait for the store until the process group's timeout) end with it
+def _run_on_a_port_in_use(tmp_path: Path) -> tuple[subprocess.CompletedProcess, int, list[int]]:
+    """Run ``validation`` on ``tmp_path`` with MASTER_PORT a port another program listens on: ``(the result, the
+    port, the run's processes left once it ended)``; those are then killed."""
     with socket.socket() as foreign:
         foreign.bind(("127.0.0.1", 0))
         foreign.listen()
@@ -239,6 +259,13 @@ def test_a_port_in_use_names_the_port_and_leaves_no_process_behind(tmp_path):
         finally:
             left = _processes_of(tmp_path)
             _end_processes_of(tmp_path)
+    return result, port, left
+
+
+def test_a_port_in_use_names_the_port_and_leaves_no_process_behind(runs):
+    # another program listens on MASTER_PORT: global rank 0 cannot create the job's store, and the processes it
+    # launched (which would wait for the store until the process group's timeout) end with it
+    result, port, left = runs["port_in_use"][0]()
     assert result.returncode == 1 and left == [], result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]  # the error the user sees last is the cause, naming the fix
     assert last.startswith(f"torch.distributed.DistNetworkError: MASTER_PORT={port} is in use on 127.0.0.1"), last

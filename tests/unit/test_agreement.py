@@ -10,11 +10,10 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_gpipe.faults.job import Job
-from lightning_gpipe.lightning import randomness as randomness_module
+from lightning_gpipe.lightning import contract as randomness_module
 from lightning_gpipe.lightning.agreement import NEUTRAL, REGION_WORDS, StepAgreement, fingerprint
-from lightning_gpipe.lightning.contract import BackboneCall
+from lightning_gpipe.lightning.contract import BackboneCall, StageRandomness, stage_states
 from lightning_gpipe.lightning.data import same_batches
-from lightning_gpipe.lightning.randomness import StageRandomness, stage_states
 from lightning_gpipe.lightning.step import quiet_until_backward
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_gpipe import GPipeStrategy, forward_and_share
 from lightning_gpipe.engine import microbatch
-from lightning_gpipe.engine.partition import Partition
+from lightning_gpipe.engine.microbatch import Partition
 from lightning_gpipe.lightning.contract import BackboneCall
 
 ARGUMENTS = {

@@ -191,7 +191,7 @@ def test_every_link_that_may_share_a_pair_of_ranks_has_a_process_group_of_its_ow
 
 def test_each_trainable_tie_sums_its_gradients_once_and_a_frozen_tie_not_at_all(monkeypatch):
     reduced = []
-    monkeypatch.setattr(ties_module.collectives, "all_reduce", lambda job, flat, group: reduced.append(flat.numel()))
+    monkeypatch.setattr(ties_module.waiting, "all_reduce", lambda job, flat, group: reduced.append(flat.numel()))
     module = TiedNet()
     module.backbone[1].weight.requires_grad_(False)  # e.g. a frozen base weight under LoRA: no gradient to sum
     module.head(module.backbone(torch.tensor([[1, 2, 3]]))).sum().backward()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from lightning_gpipe import PipelineFailure
 from lightning_gpipe.engine.transfer import CONTROL_TAG, Link, Turn, signature
-from lightning_gpipe.faults import collectives, waiting
+from lightning_gpipe.faults import waiting
 from lightning_gpipe.faults.job import Job
 
 
@@ -299,7 +299,7 @@ def test_a_polled_collective_reads_the_received_size_only_once_it_has_arrived(mo
     monkeypatch.setattr(dist, "broadcast", broadcast)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
-    assert collectives.broadcast_object(Job(), None, src=0) == obj
+    assert waiting.broadcast_object(Job(), None, src=0) == obj
     assert len(works) == 2 and all(work.waits == 1 and work.early_waits == 0 for work in works)
 
 

@@ -3,7 +3,7 @@
 Every stage process runs the same callbacks, so each hook runs on every stage. While a training batch
 runs, the stage's :class:`~lightning_gpipe.engine.events.Recorder` is on; at the batch's end, the stage's spans
 become a :class:`~lightning_gpipe.engine.trace.StageTrace` and, for the steps some callback asks for, every stage
-sends its trace to global rank 0 (:func:`lightning_gpipe.faults.collectives.gather_object`, one collective per step
+sends its trace to global rank 0 (:func:`lightning_gpipe.faults.waiting.gather_object`, one collective per step
 whatever the number of callbacks asking). With several data-parallel replicas, the traces are replica 0's
 pipeline's (the replicas run the same schedule). Under a strategy other than ``GPipeStrategy`` the callbacks do
 nothing.
@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_gpipe.engine import StageTrace, StepTrace
-from lightning_gpipe.faults import collectives
+from lightning_gpipe.faults import waiting
 from lightning_gpipe.lightning.strategy import GPipeStrategy
 
 
@@ -80,11 +80,11 @@ class _Collector:
         if self.gathered[0] != self.batch:
             group = self.strategy.pipeline_group
             if self.clock is None:
-                collectives.barrier(self.strategy.job, group)
+                waiting.barrier(self.strategy.job, group)
                 self.clock = time.perf_counter()
             assert self.batch is not None  # gathered after batch_start
             mine = (self.batch_end(), self.clock, socket.gethostname())
-            parts = collectives.gather_object(self.strategy.job, mine, dst=0, group=group)
+            parts = waiting.gather_object(self.strategy.job, mine, dst=0, group=group)
             step = StepTrace(self.batch, _on_one_clock(parts)) if parts is not None else None
             self.gathered = (self.batch, step)
         return self.gathered[1]

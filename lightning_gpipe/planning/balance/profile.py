@@ -19,8 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gpipe.engine.events import PeakBytes, SavedBytes
-from lightning_gpipe.engine.microbatch import Value, leaves, tensors
-from lightning_gpipe.engine.partition import Partition, materialize
+from lightning_gpipe.engine.microbatch import Partition, Value, leaves, tensors
+from lightning_gpipe.engine.partition import materialize
 from lightning_gpipe.engine.skip.tracker import SkipTracker, tracking
 from lightning_gpipe.engine.weightgrad import backward_input
 from lightning_gpipe.planning.balance.costs import LayerCost
