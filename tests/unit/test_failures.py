@@ -241,3 +241,21 @@ def test_a_transfer_that_cannot_be_posted_is_a_pipeline_failure_naming_the_lost_
         link = Link(0, 0, torch.device("cpu"), job=job)
         with pytest.raises(PipelineFailure, match=r"^stage 1 stopped because global rank 0's process \(stage 0\)"):
             link.receive_step() if transfer == "receive" else link.send_step(1, [None])
+
+
+def test_a_stage_recorder_moves_the_position_whether_or_not_it_records_spans():
+    from lightning_gpipe.engine.events import TrackingRecorder
+
+    position = Position()
+    recorder = TrackingRecorder(position)
+    with recorder.span("forward", 2):  # disabled: the position's own span, nothing recorded
+        assert (position.phase, position.micro_batch) == ("forward", 2)
+    assert recorder.spans == []
+    recorder.enabled = True
+    with recorder.span("backward", 1):
+        assert (position.phase, position.micro_batch) == ("backward", 1)
+    assert [(span.kind, span.micro_batch) for span in recorder.spans] == [("backward", 1)]
+    recorder.enabled = False
+    with recorder.span("recv", 3):
+        assert position.phase == "recv"
+    assert len(recorder.take()) == 1  # the enabled span only
