@@ -270,10 +270,6 @@ def run_lightning(args: argparse.Namespace) -> None:
                 self.live_peak = live.peak / 2**20
             emit(trainer.global_rank, event="trained", steps=len(self.clock.ends), peak_rss_mib=peak_rss_mib())
 
-        def on_before_backward(self, trainer, pl_module, loss) -> None:
-            if counter is not None:
-                counter.sample()  # the end of a fill
-
     torch.manual_seed(0)
     if args.model == "amoebanet":
         module = models.amoebanet_classifier(channels_last=args.channels_last)
@@ -287,6 +283,9 @@ def run_lightning(args: argparse.Namespace) -> None:
     live = LiveBytes(excluded=data) if args.count_live else None
     callback = Clock()
     breakdown = step_breakdown(args.warmup) if args.breakdown else None
+    # the saved bytes sampled at the end of a fill, only when counting: a callback's on_before_backward makes
+    # every stage swap its random streams twice a step
+    fill_end = None if counter is None else pl.callbacks.LambdaCallback(on_before_backward=lambda *_: counter.sample())
     trainer_kwargs = {
         "accelerator": "cpu",
         "max_steps": args.warmup + args.steps,
@@ -296,7 +295,7 @@ def run_lightning(args: argparse.Namespace) -> None:
         "enable_progress_bar": False,
         "enable_model_summary": False,
         "use_distributed_sampler": False,
-        "callbacks": [callback, *([breakdown] if breakdown is not None else [])],
+        "callbacks": [callback, *(extra for extra in (breakdown, fill_end) if extra is not None)],
     }
     if args.strategy == "plain":
         trainer = pl.Trainer(devices=1, **trainer_kwargs)
