@@ -35,7 +35,7 @@ backpropagated with the activation's), and the received ones inputs (their gradi
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import cast
 
@@ -210,13 +210,13 @@ class ModelChunk:
         reaches ``y``, as the micro-batch's ``backward`` span.
         """
         record = self._records.get(index)
-        if not (record is not None and record.through and self.events.enabled):  # no backward inside to time
-            with self.events.span("loss", index):
-                head(y)
-            return
-        with gradient_times(microbatch.floats(y)[0]) as reached, self.events.span("loss", index):
+        timed = record is not None and record.through and self.events.enabled
+        no_hook: AbstractContextManager[list[float]] = nullcontext([])
+        reaching = gradient_times(microbatch.floats(y)[0]) if timed else no_hook
+        with reaching as reached, self.events.span("loss", index):
             head(y)
-        self.events.split_last("backward", reached[0] if reached else None)
+        if timed:
+            self.events.split_last("backward", reached[0] if reached else None)
 
     @property
     def loss_completes_gradients(self) -> bool:
