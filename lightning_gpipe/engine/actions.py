@@ -62,14 +62,16 @@ class Plan:
 
     Args:
         actions: in the order the stage runs them.
-        cut: ``actions[:cut]`` run in Lightning's ``training_step``, ``actions[cut:]`` in its ``backward``.
+        backward_from: where the step's backward phase begins: ``actions[:backward_from]`` run in the pipeline's
+            ``forward`` call, ``actions[backward_from:]`` in its ``backward`` call (``len(actions)`` where the whole
+            plan runs in ``forward``, with a loss per micro-batch).
         loss_per_micro_batch: whether the last stage runs the user's step once per micro-batch (``loss`` actions
             with an index), rather than once on the whole mini-batch between the two parts.
         v_shape: whether the stages' model chunks are placed in a V (:func:`virtual_stage`), not looped.
     """
 
     actions: tuple[Action, ...]
-    cut: int
+    backward_from: int
     loss_per_micro_batch: bool = False
     v_shape: bool = False
 
@@ -89,7 +91,7 @@ class Plan:
         """Whether the plan has ``loss`` actions per micro-batch, in micro-batch order, each followed by the same
         micro-batch's ``backward`` before any other computing action of its model chunk (a recompute of that
         micro-batch aside): then a loss's backward can run on through the model chunk in the same autograd call, and
-        the chunk's autograd calls keep the plan's order (1F1B's last stage)."""
+        the model chunk's autograd calls keep the plan's order (1F1B's last stage)."""
         pending, expected = None, 0
         for action in self.actions:
             kind, index = action.kind, action.micro_batch
@@ -129,7 +131,7 @@ class ActionCost:
 def virtual_stage(stage: int, model_chunk: int, num_stages: int, v_shape: bool = False) -> int:
     """The virtual stage that model chunk ``model_chunk`` of pipeline rank ``stage`` runs, of ``K = num_stages`` ranks.
 
-    Looped (default): ``chunk * K + stage``, so rank k holds virtual stages k, k + K, ... (interleaved pipelines,
+    Looped (default): ``model_chunk * K + stage``, so rank k holds virtual stages k, k + K, ... (interleaved pipelines,
     Narayanan et al. 2021, section 2.2). With ``v_shape`` the odd model chunks run through the ranks backwards: rank k
     holds virtual stages k and 2K - 1 - k, the micro-batches turn on rank K - 1 and the pipeline's last virtual
     stage is on rank 0 with its first (ZB-V, Qi et al. 2023, arXiv:2401.10241, section 6).
@@ -139,7 +141,7 @@ def virtual_stage(stage: int, model_chunk: int, num_stages: int, v_shape: bool =
 
 
 def stage_of_virtual(virtual: int, num_stages: int, v_shape: bool = False) -> tuple[int, int]:
-    """``(pipeline rank, chunk)`` of virtual stage ``virtual``: the inverse of :func:`virtual_stage`."""
+    """``(pipeline rank, model chunk)`` of virtual stage ``virtual``: the inverse of :func:`virtual_stage`."""
     model_chunk, offset = divmod(virtual, num_stages)
     return (num_stages - 1 - offset if v_shape and model_chunk % 2 else offset), model_chunk
 

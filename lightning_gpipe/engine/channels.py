@@ -23,7 +23,7 @@ from lightning_gpipe.engine.skip import SkipLayout
 from lightning_gpipe.engine.skip.links import SkipLinks
 from lightning_gpipe.engine.topology import Topology
 from lightning_gpipe.engine.transfer import Link, Turn
-from lightning_gpipe.faults.job import Job
+from lightning_gpipe.faults import Job
 
 
 class Spec(Protocol):
@@ -108,9 +108,11 @@ class _Wiring:
     def links(self) -> list[tuple[Link, SkipLinks | None]]:
         """Every model chunk's links, in model chunk order."""
         recorder = TrackingRecorder(self.job.position)
-        return [self._chunk_links(virtual, recorder.for_chunk(c)) for c, virtual in enumerate(self.spec.held)]
+        return [
+            self._model_chunk_links(virtual, recorder.for_model_chunk(c)) for c, virtual in enumerate(self.spec.held)
+        ]
 
-    def _chunk_links(self, virtual: int, events: Recorder) -> tuple[Link, SkipLinks | None]:
+    def _model_chunk_links(self, virtual: int, events: Recorder) -> tuple[Link, SkipLinks | None]:
         """Virtual stage ``virtual``'s link and skip links (``None`` where its layers neither stash nor pop), both
         recording into ``events``."""
         skips = self._skips(virtual, events) if virtual in self.skips.stages else None

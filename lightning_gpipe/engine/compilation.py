@@ -44,6 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_gpipe._torch import keep_donated_buffers_off
+
 CompileOption = bool | Mapping[str, Any]
 """``compile``: ``False`` (off), ``True`` (torch.compile's defaults) or torch.compile's keyword arguments."""
 
@@ -59,7 +61,7 @@ class's), which marks it as ours."""
 
 
 def compile_options(value: Any) -> dict[str, Any] | None:
-    """The keyword arguments to compile each layer with, from ``GPipeStrategy(compile=value)``; ``None`` for off.
+    """The keyword arguments to compile each layer with, from a ``compile`` option ``value``; ``None`` for off.
 
     ``True`` gives ``{}`` (torch.compile's defaults), a mapping its own items; each layer is then compiled with
     ``isolate_recompiles=True`` added unless given (see the module docstring).
@@ -70,15 +72,12 @@ def compile_options(value: Any) -> dict[str, Any] | None:
     if isinstance(value, bool):
         return {} if value else None
     if not isinstance(value, Mapping):
-        raise ValueError(
-            f"GPipeStrategy(compile={value!r}): give True (torch.compile with its defaults), False, or a dict of"
-            " torch.compile's keyword arguments, e.g. compile={'dynamic': False, 'mode': 'max-autotune-no-cudagraphs'}."
-        )
+        raise ValueError(f"{value!r} is neither a bool nor a mapping of torch.compile's keyword arguments.")
     unknown = sorted(str(key) for key in value if key not in COMPILE_KEYWORDS)
     if unknown:
         raise ValueError(
-            f"GPipeStrategy(compile={dict(value)!r}): {', '.join(unknown)} is not a keyword argument of torch.compile;"
-            f" choose among {', '.join(sorted(COMPILE_KEYWORDS))}."
+            f"{', '.join(unknown)} is not a keyword argument of torch.compile; choose among"
+            f" {', '.join(sorted(COMPILE_KEYWORDS))}."
         )
     return dict(value)
 
@@ -104,7 +103,7 @@ def compile_layer(layer: nn.Module, options: Mapping[str, Any], split_backward: 
     """Replace ``layer``'s ``forward`` by its ``torch.compile(**options)`` on the instance (again if compiled).
 
     With ``split_backward``, AOTAutograd's donated buffers are turned off in this process
-    (``torch._functorch.config.donated_buffer = False``, for every compiled function from then on, and left so): a
+    (:func:`~lightning_gpipe._torch.keep_donated_buffers_off`, for every compiled function from then on, and left so): a
     backward compiled with them frees its saved intermediates as it runs, and refuses to run with
     ``retain_graph=True``, which B needs (W runs the same node again). AOTAutograd leaves them out on its own when
     the first backward it compiles keeps the graph, but not for a backward compiled earlier without, nor one loaded
@@ -122,7 +121,7 @@ def compile_layer(layer: nn.Module, options: Mapping[str, Any], split_backward: 
         compiled_forward.__code__ = compiled_forward.__code__.replace()
 
     if split_backward:
-        torch._functorch.config.donated_buffer = False  # read when compiling, and again when a backward runs
+        keep_donated_buffers_off()  # read when compiling, and again when a backward runs
     compiled = torch.compile(compiled_forward, **options)
     setattr(compiled, _BEFORE, (before,))
     layer.forward = compiled

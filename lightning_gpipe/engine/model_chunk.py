@@ -429,7 +429,7 @@ class Shapes:
         if predicted is not None and predicted != actual:
             raise RuntimeError(
                 f"The output of {where} has the shapes and dtypes {_shown(actual)}, but an earlier step made"
-                f" {_shown(predicted)} of an input of the same shapes. GPipeStrategy tells the next stage each"
+                f" {_shown(predicted)} of an input of the same shapes. The pipeline tells the next stage each"
                 " step's activation shapes before they are computed, learnt from the input shapes, so a backbone"
                 " layer's output shape must follow from its input's shape, not from its values: pad or cut to a"
                 " length that depends on the input's shape only."

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_gpipe._torch import RESET_METHODS, children
 from lightning_gpipe.engine.microbatch import Partition
 
 
@@ -37,39 +38,6 @@ class _LastStageOnly(nn.Module):
             f" parameters (data preparation only). Move `{self.name}` into the backbone as its first layer, or call it"
             " after the backbone."
         )
-
-
-def find_backbone(module: nn.Module, name: str | None = None) -> str:
-    """Name of the attribute of ``module`` that holds the ``nn.Sequential`` backbone.
-
-    Args:
-        module: the LightningModule.
-        name: the attribute name given by the user, or ``None`` to find the only ``nn.Sequential`` child.
-
-    Raises:
-        ValueError: if there is no backbone, several candidates, or ``name`` is not an ``nn.Sequential``.
-    """
-    if name is not None:
-        found = getattr(module, name, None)
-        if not isinstance(found, nn.Sequential):
-            raise ValueError(
-                f"GPipeStrategy(backbone={name!r}): `{type(module).__name__}.{name}` is"
-                f" {type(found).__name__ if found is not None else 'missing'}, not an nn.Sequential. Put the layers to"
-                " pipeline in an nn.Sequential attribute and name it with `backbone=`."
-            )
-        return name
-    candidates = [child for child, value in module.named_children() if isinstance(value, nn.Sequential)]
-    if len(candidates) == 1:
-        return candidates[0]
-    if not candidates:
-        raise ValueError(
-            f"{type(module).__name__} has no nn.Sequential attribute to pipeline. Put the layers to split into"
-            " stages in one, e.g. `self.backbone = nn.Sequential(...)`."
-        )
-    raise ValueError(
-        f"{type(module).__name__} has several nn.Sequential attributes ({', '.join(candidates)}); choose the one"
-        f" to pipeline with `GPipeStrategy(backbone={candidates[0]!r})`."
-    )
 
 
 class Split:
@@ -106,7 +74,8 @@ class Split:
         self.module, self.backbone, self.stage_index = module, backbone, stage_index
         self.sequential: nn.Sequential = getattr(module, backbone)
         self._aliases = _aliases(module)
-        names = list(self.sequential._modules)
+        layers = children(self.sequential)
+        names = list(layers)
         num_stages = len(balance) if num_stages is None else num_stages
         virtual = range(stage_index, len(balance), num_stages) if virtual is None else virtual
         starts = [sum(balance[:s]) for s in range(len(balance))]
@@ -114,12 +83,12 @@ class Split:
         local = [name for layers in held for name in layers]
         last = len(balance) - 1 in virtual
         outside = [child for name, child in module.named_children() if name != backbone]
-        kept = {sub for layer in [*(self.sequential._modules[n] for n in local), *(outside if last else [])]
+        kept = {sub for layer in [*(layers[n] for n in local), *(outside if last else [])]
                 for sub in layer.modules()}  # fmt: skip
         for name in names:
             if name not in local:
-                _to_meta(self.sequential._modules[name], kept)
-        self.partition = Partition({name: self.sequential._modules[name] for name in local})
+                _to_meta(layers[name], kept)
+        self.partition = Partition({name: layers[name] for name in local})
         self.model_chunks = [self.partition] if len(held) == 1 else [self._layers(layers) for layers in held]
         setattr(module, backbone, self.partition)
         self.freed: dict[str, nn.Module] = {}
@@ -127,7 +96,7 @@ class Split:
             self._free_modules_outside_backbone(kept)
 
     def _layers(self, names: list[str]) -> Partition:
-        return Partition({name: self.sequential._modules[name] for name in names})
+        return Partition({name: children(self.sequential)[name] for name in names})
 
     def _free_modules_outside_backbone(self, kept: set[nn.Module]) -> None:
         for name, child in list(self.module.named_children()):
@@ -154,9 +123,6 @@ class Split:
             self.module.load_state_dict(full_state)
         # one parameter under several names again: this stage's copy, if it held one
         _retie(self.module, self._aliases, lambda copies: next((c for c in copies if not c.is_meta), copies[0]))
-
-
-_RESETS = ("reset_parameters", "_reset_parameters")  # torch's names; nn.MultiheadAttention has the second
 
 
 def is_whole(module: nn.Module) -> bool:
@@ -197,7 +163,7 @@ def materialize(module: nn.Module, device: torch.device) -> None:
         sub.to_empty(device=device, recurse=False)
     _retie(module, aliases, lambda copies: copies[0])  # each module got its own new tensor: one again
     for sub in reversed(resets):
-        reset = next((getattr(sub, name) for name in _RESETS if hasattr(sub, name)), None)
+        reset = next((getattr(sub, name) for name in RESET_METHODS if hasattr(sub, name)), None)
         if reset is not None:
             with torch.no_grad():
                 reset()
@@ -211,7 +177,7 @@ def _covered_by_reset(module: nn.Module) -> set[nn.Module]:
     """Modules that have a reset method or lie below one that has."""
     covered: set[nn.Module] = set()
     for sub in module.modules():
-        if sub not in covered and any(hasattr(sub, name) for name in _RESETS):
+        if sub not in covered and any(hasattr(sub, name) for name in RESET_METHODS):
             covered.update(sub.modules())
     return covered
 
@@ -231,7 +197,7 @@ def _retie(module: nn.Module, aliases: list[list[str]], pick: Callable[[list[nn.
         shared = pick([module.get_parameter(name) for name in names])
         for name in names:
             owner, _, attr = name.rpartition(".")
-            module.get_submodule(owner)._parameters[attr] = shared
+            module.get_submodule(owner).register_parameter(attr, shared)
 
 
 def _to_meta(module: nn.Module, kept: set[nn.Module]) -> None:
@@ -240,7 +206,7 @@ def _to_meta(module: nn.Module, kept: set[nn.Module]) -> None:
     moved module's own slot only, so the kept module's stays."""
     for sub in module.modules():
         if sub not in kept:
-            sub._apply(lambda t: t.to("meta"), recurse=False)
+            sub.to_empty(device="meta", recurse=False)
 
 
 def _holds_state(module: nn.Module) -> bool:

@@ -8,9 +8,9 @@ them, and the tied parameters' process groups. What calls the engine (the Lightn
 drives a step through the pipeline alone, as torchgpipe's ``GPipe.forward`` drives its ``Pipeline``::
 
     pipeline = build_pipeline(module, "backbone", StageSpec(topology, rank, device, balance=[2, 2]), job)
-    output = pipeline.forward(x)        # the plan up to its cut: the fill (the last stage gets the output)
+    output = pipeline.forward(x)        # the plan's forward phase: the fill (the last stage gets the output)
     loss(output).backward()             # on the last stage: the gradient reaches the stage's boundary
-    pipeline.backward()                 # the rest of the plan: the drain
+    pipeline.backward()                 # the plan's backward phase: the drain
 
 Where the plan computes each micro-batch's loss during the step (1F1B, zero-bubble), :meth:`StagePipeline.forward`
 takes a ``head`` that runs the loss of one micro-batch and runs the whole plan.
@@ -22,10 +22,12 @@ With several model chunks per process (``virtual_stages``), each is a
 :class:`~lightning_gpipe.engine.model_chunk.ModelChunk`, a virtual stage of the pipeline of ``K * v``, and an action
 runs on the model chunk it names.
 
-A step's two phases are one cut in the plan: :meth:`Runtime.forward` runs the actions before the cut,
-:meth:`Runtime.backward` the rest. Under fill-drain the cut follows the fill and the user's loss runs on the whole
-mini-batch between the two; a schedule whose last stage needs each micro-batch's loss during the step (1F1B,
-zero-bubble) has its cut at the end, and its ``loss`` actions call a head per micro-batch; where each micro-batch's
+A step's two phases split the plan where its backward phase begins
+(:attr:`Plan.backward_from <lightning_gpipe.engine.actions.Plan.backward_from>`): :meth:`Runtime.forward` runs the
+actions before it, :meth:`Runtime.backward` the rest. Under fill-drain the backward phase begins after the fill and
+the user's loss runs on the whole mini-batch between the two; a schedule whose last stage needs each micro-batch's
+loss during the step (1F1B, zero-bubble) runs its whole plan in the forward phase, and its ``loss`` actions call a
+head per micro-batch; where each micro-batch's
 backward follows its loss at once, the loss backpropagates through the last stage in the same autograd call
 (:attr:`ModelChunk.loss_through <lightning_gpipe.engine.model_chunk.ModelChunk.loss_through>`). Evaluation runs the
 forwards and sends of fill-drain's fill (whatever the schedule), then waits for the sends. W actions that follow each
@@ -54,8 +56,7 @@ from lightning_gpipe.engine.schedule import V_SHAPED, check, evaluation, plans
 from lightning_gpipe.engine.skip import SkipLayout
 from lightning_gpipe.engine.ties import TiedParameters, find_ties
 from lightning_gpipe.engine.topology import Topology
-from lightning_gpipe.faults.job import Job
-from lightning_gpipe.faults.watchdog import Position
+from lightning_gpipe.faults import Job, Position
 
 
 @dataclass(frozen=True)
@@ -110,8 +111,8 @@ class StageSpec:
 class StagePipeline:
     """One process's part of a pipeline: its model chunks and the runtime that executes its plan of each step.
 
-    Build it with :func:`build_pipeline`. A training step is :meth:`forward` (the plan up to its cut), on the last
-    stage the loss's backward to the stage's boundary, then :meth:`backward` (the rest of the plan); evaluation is
+    Build it with :func:`build_pipeline`. A training step is :meth:`forward` (the plan's forward phase), on the last
+    stage the loss's backward to the stage's boundary, then :meth:`backward` (its backward phase); evaluation is
     :meth:`evaluate`. What must happen at a point of the step is registered as an event (:meth:`on_last_backward`),
     never set on the parts from outside.
 
@@ -124,7 +125,7 @@ class StagePipeline:
 
     def __init__(self, split: Split, model_chunks: list[ModelChunk], runtime: "Runtime", ties: TiedParameters) -> None:
         self.split, self.ties = split, ties
-        self._chunks, self._runtime = model_chunks, runtime
+        self._model_chunks, self._runtime = model_chunks, runtime
 
     @property
     def num_stages(self) -> int:
@@ -144,7 +145,7 @@ class StagePipeline:
     @property
     def device(self) -> torch.device:
         """The device of the stage's layers and transfers."""
-        return self._chunks[-1].link.device
+        return self._model_chunks[-1].link.device
 
     @property
     def loss_per_micro_batch(self) -> bool:
@@ -165,10 +166,10 @@ class StagePipeline:
     @property
     def events(self) -> Recorder:
         """The process's recorder of timed spans (forwards, backwards, transfers), marked with their model chunk."""
-        return self._chunks[0].events
+        return self._model_chunks[0].events
 
     def forward(self, value: Value | None, head: "Head | None" = None) -> Value | None:
-        """Run the plan up to its cut: fill-drain's fill, or with a loss per micro-batch the whole plan.
+        """Run the plan's forward phase: fill-drain's fill, or with a loss per micro-batch the whole plan.
 
         Args:
             value: the backbone input of the whole mini-batch (a Tensor or tuple, rows in dim 0); read on the first
@@ -188,7 +189,7 @@ class StagePipeline:
         return self._runtime.forward(value, head)
 
     def backward(self) -> None:
-        """Run the rest of the plan after its cut (fill-drain: the drain). On the last stage the loss must have been
+        """Run the plan's backward phase (fill-drain: the drain). On the last stage the loss must have been
         backpropagated to the stage's boundary first.
 
         Raises:
@@ -211,7 +212,7 @@ class StagePipeline:
         autograd call that completes the stage's parameter gradients (the weight gradient W when deferred): where a
         data-parallel gradient sync starts. Where that call is the loss's own (see :attr:`loss_ends_backward`), the
         caller calls it."""
-        self._chunks[0].before_last_backward = callback
+        self._model_chunks[0].before_last_backward = callback
 
     def on_backward_start(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` once per training step, right before this process's first action that backpropagates
@@ -225,7 +226,7 @@ class StagePipeline:
         """On the last stage, whether the step's last backward on this process is the loss's own autograd call:
         no :meth:`on_last_backward` callback is registered, a one-stage pipeline ran the step unsplit, or the last
         micro-batch's loss backpropagates through the stage."""
-        first = self._chunks[0]
+        first = self._model_chunks[0]
         return first.before_last_backward is None or not first.draining or first.loss_completes_gradients
 
     def close(self, whole: dict[str, Any] | None) -> None:
@@ -260,13 +261,13 @@ def build_pipeline(module: nn.Module, backbone: str, spec: StageSpec, job: Job) 
     compile_layers(split.partition, compile_options(spec.compile), spec.defer_weight_grad)
     links = wire(spec, skips, job).links()
     options = (topology.num_virtual, spec.micro_batches, spec.checkpoint, spec.defer_weight_grad)
-    chunks = [
+    model_chunks = [
         ModelChunk(partition, link, virtual, *options, skip_links)
         for partition, virtual, (link, skip_links) in zip(split.model_chunks, spec.held, links)
     ]
-    runtime = Runtime(chunks, spec.schedule, topology.num_stages, job.position, spec.action_costs)
+    runtime = Runtime(model_chunks, spec.schedule, topology.num_stages, job.position, spec.action_costs)
     ties = TiedParameters(tie_groups, module, topology, spec.rank, job)
-    return StagePipeline(split, chunks, runtime, ties)
+    return StagePipeline(split, model_chunks, runtime, ties)
 
 
 Head = Callable[[int, int, Value], None]
@@ -289,7 +290,7 @@ class Runtime:
 
     Attributes:
         stage: the process's pipeline rank.
-        loss_per_micro_batch: whether the plans call a head per micro-batch (the cut is at the end of the plan).
+        loss_per_micro_batch: whether the plans call a head per micro-batch (their backward phase is empty).
         before_first_backward: called once per training step, right before the process's first action that
             backpropagates through it (a recompute, a backward, a weight gradient, or a micro-batch's loss); set
             through :meth:`~lightning_gpipe.engine.StagePipeline.on_backward_start`. ``None`` (default): nothing.
@@ -344,8 +345,8 @@ class Runtime:
         return self._plans[(micro_batches, training)]
 
     def forward(self, value: Value | None, head: Head | None = None) -> Value | None:
-        """The plan up to its cut (``training_step``'s part): fill-drain's fill, or with a loss per micro-batch the
-        whole plan; in evaluation every forward and send.
+        """The plan's forward phase, up to :attr:`Plan.backward_from`: fill-drain's fill, or with a loss per
+        micro-batch the whole plan; in evaluation every forward and send.
 
         Args:
             value: the backbone input of the whole mini-batch (used on the first stage only).
@@ -361,8 +362,8 @@ class Runtime:
             PipelineFailure: if another stage failed while this one waited for it.
         """
         plan = self._begin(value)
-        self._run(plan, plan.cut, head)
-        if plan.cut == len(plan.actions):
+        self._run(plan, plan.backward_from, head)
+        if plan.backward_from == len(plan.actions):
             self._plan = None
         if not self.is_last or plan.loss_per_micro_batch:
             return None
@@ -370,15 +371,15 @@ class Runtime:
         return self.model_chunks[-1].output([self._outputs.pop((last, i)) for i in range(self._micro_batches)])
 
     def backward(self) -> None:
-        """The rest of the plan after the cut (fill-drain: the drain). On the last stage, the user's loss must have
-        been backpropagated to the boundary first.
+        """The plan's backward phase, from :attr:`Plan.backward_from` (fill-drain: the drain). On the last stage, the
+        user's loss must have been backpropagated to the boundary first.
 
         Raises:
             PipelineFailure: if another stage failed while this one waited for it.
         """
         if self._plan is None:
             return
-        if not sum(chunk.begin_backward() for chunk in self.model_chunks):  # one stage ran the step unsplit
+        if not sum(model_chunk.begin_backward() for model_chunk in self.model_chunks):  # one stage ran the step unsplit
             self.model_chunks[0].flush()
         else:
             self._run(self._plan, len(self._plan.actions))
@@ -387,9 +388,9 @@ class Runtime:
     def _begin(self, value: Value | None) -> Plan:
         """Take the step's micro-batches (the first one is needed to know their number) and make the plan. The
         model chunks after the first take theirs when their first forward runs."""
-        for chunk in self.model_chunks:
-            chunk.receive_ahead = False  # until this step's plan says (its M comes with the first input)
-        inputs = [chunk.inputs(value) for chunk in self.model_chunks]
+        for model_chunk in self.model_chunks:
+            model_chunk.receive_ahead = False  # until this step's plan says (its M comes with the first input)
+        inputs = [model_chunk.inputs(value) for model_chunk in self.model_chunks]
         first = next(inputs[0], None)
         self._micro_batches = first[2] if first is not None else 0
         self._inputs = [_chain(first, inputs[0]), *inputs[1:]]
@@ -397,8 +398,8 @@ class Runtime:
         self._backward_begun = not self.model_chunks[0].training
         self._plan = self.plan(self._micro_batches, self.model_chunks[0].training)
         self.model_chunks[-1].loss_through = self._plan.backward_follows_loss
-        for chunk in self.model_chunks:
-            chunk.receive_ahead = self._plan.forwards_first
+        for model_chunk in self.model_chunks:
+            model_chunk.receive_ahead = self._plan.forwards_first
         return self._plan
 
     def _run(self, plan: Plan, end: int, head: Head | None = None) -> None:
@@ -434,21 +435,21 @@ class Runtime:
             return
         if i is None:  # fill-drain's `loss`: the loss of the whole mini-batch runs between the plan's two parts
             return
-        chunk = self.model_chunks[c]
+        model_chunk = self.model_chunks[c]
         if kind is Kind.FORWARD:
             index, x, micro_batches = next(self._inputs[c])
-            self._outputs[(c, index)] = chunk.forward(index, x, micro_batches)
+            self._outputs[(c, index)] = model_chunk.forward(index, x, micro_batches)
         elif kind is Kind.SEND:
-            chunk.send(self._outputs.pop((c, i)), i)
+            model_chunk.send(self._outputs.pop((c, i)), i)
         elif kind is Kind.LOSS:
             assert head is not None  # a plan with a loss per micro-batch runs with a head (`forward`'s argument)
-            chunk.loss(i, self._outputs.pop((c, i)), lambda y: head(i, self._micro_batches, y))
+            model_chunk.loss(i, self._outputs.pop((c, i)), lambda y: head(i, self._micro_batches, y))
         elif kind is Kind.EXPECT:
-            chunk.expect_grad(i)
+            model_chunk.expect_grad(i)
         elif kind is Kind.RECOMPUTE:
-            chunk.recompute(i)
+            model_chunk.recompute(i)
         elif kind is Kind.BACKWARD:
-            chunk.backward(i)
+            model_chunk.backward(i)
 
 
 _BACKPROPAGATING = (Kind.LOSS, Kind.RECOMPUTE, Kind.BACKWARD, Kind.WEIGHT)

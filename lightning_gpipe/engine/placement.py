@@ -74,7 +74,9 @@ class _Placer:
             else:
                 raise RuntimeError("The plans to place weight gradients into wait for each other.")
         v_shape = self.v_shape
-        return tuple(Plan(tuple(a), cut=len(a), loss_per_micro_batch=True, v_shape=v_shape) for a in self.actions)
+        return tuple(
+            Plan(tuple(a), backward_from=len(a), loss_per_micro_batch=True, v_shape=v_shape) for a in self.actions
+        )
 
     def _advance(self, k: int, ended: list[bool]) -> bool:
         """Run stage ``k``'s next action, or a W instead; whether the stage moved (it does not while the input of

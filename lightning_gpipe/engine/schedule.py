@@ -2,7 +2,7 @@
 
 A schedule is a function of (pipeline rank k, K stages, M micro-batches, checkpoint mode, deferred weight
 gradients) that returns one :class:`Plan` per stage: the stage's :class:`Action` list, in the order the stage runs
-it, and the cut where Lightning's ``training_step`` ends and ``backward`` begins. One runtime executes a plan over
+it, and where its backward phase begins (the pipeline's ``backward`` call runs it). One runtime executes a plan over
 a stage's primitives (:class:`lightning_gpipe.engine.pipeline.Runtime`); the simulator
 (:mod:`lightning_gpipe.planning.simulator`) times the same lists, and :func:`check` runs them abstractly before the
 first step, so a schedule whose sends and receives do not pair up, or whose stages would wait for each other, is an
@@ -143,7 +143,7 @@ def gpipe(
             at_end += weight
         else:
             drain += weight
-    return Plan(tuple(fill + drain + at_end + [Action(Kind.FLUSH)]), cut=len(fill))
+    return Plan(tuple(fill + drain + at_end + [Action(Kind.FLUSH)]), backward_from=len(fill))
 
 
 def one_f_one_b(
@@ -271,7 +271,7 @@ def _one_forward_one_backward(
     for n in range(max(len(backwards) - delay, 0), len(backwards)):
         actions.extend(weight(*backwards[n]))
     actions.append(Action(Kind.FLUSH))
-    return Plan(tuple(actions), cut=len(actions), loss_per_micro_batch=True)
+    return Plan(tuple(actions), backward_from=len(actions), loss_per_micro_batch=True)
 
 
 @functools.cache
@@ -413,7 +413,8 @@ class _VOrder:
         self.last = 2 * num_stages - 1
         self.clock = Clock(num_stages, 2 * num_stages, v_shape=True)
         self.forwarded, self.backwarded = [0] * (2 * num_stages), [0] * (2 * num_stages)  # per virtual stage
-        self.order: list[list[tuple[Kind, int, int]]] = [[] for _ in range(num_stages)]  # kind, micro-batch, chunk
+        # each stage's actions so far: (kind, micro-batch, model chunk)
+        self.order: list[list[tuple[Kind, int, int]]] = [[] for _ in range(num_stages)]
 
     def run(self) -> None:
         """Run every stage's forwards and backwards (two model chunks of M micro-batches each: 4M actions)."""
@@ -438,7 +439,7 @@ class _VOrder:
             free[k] = max(free[k], min(later))
 
     def _candidates(self, k: int) -> list[tuple[float | None, tuple[int, int, int, Kind, int]]]:
-        """Stage ``k``'s next actions as ``(arrival, (priority, micro-batch, virtual stage, kind, chunk))``, the
+        """Stage ``k``'s next actions as ``(arrival, (priority, micro-batch, virtual stage, kind, model chunk))``, the
         arrival of their input ``None`` while it is not computed."""
         found = []
         for model_chunk in (1, 0):
@@ -485,7 +486,7 @@ class _VOrder:
             else:
                 actions += _backward(i, model_chunk, checkpoint, self.micro_batches)
         actions.append(Action(Kind.FLUSH))
-        return Plan(tuple(actions), cut=len(actions), loss_per_micro_batch=True, v_shape=True)
+        return Plan(tuple(actions), backward_from=len(actions), loss_per_micro_batch=True, v_shape=True)
 
 
 SCHEDULES: dict[str, ScheduleFunction] = {
@@ -544,7 +545,7 @@ def evaluation(num_stages: int, micro_batches: int, virtual_stages: int = 1, v_s
     every = []
     for k in range(num_stages):
         actions = (*_fill(_Chunks(k, num_stages, virtual_stages, v_shape), micro_batches), Action(Kind.FLUSH))
-        every.append(Plan(actions, cut=len(actions), v_shape=v_shape))
+        every.append(Plan(actions, backward_from=len(actions), v_shape=v_shape))
     return every
 
 
@@ -717,12 +718,12 @@ def _check_counts(k: int, plan: Plan) -> None:
 
 def format_plans(stage_plans: Sequence[Plan]) -> str:
     """The plans as a table, one row per stage: ``F`` forward, ``S`` send, ``L`` loss, ``E`` expect a gradient,
-    ``R`` recompute, ``B`` backward, ``W`` weight gradient, ``|`` the cut between ``training_step`` and
-    ``backward``."""
+    ``R`` recompute, ``B`` backward, ``W`` weight gradient, ``|`` where the backward phase begins
+    (:attr:`Plan.backward_from`)."""
     rows = []
     for k, plan in enumerate(stage_plans):
         cells = [str(a) for a in plan.actions]
-        if plan.cut < len(cells):
-            cells.insert(plan.cut, "|")
+        if plan.backward_from < len(cells):
+            cells.insert(plan.backward_from, "|")
         rows.append(f"stage {k}: " + " ".join(cells))
     return "\n".join(rows)

@@ -5,17 +5,12 @@ The world is a 2-D mesh, data-parallel replicas x pipeline stages, built on torc
 process groups are torch's. Every other module asks this one for ranks and groups.
 """
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_gpipe.engine.actions import stage_of_virtual, virtual_stage
-
-Size = int | Literal["auto"]
-"""A mesh dimension's size as the strategy takes it: a positive integer, or ``"auto"``."""
 
 
 @dataclass(frozen=True)
@@ -53,15 +48,10 @@ class Topology:
                 f"{self.world_size} processes cannot hold pipelines of {self.num_stages} stages:"
                 " the number of devices must be a multiple of the number of stages."
             )
-        if self.v_shape and self.num_stages == 1:
+        if self.num_stages == 1 and (self.v_shape or self.virtual_stages > 1):
             raise ValueError(
-                "GPipeStrategy(schedule='zb-v') places two model chunks per stage in a V across the stages, but the"
-                " pipeline has one stage; use more devices per pipeline, or another schedule."
-            )
-        if self.virtual_stages > 1 and self.num_stages == 1:
-            raise ValueError(
-                f"GPipeStrategy(virtual_stages={self.virtual_stages}) interleaves model chunks between stages, but the"
-                " pipeline has one stage; use virtual_stages=1, or more devices per pipeline."
+                f"{self.virtual_stages} virtual stages per stage{' in a V' if self.v_shape else ''} interleave model"
+                " chunks between the stages, but the pipeline has one stage."
             )
         if self.v_shape and self.virtual_stages != 2:
             raise ValueError(f"A V places two model chunks per stage, not virtual_stages={self.virtual_stages}.")
@@ -127,96 +117,6 @@ class Topology:
             device_type: ``"cpu"`` or ``"cuda"``: the type of the processes' devices.
         """
         return init_device_mesh(device_type, (self.data_parallel_size, self.num_stages), mesh_dim_names=("dp", "pp"))
-
-
-def resolve_topology(
-    pipeline_parallel_size: Size,
-    data_parallel_size: Size,
-    balance: Any,
-    devices_per_node: int,
-    num_nodes: int,
-    virtual_stages: int = 1,
-    v_shape: bool = False,
-) -> Topology:
-    """The mesh the strategy's arguments ask for, checked against the job's size.
-
-    ``"auto"`` sizes follow Lightning's ``ModelParallelStrategy``: the pipeline takes the length of a list
-    ``balance``, else the other size's quotient, else the devices of one node (each node holds one pipeline;
-    the replicas are the nodes).
-
-    Args:
-        pipeline_parallel_size: K, the stages of each pipeline, or ``"auto"``.
-        data_parallel_size: the pipeline replicas, or ``"auto"``.
-        balance: the strategy's ``balance`` (a list fixes ``K * virtual_stages``).
-        devices_per_node: processes per node (``devices``).
-        num_nodes: nodes of the job.
-        virtual_stages: model chunks per stage (default 1).
-        v_shape: whether they are placed in a V (:class:`Topology`).
-
-    Raises:
-        ValueError: if a size is neither a positive integer nor ``"auto"``, if the sizes' product is not
-            the world size ``devices * num_nodes``, if a list ``balance`` has another length than
-            ``K * virtual_stages``, or for virtual stages on a one-stage pipeline.
-    """
-    world = devices_per_node * num_nodes
-    pp = checked_size(pipeline_parallel_size, "pipeline_parallel_size")
-    dp = checked_size(data_parallel_size, "data_parallel_size")
-    stages_listed = _stages_listed(balance, virtual_stages)
-    listed = stages_listed is not None
-    if pp == "auto":
-        quotient = world // dp if dp != "auto" and world % dp == 0 else devices_per_node
-        pp = stages_listed if stages_listed is not None else quotient
-    if listed and pipeline_parallel_size == "auto" and world % pp:
-        raise ValueError(
-            f"GPipeStrategy(balance={list(balance)}) gives pipelines of {pp} stages, which cannot fill the job's"
-            f" {world} processes (devices={devices_per_node} x num_nodes={num_nodes}): the number of processes must"
-            " be a multiple of the stages. Give one layer count per stage of one pipeline."
-        )
-    if dp == "auto":
-        dp = max(world // pp, 1)
-    if pp * dp != world:
-        raise ValueError(
-            f"GPipeStrategy(pipeline_parallel_size={pipeline_parallel_size!r},"
-            f" data_parallel_size={data_parallel_size!r}) makes a mesh of {pp} stages x {dp} replicas = {pp * dp}"
-            f" processes, but the job has {world} (devices={devices_per_node} x num_nodes={num_nodes}). Choose"
-            " sizes whose product is devices * num_nodes, or leave them 'auto'."
-        )
-    if listed and len(balance) != pp * virtual_stages:
-        per = "stage" if virtual_stages == 1 else f"virtual stage ({pp} stages x virtual_stages={virtual_stages})"
-        raise ValueError(
-            f"GPipeStrategy(balance={list(balance)}) gives {len(balance)} stages, but the pipeline has"
-            f" {pp * virtual_stages} (pipeline_parallel_size={pipeline_parallel_size!r} of {world} processes). Give one"
-            f" balance entry per {per}, or set pipeline_parallel_size to the length of balance."
-        )
-    return Topology(world_size=world, num_stages=pp, virtual_stages=virtual_stages, v_shape=v_shape)
-
-
-def _stages_listed(balance: Any, virtual_stages: int) -> int | None:
-    """The stages (processes) a list ``balance`` gives with ``virtual_stages`` model chunks each; ``None`` for a mode.
-
-    Raises:
-        ValueError: if the list's length is not a multiple of ``virtual_stages``.
-    """
-    if balance is None or isinstance(balance, str) or not isinstance(balance, Sequence):
-        return None
-    if len(balance) % virtual_stages:
-        raise ValueError(
-            f"GPipeStrategy(balance={list(balance)}, virtual_stages={virtual_stages}): give one layer count per"
-            f" virtual stage, K * virtual_stages entries for K stages; {len(balance)} is not a multiple of"
-            f" {virtual_stages}."
-        )
-    return len(balance) // virtual_stages
-
-
-def checked_size(size: Any, name: str) -> Size:
-    """``size`` if it is a positive integer or ``"auto"``.
-
-    Raises:
-        ValueError: otherwise, naming the strategy argument ``name``.
-    """
-    if size == "auto" or (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
-        return size
-    raise ValueError(f"GPipeStrategy({name}={size!r}): give a positive integer or 'auto'.")
 
 
 def groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

@@ -53,6 +53,7 @@ class Job:
         names: global rank -> name in messages (``"stage 1"``) of every process of the job; ``{rank: "stage
             <rank>"}`` by default.
         limit: seconds a stage may wait for another before the wait counts as a stall (no limit by default).
+        limit_note: where ``limit`` comes from and how to raise it, for the stall's message (none by default).
         processes: the number of processes of the job, those a failing process waits for to read its cause
             (see :meth:`~lightning_gpipe.faults.failure.FailureBoard.linger`); ``len(names)`` by default.
 
@@ -74,13 +75,14 @@ class Job:
         names: dict[int, str] | None = None,
         limit: float = float("inf"),
         processes: int | None = None,
+        limit_note: str = "",
     ) -> None:
         names = dict(names) if names is not None else {rank: f"stage {rank}"}
         name = names.get(rank, f"rank {rank}")
         processes = processes if processes is not None else len(names)
         self.board = FailureBoard(store, name, processes, rank, names.get(0, "rank 0"))
         self.position = Position()
-        self.watchdog = Watchdog(self.board, self.position, rank, names, limit)
+        self.watchdog = Watchdog(self.board, self.position, rank, names, limit, limit_note)
         self.waiter = Waiter()
         self.watchdog.start()
 

@@ -83,7 +83,7 @@ class Position:
         step: the step, e.g. ``"step 17"`` (``"setup"`` before the first).
         phase: what the stage does: a span's kind (``"forward"``) or a phrase (``"writing a checkpoint"``).
         micro_batch: the micro-batch of ``phase``, or ``None``.
-        action: the action of the stage's plan being executed, as ``(number, of, kind, micro_batch, chunk)``
+        action: the action of the stage's plan being executed, as ``(number, of, kind, micro_batch, model_chunk)``
             (``number`` 1-based, ``of`` the plan's length, ``model_chunk`` the model chunk), or ``None`` outside the
             runtime's plan.
         since: when the position last changed (``time.time()``).
@@ -211,6 +211,8 @@ class Watchdog:
         names: global rank -> name of every process of this pipeline (this one included); only this process's
             by default.
         limit: seconds a stage may wait for another before the wait counts as a stall (no limit by default).
+        limit_note: where ``limit`` comes from and how to raise it, in the caller's terms, for the stall's message
+            (none by default).
     """
 
     def __init__(
@@ -220,10 +222,11 @@ class Watchdog:
         rank: int = 0,
         names: dict[int, str] | None = None,
         limit: float = float("inf"),
+        limit_note: str = "",
     ) -> None:
         self.board, self.position, self.rank = board, position, rank
         self.names = dict(names) if names is not None else {rank: board.name}
-        self.limit = limit
+        self.limit, self.limit_note = limit, limit_note
         self._heartbeat: _Heartbeat | None = None
 
     def start(self) -> None:
@@ -263,11 +266,8 @@ class Watchdog:
         names = self.names
         now, me = time.time(), names.get(self.rank, self.board.name)
         positions = {rank: self._read(rank) for rank in names if rank != self.rank}
-        gave_up = (
-            f"{me} gave up after waiting {waited:.0f} s for {peer} (stall limit {self.limit:.0f} s, the shorter of"
-            " GPipeStrategy's stall_timeout and 90% of its timeout: raise them if a step may legitimately take that"
-            " long)"
-        )
+        note = f", {self.limit_note}" if self.limit_note else ""
+        gave_up = f"{me} gave up after waiting {waited:.0f} s for {peer} (stall limit {self.limit:.0f} s{note})"
         silent = [rank for rank, position in positions.items() if position is None]
         if silent:
             return f"{names[silent[0]]} has published no position; {gave_up}", silent[0]

@@ -1,5 +1,5 @@
-"""Profiling a LightningModule's backbone in place: finding a sample micro-batch, then measuring each layer, and
-what runs after the backbone.
+"""A LightningModule's backbone: finding it (:func:`find_backbone`), and profiling it in place: finding a sample
+micro-batch, then measuring each layer, and what runs after the backbone.
 
 The backbone input is not the batch: ``training_step`` prepares it first (data preparation
 only, see the user contract). To get it without running anything that holds parameters,
@@ -20,16 +20,46 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 
+from lightning_gpipe._torch import tree_leaves
 from lightning_gpipe.engine import Value, batch_size, materialize, scatter
 from lightning_gpipe.lightning._lightning import collect_rng_states, set_rng_states, training_dataloaders
 from lightning_gpipe.lightning.contract import BackboneReached
 from lightning_gpipe.lightning.per_micro_batch import batch_rows, split_batch
-from lightning_gpipe.planning.balance.costs import LayerCost
-from lightning_gpipe.planning.balance.profile import profile_layers
-from lightning_gpipe.planning.costs import ProfiledCosts
-from lightning_gpipe.planning.profiling import AfterBackbone, profile_sizes
+from lightning_gpipe.planning import AfterBackbone, LayerCost, ProfiledCosts, profile_layers, profile_sizes
+
+
+def find_backbone(module: nn.Module, name: str | None = None) -> str:
+    """Name of the attribute of ``module`` that holds the ``nn.Sequential`` backbone (the ``backbone`` option).
+
+    Args:
+        module: the LightningModule.
+        name: the attribute name given by the user, or ``None`` to find the only ``nn.Sequential`` child.
+
+    Raises:
+        ValueError: if there is no backbone, several candidates, or ``name`` is not an ``nn.Sequential``.
+    """
+    if name is not None:
+        found = getattr(module, name, None)
+        if not isinstance(found, nn.Sequential):
+            raise ValueError(
+                f"GPipeStrategy(backbone={name!r}): `{type(module).__name__}.{name}` is"
+                f" {type(found).__name__ if found is not None else 'missing'}, not an nn.Sequential. Put the layers to"
+                " pipeline in an nn.Sequential attribute and name it with `backbone=`."
+            )
+        return name
+    candidates = [child for child, value in module.named_children() if isinstance(value, nn.Sequential)]
+    if len(candidates) == 1:
+        return candidates[0]
+    if not candidates:
+        raise ValueError(
+            f"{type(module).__name__} has no nn.Sequential attribute to pipeline. Put the layers to split into"
+            " stages in one, e.g. `self.backbone = nn.Sequential(...)`."
+        )
+    raise ValueError(
+        f"{type(module).__name__} has several nn.Sequential attributes ({', '.join(candidates)}); choose the one"
+        f" to pipeline with `GPipeStrategy(backbone={candidates[0]!r})`."
+    )
 
 
 class _InputRecorder(nn.Module):
@@ -186,7 +216,7 @@ def after_backbone(
         for name, child in copies.items():
             setattr(module, name, child)
         parameters = [t for child in copies.values() for t in (*child.parameters(), *child.buffers())]
-        existing = [t for t in pytree.tree_leaves(batch) if isinstance(t, Tensor)]
+        existing = [t for t in tree_leaves(batch) if isinstance(t, Tensor)]
         yield AfterBackbone(partial(_loss_after, module, backbone, batch), parameters, existing, _rows(batch) == rows)
     finally:
         for name, child in originals.items():

@@ -16,15 +16,12 @@ import torch
 import torch.distributed as dist
 
 from lightning_gpipe.engine import StageSpec, Topology, build_pipeline
-from lightning_gpipe.faults.job import Job
+from lightning_gpipe.faults import Job
 from lightning_gpipe.lightning.config import PipelineConfig
 from lightning_gpipe.lightning.contract import BackboneCall, StageRandomness
 from lightning_gpipe.lightning.relay import LogRelay, StepRelay
 from lightning_gpipe.lightning.step import StageRun
-from lightning_gpipe.planning.balance import LayerCost, resolve_balance
-from lightning_gpipe.planning.costs import CostModel
-from lightning_gpipe.planning.predict import modelled_stage_costs
-from lightning_gpipe.planning.simulator import action_costs
+from lightning_gpipe.planning import CostModel, LayerCost, action_costs, modelled_stage_costs, resolve_balance
 
 
 class Process(NamedTuple):
@@ -86,11 +83,16 @@ def stage_balance(
     where the mode or a limit needs them: otherwise ``"params"`` counts the parameters, whether profiled or not).
 
     Raises:
-        ValueError: if ``balance`` does not fit the backbone.
+        ValueError: if ``balance`` does not fit the backbone, or no split fits ``balance_memory_limit``.
     """
     limit, v = config.balance_memory_limit, topology.virtual_stages
     measured = costs if config.profiled else None
-    return resolve_balance(config.balance, getattr(module, name), topology.num_virtual, measured, limit, v)
+    try:
+        return resolve_balance(config.balance, getattr(module, name), topology.num_virtual, measured, limit, v)
+    except ValueError as error:
+        if limit is None:
+            raise
+        raise ValueError(f"GPipeStrategy(balance={config.balance!r}, balance_memory_limit={limit}): {error}") from error
 
 
 def build_stage(

@@ -63,14 +63,14 @@ class CheckpointHooks(_Strategy):
         either replaces an existing one only once complete. Waiting for the writers does not count as a stall."""
         with self._job.position.unbounded_phase("writing a checkpoint"):
             if self.config.state_dict_type == "sharded":
-                state_dict.save_sharded(checkpoint, filepath, self.global_rank, self._job)
+                state_dict.save_directory(checkpoint, filepath, self.global_rank, self._job)
             else:
                 super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read a full checkpoint file on every stage, or this stage's part of a sharded checkpoint directory (the
-        other stages' model entries as meta tensors, see :func:`~lightning_gpipe.lightning.state_dict.load_sharded`).
+        """Read a full checkpoint file on every stage, or this stage's part of a checkpoint directory (the
+        other stages' model entries as meta tensors, see :func:`~lightning_gpipe.lightning.state_dict.load_directory`).
 
         Raises:
             FileNotFoundError: for a directory that is not a sharded checkpoint (it has no ``meta.pt``).
@@ -85,7 +85,7 @@ class CheckpointHooks(_Strategy):
             assert module is not None  # restored after setup (restore_checkpoint_after_setup): attached
             fitting = module.trainer.state.fn == TrainerFn.FITTING
             template = state_dict.stage_template(module, self.optimizers, fitting)
-            return state_dict.load_sharded(checkpoint_path, template, self._job)
+            return state_dict.load_directory(checkpoint_path, template, self._job)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

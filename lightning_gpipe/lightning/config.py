@@ -2,14 +2,15 @@
 
 :class:`PipelineConfig` holds what ``GPipeStrategy(...)`` was given (see its docstring for each option) and raises
 a ``ValueError`` naming the fix for a bad value, before any process starts. Whether the mesh and a list
-``balance`` fit the devices is checked when the launcher is configured (:mod:`lightning_gpipe.engine.topology`), and
-whether ``balance`` fits the backbone at setup (:mod:`lightning_gpipe.planning.balance`).
+``balance`` fit the devices is checked when the launcher is configured
+(:func:`lightning_gpipe.lightning.mesh.resolve_topology`), and whether ``balance`` fits the backbone at setup
+(:mod:`lightning_gpipe.planning.balance`).
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal, cast, get_args
+from typing import Any, Literal, cast, get_args
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
@@ -18,13 +19,9 @@ from lightning_gpipe.engine import (
     PLACED_BY_COST,
     V_SHAPED,
     CompileOption,
-    Size,
-    checked_size,
     compile_options,
 )
-from lightning_gpipe.planning.balance import MODES
-from lightning_gpipe.planning.costs import CostModel
-from lightning_gpipe.planning.search import Constraints
+from lightning_gpipe.planning import MODES, Constraints, CostModel
 
 CheckpointMode = Literal["always", "except_last", "never"]
 """``checkpoint``: re-materialization (:data:`lightning_gpipe.engine.rematerialization.CHECKPOINT_MODES`)."""
@@ -75,8 +72,30 @@ _TIMEOUTS = (
 )
 """The options that are durations: (option, what it is, an example, what ``None`` means), for the errors."""
 
+STALL_LIMIT_NOTE = (
+    "the shorter of GPipeStrategy's stall_timeout and 90% of its timeout: raise them if a step may legitimately take"
+    " that long"
+)
+"""Where the stall limit (:meth:`PipelineConfig.stall_limit`) comes from and how to raise it, for the watchdog's
+message (:class:`~lightning_gpipe.faults.watchdog.Watchdog`)."""
+
 Balance = BalanceMode | Sequence[int] | None
 """``balance``: ``None``, a mode of :data:`lightning_gpipe.planning.balance.MODES`, or layers per stage."""
+
+Size = int | Literal["auto"]
+"""A mesh dimension's size as the strategy takes it (``pipeline_parallel_size``, ``data_parallel_size``): a positive
+integer, or ``"auto"``."""
+
+
+def checked_size(size: Any, name: str) -> Size:
+    """``size`` if it is a positive integer or ``"auto"``.
+
+    Raises:
+        ValueError: otherwise, naming the strategy argument ``name``.
+    """
+    if size == "auto" or (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
+        return size
+    raise ValueError(f"GPipeStrategy({name}={size!r}): give a positive integer or 'auto'.")
 
 
 @dataclass(frozen=True)
@@ -415,7 +434,14 @@ def _check_plan(config: "PipelineConfig") -> None:
 def _check_compile(config: "PipelineConfig") -> None:
     """``compile``'s value (:func:`~lightning_gpipe.engine.compile_options`), and not with sharding: compiled layers
     have not been run under FSDP2's hooks."""
-    compile_options(config.compile)
+    try:
+        compile_options(config.compile)
+    except ValueError as error:
+        raise ValueError(
+            f"GPipeStrategy(compile={config.compile!r}): {error} Give True (torch.compile with its defaults), False,"
+            " or a dict of torch.compile's keyword arguments, e.g. compile={'dynamic': False, 'mode':"
+            " 'max-autotune-no-cudagraphs'}."
+        ) from error
     if config.sharding_strategy != "NO_SHARD" and config.compile is not False:
         raise ValueError(
             f"GPipeStrategy(sharding_strategy={config.sharding_strategy!r}, compile=...): layers compiled with"

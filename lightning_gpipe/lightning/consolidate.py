@@ -31,13 +31,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 
-# Private names of torch.distributed.checkpoint: the pair torch's own `format_utils.dcp_to_torch_save` and Lightning's
-# `_load_distributed_checkpoint` read a checkpoint with in one process (see `consolidated_checkpoint`).
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
+from lightning_gpipe._torch import read_checkpoint
 from lightning_gpipe.lightning.state_dict import DCP_METADATA, METADATA, DamagedCheckpointError, read_metadata, reading
 
 COMMAND = "python -m lightning_gpipe.consolidate"
@@ -65,21 +60,19 @@ def consolidated_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
         NotADirectoryError: if ``directory`` is a file (a single-file checkpoint already).
         DamagedCheckpointError: if a file of the directory is damaged or truncated, naming it.
     """
-    directory = _sharded_directory(directory)
+    directory = _checkpoint_directory(directory)
     if not (directory / DCP_METADATA).is_file():
         raise FileNotFoundError(
             f"{directory} has {METADATA} but no torch.distributed.checkpoint metadata ({directory / DCP_METADATA}):"
             " the stages' part of the checkpoint is missing. Copy the whole directory."
         )
     read_metadata(directory)  # names a damaged or truncated file before the read stops in it
-    sharded: dict[str, Any] = {}
-    # The planner rebuilds the nested dictionary ("state_dict", "optimizer_states": [...]) from the saved metadata,
-    # so the stages' entries need no template; `no_dist` reads without a process group.
-    reader = FileSystemReader(directory)
-    _load_state_dict(sharded, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    # the nested dictionary ("state_dict", "optimizer_states": [...]) rebuilt from the saved metadata, so the stages'
+    # entries need no template
+    stages = read_checkpoint(directory)
     with reading(directory / METADATA):
         meta = torch.load(directory / METADATA, map_location="cpu", weights_only=False)
-    return {**meta, **sharded}
+    return {**meta, **stages}
 
 
 def consolidate(directory: str | os.PathLike, output: str | os.PathLike, *, force: bool = False) -> Path:
@@ -195,7 +188,7 @@ def _consolidate(directory: Path, output: Path, force: bool) -> dict[str, Any]:
     return checkpoint
 
 
-def _sharded_directory(directory: str | os.PathLike) -> Path:
+def _checkpoint_directory(directory: str | os.PathLike) -> Path:
     """``directory`` as a Path, checked to be a sharded checkpoint directory."""
     directory = Path(directory)
     if not directory.exists():

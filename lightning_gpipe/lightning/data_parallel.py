@@ -16,7 +16,7 @@ recomputes), so DDP's per-forward buffer broadcast is off; the replicas start fr
 which DDP broadcasts when it is built.
 
 **Sharded by FSDP2** (``sharding_strategy="SHARD_GRAD_OP" | "FULL_SHARD"``, with several replicas): the replicas of a
-stage no longer each hold its whole state. :class:`ShardedStage` applies torch's FSDP2
+stage no longer each hold its whole state. :class:`FullyShardedStage` applies torch's FSDP2
 (:func:`torch.distributed.fsdp.fully_shard`) over the ``"dp"`` dimension, as torchtitan composes its pipeline with FSDP
 (``fully_shard`` on each stage's model chunk over the data-parallel mesh; torch.distributed.pipelining's
 ``_PipelineStageBase.backward_maybe_with_nosync`` and ``perform_reduce_grad`` drive FSDP2 the same way). Each
@@ -31,19 +31,19 @@ stage, or appears twice, joins the other parameters.
 One step, on each stage (torch.distributed.pipelining's recipe):
 
 - Between steps every parameter, gradient and AdamW state is a shard: ``1/D`` of the stage's.
-- Forwards gather each chunk's parameters: ``"FULL_SHARD"`` gathers for each micro-batch forward and frees them
+- Forwards gather each model chunk's parameters: ``"FULL_SHARD"`` gathers for each micro-batch forward and frees them
   after it, until the stage's first backward of the step; ``"SHARD_GRAD_OP"`` gathers once and keeps them.
-- From the stage's first backward of the step (:meth:`ShardedStage.begin_backward`) to its end the parameters stay
+- From the stage's first backward of the step (:meth:`FullyShardedStage.begin_backward`) to its end the parameters stay
   gathered (``set_reshard_after_backward(False)``, and ``set_reshard_after_forward(False)`` for the forwards,
   recomputes and deferred weight gradients still to come): a backward gathers at most once per step.
 - The micro-batches' gradients accumulate unsharded (``set_requires_gradient_sync(False)``,
-  ``set_is_last_backward(False)``); at the step's end (:meth:`ShardedStage.finish_backward`) one reduce-scatter per
+  ``set_is_last_backward(False)``); at the step's end (:meth:`FullyShardedStage.finish_backward`) one reduce-scatter per
   unit averages them over the replicas and leaves each replica its shard, and the parameters are freed. Within a
   gradient-accumulation window the reduce-scatter waits for the window's last batch.
 
 Checkpoints: a ``"sharded"`` one is torch.distributed.checkpoint's own (``DTensor`` entries, each shard written once,
 read into any layout); a ``"full"`` one gathers the shards whole (:func:`whole_tensors`), and whole tensors load into
-shards (:func:`placed_like`, :func:`placed_optimizer_states`). After a completed fit :meth:`ShardedStage.release`
+shards (:func:`placed_like`, :func:`placed_optimizer_states`). After a completed fit :meth:`FullyShardedStage.release`
 gives the module back plain, as DDP leaves it.
 """
 
@@ -54,19 +54,18 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
-from torch.distributed._composable_state import _module_state_mapping
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_gpipe._torch import children, fsdp_post_backward, make_fsdp_root, remove_fully_shard
 from lightning_gpipe.faults import waiting
 from lightning_gpipe.lightning import state_dict
 from lightning_gpipe.lightning._lightning import torch_optimizer
 
 if TYPE_CHECKING:
-    from lightning_gpipe.faults.job import Job
+    from lightning_gpipe.faults import Job
 
 
 class _Reducing:
@@ -148,7 +147,7 @@ def reduce_over_replicas(
     return result / replicas if mean else result
 
 
-class ShardedStage(_Reducing):
+class FullyShardedStage(_Reducing):
     """FSDP2 over one stage's trained module, driven once per step (see the module docstring).
 
     A collective call of the stage's replicas: the replicas start from the first replica's parameters and buffers (as
@@ -156,7 +155,8 @@ class ShardedStage(_Reducing):
 
     Args:
         trained: what this stage trains: its partition, or on the last stage the whole local LightningModule.
-        chunks: the stage's model chunks (one :class:`~lightning_gpipe.engine.Partition` per virtual stage held).
+        model_chunks: the stage's model chunks (one :class:`~lightning_gpipe.engine.Partition` per virtual stage
+            held).
         group: the stage's data-parallel process group (the ``"dp"`` dimension of the mesh).
         device: the stage's device.
         full_shard: free the gathered parameters after each forward until the step's first backward
@@ -170,7 +170,7 @@ class ShardedStage(_Reducing):
     def __init__(
         self,
         trained: nn.Module,
-        chunks: Sequence[nn.Module],
+        model_chunks: Sequence[nn.Module],
         group: dist.ProcessGroup,
         device: torch.device,
         full_shard: bool,
@@ -178,15 +178,15 @@ class ShardedStage(_Reducing):
     ) -> None:
         _replicate_first(trained, group, job)
         mesh = DeviceMesh.from_group(group, device.type)
-        for layers in units(trained, chunks):
+        for layers in units(trained, model_chunks):
             fully_shard(layers, mesh=mesh, reshard_after_forward=full_shard)
-        self.root = fully_shard(_Stage(trained, chunks), mesh=mesh, reshard_after_forward=False)
-        _initialize(self.root)
+        self.root = fully_shard(_Stage(trained, model_chunks), mesh=mesh, reshard_after_forward=False)
+        make_fsdp_root(self.root)
         self.full_shard = full_shard
         _accumulate(self.root, True)
 
     def begin_step(self) -> None:
-        """Gather the parameters outside the chunks' units for the step (on the last stage: the modules after the
+        """Gather the parameters outside the model chunks' units for the step (on the last stage: the modules after the
         backbone); nothing where there are none. A collective call of the replicas."""
         self.root.unshard()
 
@@ -218,21 +218,23 @@ class _Stage(nn.Module):
     """The FSDP2 root of a stage: its trained module and its model chunks, whose units the root's lazy
     initialisation collects; the root's own parameters are the stage's parameters outside the units. Never called."""
 
-    def __init__(self, trained: nn.Module, chunks: Sequence[nn.Module]) -> None:
+    def __init__(self, trained: nn.Module, model_chunks: Sequence[nn.Module]) -> None:
         super().__init__()
-        self.trained, self.chunks = trained, nn.ModuleList(chunks)
+        self.trained, self.model_chunks = trained, nn.ModuleList(model_chunks)
 
     def forward(self) -> None:
         """Never called: the units run in the engine's micro-batches, the rest is gathered for each step."""
         raise RuntimeError("The FSDP2 root of a pipeline stage is never called.")
 
 
-def units(trained: nn.Module, chunks: Sequence[nn.Module]) -> list[list[nn.Module]]:
+def units(trained: nn.Module, model_chunks: Sequence[nn.Module]) -> list[list[nn.Module]]:
     """The FSDP units of a stage: per model chunk, its layers that hold parameters of their own alone (used by no
-    other module of ``trained`` and by no other layer, and appearing once in the stage), in order; chunks with none
-    are left out. What is left out is sharded with the stage's root (gathered for each step)."""
-    positions = [[layer for layer in chunk._modules.values() if layer is not None] for chunk in chunks]
-    layers = [layer for chunk in positions for layer in chunk]  # a layer at two positions twice (children() once)
+    other module of ``trained`` and by no other layer, and appearing once in the stage), in order; model chunks with
+    none are left out. What is left out is sharded with the stage's root (gathered for each step)."""
+    positions = [
+        [layer for layer in children(model_chunk).values() if layer is not None] for model_chunk in model_chunks
+    ]
+    layers = [layer for held in positions for layer in held]  # a layer at two positions twice (children() once)
     inside = {sub for layer in layers for sub in layer.modules()}
     owners: dict[int, set[nn.Module | None]] = {}
     for layer in layers:
@@ -248,8 +250,8 @@ def units(trained: nn.Module, chunks: Sequence[nn.Module]) -> list[list[nn.Modul
         parameters = list(layer.parameters())
         return bool(parameters) and counts[layer] == 1 and all(owners[id(p)] == {layer} for p in parameters)
 
-    found = [[layer for layer in chunk if alone(layer)] for chunk in positions]
-    return [chunk for chunk in found if chunk]
+    found = [[layer for layer in held if alone(layer)] for held in positions]
+    return [own for own in found if own]
 
 
 def whole_tensors(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -261,7 +263,7 @@ def whole_tensors(state: Mapping[str, Any]) -> dict[str, Any]:
 def placed_like(values: Mapping[str, Any], template: Mapping[str, Any]) -> dict[str, Any]:
     """``values`` with each whole tensor whose entry in ``template`` is a ``DTensor`` cut to that ``DTensor``'s shard
     (each replica takes its own rows, no communication: ``distribute_tensor(src_data_rank=None)``), so that a whole
-    checkpoint (``"full"``, or one written without sharding) loads into a sharded stage; other values as they are."""
+    checkpoint (``"full"``, or one written without FSDP2) loads into an FSDP2 stage; other values as they are."""
     placed = dict(values)
     for key, value in values.items():
         like = template.get(key)
@@ -289,19 +291,8 @@ def _replicate_first(module: nn.Module, group: dist.ProcessGroup, job: "Job") ->
             waiting.broadcast(job, tensor.data, first, group)
 
 
-# --- FSDP2's internals, used as torch.distributed.pipelining uses them (torch/distributed/pipelining/stage.py,
-# ``perform_reduce_grad``); each says what it stands for. Checked on: torch 2.13.0.
-
-
-def _state(module: Any) -> Any:
-    """The ``FSDPState`` of a module ``fully_shard`` was applied to (the state its ``contract`` decorator keeps)."""
-    return fully_shard.state(module)  # type: ignore[attr-defined]  # set by torch's contract decorator
-
-
-def _initialize(root: FSDPModule) -> None:
-    """Make ``root`` the FSDP2 root of its units now (``FSDPState._lazy_init``), as its first forward would: its
-    forward is never called, and a unit whose forward ran first would make itself a root instead."""
-    _state(root)._lazy_init()
+# --- FSDP2 at a step's end and after a fit: its internals (in lightning_gpipe/_torch.py) used as
+# torch.distributed.pipelining uses them (torch/distributed/pipelining/stage.py, ``perform_reduce_grad``).
 
 
 def _accumulate(root: FSDPModule, accumulating: bool) -> None:
@@ -317,13 +308,9 @@ def _end_step(root: FSDPModule, reduce: bool) -> None:
     ``reduce``, then freeing the gathered parameters) and the root's final callback
     (``FSDPState._root_post_backward_final_callback``: waiting for the reductions, resetting the step's state), which
     FSDP2 runs after a backward it sees whole; the pipeline's backwards are several autograd calls."""
-    state = _state(root)
     _accumulate(root, False)
     root.set_requires_gradient_sync(reduce)
-    for each in state._state_ctx.all_states:
-        for group in each._fsdp_param_groups:
-            group.post_backward()
-    state._root_post_backward_final_callback()
+    fsdp_post_backward(root)
     _accumulate(root, True)
 
 
@@ -336,36 +323,10 @@ def unshard_for_good(root: nn.Module) -> None:
     whole: dict[int, nn.Parameter] = {}
     with torch.no_grad():
         for module in root.modules():
-            for name, parameter in list(module._parameters.items()):
+            for name, parameter in list(module.named_parameters(recurse=False, remove_duplicate=False)):
                 if isinstance(parameter, DTensor):
                     if id(parameter) not in whole:
                         value = parameter.full_tensor()
                         whole[id(parameter)] = nn.Parameter(value, requires_grad=parameter.requires_grad)
-                    module._parameters[name] = whole[id(parameter)]
-    states = {_state(module) for module in root.modules() if isinstance(module, FSDPModule)}
-    for state in states:
-        _remove_state(state)
-    for module in root.modules():
-        module.__dict__.pop("_is_fsdp_managed_module", None)
-        module.__dict__.pop("_fsdp_use_orig_params", None)
-
-
-def _remove_state(state: object) -> None:
-    """Remove one ``FSDPState`` from its modules: its forward hooks, its parameter groups' and parameters' state-dict
-    hooks, the modules' ``FSDP<Class>`` classes and their entries in the composable API's state and registry."""
-    handles = [state._pre_forward_hook_handle, state._post_forward_hook_handle]  # type: ignore[attr-defined]
-    for group in state._fsdp_param_groups:  # type: ignore[attr-defined]
-        handles += [*group._module_to_pre_save_state_dict_hook_handle.values()]
-        handles += [*group._module_to_pre_load_state_dict_hook_handle.values()]
-        handles += [parameter._post_load_hook_handle for parameter in group.fsdp_params]
-    for handle in handles:
-        handle.remove()
-    for module in state._modules:  # type: ignore[attr-defined]
-        fsdp_class, original = type(module).__bases__
-        assert fsdp_class is FSDPModule  # fully_shard made the class (FSDPModule, original)
-        module.__class__ = original
-        module.__dict__[STATE_KEY] = {
-            key: value for key, value in module.__dict__[STATE_KEY].items() if value is not state
-        }
-        module.__dict__[REGISTRY_KEY].pop("fully_shard", None)
-        _module_state_mapping.pop(module, None)
+                    module.register_parameter(name, whole[id(parameter)])
+    remove_fully_shard(root)

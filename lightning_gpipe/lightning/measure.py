@@ -21,8 +21,7 @@ from lightning_gpipe.lightning.backbone import profile_backbone, profile_module
 from lightning_gpipe.lightning.build import stage_balance
 from lightning_gpipe.lightning.config import PipelineConfig
 from lightning_gpipe.lightning.planner import plan_for_strategy
-from lightning_gpipe.planning.balance.costs import LayerCost
-from lightning_gpipe.planning.split import SplitChoice, choose_split
+from lightning_gpipe.planning import LayerCost, SplitChoice, choose_split
 
 Strategy = Any
 """The ``GPipeStrategy`` being set up (not imported: the strategy imports this module)."""
@@ -79,8 +78,17 @@ def chosen_split(
     balance = stage_balance(module, name, config, topology, costs)  # on every process: a bad balance fails on each
     own = _split_choice(config, topology, balance, costs) if strategy.is_global_zero else None
     choice = strategy.broadcast(own, src=0)
-    rank_zero_info(choice.line())
+    rank_zero_info(split_line(choice))
     return replace(config, defer_weight_grad=choice.split)
+
+
+def split_line(choice: SplitChoice) -> str:
+    """One line for the log: the option the default chose, the predicted step times and the reason."""
+    chosen = "defer_weight_grad=True (the B/W split)" if choice.split else "whole backwards (defer_weight_grad=False)"
+    return (
+        f"GPipeStrategy chose {chosen}: {choice.reason}. Pass defer_weight_grad=True or False (or a schedule) to fix"
+        " the choice."
+    )
 
 
 def _split_choice(

@@ -2,14 +2,14 @@
 
 One OS process per device, launched like DDP. This base of :class:`~lightning_gpipe.lightning.strategy.GPipeStrategy`
 owns what every process of the job does alike, whatever runs in it: the launcher, the process groups of the mesh
-(:mod:`~lightning_gpipe.engine.topology`), the failure board and the stall watchdog
+(:func:`resolve_topology`, :class:`~lightning_gpipe.engine.Topology`), the failure board and the stall watchdog
 (:mod:`~lightning_gpipe.faults.failure`, :mod:`~lightning_gpipe.faults.watchdog`), the shared random state
 (:class:`~lightning_gpipe.lightning.contract.StageRandomness`), collectives that leave signals handled
 (:mod:`~lightning_gpipe.faults.waiting`), and the agreement before every step
 (:mod:`~lightning_gpipe.lightning.agreement`).
 """
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -25,10 +25,9 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
-from lightning_gpipe.engine import Topology, groups, resolve_topology
-from lightning_gpipe.faults import waiting
-from lightning_gpipe.faults.job import Job
-from lightning_gpipe.faults.watchdog import LauncherWatch, mark_launcher, watch_launcher
+from lightning_gpipe._torch import default_store
+from lightning_gpipe.engine import Topology, groups
+from lightning_gpipe.faults import Job, LauncherWatch, mark_launcher, waiting, watch_launcher
 from lightning_gpipe.lightning._lightning import (
     LaunchedParallelStrategy,
     default_process_group_backend,
@@ -39,7 +38,7 @@ from lightning_gpipe.lightning._lightning import (
     uses_distributed_sampler,
 )
 from lightning_gpipe.lightning.agreement import RunAgreement, StepAgreement, StopSignals, same_batch_counts
-from lightning_gpipe.lightning.config import PipelineConfig
+from lightning_gpipe.lightning.config import STALL_LIMIT_NOTE, PipelineConfig, Size, checked_size
 from lightning_gpipe.lightning.contract import StageRandomness
 from lightning_gpipe.lightning.data import same_batches, same_datasets
 from lightning_gpipe.lightning.data_parallel import reduce_over_replicas
@@ -115,8 +114,7 @@ class MeshStrategy(LaunchedParallelStrategy):
 
     @property
     def topology(self) -> Topology:
-        """The data-parallel x pipeline mesh of this job (see
-        :func:`~lightning_gpipe.engine.topology.resolve_topology`).
+        """The data-parallel x pipeline mesh of this job (see :func:`resolve_topology`).
 
         Raises:
             ValueError: if the mesh sizes or a list ``balance`` do not fit ``devices * num_nodes``.
@@ -191,9 +189,10 @@ class MeshStrategy(LaunchedParallelStrategy):
             self._launcher_watch = watch_launcher(topology.name(self.global_rank), lambda: self._job.board)
             self._pipeline_group, self._data_parallel_group, self._control_group = _join_process_groups(self)
             names = {rank: topology.name(rank) for rank in range(topology.world_size)}
-            store = dist.distributed_c10d._get_default_store()
+            store = default_store()
             self._job.close()
-            self._job = Job(store, self.global_rank, names, self.config.stall_limit(), self.world_size)
+            limit = self.config.stall_limit()
+            self._job = Job(store, self.global_rank, names, limit, self.world_size, STALL_LIMIT_NOTE)
         self._randomness = StageRandomness.synchronized(self.stage_index, topology.num_stages, self.broadcast)
         replicas, signals = topology.data_parallel_size, StopSignals(_trainer_of(self), self.launcher, environment)
         step = StepAgreement(self.replica_index, replicas, names, self._job, self._control_group)
@@ -355,3 +354,107 @@ def _trainer_of(strategy: MeshStrategy) -> "pl.Trainer":
 def _agreed_instead() -> None:
     """Stands for Lightning's per-step broadcast of rank 0's SIGTERM mark: the stages agree on stop signals in
     every step instead (:meth:`~lightning_gpipe.lightning.agreement.RunAgreement.end_training_step`)."""
+
+
+def resolve_topology(
+    pipeline_parallel_size: Size,
+    data_parallel_size: Size,
+    balance: Any,
+    devices_per_node: int,
+    num_nodes: int,
+    virtual_stages: int = 1,
+    v_shape: bool = False,
+) -> Topology:
+    """The mesh the strategy's arguments ask for, checked against the job's size.
+
+    ``"auto"`` sizes follow Lightning's ``ModelParallelStrategy``: the pipeline takes the length of a list
+    ``balance``, else the other size's quotient, else the devices of one node (each node holds one pipeline;
+    the replicas are the nodes).
+
+    Args:
+        pipeline_parallel_size: K, the stages of each pipeline, or ``"auto"``.
+        data_parallel_size: the pipeline replicas, or ``"auto"``.
+        balance: the strategy's ``balance`` (a list fixes ``K * virtual_stages``).
+        devices_per_node: processes per node (``devices``).
+        num_nodes: nodes of the job.
+        virtual_stages: model chunks per stage (default 1).
+        v_shape: whether they are placed in a V (:class:`~lightning_gpipe.engine.Topology`).
+
+    Raises:
+        ValueError: if a size is neither a positive integer nor ``"auto"``, if the sizes' product is not
+            the world size ``devices * num_nodes``, if a list ``balance`` has another length than
+            ``K * virtual_stages``, or for virtual stages on a one-stage pipeline.
+    """
+    world = devices_per_node * num_nodes
+    pp = checked_size(pipeline_parallel_size, "pipeline_parallel_size")
+    dp = checked_size(data_parallel_size, "data_parallel_size")
+    stages_listed = _stages_listed(balance, virtual_stages)
+    listed = stages_listed is not None
+    if pp == "auto":
+        quotient = world // dp if dp != "auto" and world % dp == 0 else devices_per_node
+        pp = stages_listed if stages_listed is not None else quotient
+    job = f"{world} processes (devices={devices_per_node} x num_nodes={num_nodes})"
+    if listed and pipeline_parallel_size == "auto" and world % pp:
+        raise ValueError(
+            f"GPipeStrategy(balance={list(balance)}) gives pipelines of {pp} stages, which cannot fill the job's"
+            f" {job}: the number of processes must be a multiple of the stages. Give one layer count per stage of one"
+            " pipeline."
+        )
+    if dp == "auto":
+        dp = max(world // pp, 1)
+    if pp * dp != world:
+        raise ValueError(
+            f"GPipeStrategy(pipeline_parallel_size={pipeline_parallel_size!r},"
+            f" data_parallel_size={data_parallel_size!r}) makes a mesh of {pp} stages x {dp} replicas = {pp * dp}"
+            f" processes, but the job has {job}. Choose sizes whose product is devices * num_nodes, or leave them"
+            " 'auto'."
+        )
+    _check_stages_listed(balance, pp, virtual_stages, pipeline_parallel_size, world)
+    _check_virtual_stages(pp, virtual_stages, v_shape)
+    return Topology(world_size=world, num_stages=pp, virtual_stages=virtual_stages, v_shape=v_shape)
+
+
+def _stages_listed(balance: Any, virtual_stages: int) -> int | None:
+    """The stages (processes) a list ``balance`` gives with ``virtual_stages`` model chunks each; ``None`` for a mode.
+
+    Raises:
+        ValueError: if the list's length is not a multiple of ``virtual_stages``.
+    """
+    if balance is None or isinstance(balance, str) or not isinstance(balance, Sequence):
+        return None
+    if len(balance) % virtual_stages:
+        raise ValueError(
+            f"GPipeStrategy(balance={list(balance)}, virtual_stages={virtual_stages}): give one layer count per"
+            f" virtual stage, K * virtual_stages entries for K stages; {len(balance)} is not a multiple of"
+            f" {virtual_stages}."
+        )
+    return len(balance) // virtual_stages
+
+
+def _check_stages_listed(balance: Any, pp: int, virtual_stages: int, pipeline_parallel_size: Size, world: int) -> None:
+    """Raise a ``ValueError`` if a list ``balance`` has another length than the ``pp * virtual_stages`` virtual stages
+    of the mesh, resolved from ``pipeline_parallel_size`` on ``world`` processes."""
+    if _stages_listed(balance, virtual_stages) is None or len(balance) == pp * virtual_stages:
+        return
+    per = "stage" if virtual_stages == 1 else f"virtual stage ({pp} stages x virtual_stages={virtual_stages})"
+    raise ValueError(
+        f"GPipeStrategy(balance={list(balance)}) gives {len(balance)} stages, but the pipeline has"
+        f" {pp * virtual_stages} (pipeline_parallel_size={pipeline_parallel_size!r} of {world} processes). Give one"
+        f" balance entry per {per}, or set pipeline_parallel_size to the length of balance."
+    )
+
+
+def _check_virtual_stages(pp: int, virtual_stages: int, v_shape: bool) -> None:
+    """Raise a ``ValueError`` naming the fix for model chunks interleaved on a pipeline of one stage (``pp``)."""
+    if pp > 1:
+        return
+    if v_shape:
+        raise ValueError(
+            "GPipeStrategy(schedule='zb-v') places two model chunks per stage in a V across the stages, but the"
+            " pipeline has one stage; use more devices per pipeline, or another schedule."
+        )
+    if virtual_stages > 1:
+        raise ValueError(
+            f"GPipeStrategy(virtual_stages={virtual_stages}) interleaves model chunks between stages, but the"
+            " pipeline has one stage; use virtual_stages=1, or more devices per pipeline."
+        )

@@ -9,12 +9,16 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_gpipe.engine import find_backbone
-from lightning_gpipe.lightning.backbone import profile_module
-from lightning_gpipe.planning.costs import CostModel, ProfiledCosts, optimizer_state_factor
-from lightning_gpipe.planning.profiling import module_state_factor
-from lightning_gpipe.planning.report import PlanReport
-from lightning_gpipe.planning.search import Constraints, search
+from lightning_gpipe.lightning.backbone import find_backbone, profile_module
+from lightning_gpipe.planning import (
+    Constraints,
+    CostModel,
+    PlanReport,
+    ProfiledCosts,
+    module_state_factor,
+    optimizer_state_factor,
+    search,
+)
 
 ASSUMED_STATE_FACTOR = 2
 """Optimizer state tensors per parameter assumed when ``configure_optimizers`` cannot be read (Adam's)."""

@@ -12,7 +12,7 @@ Two layouts, chosen with ``GPipeStrategy(state_dict_type=...)`` as for Lightning
 - ``"full"``: one file, gathered on global rank 0 and written by the strategy's
   CheckpointIO. Lightning's ``TorchCheckpointIO`` writes to a temporary file and renames
   it, so a crash while saving leaves the previous file intact.
-- ``"sharded"``: a directory written by :mod:`torch.distributed.checkpoint`, each stage
+- ``"sharded"``: a checkpoint directory written by :mod:`torch.distributed.checkpoint`, each stage
   writing its own tensors, plus ``meta.pt`` with the trainer state (loops, callbacks,
   schedulers). It is written under a temporary name and renamed once complete.
 
@@ -42,18 +42,18 @@ from lightning_gpipe.faults import waiting
 from lightning_gpipe.lightning._lightning import torch_optimizer
 
 if TYPE_CHECKING:
-    from lightning_gpipe.faults.job import Job
+    from lightning_gpipe.faults import Job
 
 METADATA = "meta.pt"
-"""File of a sharded checkpoint directory holding everything but the model and optimizer state."""
+"""File of a checkpoint directory (``"sharded"``) holding everything but the model and optimizer state."""
 
-SHARDED = ("state_dict", "optimizer_states")
+PER_STAGE = ("state_dict", "optimizer_states")
 """Entries of a Lightning checkpoint that each stage holds its own part of."""
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 DCP_METADATA = ".metadata"
-"""torch.distributed.checkpoint's file of a sharded checkpoint directory: what each shard file holds, and where."""
+"""torch.distributed.checkpoint's file of a checkpoint directory: what each shard file holds, and where."""
 
 Shapes = dict[str, torch.Size | None]
 """A model's state-dict keys and the shape of each entry (``None``: an entry that is not a tensor)."""
@@ -217,7 +217,7 @@ def whole_on_rank_zero(local: dict[str, Any], replica: int, group: dist.ProcessG
 
 
 def stage_template(module: nn.Module, optimizers: list, fitting: bool) -> dict[str, Any]:
-    """What this stage reads of a sharded checkpoint: its model state and, when fitting, its optimizers' state
+    """What this stage reads of a checkpoint directory: its model state and, when fitting, its optimizers' state
     (name-keyed, whatever layout this run writes)."""
     template: dict[str, Any] = {"state_dict": module.state_dict()}
     if fitting:
@@ -225,11 +225,12 @@ def stage_template(module: nn.Module, optimizers: list, fitting: bool) -> dict[s
     return template
 
 
-def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int, job: "Job") -> None:
-    """Write ``checkpoint`` as a sharded directory at ``path`` (a collective call), replacing it atomically.
+def save_directory(checkpoint: dict[str, Any], path: Path, rank: int, job: "Job") -> None:
+    """Write ``checkpoint`` as a checkpoint directory at ``path`` (``"sharded"``; a collective call), replacing it
+    atomically.
 
     Args:
-        checkpoint: a Lightning checkpoint whose :data:`SHARDED` entries hold this stage's part.
+        checkpoint: a Lightning checkpoint whose :data:`PER_STAGE` entries hold this stage's part.
         path: the checkpoint directory.
         rank: this process's global rank; rank 0 writes the metadata and renames the directory.
         job: the run's :class:`~lightning_gpipe.faults.job.Job` (its waits and failure board).
@@ -243,16 +244,16 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int, job: "Job") 
         shutil.rmtree(staging)
     waiting.barrier(job)
     with job.board.as_pipeline_failure():
-        dcp.save({key: checkpoint[key] for key in SHARDED if key in checkpoint}, checkpoint_id=staging)
+        dcp.save({key: checkpoint[key] for key in PER_STAGE if key in checkpoint}, checkpoint_id=staging)
     if rank == 0:
-        torch.save({key: value for key, value in checkpoint.items() if key not in SHARDED}, staging / METADATA)
+        torch.save({key: value for key, value in checkpoint.items() if key not in PER_STAGE}, staging / METADATA)
         _replace(staging, path)
     waiting.barrier(job)
 
 
-def load_sharded(path: Path, template: dict[str, Any], job: "Job") -> dict[str, Any]:
-    """Read a sharded checkpoint directory: this stage's entries of ``template``, the trainer state, and the other
-    stages' model entries as meta tensors of their saved shape and dtype, so that the model state can be checked
+def load_directory(path: Path, template: dict[str, Any], job: "Job") -> dict[str, Any]:
+    """Read a checkpoint directory (``"sharded"``): this stage's entries of ``template``, the trainer state, and the
+    other stages' model entries as meta tensors of their saved shape and dtype, so that the model state can be checked
     against the whole model (:func:`check_model_state`) as a full checkpoint's is.
 
     Only the entries of ``template`` that the checkpoint holds with the same shape are read; the model entries it
@@ -393,11 +394,6 @@ def _damage(path: Path, error: Exception) -> str | None:
     except (zipfile.BadZipFile, OSError, EOFError):
         return f"its {size} bytes are not a complete zip archive (torch's format)"
     return None if corrupted is None else f"its entry {corrupted} is corrupted"
-
-
-def is_sharded(path: Any) -> bool:
-    """Whether ``path`` is a sharded checkpoint directory."""
-    return Path(path).is_dir() and (Path(path) / METADATA).is_file()
 
 
 def _replace(staging: Path, path: Path) -> None:

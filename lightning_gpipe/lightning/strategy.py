@@ -27,9 +27,10 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gpipe.engine import CompileOption, Size, find_backbone, is_whole
+from lightning_gpipe.engine import CompileOption, is_whole
 from lightning_gpipe.lightning import step
 from lightning_gpipe.lightning._lightning import attached_trainer, optimizers_to_device
+from lightning_gpipe.lightning.backbone import find_backbone
 from lightning_gpipe.lightning.build import Process, build_stage, stage_spec
 from lightning_gpipe.lightning.checkpoints import CheckpointHooks
 from lightning_gpipe.lightning.config import (
@@ -38,6 +39,7 @@ from lightning_gpipe.lightning.config import (
     PipelineConfig,
     ScheduleName,
     ShardingStrategy,
+    Size,
     StartMethod,
     StateDictType,
     one_stage_warning,
@@ -49,8 +51,7 @@ from lightning_gpipe.lightning.optimization import pipelined, unpipelined
 from lightning_gpipe.lightning.relay import LogRelay, StepRelay
 from lightning_gpipe.lightning.step import StageRun
 from lightning_gpipe.lightning.summary import replace_model_summary
-from lightning_gpipe.planning import CostModel, PlanReport
-from lightning_gpipe.planning.balance import LayerCost
+from lightning_gpipe.planning import CostModel, LayerCost, PlanReport
 
 
 class GPipeStrategy(CheckpointHooks, MeshStrategy):
@@ -75,7 +76,7 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         chunks: M, the micro-batches per mini-batch (default ``4 * K``).
         checkpoint: re-materialization, ``"always"``, ``"except_last"`` (``None``, default) or ``"never"``.
         deferred_batch_norm: batch norm's running statistics updated once per mini-batch (default ``False``).
-        defer_weight_grad: the zero-bubble B/W split of each backward (default ``None``: the schedule's default).
+        defer_weight_grad: the B/W split (``None``, default: chosen at fit start unless ``schedule``/``plan`` is set).
         backbone: the ``nn.Sequential`` attribute to pipeline (default: the only one).
         balance_memory_limit: bytes one stage may hold when choosing the balance (default: no limit).
         start_method: ``"popen"`` (default) or ``"spawn"``.
@@ -240,7 +241,7 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        pipelined(self.precision_plugin, self.pipeline_group, run.ties.uncounted, self._job, run.sharded is not None)
+        pipelined(self.precision_plugin, self.pipeline_group, run.ties.uncounted, self._job, run.fsdp is not None)
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
 

@@ -19,8 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from lightning_gpipe.engine.actions import Kind, Plan, virtual_stage
-from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, V_SHAPED, plans
+from lightning_gpipe.engine import DEFERRED_BY_DEFAULT, V_SHAPED, Kind, Plan, plans, virtual_stage
 from lightning_gpipe.planning.balance.costs import LayerCost
 from lightning_gpipe.planning.balance.solver import stage_sums
 from lightning_gpipe.planning.costs import CostModel, HeadCost, ProfiledCosts
@@ -64,7 +63,7 @@ class PipelinePlan:
         return options
 
     @property
-    def sharded(self) -> bool:
+    def fully_sharded(self) -> bool:
         """Whether FSDP2 shards each stage's state over its replicas (a sharding strategy, and several replicas)."""
         return self.sharding_strategy != "NO_SHARD" and self.data_parallel_size > 1
 
@@ -229,7 +228,7 @@ def predict(
             **_state(plan, p, state_factor),
             activations=simulated.peak_activation_bytes[k],
             buffers=_buffers(plan, stages, k, profiled.input_bytes, joined, every[k], micro_batches)
-            + p * (replicas > 1 and not plan.sharded),
+            + p * (replicas > 1 and not plan.fully_sharded),
             transfers=max(held[k][0] - simulated.peak_activation_bytes[k], 0),
             transient=_transient(plan, layers, stages, k),
             loss=max(_loss(plan, profiled, every[k].loss_per_micro_batch, k) - held[k][1], 0),
@@ -253,7 +252,7 @@ def _state(plan: PipelinePlan, p: int, state_factor: int) -> dict[str, int]:
     the D replicas by FSDP2 (docs/scaling.md, "Sharding a stage over its replicas"): each process holds ``1/D`` of
     each, and in the backward also the gathered parameters and their unsharded gradients (``16 P / D + 8 P`` with
     AdamW in fp32)."""
-    if not plan.sharded:
+    if not plan.fully_sharded:
         return {"parameters": p, "gradients": p, "optimizer": state_factor * p}
     shard = math.ceil(p / plan.data_parallel_size)
     return {"parameters": shard + p, "gradients": shard + p, "optimizer": state_factor * shard}
@@ -346,9 +345,11 @@ def _held(
             actions = [
                 a for a in stage_plan.actions if a.model_chunk == c or a.kind is Kind.FLUSH
             ]  # a flush: every model chunk's
-            chunk_peak, at_loss = held_levels(actions, s < len(stages) - 1, plan.checkpoint, micro_batches, per_micro)
-            peak += chunk_peak
-            spared += chunk_peak - at_loss if s == len(stages) - 1 else 0
+            model_chunk_peak, at_loss = held_levels(
+                actions, s < len(stages) - 1, plan.checkpoint, micro_batches, per_micro
+            )
+            peak += model_chunk_peak
+            spared += model_chunk_peak - at_loss if s == len(stages) - 1 else 0
         found.append((peak, spared))
     return found
 

@@ -21,8 +21,7 @@ from dataclasses import dataclass, replace
 from itertools import product
 from typing import cast
 
-from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES
-from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, SCHEDULES
+from lightning_gpipe.engine import CHECKPOINT_MODES, DEFERRED_BY_DEFAULT, SCHEDULES
 from lightning_gpipe.planning.balance.choose import balance_by
 from lightning_gpipe.planning.balance.costs import LayerCost
 from lightning_gpipe.planning.balance.solver import solve, stage_sums

@@ -40,14 +40,6 @@ class SplitChoice:
     divided: float
     reason: str
 
-    def line(self) -> str:
-        """One line for the log: the option chosen, the predicted step times and the reason."""
-        chosen = "defer_weight_grad=True (the B/W split)" if self.split else "whole backwards (defer_weight_grad=False)"
-        return (
-            f"GPipeStrategy chose {chosen}: {self.reason}. Pass defer_weight_grad=True or False (or a schedule) to"
-            " fix the choice."
-        )
-
 
 def choose_split(
     costs: Sequence[LayerCost],
@@ -68,7 +60,7 @@ def choose_split(
         checkpoint: the re-materialization mode, as for ``GPipeStrategy``.
         virtual_stages: model chunks per process (default 1).
         model: the machine's constants (default: the package's).
-        memory_limit: ``balance_memory_limit``, bytes one stage may hold for one micro-batch (its layers'
+        memory_limit: bytes one stage may hold for one micro-batch (its layers'
             activations and parameters); the split is kept only if each stage, with the gradients B keeps for W
             (``kept_grad_bytes``), stays within it. ``None`` (default): no limit.
     """
@@ -85,7 +77,8 @@ def choose_split(
         held = stage_sums(layer_memory(costs), balance)
         kept = stage_sums([cost.kept_grad_bytes for cost in costs], balance)
         if any(h + k > memory_limit for h, k in zip(held, kept)):
-            return SplitChoice(False, whole, divided, f"{times}, but B's kept gradients exceed balance_memory_limit")
+            exceed = f"but B's kept gradients exceed the memory limit of {memory_limit:,} bytes"
+            return SplitChoice(False, whole, divided, f"{times}, {exceed}")
     return SplitChoice(True, whole, divided, times)
 
 

@@ -1,6 +1,8 @@
 """The package's layout: folders by concern, imports one way between them, small functions and classes."""
 
 import ast
+import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -76,6 +78,10 @@ FACADES = {"lightning_gpipe", "lightning_gpipe.skip", "lightning_gpipe.consolida
 """The public paths at the top (``import lightning_gpipe``, ``lightning_gpipe.skip``, ``python -m
 lightning_gpipe.consolidate``): they re-export, and may import from any folder."""
 
+FLOOR = "lightning_gpipe._torch"
+"""The floor under the folders (torch's private API, in one module): it imports nothing of the package, and every
+folder may import it."""
+
 
 def _layer(module: str) -> int:
     parts = module.split(".")
@@ -88,6 +94,9 @@ def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     found = []
     for module, targets in graph.items():
         if module in FACADES:
+            continue
+        if module == FLOOR:
+            found += [(module, target) for target in sorted(targets)]
             continue
         if _layer(module) < 0:
             found.append((module, "(no folder)"))
@@ -107,6 +116,11 @@ def test_the_rule_finds_an_upward_import():
     assert upward_imports(graph) == [("lightning_gpipe.engine.a", "lightning_gpipe.planning.b")]
 
 
+def test_the_rule_lets_every_folder_import_the_floor_and_the_floor_nothing():
+    graph = {"lightning_gpipe.faults.a": {FLOOR}, FLOOR: {"lightning_gpipe.faults.a"}}
+    assert upward_imports(graph) == [(FLOOR, "lightning_gpipe.faults.a")]
+
+
 def _imports_lightning(path: Path) -> bool:
     for node in ast.walk(ast.parse(path.read_text())):
         names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
@@ -124,8 +138,9 @@ def test_only_the_adapter_and_hf_import_lightning():
 
 
 def test_the_package_has_few_entries_at_its_top():
+    """The five folders, the two public paths besides ``__init__.py``, the floor and ``py.typed``."""
     entries = {path.name for path in PACKAGE.iterdir() if path.name not in ("__init__.py", "__pycache__")}
-    assert len(entries) <= 8, sorted(entries)
+    assert len(entries) <= 9, sorted(entries)
 
 
 def long_definitions(source: str, function_lines: int = 60, class_lines: int = 300) -> list[str]:
@@ -252,42 +267,6 @@ def test_the_module_maps_name_every_module(document):
     assert listed_modules((PACKAGE.parent / document).read_text()) == modules
 
 
-ENGINE_FACE = "lightning_gpipe.engine"
-"""The engine's front door: the layers above import the engine's names from here, never from its modules."""
-
-
-def engine_imports_past_the_door(source: str) -> list[str]:
-    """Where ``source`` imports the engine other than through its package face: ``from lightning_gpipe.engine.x
-    import ...``, ``import lightning_gpipe.engine.x``, or a name the face does not list in ``__all__``."""
-    import lightning_gpipe.engine as face
-
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(ENGINE_FACE):
-            if node.module != ENGINE_FACE:
-                found.append(f"line {node.lineno}: from {node.module}")
-            found += [f"line {node.lineno}: {a.name} not in __all__" for a in node.names if a.name not in face.__all__]
-        elif isinstance(node, ast.Import):
-            found += [f"line {node.lineno}: import {a.name}" for a in node.names if a.name.startswith(ENGINE_FACE)]
-    return found
-
-
-def test_the_door_finder_finds_a_reach_past_it():
-    source = "from lightning_gpipe.engine.runtime import Runtime\nfrom lightning_gpipe.engine import Kind, StageSpec\n"
-    assert engine_imports_past_the_door(source) == [
-        "line 1: from lightning_gpipe.engine.runtime",
-        "line 1: Runtime not in __all__",
-        "line 2: Kind not in __all__",
-    ]
-
-
-def test_the_adapters_use_the_engine_through_its_door_only():
-    above = {name: path for name, path in _modules().items() if _layer(name) >= LAYERS.index("lightning")}
-    assert "lightning_gpipe.lightning.build" in above  # the finder reads the adapter at all
-    found = {name: engine_imports_past_the_door(path.read_text()) for name, path in above.items()}
-    assert {name: where for name, where in found.items() if where} == {}
-
-
 LIGHTNING_API = {
     "LightningModule",
     "LightningDataModule",
@@ -364,3 +343,97 @@ def test_the_engine_api_page_shows_its_door_and_names_every_exported_name():
     rendered = {line.split()[1] for line in text.splitlines() if line.startswith(":::")}
     assert rendered == {"lightning_gpipe.engine.pipeline"}
     assert [name for name in face.__all__ if f"`{name}`" not in text] == []
+
+
+def adapter_keywords(lower: list[str]) -> set[str]:
+    """The keywords of ``GPipeStrategy(...)`` and ``Trainer(...)`` that are the adapter's alone: all but those that
+    ``lower`` (the sources of engine/, planning/ and faults/) define as terms of their own, a function's parameter or
+    a class's field (``balance``, ``schedule``, the planner's ``pipeline_parallel_size``, the engine's ``compile``...),
+    which those layers may name in their messages."""
+    from lightning.pytorch import Trainer
+
+    from lightning_gpipe import GPipeStrategy
+
+    keywords = {*inspect.signature(GPipeStrategy.__init__).parameters, *inspect.signature(Trainer.__init__).parameters}
+    own = set()
+    for node in (node for source in lower for node in ast.walk(ast.parse(source))):
+        if isinstance(node, ast.arg):
+            own.add(node.arg)
+        elif isinstance(node, ast.ClassDef):
+            own |= {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    return keywords - own - {"self"}
+
+
+def lightning_steps() -> set[str]:
+    """Lightning's step names: the methods of ``LightningModule`` named ``*_step`` (``training_step``,
+    ``optimizer_step``...)."""
+    from lightning.pytorch import LightningModule
+
+    return {
+        name for name in dir(LightningModule) if name.endswith("_step") and callable(getattr(LightningModule, name))
+    }
+
+
+def adapter_terms(source: str, keywords: set[str], steps: set[str]) -> list[str]:
+    """Where ``source`` names the adapter's terms: ``GPipeStrategy``, ``Trainer`` or one of ``steps`` as an
+    identifier, attribute, argument or import, or as a word of a string constant (a message, an annotation); and in
+    a string constant, one of ``keywords`` written as a keyword argument (``compile=``), or one with an underscore
+    (``stall_timeout``: no English word) anywhere. Prose may name them: comments, and docstrings (every string
+    statement: a module's, a class's, a function's or an attribute's)."""
+    names = {"GPipeStrategy", "Trainer"} | steps
+    tree = ast.parse(source)
+    prose = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+    written = "|".join(sorted(keywords, key=len, reverse=True)) or "(?!)"
+    compound = "|".join(sorted((k for k in keywords if "_" in k), key=len, reverse=True)) or "(?!)"
+    said = re.compile(rf"(?<![\w.])(?:({written})=(?!=)|({compound})(?!\w))")
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        words: list[str] = []
+        if isinstance(node, ast.Name):
+            words = [node.id]
+        elif isinstance(node, ast.Attribute):
+            words = [node.attr]
+        elif isinstance(node, ast.arg):
+            words = [node.arg]
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            words = [part for alias in node.names for part in alias.name.split(".")]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+            words = re.findall(r"\w+", node.value)
+            keys = [f"{m[1]}=" if m[1] else m[2] for m in said.finditer(node.value)]
+            found += [(node.lineno, key) for key in dict.fromkeys(keys)]
+        found += [(node.lineno, word) for word in dict.fromkeys(words) if word in names]
+    return [f"line {line}: {word}" for line, word in sorted(found)]
+
+
+def test_the_adapter_term_finder_finds_the_strategy_its_keywords_and_a_step_in_code_not_in_prose():
+    source = (
+        '"""Checks GPipeStrategy(compile=...) for training_step."""\n'
+        'LIMIT = 1\n"""As stall_timeout says."""\n'
+        'def f(value, strategy: "GPipeStrategy", balance=2):\n'
+        "    # GPipeStrategy(compile=...)\n"
+        '    if value == "compile" or value == "balance":\n'
+        '        raise ValueError(f"compile={value!r}, balance={balance}: raise stall_timeout; compile == 1")\n'
+        "    return strategy.training_step, GPipeStrategy\n"
+    )
+    found = adapter_terms(
+        source, adapter_keywords([source]) & {"compile", "stall_timeout", "balance"}, {"training_step"}
+    )
+    assert found == [
+        "line 4: GPipeStrategy",
+        "line 7: compile=",
+        "line 7: stall_timeout",
+        "line 8: GPipeStrategy",
+        "line 8: training_step",
+    ]
+
+
+def test_the_engine_planning_and_faults_name_no_option_of_the_strategy_or_the_trainer():
+    """The layers below the adapter check values and word errors in their own terms; what names a ``GPipeStrategy``
+    or ``Trainer`` keyword, or Lightning's steps, lives in lightning/ (which words the fix around their errors)."""
+    below = {
+        name: path.read_text() for name, path in _modules().items() if 0 <= _layer(name) < LAYERS.index("lightning")
+    }
+    keywords = adapter_keywords(list(below.values()))
+    assert {"chunks", "stall_timeout", "devices"} <= keywords and not {"balance", "compile"} & keywords  # their own
+    found = {name: adapter_terms(source, keywords, lightning_steps()) for name, source in below.items()}
+    assert {name: where for name, where in found.items() if where} == {}

@@ -6,7 +6,8 @@ import lightning as L
 import pytest
 
 from lightning_gpipe import GPipeStrategy
-from lightning_gpipe.engine.topology import Topology, resolve_topology
+from lightning_gpipe.engine.topology import Topology
+from lightning_gpipe.lightning.mesh import resolve_topology
 
 
 @pytest.mark.parametrize(

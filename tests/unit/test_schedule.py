@@ -120,14 +120,14 @@ def test_plans_say_when_inputs_are_all_received_ahead_and_when_a_loss_runs_on_th
 
 
 def _without(plan: Plan, action: Action) -> Plan:
-    return Plan(tuple(a for a in plan.actions if a != action), plan.cut, plan.loss_per_micro_batch)
+    return Plan(tuple(a for a in plan.actions if a != action), plan.backward_from, plan.loss_per_micro_batch)
 
 
 def test_a_broken_plan_is_an_error_naming_the_stage_and_the_action():
     first, last = plans("gpipe", 2, 3, "never")
     swapped = first.actions[2:4] + first.actions[:2] + first.actions[4:]  # runs and sends micro-batch 1 before 0
     with pytest.raises(ScheduleError, match="stage 1 runs forward 0 but stage 0 sends micro-batch 1 first"):
-        check([Plan(swapped, first.cut), last])
+        check([Plan(swapped, first.backward_from), last])
     with pytest.raises(ScheduleError, match="stage 0 runs backward 2 without its gradient's receive posted first"):
         check([_without(first, Action(Kind.EXPECT, 2)), last])
     waits_for_itself = Plan((Action(Kind.BACKWARD, 0), Action(Kind.FORWARD, 0)), 1)

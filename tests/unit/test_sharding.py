@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_gpipe import GPipeStrategy
 from lightning_gpipe.faults.job import Job
-from lightning_gpipe.lightning.data_parallel import ShardedStage, units
+from lightning_gpipe.lightning.data_parallel import FullyShardedStage, units
 from lightning_gpipe.lightning.optimization import pipelined
 
 
@@ -38,7 +38,7 @@ def test_a_gradient_scaler_with_sharding_is_refused_naming_the_fix():
         scaler = torch.amp.GradScaler("cpu")
 
     with pytest.raises(ValueError, match="use precision='bf16-mixed' .* or sharding_strategy='NO_SHARD'"):
-        pipelined(Plugin(), None, list, Job(), sharded=True)
+        pipelined(Plugin(), None, list, Job(), fully_sharded=True)
 
 
 def test_a_layer_sharing_a_parameter_or_used_twice_is_left_to_the_root():
@@ -80,7 +80,7 @@ def test_a_sharded_one_stage_pipeline_steps_like_the_plain_module_and_leaves_it_
     module = TupleNet()
     reference = copy.deepcopy(module)
     runtime = one_stage_pipeline(module, chunks=3, checkpoint="except_last", defer_weight_grad=True)
-    sharded = ShardedStage(module.backbone, [module.backbone], one_replica, torch.device("cpu"), full_shard, Job())
+    sharded = FullyShardedStage(module.backbone, [module.backbone], one_replica, torch.device("cpu"), full_shard, Job())
     begun: list[int] = []
     runtime.before_first_backward = lambda: (begun.append(1), sharded.begin_backward())
     assert all(isinstance(p, DTensor) for p in module.backbone.parameters())
@@ -107,7 +107,7 @@ def test_a_sharded_one_stage_pipeline_steps_like_the_plain_module_and_leaves_it_
     assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in layers)
     for got, want in zip(module.backbone.parameters(), reference.backbone.parameters(), strict=True):
         torch.testing.assert_close(got, want + 1.0)
-    again = ShardedStage(module.backbone, [module.backbone], one_replica, torch.device("cpu"), full_shard, Job())
+    again = FullyShardedStage(module.backbone, [module.backbone], one_replica, torch.device("cpu"), full_shard, Job())
     again.release()
 
 

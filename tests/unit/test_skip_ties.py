@@ -154,8 +154,8 @@ def test_virtual_stages_split_into_chunks_and_refuse_a_skip_within_one_stage():
     # a skip between two chunks of one stage goes through a turn both chunks share, not a transfer to itself
     spec = StageSpec(topology, 0, _torch.device("cpu"), balance=[1, 1, 1, 1])
     wiring = _Wiring(spec, layout, job, groups={}, turns={("skip", 0, 2): turn})
-    _, stashing = wiring._chunk_links(0, TrackingRecorder(job.position))
-    _, popping = wiring._chunk_links(2, TrackingRecorder(job.position))
+    _, stashing = wiring._model_chunk_links(0, TrackingRecorder(job.position))
+    _, popping = wiring._model_chunk_links(2, TrackingRecorder(job.position))
     stashed = {key: _torch.ones(3, FEATURES) for key in layout.outgoing(0)[2]}
     stashing.send(stashed, 0)
     received = popping.receive(training=True)

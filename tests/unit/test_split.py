@@ -3,6 +3,7 @@
 import pytest
 
 from lightning_gpipe.lightning.config import PipelineConfig
+from lightning_gpipe.lightning.measure import split_line
 from lightning_gpipe.planning.balance.costs import LayerCost
 from lightning_gpipe.planning.split import MIN_GAIN, choose_split
 
@@ -18,8 +19,8 @@ def test_the_split_is_chosen_where_it_is_predicted_faster_and_whole_backwards_wh
     assert f"({big.whole / big.divided:.2f}x)" in big.reason
     tiny = choose_split([TINY] * 8, [4, 4], micro_batches=8, checkpoint="never")
     assert not tiny.split and tiny.divided > tiny.whole / (1 + MIN_GAIN)
-    assert "defer_weight_grad=True (the B/W split)" in big.line()
-    assert "whole backwards (defer_weight_grad=False)" in tiny.line()
+    assert "defer_weight_grad=True (the B/W split)" in split_line(big)
+    assert "whole backwards (defer_weight_grad=False)" in split_line(tiny)
 
 
 def test_without_measured_b_and_w_or_over_the_memory_limit_the_backwards_stay_whole():
@@ -28,7 +29,7 @@ def test_without_measured_b_and_w_or_over_the_memory_limit_the_backwards_stay_wh
     kept = LayerCost(**{**BIG.__dict__, "kept_grad_bytes": 500})
     assert choose_split([kept] * 8, [4, 4], 8, "never", memory_limit=4 * 1500).split  # 4 x (1000 + 500) fits
     over = choose_split([kept] * 8, [4, 4], 8, "never", memory_limit=4 * 1500 - 1)
-    assert not over.split and "balance_memory_limit" in over.reason
+    assert not over.split and "exceed the memory limit of 5,999 bytes" in over.reason
 
 
 @pytest.mark.parametrize(

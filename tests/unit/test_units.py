@@ -8,7 +8,8 @@ from torch import nn
 
 from lightning_gpipe import GPipeStrategy, solve
 from lightning_gpipe.engine import microbatch
-from lightning_gpipe.engine.partition import Split, find_backbone
+from lightning_gpipe.engine.partition import Split
+from lightning_gpipe.lightning.backbone import find_backbone
 from lightning_gpipe.planning.balance import resolve_balance
 
 

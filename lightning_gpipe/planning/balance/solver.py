@@ -55,8 +55,7 @@ def solve(
         smallest = max(stage_sums(memory, solve(memory, num_stages)))
         raise ValueError(
             f"No split into {num_stages} stages keeps every stage within the balance's memory limit of"
-            f" {memory_limit:,.0f} bytes (GPipeStrategy(balance_memory_limit=...), or the memory_limit argument of"
-            f" solve and balance_by); the smallest limit that fits is {smallest:,.0f} bytes. Raise the limit, use"
+            f" {memory_limit:,.0f} bytes; the smallest limit that fits is {smallest:,.0f} bytes. Raise the limit, use"
             " more devices, or split the largest layers."
         )
     balance, end = [], layers
