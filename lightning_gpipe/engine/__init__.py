@@ -2,28 +2,34 @@
 
 Its front door is :class:`StagePipeline`, built by :func:`build_pipeline` from a :class:`StageSpec`: ``forward``,
 ``backward``, ``evaluate`` and named events (see :mod:`lightning_gpipe.engine.pipeline`). The names below are
-everything the layers above (the Lightning adapter, the Hugging Face adapter) use of the engine; its modules are
-its internals.
+everything the layers above use of the engine: the adapters (Lightning's, Hugging Face's) the door and what a step
+takes and leaves, the planner the plans (which it simulates on the engine's own dependency rules) and what measures
+a layer as a stage runs it; its modules are its internals.
 
 Inside, a schedule is data (:mod:`~lightning_gpipe.engine.schedule`: each stage's ordered
 :mod:`~lightning_gpipe.engine.actions`), checked and timed on one clock (:mod:`~lightning_gpipe.engine.clock`); the
 :class:`~lightning_gpipe.engine.pipeline.Runtime` executes a process's plan over the primitives of its model chunks
 (:mod:`~lightning_gpipe.engine.model_chunk`), which move activations and gradients through
-:mod:`~lightning_gpipe.engine.transfer`. The engine imports only itself and :mod:`lightning_gpipe.faults`; it knows
-tensors, plans and process groups, never a LightningModule.
+:mod:`~lightning_gpipe.engine.transfer`. The engine imports only itself, :mod:`lightning_gpipe.faults` and
+:mod:`lightning_gpipe._torch` (torch's private API); it knows tensors, plans and process groups, never a
+LightningModule.
 """
 
+from lightning_gpipe.engine.actions import COMPUTE, Action, ActionCost, Kind, Plan, virtual_stage
+from lightning_gpipe.engine.clock import Clock
 from lightning_gpipe.engine.compilation import CompileOption, compile_options
-from lightning_gpipe.engine.events import TRANSFER, WORK, Recorder
+from lightning_gpipe.engine.events import TRANSFER, WORK, PeakBytes, Recorder, SavedBytes, Span
 from lightning_gpipe.engine.gradients import StepGradients
-from lightning_gpipe.engine.microbatch import Partition, Value, batch_size, scatter
-from lightning_gpipe.engine.partition import find_backbone, is_whole, materialize
+from lightning_gpipe.engine.microbatch import Partition, Value, batch_size, leaves, scatter, tensors
+from lightning_gpipe.engine.partition import is_whole, materialize
 from lightning_gpipe.engine.pipeline import StagePipeline, StageSpec, build_pipeline
-from lightning_gpipe.engine.rematerialization import recomputed_share
-from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, PLACED_BY_COST, V_SHAPED
+from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, checkpointed, recomputed_share
+from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, PLACED_BY_COST, SCHEDULES, V_SHAPED, plans
+from lightning_gpipe.engine.skip.tracker import SkipTracker, tracking
 from lightning_gpipe.engine.ties import TiedParameters
-from lightning_gpipe.engine.topology import Size, Topology, checked_size, groups, resolve_topology
+from lightning_gpipe.engine.topology import Topology, groups
 from lightning_gpipe.engine.trace import StageTrace, StepTrace
+from lightning_gpipe.engine.weightgrad import backward_input
 
 __all__ = [
     # the front door
@@ -31,16 +37,12 @@ __all__ = [
     "StageSpec",
     "build_pipeline",
     # the mesh
-    "Size",
     "Topology",
-    "checked_size",
     "groups",
-    "resolve_topology",
     # the backbone and its values
     "Partition",
     "Value",
     "batch_size",
-    "find_backbone",
     "is_whole",
     "materialize",
     "scatter",
@@ -59,4 +61,25 @@ __all__ = [
     "TiedParameters",
     "WORK",
     "recomputed_share",
+    # plans, for the planner: the schedules' actions, their costs, the clock that times them, re-materialization
+    "Action",
+    "ActionCost",
+    "CHECKPOINT_MODES",
+    "COMPUTE",
+    "Clock",
+    "Kind",
+    "Plan",
+    "SCHEDULES",
+    "Span",
+    "checkpointed",
+    "plans",
+    "virtual_stage",
+    # measuring a layer as a stage runs it, for the planner's profile: memory counted, values, skips, the B/W split
+    "PeakBytes",
+    "SavedBytes",
+    "SkipTracker",
+    "backward_input",
+    "leaves",
+    "tensors",
+    "tracking",
 ]

@@ -18,12 +18,14 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_gpipe._torch import BatchNormBase
 from lightning_gpipe.engine.microbatch import MicroBatch, current_micro_batch
 
 _PLAIN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _OUTSIDE_A_PIPELINE = MicroBatch(index=0, micro_batches=1)
+_TENSORS = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+"""A batch norm's parameters (``None`` without ``affine``) and running statistics, by name."""
 
 
 @dataclass
@@ -56,7 +58,7 @@ class _Moments:
         return _Moments(count, mean, m2)
 
 
-class DeferredBatchNorm(_BatchNorm):
+class DeferredBatchNorm(BatchNormBase):
     """A batch norm layer that updates its running statistics once per mini-batch of micro-batches.
 
     In training, each micro-batch is normalised with its own statistics (biased variance, as
@@ -86,18 +88,17 @@ class DeferredBatchNorm(_BatchNorm):
             (it has no running statistics to defer).
     """
 
-    _original: _BatchNorm  # the wrapped layer, in the instance's __dict__ (see __init__)
+    _original: BatchNormBase  # the wrapped layer, in the instance's __dict__ (see __init__)
 
     def __init__(self, batch_norm: nn.Module) -> None:
         if type(batch_norm) not in _PLAIN or not batch_norm.track_running_stats:
             raise TypeError(
                 f"DeferredBatchNorm wraps an nn.BatchNorm1d/2d/3d with track_running_stats=True, not {batch_norm!r}."
             )
-        batch_norm = cast(_BatchNorm, batch_norm)  # one of _PLAIN
+        batch_norm = cast(BatchNormBase, batch_norm)  # one of _PLAIN
         super().__init__(batch_norm.num_features, batch_norm.eps, batch_norm.momentum, device="meta")
         self.affine = batch_norm.affine
-        self._parameters.update(batch_norm._parameters)
-        self._buffers.update(batch_norm._buffers)
+        _share_tensors(self, batch_norm)
         self.train(batch_norm.training)
         self.__dict__["_original"] = batch_norm  # not a submodule: kept out of state dicts and `.to()`
         self._pending: _Moments | None = None
@@ -175,9 +176,15 @@ def revert_deferred_batch_norm(module: nn.Module) -> nn.Module:
     """
     if isinstance(module, DeferredBatchNorm):
         original = module._original
-        original._parameters.update(module._parameters)
-        original._buffers.update(module._buffers)
+        _share_tensors(original, module)
         return original.train(module.training)
     for name, child in list(module.named_children()):
         module.add_module(name, revert_deferred_batch_norm(child))
     return module
+
+
+def _share_tensors(target: nn.Module, source: nn.Module) -> None:
+    """Make ``target``'s parameters and running statistics ``source``'s own (the same tensors, ``None`` where
+    ``source`` has none)."""
+    for name in _TENSORS:
+        setattr(target, name, getattr(source, name))

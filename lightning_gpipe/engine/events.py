@@ -20,11 +20,10 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from lightning_gpipe._torch import DispatchMode, tree_flatten
 from lightning_gpipe.engine.microbatch import tensors
-from lightning_gpipe.faults.watchdog import Position
+from lightning_gpipe.faults import Position
 
 WORK = ("forward", "recompute", "backward", "weight", "loss", "optimizer")
 """Span kinds during which a stage computes (its busy time)."""
@@ -110,14 +109,15 @@ class Recorder:
         spans, self.spans = self.spans, []
         return spans
 
-    def for_chunk(self, model_chunk: int) -> "Recorder":
+    def for_model_chunk(self, model_chunk: int) -> "Recorder":
         """A recorder for model chunk ``model_chunk`` of this stage (virtual stages): its spans go to this recorder's
         list, marked with the model chunk; enabling this recorder enables it. Model chunk 0 is this recorder itself."""
-        return self if model_chunk == 0 else _ChunkRecorder(self, model_chunk)
+        return self if model_chunk == 0 else _ModelChunkRecorder(self, model_chunk)
 
 
-class _ChunkRecorder(Recorder):
-    """The view of a stage's :class:`Recorder` that one model chunk records into (see :meth:`Recorder.for_chunk`)."""
+class _ModelChunkRecorder(Recorder):
+    """The view of a stage's :class:`Recorder` that one model chunk records into (see
+    :meth:`Recorder.for_model_chunk`)."""
 
     def __init__(self, parent: Recorder, model_chunk: int) -> None:  # no super().__init__(): the state is the parent's
         self.parent, self.model_chunk = parent, model_chunk
@@ -173,7 +173,7 @@ class SavedBytes:
         return tensor.detach()
 
 
-class PeakBytes(TorchDispatchMode):
+class PeakBytes(DispatchMode):
     """Counts the bytes of the tensor storages the operators inside a ``with`` block create, live now and at the peak.
 
     A ``TorchDispatchMode``: it sees every operator's outputs, the backward's included, on any device; a storage counts

@@ -23,6 +23,8 @@ from typing import Any, Protocol, cast, overload
 import torch
 from torch import Tensor, nn
 
+from lightning_gpipe._torch import children
+
 Value = Tensor | tuple
 """A backbone activation: a Tensor or a tuple of tensors (and, in a backbone input, other items)."""
 
@@ -208,7 +210,7 @@ class Partition(nn.Module):
             TypeError: if a layer returns anything but a Tensor or a tuple of Tensors.
             ValueError: if a layer returns a 0-dimensional tensor (activations carry the batch in dim 0).
         """
-        for name, layer in self._modules.items():
+        for name, layer in children(self).items():
             assert layer is not None  # a backbone's layers are modules
             value = layer(value)
             if not _is_activation(value):

@@ -23,12 +23,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_gpipe._torch import children
 from lightning_gpipe.engine.actions import stage_of_virtual
 from lightning_gpipe.engine.topology import Topology
 from lightning_gpipe.faults import waiting
 
 if TYPE_CHECKING:
-    from lightning_gpipe.faults.job import Job
+    from lightning_gpipe.faults import Job
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def find_ties(
         The ties, in module order (the same on every process).
     """
     num_stages = len(balance) if num_stages is None else num_stages
-    layers = list(getattr(module, backbone)._modules)
+    layers = list(children(getattr(module, backbone)))
     stages: Sequence[int] = [stage_of_virtual(s, num_stages, v_shape)[0] for s in range(len(balance))]
     stage_of_layer = dict(zip(layers, (stages[s] for s, n in enumerate(balance) for _ in range(n))))
     last, prefix = stages[-1], backbone + "."

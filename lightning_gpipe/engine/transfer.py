@@ -59,7 +59,7 @@ from lightning_gpipe.faults import waiting
 if TYPE_CHECKING:
     import numpy as np
 
-    from lightning_gpipe.faults.job import Job
+    from lightning_gpipe.faults import Job
 
 Meta = tuple[torch.Size, torch.dtype]
 """Shape and dtype of a tensor whose gradient will arrive."""

@@ -35,6 +35,8 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from lightning_gpipe._torch import saved
+
 
 class DeferredWeightGradient:
     """The W half of a backward, ready to run once: accumulates the parameters' gradients into ``.grad``.
@@ -218,11 +220,7 @@ def _linear_key(group: _Group) -> tuple[Node, Node | None] | None:
     node, grad_outputs = group.seeds[0]
     if len(grad_outputs) != 1 or grad_outputs[0] is None or grad_outputs[0].dim() != 2:
         return None
-    if (
-        node.name() == "AddmmBackward0"
-        and node._saved_alpha == 1  # type: ignore[attr-defined]  # saved attributes of autograd nodes: not in stubs
-        and node._saved_beta == 1  # type: ignore[attr-defined]
-    ):
+    if node.name() == "AddmmBackward0" and saved(node, "alpha") == 1 and saved(node, "beta") == 1:
         bias, _, transpose = (child for child, _ in node.next_functions)
     elif node.name() == "MmBackward0":
         bias, (_, transpose) = None, (child for child, _ in node.next_functions)
@@ -246,12 +244,7 @@ def _linear_rows(group: _Group) -> tuple[Tensor, Tensor]:
     """The output gradient and the input of the linear layer of ``group`` (see :func:`_linear_key`)."""
     node, (gradient,) = group.seeds[0]
     assert gradient is not None  # _linear_key: one output gradient
-    inputs = (
-        node._saved_mat1  # type: ignore[attr-defined]  # saved attributes of autograd nodes: not in stubs
-        if node.name() == "AddmmBackward0"
-        else node._saved_self  # type: ignore[attr-defined]
-    )
-    return gradient, inputs
+    return gradient, saved(node, "mat1" if node.name() == "AddmmBackward0" else "self")
 
 
 def _groups(graph: _Graph, seeds: list[tuple[Node, tuple]]) -> list[_Group]:

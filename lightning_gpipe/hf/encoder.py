@@ -19,6 +19,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
+from lightning_gpipe._torch import children
 from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel
 
 try:
@@ -105,13 +106,13 @@ def standard_encoder(model: nn.Module) -> str | None:
         return "it is not a transformers PreTrainedModel"
     prefix, config = model.base_model_prefix, model.config
     base = getattr(model, prefix, None) if prefix else None
-    if not isinstance(base, nn.Module) or prefix not in model._modules:
+    if not isinstance(base, nn.Module) or prefix not in children(model):
         return f"it has no base model `{prefix}` among its children"
-    inner = {name for name, child in base._modules.items() if child is not None}
+    inner = {name for name, child in children(base).items() if child is not None}
     if not {"embeddings", "encoder"} <= inner or inner - {"embeddings", "encoder", "pooler"}:
         return f"`{prefix}` holds {sorted(inner)}, not embeddings, encoder (and pooler)"
     # base.encoder: a child module (checked above)
-    encoder = {name for name, child in cast(nn.Module, base.encoder)._modules.items() if child is not None}
+    encoder = {name for name, child in children(cast(nn.Module, base.encoder)).items() if child is not None}
     if encoder != {"layer"} or not isinstance(cast(nn.Module, base.encoder).layer, nn.ModuleList):
         return f"`{prefix}.encoder` holds {sorted(encoder)}, not only the nn.ModuleList `layer`"
     if config.is_decoder or getattr(config, "add_cross_attention", False):
@@ -122,7 +123,7 @@ def standard_encoder(model: nn.Module) -> str | None:
 
 
 def _head(model: PreTrainedModel) -> list[str]:
-    return [name for name, child in model._modules.items() if child is not None and name != model.base_model_prefix]
+    return [name for name, child in children(model).items() if child is not None and name != model.base_model_prefix]
 
 
 def standard_encoder_layers(model: PreTrainedModel) -> list[nn.Module]:

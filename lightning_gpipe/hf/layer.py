@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_gpipe._torch import RESET_METHODS, children
+
 try:
     from transformers import PreTrainedModel
 except ImportError as error:  # pragma: no cover - the message is the point
@@ -86,7 +88,7 @@ class HFLayer(nn.Module):
             tensors = [*module.parameters(), *module.buffers()]
             if module is self or not tensors or not all(id(t) in provided for t in tensors):
                 continue
-            for name in ("reset_parameters", "_reset_parameters"):
+            for name in RESET_METHODS:
                 if hasattr(type(module), name):
                     module.__dict__[name] = _loaded_from_checkpoint
                     self._skipped_resets.append((module, name))
@@ -157,7 +159,7 @@ def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
     *parents, last = path.split(".")
     node = root
     for name in parents:
-        child = node._modules.get(name)
+        child = children(node).get(name)
         if child is None:
             child = _Path()
             node.add_module(name, child)

@@ -49,13 +49,13 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
 
+from lightning_gpipe._torch import tree_flatten
 from lightning_gpipe.faults import waiting
 from lightning_gpipe.lightning._lightning import mark_sigterm, original_signal_handler, requeue
 
 if TYPE_CHECKING:
-    from lightning_gpipe.faults.job import Job
+    from lightning_gpipe.faults import Job
 
 NEUTRAL = torch.iinfo(torch.int64).min
 """The maximum's neutral element: what a process puts in the slots it does not own."""

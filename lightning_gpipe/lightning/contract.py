@@ -54,7 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gpipe.engine import Partition, Value
-from lightning_gpipe.faults.watchdog import Position
+from lightning_gpipe.faults import Position
 from lightning_gpipe.lightning import per_micro_batch
 from lightning_gpipe.lightning._lightning import collect_rng_states, set_rng_states
 

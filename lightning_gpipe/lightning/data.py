@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from lightning_gpipe._torch import requested_samples
 from lightning_gpipe.faults import waiting
 from lightning_gpipe.lightning._lightning import with_sampler
 from lightning_gpipe.lightning.agreement import BatchMismatchError, fingerprint
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_gpipe.engine import Topology
-    from lightning_gpipe.faults.job import Job
+    from lightning_gpipe.faults import Job
 
 SAMPLED_ITEMS = 3
 """Items of each dataset that go into its fingerprint: the first, the middle and the last."""
@@ -86,7 +87,7 @@ def _draws_from_the_process(dataloader: object) -> TypeGuard[DataLoader]:
         and type(sampler) is RandomSampler
         and sampler.generator is None
         and not sampler.replacement
-        and sampler._num_samples is None
+        and requested_samples(sampler) is None
     )
 
 

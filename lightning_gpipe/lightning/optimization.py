@@ -22,11 +22,12 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_gpipe._torch import found_inf_per_device, scaler_device
 from lightning_gpipe.faults import waiting
 from lightning_gpipe.lightning._lightning import set_plugin_class
 
 if TYPE_CHECKING:
-    from lightning_gpipe.faults.job import Job
+    from lightning_gpipe.faults import Job
 
 
 def clip_grad_norm_(
@@ -109,7 +110,7 @@ class SharedGradScaler(torch.amp.GradScaler):
     ) -> "SharedGradScaler":
         """A shared scaler with the device, settings and current state (scale, growth tracker) of ``scaler``, over
         ``group`` with the waits of ``job`` (see the class's arguments)."""
-        shared = cls(scaler._device, enabled=scaler.is_enabled(), group=group, job=job)
+        shared = cls(scaler_device(scaler), enabled=scaler.is_enabled(), group=group, job=job)
         shared.load_state_dict(scaler.state_dict())
         return shared
 
@@ -120,7 +121,7 @@ class SharedGradScaler(torch.amp.GradScaler):
             PipelineFailure: if another stage failed while this one waited for it.
         """
         super().unscale_(optimizer)
-        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        found = found_inf_per_device(self, optimizer)
         if not found or not dist.is_initialized():
             return
         flags = list(found.values())
@@ -157,7 +158,7 @@ def pipelined(
     group: dist.ProcessGroup | None,
     uncounted: Callable[[], Iterable[Tensor]],
     job: "Job",
-    sharded: bool = False,
+    fully_sharded: bool = False,
 ) -> None:
     """Make a Lightning precision plugin clip by the norm of all stages' gradients and share its gradient scaler's
     found-inf decision (:class:`SharedGradScaler`); undone by :func:`unpipelined`.
@@ -170,21 +171,21 @@ def pipelined(
         group: the stages of this process's pipeline.
         uncounted: returns the parameters left out of this stage's norm (see :func:`clip_grad_norm_`).
         job: the run's :class:`~lightning_gpipe.faults.job.Job`, whose waits the all-reduces use.
-        sharded: whether the stages' gradients are sharded over their replicas (FSDP2,
+        fully_sharded: whether the stages' gradients are sharded over their replicas (FSDP2,
             :mod:`~lightning_gpipe.lightning.data_parallel`): the norm is then summed over every process, each shard
             once.
 
     Raises:
-        ValueError: with ``sharded``, for a plugin with a gradient scaler (``precision="16-mixed"``), whose unscaling
-            of sharded gradients has not been run.
+        ValueError: with ``fully_sharded``, for a plugin with a gradient scaler (``precision="16-mixed"``), whose
+            unscaling of sharded gradients has not been run.
     """
-    if sharded and getattr(plugin, "scaler", None) is not None:
+    if fully_sharded and getattr(plugin, "scaler", None) is not None:
         raise ValueError(
             "GPipeStrategy(sharding_strategy=...) with precision='16-mixed': the gradient scaler's unscaling of FSDP2's"
             " sharded gradients has not been run by GPipeStrategy; use precision='bf16-mixed' (no scaler) or"
             " '32-true', or sharding_strategy='NO_SHARD'."
         )
-    group = None if sharded else group
+    group = None if fully_sharded else group
     if not isinstance(plugin, PipelinePrecision):
         plugin_class: type = type(plugin)  # a class, hashable (mypy reads type(Any) as type[Any], maybe unhashable)
         set_plugin_class(plugin, _pipelined_class(plugin_class))

@@ -36,7 +36,7 @@ from lightning_gpipe.lightning._lightning import (
 from lightning_gpipe.lightning.agreement import REGION_WORDS
 
 if TYPE_CHECKING:
-    from lightning_gpipe.faults.job import Job
+    from lightning_gpipe.faults import Job
 
 EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
 

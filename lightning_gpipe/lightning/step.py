@@ -66,12 +66,12 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
 from lightning_gpipe.engine import Partition, Recorder, StagePipeline, StepGradients, TiedParameters, materialize
-from lightning_gpipe.faults.job import Job
+from lightning_gpipe.faults import Job
 from lightning_gpipe.lightning import state_dict
 from lightning_gpipe.lightning._lightning import backward_skipped, closure_result, logged_results
 from lightning_gpipe.lightning.agreement import RunAgreement
 from lightning_gpipe.lightning.contract import BackboneCall, StageRandomness
-from lightning_gpipe.lightning.data_parallel import GradientSync, ShardedStage
+from lightning_gpipe.lightning.data_parallel import FullyShardedStage, GradientSync
 from lightning_gpipe.lightning.relay import LogRelay, StepRelay, share_step_output
 
 T = TypeVar("T")
@@ -90,7 +90,7 @@ class StageRun:
         share: sends a picklable object from the last stage to every stage of the pipeline (a collective call).
         job: the run's :class:`~lightning_gpipe.faults.job.Job` (failure board, position, watchdog, waits).
         gradient_sync: DDP over the stage's replicas, with several of them (set by :meth:`sync_gradients`).
-        sharded: FSDP2 over the stage's replicas instead, with a ``sharding_strategy`` (set by :meth:`sync_gradients`).
+        fsdp: FSDP2 over the stage's replicas instead, with a ``sharding_strategy`` (set by :meth:`sync_gradients`).
         step_gradients: a 1F1B step's gradients, kept apart until Lightning's ``backward``.
         collector: what the pipeline callbacks (:mod:`lightning_gpipe.lightning.callbacks`) record of this run's steps,
             shared by all of them; the first one that needs it sets it.
@@ -104,7 +104,7 @@ class StageRun:
     share: Callable[[Any], Any]
     job: Job
     gradient_sync: GradientSync | None = None
-    sharded: ShardedStage | None = None
+    fsdp: FullyShardedStage | None = None
     step_gradients: StepGradients = field(default_factory=StepGradients)
     collector: Any = None
 
@@ -132,14 +132,14 @@ class StageRun:
         (:meth:`~lightning_gpipe.engine.StagePipeline.on_last_backward`); the other model chunks' parameters are
         complete by then, and DDP reduces them with the first bucket. With a ``sharding`` other than ``"NO_SHARD"``,
         FSDP2 shards what the stage holds over ``group`` instead (:class:`~lightning_gpipe.lightning.data_parallel.
-        ShardedStage`), keeping the gathered parameters from the stage's first backward of a step
+        FullyShardedStage`), keeping the gathered parameters from the stage's first backward of a step
         (:meth:`~lightning_gpipe.engine.StagePipeline.on_backward_start`) to its end. A collective call of ``group``."""
         trained = module if self.pipeline.is_last else self.partition
         if sharding != "NO_SHARD":
             if any(True for _ in trained.parameters()):
                 full = sharding == "FULL_SHARD"
-                self.sharded = ShardedStage(trained, self.pipeline.partitions, group, device, full, self.job)
-                self.pipeline.on_backward_start(self.sharded.begin_backward)
+                self.fsdp = FullyShardedStage(trained, self.pipeline.partitions, group, device, full, self.job)
+                self.pipeline.on_backward_start(self.fsdp.begin_backward)
             return
         if not GradientSync.trains(trained):
             return
@@ -168,8 +168,8 @@ class StageRun:
         averages. With sharding, FSDP2 keeps the window's gradients unsharded apart from ``.grad`` under every plan,
         and reduce-scatters them once, at the window's end."""
         sync = self.gradient_sync
-        if self.sharded is not None:  # FSDP2 keeps the window's gradients to itself, whatever the plan
-            with self.sharded.disabled():
+        if self.fsdp is not None:  # FSDP2 keeps the window's gradients to itself, whatever the plan
+            with self.fsdp.disabled():
                 yield
             return
         with nullcontext() if sync is None or self.pipeline.loss_per_micro_batch else sync.disabled():
@@ -183,29 +183,29 @@ class StageRun:
 
     def begin_step(self) -> None:
         """At the start of a step (training or evaluation), with sharding: gather what FSDP2 does not gather in the
-        micro-batches (see :meth:`~lightning_gpipe.lightning.data_parallel.ShardedStage.begin_step`)."""
-        if self.sharded is not None:
-            self.sharded.begin_step()
+        micro-batches (see :meth:`~lightning_gpipe.lightning.data_parallel.FullyShardedStage.begin_step`)."""
+        if self.fsdp is not None:
+            self.fsdp.begin_step()
 
     def finish_backward(self) -> None:
         """At the end of a training step's backward, with sharding: the step's reduce-scatter (not within a
         gradient-accumulation window) and the gathered parameters freed (see
-        :meth:`~lightning_gpipe.lightning.data_parallel.ShardedStage.finish_backward`)."""
-        if self.sharded is not None:
-            self.sharded.finish_backward()
+        :meth:`~lightning_gpipe.lightning.data_parallel.FullyShardedStage.finish_backward`)."""
+        if self.fsdp is not None:
+            self.fsdp.finish_backward()
 
     def end_evaluation_step(self) -> None:
         """After an evaluation step, with sharding: the gathered parameters freed."""
-        if self.sharded is not None:
-            self.sharded.end_evaluation_step()
+        if self.fsdp is not None:
+            self.fsdp.end_evaluation_step()
 
     def unshard(self) -> None:
         """With sharding, after a completed fit: every parameter whole again and FSDP2 undone, so the module leaves
-        the run plain (see :meth:`~lightning_gpipe.lightning.data_parallel.ShardedStage.release`). A collective call of
-        the stage's replicas."""
-        if self.sharded is not None:
-            self.sharded.release()
-            self.sharded = None
+        the run plain (see :meth:`~lightning_gpipe.lightning.data_parallel.FullyShardedStage.release`). A collective
+        call of the stage's replicas."""
+        if self.fsdp is not None:
+            self.fsdp.release()
+            self.fsdp = None
 
     def whole_state(self, module: "pl.LightningModule", replica: int, group: Any) -> dict | None:
         """Every stage's part of ``module``'s state on the process of pipeline replica ``replica`` that gets the

@@ -23,7 +23,8 @@ from lightning.pytorch.utilities.model_summary.model_summary import (
 )
 from torch import Tensor, nn
 
-from lightning_gpipe.faults.job import Job
+from lightning_gpipe._torch import children
+from lightning_gpipe.faults import Job
 from lightning_gpipe.lightning._lightning import summary_kwargs, summary_max_depth
 
 _log = logging.getLogger("lightning.pytorch.callbacks.model_summary")
@@ -254,7 +255,7 @@ def _local_part(
     return _Local(
         stage=stage,
         backbone=names[partition],
-        layers=tuple(partition._modules),  # every position, a layer used at two included
+        layers=tuple(children(partition)),  # every position, a layer used at two included
         rows=tuple(row(name, sub) for name, sub in _named_layers(module, max_depth)),
         parameters={name: (_numel(p), p.requires_grad) for name, p in module.named_parameters()},
         modes={name: sub.training for name, sub in list(module.named_modules())[1:]},

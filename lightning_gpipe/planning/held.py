@@ -16,8 +16,7 @@ activations and these together, in bytes; :func:`held_levels` also what the stag
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_gpipe.engine.actions import Action, Kind
-from lightning_gpipe.engine.rematerialization import checkpointed
+from lightning_gpipe.engine import Action, Kind, checkpointed
 
 
 @dataclass

@@ -9,9 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe.engine import microbatch
-from lightning_gpipe.engine.events import PeakBytes
-from lightning_gpipe.engine.microbatch import Value
+from lightning_gpipe.engine import PeakBytes, Value, batch_size, leaves, scatter, tensors
 from lightning_gpipe.planning.balance.profile import profile_with_output
 from lightning_gpipe.planning.costs import HeadCost, ProfiledCosts, optimizer_state_factor
 from lightning_gpipe.planning.search import MAX_MICRO_BATCHES, micro_batch_counts
@@ -63,15 +61,15 @@ def profile_sizes(
         TypeError, ValueError: as :func:`~lightning_gpipe.engine.microbatch.batch_size` and
             :func:`~lightning_gpipe.planning.balance.profile_layers`.
     """
-    rows = microbatch.batch_size(value)
+    rows = batch_size(value)
     fixed = micro_batches
     large_m, small_m = (fixed, fixed) if fixed is not None else (PROFILED_MICRO_BATCHES, MAX_MICRO_BATCHES)
-    large, small = (microbatch.scatter(value, m)[0] for m in (large_m, small_m))
+    large, small = (scatter(value, m)[0] for m in (large_m, small_m))
     large_costs, output = profile_with_output(layers, large, device, split=split)
     same = small_m == large_m
     small_costs = large_costs if same else profile_with_output(layers, small, device, split=split)[0]
-    sizes = (microbatch.batch_size(large), microbatch.batch_size(small))
-    input_bytes = sum(t.numel() * t.element_size() for t in microbatch.tensors(value))
+    sizes = (batch_size(large), batch_size(small))
+    input_bytes = sum(t.numel() * t.element_size() for t in tensors(value))
     head = None
     if after is not None:
         counts = [1, *micro_batch_counts(rows, micro_batches)] if after.per_micro_batch else [1]
@@ -113,7 +111,7 @@ def _repeated(value: Value, rows: int) -> Value:
     repeated = repeat(value) if isinstance(value, Tensor) else tuple(
         repeat(x) if isinstance(x, Tensor) else x for x in value
     )  # fmt: skip
-    return microbatch.leaves(repeated)
+    return leaves(repeated)
 
 
 def _head_peak(after: AfterBackbone, micro_batches: int, output: Value) -> int:
@@ -121,14 +119,14 @@ def _head_peak(after: AfterBackbone, micro_batches: int, output: Value) -> int:
     on the parameters (see :func:`profile_head`)."""
     before = [t.grad for t in after.parameters]
     with torch.enable_grad(), PeakBytes() as counted:
-        for t in [*microbatch.tensors(output), *after.parameters, *after.existing]:
+        for t in [*tensors(output), *after.parameters, *after.existing]:
             t.detach()  # seen once here, a view of it later is not counted as new memory
         start = counted.restart()
         loss = after.loss(micro_batches, output)
         if loss is not None and loss.requires_grad:
             torch.autograd.backward(loss, torch.ones_like(loss))
         peak = counted.peak - start
-    made = [t.grad for t in microbatch.tensors(output)]
+    made = [t.grad for t in tensors(output)]
     made += [t.grad for t, old in zip(after.parameters, before) if t.grad is not old]
     for t, old in zip(after.parameters, before):
         t.grad = old

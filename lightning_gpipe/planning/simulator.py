@@ -48,12 +48,21 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from lightning_gpipe.engine.actions import COMPUTE, Action, ActionCost, Kind
-from lightning_gpipe.engine.clock import Clock
-from lightning_gpipe.engine.events import Span
-from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, checkpointed
-from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, SCHEDULES, plans
-from lightning_gpipe.engine.trace import StageTrace, StepTrace
+from lightning_gpipe.engine import (
+    CHECKPOINT_MODES,
+    COMPUTE,
+    DEFERRED_BY_DEFAULT,
+    SCHEDULES,
+    Action,
+    ActionCost,
+    Clock,
+    Kind,
+    Span,
+    StageTrace,
+    StepTrace,
+    checkpointed,
+    plans,
+)
 from lightning_gpipe.planning.balance.costs import LayerCost
 
 

@@ -1,4 +1,5 @@
-"""Only ``lightning_gpipe/lightning/_lightning.py`` (the shim) touches Lightning's private API (DESIGN.md, "Layers").
+"""Only ``lightning_gpipe/lightning/_lightning.py`` (the shim) touches Lightning's private API (DESIGN.md, "Layers"),
+and only ``lightning_gpipe/_torch.py`` (the torch shim) touches torch's.
 
 Lightning may change a private name in any release; with every use in one module, each with why and the versions
 it was checked on, an upgrade is one file to read. The scan fails naming each place where another module of the
@@ -23,9 +24,9 @@ package touches one. The rule, precisely:
     - A name both Lightning and the package bind otherwise (``_run``, ``_device``) counts as the package's: the scan
       cannot tell whose object ``obj._run`` is. Rule (c) covers the case where it can: ``self`` in a Lightning
       subclass.
-    - torch's (and other libraries') private names are the package's to use (``module._modules``,
-      ``dist.distributed_c10d._get_default_store``) unless Lightning binds them too; the few of those where the
-      package means torch's are listed in :data:`TORCH_NAMES`, with the attribute they are.
+    - torch's private names are rules (d) to (f)'s, other libraries' are the package's to use, unless Lightning
+      binds them too; the few of those where the package means torch's are listed in :data:`TORCH_NAMES`, with the
+      attribute they are.
 (c) Lightning classes from the inside: a class of the package derived from a Lightning class (a strategy, a
     ``LightningModule``, a callback) neither binds (``def``, class attribute, assignment to ``self._x`` or
     ``cls._x``) nor reads through ``self`` or ``cls`` a private name that a Lightning class of its MRO binds in its
@@ -36,6 +37,23 @@ package touches one. The rule, precisely:
 
 The shim's public names each say in their docstring on which Lightning versions they were checked ("Checked on:
 lightning X.Y.Z, ..."), every version within the ``lightning`` requirement of ``pyproject.toml``.
+
+torch's private API, likewise, as far as an AST scan can tell, outside the torch shim:
+
+(d) Private imports: no ``import`` or ``from ... import`` of ``torch`` names a private module or name (as (a):
+    ``from torch.utils._pytree import tree_flatten``).
+(e) Private chains: no attribute chain that starts at a name the module imported from torch (``torch``, ``dist``,
+    ``nn``, ``F``) has a private part (``torch._functorch.config``, ``dist.distributed_c10d._get_default_store``).
+(f) torch's private attributes: no attribute ``<expr>._x`` and no string that is exactly ``_x`` (``getattr(module,
+    "_reset_parameters")``) where ``_x`` is torch's (:func:`torch_names`): a name torch's Python source binds on an
+    object (an assignment to an attribute of anything, ``self._modules = ...``, or a method, ``def _lazy_init(self``)
+    or an autograd node's saved value (``_saved_mat1``, bound in C++); but not one the package's own classes bind
+    (:func:`own_attributes`: on the class, or on ``self`` or ``cls``; the scan cannot tell whose ``obj._x`` is), and
+    not one Lightning binds too (rule (b)'s), unless :data:`TORCH_NAMES` lists it. So an override of a private hook
+    of a torch class (``_check_input_dim`` of the batch-norm base) reads as the package's own name.
+
+The torch shim's public names say why and on which torch versions they were checked ("Checked on: torch X.Y.Z"),
+each within the ``torch`` requirement of ``pyproject.toml``, which stays below torch's next minor release.
 """
 
 import ast
@@ -374,16 +392,16 @@ def test_the_shim_reaches_what_it_names():
 # ------------------------------------------------------------------------------------- the shim's docstrings
 
 
-def _lightning_requirement() -> Requirement:
-    """``lightning``'s requirement in ``pyproject.toml`` (``"lightning>=2.6.0,<2.7"``)."""
-    (text,) = re.findall(r'"(lightning\s*[<>=!~][^"]*)"', (PACKAGE.parent / "pyproject.toml").read_text())
+def requirement(name: str = "lightning") -> Requirement:
+    """``name``'s requirement in ``pyproject.toml`` (``"lightning>=2.6.0,<2.7"``)."""
+    (text,) = re.findall(rf'"({name}\s*[<>=!~][^"]*)"', (PACKAGE.parent / "pyproject.toml").read_text())
     return Requirement(text)
 
 
-def shim_documentation() -> dict[str, tuple[str, str]]:
-    """The shim's public names and the module itself (``""``): name -> (``"module"``, ``"def"`` for a function or
+def shim_documentation(shim: Path = SHIM) -> dict[str, tuple[str, str]]:
+    """A shim's public names and the module itself (``""``): name -> (``"module"``, ``"def"`` for a function or
     class, or ``"constant"``; its docstring, ``""`` when it has none, a constant's the string after it)."""
-    tree = ast.parse(SHIM.read_bytes())
+    tree = ast.parse(shim.read_bytes())
     found = {"": ("module", ast.get_docstring(tree) or "")}
     for node, after in zip(tree.body, tree.body[1:] + [None]):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -397,7 +415,7 @@ def shim_documentation() -> dict[str, tuple[str, str]]:
 
 
 def test_the_shim_says_why_and_on_which_versions_each_use_was_checked():
-    pinned = _lightning_requirement().specifier
+    pinned = requirement("lightning").specifier
     documented = shim_documentation()
     assert {"", "logged_results", "backward_skipped", "replace_sigterm_broadcast"} <= set(documented)
     unchecked = [name for name, (_, text) in documented.items() if not CHECKED.search(text)]
@@ -408,5 +426,184 @@ def test_the_shim_says_why_and_on_which_versions_each_use_was_checked():
     assert unexplained == [], f"these need a 'Why:' paragraph: {unexplained}"
 
 
+# ------------------------------------------------------------------------------------------------ torch: (d) to (f)
+
+TORCH_SHIM = PACKAGE / "_torch.py"
+
+TORCH_CHECKED = re.compile(r"Checked on: torch (\d+\.\d+\.\d+(?:, \d+\.\d+\.\d+)*)")
+"""The line each of the torch shim's public names carries: the torch versions it was checked on."""
+
+TORCH_SAVED = "_saved_"
+"""The prefix of an autograd node's saved values (``node._saved_mat1``), which torch binds in C++."""
+
+_TORCH_BINDS = re.compile(r"^\s+def (_[A-Za-z]\w*)\(self\b|\.(_[A-Za-z]\w*)\s*(?::[^=\n]*)?=(?!=)", re.MULTILINE)
+"""A method of a class (``def _x(self``) or an assignment to an attribute (``obj._x = ``, ``self._x: T = ``)."""
+
+
+@cache
+def torch_names() -> frozenset[str]:
+    """The private names the installed torch's Python source binds on objects (see the module docstring, (f)), read
+    with :data:`_TORCH_BINDS` (an AST parse of its 2,000 files takes 15 times as long)."""
+    root = Path(torch.__file__).parent
+    found = (m.group(1) or m.group(2) for path in root.rglob("*.py") for m in _TORCH_BINDS.finditer(path.read_text()))
+    return frozenset(found)
+
+
+@cache
+def own_attributes() -> frozenset[str]:
+    """The private names the package's own classes bind on themselves or their instances: ``def``, class attributes
+    and assignments to attributes of ``self`` or ``cls`` (the torch shim's aside)."""
+    self_or_cls = frozenset({"self", "cls"})
+    trees = [ast.parse(path.read_bytes()) for path in _package_files() if path != TORCH_SHIM]
+    classes = [node for tree in trees for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+    return frozenset(name for node in classes for name in bindings(node, self_or_cls))
+
+
+def _torchs(name: str, own: frozenset[str]) -> bool:
+    if not is_private(name) or name in own:
+        return False
+    return name.startswith(TORCH_SAVED) or (
+        name in torch_names() and (name not in lightning_names() or name in TORCH_NAMES)
+    )
+
+
+def _is_torch_module(module: str) -> bool:
+    return module.split(".")[0] == "torch"
+
+
+def _torch_roots(tree: ast.AST) -> set[str]:
+    """The names a module binds by importing from torch (``torch``, ``dist``, ``nn``, ``F``, ``Tensor``)."""
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {alias.asname or alias.name.split(".")[0] for alias in node.names if _is_torch_module(alias.name)}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and _is_torch_module(node.module or ""):
+            roots |= {alias.asname or alias.name for alias in node.names}
+    return roots
+
+
+def _chain_root(node: ast.Attribute) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def torch_uses(source: str | bytes, own: frozenset[str]) -> list[tuple[int, str, str]]:
+    """Rules (d) to (f) for one module's source: (line, name, what) for each use of torch's private API, in order,
+    ``own`` being the names the package's classes bind."""
+    tree = ast.parse(source)
+    roots, found = _torch_roots(tree), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and _is_torch_module(node.module or ""):
+            private = [part for part in node.module.split(".") if is_private(part)]
+            private += [alias.name for alias in node.names if is_private(alias.name)]
+            if private:
+                found.add((node.lineno, ", ".join(private), f"imports {', '.join(private)} from {node.module}"))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if _is_torch_module(alias.name) and any(is_private(part) for part in alias.name.split(".")):
+                    found.add((node.lineno, alias.name, f"imports {alias.name}"))
+        elif isinstance(node, ast.Attribute) and is_private(node.attr):
+            if _chain_root(node) in roots or _torchs(node.attr, own):
+                found.add((node.lineno, node.attr, f"{textwrap.shorten(ast.unparse(node), 100)}: torch's {node.attr}"))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _torchs(node.value, own):
+            found.add((node.lineno, node.value, f"{node.value!r} names torch's {node.value}"))
+    return sorted(found)
+
+
+def private_torch_uses() -> list[str]:
+    """Every use of torch's private API outside the torch shim, as ``"path:line: what"``, in order."""
+    own = own_attributes()
+    found = [
+        f"{_relative(path)}:{line}: {what}"
+        for path in _package_files()
+        if path != TORCH_SHIM
+        for line, _, what in torch_uses(path.read_bytes(), own)
+    ]
+    return found
+
+
+def test_only_the_torch_shim_touches_torchs_private_api():
+    found = private_torch_uses()
+    listed = "\n".join(found)
+    assert not found, f"torch's private API outside lightning_gpipe/_torch.py (add a function there):\n{listed}"
+
+
+TORCH_SAMPLE = """\
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner as Planner
+def step(self, module, node, scaler, optimizer):
+    torch._functorch.config.donated_buffer = False
+    store = dist.distributed_c10d._get_default_store()
+    layers = module._modules
+    found = scaler._per_optimizer_states[id(optimizer)]
+    inputs = node._saved_mat1
+    reset = getattr(module, "_reset_parameters")
+    return self._job, self._results, torch.nn.Linear
+"""
+
+
+def test_the_torch_scan_finds_private_imports_chains_attributes_and_names():
+    found = torch_uses(TORCH_SAMPLE, own_attributes())
+    assert [line for line, _, _ in found] == [3, 4, 6, 7, 8, 9, 10, 11], found
+    assert "_job" in own_attributes() and "_results" in lightning_names()  # the package's own; Lightning's
+    assert {"_modules", "_lazy_init", "_fsdp_param_groups", "_num_samples"} <= torch_names()
+
+
+def test_the_torch_shim_is_where_the_uses_are():
+    """The scan, run on the torch shim as if it were another module, finds the uses it holds."""
+    found = {name for _, name, _ in torch_uses(TORCH_SHIM.read_bytes(), own_attributes())}
+    assert {"_modules", "_pytree", "_get_default_store", "_functorch", "_lazy_init", "_num_samples"} <= found, found
+
+
+def test_the_torch_shim_says_why_and_on_which_versions_each_use_was_checked():
+    pinned = requirement("torch").specifier
+    assert Version("2.13.0") in pinned and Version("2.14.0") not in pinned, pinned  # capped below the next minor
+    documented = shim_documentation(TORCH_SHIM)
+    assert {"", "children", "tree_flatten", "remove_fully_shard"} <= set(documented)
+    unchecked = [name for name, (_, text) in documented.items() if not TORCH_CHECKED.search(text)]
+    assert unchecked == [], f"these need a 'Checked on: torch X.Y.Z' line: {unchecked}"
+    versions = {v for _, text in documented.values() for v in TORCH_CHECKED.search(text).group(1).split(", ")}
+    assert versions and all(Version(v) in pinned for v in versions), (versions, str(pinned))
+    unexplained = [name for name, (kind, text) in documented.items() if kind != "module" and "Why:" not in text]
+    assert unexplained == [], f"these need a 'Why:' paragraph: {unexplained}"
+
+
+def test_the_torch_shim_reaches_what_it_names(tmp_path, monkeypatch):
+    """The torch shim's names on torch's real objects (those a unit test can make without a process group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+    from torch.utils.data import RandomSampler
+
+    from lightning_gpipe import _torch as shim
+
+    layer = nn.Linear(2, 2)
+    sequential = nn.Sequential(layer, nn.ReLU(), layer)
+    assert [name for name, _ in sequential.named_children()] == ["0", "1"]  # what the shim is for
+    assert list(shim.children(sequential)) == ["0", "1", "2"]
+    x = torch.randn(3, 2, requires_grad=True)
+    node = layer(x).grad_fn
+    assert node.name() == "AddmmBackward0" and shim.saved(node, "mat1") is x and shim.saved(node, "alpha") == 1
+    leaves, _ = shim.tree_flatten({"a": (x, 1)})
+    assert leaves[0] is x and shim.tree_leaves([x, {"b": 2}]) == [x, 2]
+    assert isinstance(nn.BatchNorm2d(1), shim.BatchNormBase)
+    assert [name for name in shim.RESET_METHODS if hasattr(nn.MultiheadAttention(2, 1), name)] == ["_reset_parameters"]
+    assert shim.requested_samples(RandomSampler(range(4))) is None
+    assert shim.requested_samples(RandomSampler(range(4), num_samples=2)) == 2
+    scaler = torch.amp.GradScaler("cpu")
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    scaler.scale(layer(x).sum()).backward()
+    scaler.unscale_(optimizer)
+    assert shim.scaler_device(scaler) == "cpu" and list(shim.found_inf_per_device(scaler, optimizer).values()) == [0]
+    monkeypatch.setattr(torch._functorch.config, "donated_buffer", True)
+    shim.keep_donated_buffers_off()
+    assert torch._functorch.config.donated_buffer is False
+    dcp.save({"state_dict": {"w": torch.arange(3.0)}, "loops": [1]}, checkpoint_id=tmp_path, no_dist=True)
+    read = shim.read_checkpoint(tmp_path)
+    assert torch.equal(read["state_dict"]["w"], torch.arange(3.0)) and read["loops"] == [1]
+
+
 if __name__ == "__main__":  # the uses, one a line (also over another checkout: PYTHONPATH=that/checkout)
-    print("\n".join(private_api_uses()) or "none", file=sys.stderr)
+    print("\n".join(private_api_uses() + private_torch_uses()) or "none", file=sys.stderr)

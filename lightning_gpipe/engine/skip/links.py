@@ -26,7 +26,7 @@ from lightning_gpipe.engine.events import Recorder
 from lightning_gpipe.engine.transfer import Link, Turn
 
 if TYPE_CHECKING:
-    from lightning_gpipe.faults.job import Job
+    from lightning_gpipe.faults import Job
 
 Keys = list[Any]
 

@@ -14,9 +14,7 @@ from typing_extensions import override
 from lightning_gpipe.engine import TRANSFER, WORK, StepTrace, recomputed_share
 from lightning_gpipe.lightning.callbacks._pipeline import PipelineCallback, log_dir, log_metrics
 from lightning_gpipe.lightning.strategy import GPipeStrategy
-from lightning_gpipe.planning.balance import solve
-from lightning_gpipe.planning.balance.costs import LayerCost
-from lightning_gpipe.planning.simulator import simulate, stage_costs
+from lightning_gpipe.planning import LayerCost, simulate, solve, stage_costs
 
 
 @dataclass

@@ -18,11 +18,19 @@ from itertools import chain
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe.engine.events import PeakBytes, SavedBytes
-from lightning_gpipe.engine.microbatch import Partition, Value, leaves, tensors
-from lightning_gpipe.engine.partition import materialize
-from lightning_gpipe.engine.skip.tracker import SkipTracker, tracking
-from lightning_gpipe.engine.weightgrad import backward_input
+from lightning_gpipe._torch import children
+from lightning_gpipe.engine import (
+    Partition,
+    PeakBytes,
+    SavedBytes,
+    SkipTracker,
+    Value,
+    backward_input,
+    leaves,
+    materialize,
+    tensors,
+    tracking,
+)
 from lightning_gpipe.planning.balance.costs import LayerCost
 
 
@@ -96,7 +104,7 @@ def profile_with_output(
     skips: dict = {}  # what the layers so far stashed, for later layers to pop
     costs = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for name, layer in layers._modules.items():  # every position, a layer used at two (tied) included
+        for name, layer in children(layers).items():  # every position, a layer used at two (tied) included
             cost, value = _profile_copy(name, layer, value, skips, device, (repeats, warmup, split))
             costs.append(cost)
     return costs, value
