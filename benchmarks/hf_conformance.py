@@ -109,8 +109,9 @@ def compare(model_class: type, config) -> tuple[str, float]:
     """The backbone layer by layer against ``model_class``'s own forward on a miniature of ``config``: ``(worst
     tensor, its difference)`` over the logits, the loss and every gradient."""
     from lightning_gpipe.hf import to_sequential
-    from lightning_gpipe.hf.decoder import causal_lm_loss, decoder_input
+    from lightning_gpipe.hf.decoder import causal_lm_loss
     from lightning_gpipe.hf.moe import router_loss_of
+    from lightning_gpipe.hf.packing import decoder_input
     from lightning_gpipe.hf.selfcheck import miniature
 
     model = miniature(model_class, config).eval()

@@ -22,13 +22,7 @@ if not _TRANSFORMERS:
 
 # ruff: noqa: E402 - the package's modules are imported only once the requirement holds
 from lightning_gpipe.hf.adapter import FAMILIES, Family, check_class, family_of, register_family, to_sequential
-from lightning_gpipe.hf.decoder import (
-    CachedDecoderBlock,
-    clear_kv_caches,
-    pack_documents,
-    packed_batch,
-    positions_from_mask,
-)
+from lightning_gpipe.hf.kv_cache import CachedDecoderBlock, clear_kv_caches, positions_from_mask
 from lightning_gpipe.hf.layer import HFLayer, UnsupportedModelError
 from lightning_gpipe.hf.module import (
     CausalLM,
@@ -40,6 +34,7 @@ from lightning_gpipe.hf.module import (
     lr_factor,
 )
 from lightning_gpipe.hf.moe import RouterLoss
+from lightning_gpipe.hf.packing import pack_documents, packed_batch
 from lightning_gpipe.hf.selfcheck import SelfCheckError
 from lightning_gpipe.hf.weights import SafetensorsWeights, save_stage_shards
 

@@ -9,7 +9,7 @@ mechanism (:mod:`lightning_gpipe.engine.ties`) finds by itself.
 
 Which layers a model is cut into is its :class:`Family`'s business. Models are recognised by what ``transformers``
 declares and by their structure, not their class name: first the pipeline plan a decoder declares (below), then the
-standard decoder layout of ``transformers`` 5 (:mod:`lightning_gpipe.hf.decoder`) and the BERT-style encoders
+standard decoder layout of ``transformers`` 5 (:mod:`lightning_gpipe.hf.decoder_layout`) and the BERT-style encoders
 (:mod:`lightning_gpipe.hf.encoder`); GPT-2 is a family by name, and :func:`register_family` adds more. Before a class
 is cut for the first time in a process, the self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves its cut on a
 miniature built from the same config, so a class that looks standard and is not is refused rather than trained
@@ -24,14 +24,14 @@ it is the library's own contract for pipeline parallelism (its pipeline inferenc
 read it), and it names the modules by the model's own names: GPT-NeoX's ``embed_in``, ``emb_dropout``, ``layers``,
 ``final_layer_norm``; Phi's ``embed_tokens``, ``embed_dropout``, ``layers``, ``final_layernorm``; CodeGen's and
 GPT-J's ``wte``, ``drop``, ``h``, ``ln_f``. :func:`declared_cut` reads it into a
-:class:`~lightning_gpipe.hf.decoder.DecoderCut`: the embedding (the entry that takes ``input_ids``), at most one
+:class:`~lightning_gpipe.hf.decoder_cut.DecoderCut`: the embedding (the entry that takes ``input_ids``), at most one
 module on the embeddings before the blocks, the blocks (the ``nn.ModuleList``), the final norm and the head (the
 entry that gives ``logits``). Of the base model's modules the plan leaves out, the adapter takes those it knows what
 the forward does with (:func:`_left_out`): the rotary embedding (``rotary_emb``: every block's layer rebuilds its
 cos/sin), modules on ``(input_ids, inputs_embeds)`` (Phi-4-multimodal), rotary modules per layer theta
 (Granite-SWA), per-layer embeddings (Gemma 4), the collapse of hyper-connection streams (HY-V4) and modules without
 tensors; anything else is refused. The blocks are called as the standard layout's, with what the config declares
-around them (:func:`~lightning_gpipe.hf.decoder.decoder_layers`). Where a class declares no plan,
+around them (:func:`~lightning_gpipe.hf.decoder_cut.decoder_layers`). Where a class declares no plan,
 or one the adapter cannot follow, the structure decides; a plan and a structure that both take a model must cut it
 alike; the self-check proves whichever cut on a miniature.
 """
@@ -46,18 +46,20 @@ from typing import Any, cast
 from torch import nn
 
 from lightning_gpipe.hf import lora, selfcheck
-from lightning_gpipe.hf.decoder import (
+from lightning_gpipe.hf.decoder_cut import (
     DecoderCut,
-    bidirectional,
-    block_arguments_reason,
     decoder_layers,
     gpt2_layers,
-    kv_sharing_reason,
-    layer_types_reason,
     standard_cut,
-    standard_decoder,
     standard_decoder_layers,
     sublayers,
+)
+from lightning_gpipe.hf.decoder_layout import (
+    bidirectional,
+    block_arguments_reason,
+    kv_sharing_reason,
+    layer_types_reason,
+    standard_decoder,
 )
 from lightning_gpipe.hf.encoder import standard_encoder, standard_encoder_layers
 from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel, UnsupportedModelError
@@ -70,7 +72,7 @@ ROTARY = "rotary_emb"
 
 PER_LAYER = ("get_per_layer_inputs", "project_per_layer_inputs")
 """The methods of a base model that computes per-layer inputs for its blocks from the tokens and the embeddings
-(Gemma 4's per-layer embeddings): the embedding layer calls them (:class:`~lightning_gpipe.hf.decoder.DecoderCut`'s
+(Gemma 4's per-layer embeddings): the embedding layer calls them (:class:`~lightning_gpipe.hf.decoder_cut.DecoderCut`'s
 ``per_layer``)."""
 
 
@@ -205,7 +207,7 @@ def declared_decoder(model: nn.Module) -> str | None:
 
 
 def declared_decoder_layers(model: PreTrainedModel) -> list[nn.Module]:
-    """The backbone layers of a model its declared plan cuts (:func:`~lightning_gpipe.hf.decoder.decoder_layers` at
+    """The backbone layers of a model its declared plan cuts (:func:`~lightning_gpipe.hf.decoder_cut.decoder_layers` at
     :func:`declared_cut`)."""
     cut = declared_cut(model)
     assert not isinstance(cut, str)  # the family takes only models whose plan gives a cut
@@ -265,7 +267,7 @@ class Family:
 
 
 DECODER_INPUTS = "(input_ids, attention_mask, position_ids)"
-"""What a decoder's backbone takes (:attr:`Family.inputs`; see :func:`~lightning_gpipe.hf.decoder.decoder_input`)."""
+"""What a decoder's backbone takes (:attr:`Family.inputs`; see :func:`~lightning_gpipe.hf.packing.decoder_input`)."""
 
 ENCODER_INPUTS = "(input_ids, attention_mask, token_type_ids)"
 """What an encoder's backbone takes (:attr:`Family.inputs`; see :func:`~lightning_gpipe.hf.encoder.encoder_input`)."""
@@ -285,8 +287,9 @@ FAMILIES: list[Family] = [
 ]
 """The registered families, tried in order by :func:`family_of`: GPT-2 by name; then a decoder cut where its
 declared pipeline plan says (:func:`declared_decoder`: ``config.base_model_pp_plan``, the
-first source); then by structure, the standard decoder layout (:func:`~lightning_gpipe.hf.decoder.standard_decoder`,
-the fallback) and the BERT-style encoders (:func:`~lightning_gpipe.hf.encoder.standard_encoder`)."""
+first source); then by structure, the standard decoder layout
+(:func:`~lightning_gpipe.hf.decoder_layout.standard_decoder`, the fallback) and the BERT-style encoders
+(:func:`~lightning_gpipe.hf.encoder.standard_encoder`)."""
 
 
 def register_family(family: Family) -> None:
@@ -346,7 +349,7 @@ def to_sequential(model: nn.Module, weights: Any | None = None, check: bool = Tr
 
     Decoders take ``(input_ids, attention_mask, position_ids)``, encoders ``(input_ids, attention_mask,
     token_type_ids)``, each ``(N, S)`` long (the mask 1 for real tokens, 0 for padding; see
-    :func:`~lightning_gpipe.hf.decoder.decoder_input`), and return the logits ``(N, S, V)`` (``(N, num_labels)``
+    :func:`~lightning_gpipe.hf.packing.decoder_input`), and return the logits ``(N, S, V)`` (``(N, num_labels)``
     for sequence classification); a mixture of experts with ``output_router_logits=True`` returns ``(logits,
     router statistics)`` (:mod:`lightning_gpipe.hf.moe`). Applied layer by layer on one device it equals
     ``model``'s own forward.

@@ -26,20 +26,15 @@ from torch import Tensor, nn
 from lightning_gpipe.engine import Partition, materialize
 from lightning_gpipe.hf import lora as peft_lora
 from lightning_gpipe.hf.adapter import Family, check_class, family_of, to_sequential
-from lightning_gpipe.hf.decoder import (
-    causal_lm_loss,
-    clear_kv_caches,
-    decoder_input,
-    positions_from_mask,
-    unpackable_layer_types,
-)
+from lightning_gpipe.hf.decoder import causal_lm_loss
 from lightning_gpipe.hf.encoder import encoder_input
+from lightning_gpipe.hf.kv_cache import clear_kv_caches, positions_from_mask
 from lightning_gpipe.hf.layer import UnsupportedModelError, hf_name
+from lightning_gpipe.hf.masks import unpackable_layer_types
 from lightning_gpipe.hf.moe import RouterLoss, router_loss_of
+from lightning_gpipe.hf.packing import decoder_input
 from lightning_gpipe.hf.weights import SafetensorsWeights, save_stage_shards
-from lightning_gpipe.lightning._lightning import attached_trainer
-from lightning_gpipe.lightning.contract import forward_and_share
-from lightning_gpipe.lightning.data_parallel import whole_tensors
+from lightning_gpipe.lightning import attached_trainer, forward_and_share, whole_tensors
 
 try:
     from huggingface_hub import snapshot_download
@@ -56,7 +51,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
     ) from error
 
 if TYPE_CHECKING:
-    from lightning_gpipe.lightning.strategy import GPipeStrategy
+    from lightning_gpipe.lightning import GPipeStrategy
 
 
 class HFModule(pl.LightningModule):
@@ -438,7 +433,7 @@ class CausalLM(HFModule):
 
     def backbone_input(self, batch: dict[str, Any]) -> tuple[Tensor, ...]:
         """``(input_ids, attention_mask, position_ids)``, or for packed rows (a batch with ``position_ids``)
-        ``(input_ids, attention_mask, position_ids, documents)`` (:func:`~lightning_gpipe.hf.decoder.decoder_input`).
+        ``(input_ids, attention_mask, position_ids, documents)`` (:func:`~lightning_gpipe.hf.packing.decoder_input`).
 
         Raises:
             ValueError: for packed rows of a model with recurrent layers (``linear_attention``...), whose state would

@@ -1,14 +1,14 @@
 """The adapter's proof on the user's class, before the first step: a miniature cut layer by layer equals its forward.
 
-The adapter cuts a model by its structure (:mod:`lightning_gpipe.hf.decoder`, :mod:`lightning_gpipe.hf.encoder`), so
-a class that looks standard but computes something else in its ``forward`` (a scale on the logits, another mask, a
-dropout elsewhere) would train a different model without a word. :func:`verify` rules that out: it builds a
-miniature of the user's class from the user's config (:func:`miniature_config`: two layers, or one per kind of layer
-the config lists, widths of 64, a 128-token vocabulary, sliding windows of 4, every other option as given), in fp32
-on the CPU with every parameter drawn at random (so that every path counts), and runs a probe batch of 3 rows of 10
-tokens (one left-padded, one right-padded) through the model's own ``forward`` and through the cut backbone layer by
-layer, comparing what each backbone layer passes on with what the model's next module received (forward pre-hooks),
-and the logits, on the real tokens, to 1e-5:
+The adapter cuts a model by its structure (:mod:`lightning_gpipe.hf.decoder_layout`, :mod:`lightning_gpipe.hf.encoder`),
+so a class that looks standard but computes something else in its ``forward`` (a scale on the logits, another mask, a
+dropout elsewhere) would train a different model without a word. :func:`verify` rules that out: it builds a miniature of
+the user's class from the user's config (:func:`miniature_config`: two layers, or one per kind of layer the config
+lists, widths of 64, a 128-token vocabulary, sliding windows of 4, every other option as given), in fp32 on the CPU with
+every parameter drawn at random (so that every path counts), and runs a probe batch of 3 rows of 10 tokens (one
+left-padded, one right-padded) through the model's own ``forward`` and through the cut backbone layer by layer,
+comparing what each backbone layer passes on with what the model's next module received (forward pre-hooks), and the
+logits, on the real tokens, to 1e-5:
 
 - in evaluation mode;
 - in training mode, with the config's dropout probabilities and the same seed on both sides (a dropout applied
@@ -30,10 +30,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe.hf.decoder import causal_lm_loss, decoder_input
+from lightning_gpipe.hf.decoder import causal_lm_loss
 from lightning_gpipe.hf.encoder import encoder_input
 from lightning_gpipe.hf.layer import HFLayer, UnsupportedModelError
 from lightning_gpipe.hf.moe import router_loss_of
+from lightning_gpipe.hf.packing import decoder_input
 
 SIZES = {
     "hidden_size": 64,

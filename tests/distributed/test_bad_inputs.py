@@ -5,7 +5,6 @@ tests/unit/test_bad_inputs.py; the mistakes that fail one stage in the middle of
 layer's error, user code): tests/distributed/test_failures.py."""
 
 import json
-import time
 
 import pytest
 from conftest import assert_every_stage_exits, shared_run
@@ -42,7 +41,7 @@ def stage_errors():
     """Each rank's messages for every case of the worker's ``BAD_INPUTS``, from one run of 2 stage processes (which
     go on to run other scripts, see ``shared_run``)."""
     out = BAD_INPUTS()
-    assert_every_stage_exits(out, within=30, since=time.time())
+    assert_every_stage_exits(out, within=30)
     return [json.loads((out / f"bad_inputs_rank{rank}.json").read_text()) for rank in range(2)]
 
 

@@ -7,8 +7,8 @@ import json
 import pytest
 from conftest import shared_log, shared_run
 
-CONTENDED = 0.10
-"""Above this share of its time waiting for a CPU, a stage process's timings say more about the machine."""
+TIMES = ("forward", "recompute", "backward", "loss", "waiting")
+"""A PipelineBalance stage entry's seconds per step."""
 
 
 TWO_STAGES = shared_run("callbacks.py", devices=2)
@@ -64,28 +64,38 @@ def test_timeline_chart_is_saved_beside_every_loggers_files_and_as_an_mlflow_art
     assert result["artifacts"] == [["run0", str(out / "csv/version_0/pipeline_timeline_step3.png"), "pipeline"]]
 
 
-def test_balance_reports_each_stage_and_suggests_the_even_split(run):
+def test_balance_reports_each_stage_in_the_shape_the_unit_tests_check(run):
+    """The report of a real run, its shape only: the measured times, and so the imbalance and the split suggested, are
+    the machine's (what the callback makes of given times: tests/unit/test_callbacks.py)."""
     out, result, output = run
     report = result["balance"]
     assert report == json.loads((out / "csv/version_0/pipeline_balance.json").read_text())
     assert report["balance"] == [2, 6] and report["steps"] == [2, 3, 4, 5, 6]
+    assert (report["chunks"], report["checkpoint"]) == (8, "except_last")
     linear = 1024 * 1024 + 1024
-    assert [s["parameters"] for s in report["stages"]] == [linear, 3 * linear]
+    stages = [(s["stage"], s["layers"], s["parameters"]) for s in report["stages"]]
+    assert stages == [(0, 2, linear), (1, 6, 3 * linear)]
     for stage in report["stages"]:
-        assert stage["forward"] > 0 and stage["recompute"] > 0 and stage["backward"] > 0
-    assert report["stages"][0]["loss"] == 0 < report["stages"][1]["loss"]
+        assert set(stage) == {"stage", "layers", "parameters", *TIMES, "activation_bytes"}
+        assert all(isinstance(stage[name], float) and stage[name] >= 0 for name in TIMES)
+    assert report["stages"][0]["loss"] == 0  # the head and loss run on the last stage only
     # the inputs of 8 micro-batches of 128 x 1024 floats, plus one micro-batch's saved activations
     assert all(s["activation_bytes"] > 8 * 128 * 1024 * 4 for s in report["stages"])
+    assert isinstance(report["imbalance"], float) and report["imbalance"] >= 1  # the slowest over the mean
     imbalance = [row["pipeline/imbalance"] for row in _metrics(out) if row["pipeline/imbalance"]]
     assert float(imbalance[0]) == pytest.approx(report["imbalance"])
+    assert "Pipeline balance, mean per step over training steps 2-6 (M=8, checkpoint='except_last'):" in output
+    assert f"imbalance (slowest stage's work over the mean): {report['imbalance']:.2f}" in output
     suggested = report["suggested_balance"]
-    assert suggested is None or f"suggested balance={suggested} instead of [2, 6]" in output
-    assert suggested is not None or "best_balance" not in report or "no faster balance than [2, 6] found" in output
-    contention = max(json.loads((out / f"contention_rank{k}.json").read_text()) for k in (0, 1))
-    if contention > CONTENDED:  # the measured times say more about the machine than about the stages
-        pytest.skip(f"the machine was busy (a stage waited for a CPU {contention:.0%} of the time)")
-    assert report["imbalance"] > 1.1 and suggested == [4, 4]  # one Linear against three
-    assert report["best_step_s"] < 0.99 * report["predicted_step_s"] and report["speedup"] > 1.01
+    if "best_balance" not in report:  # within the threshold: nothing looked for
+        assert suggested is None and report["imbalance"] <= 1.1
+    elif suggested is None:
+        assert f"no faster balance than [2, 6] found (from {report['cost_source']};" in output
+    else:
+        assert len(suggested) == 2 and min(suggested) >= 1 and sum(suggested) == 8 and suggested != [2, 6]
+        assert f"suggested balance={suggested} instead of [2, 6] (from {report['cost_source']})" in output
+    if "best_balance" in report:  # the default profiles the layers at fit start (its B/W split choice): those costs
+        assert report["cost_source"] == "profiled layer costs"
 
 
 def test_throughput_logs_samples_per_second_bubble_and_efficiency(run):

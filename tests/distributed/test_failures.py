@@ -42,10 +42,18 @@ CASES = {
 """Each case's messages; every case exits with code 1 (the error's), not by a signal: the stage waiting for the
 failed one when it exits ends its waits first (lightning_gpipe.faults.job.end_waits_at_exit)."""
 
+RUN = 400
+"""Seconds a run may take before it counts as hung: far beyond a run's minute or so, which a busy machine (two runs at
+once beside other work on two cores) can double, so that only a hang reaches it."""
+
+ENDED = 120
+"""Seconds the main process of a signalled run may take to end: a hang only, as :data:`RUN`."""
+
 
 def _exits(out: Path, within: float = 60, since: float | None = None) -> AssertionError | None:
-    """What :func:`conftest.assert_every_stage_exits` raises for the run on ``out``, or ``None``: called right after
-    the run ends, where the test alone called it, for the test to raise when it reads the run."""
+    """What :func:`conftest.assert_every_stage_exits` raises for the run on ``out`` (every stage gone within ``within``
+    seconds of ``since``, by default of the run's end), or ``None``: called right after the run ends, where the test
+    alone called it, for the test to raise when it reads the run."""
     try:
         assert_every_stage_exits(out, within=within, since=since)
     except AssertionError as error:
@@ -55,7 +63,7 @@ def _exits(out: Path, within: float = 60, since: float | None = None) -> Asserti
 
 def _failing_run(case: str, out: Path, *args: str) -> tuple[subprocess.CompletedProcess, AssertionError | None]:
     """Run ``case`` on ``out`` (with the worker's options ``args``): ``(the result, :func:`_exits`)``."""
-    result = run_worker("failure.py", case, str(out), *args, timeout=180)
+    result = run_worker("failure.py", case, str(out), *args, timeout=RUN)
     return result, _exits(out)
 
 
@@ -63,25 +71,25 @@ def _killed_mid_save_then_resumed(out: Path) -> tuple[list, subprocess.Completed
     """Run ``kill_full`` then ``kill_sharded`` on ``out``, then ``resume`` from the checkpoints they left there:
     ``([:func:`_failing_run` of each kill], the resume's result)``."""
     killed = [_failing_run(f"kill_{kind}", out) for kind in ("full", "sharded")]
-    return killed, run_worker("failure.py", "resume", str(out), timeout=240)
+    return killed, run_worker("failure.py", "resume", str(out), timeout=RUN)
 
 
 def _signalled_run(
     case: str, out: Path, handshake: str, signum: int, ignore_sigint: bool = False, end_what_is_left: bool = False
 ) -> tuple[subprocess.CompletedProcess, AssertionError | None]:
     """Start ``case`` on ``out``, send ``signum`` to its main process once it writes ``out/handshake`` and wait for
-    it: ``(the result, :func:`_exits` within 30 s of the signal)``; ``end_what_is_left`` kills what is left of the
+    it: ``(the result, :func:`_exits` within 60 s of the signal)``; ``end_what_is_left`` kills what is left of the
     run before that check, even if this fails."""
     process = start_worker("failure.py", case, str(out), ignore_sigint=ignore_sigint)
     try:
         wait_for_file(out / handshake, process)
         sent = time.time()
         process.send_signal(signum)
-        stdout, stderr = process.communicate(timeout=60)
+        stdout, stderr = process.communicate(timeout=ENDED)
     finally:
         if end_what_is_left:
             _end_processes_of(out)
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), _exits(out, 30, sent)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), _exits(out, 60, sent)
 
 
 SIGNALLED = {
@@ -191,7 +199,7 @@ def _requeued_slurm_job(tmp_path: Path) -> tuple[list[subprocess.CompletedProces
     wait_for_file(tmp_path / "training", *tasks)
     for task in tasks:  # SLURM signals every task of the job (`--signal=USR1@90`), each at its own point of a step
         task.send_signal(signal.SIGUSR1)
-    outputs = [task.communicate(timeout=60) for task in tasks]
+    outputs = [task.communicate(timeout=ENDED) for task in tasks]
     results = [subprocess.CompletedProcess(t.args, t.returncode, *output) for t, output in zip(tasks, outputs)]
     return results, _exits(tmp_path)
 
@@ -255,7 +263,7 @@ def _run_on_a_port_in_use(tmp_path: Path) -> tuple[subprocess.CompletedProcess, 
         port = foreign.getsockname()[1]
         try:
             env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            result = run_worker("failure.py", "validation", str(tmp_path), env=env, timeout=120)
+            result = run_worker("failure.py", "validation", str(tmp_path), env=env, timeout=RUN)
         finally:
             left = _processes_of(tmp_path)
             _end_processes_of(tmp_path)

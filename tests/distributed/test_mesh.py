@@ -164,7 +164,7 @@ def test_slurm_environment_trains_like_one_device(tmp_path):
 
 
 def test_a_failure_on_one_process_ends_all_four_naming_its_stage_and_replica(tmp_path):
-    result = run_worker("mesh.py", str(tmp_path), "--devices=4", "--fail-rank=2", timeout=180)
+    result = run_worker("mesh.py", str(tmp_path), "--devices=4", "--fail-rank=2", timeout=400)
     assert result.returncode != 0
     message = (tmp_path / "failure.txt").read_text()
     assert (

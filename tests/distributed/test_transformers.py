@@ -184,7 +184,7 @@ def test_a_full_lightning_checkpoint_of_a_pipelined_fit_loads_without_the_strate
     module = getattr(hf, WORKER.FAMILIES[family][1]).load_from_checkpoint(out / "full.ckpt")
     reference, _, _ = trained_on_one_device(family)
     state = {k.split(".", 2)[2]: v for k, v in module.state_dict().items()}
-    assert_states_close(state, reference.state_dict())
+    assert_within_fp32_rounding(state, reference.state_dict(), lambda: trained_in_float64(family))
     for copy, source in reference.all_tied_weights_keys.items():
         assert module.hf_model.get_parameter(copy) is module.hf_model.get_parameter(source)
 
@@ -303,7 +303,7 @@ def test_balance_memory_splits_as_balance_by_memory_of_the_profiled_costs_and_eq
     starts = [sum(expected[:k]) for k in range(3)]
     assert [record["layers"] for record in records] == [list(range(a, a + n)) for a, n in zip(starts, expected)]
     reference, losses, _ = trained_on_one_device("gpt2")
-    assert_states_close(_merged_state(out, 3), reference.state_dict())
+    assert_within_fp32_rounding(_merged_state(out, 3), reference.state_dict(), lambda: trained_in_float64("gpt2"))
     torch.testing.assert_close(torch.tensor(torch.load(out / "losses.pt")), torch.tensor(losses), atol=1e-5, rtol=0)
 
 

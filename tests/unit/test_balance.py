@@ -1,24 +1,19 @@
 """Automatic balance: the memory-limited solver, the layer profiler, the modes (the strategy's choice on stage
 processes: tests/distributed/test_balance.py)."""
 
-import json
-import statistics
-import time
 from itertools import combinations
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from models import TupleNet
 from torch import nn
 
-from lightning_gpipe import GPipeStrategy, PipelineBalance, balance_by, profile_layers, solve
-from lightning_gpipe.engine import StageTrace, StepTrace
-from lightning_gpipe.engine.events import Span
+from lightning_gpipe import GPipeStrategy, balance_by, profile_layers, solve
+from lightning_gpipe.engine import Topology
 from lightning_gpipe.lightning.backbone import sample_micro_batch
-from lightning_gpipe.lightning.callbacks.balance import format_table
-from lightning_gpipe.planning.balance import LayerCost, layer_weights, resolve_balance, stage_sums
+from lightning_gpipe.lightning.build import stage_balance
+from lightning_gpipe.lightning.config import PipelineConfig
+from lightning_gpipe.planning.balance import LayerCost, layer_weights, profile, resolve_balance, stage_sums
 
 
 def _splits(layers: int, stages: int):
@@ -53,11 +48,17 @@ def test_memory_limit_error_names_the_smallest_limit_that_fits():
 
 
 def test_memory_limit_error_names_the_option_a_strategy_user_set():
-    """GPipeStrategy's option is balance_memory_limit (its memory_limit is the planner's); the error names it."""
+    """GPipeStrategy's option is balance_memory_limit (its memory_limit is the planner's); the adapter's error names
+    it around the planner's."""
+    module = nn.Module()
+    module.backbone = nn.Sequential(nn.Identity(), nn.Identity())
+    config = PipelineConfig(balance="memory", balance_memory_limit=4)
     with pytest.raises(
-        ValueError, match=r"within the balance's memory limit of 4 bytes \(GPipeStrategy\(balance_memory_limit="
+        ValueError,
+        match=r"GPipeStrategy\(balance='memory', balance_memory_limit=4\): No split into 2 stages keeps every stage"
+        " within the balance's memory limit of 4 bytes",
     ):
-        resolve_balance("memory", nn.Sequential(nn.Identity(), nn.Identity()), 2, [LayerCost(1.0, 1.0, 5)] * 2, 4)
+        stage_balance(module, "backbone", config, Topology(2, 2), [LayerCost(1.0, 1.0, 5)] * 2)
 
 
 def test_stage_sums_takes_the_profiled_costs_as_docs_balance_md_shows():
@@ -203,70 +204,64 @@ def test_bad_balance_arguments_are_refused(kwargs, message):
     assert GPipeStrategy(balance="memory", balance_memory_limit=10**9).config.balance == "memory"
 
 
-class Repeated(nn.Module):
-    """``times`` applications of one ``Linear(width, width)`` and tanh: its time grows with ``times``, not its size."""
+class Clock:
+    """Stands for the profiler's clock: seconds that pass only while :class:`Timed` layers work, so that the test's
+    times are the layers' own, whatever else the machine runs. The profiler's copies of a layer share it."""
 
-    def __init__(self, width: int, times: int) -> None:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def __deepcopy__(self, memo: dict) -> "Clock":
+        return self
+
+
+class _Work(torch.autograd.Function):
+    """The identity, moving ``clock`` by ``seconds`` in the forward and twice that in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, clock: Clock, seconds: float):
+        clock.now += seconds
+        ctx.clock, ctx.seconds = clock, seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.clock.now += 2 * ctx.seconds
+        return grad, None, None
+
+
+class Timed(nn.Module):
+    """A ``Linear(4, 4)`` that takes ``seconds`` forward and twice that backward on ``clock``: its time is set, not its
+    size."""
+
+    def __init__(self, clock: Clock, seconds: float) -> None:
         super().__init__()
-        self.linear, self.times = nn.Linear(width, width), times
+        self.linear, self.clock, self.seconds = nn.Linear(4, 4), clock, seconds
 
     def forward(self, x):
-        for _ in range(self.times):
-            x = torch.tanh(self.linear(x))
-        return x
+        return _Work.apply(self.linear(x), self.clock, self.seconds)
 
 
-@pytest.fixture
-def one_thread():
-    """One torch thread: on a shared 2-core machine two threads make every timing a scheduling lottery."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _stage_seconds(stage: nn.Sequential, x: torch.Tensor) -> float:
-    """CPU time of one forward and backward of ``stage``: its own work, whatever else the machine runs."""
-    start = time.thread_time()
-    out = stage(x)
-    out.backward(torch.ones_like(out))
-    return time.thread_time() - start
-
-
-def test_time_balance_is_within_ten_percent_of_the_best_split(one_thread):
-    """Layers whose work differs tenfold; the best split is found by timing every possible stage independently.
-
-    The stages are re-timed here as whole stages, in interleaved rounds, by their CPU time (one thread): the
-    time a dedicated core would take, since wall time on a shared machine also counts the moments other
-    processes hold the core.
-    """
-    torch.manual_seed(0)
-    backbone = nn.Sequential(*[Repeated(256, times) for times in (1, 1, 1, 10, 10, 10, 1, 1, 1)])
-    sample, layers, stages = torch.randn(32, 256), len(backbone), 3
-    chosen = balance_by("time", profile_layers(backbone, sample, repeats=5), stages)
-
-    inputs = [sample]  # the input of every possible stage start; later stages receive one that requires grad
-    with torch.no_grad():
-        for layer in backbone[:-1]:
-            inputs.append(layer(inputs[-1]).requires_grad_())
-    spans = [(a, b) for a in range(layers) for b in range(a + 1, layers + 1)]
-    rounds = {span: [] for span in spans}
-    for _ in range(7):  # interleaved rounds, so a burst of load on the machine hits every stage alike
-        for a, b in spans:
-            rounds[(a, b)].append(_stage_seconds(backbone[a:b], inputs[a]))
-    seconds = {span: statistics.median(times) for span, times in rounds.items()}
+def test_time_balance_is_the_best_split_of_layers_whose_work_differs_tenfold(monkeypatch):
+    """Each layer is profiled at the time it takes (on the clock the profiler is given in place of the CPU's: a
+    machine's load must not decide), and ``balance="time"`` on those costs is a split whose slowest stage is the
+    fastest of every split's, three times as fast as the parameter split's (the layers' sizes are equal)."""
+    clock = Clock()
+    monkeypatch.setattr(profile, "_clock", lambda device: clock)
+    work = (1.0, 1.0, 1.0, 10.0, 10.0, 10.0, 1.0, 1.0, 1.0)
+    backbone = nn.Sequential(*[Timed(clock, seconds) for seconds in work])
+    costs = profile_layers(backbone, torch.randn(32, 4), repeats=5)
+    assert [(c.forward, c.backward) for c in costs] == [(seconds, 2 * seconds) for seconds in work]
+    chosen = balance_by("time", costs, num_stages=3)
 
     def slowest(balance):
-        bounds = [sum(balance[:i]) for i in range(len(balance) + 1)]
-        return max(seconds[(a, b)] for a, b in zip(bounds, bounds[1:]))
+        return max(stage_sums([3 * seconds for seconds in work], balance))
 
-    best = min(_splits(layers, stages), key=slowest)
-    by_params = resolve_balance("params", backbone, stages)
-    print(
-        f"\ntenfold backbone, {stages} stages: time split {chosen} slowest stage {slowest(chosen) * 1e3:.2f} ms;"
-        f" best split {best} {slowest(best) * 1e3:.2f} ms; params split {by_params} {slowest(by_params) * 1e3:.2f} ms"
-    )
-    assert slowest(chosen) <= 1.10 * slowest(best)
+    assert slowest(chosen) == min(slowest(split) for split in _splits(len(work), 3)) == 39.0
+    assert slowest(resolve_balance("params", backbone, 3)) == 90.0  # [3, 3, 3]: the three slow layers on one stage
 
 
 def test_a_layer_at_two_positions_is_profiled_at_each():
@@ -277,70 +272,3 @@ def test_a_layer_at_two_positions_is_profiled_at_each():
     assert len(list(layers.named_children())) == 2 and len(layers) == 3
     costs = profile_layers(layers, torch.randn(8, 4), "cpu", repeats=1, warmup=0)
     assert len(costs) == 3 and costs[0].parameter_bytes == costs[2].parameter_bytes == 80
-
-
-def _balance_report(tmp_path, balance: list[int], costs: list[LayerCost]) -> tuple[dict, str]:
-    """``PipelineBalance``'s report and table after one measured step of two stages whose work differs threefold,
-    the strategy holding the profiled ``costs`` (a trainer as the callback reads it)."""
-    strategy = GPipeStrategy(balance=balance, chunks=2, checkpoint="always")
-    strategy.layer_costs = costs
-    trainer = SimpleNamespace(strategy=strategy, loggers=[], logger=None, default_root_dir=str(tmp_path), global_step=0)
-    stages = [
-        StageTrace(k, [Span("forward", i, 0.0, seconds) for i in range(2)], 0.0, 1.0, layers=n)
-        for k, (n, seconds) in enumerate(zip(balance, (0.1, 0.3)))
-    ]
-    callback = PipelineBalance(warmup=0, steps=1)
-    callback.on_step(trainer, StepTrace(0, stages))
-    assert callback.report is not None
-    return callback.report, format_table(callback.report)
-
-
-def test_pipeline_balance_suggests_only_a_split_the_simulator_predicts_faster_and_by_how_much(tmp_path):
-    """On these costs the solver's even split, [2, 2], is slower on the simulator than [3, 1] (the first stage's
-    recomputes hide in its waits for gradients): from [3, 1] nothing is suggested; from [1, 3] the fastest split the
-    search finds, [3, 1], is, with its speed-up."""
-    costs = [LayerCost(5.0, 1.0), LayerCost(2.0, 4.0), LayerCost(5.0, 1.0), LayerCost(5.0, 8.0)]
-    assert solve([2 * c.forward + c.backward for c in costs], 2) == [2, 2]
-
-    report, table = _balance_report(tmp_path, [3, 1], costs)
-    assert report["suggested_balance"] is None and report["best_balance"] == [3, 1]
-    assert report["predicted_step_s"] == report["best_step_s"] == 66.0 and report["speedup"] == 1.0
-    assert "suggested balance" not in table
-    assert "no faster balance than [3, 1] found (from profiled layer costs; simulated step 66s;" in table
-
-    report, table = _balance_report(tmp_path, [1, 3], costs)
-    assert report["suggested_balance"] == [3, 1] and report["predicted_step_s"] == 80.0
-    assert table.splitlines()[-1] == (
-        "suggested balance=[3, 1] instead of [1, 3] (from profiled layer costs): simulated step 66s vs 80s,"
-        " 1.21x as fast"
-    )
-    assert json.loads((tmp_path / "pipeline_balance.json").read_text()) == report
-
-
-def test_the_balance_table_docs_observability_md_shows_is_the_callbacks_format():
-    """docs/observability.md's PipelineBalance output, its figures put back into a report, is what the table prints."""
-    linear = 1024 * 1024 + 1024
-
-    def stage(k, layers, forward, backward, loss, waiting, mib):
-        return {
-            "stage": k, "layers": layers, "parameters": layers // 2 * linear, "forward": forward, "recompute": 0.0,
-            "backward": backward, "loss": loss, "waiting": waiting, "activation_bytes": mib * 2**20,
-        }  # fmt: skip
-
-    report = {
-        "steps": [1, 2, 3],
-        "chunks": 8,
-        "checkpoint": "never",
-        "balance": [4, 12],
-        "stages": [stage(0, 4, 0.1222, 0.1704, 0.0, 0.5665, 12), stage(1, 12, 0.3156, 0.6796, 0.0079, 0.0517, 28)],
-        "imbalance": 1.55,
-        "suggested_balance": [8, 8],
-        "cost_source": "profiled layer costs",
-        "predicted_step_s": 0.6123,
-        "best_balance": [8, 8],
-        "best_step_s": 0.4398,
-        "speedup": 0.6123 / 0.4398,
-    }
-    docs = (Path(__file__).resolve().parents[2] / "docs" / "observability.md").read_text(encoding="utf-8")
-    block = docs.split("```\nPipeline balance, mean per step")[1].split("\n```")[0]
-    assert "Pipeline balance, mean per step" + block == format_table(report)

@@ -6,6 +6,7 @@ import re
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,9 +16,10 @@ from lightning_gpipe import PipelineFailure
 from lightning_gpipe.engine.actions import Action, Kind
 from lightning_gpipe.engine.pipeline import Runtime
 from lightning_gpipe.engine.transfer import Link
-from lightning_gpipe.faults import waiting
+from lightning_gpipe.faults import waiting, watchdog
 from lightning_gpipe.faults.job import Job
 from lightning_gpipe.faults.watchdog import Position
+from lightning_gpipe.lightning.config import STALL_LIMIT_NOTE
 
 
 class _BlockingWork:
@@ -36,7 +38,8 @@ class _BlockingWork:
 @pytest.fixture
 def job():
     """A job (failure board and watchdog) on an in-process store, as stage 0 of a 2-stage pipeline."""
-    with Job(dist.HashStore(), 0, {0: "stage 0", 1: "stage 1"}, limit=1.5, processes=1) as job:
+    names = {0: "stage 0", 1: "stage 1"}
+    with Job(dist.HashStore(), 0, names, limit=1.5, processes=1, limit_note=STALL_LIMIT_NOTE) as job:
         yield job
 
 
@@ -154,7 +157,9 @@ class _RecordingChunk:
         pass
 
 
-def test_a_stuck_stages_message_names_the_action_of_its_plan(job):
+def test_a_stuck_stages_message_names_the_action_of_its_plan(job, monkeypatch):
+    now = time.time()  # the watchdog's clock, stopped: the ages it reads are the ones given here
+    monkeypatch.setattr(watchdog, "time", SimpleNamespace(time=lambda: now, monotonic=time.monotonic))
     stage = _RecordingChunk(Position())
     runtime = Runtime([stage], "gpipe", 2, position=stage.position)
     stage.position.begin_step("step 17")
@@ -162,7 +167,7 @@ def test_a_stuck_stages_message_names_the_action_of_its_plan(job):
     assert stage.position.action is None  # out of the plan once the fill has run
     plan = runtime.plan(3)
     number = plan.actions.index(Action(Kind.FORWARD, 1)) + 1
-    record = {**stage.seen[1], "since": time.time() - 300}
+    record = {**stage.seen[1], "since": now - 300}
     job.board.store.set(job.board.key("where/1"), json.dumps(record))
     message, culprit = job.watchdog.diagnose("stage 1", 400.0)
     assert culprit == 1

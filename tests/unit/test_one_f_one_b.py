@@ -32,6 +32,11 @@ from lightning_gpipe.planning.simulator import StageCost, action_costs, simulate
 # --------------------------------------------------------------------------- the order, on fake stages
 
 
+DEADLOCK = 60.0
+"""Seconds a fake stage waits for a message before it calls the wait a deadlock: far beyond what a busy machine takes to
+schedule the other threads (a run without a deadlock waits milliseconds)."""
+
+
 class _Wire:
     """Messages between fake stages; a send completes only once its receive has run, or for a gradient once its
     receive is posted (as on gloo and NCCL; stricter than gloo, whose small sends complete at once)."""
@@ -53,13 +58,15 @@ class _Wire:
 
     def receive(self, message) -> None:
         with self.condition:
-            assert self.condition.wait_for(lambda: message in self.sent, timeout=10), f"deadlock: {message} never sent"
+            assert self.condition.wait_for(lambda: message in self.sent, timeout=DEADLOCK), (
+                f"deadlock: {message} never sent"
+            )
             self.received.add(message)
             self.condition.notify_all()
 
     def wait_received(self, messages: set) -> None:
         with self.condition:
-            assert self.condition.wait_for(lambda: messages <= self.received, timeout=10), "deadlock in a flush"
+            assert self.condition.wait_for(lambda: messages <= self.received, timeout=DEADLOCK), "deadlock in a flush"
 
 
 class _FakeChunk:
@@ -146,8 +153,9 @@ def _run_processes(processes: list[list[_FakeChunk]], schedule: str, costs=None)
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=30)
+        thread.join(timeout=2 * DEADLOCK)  # a deadlocked wait raises within DEADLOCK
     assert not errors, errors
+    assert not any(thread.is_alive() for thread in threads), "a fake stage never finished"
 
 
 def _run_fake_pipeline(stages: int, micro_batches: int, schedule: str = "1f1b", costs=None) -> list[_FakeChunk]:

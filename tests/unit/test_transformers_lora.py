@@ -16,8 +16,9 @@ from hf_families import FAMILIES, build  # noqa: E402
 
 from lightning_gpipe.engine.partition import Split, materialize  # noqa: E402
 from lightning_gpipe.hf import CausalLM, SafetensorsWeights, to_sequential  # noqa: E402
-from lightning_gpipe.hf.decoder import causal_lm_loss, decoder_input  # noqa: E402
+from lightning_gpipe.hf.decoder import causal_lm_loss  # noqa: E402
 from lightning_gpipe.hf.lora import PeftWeights  # noqa: E402
+from lightning_gpipe.hf.packing import decoder_input  # noqa: E402
 
 LORA = dict(r=4, lora_alpha=8, target_modules="all-linear")
 

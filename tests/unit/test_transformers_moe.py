@@ -11,8 +11,9 @@ from hf_families import FAMILIES, build  # noqa: E402
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter, load_balancing_loss_func  # noqa: E402
 
 from lightning_gpipe.hf import CausalLM, to_sequential  # noqa: E402
-from lightning_gpipe.hf.decoder import causal_lm_loss, decoder_input  # noqa: E402
+from lightning_gpipe.hf.decoder import causal_lm_loss  # noqa: E402
 from lightning_gpipe.hf.moe import RouterLoss, router_loss_of  # noqa: E402
+from lightning_gpipe.hf.packing import decoder_input  # noqa: E402
 
 
 def padded_mask() -> torch.Tensor:

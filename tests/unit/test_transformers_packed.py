@@ -16,7 +16,9 @@ from conftest import documents_one_by_one  # noqa: E402
 from hf_families import build  # noqa: E402
 
 from lightning_gpipe.hf import CausalLM, pack_documents, packed_batch, to_sequential  # noqa: E402
-from lightning_gpipe.hf.decoder import MASKS, causal_lm_loss, decoder_input, document_mask, same_document  # noqa: E402
+from lightning_gpipe.hf.decoder import causal_lm_loss  # noqa: E402
+from lightning_gpipe.hf.masks import MASKS  # noqa: E402
+from lightning_gpipe.hf.packing import decoder_input, document_mask, same_document  # noqa: E402
 
 LENGTHS = (7, 3, 12, 1, 5, 9, 4, 11, 2, 6)
 """Document lengths: short and long, one of a single token (nothing to predict); packed into rows of 16 tokens."""

@@ -81,7 +81,8 @@ def test_declaring_classes_of_the_installed_transformers_equal_their_own_forward
 
 def _equal_to_forward(model) -> None:
     """The backbone of ``model`` (checked) layer by layer equals its forward: logits, loss, every gradient."""
-    from lightning_gpipe.hf.decoder import causal_lm_loss, decoder_input
+    from lightning_gpipe.hf.decoder import causal_lm_loss
+    from lightning_gpipe.hf.packing import decoder_input
 
     ids = torch.randint(3, 61, (2, 11), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)

@@ -25,8 +25,9 @@ from transformers import (  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: E402
 
 from lightning_gpipe.hf import SelfCheckError, UnsupportedModelError, check_class, to_sequential  # noqa: E402
-from lightning_gpipe.hf.decoder import causal_lm_loss, decoder_input  # noqa: E402
+from lightning_gpipe.hf.decoder import causal_lm_loss  # noqa: E402
 from lightning_gpipe.hf.moe import router_loss_of  # noqa: E402
+from lightning_gpipe.hf.packing import decoder_input  # noqa: E402
 
 TINY = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip

@@ -7,6 +7,7 @@ read of a received header or size (``transfer.Link``, ``collectives``) comes aft
 Synchronisation is by events and by works that complete after a number of looks, never by sleeping.
 """
 
+import itertools
 import json
 import pickle
 import signal
@@ -14,6 +15,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -197,8 +199,10 @@ def test_an_nccl_like_wait_stops_when_another_stage_publishes_a_failure(board):
     assert work.waits == 0  # an NCCL work that has not completed is never waited for
 
 
-def test_an_nccl_like_wait_counts_as_a_wait_for_the_stall_watchdog(board):
+def test_an_nccl_like_wait_counts_as_a_wait_for_the_stall_watchdog(board, monkeypatch):
     board.watchdog.limit = 0.0
+    looks = itertools.count()  # the wait's clock moves 10 ms a look, however slow the machine: it waits 0 s, rounded
+    monkeypatch.setattr(waiting, "time", SimpleNamespace(monotonic=lambda: 0.01 * next(looks), sleep=time.sleep))
     position = dict(step="step 17", phase="forward", micro_batch=3, since=time.time() - 300, waits_for=None)
     board.board.store.set(board.board.key("where/1"), json.dumps({**position, "unbounded": False}))
     with pytest.raises(PipelineFailure) as raised:

@@ -5,14 +5,12 @@ The backbone is 4 x (Linear(1024, 1024), ReLU) split unevenly, balance=[2, 6] (o
 PipelineBalance has something to suggest. Logs with a CSVLogger (first, so files go to its log_dir), a
 TensorBoardLogger (which takes the timeline image) and an MLflow-like logger (ArtifactLogger: MlflowClient's
 ``log_artifact(run_id, path, artifact_path)``, recorded). Rank 0 writes OUT_DIR/result.json (the balance report, the
-throughput metrics, written files); every rank writes OUT_DIR/contention_rank{r}.json: the share of the measured
-steps its main thread waited for a CPU.
+throughput metrics, written files).
 """
 
 import json
 import os
 import sys
-import time
 
 import lightning as L
 import torch
@@ -21,9 +19,6 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from torch import nn
 
 import lightning_gpipe
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from benchmarks._harness import run_queue_wait  # noqa: E402
 
 WIDTH, ROWS, STEPS = 1024, 1024, 8
 
@@ -78,22 +73,6 @@ class ArtifactLogger(Logger):
         pass
 
 
-class Contention(L.Callback):
-    """The share of the wall time between two batch indices that this process's main thread waited for a CPU."""
-
-    def __init__(self, first: int, last: int) -> None:
-        self.first, self.last, self.marks = first, last, {}
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx == self.first:
-            self.marks["start"] = (time.perf_counter(), run_queue_wait())
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if batch_idx == self.last:
-            (t0, w0), (t1, w1) = self.marks["start"], (time.perf_counter(), run_queue_wait())
-            self.share = (w1 - w0) / (t1 - t0)
-
-
 def main(out: str) -> None:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(ROWS * STEPS, WIDTH, generator=generator)
@@ -102,7 +81,6 @@ def main(out: str) -> None:
     balance = lightning_gpipe.PipelineBalance(warmup=2, steps=5)
     throughput = lightning_gpipe.PipelineThroughput(window_size=4)
     timeline = lightning_gpipe.PipelineTimeline(steps=(3,))
-    contention = Contention(2, 6)
     artifacts = ArtifactLogger()
     trainer = L.Trainer(
         strategy=lightning_gpipe.GPipeStrategy(balance=[2, 6], chunks=8, checkpoint="except_last"),
@@ -111,15 +89,13 @@ def main(out: str) -> None:
         max_steps=STEPS,
         log_every_n_steps=2,
         logger=[CSVLogger(out, name="csv", version=0), TensorBoardLogger(out, name="tb", version=0), artifacts],
-        callbacks=[balance, throughput, timeline, contention],
+        callbacks=[balance, throughput, timeline],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     torch.manual_seed(0)
     trainer.fit(MLP(), data)
-    with open(os.path.join(out, f"contention_rank{trainer.global_rank}.json"), "w") as f:
-        json.dump(contention.share, f)
     if trainer.global_rank == 0:
         with open(os.path.join(out, "result.json"), "w") as f:
             result = {"balance": balance.report, "throughput": throughput.metrics, "written": timeline.written}

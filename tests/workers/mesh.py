@@ -9,13 +9,12 @@ after fit and the ``sync_dist=True`` training loss it saw after every batch; aft
 ``trainer.predict`` returned to it on :func:`models.loader` (OUT_DIR/pp2_dp2_predictions.pt).
 ``--fail-rank R`` instead runs a (2, 2) fit in which global rank R raises at step 2; rank 0 writes the error it
 got to OUT_DIR/failure.txt, and
-every process writes OUT_DIR/rank{r}.txt (pid and start time).
+every process writes OUT_DIR/rank{r}.txt (its pid).
 """
 
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -127,7 +126,7 @@ if __name__ == "__main__":
     if args.fail_rank is not None:
         rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("LOCAL_RANK", 0))))
         with open(os.path.join(args.out, f"rank{rank}.txt"), "w") as f:
-            f.write(f"{os.getpid()} {time.time()}")
+            f.write(str(os.getpid()))
         fail(args.fail_rank, args.out, args.devices, args.num_nodes)
     for config in args.configs:
         run(config, args.out, args.devices, args.num_nodes)

@@ -17,14 +17,13 @@ other on the same processes:
 Global rank 0 writes OUT_DIR/plain.json: per checkpoint, what loading its weights into the model says without a
 pipeline. Each rank writes OUT_DIR/cases_rank{r}.json: per case, ``"error"`` (``"Type: message"`` of the exception
 the fit raised, or ``"no error"``) and ``"batches"`` (the training batches it started), and OUT_DIR/rank{r}.txt, its
-pid and start time.
+pid.
 """
 
 import json
 import os
 import shutil
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -42,7 +41,7 @@ from lightning_gpipe.lightning.consolidate import consolidate  # noqa: E402
 OUT = sys.argv[1]
 rank = int(os.environ.get("LOCAL_RANK", "0"))
 with open(os.path.join(OUT, f"rank{rank}.txt"), "w") as f:
-    f.write(f"{os.getpid()} {time.time()}")
+    f.write(str(os.getpid()))
 
 SHAPES = {"same": (3, 8), "deeper": (5, 8), "shallower": (2, 8), "wider": (3, 12)}
 """Each checkpoint's model: backbone layers and width."""

@@ -1,0 +1,181 @@
+"""The standard decoder layout of ``transformers`` 5, recognised by structure, not by class name.
+
+``transformers`` 5 builds most causal LMs alike (``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM``,
+``MixtralForCausalLM``...): ``model.embed_tokens``, the blocks ``model.layers[i]`` called with the hidden states,
+the rotary cos/sin, the 4-D mask and the cache, ``model.norm``, ``model.rotary_emb`` and ``lm_head``.
+:func:`standard_decoder` recognises that layout from the modules and the config, or says why a model is not of it
+(:func:`base_model_reason`, :func:`layer_types_reason`, :func:`block_arguments_reason`; :func:`kv_sharing_reason` for
+layers the adapter cannot carry). What the model's forward gives its blocks besides the hidden states, and the blocks
+get where they ask for it (:class:`~lightning_gpipe.hf.decoder.RotaryDecoderBlock`): a value carried from block to
+block (``prev_...``, :data:`CARRIED`), what their modeling module computes from the positions
+(:func:`computed_arguments`), rotary tables of several kinds (:func:`rotary_kinds`). Whatever else a class does
+differently is caught by the self-check (:mod:`lightning_gpipe.hf.selfcheck`) before the first step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_gpipe._torch import children
+from lightning_gpipe.hf.layer import PreTrainedModel
+from lightning_gpipe.hf.masks import HYBRID, MASKS, layer_type
+
+STANDARD_BASE = ("embed_tokens", "layers", "norm", "rotary_emb")
+"""The modules of a standard decoder's base model, and nothing else."""
+
+
+BLOCK_ARGUMENTS = frozenset(
+    ("hidden_states", "attention_mask", "position_embeddings", "position_ids", "cache", "layer_past", "use_cache")
+    + ("output_attentions", "per_layer_input", "shared_kv_states", "input_ids")
+)
+"""The named arguments a decoder block may take: what the adapter gives it as the model's forward does (the hidden
+states, the 4-D mask, the rotary cos/sin, the positions, the cache, as ``cache`` or GPT-NeoX's ``layer_past``, and
+whether to use it), and ``output_attentions``, which both leave at its default; besides one named ``prev_...``
+(:data:`CARRIED`)."""
+
+
+CARRIED = "prev_"
+"""The prefix of a block argument that takes what the previous block gave (GLM-MoE-DSA's ``prev_topk_indices``):
+such a block returns ``(hidden, that value)`` and :class:`~lightning_gpipe.hf.decoder.RotaryDecoderBlock` carries it
+to the next block."""
+
+
+ADVICE = (
+    "Register a Family whose layers compute what the model's forward gives its blocks (docs/transformers.md, 'Adding"
+    " a family')"
+)
+"""What a user can do about a decoder the adapter does not take."""
+
+
+def base_model_reason(model: nn.Module) -> str | None:
+    """``None`` when ``model``'s ``base_model_prefix`` names one of its children, and its children are exactly that
+    base model and ``lm_head``; else why not (Llama 4's text model names ``language_model`` but holds ``model``)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    names = sorted(name for name, child in children(model).items() if child is not None)
+    if prefix not in names:
+        return (
+            f"its base_model_prefix {prefix!r} names none of its children {names}: the adapter finds the base"
+            f" model under that prefix, as transformers does (`model.base_model`), so it does not follow this one."
+            f" {ADVICE}"
+        )
+    if names != sorted([prefix, "lm_head"]):
+        return f"its children are {names}, not exactly the base model `{prefix}` and lm_head"
+    return None
+
+
+def layer_types_reason(config: Any, rotary: nn.Module | None = None) -> str | None:
+    """``None`` when the adapter rebuilds the mask the model's forward gives every layer type of ``config``, else why
+    not: a type neither in :data:`~lightning_gpipe.hf.masks.MASKS` nor in :data:`~lightning_gpipe.hf.masks.HYBRID`.
+    (A type the config gives no rotary parameters, with a ``rotary`` module per layer type, gets no rotary embedding
+    and what its modeling module computes for it instead: Beam's ``full_attention`` layers,
+    :func:`computed_arguments`.)"""
+    types = sorted({layer_type(config, i) for i in range(config.num_hidden_layers)})
+    unknown = [t for t in types if t not in MASKS and t not in HYBRID]
+    if unknown:
+        return (
+            f"its layer types include {unknown}, which the adapter does not know: it rebuilds the masks"
+            f" {', '.join([*MASKS, *HYBRID])} layers take (transformers' LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING)."
+            f" {ADVICE}"
+        )
+    return None
+
+
+def rotary_kinds(config: Any) -> list[str]:
+    """The kinds of rotary table a config names that are no layer types (DeepSeek-V4's ``rope_parameters`` ``{"main":
+    ..., "compress": ...}``): the model's forward gives every block all of them, ``{kind: (cos, sin)}``; empty where
+    the config's rotary parameters are one set or one per layer type."""
+    rope = getattr(config, "rope_parameters", None)
+    if not isinstance(rope, dict) or not rope or not all(isinstance(v, dict) for v in rope.values()):
+        return []
+    types = {layer_type(config, i) for i in range(config.num_hidden_layers)}
+    return [] if types & set(rope) else list(rope)
+
+
+def computed_arguments(block: nn.Module) -> dict[str, Callable[[Tensor], Tensor]]:
+    """The arguments of ``block`` that its modeling module computes from the positions, by name: ``X`` where the
+    module defines ``compute_X(position_ids)`` (Beam's ``attention_scaling``, which its forward gives the layers of
+    a type without rotary parameters, and ``None`` the others; see
+    :class:`~lightning_gpipe.hf.decoder.RotaryDecoderBlock`)."""
+    module = sys.modules.get(type(block).__module__)
+    names = inspect.signature(block.forward).parameters
+    found = {name: getattr(module, f"compute_{name}", None) for name in names}
+    return {name: compute for name, compute in found.items() if callable(compute)}
+
+
+def kv_sharing_reason(config: Any) -> str | None:
+    """``None`` unless layers of ``config`` reuse the keys and values of earlier layers (``num_kv_shared_layers``:
+    Gemma 3n, Gemma 4), which the adapter does not carry from block to block (the blocks of a model without such
+    layers get an empty store of their own, ``shared_kv_states``)."""
+    shared = getattr(config, "num_kv_shared_layers", 0)
+    if shared:
+        return (
+            f"its last {shared} layers reuse the keys and values of earlier layers (num_kv_shared_layers={shared}),"
+            " which the adapter does not carry between blocks: set num_kv_shared_layers=0 if your checkpoint has no"
+            f" such layers. {ADVICE}"
+        )
+    return None
+
+
+def block_arguments_reason(block: nn.Module, config: Any = None) -> str | None:
+    """``None`` when ``block``'s forward takes no named argument beyond :data:`BLOCK_ARGUMENTS` (and one named
+    ``prev_...``, :data:`CARRIED`; where ``config`` has a layer type of :data:`~lightning_gpipe.hf.masks.HYBRID`, one
+    more ``..._mask``), else why not (the model's forward computes something else for it: Beam's
+    ``attention_scaling``)."""
+    parameters = inspect.signature(block.forward).parameters.values()
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    extra = [p.name for p in parameters if p.kind in named and p.name not in BLOCK_ARGUMENTS]
+    extra = [name for name in extra if name not in computed_arguments(block)]
+    carried = [name for name in extra if name.startswith(CARRIED)]
+    masks = [name for name in extra if name.endswith("_mask")]
+    hybrid = config is not None and any(layer_type(config, i) in HYBRID for i in range(config.num_hidden_layers))
+    if hybrid and len(masks) != 1:
+        return (
+            f"its layer types take an attention and a recurrent mask at once ({', '.join(HYBRID)}), but its blocks"
+            f" ({type(block).__name__}) take {len(masks)} mask arguments besides attention_mask, not one. {ADVICE}"
+        )
+    for allowed in (carried, masks if hybrid else []):
+        if len(allowed) == 1:
+            extra.remove(allowed[0])
+    if extra:
+        return (
+            f"its blocks ({type(block).__name__}) take {extra}, which the model's forward computes for them and the"
+            f" adapter does not. {ADVICE}"
+        )
+    return None
+
+
+def bidirectional(config: Any) -> bool:
+    """Whether ``config``'s text tokens attend both ways: ``use_bidirectional_attention`` ``True`` or ``"all"``
+    (Gemma 4 Unified's ``"vision"``: only image tokens do, the text stays causal)."""
+    value = getattr(config, "use_bidirectional_attention", False)
+    return value is True or value == "all"
+
+
+def standard_decoder(model: nn.Module) -> str | None:
+    """``None`` when ``model`` is of the standard decoder layout (see the module docstring), else why not: its
+    children must be exactly the base model (``base_model_prefix``) and ``lm_head``, the base model's exactly
+    :data:`STANDARD_BASE` (the blocks an ``nn.ModuleList`` of ``num_hidden_layers``), every layer type one the
+    adapter rebuilds (:func:`layer_types_reason`) and the blocks taking what it gives them
+    (:func:`block_arguments_reason`)."""
+    if not isinstance(model, PreTrainedModel):
+        return "it is not a transformers PreTrainedModel"
+    reason = base_model_reason(model)
+    if reason is not None:
+        return reason
+    prefix, config = model.base_model_prefix, model.config
+    base = model.get_submodule(prefix)
+    inner = sorted(name for name, child in children(base).items() if child is not None)
+    if inner != sorted(STANDARD_BASE):
+        return f"`{prefix}` holds {inner}, not exactly {list(STANDARD_BASE)}"
+    if not isinstance(base.layers, nn.ModuleList) or len(base.layers) != config.num_hidden_layers:
+        return f"`{prefix}.layers` is not an nn.ModuleList of num_hidden_layers blocks"
+    if bidirectional(config):
+        return "use_bidirectional_attention=True (a bidirectional encoder, not a causal LM)"
+    return layer_types_reason(config, base.get_submodule("rotary_emb")) or block_arguments_reason(
+        base.layers[0], config
+    )

@@ -1,0 +1,120 @@
+"""Cached decoding through the pipeline: decoder blocks that build their masks and keep their own key/value caches
+(:class:`CachedDecoderBlock`, emptied by :func:`clear_kv_caches`), so that only the new tokens' hidden states travel
+between stages and each stage holds the caches of its own blocks; and the positions of left-padded prompts
+(:func:`positions_from_mask`). :func:`~lightning_gpipe.hf.greedy_generate` drives them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel
+from lightning_gpipe.hf.masks import HYBRID, MASKS, layer_type
+from lightning_gpipe.hf.moe import RouterLoss
+from lightning_gpipe.hf.packing import document_mask
+
+try:
+    from transformers import DynamicCache
+except ImportError as error:  # pragma: no cover - the message is the point
+    raise ImportError(
+        "lightning_gpipe.hf needs `transformers` 5.24 or newer: pip install 'transformers>=5.24'"
+    ) from error
+
+
+def positions_from_mask(attention_mask: Tensor) -> Tensor:
+    """Position ids ``(N, S)`` long of a padded batch: each row counts its real tokens from 0 (padding gets 0).
+
+    As ``generate`` numbers left-padded prompts; for right padding or none it equals ``arange(S)`` on the real
+    tokens, as the model's ``forward`` numbers them when given no positions.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0).masked_fill(attention_mask == 0, 0)
+
+
+class CachedDecoderBlock(HFLayer):
+    """A decoder block that can keep its own key/value cache for incremental decoding.
+
+    In training and plain evaluation the value is ``(hidden (N, S, H), attention_mask (N, S), position_ids (N,
+    S)[, statistics])`` and the block runs without a cache. For cached decoding (see
+    :func:`~lightning_gpipe.hf.greedy_generate`) the value ends with one more item, ``rows`` ``(n,)`` long: which
+    sequences of the batch these are. ``hidden`` and ``position_ids`` are then only the new tokens ``(n, t)``,
+    while ``attention_mask`` ``(n, past + t)`` covers every token so far; the block keeps one
+    ``transformers.DynamicCache`` per set of rows (one per micro-batch: a pipeline splits every decoding step of a
+    batch alike), in which the model's attention appends the new keys and values, and builds the 4-D mask against
+    it as the model's forward does. So only the new tokens' hidden states travel between stages, and each stage
+    holds the caches of its own blocks only. :func:`clear_kv_caches` empties them.
+
+    Args:
+        model: the model.
+        paths: the paths of the modules it holds (the block first).
+        layer_index: the block's index in the model (its attention's ``layer_idx``, which mask it uses).
+        router: the model's :class:`~lightning_gpipe.hf.moe.RouterLoss` when the value carries router statistics,
+            else ``None`` (default).
+
+    Attributes:
+        kv_cache: ``{rows: DynamicCache}``, the caches of cached decoding (not part of the state dict).
+    """
+
+    def __init__(
+        self, model: PreTrainedModel, paths: list[str], layer_index: int, router: RouterLoss | None = None
+    ) -> None:
+        super().__init__(model, paths)
+        self.layer_index, self.router = layer_index, router
+        self.layer_type = layer_type(model.config, layer_index)
+        attention, recurrent = HYBRID.get(self.layer_type, (self.layer_type, None))
+        self._mask = MASKS[attention]
+        self._recurrent_mask = None if recurrent is None else MASKS[recurrent]
+        self.kv_cache: dict[tuple[int, ...], Any] = {}
+
+    def cache_and_mask(
+        self,
+        hidden: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor,
+        rows: Tensor | None,
+        documents: Tensor | None = None,
+    ):
+        """The cache of ``rows`` (``None`` without rows) and the block's mask against it; with ``documents`` (packed
+        rows, see :func:`~lightning_gpipe.hf.packing.decoder_input`) kept inside each document
+        (:func:`~lightning_gpipe.hf.packing.same_document`); for a layer type of
+        :data:`~lightning_gpipe.hf.masks.HYBRID`, the mask is ``(attention mask, recurrent mask)``.
+
+        Raises:
+            RuntimeError: if ``attention_mask`` covers earlier tokens whose keys and values this block has not
+                cached for these rows (caches cleared or the batch split differently mid-decoding).
+        """
+        cache = None
+        if rows is not None:
+            key = tuple(rows.tolist())
+            past = attention_mask.shape[1] - hidden.shape[1]
+            cache = self.kv_cache.get(key)
+            if cache is None and past == 0:
+                cache = self.kv_cache[key] = DynamicCache(config=self.config)
+            seen = None if cache is None else cache.get_seq_length(self.layer_index)
+            if seen != past:
+                raise RuntimeError(
+                    f"Block {self.layer_index} holds {seen or 0} cached positions for rows {list(key)} but the"
+                    f" attention mask says {past} came before: start cached decoding with the whole prompts, feed"
+                    " each later step the new tokens of the same rows (every step split alike), and call"
+                    " `clear_kv_caches(backbone)` between generations."
+                )
+        arguments = dict(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+            layer_idx=self.layer_index,
+        )
+        mask = self._mask(**arguments) if documents is None else document_mask(self._mask, documents, **arguments)
+        if self._recurrent_mask is not None:  # a hybrid layer type: (attention mask, recurrent mask)
+            mask = (mask, self._recurrent_mask(**arguments))
+        return cache, mask
+
+
+def clear_kv_caches(backbone: nn.Module) -> None:
+    """Empty the key/value caches of ``backbone``'s decoder blocks (those this process holds), freeing them."""
+    for module in backbone.modules():
+        if isinstance(module, CachedDecoderBlock):
+            module.kv_cache = {}

@@ -1,0 +1,64 @@
+"""The masks a decoder block rebuilds from the ``(N, S)`` padding mask, as the model's forward builds them once for all
+blocks: by the block's layer type (:func:`layer_type`), with the ``transformers.masking_utils`` helper of that type
+(:data:`MASKS`), two at once for the hybrid types (:data:`HYBRID`); and the types whose masks cannot keep the documents
+of a packed row apart (:func:`unpackable_layer_types`; packed rows: :mod:`lightning_gpipe.hf.packing`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+try:
+    from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING
+except ImportError as error:  # pragma: no cover - the message is the point
+    raise ImportError(
+        "lightning_gpipe.hf needs `transformers` 5.24 or newer: pip install 'transformers>=5.24'"
+    ) from error
+
+
+MASKS: dict[str, Callable[..., Any]] = {
+    layer_type: helper for layer_type, helper in LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING.items() if callable(helper)
+}
+"""The mask helper of each layer type the adapter rebuilds (``config.layer_types``), as ``transformers`` declares them
+(``masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING``): a 4-D causal mask for ``full_attention``, a sliding-window
+one for ``sliding_attention``, chunked for ``chunked_attention``, the ``(N, S)`` padding mask for recurrent layers
+(``linear_attention``, ``conv``; ``None`` without padding)... Types that map to several masks at once are
+:data:`HYBRID`."""
+
+
+def _recurrent(helper: Callable[..., Any]) -> bool:
+    """Whether a mask helper builds a recurrent layer's padding mask (no attention mask: no ``and_mask_function``)."""
+    return "and_mask_function" not in inspect.signature(helper).parameters
+
+
+HYBRID: dict[str, tuple[str, str]] = {
+    layer_type: (attention, recurrent)
+    for layer_type, helpers in LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING.items()
+    if isinstance(helpers, dict) and len(helpers) == 2
+    for attention, recurrent in [sorted(helpers, key=lambda t: t in MASKS and _recurrent(MASKS[t]))]
+    if attention in MASKS and recurrent in MASKS and not _recurrent(MASKS[attention]) and _recurrent(MASKS[recurrent])
+}
+"""The layer types that take two masks at once, as ``transformers`` declares them (``hybrid``: ``full_attention``
+and ``linear_attention``; ``hybrid_sliding``: ``sliding_attention`` and ``linear_attention``; Inkling's blocks):
+``{layer type: (attention type, recurrent type)}``. A block of such a type gets the attention type's mask (of
+:data:`MASKS`, as the model's forward builds it) as ``attention_mask`` and the recurrent type's under the one other
+``..._mask`` argument it takes (Inkling's ``conv_mask``)."""
+
+
+def layer_type(config: Any, layer_index: int) -> str:
+    """Block ``layer_index``'s attention type: ``config.layer_types``'s entry, else ``"sliding_attention"`` when
+    ``config.sliding_window`` is set (Mistral), else ``"full_attention"``."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return layer_types[layer_index]
+    return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+
+
+def unpackable_layer_types(config: Any) -> list[str]:
+    """The layer types of ``config`` that cannot keep a packed row's documents apart: those whose mask helper
+    (:data:`MASKS`) builds no attention mask to narrow (it takes no ``and_mask_function``), the recurrent layers'
+    padding masks (``linear_attention``, ``conv``), whose state runs along the row."""
+    types = {layer_type(config, i) for i in range(config.num_hidden_layers)}
+    return sorted(t for t in types if t in HYBRID or _recurrent(MASKS[t]))
