@@ -9,23 +9,24 @@ Importing this package registers the strategy names ``"gpipe"`` and ``"gpipe_spa
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_gpipe.faults.failure import PipelineFailure
-from lightning_gpipe.lightning.agreement import BatchMismatchError
-from lightning_gpipe.lightning.callbacks import (
+from lightning_gpipe.faults import PipelineFailure
+from lightning_gpipe.lightning import (
+    BatchMismatchError,
+    DamagedCheckpointError,
+    GPipeStrategy,
     PipelineBalance,
     PipelineModelSummary,
     PipelineThroughput,
     PipelineTimeline,
+    forward_and_share,
+    plan,
 )
-from lightning_gpipe.lightning.contract import forward_and_share
-from lightning_gpipe.lightning.planner import plan
-from lightning_gpipe.lightning.strategy import GPipeStrategy
-from lightning_gpipe.planning import CostModel, PlanReport
-from lightning_gpipe.planning.balance import LayerCost, balance_by, profile_layers, solve
+from lightning_gpipe.planning import CostModel, LayerCost, PlanReport, balance_by, profile_layers, solve
 
 __all__ = [
     "BatchMismatchError",
     "CostModel",
+    "DamagedCheckpointError",
     "GPipeStrategy",
     "LayerCost",
     "PipelineBalance",
@@ -40,7 +41,7 @@ __all__ = [
     "profile_layers",
     "solve",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 if "gpipe" not in StrategyRegistry:
     GPipeStrategy.register_strategies(StrategyRegistry)
