@@ -288,6 +288,22 @@ LIGHTNING_API = {
 """Names of Lightning's API (its classes, hooks, attributes and packages) that only the adapter may name."""
 
 
+def code_words(node: ast.AST) -> list[str]:
+    """The names ``node`` writes in code: an identifier, an attribute, an argument, or the dotted parts of an import's
+    names and module; none for any other node."""
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, ast.Attribute):
+        return [node.attr]
+    if isinstance(node, ast.arg):
+        return [node.arg]
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return [part for alias in node.names for part in alias.name.split(".")] + (
+            getattr(node, "module", None) or ""
+        ).split(".")
+    return []
+
+
 def lightning_names(source: str) -> list[str]:
     """Where ``source``'s code names Lightning's API: an identifier, attribute, argument, import or string constant
     (a message, a ``getattr`` name) that is, or whose dotted parts include, one of :data:`LIGHTNING_API`. Docstrings
@@ -303,17 +319,8 @@ def lightning_names(source: str) -> list[str]:
     }
     found = []
     for node in ast.walk(tree):
-        words: list[str] = []
-        if isinstance(node, ast.Name):
-            words = [node.id]
-        elif isinstance(node, ast.Attribute):
-            words = [node.attr]
-        elif isinstance(node, ast.arg):
-            words = [node.arg]
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            words = [part for alias in node.names for part in alias.name.split(".")]
-            words += (getattr(node, "module", None) or "").split(".")
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+        words = code_words(node)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
             words = [w.strip("`'\"().,:;") for w in node.value.replace(".", " ").split()]
         found += [f"line {node.lineno}: {word}" for word in words if word in LIGHTNING_API]
     return found
@@ -388,16 +395,8 @@ def adapter_terms(source: str, keywords: set[str], steps: set[str]) -> list[str]
     said = re.compile(rf"(?<![\w.])(?:({written})=(?!=)|({compound})(?!\w))")
     found: list[tuple[int, str]] = []
     for node in ast.walk(tree):
-        words: list[str] = []
-        if isinstance(node, ast.Name):
-            words = [node.id]
-        elif isinstance(node, ast.Attribute):
-            words = [node.attr]
-        elif isinstance(node, ast.arg):
-            words = [node.arg]
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            words = [part for alias in node.names for part in alias.name.split(".")]
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+        words = code_words(node)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
             words = re.findall(r"\w+", node.value)
             keys = [f"{m[1]}=" if m[1] else m[2] for m in said.finditer(node.value)]
             found += [(node.lineno, key) for key in dict.fromkeys(keys)]
