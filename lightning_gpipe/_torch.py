@@ -96,11 +96,13 @@ def keep_donated_buffers_off() -> None:
 
 
 @overload
-def children(module: nn.Sequential) -> dict[str, nn.Module]: ...
+def children(module: nn.Sequential) -> dict[str, nn.Module]:
+    """An ``nn.Sequential``'s layers by position, never ``None`` (see the implementation below)."""
 
 
 @overload
-def children(module: nn.Module) -> dict[str, nn.Module | None]: ...
+def children(module: nn.Module) -> dict[str, nn.Module | None]:
+    """Any module's children by name, ``None`` entries included (see the implementation below)."""
 
 
 def children(module: nn.Module) -> dict[str, nn.Module | None] | dict[str, nn.Module]:
