@@ -92,6 +92,17 @@ def keep_donated_buffers_off() -> None:
     torch._functorch.config.donated_buffer = False
 
 
+def version(tensor: Tensor) -> int:
+    """How many times ``tensor``'s data was modified in place: its version counter (``tensor._version``), shared with
+    its views; a new tensor (a ``clone()``) starts at 0.
+
+    Why: a stage hands its layers copies of an input they modify in place, found by whether a copy's counter moved
+    (:meth:`~lightning_gpipe.engine.microbatch.Partition.run`); torch has no public reader of the counter.
+
+    Checked on: torch 2.13.0."""
+    return tensor._version
+
+
 # ------------------------------------------------------------------------------------------------------ modules
 
 

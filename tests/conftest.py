@@ -10,6 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from torchvision_cpu import make_importable
+
+make_importable()  # timm imports torchvision: see tests/torchvision_cpu.py
 
 WORKERS = Path(__file__).parent / "workers"
 

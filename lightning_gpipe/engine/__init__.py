@@ -21,6 +21,7 @@ from lightning_gpipe.engine.compilation import CompileOption, compile_options
 from lightning_gpipe.engine.events import TRANSFER, WORK, PeakBytes, Recorder, SavedBytes, Span
 from lightning_gpipe.engine.gradients import StepGradients
 from lightning_gpipe.engine.microbatch import Partition, Value, batch_size, leaves, scatter, tensors
+from lightning_gpipe.engine.module_paths import attach
 from lightning_gpipe.engine.partition import is_whole, materialize
 from lightning_gpipe.engine.pipeline import StagePipeline, StageSpec, build_pipeline
 from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, checkpointed, recomputed_share
@@ -45,6 +46,7 @@ __all__ = [
     "batch_size",
     "is_whole",
     "materialize",
+    "attach",
     "scatter",
     # options
     "CompileOption",

@@ -23,7 +23,7 @@ from typing import Any, Protocol, cast, overload
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe._torch import children
+from lightning_gpipe._torch import children, version
 
 Value = Tensor | tuple
 """A backbone activation: a Tensor or a tuple of tensors (and, in a backbone input, other items)."""
@@ -191,6 +191,8 @@ class Partition(nn.Module):
 
     Attributes:
         backbone_call: the :class:`PipelinedCall` a call of the module goes through, or ``None`` (default).
+        modifies_input: whether the layers modify their input's tensors in place (``nn.ReLU(inplace=True)`` first),
+            found on the first run that keeps its input (see :meth:`run`); ``None`` until then.
     """
 
     def __init__(self, layers: dict[str, nn.Module]) -> None:
@@ -198,18 +200,48 @@ class Partition(nn.Module):
         for name, layer in layers.items():
             self.add_module(name, layer)
         self.backbone_call: PipelinedCall | None = None
+        self.modifies_input: bool | None = None
 
     def forward(self, value: Value) -> Value | None:
         """Run the pipeline on the backbone input ``value`` if one is installed, else the local layers."""
         return self.backbone_call(value) if self.backbone_call is not None else self.run(value)
 
-    def run(self, value: Value) -> Value:
+    def run(self, value: Value, kept: bool = False) -> Value:
         """Apply the local layers in order to one micro-batch.
+
+        Args:
+            value: the micro-batch.
+            kept: whether the caller keeps ``value`` past the run and needs it unchanged (a training forward's input,
+                a leaf that receives its gradient and may be run again to re-materialize; a profiled layer's input,
+                run again). The layers then run on copies of its tensors if they modify their input in place, so
+                ``value`` stays as it was, a leaf of autograd (a copy's backward passes the gradient on unchanged:
+                exact). Whether they do is found on the first such run, which always runs on copies: from the
+                copies' version counters. ``False`` (default): the layers run on ``value`` itself.
 
         Raises:
             TypeError: if a layer returns anything but a Tensor or a tuple of Tensors.
             ValueError: if a layer returns a 0-dimensional tensor (activations carry the batch in dim 0).
+            RuntimeError: if, with ``kept``, the layers modified ``value`` in place although its first run did not.
         """
+        if not kept:
+            return self._apply_layers(value)
+        if self.modifies_input is not False:
+            copies = _copies(value)
+            output = self._apply_layers(copies)
+            self.modifies_input = self.modifies_input or any(version(t) for t in tensors(copies))
+            return output
+        before = [version(t) for t in tensors(value)]
+        output = self._apply_layers(value)
+        if before != [version(t) for t in tensors(value)]:
+            self.modifies_input = True
+            raise RuntimeError(
+                f"Backbone layers {', '.join(children(self))} modified their input in place on this micro-batch,"
+                " though not on their first one, so the input they were given changed. Make the in-place operation"
+                " unconditional (or out of place, e.g. `inplace=False`)."
+            )
+        return output
+
+    def _apply_layers(self, value: Value) -> Value:
         for name, layer in children(self).items():
             assert layer is not None  # a backbone's layers are modules
             value = layer(value)
@@ -228,6 +260,14 @@ class Partition(nn.Module):
                     " scalar after the backbone, in the head or the loss."
                 )
         return value
+
+
+def _copies(value: Value) -> Value:
+    """``value`` with each tensor replaced by a copy (``clone()``: in autograd's graph, its gradient flows to the
+    original)."""
+    if isinstance(value, Tensor):
+        return value.clone()
+    return tuple(x.clone() if isinstance(x, Tensor) else x for x in value)
 
 
 def _is_activation(value: object) -> bool:

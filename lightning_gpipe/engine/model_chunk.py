@@ -185,7 +185,7 @@ class ModelChunk:
             _tracking(skips, received) as stashed,
             self.events.span("forward", index, memory_of),
         ):
-            y = self.partition.run(x)
+            y = self.partition.run(x, kept=training)
         if not self.is_last:  # a headed input (not scattered, no skips): its shapes are known now
             self.shapes.check(index, x, y, not (self.is_first or self.pops), f"micro-batch {index} of {self.name}")
         if skips is not None:
@@ -292,7 +292,7 @@ class ModelChunk:
             microbatch.running(micro),
             _tracking(self.skips, record.skip_in) as stashed,
         ):
-            record.output = self.partition.run(record.input)
+            record.output = self.partition.run(record.input, kept=True)
         record.skip_out = stashed
 
     def backward(self, index: int) -> None:

@@ -7,7 +7,11 @@ k, k + K, ..., one :class:`~lightning_gpipe.engine.microbatch.Partition` per mod
 Other stages' layers go to the meta device (their memory is freed, their structure kept so that the split can
 be undone). Modules outside the backbone that hold parameters or buffers (heads,
 losses with weights) live only on the stage that ends the backbone (the last one; stage 0 in ZB-V's V); the
-others hold a placeholder that names the contract if user code calls it.
+others hold a placeholder that names the contract if user code calls it (reading a method of it works: it raises
+only if called). A module that keeps the whole model beside its backbone (``self.model``, whose ``blocks`` are the
+backbone) still holds on each stage only the stage's layers: where another attribute refers to the backbone, the
+stage's partition stands, and where it refers to another stage's layer, a placeholder (:func:`backbone_aliases`
+tells the ties the same).
 
 A module or parameter used in several places (a layer at two backbone positions, an embedding tied to
 the output head) stays one object within a stage: only what no local layer uses goes to the meta device.
@@ -15,7 +19,9 @@ Across stages each holding stage keeps its own copy (:mod:`lightning_gpipe.engin
 :meth:`Split.undo` ties the names together again.
 """
 
+from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -24,20 +30,96 @@ from lightning_gpipe._torch import RESET_METHODS, children
 from lightning_gpipe.engine.microbatch import Partition
 
 
-class _LastStageOnly(nn.Module):
+class _Placeholder(nn.Module):
+    """Stands, on a stage, for a module the stage does not hold; holds none of its tensors, only, where the module
+    referred to the stage's own backbone layers, those (:class:`Split` hangs them there).
+
+    Calling it raises :meth:`_message`. Reading one of the real module's public attributes works where that is
+    harmless: a plain value (a number, a string, a config) is the real one; a submodule is a placeholder too; a method
+    is a callable that raises :meth:`_message` only if called, so ``self.model.forward_head(self.backbone(x))``,
+    which reads ``forward_head`` before the backbone call, runs on every stage (the backbone call ends the step on the
+    stages that do not hold the module); reading a tensor raises :meth:`_message` at once, as an ``AttributeError``
+    (the tensor is not on this stage: ``hasattr`` and ``getattr`` with a default see it missing, as they always did).
+
+    Args:
+        path: the module's attribute path in the LightningModule (``"model"``, ``"model.blocks.3"``).
+        stage_index: this stage.
+        real: the module it stands for (not registered: its tensors are not this stage's).
+    """
+
+    def __init__(self, path: str, stage_index: int, real: nn.Module) -> None:
+        super().__init__()
+        self._path, self._stage_index = path, stage_index
+        self.__dict__["_real"] = real  # kept out of the module tree
+
+    def _message(self, attr: str | None, verb: str) -> str:
+        """Why ``self.<path>.<attr>`` (``attr`` ``None``: the module itself) cannot be ``verb`` (``"called"``,
+        ``"read"``) here, and the fix."""
+        raise NotImplementedError
+
+    def _subject(self, attr: str | None) -> str:
+        """``self.<path>.<attr>`` in backquotes."""
+        return f"`self.{self._path}{'' if attr is None else '.' + attr}`"
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Raise :meth:`_message`: the module is not on this stage."""
+        raise RuntimeError(self._message(None, "called"))
+
+    def __getattr__(self, attr: str) -> Any:
+        try:
+            return super().__getattr__(attr)
+        except AttributeError:
+            if attr.startswith("_"):  # torch's and Python's own probes of a module
+                raise
+        value = getattr(self.__dict__["_real"], attr)  # an AttributeError names the real class
+        if isinstance(value, Tensor):  # an AttributeError, as before: `getattr(self.head, "weight", None)` is None
+            raise AttributeError(self._message(attr, "read"))
+        if isinstance(value, nn.Module):
+            return type(self)(f"{self._path}.{attr}", self._stage_index, value)
+        if not callable(value):
+            return value
+        message = self._message(attr, "called")
+
+        def unavailable(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(message)
+
+        return unavailable
+
+
+class _LastStageOnly(_Placeholder):
     """Stands, on another stage, for a module outside the backbone that lives only on the stage ending the backbone."""
 
-    def __init__(self, name: str, stage_index: int) -> None:
-        super().__init__()
-        self.name, self.stage_index = name, stage_index
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError(
-            f"`self.{self.name}` was called on stage {self.stage_index}, before the backbone call. Modules outside the"
-            " backbone live only on the stage that ends the backbone, so code before the backbone call must hold no"
-            f" parameters (data preparation only). Move `{self.name}` into the backbone as its first layer, or call it"
-            " after the backbone."
+    def _message(self, attr: str | None, verb: str) -> str:
+        """Why the module is not here, and the fix."""
+        return (
+            f"{self._subject(attr)} was {verb} on stage {self._stage_index}, before the backbone call. Modules outside"
+            f" the backbone (`self.{self._path}`) live only on the stage that ends the backbone, so code before the"
+            " backbone call must hold no parameters (data preparation only). Move what it runs into the backbone as"
+            f" its first layer, or use {self._subject(attr)} after the backbone call."
         )
+
+
+class _ElsewhereLayer(_Placeholder):
+    """Stands, inside a module outside the backbone (``self.model.blocks.3`` of a module that keeps the whole model),
+    for a backbone layer another stage runs."""
+
+    def _message(self, attr: str | None, verb: str) -> str:
+        """Why the layer is not here, and the fix."""
+        return (
+            f"{self._subject(attr)} was {verb} on stage {self._stage_index}, which does not hold it:"
+            f" `self.{self._path}` is a layer of the pipelined backbone that another stage runs, and each stage holds"
+            " only its own backbone layers, wherever else the module refers to them. Run the backbone's layers through"
+            " the backbone call only."
+        )
+
+
+class _Reference(NamedTuple):
+    """A place where a module outside the backbone refers to the backbone or to one of its layers."""
+
+    path: str  # its attribute path in the LightningModule ("model.blocks")
+    parent: nn.Module  # the module that holds it
+    name: str  # its name in ``parent``
+    target: nn.Module  # the backbone or the layer
 
 
 class Split:
@@ -60,6 +142,8 @@ class Split:
             module's backbone.
         model_chunks: one :class:`~lightning_gpipe.engine.microbatch.Partition` per model chunk, in model chunk order
             (``[partition]`` with one per stage); each runs its virtual stage's layers.
+        replaced: the places where the modules outside the backbone referred to the backbone or a layer of another
+            stage, now the partition or a placeholder (put back by :meth:`undo`).
     """
 
     def __init__(
@@ -82,9 +166,8 @@ class Split:
         held = [names[starts[s] : starts[s] + balance[s]] for s in virtual]
         local = [name for layers in held for name in layers]
         last = len(balance) - 1 in virtual
-        outside = [child for name, child in module.named_children() if name != backbone]
-        kept = {sub for layer in [*(layers[n] for n in local), *(outside if last else [])]
-                for sub in layer.modules()}  # fmt: skip
+        reached, references = _outside(module, backbone)
+        kept = {sub for name in local for sub in layers[name].modules()} | (reached if last else set())
         for name in names:
             if name not in local:
                 _to_meta(layers[name], kept)
@@ -94,16 +177,55 @@ class Split:
         self.freed: dict[str, nn.Module] = {}
         if not last:
             self._free_modules_outside_backbone(kept)
+        own = {layers[name] for name in local}
+        self.replaced = self._replace_references(references, {layers[name] for name in names} - own, own)
+
+    def _replace_references(
+        self, references: list[_Reference], foreign: set[nn.Module], own: set[nn.Module]
+    ) -> list[_Reference]:
+        """Where the modules outside the backbone refer to the backbone, put this stage's partition, and where they
+        refer to a layer another stage holds, a placeholder; what was replaced. In a freed module's placeholder,
+        this stage's partition and layers are hung where the module referred to them (:meth:`_graft`)."""
+        replaced = []
+        for reference in references:
+            target = self.partition if reference.target is self.sequential else reference.target
+            if reference.path.split(".")[0] in self.freed:
+                if target is self.partition or target in own:
+                    self._graft(reference.path, target)
+                continue
+            if reference.target is self.sequential:
+                setattr(reference.parent, reference.name, self.partition)
+            elif reference.target in foreign:
+                stand_in = _ElsewhereLayer(reference.path, self.stage_index, reference.target)
+                setattr(reference.parent, reference.name, stand_in)
+            else:
+                continue
+            replaced.append(reference)
+        return replaced
+
+    def _graft(self, path: str, target: nn.Module) -> None:
+        """Hang ``target`` (this stage's partition or one of its layers) at ``path`` below the placeholder of the freed
+        module that referred to it there (placeholders in between), so that the stage's state dict names its tensors
+        there too, as the whole module's does: the stages' state dicts together are the whole module's."""
+        first, *middle, name = path.split(".")
+        holder, real = getattr(self.module, first), self.freed[first]
+        for part in middle:
+            first, real = f"{first}.{part}", real.get_submodule(part)
+            if part not in children(holder):  # (`add_module` would see the placeholder's stand-in attribute)
+                children(holder)[part] = _LastStageOnly(first, self.stage_index, real)
+            holder = children(holder)[part]
+        children(holder)[name] = target
 
     def _layers(self, names: list[str]) -> Partition:
         return Partition({name: children(self.sequential)[name] for name in names})
 
     def _free_modules_outside_backbone(self, kept: set[nn.Module]) -> None:
         for name, child in list(self.module.named_children()):
-            if name != self.backbone and _holds_state(child):
+            elsewhere = child is self.sequential  # the backbone under another name: the partition stands there too
+            if name != self.backbone and not elsewhere and _holds_state(child):
                 _to_meta(child, kept)
                 self.freed[name] = child
-                setattr(self.module, name, _LastStageOnly(name, self.stage_index))
+                setattr(self.module, name, _LastStageOnly(name, self.stage_index, child))
 
     def undo(self, full_state: dict[str, Tensor] | None = None) -> None:
         """Put the original backbone and modules back in place.
@@ -116,6 +238,8 @@ class Split:
         setattr(self.module, self.backbone, self.sequential)
         for name, child in self.freed.items():
             setattr(self.module, name, child)
+        for reference in self.replaced:
+            setattr(reference.parent, reference.name, reference.target)
         if full_state is not None:
             for child in [*self.sequential, *self.freed.values()]:
                 if any(t.is_meta for t in [*child.parameters(), *child.buffers()]):
@@ -123,6 +247,36 @@ class Split:
             self.module.load_state_dict(full_state)
         # one parameter under several names again: this stage's copy, if it held one
         _retie(self.module, self._aliases, lambda copies: next((c for c in copies if not c.is_meta), copies[0]))
+
+
+def _outside(module: nn.Module, backbone: str) -> tuple[set[nn.Module], list[_Reference]]:
+    """The modules outside the backbone: those reached from the LightningModule's other attributes without passing
+    through the backbone or one of its layers (an attribute that is itself a layer, a head tied to one, included),
+    and the places where, below them, they refer to the backbone or a layer (``self.model.blocks`` of a module whose
+    backbone is ``self.model.blocks``, or a container holding its layers), in module order."""
+    sequential = getattr(module, backbone)
+    targets = {sequential, *children(sequential).values()}
+    reached: set[nn.Module] = set()
+    references: list[_Reference] = []
+    pending = deque((name, module, name, child) for name, child in children(module).items() if name != backbone)
+    while pending:
+        path, parent, name, child = pending.popleft()
+        if child is None or child in reached:
+            continue
+        if child in targets and (child is sequential or parent is not module):
+            references.append(_Reference(path, parent, name, child))
+            continue
+        reached.add(child)
+        pending += [(f"{path}.{key}", child, key, sub) for key, sub in children(child).items()]
+    return reached, references
+
+
+def backbone_aliases(module: nn.Module, backbone: str) -> dict[str, str | None]:
+    """Where the whole ``module``'s other attributes refer to its backbone or a backbone layer (see
+    :class:`Split`): each path (``"model.blocks"``) and the layer's name in the backbone, or ``None`` where it is the
+    backbone itself (its layers' names follow the path). A name below a path is held by the stage of that layer."""
+    names = {layer: name for name, layer in reversed(children(getattr(module, backbone)).items())}
+    return {ref.path: names.get(ref.target) for ref in _outside(module, backbone)[1]}
 
 
 def is_whole(module: nn.Module) -> bool:

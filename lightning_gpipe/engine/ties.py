@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_gpipe._torch import children
 from lightning_gpipe.engine.actions import stage_of_virtual
+from lightning_gpipe.engine.partition import backbone_aliases
 from lightning_gpipe.engine.topology import Topology
 from lightning_gpipe.faults import waiting
 
@@ -60,7 +61,9 @@ def find_ties(
 ) -> list[Tie]:
     """The parameters of ``module`` used on more than one stage when its backbone is split by ``balance``.
 
-    A name under the backbone belongs to the stage of its layer; any other name to the stage of the last virtual
+    A name under the backbone belongs to the stage of its layer, as does a name under another attribute that leads
+    to the backbone or one of its layers (``model.blocks.3.weight`` of a module that keeps the whole model, see
+    :func:`~lightning_gpipe.engine.partition.backbone_aliases`); any other name to the stage of the last virtual
     stage (heads live there). Call it before the split, while the module is whole.
 
     Args:
@@ -80,10 +83,14 @@ def find_ties(
     layers = list(children(getattr(module, backbone)))
     stages: Sequence[int] = [stage_of_virtual(s, num_stages, v_shape)[0] for s in range(len(balance))]
     stage_of_layer = dict(zip(layers, (stages[s] for s, n in enumerate(balance) for _ in range(n))))
-    last, prefix = stages[-1], backbone + "."
+    last = stages[-1]
+    aliases = {backbone: None, **backbone_aliases(module, backbone)}
 
     def stage_of(name: str) -> int:
-        return stage_of_layer[name[len(prefix) :].split(".")[0]] if name.startswith(prefix) else last
+        for path, layer in aliases.items():
+            if name.startswith(path + "."):
+                return stage_of_layer[layer if layer is not None else name[len(path) + 1 :].split(".")[0]]
+        return last
 
     names: dict[int, list[str]] = {}
     for name, parameter in module.named_parameters(remove_duplicate=False):

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_gpipe._torch import RESET_METHODS, children
+from lightning_gpipe._torch import RESET_METHODS
+from lightning_gpipe.engine import attach
 
 try:
     from transformers import PreTrainedModel
@@ -26,10 +27,6 @@ except ImportError as error:  # pragma: no cover - the message is the point
 
 class UnsupportedModelError(TypeError):
     """A model the adapter cannot cut into backbone layers; the message names the class and why."""
-
-
-class _Path(nn.Module):
-    """An empty container standing for one component of a module path (``model`` in ``model.layers.2``)."""
 
 
 class HFLayer(nn.Module):
@@ -67,7 +64,7 @@ class HFLayer(nn.Module):
         self.paths = tuple(paths)
         self.weights = None
         for path in self.paths:
-            _attach(self, path, model.get_submodule(path))
+            attach(self, path, model.get_submodule(path))
 
     @property
     def weights(self) -> Any | None:
@@ -153,18 +150,6 @@ class HFLayer(nn.Module):
 
 def _loaded_from_checkpoint() -> None:
     """Stands for the ``reset_parameters`` of a module whose tensors its :class:`HFLayer` reads from a checkpoint."""
-
-
-def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
-    *parents, last = path.split(".")
-    node = root
-    for name in parents:
-        child = children(node).get(name)
-        if child is None:
-            child = _Path()
-            node.add_module(name, child)
-        node = child
-    node.add_module(last, module)
 
 
 def _post_order(module: nn.Module) -> Iterator[nn.Module]:

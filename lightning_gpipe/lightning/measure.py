@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gpipe.engine import Topology
 from lightning_gpipe.lightning.backbone import profile_backbone, profile_module
@@ -62,9 +62,10 @@ def _profiled(
     not ``needed`` (only the default's choice of the split asked for them)."""
     try:
         return profile_backbone(module, name, micro_batches, device, split)
-    except Exception:  # noqa: BLE001 - a run the choice cannot profile trains as before, with whole backwards
+    except Exception as error:  # noqa: BLE001 - a run the choice cannot profile trains as before, with whole backwards
         if needed:
             raise
+        rank_zero_warn(f"GPipeStrategy could not profile the backbone, so it keeps whole backwards: {error}")
         return None
 
 
@@ -96,7 +97,7 @@ def _split_choice(
 ) -> SplitChoice:
     """:func:`~lightning_gpipe.planning.split.choose_split` on the ``balance`` this run will split by."""
     if costs is None:
-        return SplitChoice(False, 0.0, 0.0, "the backbone could not be profiled")
+        return SplitChoice(False, 0.0, 0.0, "the backbone could not be profiled (see the warning above)")
     assert config.checkpoint is not None  # PipelineConfig gave the default
     micro_batches, limit = config.micro_batches_for(topology.num_stages), config.balance_memory_limit
     return choose_split(costs, balance, micro_batches, config.checkpoint, topology.virtual_stages, memory_limit=limit)

@@ -42,9 +42,9 @@ class StageSummary:
     Attributes:
         stage: pipeline rank (0 is the first stage).
         layers: names of the stage's backbone layers, in order (their names in the ``nn.Sequential``).
-        parameters: parameter elements the stage holds: its backbone layers, and on the stage that ends the backbone
-            also the modules after it (heads, losses with weights). A parameter tied across stages counts on every
-            stage that holds a copy of it.
+        parameters: parameter elements the stage holds, each parameter once however many names lead to it: its
+            backbone layers, and on the stage that ends the backbone also the modules after it (heads, losses with
+            weights). A parameter tied across stages counts on every stage that holds a copy of it.
         trainable_parameters: those of ``parameters`` that require gradients.
     """
 
@@ -244,7 +244,8 @@ def _local_part(
         copies: the stage's copies of tied parameters that another stage counts
             (:meth:`~lightning_gpipe.engine.TiedParameters.uncounted`).
     """
-    names = {sub: name for name, sub in module.named_modules()}
+    everywhere = list(module.named_modules(remove_duplicate=False))  # the backbone may be reached by other paths too
+    backbone = min((name for name, sub in everywhere if sub is partition), key=lambda name: name.count("."))
     copied = {id(p) for p in copies}
 
     def row(name: str, sub: nn.Module) -> _Row:
@@ -254,7 +255,7 @@ def _local_part(
 
     return _Local(
         stage=stage,
-        backbone=names[partition],
+        backbone=backbone,
         layers=tuple(children(partition)),  # every position, a layer used at two included
         rows=tuple(row(name, sub) for name, sub in _named_layers(module, max_depth)),
         parameters={name: (_numel(p), p.requires_grad) for name, p in module.named_parameters()},
@@ -273,8 +274,10 @@ def _named_layers(module: nn.Module, max_depth: int) -> list[tuple[str, nn.Modul
 
 
 def _numel(parameter: nn.Parameter) -> int:
-    """Elements of ``parameter``; 0 for a lazy one whose shape is not known yet (as Lightning counts)."""
-    return 0 if isinstance(parameter, nn.parameter.UninitializedParameter) else parameter.numel()
+    """Elements of ``parameter``; 0 for a lazy one whose shape is not known yet (as Lightning counts), and for one on
+    the meta device, which the stage does not hold."""
+    lazy = isinstance(parameter, nn.parameter.UninitializedParameter)
+    return 0 if lazy or parameter.is_meta else parameter.numel()
 
 
 def _merge(parts: list[_Local]) -> tuple[_Table, list[StageSummary]]:

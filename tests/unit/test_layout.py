@@ -71,8 +71,12 @@ def test_the_cycle_finder_finds_a_circle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
 
 
-LAYERS = ("faults", "engine", "planning", "lightning", "hf")
-"""The package's folders, bottom to top: a module imports only from its own folder and the folders below it."""
+LAYERS = ("faults", "engine", "planning", "lightning", "hf", "timm", "litgpt")
+"""The package's folders, bottom to top: a module imports only from its own folder and the folders below it. The
+adapters (:data:`ADAPTERS`) share the top: none imports another."""
+
+ADAPTERS = ("hf", "timm", "litgpt")
+"""The folders that each bring one library's models (transformers, timm, litgpt) to the layers below them."""
 
 FACADES = {"lightning_gpipe", "lightning_gpipe.skip", "lightning_gpipe.consolidate"}
 """The public paths at the top (``import lightning_gpipe``, ``lightning_gpipe.skip``, ``python -m
@@ -85,7 +89,14 @@ folder may import it."""
 
 def _layer(module: str) -> int:
     parts = module.split(".")
-    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else -1
+    if len(parts) < 2 or parts[1] not in LAYERS:
+        return -1
+    return LAYERS.index(ADAPTERS[0]) if parts[1] in ADAPTERS else LAYERS.index(parts[1])
+
+
+def _adapter(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ADAPTERS else None
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
@@ -101,6 +112,9 @@ def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
         if _layer(module) < 0:
             found.append((module, "(no folder)"))
         found += [(module, target) for target in sorted(targets) if _layer(target) > _layer(module)]
+        if _adapter(module) is not None:  # the adapters share the top: none imports another
+            others = [target for target in sorted(targets) if _adapter(target) not in (None, _adapter(module))]
+            found += [(module, target) for target in others]
     return found
 
 
@@ -114,6 +128,14 @@ def test_the_package_imports_one_way():
 def test_the_rule_finds_an_upward_import():
     graph = {"lightning_gpipe.engine.a": {"lightning_gpipe.planning.b"}, "lightning_gpipe.planning.b": set()}
     assert upward_imports(graph) == [("lightning_gpipe.engine.a", "lightning_gpipe.planning.b")]
+
+
+def test_the_rule_finds_an_adapter_importing_another_and_lets_it_import_the_layers_below():
+    graph = {
+        "lightning_gpipe.timm.a": {"lightning_gpipe.hf.b", "lightning_gpipe.lightning.c", "lightning_gpipe.timm.d"},
+        "lightning_gpipe.hf.b": {"lightning_gpipe.lightning.c"},
+    }
+    assert upward_imports(graph) == [("lightning_gpipe.timm.a", "lightning_gpipe.hf.b")]
 
 
 def test_the_rule_lets_every_folder_import_the_floor_and_the_floor_nothing():
@@ -138,9 +160,10 @@ def test_only_the_adapter_and_hf_import_lightning():
 
 
 def test_the_package_has_few_entries_at_its_top():
-    """The five folders, the two public paths besides ``__init__.py``, the floor and ``py.typed``."""
+    """The folders (four layers and the adapters), the two public paths besides ``__init__.py``, the floor and
+    ``py.typed``."""
     entries = {path.name for path in PACKAGE.iterdir() if path.name not in ("__init__.py", "__pycache__")}
-    assert len(entries) <= 9, sorted(entries)
+    assert len(entries) <= len(LAYERS) + 4, sorted(entries)
 
 
 def long_definitions(source: str, function_lines: int = 60, class_lines: int = 300) -> list[str]:

@@ -87,6 +87,7 @@ LIGHTNING_PACKAGES = ("lightning", "lightning_fabric", "pytorch_lightning")
 TORCH_NAMES = {
     "_modules": "torch.nn.Module._modules, a module's children by name (Lightning binds it on a helper of its own, "
     "lightning/fabric/plugins/precision/utils.py)",
+    "_version": "torch.Tensor._version, a tensor's in-place version counter (Lightning binds a module's _version)",
 }
 """Private names Lightning binds too, which the package uses as torch's: name -> the torch attribute it is."""
 

@@ -68,13 +68,17 @@ WIDTH, ROWS, CHUNKS = 16, 12, 4
 
 
 def _one_stage(checkpoint: str, enabled: bool) -> ModelChunk:
-    """Run one training step of Linear + ReLU through a one-stage engine, recording when ``enabled``."""
+    """Run two training steps of Linear + ReLU through a one-stage engine, recording the second when ``enabled``.
+
+    The first step is not the steady state the simulator predicts: its first micro-batch runs on a copy of its input,
+    from which the stage learns whether its layers modify their input in place (``Partition.run``)."""
     module = nn.Module()
     module.backbone = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU())
     schedule = one_stage_pipeline(module, CHUNKS, checkpoint)
-    schedule.model_chunks[0].events.enabled = schedule.model_chunks[0].events.memory = enabled
-    module.backbone(torch.randn(ROWS, WIDTH)).sum().backward()
-    schedule.backward()
+    for step in range(2):
+        schedule.model_chunks[0].events.enabled = schedule.model_chunks[0].events.memory = enabled and step == 1
+        module.backbone(torch.randn(ROWS, WIDTH)).sum().backward()
+        schedule.backward()
     return schedule.model_chunks[0]
 
 

@@ -17,6 +17,9 @@ import sys
 import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from torchvision_cpu import make_importable  # noqa: E402
+
+make_importable()  # lightning imports torchmetrics, which imports torchvision (tests/torchvision_cpu.py)
 
 import lightning as L  # noqa: E402
 

@@ -33,7 +33,9 @@ class SkipTracker:
         self.stashed[key] = tensor
 
     def load(self, key: Any) -> Tensor:
-        """Pop the tensor stashed (or received) under ``key``.
+        """Pop the tensor stashed (or received) under ``key``. A received tensor that is a leaf requiring grad (a
+        training forward's, which receives its gradient and may be run again) is popped as a copy, which the layer
+        may modify in place; its gradient flows to the leaf.
 
         Raises:
             RuntimeError: if nothing is stashed under ``key``.
@@ -41,7 +43,8 @@ class SkipTracker:
         if key in self.stashed:
             return self.stashed.pop(key)
         if key in self.received:
-            return self.received.pop(key)
+            tensor = self.received.pop(key)
+            return tensor.clone() if tensor.is_leaf and tensor.requires_grad else tensor
         namespace, name = key
         where = "" if namespace is None else f" in namespace {namespace!r}"
         raise RuntimeError(

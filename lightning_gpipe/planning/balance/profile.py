@@ -48,7 +48,9 @@ def profile_layers(
     if it is on the meta device), put in training mode, run ``warmup`` times untimed, then ``repeats``
     times timed: forward, then backward with a gradient of ones on its outputs that require grad. Times
     are the medians. The copy is dropped before the next layer, whose input is this layer's output
-    (detached; it requires grad where the output did), so only one layer is ever on the device. The
+    (detached; it requires grad where the output did), so only one layer is ever on the device. A layer that
+    modifies its input in place (``nn.ReLU(inplace=True)``) runs on copies of it, as a stage runs it
+    (:meth:`~lightning_gpipe.engine.microbatch.Partition.run`, found by one forward without autograd first). The
     given layers, their gradients and the random number generators are left unchanged.
 
     Args:
@@ -79,6 +81,9 @@ def profile_layers(
         ValueError: if ``repeats`` is below 1 or ``warmup`` below 0, or a meta-device layer cannot be
             initialised.
         TypeError: if a layer returns anything but a Tensor or a tuple of Tensors.
+
+    Any error a layer's profile raises is raised again with the layer named first (of its type where that takes a
+    message, else a RuntimeError): ``Profiling backbone layer 3 (Bottleneck) failed: RuntimeError: ...``.
     """
     return profile_with_output(layers, sample, device, repeats, warmup, split)[0]
 
@@ -105,9 +110,22 @@ def profile_with_output(
     costs = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for name, layer in children(layers).items():  # every position, a layer used at two (tied) included
-            cost, value = _profile_copy(name, layer, value, skips, device, (repeats, warmup, split))
+            try:
+                cost, value = _profile_copy(name, layer, value, skips, device, (repeats, warmup, split))
+            except Exception as error:
+                raise _naming_layer(error, name, layer) from error
             costs.append(cost)
     return costs, value
+
+
+def _naming_layer(error: Exception, name: str, layer: nn.Module) -> Exception:
+    """``error`` with the layer it came from named first: of its type where that takes a message, else a
+    RuntimeError."""
+    message = f"Profiling backbone layer {name} ({type(layer).__name__}) failed: {type(error).__name__}: {error}"
+    try:
+        return type(error)(message)
+    except Exception:  # noqa: BLE001 - an exception type whose constructor takes other arguments
+        return RuntimeError(message)
 
 
 def _profile_copy(
@@ -118,6 +136,9 @@ def _profile_copy(
     replica = copy.deepcopy(layer)
     materialize(replica, device)
     partition = Partition({name: replica.to(device).train()})
+    with torch.no_grad(), tracking(SkipTracker(skips)):
+        partition.run(value, kept=True)  # finds whether it modifies its input in place (on copies), so the runs
+        # below copy its input where the engine will, and only there
     cost, output, stashed = _profile(partition, value, skips, device, *options)
     skips.update({key: leaves(t, requires_grad=None, device=device) for key, t in stashed.items()})
     return cost, leaves(output, requires_grad=None, device=device)
@@ -183,7 +204,7 @@ def _forward(layer: Partition, value: Value, skips: dict) -> list[Tensor]:
     """The layer's forward on ``value`` (popping from ``skips``); its outputs and stashed tensors that require
     grad."""
     with tracking(SkipTracker(skips)) as tracker:
-        output = layer.run(value)
+        output = layer.run(value, kept=True)
     return _differentiable(output, tracker.stashed)
 
 
@@ -205,7 +226,7 @@ def _counted_run(layer: Partition, value: Value, skips: dict) -> tuple[dict[int,
     :class:`~lightning_gpipe.engine.events.PeakBytes`."""
     with PeakBytes() as counted:
         with SavedBytes(exclude=_state(layer)) as saved, tracking(SkipTracker(skips)) as tracker:
-            output = layer.run(value)
+            output = layer.run(value, kept=True)
         forward = counted.peak - counted.live
         outputs = _differentiable(output, tracker.stashed)
         grads = [torch.ones_like(t) for t in outputs]
