@@ -227,8 +227,12 @@ class LiveBytes(TorchDispatchMode):
 
 
 class _Handle:
+    """A saved tensor, detached: a node's own output saved with its ``grad_fn`` would make a cycle through autograd's
+    graph that Python's collector cannot see, and a graph kept for a deferred W (``retain_graph=True``) would never be
+    freed, nor counted as freed."""
+
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+        self.tensor = tensor.detach()
 
 
 # --------------------------------------------------------------------------- lightning

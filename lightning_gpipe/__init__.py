@@ -9,6 +9,7 @@ Importing this package registers the strategy names ``"gpipe"`` and ``"gpipe_spa
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_gpipe.engine import export_schedule
 from lightning_gpipe.faults import PipelineFailure
 from lightning_gpipe.lightning import (
     BatchMismatchError,
@@ -36,6 +37,7 @@ __all__ = [
     "PipelineTimeline",
     "PlanReport",
     "balance_by",
+    "export_schedule",
     "forward_and_share",
     "plan",
     "profile_layers",

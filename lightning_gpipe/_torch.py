@@ -103,6 +103,18 @@ def version(tensor: Tensor) -> int:
     return tensor._version
 
 
+def view_base(tensor: Tensor) -> Tensor | None:
+    """The tensor ``tensor`` is a view of (``tensor._base``), ``None`` where it is not a view.
+
+    Why: activation offload (:mod:`~lightning_gpipe.engine.offload`) never moves a parameter, and autograd saves views
+    of parameters (a linear layer's ``weight.t()``); under FSDP2 the gathered parameters exist only while their layer
+    runs, so a saved view is told from an activation by its base, not by a set of storages made beforehand. torch has
+    no public name for a view's base.
+
+    Checked on: torch 2.13.0."""
+    return tensor._base
+
+
 # ------------------------------------------------------------------------------------------------------ modules
 
 

@@ -78,6 +78,7 @@ RUNS = {
         {},
     ),
     "grad_op_zb_v": (AdamWNet, dict(sharding_strategy="SHARD_GRAD_OP", schedule="zb-v", chunks=4), {}),
+    "full_v_min": (AdamWNet, dict(sharding_strategy="FULL_SHARD", schedule="v-min", chunks=4), {}),
     "tied_full_gpipe_clip": (
         TiedAdamWNet,
         dict(sharding_strategy="FULL_SHARD", balance=[3, 4]),

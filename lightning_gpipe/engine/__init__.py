@@ -26,6 +26,14 @@ from lightning_gpipe.engine.partition import is_whole, materialize
 from lightning_gpipe.engine.pipeline import StagePipeline, StageSpec, build_pipeline
 from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, checkpointed, recomputed_share
 from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, PLACED_BY_COST, SCHEDULES, V_SHAPED, plans
+from lightning_gpipe.engine.schedule_csv import (
+    ScheduleTable,
+    export_schedule,
+    is_schedule_file,
+    plans_from_csv,
+    plans_to_csv,
+    read_schedule,
+)
 from lightning_gpipe.engine.skip.tracker import SkipTracker, tracking
 from lightning_gpipe.engine.ties import TiedParameters
 from lightning_gpipe.engine.topology import Topology, groups
@@ -54,6 +62,13 @@ __all__ = [
     "PLACED_BY_COST",
     "V_SHAPED",
     "compile_options",
+    # schedules other tools write: torch.distributed.pipelining's CSV format
+    "ScheduleTable",
+    "export_schedule",
+    "is_schedule_file",
+    "plans_from_csv",
+    "plans_to_csv",
+    "read_schedule",
     # what a step leaves behind: gradients kept apart, tied parameters, timed spans
     "Recorder",
     "StageTrace",

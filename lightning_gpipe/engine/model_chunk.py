@@ -25,6 +25,10 @@ Deferred weight gradients (zero-bubble pipelines, Qi et al. 2023; :mod:`lightnin
 ``defer_weight_grad``, :meth:`ModelChunk.backward` computes and sends the input gradient (B) and queues the weight
 gradient (W), which :meth:`ModelChunk.backward_weights` runs later, where the schedule places it.
 
+Activation offload (:mod:`lightning_gpipe.engine.offload`): with ``offload``, a forward the runtime's plan offloads runs
+under its hooks, and what it saved goes to host memory but for what the model chunk keeps anyway (its input, output
+and skip tensors); the runtime brings it back where the plan places the prefetch.
+
 Skip connections (:mod:`lightning_gpipe.engine.skip`): each micro-batch's forward runs under its own skip tracker,
 given the tensors earlier stages stashed for it (received before it runs); what is still stashed after the
 stage's layers ran goes straight to the stages that pop it (:class:`~lightning_gpipe.engine.skip.links.SkipLinks`).
@@ -45,6 +49,7 @@ from torch import Tensor
 from lightning_gpipe.engine import microbatch
 from lightning_gpipe.engine.events import gradient_times
 from lightning_gpipe.engine.microbatch import MicroBatch, Partition, Value
+from lightning_gpipe.engine.offload import ActivationOffload
 from lightning_gpipe.engine.rematerialization import RngState, checkpointed
 from lightning_gpipe.engine.skip import tracker
 from lightning_gpipe.engine.skip.links import SkipLinks
@@ -83,6 +88,7 @@ class ModelChunk:
             once) and W (queued for :meth:`backward_weights`); ``False`` (default) runs them together.
         skips: the model chunk's skip connections (:class:`~lightning_gpipe.engine.skip.links.SkipLinks`, its links
             to other stages, maybe none); ``None`` (default): its layers neither stash nor pop a skip.
+        offload: moves what the forwards it plans save for their backward to host memory (``None``, default: none).
 
     Attributes:
         events: the :class:`~lightning_gpipe.engine.events.Recorder` the pipeline callbacks read.
@@ -108,8 +114,9 @@ class ModelChunk:
         checkpoint: str,
         defer_weight_grad: bool = False,
         skips: SkipLinks | None = None,
+        offload: ActivationOffload | None = None,
     ) -> None:
-        self.partition, self.link = partition, link
+        self.partition, self.link, self.offload = partition, link, offload
         self.skips = skips
         self.pops = skips is not None and skips.pops
         self.virtual_stage = virtual_stage
@@ -178,14 +185,15 @@ class ModelChunk:
         remat = training and self.checkpoint != "never" and checkpointed(self.checkpoint, index, micro_batches)
         rng = RngState.capture(self.link.device) if remat else None
         micro = MicroBatch(index, micro_batches)
-        memory_of = (self.partition, x) if training else None
         with (
             torch.set_grad_enabled(training and not remat),
             microbatch.running(micro),
             _tracking(skips, received) as stashed,
-            self.events.span("forward", index, memory_of),
+            self.events.span("forward", index, (self.partition, x) if training else None),
+            _saving(self.offload, index, training and not remat) as handles,
         ):
             y = self.partition.run(x, kept=training)
+        _keep(self.offload, index, handles, (x, y), (received, stashed))
         if not self.is_last:  # a headed input (not scattered, no skips): its shapes are known now
             self.shapes.check(index, x, y, not (self.is_first or self.pops), f"micro-batch {index} of {self.name}")
         if skips is not None:
@@ -364,6 +372,20 @@ class ModelChunk:
     def _announce_last_backward(self, outputs: list[Tensor]) -> None:
         if self.before_last_backward is not None:
             self.before_last_backward(outputs)
+
+
+def _saving(offload: ActivationOffload | None, index: int, saves: bool) -> AbstractContextManager:
+    """Where a forward that ``saves`` for its backward runs micro-batch ``index``: under ``offload``'s hooks if it
+    plans the micro-batch (yielding their handles), else as it is (yielding none)."""
+    return offload.saving() if offload is not None and saves and index in offload.planned else nullcontext({})
+
+
+def _keep(offload: ActivationOffload | None, index: int, handles: dict, values: tuple, skips: tuple[dict, ...]) -> None:
+    """Move micro-batch ``index``'s saved tensors (``handles``) to host memory, but for those sharing storage with
+    what the model chunk keeps anyway: its input and output (``values``) and its skip tensors (``skips``)."""
+    if offload is not None and handles:
+        kept = [t for value in values for t in microbatch.tensors(value)] + [t for d in skips for t in d.values()]
+        offload.keep(index, handles, kept)
 
 
 @contextmanager

@@ -51,8 +51,10 @@ from lightning_gpipe.engine.compilation import CompileOption, compile_layers, co
 from lightning_gpipe.engine.events import Recorder
 from lightning_gpipe.engine.microbatch import Partition, Value
 from lightning_gpipe.engine.model_chunk import ModelChunk
+from lightning_gpipe.engine.offload import ActivationOffload, Placement, placement
 from lightning_gpipe.engine.partition import Split
 from lightning_gpipe.engine.schedule import V_SHAPED, check, evaluation, plans
+from lightning_gpipe.engine.schedule_csv import ScheduleTable, is_schedule_file, read_schedule
 from lightning_gpipe.engine.skip import SkipLayout
 from lightning_gpipe.engine.ties import TiedParameters, find_ties
 from lightning_gpipe.engine.topology import Topology
@@ -82,6 +84,8 @@ class StageSpec:
             places its actions by cost (``"zb-1p"``, ``"zb-v"``); ``None`` (default): equal costs.
         control: the CPU (gloo) process group of the links' control messages where the links' own groups are not
             gloo (NCCL); ``None`` (default): the links' own groups.
+        offload: ``"activations"`` moves what each micro-batch's forward saves for its backward to host memory until
+            a prefetch the plan places (:mod:`~lightning_gpipe.engine.offload`); ``None`` (default): no offload.
     """
 
     topology: Topology
@@ -96,6 +100,7 @@ class StageSpec:
     deferred_batch_norm: bool = False
     action_costs: Sequence[ActionCost] | None = None
     control: dist.ProcessGroup | None = None
+    offload: str | None = None
 
     @property
     def stage(self) -> int:
@@ -262,12 +267,17 @@ def build_pipeline(module: nn.Module, backbone: str, spec: StageSpec, job: Job) 
     links = wire(spec, skips, job).links()
     options = (topology.num_virtual, spec.micro_batches, spec.checkpoint, spec.defer_weight_grad)
     model_chunks = [
-        ModelChunk(partition, link, virtual, *options, skip_links)
+        ModelChunk(partition, link, virtual, *options, skip_links, _offload(spec))
         for partition, virtual, (link, skip_links) in zip(split.model_chunks, spec.held, links)
     ]
     runtime = Runtime(model_chunks, spec.schedule, topology.num_stages, job.position, spec.action_costs)
     ties = TiedParameters(tie_groups, module, topology, spec.rank, job)
     return StagePipeline(split, model_chunks, runtime, ties)
+
+
+def _offload(spec: StageSpec) -> ActivationOffload | None:
+    """A model chunk's activation offload, where ``spec`` asks for it."""
+    return ActivationOffload(spec.device) if spec.offload == "activations" else None
 
 
 Head = Callable[[int, int, Value], None]
@@ -281,7 +291,8 @@ class Runtime:
     Args:
         model_chunks: the process's model chunks, in order: one :class:`ModelChunk` (virtual stage k of K), or with v
             per process those of virtual stages k, k + K, ... of ``K * v`` (or as a V places them).
-        schedule: a name of :data:`lightning_gpipe.engine.schedule.SCHEDULES`.
+        schedule: a name of :data:`lightning_gpipe.engine.schedule.SCHEDULES`, or the path of a CSV schedule in
+            torch.distributed.pipelining's format (:mod:`~lightning_gpipe.engine.schedule_csv`).
         num_stages: K, the processes of the pipeline.
         position: the process's position (its run's :attr:`lightning_gpipe.faults.job.Job.position`), which records
             the action being executed (number, kind, micro-batch, model chunk) for the stall watchdog; none by default.
@@ -296,7 +307,7 @@ class Runtime:
             through :meth:`~lightning_gpipe.engine.StagePipeline.on_backward_start`. ``None`` (default): nothing.
 
     Raises:
-        ValueError: for an unknown schedule.
+        ValueError: for an unknown schedule, or a CSV schedule written for another K, M or v.
     """
 
     def __init__(
@@ -310,6 +321,9 @@ class Runtime:
         self.model_chunks, self.schedule, self.num_stages = list(model_chunks), schedule, num_stages
         self.position, self.costs = position, costs
         self.stage = model_chunks[0].virtual_stage  # model chunk 0's virtual stage is the pipeline rank
+        self._table: ScheduleTable | None = read_schedule(schedule) if is_schedule_file(schedule) else None
+        if self._table is not None:
+            self._table.fit(num_stages, model_chunks[0].micro_batches, len(model_chunks))
         self._plans: dict[tuple[int, bool], Plan] = {}  # by (number of micro-batches, training)
         self.loss_per_micro_batch = self.plan(1).loss_per_micro_batch
         self._plan: Plan | None = None
@@ -337,9 +351,13 @@ class Runtime:
             first, v, num_stages = self.model_chunks[0], len(self.model_chunks), self.num_stages
             if training:
                 defer = first.defer_weight_grad
-                every = plans(self.schedule, num_stages, micro_batches, first.checkpoint, defer, v, self.costs)
+                if self._table is not None:  # a CSV of first.micro_batches; a smaller batch runs its first ones
+                    every = self._table.plans(first.checkpoint, defer, micro_batches)
+                else:
+                    every = plans(self.schedule, num_stages, micro_batches, first.checkpoint, defer, v, self.costs)
             else:
-                every = evaluation(num_stages, micro_batches, v, self.schedule in V_SHAPED)
+                v_shape = self.schedule in V_SHAPED or (self._table is not None and self._table.v_shape)
+                every = evaluation(num_stages, micro_batches, v, v_shape)
             check(every, training)
             self._plans[(micro_batches, training)] = every[self.stage]
         return self._plans[(micro_batches, training)]
@@ -398,13 +416,17 @@ class Runtime:
         self._backward_begun = not self.model_chunks[0].training
         self._plan = self.plan(self._micro_batches, self.model_chunks[0].training)
         self.model_chunks[-1].loss_through = self._plan.backward_follows_loss
-        for model_chunk in self.model_chunks:
+        offloaded = self._placement(self._plan).offloaded
+        for c, model_chunk in enumerate(self.model_chunks):
             model_chunk.receive_ahead = self._plan.forwards_first
+            if model_chunk.offload is not None:
+                model_chunk.offload.begin_step(frozenset(i for chunk, i in offloaded if chunk == c))
         return self._plan
 
     def _run(self, plan: Plan, end: int, head: Head | None = None) -> None:
         """Execute ``plan.actions`` from where the last call stopped up to ``end``, each recorded in the position."""
         position, total, number = self.position, len(plan.actions), self._done
+        prefetches = self._placement(plan).prefetch
         try:
             while number < end:
                 action = plan.actions[number]
@@ -416,15 +438,29 @@ class Runtime:
                         self.before_first_backward()
                 if action.kind is Kind.WEIGHT:  # W back to back run at once (one product per linear layer)
                     together = _weights_from(plan.actions, number, end)
+                    self._prefetch(prefetches, range(number, number + len(together)))
                     self.model_chunks[action.model_chunk].backward_weights(together)
                     number += len(together)
                 else:
+                    self._prefetch(prefetches, [number])
                     self._execute(action, head)
                     number += 1
         finally:
             if position is not None:
                 position.leave_plan()
         self._done = end
+
+    def _placement(self, plan: Plan) -> Placement:
+        """Where ``plan``'s offloads and prefetches go (none without offload)."""
+        return placement(plan) if self.model_chunks[0].offload is not None else _NO_OFFLOAD
+
+    def _prefetch(self, prefetches: dict[int, tuple[tuple[int, int], ...]], numbers: Sequence[int]) -> None:
+        """Start the copies back the plan places before its actions ``numbers``, before they compute."""
+        for number in numbers:
+            for c, i in prefetches.get(number, ()):
+                offload = self.model_chunks[c].offload
+                assert offload is not None  # a plan's offloads are placed only where its model chunks offload
+                offload.prefetch(i)
 
     def _execute(self, action: Action, head: Head | None) -> None:
         """Run one action on its model chunk (a flush: on every model chunk)."""
@@ -450,6 +486,9 @@ class Runtime:
             model_chunk.recompute(i)
         elif kind is Kind.BACKWARD:
             model_chunk.backward(i)
+
+
+_NO_OFFLOAD = Placement(frozenset(), {})
 
 
 _BACKPROPAGATING = (Kind.LOSS, Kind.RECOMPUTE, Kind.BACKWARD, Kind.WEIGHT)

@@ -373,32 +373,149 @@ def zero_bubble_v(
         ValueError: without ``defer_weight_grad``, with ``virtual_stages`` other than 2, or with another number of
             costs than virtual stages.
     """
-    _need_split("zb-v", defer_weight_grad)
+    placed = _v_costs("zb-v", num_stages, defer_weight_grad, virtual_stages, costs)
+    return _v_placed(num_stages, micro_batches, checkpoint, placed)[stage_index]
+
+
+def _v_costs(
+    schedule: str, num_stages: int, defer_weight_grad: bool, virtual_stages: int, costs: tuple[ActionCost, ...] | None
+) -> tuple[ActionCost, ...]:
+    """The costs a V-shaped ``schedule`` places its plans by (equal ones for ``None``), after checking that it runs
+    with the B/W split, two model chunks per stage and one cost per virtual stage (ValueError, naming ``schedule``)."""
+    _need_split(schedule, defer_weight_grad)
     if virtual_stages != 2:
         raise ValueError(
-            f"schedule 'zb-v' places two model chunks per stage in a V: it needs virtual_stages=2, not"
+            f"schedule {schedule!r} places two model chunks per stage in a V: it needs virtual_stages=2, not"
             f" {virtual_stages}."
         )
     if costs is not None and len(costs) != 2 * num_stages:
-        raise ValueError(f"schedule 'zb-v' takes one cost per virtual stage: {2 * num_stages}, not {len(costs)}.")
-    return _v_placed(num_stages, micro_batches, checkpoint, costs or (ActionCost(),) * (2 * num_stages))[stage_index]
+        raise ValueError(f"schedule {schedule!r} takes one cost per virtual stage: {2 * num_stages}, not {len(costs)}.")
+    return costs or (ActionCost(),) * (2 * num_stages)
 
 
 @functools.lru_cache(maxsize=64)
-def _v_placed(num_stages: int, micro_batches: int, checkpoint: str, costs: tuple[ActionCost, ...]) -> tuple[Plan, ...]:
-    """Every stage's ZB-V plan (:func:`zero_bubble_v`)."""
-    return place_weights(_v_order(num_stages, micro_batches, checkpoint, costs), costs)
+def _v_placed(
+    num_stages: int, micro_batches: int, checkpoint: str, costs: tuple[ActionCost, ...], limit: int | None = None
+) -> tuple[Plan, ...]:
+    """Every stage's ZB-V plan (:func:`zero_bubble_v`), or with a stage's memory held within ``limit``
+    (:func:`v_min`, :func:`v_half`, :func:`v_zb`)."""
+    return place_weights(_v_order(num_stages, micro_batches, checkpoint, costs, limit), costs)
 
 
-def _v_order(num_stages: int, micro_batches: int, checkpoint: str, costs: Sequence[ActionCost]) -> list[Plan]:
+V_MEMORY: dict[str, tuple[int, int]] = {"v-min": (2, 3), "v-half": (1, 1), "v-zb": (2, 1)}
+"""The memory-controllable V schedules (Qi et al. 2024): the most micro-batches of a model chunk (half a stage's
+layers) each stage holds at once, as a fraction ``(a, b)`` of K: ``ceil(a K / b)`` of them, and at least 2
+(:func:`held_limit`)."""
+
+
+def held_limit(schedule: str, num_stages: int) -> int:
+    """The most model-chunk micro-batches one stage of the V schedule ``schedule`` (a key of :data:`V_MEMORY`) holds
+    between their forward and their weight gradient W on ``num_stages`` stages: ``ceil(2K / 3)`` for ``"v-min"``,
+    ``K`` for ``"v-half"`` and ``2K`` for ``"v-zb"``, at least 2 (one micro-batch on both of a stage's model chunks,
+    where it turns). Against 1F1B's K micro-batches of a whole stage (2K of a model chunk): a third, a half, the same.
+
+    Raises:
+        KeyError: for a schedule that is not one of :data:`V_MEMORY`.
+    """
+    share, of = V_MEMORY[schedule]
+    return max(2, -(-share * num_stages // of))
+
+
+def _v_controlled(
+    schedule: str,
+    stage_index: int,
+    num_stages: int,
+    micro_batches: int,
+    checkpoint: str,
+    defer_weight_grad: bool,
+    virtual_stages: int,
+    costs: tuple[ActionCost, ...] | None,
+) -> Plan:
+    """Stage ``stage_index``'s plan of the memory-controllable V schedule ``schedule`` (:func:`v_min`)."""
+    placed = _v_costs(schedule, num_stages, defer_weight_grad, virtual_stages, costs)
+    limit = held_limit(schedule, num_stages)
+    return _v_placed(num_stages, micro_batches, checkpoint, placed, limit)[stage_index]
+
+
+def v_min(
+    stage_index: int,
+    num_stages: int,
+    micro_batches: int,
+    checkpoint: str,
+    defer_weight_grad: bool,
+    virtual_stages: int = 2,
+    costs: tuple[ActionCost, ...] | None = None,
+) -> Plan:
+    """V-Min (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory", arXiv:2405.15362, section 4): ZB-V's
+    V (:func:`zero_bubble_v`: two model chunks per stage, virtual stages k and 2K - 1 - k on stage k, the head on
+    stage 0, the B/W split) with each stage holding at most ``ceil(2K / 3)`` micro-batches of a model chunk (half a
+    stage) between their forward and their W (:func:`held_limit`): about a third of 1F1B's activation memory (K
+    micro-batches of a whole stage), at a bubble that grows as the limit tightens.
+
+    The paper repeats a building block whose lifespan sets the memory (its V-Min holds ``(K + 4) // 3`` micro-batches
+    of a whole stage). Ours is built from the memory bound instead: the order of ZB-V's clock of the actions' costs
+    (:func:`_v_order`), where a stage takes in a new micro-batch (its first model chunk's forward) only if it then
+    holds, counting a slot kept for the return of each micro-batch still on its way through the V, at most the limit,
+    so no return ever waits for room; then each W placed by cost as ``"zb-1p"`` places it (:func:`~lightning_gpipe.
+    engine.placement.place_weights`), which keeps every stage within that peak. Recomputes (``checkpoint``) go right
+    before their backward; the plans run in ``training_step`` like 1F1B's.
+
+    Args:
+        virtual_stages: must be 2 (the V's two arms).
+        costs: one :class:`ActionCost` per virtual stage, in pipeline order; ``None`` (default): equal F, B and W.
+
+    Raises:
+        ValueError: without ``defer_weight_grad``, with ``virtual_stages`` other than 2, or with another number of
+            costs than virtual stages.
+    """
+    args = (stage_index, num_stages, micro_batches, checkpoint, defer_weight_grad, virtual_stages, costs)
+    return _v_controlled("v-min", *args)
+
+
+def v_half(
+    stage_index: int,
+    num_stages: int,
+    micro_batches: int,
+    checkpoint: str,
+    defer_weight_grad: bool,
+    virtual_stages: int = 2,
+    costs: tuple[ActionCost, ...] | None = None,
+) -> Plan:
+    """V-Half (Qi et al. 2024, arXiv:2405.15362, section 4): :func:`v_min`'s construction with each stage holding at
+    most K micro-batches of a model chunk, half of 1F1B's activation memory (the paper's V-Half holds
+    ``(K + 2) // 2`` of a whole stage), with a smaller bubble than V-Min's. Arguments and errors as :func:`v_min`'s."""
+    args = (stage_index, num_stages, micro_batches, checkpoint, defer_weight_grad, virtual_stages, costs)
+    return _v_controlled("v-half", *args)
+
+
+def v_zb(
+    stage_index: int,
+    num_stages: int,
+    micro_batches: int,
+    checkpoint: str,
+    defer_weight_grad: bool,
+    virtual_stages: int = 2,
+    costs: tuple[ActionCost, ...] | None = None,
+) -> Plan:
+    """V-ZB (Qi et al. 2024, arXiv:2405.15362, section 4): :func:`v_min`'s construction with each stage holding at
+    most 2K micro-batches of a model chunk, 1F1B's activation memory, for the smallest bubble of the three (near zero
+    where F, B and W are about equal, as ZB-V's, :func:`zero_bubble_v`, which admits by a looser count). Arguments
+    and errors as :func:`v_min`'s."""
+    args = (stage_index, num_stages, micro_batches, checkpoint, defer_weight_grad, virtual_stages, costs)
+    return _v_controlled("v-zb", *args)
+
+
+def _v_order(
+    num_stages: int, micro_batches: int, checkpoint: str, costs: Sequence[ActionCost], limit: int | None = None
+) -> list[Plan]:
     """Every stage's forwards and backwards in a V (:func:`zero_bubble_v`), in the order a clock of ``costs`` runs
     them, each backward timed as its B alone (its W is to fill a wait; the first virtual stage's backwards stay
     whole): a free stage runs the backward whose gradient is there (the oldest micro-batch first), else a forward
     whose input is there (its second model chunk first, which leads to the loss; its first model chunk, which takes in a
-    new micro-batch, only while it holds fewer than 2K micro-batches of a model chunk), else waits for the next input to
-    arrive.
+    new micro-batch, only while it holds fewer than 2K micro-batches of a model chunk, or as ``limit`` allows:
+    :meth:`_VOrder._admits`), else waits for the next input to arrive.
     Each virtual stage runs its micro-batches in order, so every link's transfers are in order."""
-    order = _VOrder(num_stages, micro_batches, costs)
+    order = _VOrder(num_stages, micro_batches, costs, limit)
     order.run()
     return [order.plan(k, checkpoint) for k in range(num_stages)]
 
@@ -408,8 +525,10 @@ class _VOrder:
     (:class:`~lightning_gpipe.engine.clock.Clock`): each stage's next forward and backward per model chunk, chosen as
     the docstring of :func:`_v_order` says."""
 
-    def __init__(self, num_stages: int, micro_batches: int, costs: Sequence[ActionCost]) -> None:
-        self.num_stages, self.micro_batches, self.costs = num_stages, micro_batches, costs
+    def __init__(
+        self, num_stages: int, micro_batches: int, costs: Sequence[ActionCost], limit: int | None = None
+    ) -> None:
+        self.num_stages, self.micro_batches, self.costs, self.limit = num_stages, micro_batches, costs, limit
         self.last = 2 * num_stages - 1
         self.clock = Clock(num_stages, 2 * num_stages, v_shape=True)
         self.forwarded, self.backwarded = [0] * (2 * num_stages), [0] * (2 * num_stages)  # per virtual stage
@@ -450,7 +569,7 @@ class _VOrder:
                     (self.clock.arrival(k, Kind.BACKWARD, i, model_chunk), (0, i, s, Kind.BACKWARD, model_chunk))
                 )
             i = self.forwarded[s]
-            if i < self.micro_batches and (model_chunk == 1 or self._held(k) < 2 * self.num_stages):
+            if i < self.micro_batches and self._admits(k, model_chunk):
                 found.append(
                     (
                         self.clock.arrival(k, Kind.FORWARD, i, model_chunk),
@@ -463,6 +582,16 @@ class _VOrder:
         """Chunk micro-batches stage ``k`` has forwarded and not yet backwarded."""
         virtual = [self.clock.virtual(k, model_chunk) for model_chunk in (0, 1)]
         return sum(self.forwarded[s] - self.backwarded[s] for s in virtual)
+
+    def _admits(self, k: int, model_chunk: int) -> bool:
+        """Whether stage ``k`` may run a forward of ``model_chunk`` now. ZB-V's rule (``limit`` ``None``): its second
+        model chunk's always, its first's (a new micro-batch taken in) while it holds fewer than 2K. With a ``limit``:
+        a new micro-batch while it holds fewer than ``limit - 1``, a second model chunk's while fewer than ``limit``:
+        the slot kept free lets the return of the oldest micro-batch in flight always run (each virtual stage runs its
+        micro-batches in order, so no younger one's return takes it first), and the stage never holds more."""
+        if self.limit is None:
+            return model_chunk == 1 or self._held(k) < 2 * self.num_stages
+        return self._held(k) < self.limit - (model_chunk == 0)
 
     def _run(self, k: int, i: int, s: int, kind: Kind, model_chunk: int) -> None:
         """Run ``kind`` of micro-batch ``i`` on stage ``k``'s ``model_chunk`` (virtual stage ``s``) now (it is free)."""
@@ -495,17 +624,24 @@ SCHEDULES: dict[str, ScheduleFunction] = {
     "zb-h1": zero_bubble_h1,
     "zb-1p": zero_bubble_1p,
     "zb-v": zero_bubble_v,
+    "v-min": v_min,
+    "v-half": v_half,
+    "v-zb": v_zb,
 }
 """The schedules by the name ``GPipeStrategy(schedule=...)`` takes."""
 
-DEFERRED_BY_DEFAULT: dict[str, bool] = {"gpipe": False, "1f1b": False, "zb-h1": True, "zb-1p": True, "zb-v": True}
+DEFERRED_BY_DEFAULT: dict[str, bool] = {
+    "gpipe": False,
+    "1f1b": False,
+    **dict.fromkeys(["zb-h1", "zb-1p", "zb-v", *V_MEMORY], True),
+}
 """Whether each schedule splits its backwards into B and W when ``GPipeStrategy(defer_weight_grad=None)``."""
 
-PLACED_BY_COST: frozenset[str] = frozenset({"zb-1p", "zb-v"})
+PLACED_BY_COST: frozenset[str] = frozenset({"zb-1p", "zb-v", *V_MEMORY})
 """The schedules whose plans depend on the actions' costs (``plans(costs=...)``), for which the strategy profiles
 the backbone with its backwards split into B and W."""
 
-V_SHAPED: frozenset[str] = frozenset({"zb-v"})
+V_SHAPED: frozenset[str] = frozenset({"zb-v", *V_MEMORY})
 """The schedules that place each stage's two model chunks in a V
 (:func:`~lightning_gpipe.engine.actions.virtual_stage`),
 so that the pipeline's last virtual stage, and the user's head, are on stage 0."""

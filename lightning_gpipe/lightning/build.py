@@ -14,10 +14,11 @@ from typing import Any, NamedTuple
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_gpipe.engine import StageSpec, Topology, build_pipeline
 from lightning_gpipe.faults import Job
-from lightning_gpipe.lightning.config import PipelineConfig
+from lightning_gpipe.lightning.config import PipelineConfig, offload_note
 from lightning_gpipe.lightning.contract import BackboneCall, StageRandomness
 from lightning_gpipe.lightning.relay import LogRelay, StepRelay
 from lightning_gpipe.lightning.step import StageRun
@@ -54,6 +55,8 @@ def stage_spec(
         ValueError: if ``balance`` does not fit the backbone.
     """
     topology = process.topology
+    if note := offload_note(config, process.device.type):  # once per run: stage_spec runs once per setup
+        rank_zero_info(note)
     balance = stage_balance(module, name, config, topology, costs)
     assert config.schedule is not None and config.checkpoint is not None  # PipelineConfig gave the defaults
     placed = None
@@ -73,6 +76,7 @@ def stage_spec(
         deferred_batch_norm=config.deferred_batch_norm,
         action_costs=placed,
         control=process.control,
+        offload=config.offload,
     )
 
 

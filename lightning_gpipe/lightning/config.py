@@ -19,14 +19,17 @@ from lightning_gpipe.engine import (
     PLACED_BY_COST,
     V_SHAPED,
     CompileOption,
+    ScheduleTable,
     compile_options,
+    is_schedule_file,
+    read_schedule,
 )
 from lightning_gpipe.planning import MODES, Constraints, CostModel
 
 CheckpointMode = Literal["always", "except_last", "never"]
 """``checkpoint``: re-materialization (:data:`lightning_gpipe.engine.rematerialization.CHECKPOINT_MODES`)."""
 
-ScheduleName = Literal["gpipe", "1f1b", "zb-h1", "zb-1p", "zb-v"]
+ScheduleName = Literal["gpipe", "1f1b", "zb-h1", "zb-1p", "zb-v", "v-min", "v-half", "v-zb"]
 """``schedule``: the names of :data:`lightning_gpipe.engine.schedule.SCHEDULES`."""
 
 StartMethod = Literal["popen", "spawn"]
@@ -39,6 +42,10 @@ ShardingStrategy = Literal["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"]
 """``sharding_strategy``: how a stage's replicas hold its state, with the names of Lightning's ``FSDPStrategy``: whole
 copies averaged by DDP, or shards by torch's FSDP2 (:mod:`lightning_gpipe.lightning.data_parallel`)."""
 
+OffloadMode = Literal["activations"]
+"""``offload``'s value besides ``None``: what a micro-batch's forward saves for its backward waits in host memory
+(:mod:`lightning_gpipe.engine.offload`)."""
+
 BalanceMode = Literal["params", "time", "memory"]
 """The modes ``balance`` takes besides a list (:data:`lightning_gpipe.planning.balance.MODES`)."""
 
@@ -47,7 +54,8 @@ CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     "schedule": (
         get_args(ScheduleName),
         "choose 'gpipe' (fill-drain), '1f1b' (one forward, one backward), 'zb-h1' (zero-bubble 1F1B), 'zb-1p'"
-        " (zero-bubble, W placed by measured costs) or 'zb-v' (zero-bubble, two model chunks per stage in a V)",
+        " (zero-bubble, W placed by measured costs), 'zb-v' (zero-bubble, two model chunks per stage in a V), or"
+        " 'v-min', 'v-half' or 'v-zb' (a V holding a third, a half or all of 1F1B's activation memory)",
     ),
     "start_method": (get_args(StartMethod), "choose 'popen' or 'spawn'"),
     "state_dict_type": (get_args(StateDictType), "choose 'full' or 'sharded'"),
@@ -141,7 +149,10 @@ class PipelineConfig:
             ``"zb-v"`` is zero-bubble's ZB-V (section 6): two model chunks per stage placed in a V, virtual stages
             k and 2K - 1 - k on stage k (``virtual_stages`` is 2), so the backbone's input and the user's head and
             loss are both on stage 0, with W placed by cost like ``"zb-1p"``; 1F1B's peak memory where the model chunks
-            are equal. Evaluation is the same forward for all.
+            are equal. ``"v-min"``, ``"v-half"``, ``"v-zb"`` (Qi et al. 2024): ZB-V with each stage holding at most
+            ``ceil(2K / 3)``, K or 2K chunk micro-batches, a third, a half or all of 1F1B's activation memory.
+            A ``.csv`` path runs a schedule in torch's format
+            (:mod:`~lightning_gpipe.engine.schedule_csv`, docs/planning.md). Evaluation is the same forward for all.
         virtual_stages: v, the model chunks of each stage (interleaved pipelines, Narayanan et al. 2021, section
             2.2): the backbone is split into ``K * v`` virtual stages and stage k holds virtual stages k, k + K,
             ..., so a micro-batch visits every stage v times and the bubble falls from ``(K - 1) / (M + K - 1)``
@@ -206,6 +217,10 @@ class PipelineConfig:
             device; on the CPU it must be given.
         cost_model: the planner's constants for this machine
             (:class:`~lightning_gpipe.planning.CostModel`); ``None`` (default): the ones measured for the package.
+        offload: ``"activations"`` moves what each micro-batch's forward saves for its backward (not parameters, nor
+            tensors under 1 MiB) to pinned host memory on a side CUDA stream, and back one computing action before its
+            backward (PipeOffload, Wan et al., ICML 2025; :mod:`lightning_gpipe.engine.offload`, docs/training.md);
+            same values, bit for bit; on a CPU nothing moves. ``None`` (default): no offload.
         compile: ``True`` compiles each backbone layer of every stage with :func:`torch.compile` (its defaults), in
             place: the forward, the re-materialization's recompute and the backward (one compiled backward per
             layer) run compiled code, and parameter names stay (``backbone.7.weight``). A dict gives
@@ -217,8 +232,9 @@ class PipelineConfig:
     Raises:
         ValueError: naming the option and the fix, for a value of the wrong type (``chunks`` and
             ``virtual_stages`` not integers >= 1, ``deferred_batch_norm`` not a bool, ``backbone`` or
-            ``process_group_backend`` not a string, ``cost_model`` not a :class:`~lightning_gpipe.planning.CostModel`,
-            ``timeout`` or ``stall_timeout`` not a positive ``timedelta``, e.g. seconds as a number), a value outside
+            ``process_group_backend`` not a string, ``offload`` neither ``None`` nor ``"activations"``, ``cost_model``
+            not a :class:`~lightning_gpipe.planning.CostModel`, ``timeout`` or ``stall_timeout`` not a positive
+            ``timedelta``, e.g. seconds as a number), a value outside
             :data:`CHOICES`, a ``balance`` that is neither a mode nor a list of integers, a ``balance_memory_limit``
             that is not a positive integer or comes with a list ``balance``, or a mesh size that is neither a
             positive integer nor ``"auto"``; a ``plan`` other than ``"auto"`` or ``None``, a ``memory_limit`` that is
@@ -248,6 +264,7 @@ class PipelineConfig:
     memory_limit: int | None = None
     cost_model: CostModel | None = None
     compile: CompileOption = False
+    offload: OffloadMode | None = None
 
     def __post_init__(self) -> None:
         self._given: frozenset[str]  # the options given (not None), set here: not a field of the dataclass
@@ -257,9 +274,11 @@ class PipelineConfig:
         if self.schedule in V_SHAPED and "virtual_stages" not in self._given:  # the V's two arms, kept by the planner
             object.__setattr__(self, "virtual_stages", 2)
             object.__setattr__(self, "_given", self._given | {"virtual_stages"})
+        self._table: ScheduleTable | None  # a CSV schedule's, read before any process starts
+        object.__setattr__(self, "_table", _schedule_file(self))
         _check_types(self)
         for option, (allowed, fix) in CHOICES.items():
-            if getattr(self, option) not in allowed:
+            if getattr(self, option) not in allowed and not (option == "schedule" and self._table is not None):
                 raise ValueError(f"GPipeStrategy({option}={getattr(self, option)!r}): {fix}.")
         self._check_weight_split()
         self._check_virtual_stages()
@@ -295,15 +314,15 @@ class PipelineConfig:
             )
         if self.schedule in V_SHAPED and v != 2:
             raise ValueError(
-                f"GPipeStrategy(schedule={self.schedule!r}, virtual_stages={v}): ZB-V places two model chunks per stage"
-                " in a V; leave virtual_stages unset (or 2), or choose schedule='zb-1p' for other model chunk counts."
+                f"GPipeStrategy(schedule={self.schedule!r}, virtual_stages={v}): a V schedule places two model chunks"
+                " per stage in a V; leave virtual_stages unset (or 2), or choose schedule='zb-1p' for other counts."
             )
 
     @property
     def v_shape(self) -> bool:
         """Whether the schedule places each stage's two model chunks in a V (:data:`~lightning_gpipe.engine.schedule.
-        V_SHAPED`: virtual stages k and 2K - 1 - k on stage k, the head on stage 0)."""
-        return self.schedule in V_SHAPED
+        V_SHAPED`: virtual stages k and 2K - 1 - k on stage k, the head on stage 0), or as a CSV schedule does."""
+        return self.schedule in V_SHAPED or (self._table is not None and self._table.v_shape)
 
     @property
     def splits_backward(self) -> bool:
@@ -311,7 +330,7 @@ class PipelineConfig:
         ``None``, the schedule's default (:data:`~lightning_gpipe.engine.schedule.DEFERRED_BY_DEFAULT`)."""
         if self.defer_weight_grad is None:
             assert self.schedule is not None  # __post_init__ gave the default
-            return DEFERRED_BY_DEFAULT[self.schedule]
+            return self._table.splits if self._table is not None else DEFERRED_BY_DEFAULT[self.schedule]
         return self.defer_weight_grad
 
     def _check_balance(self) -> None:
@@ -400,11 +419,52 @@ def _check_types(config: "PipelineConfig") -> None:
         if value is not None and not isinstance(value, str):
             what = "the name of the nn.Sequential attribute" if option == "backbone" else "a backend name"
             raise ValueError(f"GPipeStrategy({option}={value!r}): give {what} as a string, or None.")
+    if config.offload is not None and config.offload not in get_args(OffloadMode):
+        raise ValueError(
+            f"GPipeStrategy(offload={config.offload!r}): choose None (activations stay on the device) or"
+            " 'activations' (moved to host memory until their backward)."
+        )
     if config.cost_model is not None and not isinstance(config.cost_model, CostModel):
         raise ValueError(
             f"GPipeStrategy(cost_model={config.cost_model!r}): give a lightning_gpipe.CostModel, e.g."
             " CostModel(transfer_latency=2e-3), or None for the package's constants."
         )
+
+
+def _schedule_file(config: "PipelineConfig") -> ScheduleTable | None:
+    """A ``schedule`` that is the path of a CSV schedule in torch.distributed.pipelining's format (torchtitan's
+    ``pipeline_parallel_schedule_csv``; :mod:`~lightning_gpipe.engine.schedule_csv`), read; ``chunks`` and
+    ``virtual_stages`` become its M and v where not given; ``None`` for a schedule's name.
+
+    Raises:
+        ValueError: for a missing file, one our runtime cannot run (the row and column named), ``chunks``,
+            ``virtual_stages`` or ``defer_weight_grad=False`` that the file contradicts, or ``plan="auto"``.
+    """
+    if not is_schedule_file(config.schedule):
+        return None
+    try:
+        table = read_schedule(cast(str, config.schedule))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"GPipeStrategy(schedule={config.schedule!r}): {error}") from error
+    for option, value in (("chunks", table.micro_batches), ("virtual_stages", table.virtual_stages)):
+        given = config.chunks is not None if option == "chunks" else option in config._given
+        if given and getattr(config, option) != value:
+            raise ValueError(
+                f"GPipeStrategy(schedule={config.schedule!r}, {option}={getattr(config, option)!r}): the schedule is"
+                f" written for {option}={value}; leave {option} unset, or write the schedule for it."
+            )
+        object.__setattr__(config, option, value)
+    if config.defer_weight_grad is False and table.splits:
+        raise ValueError(
+            f"GPipeStrategy(schedule={config.schedule!r}, defer_weight_grad=False): the schedule splits backwards"
+            " into I and W, which needs the B/W split; leave defer_weight_grad unset (or True)."
+        )
+    if config.plan is not None:
+        raise ValueError(
+            f"GPipeStrategy(schedule={config.schedule!r}, plan='auto'): a CSV schedule fixes K, chunks and the order"
+            " of every action, which the planner would choose; drop one of them."
+        )
+    return table
 
 
 def _check_plan(config: "PipelineConfig") -> None:
@@ -462,6 +522,17 @@ def _check_timeouts(config: "PipelineConfig") -> None:
             f"{seconds}, or None ({without}). On the command line: --trainer.strategy.{option}=0:30:00"
             " (hours:minutes:seconds)."
         )
+
+
+def offload_note(config: PipelineConfig, device_type: str) -> str | None:
+    """What ``offload`` does on a CPU, said once per run; ``None`` without offload or on an accelerator."""
+    if config.offload is None or device_type != "cpu":
+        return None
+    return (
+        "GPipeStrategy(offload='activations'): offload on the CPU moves nothing anywhere useful: activations stay in"
+        " host memory, where a CPU stage's activations already are (the hooks and prefetches run, the values are"
+        " the same). Offload spares an accelerator's memory."
+    )
 
 
 def one_stage_warning(config: PipelineConfig, num_stages: int, device_type: str) -> str | None:

@@ -450,8 +450,8 @@ def _check_virtual_stages(pp: int, virtual_stages: int, v_shape: bool) -> None:
         return
     if v_shape:
         raise ValueError(
-            "GPipeStrategy(schedule='zb-v') places two model chunks per stage in a V across the stages, but the"
-            " pipeline has one stage; use more devices per pipeline, or another schedule."
+            "GPipeStrategy's V schedules ('zb-v', 'v-min', 'v-half', 'v-zb') place two model chunks per stage in a V"
+            " across the stages, but the pipeline has one stage; use more devices per pipeline, or another schedule."
         )
     if virtual_stages > 1:
         raise ValueError(

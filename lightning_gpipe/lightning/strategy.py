@@ -36,6 +36,7 @@ from lightning_gpipe.lightning.checkpoints import CheckpointHooks
 from lightning_gpipe.lightning.config import (
     Balance,
     CheckpointMode,
+    OffloadMode,
     PipelineConfig,
     ScheduleName,
     ShardingStrategy,
@@ -82,7 +83,8 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         start_method: ``"popen"`` (default) or ``"spawn"``.
         state_dict_type: checkpoints as one ``"full"`` file (default) or a ``"sharded"`` directory.
         sharding_strategy: a stage's replicas hold its state whole (``"NO_SHARD"``, DDP; default) or sharded by FSDP2.
-        schedule: ``"gpipe"`` (fill-drain; ``None``, default), ``"1f1b"``, ``"zb-h1"``, ``"zb-1p"`` or ``"zb-v"``.
+        schedule: ``"gpipe"`` (fill-drain; ``None``, default), ``"1f1b"``, ``"zb-h1"``, ``"zb-1p"``, ``"zb-v"``,
+            ``"v-min"``, ``"v-half"`` or ``"v-zb"``, or a ``.csv`` file in torch's format (docs/planning.md).
         virtual_stages: model chunks per stage, interleaved (``None``, default: 1, or the planner's choice).
         pipeline_parallel_size: K, the stages of each pipeline (default ``"auto"``).
         data_parallel_size: D, the pipeline replicas (default ``"auto"``).
@@ -92,16 +94,15 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         plan: ``"auto"`` chooses the options not given under ``memory_limit`` (docs/planning.md); default ``None``.
         memory_limit: bytes one device may hold under ``plan="auto"`` (default: CUDA's free memory; on the CPU give it).
         cost_model: the planner's constants for this machine (default: the package's).
-        compile: each stage's backbone layers compiled with ``torch.compile`` (``True``, or its keyword arguments as
-            a dict); default ``False``.
+        compile: ``torch.compile`` each stage's backbone layers (``True``, or its keyword arguments); default ``False``.
+        offload: ``"activations"``: saved activations wait in host memory for their backward (default ``None``).
         accelerator: as for Lightning's other parallel strategies; the Trainer fills it in.
         parallel_devices: the devices of this node, one per stage process; the Trainer fills them in.
         cluster_environment: how ranks are found; the Trainer fills it in.
         checkpoint_io: writes and reads full checkpoint files; Lightning's ``TorchCheckpointIO`` by default.
         precision_plugin: as for Lightning's other strategies; the Trainer fills it in from ``precision=``.
 
-    Each option is documented in full in :class:`~lightning_gpipe.lightning.config.PipelineConfig` and kept in
-    :attr:`config`.
+    Each option is documented in full in :class:`~lightning_gpipe.lightning.config.PipelineConfig` (:attr:`config`).
 
     Raises:
         ValueError: for a bad option (see :class:`~lightning_gpipe.lightning.config.PipelineConfig`); whether the mesh
@@ -133,6 +134,7 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         memory_limit: int | None = None,
         cost_model: CostModel | None = None,
         compile: CompileOption = False,
+        offload: OffloadMode | None = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -150,6 +152,7 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
             defer_weight_grad=defer_weight_grad,
             deferred_batch_norm=deferred_batch_norm,
             compile=compile,
+            offload=offload,
             pipeline_parallel_size=pipeline_parallel_size,  # the processes: mesh, launcher, groups, timeouts
             data_parallel_size=data_parallel_size,
             sharding_strategy=sharding_strategy,
@@ -162,8 +165,7 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
             cost_model=cost_model,
             state_dict_type=state_dict_type,  # checkpoints
         )
-        plugins = (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
-        super().__init__(config, *plugins)
+        super().__init__(config, accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.layer_costs: list[LayerCost] | None = None  # profiled per backbone layer, when a mode needs them
         self.plan_report: PlanReport | None = None  # what plan="auto" chose and why, once planned
         self._requested = self.config  # the options as given; plan="auto" runs a config with the plan's values
@@ -274,12 +276,10 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         """The plan after its cut (see :func:`~lightning_gpipe.lightning.step.backward`), between
         ``on_before_backward`` and ``on_after_backward``; then the step's agreement, which carries the last stage's
         logged values to every stage (see :func:`~lightning_gpipe.lightning.step.agree`)."""
-        module, precision = self.lightning_module, self.precision_plugin
-        assert module is not None  # attached by the Trainer
+        module, precision, run = self.lightning_module, self.precision_plugin, self._run
+        assert module is not None and run is not None  # attached by the Trainer, split in setup
         self.pre_backward(closure_loss)
         closure_loss = precision.pre_backward(closure_loss, module)
-        run = self._run
-        assert run is not None  # split in setup
         step.backward(run, module, precision, closure_loss, optimizer, *args, **kwargs)
         closure_loss = precision.post_backward(closure_loss, module)
         self.post_backward(closure_loss)

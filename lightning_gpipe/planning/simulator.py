@@ -24,7 +24,9 @@ and at once by its backward.
 1F1B's order with the B/W split, stage k running each W ``k`` micro-batches after its B.
 ``"zb-1p"`` and ``"zb-v"`` (:func:`lightning_gpipe.engine.schedule.zero_bubble_1p`,
 :func:`~lightning_gpipe.engine.schedule.zero_bubble_v`) place their W by the stages' costs (:func:`action_costs`);
-ZB-V's two model chunks per process are placed in a V (:func:`lightning_gpipe.engine.actions.virtual_stage`).
+ZB-V's two model chunks per process are placed in a V (:func:`lightning_gpipe.engine.actions.virtual_stage`), and
+so are those of the memory-controllable V schedules ``"v-min"``, ``"v-half"`` and ``"v-zb"``
+(:func:`lightning_gpipe.engine.schedule.v_min`), which also place by cost.
 Dependencies and recomputes are as above.
 
 With K equal stages, M micro-batches and only forward and backward, the step takes ``(M + K - 1)`` micro-batch
@@ -183,16 +185,17 @@ def simulate(
             mini-batch (under 1F1B, ``loss / M`` after each micro-batch's forward).
         optimizer: seconds of the optimizer step, one number for every stage or one per stage.
         schedule: a name of :data:`~lightning_gpipe.engine.schedule.SCHEDULES` (default ``"gpipe"``, fill-drain), as for
-            ``GPipeStrategy``; ``"zb-1p"`` and ``"zb-v"`` place their W by these stages' costs.
+            ``GPipeStrategy``; ``"zb-1p"``, ``"zb-v"`` and the V schedules (``"v-min"``, ``"v-half"``, ``"v-zb"``)
+            place their actions by these stages' costs.
         defer_weight_grad: whether the stages after the first split their backwards into B and W, as for
             ``GPipeStrategy``; ``None`` (default): when a stage's ``weight`` is set, or the schedule splits by
-            default (``"zb-h1"``, ``"zb-1p"``, ``"zb-v"``).
-        virtual_stages: model chunks per process, as for ``GPipeStrategy`` (default 1; 2 for ``"zb-v"``, whose
-            model chunks are placed in a V).
+            default (``"zb-h1"``, ``"zb-1p"``, ``"zb-v"`` and the V schedules).
+        virtual_stages: model chunks per process, as for ``GPipeStrategy`` (default 1; 2 for ``"zb-v"`` and the V
+            schedules, whose model chunks are placed in a V).
 
     Raises:
         ValueError: for no stages, ``micro_batches < 1``, an unknown ``checkpoint`` mode or ``schedule``, a zero-bubble
-            schedule with ``defer_weight_grad=False``, ``"zb-v"`` with other than 2 model chunks per process, or a
+            schedule with ``defer_weight_grad=False``, a V schedule with other than 2 model chunks per process, or a
             number of stages that ``virtual_stages`` does not divide.
     """
     if not stages or micro_batches < 1 or checkpoint not in CHECKPOINT_MODES or schedule not in SCHEDULES:

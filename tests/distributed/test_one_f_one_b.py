@@ -30,11 +30,29 @@ def runs():
         ("deferred_weights", {}),  # with the zero-bubble B/W split (defer_weight_grad=True)
         ("zb_h1_M8_never", {}),  # schedule="zb-h1": stage 1 runs each W one micro-batch after its B
         ("zb_h1_M3_always", {}),  # and with re-materialization
+        ("offload_M8_never", {}),  # offload="activations": saved activations wait in host memory
+        ("offload_M3_except_last", {}),  # stage 0 offloads the last micro-batch, the others are re-materialized
+        ("offload_gpipe_M8_never", {}),  # under fill-drain
+        ("offload_zb_h1_M8_never", {}),  # and with the B/W split: W unpacks the prefetched tensors again
     ],
 )
 def test_1f1b_equals_one_device(runs, name, overrides, reference_state):
     expected = fit_batches(**overrides).lightning_module.state_dict() if overrides else reference_state
     assert_states_close(torch.load(runs / f"{name}.pt"), expected)
+
+
+def test_offload_moved_activations_on_the_stages_whose_backward_waits(runs):
+    """On a CPU nothing leaves host memory, but the hooks ran: stage 0 moved every configuration's activations; stage
+    1 only fill-drain's (under 1F1B and ZB-H1 its backward follows each forward at once)."""
+    first, last = (json.loads((runs / f"offload_rank{r}.json").read_text()) for r in range(2))
+    assert set(first) == {
+        "offload_M8_never",
+        "offload_M3_except_last",
+        "offload_gpipe_M8_never",
+        "offload_zb_h1_M8_never",
+    }
+    assert all(moved > 0 for moved in first.values())
+    assert set(last) == {"offload_gpipe_M8_never"} and last["offload_gpipe_M8_never"] > 0
 
 
 @pytest.mark.parametrize("name, scale", [("fp16", 2.0**16), ("fp16_overflow", 2.0**24)])

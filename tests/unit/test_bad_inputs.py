@@ -29,7 +29,10 @@ ARGUMENTS = {
     "stall_timeout_seconds": (dict(stall_timeout=30), "as a positive `datetime.timedelta`, e.g. timedelta(minutes=5)"),
     "stall_timeout_zero": (dict(stall_timeout=timedelta(0)), "as a positive `datetime.timedelta`"),
     "schedule": (dict(schedule="zb-2p"), "choose 'gpipe' (fill-drain), '1f1b' (one forward, one backward), 'zb-h1'"),
-    "zb-v chunks": (dict(schedule="zb-v", virtual_stages=3), "ZB-V places two model chunks per stage in a V; leave"),
+    "schedule_v": (dict(schedule="v-third"), "'v-min', 'v-half' or 'v-zb' (a V holding a third, a half or all of"),
+    "zb-v chunks": (dict(schedule="zb-v", virtual_stages=3), "a V schedule places two model chunks per stage in a V"),
+    "v-min chunks": (dict(schedule="v-min", virtual_stages=1), "schedule='v-min', virtual_stages=1): a V schedule"),
+    "v_half_without_split": (dict(schedule="v-half", defer_weight_grad=False), "schedule='v-half', defer_weight_grad"),
     "virtual_stages_zero": (dict(virtual_stages=0), "give the model chunks per stage, an integer >= 1"),
     "zb_h1_without_split": (
         dict(schedule="zb-h1", defer_weight_grad=False),
@@ -48,6 +51,7 @@ ARGUMENTS = {
     "backbone_type": (dict(backbone=3), "give the name of the nn.Sequential attribute as a string, or None"),
     "backend_type": (dict(process_group_backend=1), "give a backend name as a string, or None"),
     "cost_model_type": (dict(plan="auto", cost_model="fast"), "give a lightning_gpipe.CostModel, e.g. CostModel("),
+    "offload": (dict(offload="weights"), "GPipeStrategy(offload='weights'): choose None (activations stay on the"),
 }
 
 

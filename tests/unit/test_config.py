@@ -20,6 +20,7 @@ from lightning_gpipe.lightning.config import (
     CHOICES,
     BalanceMode,
     CheckpointMode,
+    OffloadMode,
     PipelineConfig,
     ScheduleName,
     one_stage_warning,
@@ -31,7 +32,8 @@ sys.path.insert(0, str(EXAMPLES))
 
 PARAMETERS = inspect.signature(GPipeStrategy).parameters
 
-VALUES = {option: allowed for option, (allowed, _) in CHOICES.items()} | {"balance": MODES, "plan": ("auto",)}
+VALUES = {option: allowed for option, (allowed, _) in CHOICES.items()}
+VALUES |= {"balance": MODES, "plan": ("auto",), "offload": get_args(OffloadMode)}
 """Every named value each option takes (the docs offer these; tests/unit/test_doc_commands.py holds them to it)."""
 
 

@@ -141,7 +141,7 @@ def test_a_report_names_the_innermost_frame_without_reading_source_files(job):
 class _RecordingChunk:
     """Stands for the first of two stages: its forwards record where the runtime says the stage is."""
 
-    virtual_stage, checkpoint, defer_weight_grad, training, is_last = 0, "never", False, True, False
+    virtual_stage, checkpoint, defer_weight_grad, training, is_last, offload = 0, "never", False, True, False, None
 
     def __init__(self, position) -> None:
         self.position, self.seen = position, {}

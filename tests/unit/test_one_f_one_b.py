@@ -75,7 +75,7 @@ class _FakeChunk:
     def __init__(self, k: int, stages: int, micro_batches: int, wire: _Wire, defer: bool = False) -> None:
         self.virtual_stage, self.is_first, self.is_last = k, k == 0, k == stages - 1
         self.micro_batches, self.wire, self.events = micro_batches, wire, Recorder()
-        self.checkpoint, self.defer_weight_grad, self.training = "always", defer, True
+        self.checkpoint, self.defer_weight_grad, self.training, self.offload = "always", defer, True, None
         self.calls: list[tuple[str, int]] = []
         self.held: set[int] = set()
         self.peak = 0

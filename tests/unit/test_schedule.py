@@ -11,11 +11,13 @@ from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, checkpoin
 from lightning_gpipe.engine.schedule import (
     DEFERRED_BY_DEFAULT,
     SCHEDULES,
+    V_MEMORY,
     V_SHAPED,
     ScheduleError,
     check,
     evaluation,
     format_plans,
+    held_limit,
     plans,
 )
 from lightning_gpipe.planning.simulator import StageCost, action_costs, simulate
@@ -334,3 +336,93 @@ def test_plans_of_the_1f1b_order_wait_for_their_sends_only_at_the_end():
                 for plan in plans(schedule, k, m, "except_last", defer, v):
                     flushes = [n for n, action in enumerate(plan.actions) if action.kind is Kind.FLUSH]
                     assert flushes == [len(plan.actions) - 1], (schedule, k, m, v)
+
+
+# --------------------------------------------------------------------------- V-Min, V-Half, V-ZB: memory in a V
+
+
+def _in_flight(plan: Plan) -> int:
+    """The most micro-batches of a model chunk ``plan`` holds at once between their forward and their W (or their
+    whole backward, where the model chunk does not split it)."""
+    split = {(a.micro_batch, a.model_chunk) for a in plan.actions if a.kind is Kind.WEIGHT}
+    held = peak = 0
+    for a in plan.actions:
+        done = a.kind is Kind.WEIGHT or (a.kind is Kind.BACKWARD and (a.micro_batch, a.model_chunk) not in split)
+        held += (a.kind is Kind.FORWARD) - done
+        peak = max(peak, held)
+    return peak
+
+
+def test_the_v_schedules_hold_a_third_a_half_and_all_of_1f1bs_memory():
+    """In micro-batches of a model chunk (half a stage): 1F1B's first stage holds 2K; V-Min ceil(2K / 3), V-Half K,
+    V-ZB 2K, at least 2 (a micro-batch on both model chunks where it turns); never more than the paper's V-Min
+    (K + 4) // 3, V-Half (K + 2) // 2 and V-ZB K micro-batches of a whole stage."""
+    assert [held_limit(name, 4) for name in V_MEMORY] == [3, 4, 8]
+    assert [held_limit(name, 2) for name in V_MEMORY] == [2, 2, 4]
+    for k in range(2, 17):
+        assert held_limit("v-min", k) <= 2 * ((k + 4) // 3) and held_limit("v-min", k) == max(2, -(-2 * k // 3))
+        assert held_limit("v-half", k) == k <= 2 * ((k + 2) // 2) and held_limit("v-zb", k) == 2 * k
+    with pytest.raises(KeyError):
+        held_limit("zb-v", 4)
+
+
+@pytest.mark.parametrize("schedule", list(V_MEMORY))
+def test_every_v_schedule_runs_to_its_end_within_its_memory_bound(schedule):
+    """For every (K, M, checkpoint): the plans pair their transfers and run (check), hold the head on stage 0, run
+    each micro-batch once per model chunk, and no stage holds more micro-batches than :func:`held_limit`, which the
+    busiest stage reaches once M allows."""
+    for num_stages in range(2, 6):
+        for count in (1, 2, 3, 5, 8, 12):
+            for mode in CHECKPOINT_MODES:
+                stage_plans = plans(schedule, num_stages, count, mode, None, 2)
+                check(stage_plans)
+                for k, plan in enumerate(stage_plans):
+                    assert plan.v_shape and plan.loss_per_micro_batch and plan.actions[-1] == Action(Kind.FLUSH)
+                    for model_chunk in range(2):
+                        runs = [a for a in plan.actions if a.model_chunk == model_chunk]
+                        assert sum(a.kind is Kind.FORWARD for a in runs) == count
+                        assert sum(a.kind is Kind.RECOMPUTE for a in runs) == sum(
+                            checkpointed(mode, i, count) for i in range(count)
+                        )
+                        split = virtual_stage(k, model_chunk, num_stages, True) > 0
+                        assert sum(a.kind is Kind.WEIGHT for a in runs) == (count if split else 0)
+                        assert sum(a.kind is Kind.LOSS for a in runs) == (count if (k, model_chunk) == (0, 1) else 0)
+                limit = held_limit(schedule, num_stages)
+                held = [_in_flight(plan) for plan in stage_plans]
+                assert max(held) <= limit
+                if count >= 2 * num_stages:
+                    assert max(held) == limit
+
+
+def test_the_v_schedules_memory_and_time_against_1f1b_on_the_simulators_clock():
+    """K = 4, M = 16, two stages' worth of work cut into model chunks of half a stage, F = B = W: the predicted
+    activation bytes per stage (kept inputs and saved activations) are at most 0.40x (V-Min), 0.55x (V-Half) and 1x
+    (V-ZB) of 1F1B's; the tighter the memory, the longer the step; V-ZB's step is ZB-V's, shorter than 1F1B's."""
+    num_stages, count = 4, 16
+    halves = [StageCost(0.5, 1.0, weight=0.5, input_bytes=2, activation_bytes=48)] * (2 * num_stages)
+    wholes = [StageCost(1.0, 2.0, input_bytes=4, activation_bytes=96)] * num_stages
+    one_f_one_b = simulate(wholes, count, "never", schedule="1f1b")
+    peak = max(one_f_one_b.peak_activation_bytes)
+    assert peak == num_stages * 100
+    predicted = {name: simulate(halves, count, "never", schedule=name, virtual_stages=2) for name in V_MEMORY}
+    ratios = {name: max(p.peak_activation_bytes) / peak for name, p in predicted.items()}
+    assert ratios == {"v-min": 3 / 8, "v-half": 4 / 8, "v-zb": 1.0}
+    assert predicted["v-min"].step_time > predicted["v-half"].step_time > predicted["v-zb"].step_time
+    zb_v = simulate(halves, count, "never", schedule="zb-v", virtual_stages=2)
+    assert predicted["v-zb"].step_time == zb_v.step_time < one_f_one_b.step_time
+
+
+def test_the_v_schedules_place_by_cost_and_refuse_other_chunk_counts():
+    rng = random.Random(2)
+    for _ in range(12):
+        num_stages, count, mode = rng.choice([2, 3, 4]), rng.choice([2, 5, 8]), rng.choice(CHECKPOINT_MODES)
+        schedule, costs = rng.choice(list(V_MEMORY)), _random_costs(rng, 2 * num_stages)
+        stage_plans = plans(schedule, num_stages, count, mode, True, 2, action_costs(costs, 0.1))
+        check(stage_plans)
+        assert max(_in_flight(plan) for plan in stage_plans) <= held_limit(schedule, num_stages)
+    with pytest.raises(ValueError, match="'v-min' places two model chunks per stage in a V: it needs virtual_stages=2"):
+        plans("v-min", 2, 4, "never", True, 1)
+    with pytest.raises(ValueError, match="'v-half' takes one cost per virtual stage: 4, not 2"):
+        plans("v-half", 2, 4, "never", True, 2, (ActionCost(),) * 2)
+    with pytest.raises(ValueError, match="'v-zb' runs each weight gradient apart"):
+        plans("v-zb", 2, 4, "never", False, 2)

@@ -9,7 +9,10 @@ OUT_DIR/threads_rank{r}.txt (torch threads of each stage process) and OUT_DIR/pr
 M = 2 < K for K > 2), OUT_DIR/zb-h1_{always,never}.pt and OUT_DIR/zb-1p_except_last.pt (the zero-bubble
 schedules on the same batches; ``"zb-1p"`` places W by the profiled costs), and OUT_DIR/v2_{schedule}_{checkpoint}.pt
 (``virtual_stages=2``: the looped fill-drain as the M{chunks} runs, 3 micro-batches; interleaved 1F1B, ZB-H1 and
-ZB-1p, and ZB-V's two chunks in a V, as the 1f1b runs), with and without re-materialization.
+ZB-1p, and ZB-V's two chunks in a V, as the 1f1b runs), with and without re-materialization; with K = 2 or 4 also
+OUT_DIR/v_{schedule}.pt (the V schedules V-Min, V-Half and V-ZB, 8 micro-batches of batches of 26 rows, 6 AdamW
+steps: the state and every step's loss); with K = 2 also OUT_DIR/csv_torch_izb.pt (``schedule=`` the CSV torch writes of
+its ScheduleInterleavedZeroBubble at M = 4, on the 1f1b runs' batches).
 """
 
 import argparse
@@ -20,8 +23,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from models import fit, loader, trainer_kwargs  # noqa: E402
+from models import LossRecorder, fit, loader, trainer_kwargs  # noqa: E402
 from rowwise import fit_batches  # noqa: E402
+from sharded import AdamWNet  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
 
@@ -61,3 +65,22 @@ for schedule, checkpoint in interleaved:
         state = fit_batches(strategy, args.devices, batch_size=25).lightning_module.state_dict()
     if rank == 0:
         torch.save(state, os.path.join(args.out, f"v2_{schedule}_{checkpoint}.pt"))
+V_SCHEDULES = {"v-min": "always", "v-half": "except_last", "v-zb": "never"}  # each with a re-materialization mode
+for schedule, checkpoint in V_SCHEDULES.items() if args.devices in (2, 4) else ():
+    recorder = LossRecorder()
+    strategy = lightning_gpipe.GPipeStrategy(chunks=8, checkpoint=checkpoint, schedule=schedule)
+    trainer = fit_batches(strategy, args.devices, batch_size=26, module=AdamWNet, callbacks=[recorder])
+    if rank == 0:
+        result = {"state": trainer.lightning_module.state_dict(), "losses": recorder.losses}
+        torch.save(result, os.path.join(args.out, f"v_{schedule}.pt"))
+if args.devices == 2:  # a schedule torch wrote: ScheduleInterleavedZeroBubble's CSV (I/W split, two stages per rank)
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+    from torch_schedules import torch_csv, torch_schedule
+
+    path = os.path.join(args.out, f"torch_izb_rank{rank}.csv")  # each process reads its own copy as it starts
+    with open(path, "w") as f:
+        f.write(torch_csv(torch_schedule(ScheduleInterleavedZeroBubble, 2, 4)))
+    strategy = lightning_gpipe.GPipeStrategy(schedule=path)
+    state = fit_batches(strategy, args.devices, batch_size=25).lightning_module.state_dict()
+    if rank == 0:
+        torch.save(state, os.path.join(args.out, "csv_torch_izb.pt"))

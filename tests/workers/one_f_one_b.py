@@ -4,7 +4,8 @@ schedule="zb-h1", which runs the user's step like 1F1B).
 Usage: python one_f_one_b.py OUT_DIR --devices 2
 Writes rank 0's module state after each fit to OUT_DIR/<name>.pt for every entry of ``configs()`` (see the
 test, tests/distributed/test_one_f_one_b.py, for what each is compared with); OUT_DIR/<name>_rank{r}.json per rank
-for the 16-mixed runs (the gradient scaler's final scale) and the logging run (``WatchedNet.seen``); a full
+for the 16-mixed runs (the gradient scaler's final scale) and the logging run (``WatchedNet.seen``), and
+OUT_DIR/offload_rank{r}.json (the bytes each ``offload="activations"`` run moved to host memory on rank r); a full
 checkpoint at step 3 resumed to step 6 (OUT_DIR/resume.pt); the error of a batch that cannot be split by rows
 (OUT_DIR/unsplittable_rank{r}.txt). K = 3 and 4 run in tests/workers/equivalence.py.
 """
@@ -23,6 +24,7 @@ from models import TupleNet  # noqa: E402
 from rowwise import WatchedNet, fit_batches  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
+from lightning_gpipe.engine import offload  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -46,6 +48,10 @@ def configs() -> dict[str, tuple[int, str, dict]]:
         "deferred_weights": (3, "always", {}),  # with defer_weight_grad=True (see below)
         "zb_h1_M8_never": (8, "never", {}),  # schedule="zb-h1" (see below)
         "zb_h1_M3_always": (3, "always", {}),
+        "offload_M8_never": (8, "never", {}),  # offload="activations" (see below)
+        "offload_M3_except_last": (3, "except_last", {}),
+        "offload_gpipe_M8_never": (8, "never", {}),
+        "offload_zb_h1_M8_never": (8, "never", {}),
     }
 
 
@@ -53,6 +59,10 @@ OPTIONS = {
     "deferred_weights": dict(defer_weight_grad=True),
     "zb_h1_M8_never": dict(schedule="zb-h1"),
     "zb_h1_M3_always": dict(schedule="zb-h1"),
+    "offload_M8_never": dict(offload="activations"),
+    "offload_M3_except_last": dict(offload="activations"),
+    "offload_gpipe_M8_never": dict(offload="activations", schedule="gpipe"),
+    "offload_zb_h1_M8_never": dict(offload="activations", schedule="zb-h1"),
 }
 """The strategy options of the configurations that differ from 1F1B's defaults."""
 
@@ -75,7 +85,21 @@ def write(name: str, facts) -> None:
         json.dump(facts, f)
 
 
+offload.MIN_BYTES = 0  # the tiny model's activations are all under the default
+MOVED: dict[str, int] = {}  # bytes offloaded by each configuration on this rank
+moving = offload.ActivationOffload._to_host
+
+
+def counted(self, saved) -> bool:
+    size, moved = saved.device.nbytes, moving(self, saved)
+    MOVED[current] = MOVED.get(current, 0) + (size if moved else 0)
+    return moved
+
+
+offload.ActivationOffload._to_host = counted
+
 for name, (chunks, checkpoint, overrides) in configs().items():
+    current = name
     trainer = fit_batches(strategy(chunks, checkpoint, **OPTIONS.get(name, {})), args.devices, **overrides)
     save(name, trainer)
     scaler = getattr(trainer.precision_plugin, "scaler", None)
@@ -83,6 +107,7 @@ for name, (chunks, checkpoint, overrides) in configs().items():
         write(name, {"scale": scaler.get_scale()})
     if isinstance(trainer.lightning_module, WatchedNet):
         write(name, trainer.lightning_module.seen)
+write("offload", MOVED)
 
 every_3 = ModelCheckpoint(dirpath=args.out, filename="full", every_n_train_steps=3, save_top_k=-1)
 fit_batches(strategy(3), args.devices, max_steps=3, enable_checkpointing=True, callbacks=[every_3])
