@@ -327,6 +327,7 @@ class Runtime:
         self._plans: dict[tuple[int, bool], Plan] = {}  # by (number of micro-batches, training)
         self.loss_per_micro_batch = self.plan(1).loss_per_micro_batch
         self._plan: Plan | None = None
+        self._offloads = _NO_OFFLOAD  # the step's plan's offloads and prefetches (_begin)
         self._done = 0
         self._inputs: list[Iterator[tuple[int, Value, int]]] = []
         self._outputs: dict[tuple[int, int], Value] = {}  # by (model chunk, micro-batch)
@@ -416,17 +417,17 @@ class Runtime:
         self._backward_begun = not self.model_chunks[0].training
         self._plan = self.plan(self._micro_batches, self.model_chunks[0].training)
         self.model_chunks[-1].loss_through = self._plan.backward_follows_loss
-        offloaded = self._placement(self._plan).offloaded
+        self._offloads = self._placement(self._plan)  # once per step: every _run of the plan reads it
         for c, model_chunk in enumerate(self.model_chunks):
             model_chunk.receive_ahead = self._plan.forwards_first
             if model_chunk.offload is not None:
-                model_chunk.offload.begin_step(frozenset(i for chunk, i in offloaded if chunk == c))
+                model_chunk.offload.begin_step(frozenset(i for chunk, i in self._offloads.offloaded if chunk == c))
         return self._plan
 
     def _run(self, plan: Plan, end: int, head: Head | None = None) -> None:
         """Execute ``plan.actions`` from where the last call stopped up to ``end``, each recorded in the position."""
         position, total, number = self.position, len(plan.actions), self._done
-        prefetches = self._placement(plan).prefetch
+        prefetches = self._offloads.prefetch
         try:
             while number < end:
                 action = plan.actions[number]
