@@ -46,6 +46,16 @@ from lightning_gpipe.engine.schedule import SCHEDULES  # noqa: E402
 KINDS = ("lightning", "bare", "tp", "tp-1f1b", "tp-i1f1b", "tp-zb", "tp-zbv", "torchgpipe")
 
 
+def _balance(text: str) -> str | list[int]:
+    """``--balance``: a mode of ``GPipeStrategy(balance=...)``, or a comma-separated list of layers per stage."""
+    if text in ("params", "time", "memory"):
+        return text
+    try:
+        return [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither params, time, memory nor a list like 4,4") from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Options of one measurement (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -58,10 +68,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--devices", type=int, default=2, help="K, pipeline stages")
     parser.add_argument("--chunks", type=int, default=8, help="M, micro-batches")
     parser.add_argument("--checkpoint", choices=("never", "except_last", "always"), default="never")
-    parser.add_argument("--balance", choices=("params", "time", "memory"), default="params", help="lightning only")
+    parser.add_argument(
+        "--balance",
+        type=_balance,
+        default="params",
+        help="lightning only: params, time, memory, or layers per (virtual) stage, comma-separated (default params)",
+    )
     parser.add_argument("--batch-size", type=int, default=1024, help="rows (images) per mini-batch")
     parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument(
+        "--depth", type=int, help="mlp: (Linear, ReLU) pairs (default 8); translation: layers per side (default 3)"
+    )
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--steps", type=int, default=8, help="measured steps")
     parser.add_argument("--warmup", type=int, default=2)
@@ -72,6 +89,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=tuple(SCHEDULES),
         help="lightning gpipe, bare (default: lightning gpipe leaves it unset, so the strategy chooses the B/W split;"
         " bare runs gpipe)",
+    )
+    parser.add_argument(
+        "--offload", action="store_true", help='lightning gpipe only: GPipeStrategy(offload="activations")'
+    )
+    parser.add_argument(
+        "--local-layers",
+        action="store_true",
+        help="tp kinds: build only this rank's layers (on the meta device, then initialised), as a capped run needs;"
+        " without it every rank builds the whole backbone, the same weights for every K",
     )
     parser.add_argument(
         "--virtual-stages", type=int, help="lightning gpipe only: GPipeStrategy(virtual_stages=...) (default: its own)"
@@ -111,7 +137,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="lightning only: every process reports live_peak_mib, the peak of its live tensors during training"
         " (LiveBytes; it slows the run)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.depth is None:
+        args.depth = 3 if args.model == "translation" else 8
+    return args
 
 
 def _batch(args: argparse.Namespace):
@@ -131,28 +160,34 @@ class SavedBytes:
     Installed with ``torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack)``. A saved
     tensor counts with the bytes of its storage, once however many graph nodes save it (a Linear's input and
     the ReLU output before it are one storage), and stops counting when the last node saving it is freed.
-    Parameters (and their storages) are not activations and are not counted.
+    Parameters (and their storages) are not activations and are not counted. A saved view of the mini-batch the
+    loader gives (a micro-batch of it, as the first stage's layers save their input) counts with its own bytes, not
+    its storage's (the whole mini-batch, held by the loader whatever the schedule).
 
     Args:
         params: the module's parameters.
+        batch: the mini-batch's tensors.
     """
 
-    def __init__(self, params) -> None:
+    def __init__(self, params, batch: Iterable[torch.Tensor] = ()) -> None:
         self.params = {p.untyped_storage().data_ptr() for p in params}
-        self.refs: dict[int, int] = {}  # storage address -> saving nodes alive
+        self.batch = {t.untyped_storage().data_ptr() for t in batch}
+        self.refs: dict[int, int] = {}  # storage address (a view's own, for the batch) -> saving nodes alive
         self.sizes: dict[int, int] = {}
         self.live = self.peak = 0
 
     def pack(self, tensor: torch.Tensor) -> object:
         """Count ``tensor``'s storage while a node saves it; return a handle holding it."""
         storage = tensor.untyped_storage()
-        key = storage.data_ptr()
+        key, size = storage.data_ptr(), storage.nbytes()
+        if key in self.batch:
+            key, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
         handle = _Handle(tensor)
         if key in self.params or storage.device.type == "meta":
             return handle
         if key not in self.refs:
-            self.refs[key], self.sizes[key] = 0, storage.nbytes()
-            self.live += storage.nbytes()
+            self.refs[key], self.sizes[key] = 0, size
+            self.live += size
             self.peak = max(self.peak, self.live)
         self.refs[key] += 1
         weakref.finalize(handle, self._release, key)
@@ -278,18 +313,22 @@ def run_lightning(args: argparse.Namespace) -> None:
     if args.model == "amoebanet":
         module = models.amoebanet_classifier(channels_last=args.channels_last)
     elif args.model == "translation":
-        module = models.translation_module()
+        module = models.translation_module(args.depth)
     else:
         module = models.MLPClassifier(args.width, args.depth, momentum=args.momentum)
-    counter = _Deferred(module, lambda: getattr(trainer.strategy, "stage", None)) if args.count_saved else None
     batch = _batch(args)
     data = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    counter = _Deferred(module, lambda: getattr(trainer.strategy, "stage", None), data) if args.count_saved else None
     live = LiveBytes(excluded=data) if args.count_live else None
     callback = Clock()
     breakdown = step_breakdown(args.warmup) if args.breakdown else None
     # the saved bytes sampled at the end of a fill, only when counting: a callback's on_before_backward makes
     # every stage swap its random streams twice a step
-    fill_end = None if counter is None else pl.callbacks.LambdaCallback(on_before_backward=lambda *_: counter.sample())
+    fill_end = None
+    if counter is not None:
+        fill_end = pl.callbacks.LambdaCallback(
+            on_train_start=lambda *_: counter.restart(), on_before_backward=lambda *_: counter.sample()
+        )
     trainer_kwargs = {
         "accelerator": "cpu",
         "max_steps": args.warmup + args.steps,
@@ -316,6 +355,7 @@ def run_lightning(args: argparse.Namespace) -> None:
             options.update({"balance": args.plan_balance} if args.plan_balance else {})
         else:
             options.update(balance=args.balance)
+        options.update({"offload": "activations"} if args.offload else {})
         strategy = GPipeStrategy(defer_weight_grad=args.defer_weight_grad, **options)
         trainer = pl.Trainer(strategy=strategy, devices=args.devices, **trainer_kwargs)
     loader = models.repeat_loader(batch, args.warmup + args.steps, fresh=args.plan_limit_mib is not None)
@@ -403,7 +443,9 @@ def step_breakdown(warmup: int):
 
 
 class _Deferred:
-    """A :class:`SavedBytes` made at the first saved tensor, once the module's layers are built and split.
+    """A :class:`SavedBytes` made at the first saved tensor, and made anew when training starts (:meth:`restart`), once
+    the strategy's setup has built and split the module's layers: what setup saved (a profile of the layers) is not
+    counted, and the parameters excluded are those the stage trains (setup may replace the module's).
 
     At every saved tensor (and at each :meth:`sample`) it also samples the stage's kept inputs: ``kept`` is their
     largest count, ``peak`` the largest sum of the live saved bytes and the kept inputs (bytes).
@@ -411,16 +453,17 @@ class _Deferred:
     Args:
         module: the LightningModule.
         stage: returns the strategy's current ``ModelChunk`` (``None`` without one).
+        batch: the mini-batch's tensors (see :class:`SavedBytes`).
     """
 
-    def __init__(self, module: torch.nn.Module, stage) -> None:
-        self.module, self.stage, self.counter = module, stage, None
+    def __init__(self, module: torch.nn.Module, stage, batch: Iterable[torch.Tensor] = ()) -> None:
+        self.module, self.stage, self.counter, self.batch = module, stage, None, list(batch)
         self.kept = self.peak = 0
 
     def pack(self, tensor: torch.Tensor) -> object:
         """:meth:`SavedBytes.pack`, making the counter first if needed; then :meth:`sample`."""
         if self.counter is None:
-            self.counter = SavedBytes(self.module.parameters())
+            self.counter = SavedBytes(self.module.parameters(), self.batch)
         handle = self.counter.pack(tensor)
         self.sample()
         return handle
@@ -430,6 +473,10 @@ class _Deferred:
         if self.counter is not None:
             kept = self.counter.kept_inputs(self.stage())
             self.kept, self.peak = max(self.kept, kept), max(self.peak, self.counter.live + kept)
+
+    def restart(self) -> None:
+        """Count from now on, with the module's parameters as they are now."""
+        self.counter, self.kept, self.peak = SavedBytes(self.module.parameters(), self.batch), 0, 0
 
     unpack = staticmethod(SavedBytes.unpack)
 
@@ -476,13 +523,22 @@ def _parts(args: argparse.Namespace, count: int) -> tuple[list[dict], torch.nn.M
     from lightning_gpipe.planning.balance import resolve_balance
 
     torch.manual_seed(0)
-    backbone = models.mlp_backbone(args.width, args.depth)
-    head = torch.nn.Linear(args.width, models.NUM_CLASSES)
+    with torch.device("meta" if args.local_layers else "cpu"):
+        backbone = models.mlp_backbone(args.width, args.depth)
+        head = torch.nn.Linear(args.width, models.NUM_CLASSES)
     names, parts, start = list(backbone._modules), [], 0
     for size in resolve_balance(None, backbone, count):
         parts.append({name: backbone._modules[name] for name in names[start : start + size]})
         start += size
     return parts, head
+
+
+def _materialized(layers: list[torch.nn.Module]) -> None:
+    """Give ``layers``, built on the meta device (``--local-layers``), memory and their default initialisation."""
+    for layer in layers:
+        if any(p.is_meta for p in layer.parameters()):
+            layer.to_empty(device="cpu")
+            layer.reset_parameters()
 
 
 def _train(step, params, args: argparse.Namespace, rank: int) -> None:
@@ -549,6 +605,7 @@ def run_tp(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     layers, head = _local_layers(args, rank, world)
     module = torch.nn.Sequential(*layers.values(), *([head] if rank == world - 1 else []))
+    _materialized(list(module))
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     schedule = (Schedule1F1B if args.kind == "tp-1f1b" else ScheduleGPipe)(stage, args.chunks, loss_fn=F.cross_entropy)
     x, y = _batch(args)
@@ -585,6 +642,7 @@ def run_tp_zero_bubble(args: argparse.Namespace) -> None:
     parts, head = _parts(args, total)
     ids = [rank, total - 1 - rank] if args.kind == "tp-zbv" else [rank, rank + world]
     modules = [torch.nn.Sequential(*parts[i].values(), *([head] if i == total - 1 else [])) for i in ids]
+    _materialized([layer for module in modules for layer in module])
     stages = [PipelineStage(m, i, total, torch.device("cpu")) for m, i in zip(modules, ids)]
     kinds = {"tp-i1f1b": ScheduleInterleaved1F1B, "tp-zb": ScheduleInterleavedZeroBubble}
     kind = kinds.get(args.kind, ScheduleZBVZeroBubble)

@@ -77,13 +77,14 @@ def amoebanet_classifier(num_layers: int = 6, num_filters: int = 16, channels_la
     )
 
 
-def translation_module() -> pl.LightningModule:
-    """The translation example's Transformer (``examples/translation/configs/cpu.yaml``'s model: d_model 256, 3 + 3
-    layers, the shipped 8,000-word vocabulary), without decoding in validation."""
+def translation_module(layers: int = 3) -> pl.LightningModule:
+    """The translation example's Transformer (``examples/translation/configs/cpu.yaml``'s model: d_model 256, the
+    shipped 8,000-word vocabulary) with ``layers`` encoder and ``layers`` decoder layers (default 3, the config's),
+    without decoding in validation."""
     _examples_on_path()
     from translation.module import TranslationModule
 
-    return TranslationModule(decode=False)
+    return TranslationModule(decode=False, num_encoder_layers=layers, num_decoder_layers=layers)
 
 
 def translation_batch(max_tokens: int = 4096) -> dict:

@@ -21,6 +21,11 @@ Usage::
     python benchmarks/plan.py --model amoebanet --batch-size 64 --chunks 4 8 16 32
     python benchmarks/plan.py --chunks 2 4 --checkpoint never always --schedule gpipe   # a smaller grid
     python benchmarks/plan.py --chunks 8 --checkpoint never --schedule gpipe 1f1b zb-h1 --virtual-stages 1 2
+    python benchmarks/plan.py --chunks 8 --checkpoint never --schedule 1f1b zb-1p v-min --repeats 1   # issue 59
+
+The planner considers every schedule (those that split their backwards too: it profiles B and W), so ``auto`` may run
+one of the grid's zero-bubble or V schedules; a V schedule (``v-min``, ``v-half``, ``v-zb``, ``zb-v``) is a grid
+plan with its two model chunks per stage whatever ``--virtual-stages`` says.
 """
 
 import argparse
@@ -37,7 +42,7 @@ import _harness as harness
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's lightning_gpipe
 
-from lightning_gpipe.engine.schedule import SCHEDULES
+from lightning_gpipe.engine.schedule import SCHEDULES, V_SHAPED
 from lightning_gpipe.planning import CostModel, PipelinePlan, ProfiledCosts, predict
 from lightning_gpipe.planning.balance import LayerCost
 
@@ -79,7 +84,8 @@ def configs(args: argparse.Namespace) -> list[harness.Config]:
     common = ["lightning", "--model", args.model, "--momentum", str(args.momentum), "--plan-limit-mib"]
     common += [str(args.limit_mib), *harness.mlp_run_args(args)]
     found = [harness.Config("auto", common, describe="plan='auto'")]
-    for m, mode, schedule, v in product(args.chunks, args.checkpoint, args.schedule, args.virtual_stages):
+    points = product(args.chunks, args.checkpoint, args.schedule, args.virtual_stages)
+    for m, mode, schedule, v in dict.fromkeys((m, c, s, 2 if s in V_SHAPED else v) for m, c, s, v in points):
         if m == 1 and mode == "except_last":
             continue  # the same plan as "never"
         fixed = ["--chunks", str(m), "--checkpoint", mode, "--schedule", schedule, "--virtual-stages", str(v)]
@@ -161,10 +167,7 @@ def _line(result: dict) -> str:
     if "failed" in result:
         return result["failed"]
     plan = result["plan"]
-    chosen = (
-        f"M={plan['chunks']} {plan['checkpoint']} {plan['schedule']} v={plan.get('virtual_stages', 1)}"
-        f" balance {plan['balance']}"
-    )
+    chosen = f"{_options(plan)} balance {plan['balance']}"
     if result["memory_run"]:
         resident, live = ("/".join(f"{m:.0f}" for m in result[key]) for key in ("measured_mib", "live_mib"))
         predicted = "/".join(f"{m:.0f}" for m in result["predicted_mib"])
@@ -173,6 +176,14 @@ def _line(result: dict) -> str:
         f"{result['median_s']:.3f} s/step (predicted {result['predicted_s']:.3f}); {chosen};"
         f" waited {100 * result['runq']:.0f}%"
     )
+
+
+def _options(plan: dict) -> str:
+    """A plan's options in a few words: M, re-materialization, schedule, model chunks, sharding and offload where
+    set."""
+    extras = [plan[key] for key in ("sharding_strategy", "offload") if plan.get(key)]
+    words = [f"M={plan['chunks']}", plan["checkpoint"], plan["schedule"], f"v={plan.get('virtual_stages', 1)}", *extras]
+    return " ".join(words)
 
 
 def summarise(args: argparse.Namespace, runs: dict[str, list[dict]], peaks: dict[str, dict]) -> None:
@@ -213,10 +224,7 @@ def figures(args: argparse.Namespace, rows: dict, auto_runs: list[dict]) -> None
     fastest = min(grid, key=lambda name: grid[name][0])
     auto = rows["auto"][0]
     for chosen in (r["plan"] for r in auto_runs if "plan" in r):
-        print(
-            f"auto chose M={chosen['chunks']} {chosen['checkpoint']} {chosen['schedule']}"
-            f" v={chosen.get('virtual_stages', 1)} balance {chosen['balance']}"
-        )
+        print(f"auto chose {_options(chosen)} balance {chosen['balance']}")
     best = grid[fastest][0]
     print(f"auto / fastest of {len(grid)} feasible grid plans ({fastest}): {auto:.3f} / {best:.3f} = {auto / best:.3f}")
     times = [step / median for median, step, _, _ in grid.values()]
@@ -302,7 +310,8 @@ def _profiled(data: dict) -> ProfiledCosts:
 def _plan(result: dict) -> PipelinePlan:
     plan = result["plan"]
     keys = ("pipeline_parallel_size", "data_parallel_size", "chunks", "checkpoint", "schedule")
-    return PipelinePlan(*(plan[key] for key in keys), tuple(plan["balance"]), plan.get("virtual_stages", 1))
+    extras = (plan.get("virtual_stages", 1), plan.get("sharding_strategy", "NO_SHARD"), plan.get("offload"))
+    return PipelinePlan(*(plan[key] for key in keys), tuple(plan["balance"]), *extras)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ first tests, the classes are chosen for what each exercises of the adapter:
 - GPT-NeoX (Pythia), Phi 1/2: cut only where their declared pipeline plans say (``embed_in``, ``emb_dropout``,
   ``final_layer_norm``; ``embed_dropout``, ``final_layernorm``), GPT-NeoX's blocks taking the cache as
   ``layer_past``; partial rotary embeddings, biases, LayerNorm.
+- Bloom: no plan, cut by the GPT-2-like layout (``transformer.h``); ALiBi biases every block's layer computes from
+  the whole padding mask (over the cached positions when decoding), a norm on the embeddings, tied embeddings.
 - GLM-MoE-DSA: each block's indexer takes the top-k indices the previous block chose (``prev_topk_indices``), an
   integer tensor carried from block to block, across the stages; latent attention, dense and sparse MLPs.
 """
@@ -145,6 +147,20 @@ FAMILIES = {
         ),
     ),  # fmt: skip
     "phi": ("PhiForCausalLM", "CausalLM", dict(model_type="phi", **DECODER, partial_rotary_factor=0.5)),
+    "bloom": (
+        "BloomForCausalLM",
+        "CausalLM",
+        dict(
+            model_type="bloom",
+            vocab_size=VOCAB,
+            hidden_size=32,
+            n_layer=3,
+            n_head=4,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            **ENDS,
+        ),
+    ),  # fmt: skip
     "glm_moe_dsa": (
         "GlmMoeDsaForCausalLM",
         "CausalLM",

@@ -22,10 +22,11 @@ from lightning_gpipe.engine.events import TRANSFER, WORK, PeakBytes, Recorder, S
 from lightning_gpipe.engine.gradients import StepGradients
 from lightning_gpipe.engine.microbatch import Partition, Value, batch_size, leaves, scatter, tensors
 from lightning_gpipe.engine.module_paths import attach
+from lightning_gpipe.engine.offload import placement as offload_placement
 from lightning_gpipe.engine.partition import is_whole, materialize
 from lightning_gpipe.engine.pipeline import StagePipeline, StageSpec, build_pipeline
 from lightning_gpipe.engine.rematerialization import CHECKPOINT_MODES, checkpointed, recomputed_share
-from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, PLACED_BY_COST, SCHEDULES, V_SHAPED, plans
+from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, PLACED_BY_COST, SCHEDULES, V_SHAPED, check, plans
 from lightning_gpipe.engine.schedule_csv import (
     ScheduleTable,
     export_schedule,
@@ -88,7 +89,9 @@ __all__ = [
     "Plan",
     "SCHEDULES",
     "Span",
+    "check",
     "checkpointed",
+    "offload_placement",
     "plans",
     "virtual_stage",
     # measuring a layer as a stage runs it, for the planner's profile: memory counted, values, skips, the B/W split

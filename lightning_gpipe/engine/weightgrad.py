@@ -108,19 +108,34 @@ def run_together(weights: Sequence[DeferredWeightGradient], before_last: Callabl
         _run_linears({key: [found[key] for found in linears] for key in common})
 
 
+PRODUCTS_IN_FLIGHT = 16 * 2**20
+"""Bytes of fused weight gradients :func:`_run_linears` computes before handing them to autograd: up to this many
+products wait for one autograd call (one call for a small stage), so that a large stage never holds a second full set
+of its parameters' gradients beside ``.grad``."""
+
+
 def _run_linears(layers: dict[tuple[Node, Node | None], list["_Group"]]) -> None:
     """Each linear layer's W (by ``(weight, bias)``, its groups, one per micro-batch, see :func:`_linear_key`) as one
-    product over their rows, all added to ``.grad`` in one autograd call."""
-    params, grads = [], []
+    product over their rows, added to ``.grad`` by autograd calls of at most :data:`PRODUCTS_IN_FLIGHT` bytes of
+    products (the last may exceed it by one layer's). The products are values, not graphs: a layer's stacked rows are
+    freed once its product is computed."""
+    params: list[Tensor] = []
+    grads: list[Tensor] = []
     for (weight, bias), groups in layers.items():
         rows = [_linear_rows(group) for group in groups]
-        gradient, inputs = torch.cat([g for g, _ in rows]), torch.cat([x for _, x in rows])
+        with torch.no_grad():
+            gradient, inputs = torch.cat([g for g, _ in rows]), torch.cat([x for _, x in rows])
+            grads.append(gradient.t().mm(inputs))
+            if bias is not None:
+                grads.append(gradient.sum(0))
         params.append(weight.variable)  # type: ignore[attr-defined]  # a Node attribute torch's stubs lack
-        grads.append(gradient.t().mm(inputs))
         if bias is not None:
             params.append(bias.variable)  # type: ignore[attr-defined]  # a Node attribute torch's stubs lack
-            grads.append(gradient.sum(0))
-    torch.autograd.backward(params, grads)
+        if sum(g.nbytes for g in grads) >= PRODUCTS_IN_FLIGHT:
+            torch.autograd.backward(params, grads)
+            params, grads = [], []
+    if params:
+        torch.autograd.backward(params, grads)
 
 
 def backward_input(

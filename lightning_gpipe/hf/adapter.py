@@ -9,10 +9,12 @@ mechanism (:mod:`lightning_gpipe.engine.ties`) finds by itself.
 
 Which layers a model is cut into is its :class:`Family`'s business. Models are recognised by what ``transformers``
 declares and by their structure, not their class name: first the pipeline plan a decoder declares (below), then the
-standard decoder layout of ``transformers`` 5 (:mod:`lightning_gpipe.hf.decoder_layout`) and the BERT-style encoders
-(:mod:`lightning_gpipe.hf.encoder`); GPT-2 is a family by name, and :func:`register_family` adds more. Before a class
-is cut for the first time in a process, the self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves its cut on a
-miniature built from the same config, so a class that looks standard and is not is refused rather than trained
+standard decoder layout of ``transformers`` 5 (:mod:`lightning_gpipe.hf.decoder_layout`), the GPT-2-like decoders
+that declare no plan (:mod:`lightning_gpipe.hf.gpt2_like`: Bloom, Falcon, MPT, GPT-BigCode, XGLM) and the BERT-style
+encoders (:mod:`lightning_gpipe.hf.encoder`); GPT-2 is a family by name, and :func:`register_family` adds more.
+Before a class is cut for the first time in a process, the self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves
+its cut on a miniature built from the same config, so a class that looks standard and is not is refused rather than
+trained
 wrongly. A ``peft`` model is cut as the model inside it (:mod:`lightning_gpipe.hf.lora`).
 
 **The declared plan.** Since ``transformers`` PR #36091 (2025) a config may carry ``base_model_pp_plan``, which maps
@@ -55,6 +57,7 @@ from lightning_gpipe.hf.decoder_cut import (
     sublayers,
 )
 from lightning_gpipe.hf.decoder_layout import (
+    ROTARY,
     bidirectional,
     block_arguments_reason,
     kv_sharing_reason,
@@ -62,13 +65,10 @@ from lightning_gpipe.hf.decoder_layout import (
     standard_decoder,
 )
 from lightning_gpipe.hf.encoder import standard_encoder, standard_encoder_layers
+from lightning_gpipe.hf.gpt2_like import gpt2_like_decoder, gpt2_like_layers, unsaved_buffers
 from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel, UnsupportedModelError
 
 # ------------------------------------------------------------------ the pipeline plan transformers declares
-
-ROTARY = "rotary_emb"
-"""The base model's child the plan leaves out that the adapter knows: the rotary embedding."""
-
 
 PER_LAYER = ("get_per_layer_inputs", "project_per_layer_inputs")
 """The methods of a base model that computes per-layer inputs for its blocks from the tokens and the embeddings
@@ -283,13 +283,15 @@ FAMILIES: list[Family] = [
         source=plan_source,
     ),
     Family("decoder", (), standard_decoder_layers, DECODER_INPUTS, structure=standard_decoder, source=structure_source),
+    Family("gpt2-like", (), gpt2_like_layers, DECODER_INPUTS, structure=gpt2_like_decoder),
     Family("encoder", (), standard_encoder_layers, ENCODER_INPUTS, structure=standard_encoder, encoder=True),
 ]
 """The registered families, tried in order by :func:`family_of`: GPT-2 by name; then a decoder cut where its
 declared pipeline plan says (:func:`declared_decoder`: ``config.base_model_pp_plan``, the
 first source); then by structure, the standard decoder layout
-(:func:`~lightning_gpipe.hf.decoder_layout.standard_decoder`, the fallback) and the BERT-style encoders
-(:func:`~lightning_gpipe.hf.encoder.standard_encoder`)."""
+(:func:`~lightning_gpipe.hf.decoder_layout.standard_decoder`, the fallback), the GPT-2-like decoders without a plan
+(:func:`~lightning_gpipe.hf.gpt2_like.gpt2_like_decoder`: Bloom, Falcon, MPT, GPT-BigCode, XGLM) and the BERT-style
+encoders (:func:`~lightning_gpipe.hf.encoder.standard_encoder`)."""
 
 
 def register_family(family: Family) -> None:
@@ -363,7 +365,7 @@ def to_sequential(model: nn.Module, weights: Any | None = None, check: bool = Tr
             already checked with this config (:func:`check_class`), or one you have verified yourself.
 
     Returns:
-        The ``nn.Sequential`` of :class:`HFLayer` layers.
+        The ``nn.Sequential`` of :class:`HFLayer` layers, in ``model``'s mode (training or eval).
 
     Raises:
         UnsupportedModelError: for a model no family takes, naming it and why (before any step runs).
@@ -376,7 +378,10 @@ def to_sequential(model: nn.Module, weights: Any | None = None, check: bool = Tr
         check_class(type(inner), inner.config)
     layers = family.layers(cast(PreTrainedModel, inner))  # a model a family takes: a transformers model
     held = {id(t) for layer in layers for t in [*layer.parameters(), *layer.buffers()]}
-    missing = [n for n, t in [*inner.named_parameters(), *inner.named_buffers()] if id(t) not in held]
+    unsaved = unsaved_buffers(inner)  # held by the base model itself, which no layer holds, and never read
+    missing = [
+        n for n, t in [*inner.named_parameters(), *inner.named_buffers()] if id(t) not in held and n not in unsaved
+    ]
     if missing:
         raise ValueError(
             f"The {family.name} family's layers leave {len(missing)} tensors of {type(inner).__name__} out"
@@ -386,4 +391,4 @@ def to_sequential(model: nn.Module, weights: Any | None = None, check: bool = Tr
         if isinstance(layer, HFLayer):
             layer.weights = weights
             layer.extra_init = extra_init
-    return nn.Sequential(*layers)
+    return nn.Sequential(*layers).train(inner.training)  # in the model's mode: a dropout a layer applies itself too

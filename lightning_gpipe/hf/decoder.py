@@ -1,5 +1,6 @@
 """A decoder's backbone layers: the embeddings (:class:`DecoderEmbedding`), one layer per block
-(:class:`RotaryDecoderBlock` for the standard layout of ``transformers`` 5, :class:`GPT2Block`), the final norm
+(:class:`RotaryDecoderBlock` for the standard layout of ``transformers`` 5, :class:`GPT2Block`, :class:`GPT2LikeBlock`
+for the GPT-2-like layout of :mod:`lightning_gpipe.hf.gpt2_like`), the final norm
 (:class:`FinalNorm`) and the head (:class:`Head`); and the causal LM loss of their output (:func:`causal_lm_loss`).
 Where a model is cut into them: :mod:`lightning_gpipe.hf.decoder_cut`.
 
@@ -300,6 +301,61 @@ class GPT2Block(CachedDecoderBlock):
             hidden, cache, mask, None, use_cache=cache is not None, position_ids=position_ids
         )
         return _pack(hidden, attention_mask, position_ids, documents, rows)
+
+
+class GPT2LikeBlock(CachedDecoderBlock):
+    """One block of the GPT-2-like layout: ``(hidden, attention_mask, position_ids[, rows])`` to the same, the block
+    applied.
+
+    Rebuilds the causal 4-D mask from the ``(N, S)`` padding mask (boolean for MPT, whose attention fills where it is
+    true), and gives the block what the model's forward gives it where it asks for it: ALiBi biases from the whole
+    mask ``(N, past + S)`` with the base model's ``build_alibi_tensor`` (Bloom's ``alibi``, ``(N * heads, 1, past +
+    S)``; ``None`` for Falcon's rotary layout), MPT's ``position_bias`` (``build_mpt_alibi_tensor`` over
+    ``config.max_seq_len``), the rotary cos/sin from the positions (Falcon), the cache under the name it takes. With
+    ``rows``, decodes incrementally with its own key/value cache
+    (:class:`~lightning_gpipe.hf.kv_cache.CachedDecoderBlock`).
+
+    Args:
+        model: the model.
+        block: path of the block (``"transformer.h.2"``).
+        rotary: path of the rotary embedding (``"transformer.rotary_emb"``), or ``None`` (default).
+    """
+
+    def __init__(self, model: PreTrainedModel, block: str, rotary: str | None = None) -> None:
+        super().__init__(model, [block, *([] if rotary is None else [rotary])], int(block.rsplit(".", 1)[1]))
+        self._block, self._rotary = block, rotary
+        self._base = block.rsplit(".", 2)[0]
+        self._arguments = set(inspect.signature(self.part(block).forward).parameters)
+
+    def _extra(self, hidden: Tensor, attention_mask: Tensor, position_ids: Tensor, mask: Any) -> dict[str, Any]:
+        """The block's arguments besides the hidden states and the cache (see the class docstring)."""
+        base = cast(Any, self.hf_model.get_submodule(self._base))
+        arguments: dict[str, Any] = {"attention_mask": mask}
+        if "alibi" in self._arguments:
+            build = getattr(base, "build_alibi_tensor", None)
+            arguments["alibi"] = None if build is None else build(attention_mask, base.num_heads, hidden.dtype)
+        if "position_bias" in self._arguments:
+            length = self.config.max_seq_len
+            arguments["position_bias"] = base.build_mpt_alibi_tensor(base.num_heads, length, device=hidden.device)
+            arguments["attention_mask"] = mask.to(torch.bool)
+        if self._rotary is not None:
+            arguments["position_embeddings"] = self.part(self._rotary)(hidden, position_ids)
+        if "position_ids" in self._arguments:
+            arguments["position_ids"] = position_ids
+        return arguments
+
+    def forward(self, value: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        hidden, attention_mask, position_ids, _, documents, rows = _unpack(value, None)
+        cache, mask = self.cache_and_mask(hidden, attention_mask, position_ids, rows, documents)
+        name = "layer_past" if "layer_past" in self._arguments else "cache"
+        output = self.part(self._block)(
+            hidden,
+            use_cache=cache is not None,
+            **{name: cache},
+            **self._extra(hidden, attention_mask, position_ids, mask),
+        )
+        output = output[0] if isinstance(output, tuple) else output
+        return _pack(output, attention_mask, position_ids, documents, rows)
 
 
 class FinalNorm(HFLayer):

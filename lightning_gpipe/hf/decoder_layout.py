@@ -29,6 +29,10 @@ STANDARD_BASE = ("embed_tokens", "layers", "norm", "rotary_emb")
 """The modules of a standard decoder's base model, and nothing else."""
 
 
+ROTARY = "rotary_emb"
+"""The base model's child that is its rotary embedding (a declared plan leaves it out; every block's layer calls it)."""
+
+
 BLOCK_ARGUMENTS = frozenset(
     ("hidden_states", "attention_mask", "position_embeddings", "position_ids", "cache", "layer_past", "use_cache")
     + ("output_attentions", "per_layer_input", "shared_kv_states", "input_ids")

@@ -136,7 +136,8 @@ def miniature_config(config: Any) -> Any:
     mini.num_hidden_layers = len(kept)
     grouped = _integer(mini, "n_group")
     for name, size in _shrunk(lambda name: getattr(mini, name, None), grouped).items():
-        setattr(mini, name, size)
+        if not _derived(mini, name):
+            setattr(mini, name, size)
     if overrides is not None:
         originals = {name: vars(config).get(name) for name in overrides[0]}
         layers = [_shrunk({**originals, **overrides[i]}.get, grouped) for i in kept]
@@ -183,6 +184,13 @@ def _shrunk(get: Callable[[str], Any], grouped: bool) -> dict[str, int]:
     if get("num_key_value_heads") is not None and get("num_key_value_heads") == get("num_attention_heads"):
         values["num_key_value_heads"] = values.get("num_attention_heads", get("num_attention_heads"))
     return values
+
+
+def _derived(config: Any, name: str) -> bool:
+    """Whether ``name`` is a read-only property of ``config``'s class, which its other fields give (Falcon's
+    ``head_dim``, ``hidden_size // num_attention_heads``): the miniature's follows from theirs."""
+    attribute = getattr(type(config), name, None)
+    return isinstance(attribute, property) and attribute.fset is None
 
 
 def _is_integer(value: Any) -> bool:

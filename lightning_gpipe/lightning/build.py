@@ -22,7 +22,15 @@ from lightning_gpipe.lightning.config import PipelineConfig, offload_note
 from lightning_gpipe.lightning.contract import BackboneCall, StageRandomness
 from lightning_gpipe.lightning.relay import LogRelay, StepRelay
 from lightning_gpipe.lightning.step import StageRun
-from lightning_gpipe.planning import CostModel, LayerCost, action_costs, modelled_stage_costs, resolve_balance
+from lightning_gpipe.planning import (
+    CostModel,
+    LayerCost,
+    action_costs,
+    modelled_stage_costs,
+    module_state_factor,
+    resolve_balance,
+    state_copies,
+)
 
 
 class Process(NamedTuple):
@@ -62,7 +70,7 @@ def stage_spec(
     placed = None
     if config.placed_by_cost:
         assert costs is not None  # the strategy profiles the layers for a schedule placed by cost
-        placed = action_costs(modelled_stage_costs(costs, balance, CostModel(), split=True))
+        placed = action_costs(modelled_stage_costs(costs, balance, config.cost_model or CostModel(), split=True))
     return StageSpec(
         topology,
         process.rank,
@@ -85,18 +93,35 @@ def stage_balance(
 ) -> list[int]:
     """Backbone layers per (virtual) stage: the user's ``balance``, or the one its mode chooses (from ``costs`` only
     where the mode or a limit needs them: otherwise ``"params"`` counts the parameters, whether profiled or not).
+    Under FSDP2 with several replicas, ``"memory"`` counts each layer's state as a process holds it
+    (:func:`sharded_state_copies`).
 
     Raises:
         ValueError: if ``balance`` does not fit the backbone, or no split fits ``balance_memory_limit``.
     """
     limit, v = config.balance_memory_limit, topology.virtual_stages
     measured = costs if config.profiled else None
+    copies = sharded_state_copies(module, config, topology.data_parallel_size)
     try:
-        return resolve_balance(config.balance, getattr(module, name), topology.num_virtual, measured, limit, v)
+        layers, stages = getattr(module, name), topology.num_virtual
+        return resolve_balance(config.balance, layers, stages, measured, limit, v, copies)
     except ValueError as error:
         if limit is None:
             raise
         raise ValueError(f"GPipeStrategy(balance={config.balance!r}, balance_memory_limit={limit}): {error}") from error
+
+
+def sharded_state_copies(module: "pl.LightningModule", config: PipelineConfig, replicas: int) -> float:
+    """The bytes ``balance="memory"`` counts per byte of a layer's parameters (1 under any other balance): 1 (the
+    parameters) for whole state;
+    sharded by FSDP2 over several ``replicas``, the state a process holds (:func:`~lightning_gpipe.planning.
+    state_copies`: ``1/D`` of parameters, gradients and optimizer state, and the gathered parameters and unsharded
+    gradients of the backward), with the optimizer's state read from ``configure_optimizers()`` (Adam's if it cannot
+    be read)."""
+    if config.balance != "memory" or config.sharding_strategy == "NO_SHARD" or replicas < 2:
+        return 1.0
+    factor = module_state_factor(module)
+    return state_copies(2 if factor is None else factor, replicas, sharded=True)
 
 
 def build_stage(

@@ -71,7 +71,7 @@ command line of :class:`~lightning.pytorch.cli.LightningCLI` checks, are these L
 ``tests/unit/test_config.py`` holds them, the engine's tables and the docs to the same names."""
 
 
-DEFAULTS = {"checkpoint": "except_last", "schedule": "gpipe", "virtual_stages": 1}
+DEFAULTS = {"checkpoint": "except_last", "schedule": "gpipe", "virtual_stages": 1, "sharding_strategy": "NO_SHARD"}
 """The values of the options whose ``None`` stands for them (``None`` under ``plan="auto"``: the planner's choice)."""
 
 _TIMEOUTS = (
@@ -194,7 +194,8 @@ class PipelineConfig:
             optimizer state, gathered on global rank 0; it loads into the plain LightningModule without the
             strategy. ``"sharded"`` writes a directory with torch.distributed.checkpoint, each stage its own
             part, for models too large to gather. Both resume with any number of stages and any ``balance``.
-        sharding_strategy: ``"NO_SHARD"`` (default): each replica of a stage holds its whole state, DDP averages; with
+        sharding_strategy: ``"NO_SHARD"`` (``None``, the default, means it, or the planner's choice under
+            ``plan="auto"``): each replica of a stage holds its whole state, DDP averages; with
             ``"SHARD_GRAD_OP"``/``"FULL_SHARD"`` FSDP2 shards it (:mod:`~lightning_gpipe.lightning.data_parallel`).
         timeout: the process group's timeout, a ``datetime.timedelta``: how long a collective or transfer may wait
             before torch.distributed gives up (30 minutes by default; ``None``: torch.distributed's default); it also
@@ -220,7 +221,8 @@ class PipelineConfig:
         offload: ``"activations"`` moves what each micro-batch's forward saves for its backward (not parameters, nor
             tensors under 1 MiB) to pinned host memory on a side CUDA stream, and back one computing action before its
             backward (PipeOffload, Wan et al., ICML 2025; :mod:`lightning_gpipe.engine.offload`, docs/training.md);
-            same values, bit for bit; on a CPU nothing moves. ``None`` (default): no offload.
+            same values, bit for bit; on a CPU nothing moves. ``None`` (default): no offload, or under
+            ``plan="auto"`` on CUDA the planner's choice (docs/planning.md).
         compile: ``True`` compiles each backbone layer of every stage with :func:`torch.compile` (its defaults), in
             place: the forward, the re-materialization's recompute and the backward (one compiled backward per
             layer) run compiled code, and parameter names stay (``backbone.7.weight``). A dict gives
@@ -254,7 +256,7 @@ class PipelineConfig:
     balance_memory_limit: int | None = None
     start_method: StartMethod = "popen"
     state_dict_type: StateDictType = "full"
-    sharding_strategy: ShardingStrategy = "NO_SHARD"
+    sharding_strategy: ShardingStrategy | None = None
     pipeline_parallel_size: Size = "auto"
     data_parallel_size: Size = "auto"
     timeout: timedelta | None = default_pg_timeout
@@ -356,9 +358,9 @@ class PipelineConfig:
             )
 
     def constraints(self) -> Constraints:
-        """What the user fixed, for the planner: ``chunks``, a ``balance`` (list or mode), the mesh sizes that are
-        not ``"auto"``, and ``checkpoint``, ``schedule`` and ``virtual_stages`` when given explicitly (even at their
-        default values)."""
+        """What the user fixed, for the planner: ``chunks``, ``offload``, a ``balance`` (list or mode), the mesh sizes
+        that are not ``"auto"``, and ``checkpoint``, ``schedule``, ``virtual_stages`` and ``sharding_strategy`` when
+        given explicitly (even at their default values; ``"NO_SHARD"`` also with ``compile``, which FSDP2 refuses)."""
         return Constraints(
             pipeline_parallel_size=None if self.pipeline_parallel_size == "auto" else self.pipeline_parallel_size,
             data_parallel_size=None if self.data_parallel_size == "auto" else self.data_parallel_size,
@@ -367,7 +369,10 @@ class PipelineConfig:
             schedule=self.schedule if "schedule" in self._given else None,
             balance=self.balance,
             virtual_stages=self.virtual_stages if "virtual_stages" in self._given else None,
-            sharding_strategy=self.sharding_strategy,
+            sharding_strategy=self.sharding_strategy
+            if "sharding_strategy" in self._given or self.compile is not False
+            else None,
+            offload=self.offload,
         )
 
     @property

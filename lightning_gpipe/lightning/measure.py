@@ -106,9 +106,11 @@ def _split_choice(
 def planned_config(
     strategy: Strategy, requested: PipelineConfig, module: "pl.LightningModule", name: str
 ) -> PipelineConfig:
-    """``requested`` with ``chunks``, checkpoint mode, schedule, virtual stages and balance of ``plan="auto"``'s
-    plan (:func:`~lightning_gpipe.lightning.planner.plan_for_strategy`, profiled on global rank 0), kept with its report
-    in ``strategy.plan_report`` and printed on global rank 0.
+    """``requested`` with ``chunks``, checkpoint mode, schedule, virtual stages, balance, sharding and offload of
+    ``plan="auto"``'s plan (:func:`~lightning_gpipe.lightning.planner.plan_for_strategy`, profiled on global rank 0,
+    with each backward split into B and W where the planner considers the schedules that split them), kept with its
+    report in ``strategy.plan_report`` and printed on global rank 0. A precision with a gradient scaler
+    (``"16-mixed"``), which sharded gradients do not take, keeps the stages' state whole.
 
     Raises:
         ValueError: on every process, on the CPU without ``memory_limit``, or if no plan fits the limit or the
@@ -123,10 +125,12 @@ def planned_config(
             return profile_module(module, name, device, micro_batches=requested.chunks, split=split) if zero else None
 
         mesh = (strategy.topology.num_stages, strategy.topology.data_parallel_size)
+        whole = getattr(strategy.precision_plugin, "scaler", None) is not None
         with _measuring(strategy, "planning"):
-            report = plan_for_strategy(module, name, requested, mesh, device, profile, strategy.broadcast)
+            report = plan_for_strategy(module, name, requested, mesh, device, profile, strategy.broadcast, whole)
         strategy.plan_report = report
         rank_zero_info(report.table())
     chosen = report.chosen.plan
-    options = {key: getattr(chosen, key) for key in ("checkpoint", "schedule", "virtual_stages")}
+    keys = ("checkpoint", "schedule", "virtual_stages", "sharding_strategy", "offload")
+    options = {key: getattr(chosen, key) for key in keys}
     return replace(requested, chunks=chosen.micro_batches, balance=list(chosen.balance), **options)

@@ -40,12 +40,13 @@ def plan(
     schedule: str | None = None,
     balance: None | str | Sequence[int] = None,
     virtual_stages: int | None = None,
+    sharding_strategy: str | None = None,
+    offload: str | bool | None = None,
 ) -> PlanReport:
     """Plan a pipeline for ``module`` on ``world_size`` devices of ``memory_limit`` bytes each, without training.
 
-    ``GPipeStrategy(plan="auto")``'s planner (docs/planning.md) over every mesh, ranked by predicted seconds per
-    trained row (D replicas train D batches per step); tried for several ``world_size``: "how many devices does
-    this model need". The layers are profiled one at a time, so the whole model never has to fit.
+    ``GPipeStrategy(plan="auto")``'s planner (docs/planning.md) over every mesh, by predicted seconds per trained row;
+    for several ``world_size``, "how many devices does this model need". Layers are profiled one at a time.
 
     Args:
         module: the LightningModule. If its backbone does not exist yet (built in ``configure_model``), that hook
@@ -60,29 +61,29 @@ def plan(
         device: where to profile the layers (default ``"cpu"``); use the kind of device you will train on.
         backbone: the ``nn.Sequential`` attribute; ``None`` finds the only one.
         cost_model: the machine's constants (see docs/planning.md, "Calibrating").
-        pipeline_parallel_size: K, fixed; ``None`` (default): the planner's choice, as for the next five.
+        pipeline_parallel_size: K, fixed; ``None`` (default): the planner's choice, as for the options below.
         data_parallel_size: D, fixed.
         chunks: M, fixed.
         checkpoint: the re-materialization mode, fixed.
         schedule: the schedule, fixed.
         balance: layers per (virtual) stage (a list), or a mode of :data:`lightning_gpipe.planning.balance.MODES`.
-        virtual_stages: model chunks per stage, fixed. The planner tries 1 and 2 only where the strategy can run
-            them: on the CPU (gloo).
+        virtual_stages: model chunks per stage, fixed (planned, 1 or 2, only on the CPU, where they have run).
+        sharding_strategy: fixed; planned: ``"NO_SHARD"`` or ``"SHARD_GRAD_OP"`` (FSDP2) where D > 1.
+        offload: ``"activations"``, or ``False`` for none, fixed; planned only on an accelerator ``device``.
 
     Returns:
-        The :class:`~lightning_gpipe.planning.report.PlanReport`: ``report.chosen.plan.options()`` are the
-        ``GPipeStrategy`` arguments; ``print(report.table())`` shows it and the runners-up.
+        The :class:`~lightning_gpipe.planning.report.PlanReport` (``report.chosen.plan.options()``: the arguments).
 
     Raises:
-        ValueError: for no backbone input (neither ``example_batch`` nor ``example_input_array``), constraints
-            that leave no plan, or a limit no plan fits (naming the smallest limit that would fit).
+        ValueError: for no backbone input (``example_batch`` or ``example_input_array``), constraints that leave no
+            plan, or a limit no plan fits (naming the smallest limit that would fit).
     """
     name = _built_backbone(module, backbone, example_batch)
     fixed = (pipeline_parallel_size, data_parallel_size, chunks, checkpoint, schedule, balance, virtual_stages)
-    constraints = _interleaving(Constraints(*fixed), torch.device(device))
+    constraints = _interleaving(Constraints(*fixed, sharding_strategy, offload), torch.device(device))
     profiled = profile_module(module, name, device, example_batch, chunks, constraints.splits)
     factor = optimizer_state_factor(optimizer) if optimizer is not None else _state_factor(module)
-    return search(world_size, profiled, memory_limit, factor, cost_model, constraints)
+    return search(world_size, profiled, memory_limit, factor, cost_model, constraints, torch.device(device).type)
 
 
 def _interleaving(constraints: Constraints, device: torch.device) -> Constraints:
@@ -133,6 +134,7 @@ def plan_for_strategy(
     device: torch.device,
     profile: Callable[[], ProfiledCosts | None],
     share: Callable[[Any], Any],
+    whole: bool = False,
 ) -> PlanReport:
     """The plan of ``GPipeStrategy(plan="auto")`` at setup, on every process alike.
 
@@ -146,6 +148,9 @@ def plan_for_strategy(
         device: this process's device (for the default memory limit on CUDA).
         profile: measures the backbone on global rank 0 (``None`` elsewhere).
         share: sends a picklable object from global rank 0 to every process (a collective call).
+        whole: keep each stage's state whole (``"NO_SHARD"``) where the user left ``sharding_strategy`` to the
+            planner: the run's precision has a gradient scaler, which sharded gradients do not take (default
+            ``False``).
 
     Raises:
         ValueError: on the CPU without ``memory_limit``, for constraints that leave no plan, or a limit no plan fits
@@ -156,8 +161,11 @@ def plan_for_strategy(
     if factor is None:
         factor = _state_factor(module)
     constraints = replace(config.constraints(), pipeline_parallel_size=mesh[0], data_parallel_size=mesh[1])
+    if whole and constraints.sharding_strategy is None:
+        constraints = replace(constraints, sharding_strategy="NO_SHARD")
     constraints = _interleaving(constraints, device)
-    return search(mesh[0] * mesh[1], profiled, share(limit), factor, config.cost_model or CostModel(), constraints)
+    model = config.cost_model or CostModel()
+    return search(mesh[0] * mesh[1], profiled, share(limit), factor, model, constraints, device.type)
 
 
 def _device_memory(device: torch.device) -> int:

@@ -124,18 +124,19 @@ class StageRun:
         return self.pipeline.events
 
     def sync_gradients(
-        self, module: "pl.LightningModule", group: Any, device: torch.device, sharding: str = "NO_SHARD"
+        self, module: "pl.LightningModule", group: Any, device: torch.device, sharding: str | None = "NO_SHARD"
     ) -> None:
         """Let DDP average this stage's gradients over its data-parallel ``group`` (several replicas only; see
         :mod:`lightning_gpipe.lightning.data_parallel`): what the stage trains is its partition, and on the last stage
         also the modules after the backbone. The sync starts at the step's last backward on the stage
         (:meth:`~lightning_gpipe.engine.StagePipeline.on_last_backward`); the other model chunks' parameters are
-        complete by then, and DDP reduces them with the first bucket. With a ``sharding`` other than ``"NO_SHARD"``,
-        FSDP2 shards what the stage holds over ``group`` instead (:class:`~lightning_gpipe.lightning.data_parallel.
-        FullyShardedStage`), keeping the gathered parameters from the stage's first backward of a step
-        (:meth:`~lightning_gpipe.engine.StagePipeline.on_backward_start`) to its end. A collective call of ``group``."""
+        complete by then, and DDP reduces them with the first bucket. With a ``sharding`` other than ``"NO_SHARD"``
+        (``None`` means it), FSDP2 shards what the stage holds over ``group`` instead
+        (:class:`~lightning_gpipe.lightning.data_parallel.FullyShardedStage`), keeping the gathered parameters from the
+        stage's first backward of a step (:meth:`~lightning_gpipe.engine.StagePipeline.on_backward_start`) to its end.
+        A collective call of ``group``."""
         trained = module if self.pipeline.is_last else self.partition
-        if sharding != "NO_SHARD":
+        if sharding not in (None, "NO_SHARD"):
             if any(True for _ in trained.parameters()):
                 full = sharding == "FULL_SHARD"
                 self.fsdp = FullyShardedStage(trained, self.pipeline.partitions, group, device, full, self.job)

@@ -82,7 +82,7 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         balance_memory_limit: bytes one stage may hold when choosing the balance (default: no limit).
         start_method: ``"popen"`` (default) or ``"spawn"``.
         state_dict_type: checkpoints as one ``"full"`` file (default) or a ``"sharded"`` directory.
-        sharding_strategy: a stage's replicas hold its state whole (``"NO_SHARD"``, DDP; default) or sharded by FSDP2.
+        sharding_strategy: state whole per replica (``"NO_SHARD"``, DDP; ``None``, default, or planned) or sharded.
         schedule: ``"gpipe"`` (fill-drain; ``None``, default), ``"1f1b"``, ``"zb-h1"``, ``"zb-1p"``, ``"zb-v"``,
             ``"v-min"``, ``"v-half"`` or ``"v-zb"``, or a ``.csv`` file in torch's format (docs/planning.md).
         virtual_stages: model chunks per stage, interleaved (``None``, default: 1, or the planner's choice).
@@ -95,7 +95,8 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         memory_limit: bytes one device may hold under ``plan="auto"`` (default: CUDA's free memory; on the CPU give it).
         cost_model: the planner's constants for this machine (default: the package's).
         compile: ``torch.compile`` each stage's backbone layers (``True``, or its keyword arguments); default ``False``.
-        offload: ``"activations"``: saved activations wait in host memory for their backward (default ``None``).
+        offload: ``"activations"``: saved activations wait in host memory for their backward (``None``, default,
+            or planned on CUDA).
         accelerator: as for Lightning's other parallel strategies; the Trainer fills it in.
         parallel_devices: the devices of this node, one per stage process; the Trainer fills them in.
         cluster_environment: how ranks are found; the Trainer fills it in.
@@ -122,7 +123,7 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         balance_memory_limit: int | None = None,
         start_method: StartMethod = "popen",
         state_dict_type: StateDictType = "full",
-        sharding_strategy: ShardingStrategy = "NO_SHARD",
+        sharding_strategy: ShardingStrategy | None = None,
         schedule: ScheduleName | None = None,
         virtual_stages: int | None = None,
         pipeline_parallel_size: Size = "auto",

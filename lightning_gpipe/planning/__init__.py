@@ -13,8 +13,15 @@ B/W split, the simulator's stage costs. Its modules are its internals (:mod:`~li
 
 from lightning_gpipe.planning.balance import MODES, LayerCost, balance_by, profile_layers, resolve_balance, solve
 from lightning_gpipe.planning.costs import CostModel, ProfiledCosts, optimizer_state_factor
-from lightning_gpipe.planning.predict import PipelinePlan, PlanPrediction, StageMemory, modelled_stage_costs, predict
-from lightning_gpipe.planning.profiling import AfterBackbone, module_state_factor, profile_sizes
+from lightning_gpipe.planning.predict import (
+    PipelinePlan,
+    PlanPrediction,
+    StageMemory,
+    modelled_stage_costs,
+    predict,
+    state_copies,
+)
+from lightning_gpipe.planning.profiling import AfterBackbone, measure_host_bandwidth, module_state_factor, profile_sizes
 from lightning_gpipe.planning.report import PlanReport
 from lightning_gpipe.planning.search import Constraints, search
 from lightning_gpipe.planning.simulator import action_costs, simulate, stage_costs
@@ -28,6 +35,7 @@ __all__ = [
     "PlanPrediction",
     "PlanReport",
     "StageMemory",
+    "measure_host_bandwidth",
     "predict",
     "search",
     # the profile of a backbone and what runs after it; the optimizer's state
@@ -36,6 +44,7 @@ __all__ = [
     "ProfiledCosts",
     "module_state_factor",
     "optimizer_state_factor",
+    "state_copies",
     "profile_layers",
     "profile_sizes",
     # balance and the B/W split

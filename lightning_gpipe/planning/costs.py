@@ -7,8 +7,8 @@ row), the transient bytes likewise (a transient may hold the weights' gradients,
 activation and output bytes as proportional to the rows. What runs after the backbone on the last stage (the rest of
 the user's step: head and loss) is measured apart, in bytes, at every row count a plan runs it on (:class:`HeadCost`).
 :class:`CostModel` holds what profiling one layer cannot see: the transfers between stages, the engine's cost per
-micro-batch and per step, the optimizer step, the data-parallel all-reduce, and the optimizer state's size
-(:func:`optimizer_state_factor`).
+micro-batch and per step, the optimizer step, the data-parallel all-reduce, the copies of activation offload between
+the device and host memory, and the optimizer state's size (:func:`optimizer_state_factor`).
 Its defaults were measured on a 2-core CPU machine (docs/planning.md, "Calibrating"); give your own for another machine.
 """
 
@@ -43,6 +43,11 @@ class CostModel:
             receiver): on a CPU, gloo's copies through the host's network stack run on the cores that compute (and
             the stage allocates every buffer it receives into). This is what makes interleaving (``virtual_stages``,
             v times the transfers) slower here; on GPUs, which copy by DMA, set ``math.inf``. Default 1.2 GB/s.
+        host_bandwidth: bytes per second of a copy between a CUDA device and pinned host memory, each way: what
+            activation offload (``offload="activations"``) costs where the schedule cannot hide it. Default 12 GB/s
+            (PCIe 3.0 x16 measures 11-13 GB/s pinned; PCIe 4.0 about 25, 5.0 about 50); measure yours with
+            :func:`~lightning_gpipe.planning.profiling.measure_host_bandwidth`. Not used on a CPU, where offload moves
+            nothing.
 
     The defaults of ``micro_batch_overhead``, ``step_overhead``, ``compute_scale`` and ``copy_bandwidth`` were fitted
     together on the project's 2-core CPU machine, to 29 measured runs of the benchmark MLP and AmoebaNet-D
@@ -58,6 +63,7 @@ class CostModel:
     memory_margin: float = 0.05
     compute_scale: float = 0.96
     copy_bandwidth: float = 1.2e9
+    host_bandwidth: float = 12e9
 
     def transfer_time(self, nbytes: float) -> float:
         """Seconds to move ``nbytes`` between neighbouring stages."""
@@ -66,6 +72,10 @@ class CostModel:
     def copy_time(self, nbytes: float) -> float:
         """Seconds of a stage's own time to send or receive ``nbytes`` (see ``copy_bandwidth``)."""
         return nbytes / self.copy_bandwidth
+
+    def host_copy_time(self, nbytes: float) -> float:
+        """Seconds to copy ``nbytes`` between the device and pinned host memory, one way (see ``host_bandwidth``)."""
+        return nbytes / self.host_bandwidth
 
     def optimizer_time(self, parameter_bytes: float, state_factor: float) -> float:
         """Seconds of one optimizer step over ``parameter_bytes`` with ``state_factor`` state tensors per parameter."""

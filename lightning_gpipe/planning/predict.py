@@ -11,20 +11,23 @@ split, the gradients B keeps for W) + what it holds for its transfers on top (ou
 received ones: :mod:`~lightning_gpipe.planning.held`) + the largest transient (a layer's, or W's products, or on the
 last stage the tensors of what runs after the backbone: the loss's) + the batch every stage loads
 (:class:`StageMemory`). The modules after the backbone add their parameters, gradients and optimizer state to the last
-stage.
+stage. With activation offload on an accelerator, the activations less what waits in host memory, and the step plus
+the copies the schedule cannot hide (:mod:`~lightning_gpipe.planning.offload`).
 PipeDream's planner (Narayanan et al. 2019, section 3.1) predicts from a per-layer profile the same way.
 """
 
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 
-from lightning_gpipe.engine import DEFERRED_BY_DEFAULT, V_SHAPED, Kind, Plan, plans, virtual_stage
+from lightning_gpipe.engine import DEFERRED_BY_DEFAULT, V_SHAPED, Kind, Plan, check, plans, virtual_stage
 from lightning_gpipe.planning.balance.costs import LayerCost
 from lightning_gpipe.planning.balance.solver import stage_sums
 from lightning_gpipe.planning.costs import CostModel, HeadCost, ProfiledCosts
 from lightning_gpipe.planning.held import held_levels
-from lightning_gpipe.planning.simulator import StageCost, Transfer, simulate
+from lightning_gpipe.planning.offload import exposed_seconds, offloaded_bytes
+from lightning_gpipe.planning.simulator import Prediction, StageCost, Transfer, action_costs, simulate
 
 
 @dataclass(frozen=True)
@@ -40,8 +43,10 @@ class PipelinePlan:
             (:data:`~lightning_gpipe.engine.schedule.DEFERRED_BY_DEFAULT`).
         balance: backbone layers per stage, ``K * virtual_stages`` entries (per virtual stage).
         virtual_stages: v, model chunks per stage (``GPipeStrategy(virtual_stages=...)``); 1 by default.
-        sharding_strategy: how a stage's replicas hold its state (``GPipeStrategy(sharding_strategy=...)``, fixed by
-            the user); ``"NO_SHARD"`` (DDP) by default.
+        sharding_strategy: how a stage's replicas hold its state (``GPipeStrategy(sharding_strategy=...)``);
+            ``"NO_SHARD"`` (DDP) by default.
+        offload: ``"activations"``: what a micro-batch's forward saves for its backward waits in host memory
+            (``GPipeStrategy(offload=...)``); ``None`` (default): on the device.
     """
 
     pipeline_parallel_size: int
@@ -52,14 +57,17 @@ class PipelinePlan:
     balance: tuple[int, ...]
     virtual_stages: int = 1
     sharding_strategy: str = "NO_SHARD"
+    offload: str | None = None
 
     def options(self) -> dict:
         """The plan as ``GPipeStrategy`` keyword arguments (``micro_batches`` as ``chunks``, ``balance`` as a list;
-        ``sharding_strategy`` only where it shards)."""
+        ``sharding_strategy`` only where it shards, ``offload`` only where it offloads)."""
         options = {("chunks" if key == "micro_batches" else key): value for key, value in asdict(self).items()}
         options["balance"] = list(self.balance)
         if self.sharding_strategy == "NO_SHARD":
             del options["sharding_strategy"]
+        if self.offload is None:
+            del options["offload"]
         return options
 
     @property
@@ -193,12 +201,20 @@ def _halves(cost: LayerCost) -> tuple[float, float]:
 
 
 def predict(
-    plan: PipelinePlan, profiled: ProfiledCosts, model: CostModel, state_factor: int, limit: float
+    plan: PipelinePlan,
+    profiled: ProfiledCosts,
+    model: CostModel,
+    state_factor: int,
+    limit: float,
+    device_type: str = "cpu",
 ) -> PlanPrediction:
     """Predict ``plan``'s step and memory (see the module docstring).
 
     With virtual stages a process's memory is the sum over its model chunks; what its model chunks hold for their
     transfers is each model chunk's peak added up (an upper bound: the model chunks' peaks need not coincide).
+    With ``plan.offload`` on an accelerator, each process's activations drop by what offload keeps in host memory and
+    its step grows by the copies the schedule cannot hide (:mod:`~lightning_gpipe.planning.offload`); on a CPU
+    offload moves nothing, so it changes nothing.
 
     Args:
         plan: the plan.
@@ -207,26 +223,26 @@ def predict(
         state_factor: tensors of a parameter's size the optimizer keeps (see
             :func:`~lightning_gpipe.planning.costs.optimizer_state_factor`).
         limit: bytes per device; a plan fits if every stage's total is within ``limit * (1 - model.memory_margin)``.
+        device_type: the devices' type (``"cpu"``, default, or ``"cuda"``...).
+
+    Raises:
+        ValueError: if the schedule's plans (placed by these costs) fail :func:`~lightning_gpipe.engine.schedule.check`.
     """
     rows_n = profiled.batch_rows
     micro_batches = min(plan.micro_batches, rows_n)
     layers = profiled.for_micro_batches(micro_batches)
     stages = modelled_stage_costs(layers, plan.balance, model, DEFERRED_BY_DEFAULT[plan.schedule])
-    params = _parameters(plan, layers, profiled.head)
-    replicas = plan.data_parallel_size
-    optimizer = [model.optimizer_time(p, state_factor) + model.all_reduce_time(p, replicas) for p in params]
-    transfer = Transfer(model.transfer_latency, model.transfer_bandwidth)
-    simulated = simulate(
-        stages, micro_batches, plan.checkpoint, transfer, optimizer=optimizer, schedule=plan.schedule,
-        virtual_stages=plan.virtual_stages,
-    )  # fmt: skip
+    every = _checked_plans(plan, stages, micro_batches)
+    params, replicas = _parameters(plan, layers, profiled.head), plan.data_parallel_size
+    simulated = _step(plan, stages, params, model, state_factor, micro_batches)
     joined = profiled.at(rows_n)[-1].output_bytes
-    every = plans(plan.schedule, plan.pipeline_parallel_size, micro_batches, plan.checkpoint, None, plan.virtual_stages)
     held = _held(plan, every, micro_batches, stages, layers)
+    moves = plan.offload is not None and device_type != "cpu"  # on a CPU offload moves nothing
+    offloaded = [_offloaded(plan, k, own, stages, layers, model, micro_batches, moves) for k, own in enumerate(every)]
     memory = tuple(
         StageMemory(
             **_state(plan, p, state_factor),
-            activations=simulated.peak_activation_bytes[k],
+            activations=max(simulated.peak_activation_bytes[k] - offloaded[k][0], 0),
             buffers=_buffers(plan, stages, k, profiled.input_bytes, joined, every[k], micro_batches)
             + p * (replicas > 1 and not plan.fully_sharded),
             transfers=max(held[k][0] - simulated.peak_activation_bytes[k], 0),
@@ -238,12 +254,103 @@ def predict(
     usable = limit * (1 - model.memory_margin)
     return PlanPrediction(
         plan,
-        simulated.step_time + model.step_overhead,
+        simulated.step_time + model.step_overhead + max(seconds for _, seconds in offloaded),
         simulated.bubble,
         memory,
         rows_n,
         all(stage.total <= usable for stage in memory),
     )
+
+
+def _checked_plans(plan: PipelinePlan, stages: Sequence[StageCost], micro_batches: int) -> list[Plan]:
+    """Every process's plan of ``plan``'s schedule, placed by ``stages``' costs as the simulator places them, checked
+    (:func:`~lightning_gpipe.engine.schedule.check`: a plan that cannot run raises ``ValueError``)."""
+    k, v = plan.pipeline_parallel_size, plan.virtual_stages
+    every = plans(plan.schedule, k, micro_batches, plan.checkpoint, None, v, action_costs(stages))
+    check(every)
+    return every
+
+
+def _step(
+    plan: PipelinePlan,
+    stages: Sequence[StageCost],
+    params: Sequence[int],
+    model: CostModel,
+    state_factor: int,
+    micro_batches: int,
+) -> Prediction:
+    """The simulator's step of ``plan`` over ``stages``, each process's optimizer step (over its ``params`` bytes)
+    and gradient all-reduce at its end, the transfers as ``model`` times them."""
+    replicas = plan.data_parallel_size
+    optimizer = [model.optimizer_time(p, state_factor) + model.all_reduce_time(p, replicas) for p in params]
+    transfer = Transfer(model.transfer_latency, model.transfer_bandwidth)
+    shape = (micro_batches, plan.checkpoint, plan.schedule, plan.virtual_stages)
+    return _simulated(tuple(stages), transfer, tuple(optimizer), *shape)
+
+
+@lru_cache(maxsize=256)
+def _simulated(
+    stages: tuple[StageCost, ...],
+    transfer: Transfer,
+    optimizer: tuple[float, ...],
+    micro_batches: int,
+    checkpoint: str,
+    schedule: str,
+    virtual_stages: int,
+) -> Prediction:
+    """:func:`~lightning_gpipe.planning.simulator.simulate`'s step, kept for the plans that differ only in what it
+    does not see (sharding, offload)."""
+    return simulate(
+        stages, micro_batches, checkpoint, transfer, optimizer=optimizer, schedule=schedule,
+        virtual_stages=virtual_stages,
+    )  # fmt: skip
+
+
+def _offloaded(
+    plan: PipelinePlan,
+    k: int,
+    own: Plan,
+    stages: Sequence[StageCost],
+    layers: Sequence[LayerCost],
+    model: CostModel,
+    micro_batches: int,
+    moves: bool = True,
+) -> tuple[int, float]:
+    """Process ``k``'s bytes of saved activations that offload keeps in host memory at its peak, and the seconds its
+    copies add to the step (:mod:`~lightning_gpipe.planning.offload`; ``own``: its plan). Per model chunk, offload
+    moves what its forward saves but the chunk's kept input (not in ``activation_bytes``), its last layer's output
+    and the gradients B keeps for W (which the engine keeps on the device). Nothing where offload ``moves`` nothing
+    (no offload, or a CPU)."""
+    if not moves:
+        return 0, 0.0
+    moved, forward = [], []
+    for s in _model_chunks_of(plan, k):
+        part = _stage_layers(layers, plan.balance, s)
+        kept = sum(c.kept_grad_bytes for c in part) if stages[s].weight else 0
+        moved.append(max(stages[s].activation_bytes - kept - part[-1].output_saved_bytes, 0))
+        forward.append(stages[s].forward)
+    return (
+        offloaded_bytes(own, plan.checkpoint, micro_batches, moved),
+        exposed_seconds(own, plan.checkpoint, micro_batches, moved, forward, model),
+    )
+
+
+def state_copies(state_factor: int, replicas: int = 1, sharded: bool = False) -> float:
+    """Bytes a process holds for the state of each byte of its stage's parameters at its peak, as :func:`predict`
+    counts them (:func:`_state`, :class:`StageMemory`): the parameters, their gradients and ``state_factor`` optimizer
+    tensors, and with several replicas under DDP its gradient buckets: ``3 + state_factor``; sharded by FSDP2 over
+    ``replicas`` (``sharded``, several replicas): ``1/D`` of each and, in the backward, the gathered parameters and
+    their unsharded gradients, ``2 + (2 + state_factor) / D`` (4 with AdamW over two replicas, against DDP's 5).
+
+    Args:
+        state_factor: tensors of a parameter's size the optimizer keeps (see
+            :func:`~lightning_gpipe.planning.costs.optimizer_state_factor`).
+        replicas: D, the stage's replicas (default 1).
+        sharded: whether FSDP2 shards the state (``sharding_strategy`` other than ``"NO_SHARD"``; default ``False``).
+    """
+    if sharded and replicas > 1:
+        return 2 + (2 + state_factor) / replicas
+    return 2 + state_factor + (replicas > 1)
 
 
 def _state(plan: PipelinePlan, p: int, state_factor: int) -> dict[str, int]:

@@ -154,3 +154,37 @@ def _first_optimizer(configured: Any) -> torch.optim.Optimizer | None:
     if isinstance(configured, (list, tuple)) and configured:
         return _first_optimizer(configured[0])
     return None
+
+
+def measure_host_bandwidth(device: torch.device | str = "cuda", nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
+    """Bytes per second of a copy between ``device`` and pinned host memory, for
+    ``CostModel(host_bandwidth=...)``: the median of ``repeats`` timed copies of ``nbytes`` each way (device to host,
+    then back), each synchronized, after one untimed pair (the allocator's and the driver's first use).
+
+    Args:
+        device: a CUDA device (default the current one).
+        nbytes: bytes of each copy (default 64 MiB: large enough that a copy's fixed cost does not count).
+        repeats: timed copies each way (default 5).
+
+    Raises:
+        ValueError: for a device that is not CUDA (a CPU has no host-device copy to measure).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(
+            f"measure_host_bandwidth needs a CUDA device, not {device.type!r}: activation offload moves nothing on a"
+            " CPU, so its bandwidth does not matter there."
+        )
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    on_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    seconds = []
+    for n in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        on_host.copy_(on_device, non_blocking=True)
+        on_device.copy_(on_host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        if n:  # the first pair is untimed
+            seconds.append(start.elapsed_time(end) / 1e3 / 2)  # ms for two copies -> s per copy
+    return nbytes / sorted(seconds)[len(seconds) // 2]

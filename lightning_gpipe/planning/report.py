@@ -72,15 +72,16 @@ class PlanReport:
 
     def table(self) -> str:
         """The chosen plan and the runners-up as a text table, one row each, with each stage's predicted peak
-        (``vN`` after a schedule: N model chunks per stage)."""
+        (``vN`` after a schedule: N model chunks per stage; ``off``: activation offload; ``s`` after the mesh: its
+        stages' state sharded by FSDP2)."""
         head = (
             f"Pipeline plan: {sum(p.fits for p in self.predictions)} of {len(self.predictions)} plans fit"
             f" {self.memory_limit / MIB:,.0f} MiB per device ({self.world_size} processes); fastest per row first"
         )
-        columns = f"   {'K x D':<6}{'chunks':>7}  {'checkpoint':<12}{'schedule':<10}{'balance':<16}"
+        columns = f"   {'K x D':<6}{'chunks':>7}  {'checkpoint':<12}{'schedule':<14}{'balance':<16}"
         columns += f"{'step s':>9}{'ms/row':>8}{'bubble':>8}  peak MiB per stage"
         rows = [_row(" *", self.chosen)] + [_row("  ", p) for p in self.runners_up]
-        return "\n".join([head, columns, *rows, " * chosen"])
+        return "\n".join([head, columns, *rows, " * chosen; s after K x D: sharded by FSDP2; off: activation offload"])
 
 
 def _row(mark: str, p: PlanPrediction) -> str:
@@ -89,9 +90,11 @@ def _row(mark: str, p: PlanPrediction) -> str:
     balance = balance if len(balance) <= 15 else balance[:12] + "..."
     peaks = " / ".join(f"{stage.total / MIB:,.0f}" for stage in p.memory)
     schedule = plan.schedule + (f" v{plan.virtual_stages}" if plan.virtual_stages > 1 else "")  # model chunks per stage
+    schedule += " off" if plan.offload is not None else ""  # activation offload
+    mesh = f"{plan.pipeline_parallel_size}x{plan.data_parallel_size}" + ("s" if plan.fully_sharded else "")
     return (
-        f"{mark} {f'{plan.pipeline_parallel_size}x{plan.data_parallel_size}':<6}{plan.micro_batches:>7}"
-        f"  {plan.checkpoint:<12}{schedule:<10}{balance:<16}"
+        f"{mark} {mesh:<6}{plan.micro_batches:>7}"
+        f"  {plan.checkpoint:<12}{schedule:<14}{balance:<16}"
         f"{p.step_time:>9.4f}{1e3 * p.seconds_per_row:>8.3f}{p.bubble:>8.1%}  {peaks}"
     )
 

@@ -1,5 +1,5 @@
 """Hugging Face models in the pipeline (lightning_gpipe.hf), distributed: tests/workers/transformers_hf.py in the
-shared launches of 2, 3 and 4 processes (tiny models of tests/hf_families.py: 16 decoder classes, mixtures of experts
+shared launches of 2, 3 and 4 processes (tiny models of tests/hf_families.py: 17 decoder classes, mixtures of experts
 among them, and 3 encoder classes; pipelined fit against the unmodified model trained on one device, 1F1B with
 balance="time", pipeline replicas, a resume on another number of stages, pipelined greedy generation against
 ``generate``, ``save_pretrained`` after fit, LoRA adapters with ``peft``).

@@ -292,9 +292,10 @@ def test_an_input_gradient_is_released_at_the_next_send_or_flush():
 
 def test_the_chosen_plan_is_the_fastest_that_fits_and_no_faster_one_fits():
     costs = profiled(pairs=8, rows=256, small=4, fixed=2e-4)
-    unlimited = search(2, costs, 2**40, 1, FREE).chosen
+    whole = Constraints(sharding_strategy="NO_SHARD")  # sharded, the fastest plan would fit at the same time
+    unlimited = search(2, costs, 2**40, 1, FREE, whole).chosen
     limit = unlimited.peak_bytes - 1  # the fastest plan no longer fits
-    report = search(2, costs, limit, 1, FREE)
+    report = search(2, costs, limit, 1, FREE, whole)
     chosen = report.chosen
     assert chosen.fits and chosen.peak_bytes <= limit
     faster = [p for p in report.predictions if p.seconds_per_row < chosen.seconds_per_row]
@@ -371,12 +372,15 @@ def test_every_schedule_of_SCHEDULES_with_whole_backwards_is_planned(monkeypatch
 
 
 @pytest.mark.parametrize("name", ["zb-h1", "zb-1p"])
-def test_a_schedule_that_needs_the_weight_split_is_planned_only_when_named(name):
-    """The split's memory is not trusted yet (docs/planning.md): the planner does not choose zb-h1 or zb-1p on its
-    own; named, zb-1p is predicted on its own placement, never slower than zb-h1's."""
+def test_a_schedule_that_needs_the_weight_split_is_planned_where_b_and_w_were_profiled(name):
+    """The planner considers the schedules that split their backwards where the profile measured B and W (and needs
+    it for them, named or not); named, zb-1p is predicted on its own placement, never slower than zb-h1's."""
     report = search(2, split_profiled(), 2**40, 0, FREE, Constraints(schedule=name))
     assert {p.plan.schedule for p in report.predictions} == {name}
-    assert name not in {p.plan.schedule for p in search(2, split_profiled(), 2**40, 0, FREE).predictions}
+    fixed = Constraints(pipeline_parallel_size=2, micro_batches=4)
+    assert name in {p.plan.schedule for p in search(2, split_profiled(), 2**40, 0, FREE, fixed).predictions}
+    assert name not in {p.plan.schedule for p in search(2, profiled(), 2**40, 0, FREE, fixed).predictions}
+    assert Constraints().splits and Constraints(schedule=name).splits and not Constraints(schedule="1f1b").splits
     if name == "zb-1p":
         fixed = search(2, split_profiled(), 2**40, 0, FREE, Constraints(schedule="zb-h1"))
         assert report.chosen.step_time <= fixed.chosen.step_time * (1 + 1e-9)

@@ -96,9 +96,9 @@ ENCODERS = ("bert_mlm", "bert_classifier", "roberta_mlm", "xlm_roberta_classifie
 CLASSIFIERS = ("bert_classifier", "xlm_roberta_classifier")
 BOTH = ("llama", "llama_untied", "mistral", "qwen2", "gpt2", "bert_mlm", "bert_classifier")
 ATTENTIONS = [(name, attention) for name in BOTH for attention in ("eager", "sdpa")]
-ATTENTIONS += [(name, "eager" if name == "gemma2" else "sdpa") for name in FAMILIES if name not in BOTH]
+ATTENTIONS += [(name, "eager" if name in ("gemma2", "bloom") else "sdpa") for name in FAMILIES if name not in BOTH]
 """(model, attention implementation): the first families with both, the others with the default ``sdpa`` (Gemma 2
-has none but ``eager``)."""
+and Bloom have none but ``eager``)."""
 
 
 def backbone_input(name: str, ids, mask):
@@ -212,13 +212,13 @@ def test_a_model_of_another_layout_is_refused_by_name_with_the_reasons_before_an
             dict(layer_types=["hybrid", "full_attention"]),
             "take an attention and a recurrent mask at once",
         ),
-        ("persimmon", {}, "`model` holds \\['embed_tokens', 'final_layernorm', 'layers', 'rotary_emb'\\]"),
+        ("openai-gpt", {}, "`transformer` holds \\['drop', 'h', 'positions_embed', 'tokens_embed'\\]"),
         ("megatron-bert", {}, "`bert.encoder` holds \\['layer', 'ln'\\]"),
     ],
 )
 def test_a_deviation_the_adapter_does_not_handle_is_refused_by_structure(model_type, fields, reason):
-    """Hybrid layer types on blocks taking one mask, a norm of another name in a decoder's base model that declares
-    no plan (Persimmon), a final norm in an encoder: modules or layer types the standard layouts do not have (on the
+    """Hybrid layer types on blocks taking one mask, a decoder's base model without a final norm that declares no plan
+    (OpenAI GPT), a final norm in an encoder: modules or layer types the standard layouts do not have (on the
     meta device: nothing is allocated)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 

@@ -133,3 +133,32 @@ def test_a_lora_module_trains_and_keeps_only_its_adapters_and_saves_a_peft_direc
 def test_an_initialisation_that_reads_the_base_weights_is_refused_when_the_module_is_made():
     with pytest.raises(ValueError, match="init_lora_weights='pissa'.*reads the base weights.*save it"):
         CausalLM(config=dict(FAMILIES["llama"][2]), lora={**LORA, "init_lora_weights": "pissa"})
+
+
+def test_lora_on_a_gpt2_like_decoder_without_a_plan_equals_the_peft_model():
+    """Bloom (ALiBi from the mask, fused QKV), cut by structure: a peft model's loss and its adapters' gradients
+    through the backbone equal the peft model's own."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def bloom():
+        torch.manual_seed(0)
+        config = AutoConfig.for_model("bloom", vocab_size=61, hidden_size=32, n_layer=2, n_head=4)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        torch.manual_seed(1)
+        return peft.get_peft_model(model, peft.LoraConfig(**LORA, init_lora_weights=False))
+
+    model, reference = bloom(), bloom()
+    ids, mask, labels = batch()
+    expected = reference(input_ids=ids, attention_mask=mask, labels=labels)
+    expected.loss.backward()
+    value = decoder_input(ids, mask)
+    for layer in to_sequential(model):
+        value = layer(value)
+    loss = causal_lm_loss(value, labels, None)
+    loss.backward()
+    torch.testing.assert_close(loss, expected.loss, atol=1e-5, rtol=0)
+    grads = dict(reference.named_parameters())
+    adapters = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    assert adapters and all(".lora_" in name for name, _ in adapters)
+    for name, parameter in adapters:
+        torch.testing.assert_close(parameter.grad, grads[name].grad, atol=1e-5, rtol=0, msg=name)

@@ -242,3 +242,51 @@ def test_modules_the_plan_leaves_out_are_held_where_the_forward_uses_them():
     hy = _meta("hy_v4", **latent, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
     assert list(to_sequential(hy, check=False)[-2].paths) == ["model.hc_head", "model.norm"]
+
+
+GPT2_LIKE = {
+    "falcon-multi-query": dict(multi_query=True, parallel_attn=True),
+    "falcon-new-architecture": dict(new_decoder_architecture=True, num_kv_heads=2),
+    "mpt": dict(n_heads=4, d_model=32, max_seq_len=64),
+    "gpt_bigcode": dict(n_embd=32, n_head=4, n_positions=64),
+    "xglm": dict(d_model=32, attention_heads=4, ffn_dim=48),
+}
+"""The GPT-2-like decoders that declare no plan, as small configs (Bloom's ALiBi: tests/hf_families.py): rotary with
+multi-query and parallel attention, or the new architecture's grouped heads (Falcon), ALiBi over max_seq_len with a
+boolean mask (MPT), multi-query attention with learned positions (GPT-BigCode), sinusoidal positions and its own
+dropout (XGLM)."""
+
+
+def _gpt2_like(name: str, **fields):
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(name.split("-")[0], **{**TINY, **GPT2_LIKE[name], **fields})
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("name", list(GPT2_LIKE))
+def test_gpt2_like_decoders_without_a_plan_equal_their_forward_and_decode_as_generate_does(name):
+    """Falcon, MPT, GPT-BigCode and XGLM (and Bloom, in tests/hf_families.py), refused before: cut by structure
+    (token embedding, a position embedding or a module on the embeddings, `transformer.h`-style blocks given what
+    their forward computes, final norm, head), the self-check passing; logits, loss and every gradient equal the
+    model's forward; greedy decoding of left-padded prompts with each block's own cache equals ``generate``'s tokens
+    (MPT's position bias over the cached positions, Falcon's rotary, GPT-BigCode's multi-query cache)."""
+    from lightning_gpipe.hf import greedy_generate
+
+    model = _gpt2_like(name)
+    assert family_of(model).name == "gpt2-like"
+    _equal_to_forward(model)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [8, 9, 10, 11, 12, 13]])
+    mask = (ids != 0).long()
+    expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=5, pad_token_id=2,
+                              eos_token_id=2)  # fmt: skip
+    generated = greedy_generate(to_sequential(model, check=False), ids, mask, max_new_tokens=5, eos_token_id=2)
+    assert torch.equal(generated, expected)
+
+
+def test_a_gpt2_like_decoder_its_forward_changes_is_refused_naming_why():
+    """Falcon with ALiBi (its forward folds the biases into the mask every block gets) and XGLM's layer drop stay
+    refused, naming the option."""
+    with pytest.raises(UnsupportedModelError, match="alibi=True: its forward folds the ALiBi biases"):
+        to_sequential(_gpt2_like("falcon-multi-query", alibi=True), check=False)
+    with pytest.raises(UnsupportedModelError, match="layerdrop=0.1: its forward skips layers at random"):
+        to_sequential(_gpt2_like("xglm", layerdrop=0.1), check=False)

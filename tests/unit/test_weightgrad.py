@@ -132,3 +132,46 @@ def test_several_micro_batches_weight_gradients_at_once_equal_one_backward_each(
         assert not fused
     with pytest.raises(RuntimeError, match="already computed"):
         run_together(weights)
+
+
+def test_several_micro_batches_weight_gradients_save_nothing_for_a_backward():
+    """The stacked rows of a fused W are values: no graph keeps every layer's until the call ends."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+    weights, kept = [], []  # the outputs stay alive, as a stage keeps them until W
+    for rows in (5, 3):
+        x = torch.randn(rows, 8, requires_grad=True)
+        y = model(x)
+        weights.append(backward_input([y], [torch.ones_like(y)], [x]))
+        kept.append(y)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        run_together(weights)
+    assert saved == []
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_fused_weight_gradients_reach_autograd_in_bounded_calls(monkeypatch):
+    """A stage whose products exceed PRODUCTS_IN_FLIGHT hands them to autograd in several calls, equal to one."""
+    from lightning_gpipe.engine import weightgrad
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+    x = [torch.randn(5, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)]
+    for micro in x:
+        model(micro).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    calls = []
+    backward = torch.autograd.backward
+    monkeypatch.setattr(weightgrad, "PRODUCTS_IN_FLIGHT", 2 * 8 * 8 * 4)  # two layers' weight products
+    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: calls.append(a) or backward(*a, **k))
+    weights = []
+    for micro in x:
+        y = model(micro)
+        weights.append(backward_input([y], [torch.ones_like(y)], [micro]))
+    calls.clear()
+    run_together(weights)
+    assert len(calls) == 2  # layers 1-2, then 3-4
+    for p, e in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, e)

@@ -11,13 +11,15 @@ from lightning_gpipe.planning.balance.solver import solve
 MODES = ("params", "time", "memory")
 
 
-def layer_weights(mode: str, costs: Sequence[LayerCost]) -> Sequence[float]:
+def layer_weights(mode: str, costs: Sequence[LayerCost], state_copies: float = 1.0) -> Sequence[float]:
     """What each layer adds to its stage's cost under ``mode``.
 
     Args:
         mode: ``"params"`` (``parameter_bytes``), ``"time"`` (``forward + backward``, seconds) or
-            ``"memory"`` (``activation_bytes + parameter_bytes``).
+            ``"memory"`` (``activation_bytes + state_copies * parameter_bytes``).
         costs: one :class:`LayerCost` per layer, in order.
+        state_copies: for ``"memory"``, the bytes counted per byte of parameters (default 1: the parameters; a
+            sharded run counts its state as it holds it, :func:`~lightning_gpipe.planning.predict.state_copies`).
 
     Raises:
         ValueError: for an unknown ``mode``.
@@ -27,16 +29,23 @@ def layer_weights(mode: str, costs: Sequence[LayerCost]) -> Sequence[float]:
     if mode == "time":
         return [cost.forward + cost.backward for cost in costs]
     if mode == "memory":
-        return layer_memory(costs)
+        return layer_memory(costs, state_copies)
     raise ValueError(f"Unknown balance mode {mode!r}; choose one of {', '.join(MODES)}.")
 
 
-def layer_memory(costs: Sequence[LayerCost]) -> list[int]:
-    """Bytes each layer holds for one micro-batch: its saved activations and its parameters."""
-    return [cost.activation_bytes + cost.parameter_bytes for cost in costs]
+def layer_memory(costs: Sequence[LayerCost], state_copies: float = 1.0) -> list[float]:
+    """Bytes each layer holds for one micro-batch: its saved activations and ``state_copies`` times its parameters
+    (default 1: the parameters once)."""
+    return [cost.activation_bytes + state_copies * cost.parameter_bytes for cost in costs]
 
 
-def balance_by(mode: str, costs: Sequence[LayerCost], num_stages: int, memory_limit: int | None = None) -> list[int]:
+def balance_by(
+    mode: str,
+    costs: Sequence[LayerCost],
+    num_stages: int,
+    memory_limit: int | None = None,
+    state_copies: float = 1.0,
+) -> list[int]:
     """The contiguous split of the layers into ``num_stages`` stages that minimises the costliest stage under ``mode``.
 
     PipeDream-style profile-driven partitioning (Narayanan et al. 2019, section 3.1), solved exactly
@@ -52,6 +61,8 @@ def balance_by(mode: str, costs: Sequence[LayerCost], num_stages: int, memory_li
             what this does not count: gradients and optimizer state (a multiple of the parameters), the
             stage-boundary outputs of all micro-batches, and every micro-batch's activations when
             nothing is re-materialized (``checkpoint="never"``).
+        state_copies: for ``"memory"``, the bytes counted per byte of parameters (default 1: see
+            :func:`layer_weights`); the limit always counts the parameters once.
 
     Returns:
         ``balance``: the number of layers of each stage.
@@ -59,7 +70,7 @@ def balance_by(mode: str, costs: Sequence[LayerCost], num_stages: int, memory_li
     Raises:
         ValueError: for an unknown ``mode``, fewer layers than stages, or no split within ``memory_limit``.
     """
-    weights = layer_weights(mode, costs)
+    weights = layer_weights(mode, costs, state_copies)
     if memory_limit is None:
         return solve(weights, num_stages)
     return solve(weights, num_stages, memory=layer_memory(costs), memory_limit=memory_limit)
@@ -72,6 +83,7 @@ def resolve_balance(
     costs: Sequence[LayerCost] | None = None,
     memory_limit: int | None = None,
     virtual_stages: int = 1,
+    state_copies: float = 1.0,
 ) -> list[int]:
     """Check a user's ``balance`` against the backbone, or choose the split that evens out a cost.
 
@@ -85,6 +97,7 @@ def resolve_balance(
             ``"time"``, ``"memory"`` and ``memory_limit``. Without it ``"params"`` counts parameters.
         memory_limit: bytes one stage may hold (see :func:`balance_by`), or ``None``.
         virtual_stages: the model chunks per device (default 1), for the error messages.
+        state_copies: for ``"memory"``, the bytes counted per byte of parameters (see :func:`layer_weights`).
 
     Raises:
         ValueError: if the lengths or the sum do not match, a stage is empty, there are fewer layers than
@@ -107,7 +120,7 @@ def resolve_balance(
                 f"balance={mode!r} needs the profiled cost of each of the {count} backbone layers, got"
                 f" {'none' if costs is None else len(costs)}; measure them with `lightning_gpipe.profile_layers`."
             )
-        return balance_by(mode, costs, num_stages, memory_limit)
+        return balance_by(mode, costs, num_stages, memory_limit, state_copies)
     balance = list(balance)
     if len(balance) != num_stages:
         raise ValueError(
