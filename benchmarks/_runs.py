@@ -318,7 +318,11 @@ def run_lightning(args: argparse.Namespace) -> None:
         module = models.MLPClassifier(args.width, args.depth, momentum=args.momentum)
     batch = _batch(args)
     data = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
-    counter = _Deferred(module, lambda: getattr(trainer.strategy, "stage", None), data) if args.count_saved else None
+
+    def stage():  # the trainer is made below
+        return getattr(trainer.strategy, "stage", None)
+
+    counter = _StageCounter(module, stage, data) if args.count_saved else None
     live = LiveBytes(excluded=data) if args.count_live else None
     callback = Clock()
     breakdown = step_breakdown(args.warmup) if args.breakdown else None
@@ -442,10 +446,10 @@ def step_breakdown(warmup: int):
     return StepBreakdown()
 
 
-class _Deferred:
-    """A :class:`SavedBytes` made at the first saved tensor, and made anew when training starts (:meth:`restart`), once
-    the strategy's setup has built and split the module's layers: what setup saved (a profile of the layers) is not
-    counted, and the parameters excluded are those the stage trains (setup may replace the module's).
+class _StageCounter:
+    """A :class:`SavedBytes` made anew when training starts (:meth:`restart`), once the strategy's setup has built and
+    split the module's layers: what setup saved (a profile of the layers) is not counted, and the parameters excluded
+    are those the stage trains (setup may replace the module's).
 
     At every saved tensor (and at each :meth:`sample`) it also samples the stage's kept inputs: ``kept`` is their
     largest count, ``peak`` the largest sum of the live saved bytes and the kept inputs (bytes).
@@ -457,22 +461,19 @@ class _Deferred:
     """
 
     def __init__(self, module: torch.nn.Module, stage, batch: Iterable[torch.Tensor] = ()) -> None:
-        self.module, self.stage, self.counter, self.batch = module, stage, None, list(batch)
-        self.kept = self.peak = 0
+        self.module, self.stage, self.batch = module, stage, list(batch)
+        self.restart()
 
     def pack(self, tensor: torch.Tensor) -> object:
-        """:meth:`SavedBytes.pack`, making the counter first if needed; then :meth:`sample`."""
-        if self.counter is None:
-            self.counter = SavedBytes(self.module.parameters(), self.batch)
+        """:meth:`SavedBytes.pack`, then :meth:`sample`."""
         handle = self.counter.pack(tensor)
         self.sample()
         return handle
 
     def sample(self) -> None:
         """Update ``kept`` and ``peak`` with the bytes held now."""
-        if self.counter is not None:
-            kept = self.counter.kept_inputs(self.stage())
-            self.kept, self.peak = max(self.kept, kept), max(self.peak, self.counter.live + kept)
+        kept = self.counter.kept_inputs(self.stage())
+        self.kept, self.peak = max(self.kept, kept), max(self.peak, self.counter.live + kept)
 
     def restart(self) -> None:
         """Count from now on, with the module's parameters as they are now."""

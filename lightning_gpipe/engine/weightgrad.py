@@ -116,26 +116,31 @@ of its parameters' gradients beside ``.grad``."""
 
 def _run_linears(layers: dict[tuple[Node, Node | None], list["_Group"]]) -> None:
     """Each linear layer's W (by ``(weight, bias)``, its groups, one per micro-batch, see :func:`_linear_key`) as one
-    product over their rows, added to ``.grad`` by autograd calls of at most :data:`PRODUCTS_IN_FLIGHT` bytes of
-    products (the last may exceed it by one layer's). The products are values, not graphs: a layer's stacked rows are
-    freed once its product is computed."""
+    product over their rows (:func:`_products`), added to ``.grad`` by an autograd call once at least
+    :data:`PRODUCTS_IN_FLIGHT` bytes of products wait (each call exceeds it by less than one layer's), and at the
+    end."""
     params: list[Tensor] = []
     grads: list[Tensor] = []
+    waiting = 0  # bytes of grads
     for (weight, bias), groups in layers.items():
-        rows = [_linear_rows(group) for group in groups]
-        with torch.no_grad():
-            gradient, inputs = torch.cat([g for g, _ in rows]), torch.cat([x for _, x in rows])
-            grads.append(gradient.t().mm(inputs))
-            if bias is not None:
-                grads.append(gradient.sum(0))
-        params.append(weight.variable)  # type: ignore[attr-defined]  # a Node attribute torch's stubs lack
-        if bias is not None:
-            params.append(bias.variable)  # type: ignore[attr-defined]  # a Node attribute torch's stubs lack
-        if sum(g.nbytes for g in grads) >= PRODUCTS_IN_FLIGHT:
+        products = _products(groups, bias is not None)
+        params += [node.variable for node in (weight, bias) if node is not None]  # type: ignore[attr-defined]
+        grads += products
+        waiting += sum(product.nbytes for product in products)
+        if waiting >= PRODUCTS_IN_FLIGHT:
             torch.autograd.backward(params, grads)
-            params, grads = [], []
+            params, grads, waiting = [], [], 0
     if params:
         torch.autograd.backward(params, grads)
+
+
+@torch.no_grad()
+def _products(groups: list["_Group"], with_bias: bool) -> list[Tensor]:
+    """One linear layer's weight gradient (and its bias's, ``with_bias``) over the stacked rows of its ``groups``, as
+    values, not graphs: the stacked rows are freed once the product is computed."""
+    rows = [_linear_rows(group) for group in groups]
+    gradient, inputs = torch.cat([g for g, _ in rows]), torch.cat([x for _, x in rows])
+    return [gradient.t().mm(inputs), *([gradient.sum(0)] if with_bias else [])]
 
 
 def backward_input(
