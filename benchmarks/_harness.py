@@ -115,6 +115,8 @@ class Config:
         describe: one line saying what runs, printed in the header.
         checkout: a directory holding another version of this repository (``git archive``): its
             ``benchmarks/_runs.py`` runs, importing its ``lightning_gpipe`` (``None``: this one's).
+        script: the script to run instead of ``benchmarks/_runs.py`` (a benchmark that measures in processes of its
+            own, e.g. on another number of them per configuration); ``None``: ``_runs.py``.
     """
 
     name: str
@@ -122,6 +124,7 @@ class Config:
     nprocs: int = 1
     describe: str = ""
     checkout: str | None = None
+    script: str | None = None
 
 
 @dataclass
@@ -179,7 +182,7 @@ def run(config: Config, memory_cap: int | None = None, timeout: float | None = N
         timeout: seconds before the processes are killed and the measurement counts as failed.
     """
     runs = RUNS if config.checkout is None else os.path.join(config.checkout, "benchmarks", "_runs.py")
-    command = [sys.executable, runs, *config.args]
+    command = [sys.executable, config.script or runs, *config.args]
     env = clean_env()
     if config.checkout is not None:  # Lightning's launcher passes it on to the other stage processes
         env["PYTHONPATH"] = os.pathsep.join([config.checkout, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -235,7 +238,9 @@ def run_or_exit(config: Config) -> Outcome:
     outcome = run(config)
     if not outcome.ok:
         sys.stderr.write(outcome.log)
-        raise SystemExit(f"measurement failed (exit {outcome.returncode}): {shlex.join([RUNS, *config.args])}")
+        raise SystemExit(
+            f"measurement failed (exit {outcome.returncode}): {shlex.join([config.script or RUNS, *config.args])}"
+        )
     return outcome
 
 
@@ -332,8 +337,16 @@ def print_header(settings: str, configs: list[Config], figure: str) -> None:
     print(flush=True)
 
 
-def interleave(configs: list[Config], repeats: int, settle_s: float = 0.0) -> dict[str, Series]:
+def interleave(
+    configs: list[Config], repeats: int, settle_s: float = 0.0, kept: dict[str, list[list[dict]]] | None = None
+) -> dict[str, Series]:
     """Run every configuration ``repeats`` times, interleaved (A, B, ..., A, B, ...), printing each run.
+
+    Args:
+        configs: what to run.
+        repeats: runs of each configuration.
+        settle_s: see :func:`settle`, before each run.
+        kept: where given, every run's records (one per process, by rank) are appended to ``kept[name]``.
 
     Returns:
         The series of each configuration, by name.
@@ -343,6 +356,8 @@ def interleave(configs: list[Config], repeats: int, settle_s: float = 0.0) -> di
         for config in configs:
             found, ticks = settle(settle_s), cpu_ticks()
             records = run_or_exit(config).records
+            if kept is not None:
+                kept.setdefault(config.name, []).append(records)
             stolen = stolen_share(ticks, cpu_ticks())
             main, series = records[0], results[config.name]
             series.medians.append(main["median_s"])

@@ -13,6 +13,8 @@ Kinds (every process prints one JSON line through :func:`_harness.emit` at the e
   cache. That makes every such allocation fault its pages in anew, which slows the steps (AmoebaNet's layers ran
   1.6-2.2x slower): ``--default-allocator`` keeps glibc's own, for runs that measure time. ``--count-live``: every
   process also reports ``live_peak_mib``, the peak of its live tensors during training (:class:`LiveBytes`).
+  A ``GPipeStrategy`` run that profiled its layers (``--balance time``) also reports ``layer_costs`` and ``resplit``
+  (:func:`_split_check`).
   ``--schedule 1f1b``, ``zb-h1`` or ``zb-1p`` (also for ``bare``, where ``zb-1p`` places W by equal costs) runs
   ``GPipeStrategy(schedule=...)``.
 - ``bare``: our engine (``ModelChunk``, ``Partition``, ``Link``) driven directly, without the Trainer; one process per
@@ -84,6 +86,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--count-saved", action="store_true", help="lightning only: count autograd-saved bytes")
     parser.add_argument("--channels-last", action="store_true", help="lightning amoebanet only: channels_last")
+    parser.add_argument(
+        "--amoebanet-layers",
+        type=int,
+        default=6,
+        help="lightning amoebanet only: L of AmoebaNet-D (L, 16) (default 6: 10 backbone layers; the 20-minute"
+        " recipe's 3: 7)",
+    )
+    parser.add_argument(
+        "--precision", help="lightning only: Trainer(precision=...), e.g. bf16-mixed (default: the Trainer's, 32-true)"
+    )
     parser.add_argument(
         "--schedule",
         choices=tuple(SCHEDULES),
@@ -311,7 +323,7 @@ def run_lightning(args: argparse.Namespace) -> None:
 
     torch.manual_seed(0)
     if args.model == "amoebanet":
-        module = models.amoebanet_classifier(channels_last=args.channels_last)
+        module = models.amoebanet_classifier(args.amoebanet_layers, channels_last=args.channels_last)
     elif args.model == "translation":
         module = models.translation_module(args.depth)
     else:
@@ -342,6 +354,7 @@ def run_lightning(args: argparse.Namespace) -> None:
         "enable_progress_bar": False,
         "enable_model_summary": False,
         "use_distributed_sampler": False,
+        **({"precision": args.precision} if args.precision else {}),
         "callbacks": [callback, *(extra for extra in (breakdown, fill_end) if extra is not None)],
     }
     if args.strategy == "plain":
@@ -374,6 +387,7 @@ def run_lightning(args: argparse.Namespace) -> None:
     record = {**callback.clock.summary(), "threads": torch.get_num_threads(), "world_size": trainer.world_size}
     if args.strategy != "plain":
         record.update(split=trainer.strategy.config.splits_backward)  # what ran: given, or the default's choice
+        record.update(_split_check(trainer.strategy))
     if counter is not None:
         record.update(saved_peak=counter.counter.peak, kept_inputs=counter.kept, peak=counter.peak)
     if callback.rss_growth is not None:
@@ -388,6 +402,18 @@ def run_lightning(args: argparse.Namespace) -> None:
     if breakdown is not None:
         record.update(breakdown=breakdown.mean_ms(), stage=trainer.strategy.stage_index)
     emit(trainer.global_rank, **record)
+
+
+def _split_check(strategy) -> dict:
+    """What a strategy that profiled its layers (``--balance time``) kept (nothing for the others): ``layer_costs``,
+    the profiled cost of each backbone layer for one micro-batch (``LayerCost``'s fields), and ``resplit``, the record
+    of its check of the split against the measured stage times (``strategy.resplit.record``: ``None`` where the check
+    has not run, e.g. before its steps)."""
+    if strategy.layer_costs is None:
+        return {}
+    check = getattr(strategy, "resplit", None)
+    costs = [dataclasses.asdict(cost) for cost in strategy.layer_costs]
+    return {"layer_costs": costs, "resplit": None if check is None else check.record}
 
 
 def step_breakdown(warmup: int):

@@ -1,5 +1,6 @@
 """Conformance of ``lightning_gpipe.hf`` over every causal-LM class of the installed ``transformers`` that declares a
-pipeline plan (``config.base_model_pp_plan``, transformers PR #36091): equal, refused or wrong.
+pipeline plan (``config.base_model_pp_plan``, transformers PR #36091), and (``--seq2seq``) over every
+``AutoModelForSeq2SeqLM`` class: equal, refused or wrong.
 
 For each model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` whose config class declares a plan, a tiny config (the
 type's default config, fixed where ``transformers``' own default cannot build or run its model, see
@@ -12,11 +13,16 @@ type's default config, fixed where ``transformers``' own default cannot build or
   tensor's largest entry where that exceeds 1);
 - ``wrong``: taken, but something differs (the worst tensor named): the adapter would train another model.
 
+With ``--seq2seq`` the types are those of ``MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES`` (none declares a plan),
+each class trained by ``lightning_gpipe.hf.Seq2SeqLM``; the probe adds labels of 2 rows of 7 tokens (the last 2 of
+the second unlabelled), from which both sides shift the decoder's input.
+
 Run from the repository root (a few minutes on one CPU thread)::
 
     python benchmarks/hf_conformance.py                 # every declaring class, a table and the counts
     python benchmarks/hf_conformance.py --only gpt_neox phi qwen3_next
     python benchmarks/hf_conformance.py --json out.json
+    python benchmarks/hf_conformance.py --seq2seq       # every AutoModelForSeq2SeqLM class
 
 tests/unit/test_transformers_plan.py runs :func:`conform` on a representative few; docs/transformers.md gives the
 counts.
@@ -41,6 +47,8 @@ CONFIG_FIXES: dict[str, dict] = {
     "deepseek_v2": {"num_experts_per_tok": 6},  # default None: its router's topk takes k=None
     "dots1": {"n_routed_experts": 128, "num_experts_per_tok": 8, "n_shared_experts": 2},  # defaults None: no experts
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+    # no decoder_start_token_id by default: their forward cannot shift labels (T5's checkpoints' value)
+    **{t5: {"decoder_start_token_id": 0} for t5 in ("t5", "longt5", "switch_transformers")},
 }
 """Fields set on ``transformers`` 5.24's default configs that cannot build or run their own model (the values are
 the types' documented ones; nothing of the adapter's)."""
@@ -72,6 +80,13 @@ def declaring_types() -> list[tuple[str, str]]:
         for model_type, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
         if model_type in CONFIG_MAPPING and getattr(CONFIG_MAPPING[model_type], "base_model_pp_plan", None)
     ]
+
+
+def seq2seq_types() -> list[tuple[str, str]]:
+    """``(model_type, class name)`` of every ``AutoModelForSeq2SeqLM`` class."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+
+    return list(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.items())
 
 
 def tiny_config(model_type: str):
@@ -133,35 +148,72 @@ def compare(model_class: type, config) -> tuple[str, float]:
     return _worst(ours, theirs)
 
 
-def conform(model_type: str) -> Result:
-    """The verdict on ``model_type``'s causal-LM class (see the module docstring)."""
+def compare_seq2seq(model_class: type, config) -> tuple[str, float]:
+    """:func:`compare` for an encoder-decoder (``Seq2SeqLM``'s backbone input and loss)."""
+    from lightning_gpipe.hf import to_sequential
+    from lightning_gpipe.hf.selfcheck import miniature
+    from lightning_gpipe.hf.seq2seq import seq2seq_input, seq2seq_loss
+
+    model = miniature(model_class, config).eval()
+    ids, mask, _ = _probe()
+    labels = torch.randint(3, 128, (ROWS, 7), generator=torch.Generator().manual_seed(8))
+    labels[1, -2:] = -100
+    output = model(input_ids=ids, attention_mask=mask, labels=labels)
+    output.loss.backward()
+    theirs = {"logits": output.logits.detach(), "loss": output.loss.detach()}
+    theirs |= {f"grad {n}": p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    value = seq2seq_input(model, ids, mask, labels=labels)
+    for layer in to_sequential(model, check=False):
+        value = layer(value)
+    loss = seq2seq_loss(value, labels)
+    loss.backward()
+    ours = {"logits": value.detach(), "loss": loss.detach()}
+    ours |= {f"grad {n}": p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return _worst(ours, theirs)
+
+
+def conform(model_type: str, seq2seq: bool = False) -> Result:
+    """The verdict on ``model_type``'s causal-LM class, or with ``seq2seq`` its ``AutoModelForSeq2SeqLM`` class (see
+    the module docstring)."""
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    )
 
     from lightning_gpipe.hf import UnsupportedModelError, check_class
 
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    name = (MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES if seq2seq else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)[model_type]
     model_class = getattr(transformers, name)
     start = time.perf_counter()
     try:
         config = tiny_config(model_type)
     except Exception as error:  # transformers' own config: refused before the adapter sees it
-        return Result(model_type, name, "refused", None, f"tiny config: {error!r}", time.perf_counter() - start)
+        detail = str(error) if isinstance(error, UnsupportedModelError) else f"tiny config: {error!r}"
+        return Result(model_type, name, "refused", None, detail, time.perf_counter() - start)
     try:
         family = check_class(model_class, config).name
     except UnsupportedModelError as refusal:
         return Result(model_type, name, "refused", None, str(refusal), time.perf_counter() - start)
     with torch.random.fork_rng():
-        tensor, difference = compare(model_class, config)
+        tensor, difference = (compare_seq2seq if seq2seq else compare)(model_class, config)
     verdict = "equal" if difference <= TOLERANCE else "wrong"
     detail = f"{tensor}: {difference:.2g}"
     return Result(model_type, name, verdict, family, detail, time.perf_counter() - start)
+
+
+def _own_reason(message: str) -> str:
+    """A refusal's reason for the table: what the encoder-decoder family says of it (the message lists every
+    family's), else the message."""
+    return message.partition("not the encoder-decoder layout: ")[2].split("; and no registered family")[0] or message
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="model types (default: every declaring one)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--seq2seq", action="store_true", help="every AutoModelForSeq2SeqLM class instead")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     from transformers.utils import logging
@@ -170,17 +222,18 @@ def main() -> None:
     import transformers
 
     torch.set_num_threads(1)
-    types = args.only or [model_type for model_type, _ in declaring_types()]
+    types = args.only or [model_type for model_type, _ in (seq2seq_types() if args.seq2seq else declaring_types())]
     results = []
     print("model_type | class | verdict | family | detail")
     for model_type in types:
-        result = conform(model_type)
+        result = conform(model_type, args.seq2seq)
         results.append(result)
-        detail = result.detail if result.verdict != "refused" else result.detail[:160]
+        detail = result.detail if result.verdict != "refused" else _own_reason(result.detail)[:160]
         print(f"{model_type} | {result.model_class} | {result.verdict} | {result.family} | {detail}", flush=True)
     counts = {verdict: sum(r.verdict == verdict for r in results) for verdict in ("equal", "refused", "wrong")}
     share = counts["equal"] / len(results)
-    print(f"transformers {transformers.__version__}: {len(results)} declaring classes, {counts}, {share:.1%} equal")
+    kind = "seq2seq" if args.seq2seq else "declaring"
+    print(f"transformers {transformers.__version__}: {len(results)} {kind} classes, {counts}, {share:.1%} equal")
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
 

@@ -31,7 +31,6 @@ Usage::
 
 import argparse
 import ctypes
-import gc
 import json
 import os
 import sys
@@ -41,15 +40,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _held import Measure, count_calls  # noqa: E402
 from models import MLPClassifier, mlp_batch  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_gpipe import GPipeStrategy  # noqa: E402
 
 MODES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
 MIB = 2**20
-COUNTS = {"all_gather": 0, "reduce_scatter": 0}
+COLLECTIVES = ("all_gather_single", "reduce_scatter_single")
+"""FSDP2's collectives, counted (:func:`_held.count_calls`)."""
 
 
 class AdamWMLP(MLPClassifier):
@@ -57,49 +57,6 @@ class AdamWMLP(MLPClassifier):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-
-def _counting(name: str, collective):
-    def counted(*args, **kwargs):
-        COUNTS[name] += 1
-        return collective(*args, **kwargs)
-
-    return counted
-
-
-def _status_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) / 1024
-
-
-def _local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.numel() * local.element_size()
-
-
-class Measure(pl.Callback):
-    """What one process holds and peaks at during one fit (see the module docstring)."""
-
-    def setup(self, trainer, pl_module, stage) -> None:
-        gc.collect()  # the last fit's module, optimizer and trainer, held in reference cycles
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS
-        self.start = _status_mib("VmRSS")
-
-    def on_train_batch_start(self, *_) -> None:
-        self.counts = dict(COUNTS)
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        parameters = list(pl_module.parameters())
-        states = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim()]
-        self.state = sum(_local_bytes(p) + (_local_bytes(p.grad) if p.grad is not None else 0) for p in parameters)
-        self.state += sum(_local_bytes(t) for t in states)
-
-    def on_train_batch_end(self, *_) -> None:
-        self.collectives = [COUNTS[name] - self.counts[name] for name in ("all_gather", "reduce_scatter")]
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self.peak = _status_mib("VmHWM") - self.start
 
 
 def fit(args: argparse.Namespace, mode: str) -> dict | None:
@@ -120,7 +77,7 @@ def fit(args: argparse.Namespace, mode: str) -> dict | None:
     pl.seed_everything(0, verbose=False)
     trainer.fit(AdamWMLP(args.width, args.depth), DataLoader(TensorDataset(x, y), batch_size=args.batch_size))
     record = {"rank": trainer.global_rank, "state": measure.state, "peak": measure.peak}
-    record["collectives"] = measure.collectives
+    record["collectives"] = [measure.collectives[name] for name in COLLECTIVES]
     records: list = [None] * 4
     dist.all_gather_object(records, record)
     return records if trainer.global_rank == 0 else None
@@ -158,8 +115,8 @@ def main() -> None:
     libc = ctypes.CDLL(None)
     if hasattr(libc, "mallopt"):
         libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: every large allocation its own mapping, unmapped when freed
-    dist.all_gather_single = _counting("all_gather", dist.all_gather_single)
-    dist.reduce_scatter_single = _counting("reduce_scatter", dist.reduce_scatter_single)
+    for name in COLLECTIVES:
+        count_calls(dist, name)
     warmup = argparse.Namespace(**{**vars(args), "width": 64, "depth": 2, "steps": 1})
     for mode in MODES:  # the one-time costs (imports, gloo's buffers, FSDP2's first use) before any measured fit
         fit(warmup, mode)

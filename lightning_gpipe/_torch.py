@@ -299,3 +299,39 @@ def _remove_state(state: Any) -> None:
         }
         module.__dict__[REGISTRY_KEY].pop("fully_shard", None)
         _module_state_mapping.pop(module, None)
+
+
+# ----------------------------------------------------------------------------------------------- tensor parallelism
+
+
+def forward_hooks(root: nn.Module) -> set[tuple[int, int]]:
+    """Every forward and forward-pre hook registered on ``root`` and its submodules, as ``(id(module), hook id)``
+    (the keys of ``nn.Module._forward_hooks`` and ``_forward_pre_hooks``, unique per process).
+
+    Why: ``parallelize_module`` (``distribute_module``) registers a layer's input and output conversions as forward
+    hooks and keeps no handle; after a completed fit the user's module leaves the run plain, so the hooks it added are
+    told from the user's by comparing what was there before (:func:`remove_forward_hooks`).
+
+    Checked on: torch 2.13.0.
+    """
+    return {
+        (id(module), key) for module in root.modules() for key in [*module._forward_hooks, *module._forward_pre_hooks]
+    }
+
+
+def remove_forward_hooks(root: nn.Module, hooks: set[tuple[int, int]]) -> None:
+    """Remove from ``root`` and its submodules the forward and forward-pre hooks in ``hooks`` (see
+    :func:`forward_hooks`), with their entries in the registries of hooks that take keyword arguments or always run.
+
+    Why: the hooks ``parallelize_module`` added convert a layer's input and output to and from ``DTensor`` over the
+    run's mesh; after the run the module is plain again, and ``RemovableHandle`` needs the handle torch did not keep.
+
+    Checked on: torch 2.13.0.
+    """
+    for module in root.modules():
+        for registry in (module._forward_hooks, module._forward_pre_hooks):
+            for key in [key for key in registry if (id(module), key) in hooks]:
+                del registry[key]
+                module._forward_hooks_with_kwargs.pop(key, None)
+                module._forward_hooks_always_called.pop(key, None)
+                module._forward_pre_hooks_with_kwargs.pop(key, None)

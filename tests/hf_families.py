@@ -195,6 +195,53 @@ FAMILIES = {
 }
 """name: (the ``transformers`` class, the ``lightning_gpipe.hf`` module, its config, dropout off)."""
 
+BART = dict(
+    vocab_size=VOCAB,
+    d_model=32,
+    encoder_layers=3,
+    decoder_layers=3,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=48,
+    decoder_ffn_dim=48,
+    max_position_embeddings=64,
+    dropout=0.0,
+    attention_dropout=0.0,
+    encoder_layerdrop=0.0,
+    decoder_layerdrop=0.0,
+    bos_token_id=0,
+    pad_token_id=1,
+    eos_token_id=2,
+    decoder_start_token_id=2,
+)
+T5 = dict(
+    vocab_size=VOCAB,
+    d_model=32,
+    d_ff=48,
+    d_kv=8,
+    num_layers=3,
+    num_decoder_layers=3,
+    num_heads=4,
+    dropout_rate=0.0,
+    pad_token_id=0,
+    eos_token_id=1,
+    decoder_start_token_id=0,
+)
+SEQ2SEQ = {
+    "t5": ("T5ForConditionalGeneration", "Seq2SeqLM", dict(model_type="t5", **T5, feed_forward_proj="gated-gelu")),
+    "mt5": ("MT5ForConditionalGeneration", "Seq2SeqLM", dict(model_type="mt5", **T5, feed_forward_proj="gated-gelu")),
+    "umt5": ("UMT5ForConditionalGeneration", "Seq2SeqLM", dict(model_type="umt5", **T5)),
+    "bart": ("BartForConditionalGeneration", "Seq2SeqLM", dict(model_type="bart", **BART)),
+    "mbart": ("MBartForConditionalGeneration", "Seq2SeqLM", dict(model_type="mbart", **BART)),
+    "marian": ("MarianMTModel", "Seq2SeqLM", dict(model_type="marian", **BART, decoder_vocab_size=VOCAB)),
+    "m2m_100": ("M2M100ForConditionalGeneration", "Seq2SeqLM", dict(model_type="m2m_100", **BART)),
+}
+"""The encoder-decoders (``lightning_gpipe.hf.Seq2SeqLM``), 3 encoder and 3 decoder blocks, dropout and layer drop
+off: T5 (Flan-T5's gated feed-forward, a relative position bias computed by each stack's first block, logits scaled),
+mT5 (no scaling), umT5 (a bias table per block), BART (learned positions offset by 2, a norm on the embeddings, a bias
+on the logits), mBART (final norms), Marian (sinusoidal positions, its own target vocabulary size), M2M100 (NLLB's
+class: sinusoidal positions from the padding)."""
+
 FIRST = ("llama", "gpt2", "bert_mlm", "bert_classifier")
 """The families of the first tests (more runs each: 3 stages, checkpoints, resuming, replicas)."""
 
@@ -206,7 +253,7 @@ def build(name: str, **overrides):
     """A new model of family ``name`` (weights drawn from the current random state), config fields overridden."""
     import transformers
 
-    model_class, _, config = FAMILIES[name]
+    model_class, _, config = {**FAMILIES, **SEQ2SEQ}[name]
     fields = {**config, **overrides}
     config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     return getattr(transformers, model_class)(config)
@@ -214,4 +261,4 @@ def build(name: str, **overrides):
 
 def is_decoder(name: str) -> bool:
     """Whether family ``name`` is a causal LM (decodes)."""
-    return FAMILIES[name][1] == "CausalLM"
+    return {**FAMILIES, **SEQ2SEQ}[name][1] == "CausalLM"

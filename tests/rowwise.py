@@ -1,8 +1,10 @@
 """What the 1F1B tests train, in the test process (one device) and in tests/workers/one_f_one_b.py (K stages)."""
 
+import functools
+
 import lightning as L
 import torch.nn.functional as F
-from models import TupleNet, loader, trainer_kwargs
+from models import LossRecorder, TupleNet, loader, trainer_kwargs
 
 
 class WatchedNet(TupleNet):
@@ -60,3 +62,14 @@ def fit_batches(strategy="auto", devices=1, batch_size=20, module=TupleNet, ckpt
     trainer = L.Trainer(strategy=strategy, devices=devices, **trainer_kwargs(**overrides))
     trainer.fit(module, loader(batch_size=batch_size), loader(seed=1), ckpt_path=ckpt_path)
     return trainer
+
+
+@functools.cache
+def adamw_reference() -> dict:
+    """Single-device AdamWNet (tests/sharded.py) for 6 steps on batches of 26 rows: its state and every step's loss
+    (the reference of the V schedules' runs and of the re-split's)."""
+    from sharded import AdamWNet
+
+    recorder = LossRecorder()
+    trainer = fit_batches(batch_size=26, module=AdamWNet, callbacks=[recorder])
+    return {"state": trainer.lightning_module.state_dict(), "losses": recorder.losses}

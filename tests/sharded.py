@@ -6,6 +6,7 @@ its reference is single-device Lightning reading the same global batches in Ligh
 The Hugging Face runs (:data:`HF_RUNS`) read 6 rows a step, and their reference is the unmodified model on one device.
 """
 
+import functools
 import importlib.util
 import os
 
@@ -160,6 +161,29 @@ def one_device(name: str, steps: int = STEPS) -> tuple[dict, list[float]]:
     trainer = L.Trainer(devices=1, max_steps=steps, **trainer_kwargs(callbacks=[recorder], **overrides))
     trainer.fit(module_class(), reference_loader(dataset_of(module_class)))
     return trainer.lightning_module.state_dict(), recorder.losses
+
+
+def hf_starting_module(name: str, out: str, lora: bool):
+    """``lightning_gpipe.hf.CausalLM`` over the worker's starting tiny Llama (and with ``lora``, its starting
+    adapters), saved by this rank under OUT_DIR for run ``name`` and loaded from there, as a user's pretrained
+    directory is (eager attention, the worker's optimization)."""
+    import lightning_gpipe.hf as hf
+
+    worker, rank = hf_worker(), int(os.environ.get("LOCAL_RANK", 0))
+    init, extra = os.path.join(out, f"{name}_init_rank{rank}"), {}
+    initial = worker.initial_model("llama")
+    initial.should_save_on_this_rank = lambda is_main_process: True  # every rank its own copy (a group exists)
+    initial.save_pretrained(init)
+    if lora:
+        extra["lora"] = os.path.join(out, f"{name}_adapter_rank{rank}")
+        worker.initial_lora("llama").save_pretrained(extra["lora"])
+    return hf.CausalLM(pretrained=init, attn_implementation="eager", **extra, **worker.OPTIMIZATION)
+
+
+@functools.cache
+def hf_in_float64(lora: bool) -> dict:
+    """:func:`hf_one_device` in float64 (made once per case): what fp32 rounding is measured against."""
+    return hf_one_device(lora, torch.float64)[0]
 
 
 def hf_rows() -> list[dict[str, torch.Tensor]]:

@@ -37,7 +37,7 @@ from lightning_gpipe.engine.schedule_csv import (
 )
 from lightning_gpipe.engine.skip.tracker import SkipTracker, tracking
 from lightning_gpipe.engine.ties import TiedParameters
-from lightning_gpipe.engine.topology import Topology, groups
+from lightning_gpipe.engine.topology import Topology, groups, replicas_mesh
 from lightning_gpipe.engine.trace import StageTrace, StepTrace
 from lightning_gpipe.engine.weightgrad import backward_input
 
@@ -49,6 +49,7 @@ __all__ = [
     # the mesh
     "Topology",
     "groups",
+    "replicas_mesh",
     # the backbone and its values
     "Partition",
     "Value",

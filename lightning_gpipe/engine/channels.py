@@ -51,7 +51,8 @@ class Spec(Protocol):
 
 
 LinkKey = tuple[int, int, int]
-"""A link of the job: ``(data-parallel replica, sending virtual stage, receiving virtual stage)``."""
+"""A link of the job: ``(pipeline, sending virtual stage, receiving virtual stage)`` (:meth:`~lightning_gpipe.engine.
+Topology.pipeline_of`)."""
 
 
 def link_groups(topology: Topology, skips: SkipLayout, rank: int) -> dict[LinkKey, dist.ProcessGroup]:
@@ -65,13 +66,13 @@ def link_groups(topology: Topology, skips: SkipLayout, rank: int) -> dict[LinkKe
     pairs = [(s, s + 1) for s in range(topology.num_virtual - 1)] if topology.virtual_stages > 1 else []
     pairs += sorted({(route.src, route.dst) for route in skips.routes})
     groups = {}
-    for replica in range(topology.data_parallel_size):
+    for pipeline in range(topology.num_pipelines):
         for src, dst in pairs:
-            ranks = sorted({topology.rank_of_virtual(src, replica), topology.rank_of_virtual(dst, replica)})
+            ranks = sorted({topology.rank_of_virtual(src, pipeline), topology.rank_of_virtual(dst, pipeline)})
             if len(ranks) == 2:
                 group = dist.new_group(ranks)
                 if rank in ranks:
-                    groups[(replica, src, dst)] = group
+                    groups[(pipeline, src, dst)] = group
     return groups
 
 
@@ -102,8 +103,8 @@ class _Wiring:
         self, spec: Spec, skips: SkipLayout, job: Job, groups: dict[LinkKey, dist.ProcessGroup], turns: dict
     ) -> None:
         self.spec, self.skips, self.job, self.groups, self.turns = spec, skips, job, groups, turns
-        self.replica = spec.topology.replica_of(spec.rank)
-        self.place = partial(spec.topology.rank_of_virtual, replica=self.replica)
+        self.pipeline = spec.topology.pipeline_of(spec.rank)
+        self.place = partial(spec.topology.rank_of_virtual, pipeline=self.pipeline)
 
     def links(self) -> list[tuple[Link, SkipLinks | None]]:
         """Every model chunk's links, in model chunk order."""
@@ -152,5 +153,5 @@ class _Wiring:
 
     def _group(self, src: int, dst: int) -> dist.ProcessGroup | None:
         """The process group of the link from virtual stage ``src`` to ``dst`` (``None``: the default group)."""
-        key: LinkKey = (self.replica, src, dst)
+        key: LinkKey = (self.pipeline, src, dst)
         return self.groups.get(key)

@@ -6,8 +6,9 @@ stage that uses the parameter holds a copy of it. The copies start equal (:meth:
 sends the first holder's values to the others, as modules created on the meta device are initialised on each
 stage), their gradients are summed over the holding stages before the optimizer step
 (:meth:`TiedParameters.reduce_grads`), so every copy gets the gradient of the whole model and steps alike.
-One process group per tie and data-parallel replica, made with ``dist.new_group`` on every rank: the same
-approach as Megatron-LM's embedding group (Shoeybi et al. 2019, and ``megatron/core/parallel_state.py``).
+One process group per tie and pipeline (the data-parallel replica without tensor parallelism), made with
+``dist.new_group`` on every rank: the same approach as Megatron-LM's embedding group (Shoeybi et al. 2019, and
+``megatron/core/parallel_state.py``).
 
 Ties are found from the module itself (:func:`find_ties`): a parameter reachable under several state-dict
 names whose owners fall on different stages. Each stage keeps its copy under its own names, so a checkpoint
@@ -107,7 +108,8 @@ class TiedParameters:
     """This stage's part in the model's ties: a process group per tie it holds, to sync values and sum gradients.
 
     Makes every tie's group on every rank (``dist.new_group`` is collective over the whole job), for every
-    data-parallel replica: the group of a tie is the ranks of its holding stages within one replica.
+    pipeline (the data-parallel replica without tensor parallelism): the group of a tie is the ranks of its holding
+    stages within one pipeline.
 
     Args:
         ties: every tie of the model (:func:`find_ties`), the same list on every rank.
@@ -124,12 +126,12 @@ class TiedParameters:
         self.module, self.stage, self.job = module, topology.stage_of(rank), job
         self._held: list[tuple[Tie, dist.ProcessGroup | None, int]] = []
         self.held = False
-        replica = topology.replica_of(rank)
-        for r in range(topology.data_parallel_size):
+        pipeline = topology.pipeline_of(rank)
+        for p in range(topology.num_pipelines):
             for tie in ties:
-                ranks = [topology.rank_of(stage, r) for stage in tie.stages]
+                ranks = [topology.rank_of(stage, p) for stage in tie.stages]
                 group = dist.new_group(ranks) if dist.is_initialized() else None
-                if r == replica and rank in ranks:
+                if p == pipeline and rank in ranks:
                     self._held.append((tie, group, ranks[0]))
         self.held = bool(self._held)
 

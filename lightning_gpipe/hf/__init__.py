@@ -1,13 +1,15 @@
 """Hugging Face ``transformers`` models in the pipeline (``lightning_gpipe.hf``).
 
 :func:`to_sequential` turns a loaded model (a decoder cut where its declared pipeline plan says, or of ``transformers``
-5's standard layout, GPT-2, BERT-style encoders, a ``peft`` LoRA model of one) into the backbone contract without
-copying weights, after proving its cut on a miniature of the same class (the self-check);
-:class:`~lightning_gpipe.hf.module.CausalLM`, :class:`~lightning_gpipe.hf.module.MaskedLM` and
+5's standard layout, GPT-2, BERT-style encoders, encoder-decoders, a ``peft`` LoRA model of one) into the backbone
+contract without copying weights, after proving its cut on a miniature of the same class (the self-check);
+:class:`~lightning_gpipe.hf.module.CausalLM`, :class:`~lightning_gpipe.hf.module.Seq2SeqLM` (encoder-decoders: T5,
+BART, Marian, M2M100...), :class:`~lightning_gpipe.hf.module.MaskedLM` and
 :class:`~lightning_gpipe.hf.module.SequenceClassifier` fine-tune one with ``GPipeStrategy`` (every weight, or LoRA
 adapters with ``lora=``), each stage building its layers on the meta device and loading only its own weights;
-:func:`greedy_generate` decodes through the pipeline, each stage keeping its own blocks' key/value caches. Needs
-``transformers`` 5.24 or newer (``peft`` for LoRA). Guide: docs/transformers.md.
+:func:`greedy_generate` decodes through the pipeline, each stage keeping its own blocks' key/value caches
+(:func:`seq2seq_greedy_generate` an encoder-decoder's, without caches). Needs ``transformers`` 5.24 or newer (``peft``
+for LoRA). Guide: docs/transformers.md.
 
 Importing it with an older ``transformers`` (or none) raises ``ImportError`` naming the ``pip`` command that fixes it:
 5.24 renamed the arguments of the ``masking_utils`` functions the decoders call, so an older one would fail later, in
@@ -29,9 +31,11 @@ from lightning_gpipe.hf.module import (
     HFModule,
     MaskedLM,
     SavePretrained,
+    Seq2SeqLM,
     SequenceClassifier,
     greedy_generate,
     lr_factor,
+    seq2seq_greedy_generate,
 )
 from lightning_gpipe.hf.moe import RouterLoss
 from lightning_gpipe.hf.packing import pack_documents, packed_batch
@@ -50,6 +54,7 @@ __all__ = [
     "SafetensorsWeights",
     "SavePretrained",
     "SelfCheckError",
+    "Seq2SeqLM",
     "SequenceClassifier",
     "UnsupportedModelError",
     "check_class",
@@ -62,5 +67,6 @@ __all__ = [
     "positions_from_mask",
     "register_family",
     "save_stage_shards",
+    "seq2seq_greedy_generate",
     "to_sequential",
 ]

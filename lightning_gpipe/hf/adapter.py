@@ -10,8 +10,9 @@ mechanism (:mod:`lightning_gpipe.engine.ties`) finds by itself.
 Which layers a model is cut into is its :class:`Family`'s business. Models are recognised by what ``transformers``
 declares and by their structure, not their class name: first the pipeline plan a decoder declares (below), then the
 standard decoder layout of ``transformers`` 5 (:mod:`lightning_gpipe.hf.decoder_layout`), the GPT-2-like decoders
-that declare no plan (:mod:`lightning_gpipe.hf.gpt2_like`: Bloom, Falcon, MPT, GPT-BigCode, XGLM) and the BERT-style
-encoders (:mod:`lightning_gpipe.hf.encoder`); GPT-2 is a family by name, and :func:`register_family` adds more.
+that declare no plan (:mod:`lightning_gpipe.hf.gpt2_like`: Bloom, Falcon, MPT, GPT-BigCode, XGLM), the BERT-style
+encoders (:mod:`lightning_gpipe.hf.encoder`) and the encoder-decoders (:mod:`lightning_gpipe.hf.seq2seq`); GPT-2 is a
+family by name, and :func:`register_family` adds more.
 Before a class is cut for the first time in a process, the self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves
 its cut on a miniature built from the same config, so a class that looks standard and is not is refused rather than
 trained
@@ -67,6 +68,7 @@ from lightning_gpipe.hf.decoder_layout import (
 from lightning_gpipe.hf.encoder import standard_encoder, standard_encoder_layers
 from lightning_gpipe.hf.gpt2_like import gpt2_like_decoder, gpt2_like_layers, unsaved_buffers
 from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel, UnsupportedModelError
+from lightning_gpipe.hf.seq2seq import SEQ2SEQ_INPUTS, encoder_decoder, encoder_decoder_layers
 
 # ------------------------------------------------------------------ the pipeline plan transformers declares
 
@@ -247,6 +249,8 @@ class Family:
         encoder: whether the backbone takes an encoder's ``(input_ids, attention_mask, token_type_ids)`` (else a
             causal LM's ``(input_ids, attention_mask, position_ids)``, whose loss the self-check compares too).
             Default ``False``.
+        seq2seq: whether the backbone is an encoder-decoder's, taking ``(input_ids, attention_mask,
+            decoder_input_ids, decoder_attention_mask)`` (:mod:`lightning_gpipe.hf.seq2seq`). Default ``False``.
         source: where the cut of a model it takes comes from, a phrase for the self-check's messages (the decoder
             families: the declared plan or the structure, and what the other says); ``None`` (default): the
             family's name.
@@ -259,6 +263,7 @@ class Family:
     structure: Callable[[nn.Module], str | None] | None = None
     encoder: bool = False
     source: Callable[[nn.Module], str] | None = None
+    seq2seq: bool = False
 
     def describe(self, model: nn.Module) -> str:
         """Where the cut of ``model`` (a model this family takes) comes from: :attr:`source`'s phrase, else "cut by
@@ -285,13 +290,15 @@ FAMILIES: list[Family] = [
     Family("decoder", (), standard_decoder_layers, DECODER_INPUTS, structure=standard_decoder, source=structure_source),
     Family("gpt2-like", (), gpt2_like_layers, DECODER_INPUTS, structure=gpt2_like_decoder),
     Family("encoder", (), standard_encoder_layers, ENCODER_INPUTS, structure=standard_encoder, encoder=True),
+    Family("encoder-decoder", (), encoder_decoder_layers, SEQ2SEQ_INPUTS, structure=encoder_decoder, seq2seq=True),
 ]
 """The registered families, tried in order by :func:`family_of`: GPT-2 by name; then a decoder cut where its
 declared pipeline plan says (:func:`declared_decoder`: ``config.base_model_pp_plan``, the
 first source); then by structure, the standard decoder layout
 (:func:`~lightning_gpipe.hf.decoder_layout.standard_decoder`, the fallback), the GPT-2-like decoders without a plan
-(:func:`~lightning_gpipe.hf.gpt2_like.gpt2_like_decoder`: Bloom, Falcon, MPT, GPT-BigCode, XGLM) and the BERT-style
-encoders (:func:`~lightning_gpipe.hf.encoder.standard_encoder`)."""
+(:func:`~lightning_gpipe.hf.gpt2_like.gpt2_like_decoder`: Bloom, Falcon, MPT, GPT-BigCode, XGLM), the BERT-style
+encoders (:func:`~lightning_gpipe.hf.encoder.standard_encoder`) and the encoder-decoders
+(:func:`~lightning_gpipe.hf.seq2seq.encoder_decoder`: T5, BART, Marian, M2M100...)."""
 
 
 def register_family(family: Family) -> None:
@@ -353,8 +360,10 @@ def to_sequential(model: nn.Module, weights: Any | None = None, check: bool = Tr
     token_type_ids)``, each ``(N, S)`` long (the mask 1 for real tokens, 0 for padding; see
     :func:`~lightning_gpipe.hf.packing.decoder_input`), and return the logits ``(N, S, V)`` (``(N, num_labels)``
     for sequence classification); a mixture of experts with ``output_router_logits=True`` returns ``(logits,
-    router statistics)`` (:mod:`lightning_gpipe.hf.moe`). Applied layer by layer on one device it equals
-    ``model``'s own forward.
+    router statistics)`` (:mod:`lightning_gpipe.hf.moe`); encoder-decoders take ``(input_ids, attention_mask,
+    decoder_input_ids, decoder_attention_mask)`` and return the logits ``(N, T, V)``
+    (:func:`~lightning_gpipe.hf.seq2seq.seq2seq_input`). Applied layer by layer on one device it equals ``model``'s
+    own forward.
 
     Args:
         model: a ``transformers`` model (or a ``peft`` model of one) that a :class:`Family` takes, in training or

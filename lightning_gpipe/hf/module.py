@@ -1,14 +1,15 @@
 """LightningModules that fine-tune a Hugging Face model whose backbone is :func:`~lightning_gpipe.hf.to_sequential`'s.
 
-:class:`CausalLM` (any decoder of the standard layout, GPT-2), :class:`MaskedLM` and :class:`SequenceClassifier`
-(BERT-style encoders) check the model's class in ``__init__`` (the self-check, before any stage process starts) and
-build the model in ``configure_model`` on the meta device: under ``GPipeStrategy`` (whose ``model_sharded_context`` is
-the meta device) each stage then allocates only its own layers and reads only their tensors from the checkpoint's
-safetensors files (:class:`~lightning_gpipe.hf.weights.SafetensorsWeights`); under any other strategy, or in
-``load_from_checkpoint``, the whole model is materialised at once the same way. With ``lora``, ``peft`` wraps the
-model first (:mod:`lightning_gpipe.hf.lora`): the base weights are frozen on every stage, only the adapters train, and
-the checkpoints and ``save_pretrained`` hold the adapters. :class:`SavePretrained` writes a ``from_pretrained``
-directory after fit, each stage writing its own shard.
+:class:`CausalLM` (any decoder of the standard layout, GPT-2), :class:`Seq2SeqLM` (encoder-decoders: T5, BART, Marian,
+M2M100...), :class:`MaskedLM` and :class:`SequenceClassifier` (BERT-style encoders) check the model's class in
+``__init__`` (the self-check, before any stage process starts) and build the model in ``configure_model`` on the meta
+device: under ``GPipeStrategy`` (whose ``model_sharded_context`` is the meta device) each stage then allocates only its
+own layers and reads only their tensors from the checkpoint's safetensors files
+(:class:`~lightning_gpipe.hf.weights.SafetensorsWeights`); under any other strategy, or in ``load_from_checkpoint``, the
+whole model is materialised at once the same way. With ``lora``, ``peft`` wraps the model first
+(:mod:`lightning_gpipe.hf.lora`): the base weights are frozen on every stage, only the adapters train, and the
+checkpoints and ``save_pretrained`` hold the adapters. :class:`SavePretrained` writes a ``from_pretrained`` directory
+after fit, each stage writing its own shard.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from lightning_gpipe.hf.layer import UnsupportedModelError, hf_name
 from lightning_gpipe.hf.masks import unpackable_layer_types
 from lightning_gpipe.hf.moe import RouterLoss, router_loss_of
 from lightning_gpipe.hf.packing import decoder_input
+from lightning_gpipe.hf.seq2seq import seq2seq_input, seq2seq_loss
+from lightning_gpipe.hf.tensor_plan import split_stage
 from lightning_gpipe.hf.weights import SafetensorsWeights, save_stage_shards
 from lightning_gpipe.lightning import attached_trainer, forward_and_share, whole_tensors
 
@@ -42,6 +45,7 @@ try:
         AutoConfig,
         AutoModelForCausalLM,
         AutoModelForMaskedLM,
+        AutoModelForSeq2SeqLM,
         AutoModelForSequenceClassification,
         PretrainedConfig,
     )
@@ -103,8 +107,10 @@ class HFModule(pl.LightningModule):
     """The ``transformers`` auto class that builds the model from a config."""
 
     trains_encoder: bool = False
-    """Whether the module trains an encoder (its backbone takes ``(input_ids, attention_mask, token_type_ids)``)
-    rather than a causal LM."""
+    """Whether the module trains an encoder (its backbone takes ``(input_ids, attention_mask, token_type_ids)``)."""
+
+    trains_seq2seq: bool = False
+    """Whether the module trains an encoder-decoder (:mod:`lightning_gpipe.hf.seq2seq`)."""
 
     def __init__(
         self,
@@ -158,8 +164,9 @@ class HFModule(pl.LightningModule):
     def _check_family(self, name: str, family: Family) -> None:
         """Refuse a model its family cuts into another kind of backbone than this module feeds (e.g. BERT's causal-LM
         head without ``is_decoder=True``, an encoder, under :class:`CausalLM`)."""
-        if family.encoder != self.trains_encoder:
-            kind, other = ("an encoder", "a decoder") if family.encoder else ("a decoder", "an encoder")
+        kind = _kind(family.encoder, family.seq2seq)
+        other = _kind(self.trains_encoder, self.trains_seq2seq)
+        if kind != other:
             raise UnsupportedModelError(
                 f"{type(self).__name__} trains {other}, but {name} is cut as {kind} (the {family.name} family, whose"
                 f" backbone takes {family.inputs}): choose the module for {kind}."
@@ -206,9 +213,11 @@ class HFModule(pl.LightningModule):
         Under ``GPipeStrategy`` this runs in its meta-device context: the strategy splits the backbone and each
         stage materialises only its layers, which read their tensors from ``pretrained``'s safetensors files (or
         initialise as the model does). Elsewhere (one device, ``load_from_checkpoint``) the whole backbone is
-        materialised here, on the current default device, the same way. Does nothing once built.
+        materialised here, on the current default device, the same way. Once built, it only splits the stage's layers
+        over its tensor ranks (:func:`~lightning_gpipe.hf.tensor_plan.split_stage`, raising its errors), if any.
         """
         if self.hf_model is not None:
+            split_stage(self)
             return
         config = self.model_config_for_build()
         with torch.device("meta"):
@@ -304,8 +313,8 @@ class HFModule(pl.LightningModule):
 
         Without a pipeline it is the model's ``save_pretrained``. Inside a pipelined run (the module split into
         stages, e.g. from ``on_train_end``, see :class:`SavePretrained`) it must be called on every process: each
-        stage of the first pipeline replica writes its own parameters as one shard, and global rank 0 the index
-        and the config, so no process gathers the model.
+        stage of the first pipeline (replica 0, tensor rank 0) writes its own parameters as one shard, and global
+        rank 0 the index and the config, so no process gathers the model.
 
         With ``lora`` it writes the adapter directory instead (``adapter_model.safetensors`` and
         ``adapter_config.json``, as ``PeftModel.save_pretrained``; ``PeftModel.from_pretrained(base, directory)``
@@ -322,9 +331,9 @@ class HFModule(pl.LightningModule):
             model.save_pretrained(directory)
             return directory
         strategy = cast("GPipeStrategy", self.trainer.strategy)  # the backbone is split: a pipelined run
-        writes = getattr(strategy, "replica_index", 0) == 0
+        writes = getattr(strategy, "pipeline_index", 0) == 0  # replica 0's, tensor rank 0's stages
         state = {hf_name(k): v for k, v in self.backbone.state_dict().items() if not v.is_meta}
-        state = whole_tensors(state)  # a sharded stage's DTensors gathered whole: a collective call of its replicas
+        state = whole_tensors(state)  # a sharded or split stage's DTensors gathered whole: a collective call
         if writes:
             save_stage_shards(
                 directory,
@@ -357,10 +366,15 @@ def _save_stage_adapters(module: HFModule, strategy: GPipeStrategy, directory: P
     state = module.backbone.state_dict(keep_vars=True)
     local = {hf_name(k): v.detach() for k, v in state.items() if v.requires_grad and not v.is_meta}
     local = {k: v.cpu() for k, v in whole_tensors(local).items()}
-    everything = _gather_over_world(local if getattr(strategy, "replica_index", 0) == 0 else None)
+    everything = _gather_over_world(local if getattr(strategy, "pipeline_index", 0) == 0 else None)
     if strategy.global_rank == 0:
         peft_lora.save_adapters(module.peft_model, directory, {k: v for part in everything for k, v in part.items()})
     strategy.barrier("save_pretrained")
+
+
+def _kind(encoder: bool, seq2seq: bool) -> str:
+    """What a backbone is, for messages: an encoder, a decoder or an encoder-decoder."""
+    return "an encoder-decoder" if seq2seq else "an encoder" if encoder else "a decoder"
 
 
 def _is_object(value: Any) -> bool:
@@ -504,6 +518,91 @@ class CausalLM(HFModule):
         )
 
 
+class Seq2SeqLM(HFModule):
+    """Fine-tuning of an encoder-decoder (T5, mT5, umT5, BART, mBART, Marian, M2M100/NLLB, Pegasus...; see
+    :mod:`lightning_gpipe.hf.seq2seq`), pipelined by ``GPipeStrategy``: the encoder's blocks, then the decoder's, the
+    encoder's output and the source mask carried to every decoder stage.
+
+    Batches are dicts of long tensors: ``input_ids`` and ``attention_mask`` ``(N, S)`` (the source), ``labels`` ``(N,
+    T)`` (the target ids, ``-100`` where no loss is wanted, e.g. padding), and optionally ``decoder_input_ids`` and
+    ``decoder_attention_mask`` ``(N, T)`` (else the labels shifted right, as the model's forward makes them:
+    :func:`~lightning_gpipe.hf.seq2seq.seq2seq_input`). The loss is the model's own (cross-entropy over the labelled
+    tokens, their mean over the batch), with ``label_smoothing``; a batch may carry ``num_targets`` and ``num_rows``
+    (ints of the whole batch, as :class:`CausalLM`'s) to make it the mean over the whole batch's targets under every
+    schedule. ``predict`` generates greedily through the pipeline (:func:`seq2seq_greedy_generate`).
+
+    Args:
+        *args: see :class:`HFModule`.
+        label_smoothing: the label smoothing of the cross-entropy (``torch.nn.functional.cross_entropy``'s), in
+            [0, 1). Default 0.0: the model's own loss.
+        max_new_tokens: tokens ``predict_step`` generates at most. Default 32.
+        **kwargs: see :class:`HFModule`.
+
+    Raises:
+        ValueError: for ``label_smoothing`` outside [0, 1).
+    """
+
+    auto_class = AutoModelForSeq2SeqLM
+    trains_seq2seq = True
+
+    def __init__(self, *args: Any, label_smoothing: float = 0.0, max_new_tokens: int = 32, **kwargs: Any) -> None:
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing={label_smoothing}: give a value in [0, 1).")
+        super().__init__(*args, **kwargs)
+        self.label_smoothing, self.max_new_tokens = label_smoothing, max_new_tokens
+
+    def backbone_input(self, batch: dict[str, Any]) -> tuple[Tensor, ...]:
+        """``(input_ids, attention_mask, decoder_input_ids, decoder_attention_mask)``
+        (:func:`~lightning_gpipe.hf.seq2seq.seq2seq_input`)."""
+        return seq2seq_input(
+            self.hf_model,
+            batch["input_ids"],
+            batch.get("attention_mask"),
+            batch.get("decoder_input_ids"),
+            batch.get("decoder_attention_mask"),
+            batch.get("labels"),
+        )
+
+    def loss(self, logits: Tensor, batch: dict[str, Any]) -> Tensor:
+        """Cross-entropy of the logits with ``batch["labels"]`` (:func:`~lightning_gpipe.hf.seq2seq.seq2seq_loss`);
+        with ``num_targets`` and ``num_rows``, weighted as :meth:`CausalLM.loss` weighs it."""
+        labels = batch["labels"]
+        loss = seq2seq_loss(logits, labels, self.label_smoothing, batch.get("num_targets"))
+        if "num_rows" in batch:
+            loss = loss * (batch["num_rows"] / labels.shape[0])
+        return loss
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """Greedy outputs for the batch's sources (``input_ids``, ``attention_mask``): ``(N, 1 + T)`` decoder ids, at
+        most :attr:`max_new_tokens` new ones (see :meth:`generate`)."""
+        return self.generate(batch["input_ids"], batch.get("attention_mask"), self.max_new_tokens)
+
+    @torch.no_grad()
+    def generate(self, input_ids: Tensor, attention_mask: Tensor | None = None, max_new_tokens: int = 20) -> Tensor:
+        """Greedy decoding through the pipeline with the model's generation config (its decoder start, forced first
+        and last tokens, end and padding ids; see :func:`seq2seq_greedy_generate`); call it on every stage.
+
+        Raises:
+            ValueError: if the generation config names no decoder start token (nor a ``bos_token_id``).
+        """
+        generation = self.hf_model.generation_config
+        start = generation.decoder_start_token_id
+        start = generation.bos_token_id if start is None else start
+        if start is None:
+            raise ValueError("The model's generation config has no decoder_start_token_id (nor bos_token_id).")
+        return seq2seq_greedy_generate(
+            self.backbone,
+            input_ids,
+            attention_mask,
+            start,
+            max_new_tokens,
+            generation.eos_token_id,
+            generation.pad_token_id,
+            generation.forced_bos_token_id,
+            generation.forced_eos_token_id,
+        )
+
+
 class MaskedLM(HFModule):
     """Masked language-model fine-tuning of a BERT-style encoder (BERT, RoBERTa, XLM-RoBERTa...). Batches:
     ``input_ids``, ``attention_mask``, optional ``token_type_ids``, and ``labels`` (the original ids at masked
@@ -607,6 +706,65 @@ def greedy_generate(
                 value = (ids, mask, positions_from_mask(mask))
     finally:
         clear_kv_caches(backbone)
+    return ids
+
+
+@torch.no_grad()
+def seq2seq_greedy_generate(
+    backbone: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    decoder_start_token_id: int,
+    max_new_tokens: int = 20,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    forced_bos_token_id: int | None = None,
+    forced_eos_token_id: int | list[int] | None = None,
+) -> Tensor:
+    """Greedy decoding of an encoder-decoder backbone, through the pipeline (every stage calls it alike).
+
+    Each step is one backbone call through :func:`lightning_gpipe.forward_and_share` on the sources and the decoder
+    ids so far (no cache: the encoder and the decoder run on the whole prefix every step); the last stage picks each
+    row's most likely next token and every stage receives the ids. Equals ``model.generate(input_ids,
+    attention_mask=..., do_sample=False, num_beams=1, max_new_tokens=...)`` with the same ids (its decoder start,
+    ``forced_bos_token_id`` as the first token, ``forced_eos_token_id`` as the last at ``max_new_tokens``, a row that
+    produced an end id padded afterwards, stopping once every row has); the generation config's other processors
+    (``no_repeat_ngram_size``, ``repetition_penalty``, ``min_length``...) are not applied.
+
+    Args:
+        backbone: the encoder-decoder's backbone (``module.backbone``).
+        input_ids: ``(N, S)`` long sources.
+        attention_mask: ``(N, S)``, 1 for real tokens; ``None``: all real.
+        decoder_start_token_id: the decoder's first id.
+        max_new_tokens: tokens to add at most. Default 20.
+        eos_token_id: the end id (or ids), or ``None`` (default) to always add ``max_new_tokens``.
+        pad_token_id: what finished rows get; defaults to the (first) end id.
+        forced_bos_token_id: the id forced as the first new token (mBART-50's and NLLB's target language), or
+            ``None``.
+        forced_eos_token_id: the id (or the first of the ids) forced as the last token when ``max_new_tokens`` is
+            reached (BART's, Marian's), or ``None``.
+
+    Returns:
+        ``(N, 1 + T)`` long: the decoder start and the ``T <= max_new_tokens`` new tokens.
+    """
+    ends = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    pad = next(iter(ends), None) if pad_token_id is None else pad_token_id
+    forced_eos = forced_eos_token_id[0] if isinstance(forced_eos_token_id, list) else forced_eos_token_id
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
+    ids = torch.full_like(input_ids[:, :1], decoder_start_token_id)
+    finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    for step in range(max_new_tokens):
+        chosen = forward_and_share(backbone, (input_ids, mask, ids, torch.ones_like(ids)), _next_tokens)
+        chosen = chosen.to(ids.device)
+        forced = forced_bos_token_id if step == 0 else forced_eos if step == max_new_tokens - 1 else None
+        if forced is not None:
+            chosen = torch.full_like(chosen, forced)
+        if ends:
+            chosen = chosen.masked_fill(finished, cast(int, pad))
+            finished |= torch.isin(chosen, torch.tensor(ends, device=chosen.device))
+        ids = torch.cat([ids, chosen[:, None]], dim=1)
+        if ends and finished.all():
+            break
     return ids
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +35,7 @@ from lightning_gpipe.hf.encoder import encoder_input
 from lightning_gpipe.hf.layer import HFLayer, UnsupportedModelError
 from lightning_gpipe.hf.moe import router_loss_of
 from lightning_gpipe.hf.packing import decoder_input
+from lightning_gpipe.hf.seq2seq import StackBlock, StackEmbedding, seq2seq_input, seq2seq_loss
 
 SIZES = {
     "hidden_size": 64,
@@ -70,6 +71,20 @@ LIMITS = {
 the attention heads stay equal; experts are kept when the config groups them, ``n_group``; CodeGen's and GPT-J's
 rotary width within a head's)."""
 
+SEQ2SEQ_LIMITS = {
+    "decoder_layers": 2,
+    "num_decoder_layers": 2,
+    "d_ff": 128,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "d_kv": 16,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+}
+"""An encoder-decoder miniature's upper bounds besides (``is_encoder_decoder`` configs): the decoder's depth (the
+encoder's is ``num_hidden_layers``), feed-forward widths, T5's head width and the heads of each stack; a target
+vocabulary (Marian's ``decoder_vocab_size``) is the miniature's vocabulary."""
+
 ROWS, LENGTH, TOLERANCE = 3, 10, 1e-5
 """The probe batch's rows and tokens, and the largest difference allowed."""
 
@@ -86,6 +101,14 @@ class _Failed(Exception):
     def __init__(self, error: Exception, where: str | None = None) -> None:
         super().__init__(error)
         self.error, self.where = error, where
+
+
+def _layer_output(index: int, layer: Any, value: Any) -> Any:
+    """``layer(value)``, backbone layer ``index``'s output; a failure raised as :class:`_Failed` naming the layer."""
+    try:
+        return layer(value)
+    except Exception as error:
+        raise _Failed(error, f"backbone layer {index} ({', '.join(layer.paths)})") from error
 
 
 def _kept_layers(config: Any) -> list[int]:
@@ -121,8 +144,13 @@ def _overrides(config: Any) -> dict[int, dict[str, Any]] | None:
 def miniature_config(config: Any) -> Any:
     """A copy of ``config`` for the miniature: the blocks :func:`_kept_layers` keeps (per-layer lists and a
     heterogeneous config's per-layer overrides cut alike), the widths of :data:`SIZES` and the bounds of
-    :data:`LIMITS` (per layer too, :func:`_shrunk`), token ids within the vocabulary, no cache; every other option
-    (dropout probabilities included) as given."""
+    :data:`LIMITS` (per layer too, :func:`_shrunk`; an encoder-decoder's :data:`SEQ2SEQ_LIMITS` too), token ids within
+    the vocabulary, no cache; every other option (dropout probabilities included) as given.
+
+    Raises:
+        UnsupportedModelError: for a config of several towers without a depth of its own (:func:`_towers_reason`).
+    """
+    _towers_reason(config)
     mini = copy.deepcopy(config)
     overrides = _overrides(config)
     if overrides is not None:
@@ -133,7 +161,10 @@ def miniature_config(config: Any) -> Any:
             setattr(mini, name, type(value)(value[i] for i in kept))
         elif name.endswith("_token_id") and isinstance(value, int):
             setattr(mini, name, min(value, SIZES["vocab_size"] - 1))
-    mini.num_hidden_layers = len(kept)
+    try:
+        mini.num_hidden_layers = len(kept)
+    except NotImplementedError:  # ProphetNet's config names its encoder's depth only
+        mini.num_encoder_layers = len(kept)
     grouped = _integer(mini, "n_group")
     for name, size in _shrunk(lambda name: getattr(mini, name, None), grouped).items():
         if not _derived(mini, name):
@@ -143,9 +174,33 @@ def miniature_config(config: Any) -> Any:
         layers = [_shrunk({**originals, **overrides[i]}.get, grouped) for i in kept]
         names = set(overrides[0])
         mini.per_layer_config = {j: {n: v for n, v in values.items() if n in names} for j, values in enumerate(layers)}
+    if getattr(config, "is_encoder_decoder", False):
+        for name, limit in SEQ2SEQ_LIMITS.items():
+            if _is_integer(getattr(mini, name, None)):
+                setattr(mini, name, min(getattr(mini, name), limit))
+        if _is_integer(getattr(mini, "decoder_vocab_size", None)):  # Marian's target vocabulary
+            mini.decoder_vocab_size = mini.vocab_size
     _one_block_towers(mini)
     mini.use_cache = False
     return mini
+
+
+def _towers_reason(config: Any) -> None:
+    """Refuse a config with no depth of its own (``num_hidden_layers``), only nested configs: a model of several
+    towers (Voxtral's audio encoder feeding a language model; ``EncoderDecoderModel``'s two models).
+
+    Raises:
+        UnsupportedModelError: naming the nested configs.
+    """
+    from transformers import PretrainedConfig
+
+    if not _integer(config, "num_hidden_layers"):
+        towers = [name for name, value in vars(config).items() if isinstance(value, PretrainedConfig)]
+        raise UnsupportedModelError(
+            f"{type(config).__name__} has no num_hidden_layers of its own but the configs {towers}: a model of"
+            " several towers (an audio or vision encoder feeding a language model, or two models joined), which no"
+            " family cuts into one backbone"
+        )
 
 
 SUB_CONFIG_DEPTHS = ("num_hidden_layers", "num_blocks")
@@ -292,10 +347,7 @@ def _compare(model: nn.Module, layers: list[HFLayer], value: tuple, mask: Tensor
     expected = [*received, output.logits]
     torch.manual_seed(0)
     for index, layer in enumerate(layers):
-        try:
-            value = layer(value)
-        except Exception as error:
-            raise _Failed(error, f"backbone layer {index} ({', '.join(layer.paths)})") from error
+        value = _layer_output(index, layer, value)
         difference = _difference(_first(value), expected[index], mask)
         if not difference <= TOLERANCE:
             return index, difference
@@ -324,6 +376,8 @@ def _describe(model_class: type, mini: nn.Module, family: Any, layers: list[HFLa
 def _check(model_class: type, config: Any, family_of: Callable[[nn.Module], Any]) -> Any:
     try:
         mini = miniature(model_class, config)
+    except UnsupportedModelError:
+        raise
     except Exception as error:
         raise _Failed(error) from error
     family = family_of(mini)
@@ -333,9 +387,27 @@ def _check(model_class: type, config: Any, family_of: Callable[[nn.Module], Any]
         raise
     except Exception as error:
         raise _Failed(error, f"the {family.name} family's cut") from error
+    if family.seq2seq:
+        try:  # the model's own shift of the labels (a config without decoder_start_token_id cannot)
+            seq2seq = seq2seq_probe(mini)
+        except Exception as error:
+            raise _Failed(error) from error
+        _check_modes(model_class, mini, family, layers, _compare_seq2seq, *seq2seq)
+        return family
     ids, mask = probe()
     value = encoder_input(ids, mask) if family.encoder else decoder_input(ids, mask)
     labels = None if family.encoder else ids.masked_fill(mask == 0, -100)
+    _check_modes(model_class, mini, family, layers, _compare, value, mask, labels)
+    return family
+
+
+def _check_modes(model_class: type, mini: nn.Module, family: Any, layers: list, compare: Callable, *probe: Any) -> None:
+    """``compare(mini, layers, value, masks, labels)`` in evaluation mode with labels, then in training mode without.
+
+    Raises:
+        SelfCheckError: naming the first backbone layer (or the loss) that differs.
+    """
+    value, masks, labels = probe
     modes = [
         ("in evaluation mode", False, labels),
         ("in training mode (dropout as configured, seeded alike)", True, None),
@@ -345,10 +417,77 @@ def _check(model_class: type, config: Any, family_of: Callable[[nn.Module], Any]
         for layer in layers:
             layer.train(training)
         with torch.no_grad():
-            where = _compare(mini, layers, value, mask, mode_labels)
+            where = compare(mini, layers, value, masks, mode_labels)
         if where is not None:
             raise SelfCheckError(_describe(model_class, mini, family, layers, where, mode))
-    return family
+
+
+def seq2seq_probe(model: nn.Module) -> tuple[tuple[Tensor, ...], tuple[Tensor, Tensor], Tensor]:
+    """An encoder-decoder's probe: ``(backbone input, (source mask, target mask), labels)``: :func:`probe`'s sources,
+    labels ``(3, 7)`` (the last row's last 2 unlabelled), the decoder's input shifted from them as the model's forward
+    shifts them."""
+    ids, mask = probe()
+    labels = torch.randint(3, SIZES["vocab_size"], (ROWS, 7), generator=torch.Generator().manual_seed(2))
+    labels[-1, -2:] = -100
+    value = seq2seq_input(model, ids, mask, labels=labels)
+    return value, (mask, torch.ones_like(labels)), labels
+
+
+def _anchors(model: nn.Module, layers: list[HFLayer], expected: list) -> list:
+    """Hooks recording, for each encoder-decoder backbone layer but the head, the model's value of the hidden states
+    it gives: what a stack's first block receives (its embeddings), what a block gives, what a stack gives (its
+    final norm)."""
+    handles = []
+
+    def keep(index: int, found: Any) -> None:
+        if expected[index] is None:
+            expected[index] = found[0] if isinstance(found, (tuple, list)) or hasattr(found, "keys") else found
+
+    for index, layer in enumerate(layers[:-1]):
+        if isinstance(layer, StackEmbedding):
+            first = model.get_submodule(f"{layer.stack.blocks}.0")
+            handles.append(
+                first.register_forward_pre_hook(
+                    lambda m, args, kwargs, i=index: keep(i, args or (kwargs["hidden_states"],)), with_kwargs=True
+                )
+            )
+        else:
+            path = layer.block if isinstance(layer, StackBlock) else cast(Any, layer).stack.path
+            handles.append(model.get_submodule(path).register_forward_hook(lambda m, a, out, i=index: keep(i, out)))
+    return handles  # fmt: skip
+
+
+def _compare_seq2seq(model: nn.Module, layers: list[HFLayer], value: Any, masks: tuple, labels: Tensor | None):
+    """:func:`_compare` for an encoder-decoder: each layer's hidden states (the source's or the target's) against the
+    model's (:func:`_anchors`; none where the model's LayerDrop skipped the block), the logits, and the loss with
+    ``labels``."""
+    expected: list[Any] = [None] * len(layers)
+    handles = _anchors(model, layers, expected)
+    torch.manual_seed(0)
+    source, mask, targets, _ = value
+    try:
+        output = model(input_ids=source, attention_mask=mask, decoder_input_ids=targets, labels=labels)
+    except Exception as error:
+        raise _Failed(error) from error
+    finally:
+        for handle in handles:
+            handle.remove()
+    expected[-1] = output.logits
+    torch.manual_seed(0)
+    for index, layer in enumerate(layers):
+        value = _layer_output(index, layer, value)
+        if expected[index] is None:  # a block LayerDrop skipped (and the embeddings before it): as this layer did
+            continue
+        target = isinstance(value, Tensor) or cast(Any, layer).stack.decoder
+        ours = value if isinstance(value, Tensor) else value[2 if target else 0]
+        difference = _difference(ours, expected[index], masks[1 if target else 0])
+        if not difference <= TOLERANCE:
+            return index, difference
+    if labels is not None:
+        difference = (seq2seq_loss(value, labels) - output.loss).abs().item()
+        if not difference <= TOLERANCE:
+            return None, difference
+    return None
 
 
 def verify(model_class: type, config: Any, family_of: Callable[[nn.Module], Any]) -> Any:

@@ -311,6 +311,47 @@ def replace_sigterm_broadcast(trainer: "pl.Trainer", replacement: Callable[[], N
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = replacement  # type: ignore[method-assign]
 
 
+def give_device_mesh(module: "pl.LightningModule", mesh: Any) -> None:
+    """Make ``mesh`` the module's ``self.device_mesh`` (``module._device_mesh``), as Lightning's
+    ``ModelParallelStrategy.setup_environment`` does.
+
+    Why: a LightningModule reads its mesh through the read-only ``device_mesh`` property, which Lightning's
+    strategies fill by this attribute; a user who moves from ``ModelParallelStrategy`` keeps
+    ``self.device_mesh["tensor_parallel"]``.
+
+    Checked on: lightning 2.6.0, 2.6.6.
+    """
+    module._device_mesh = mesh
+
+
+def configure_model_after_split(module: "pl.LightningModule", skip_first: bool) -> Callable[[], None] | None:
+    """What calls ``module.configure_model()`` after the split (``None`` if the module does not override the hook);
+    with ``skip_first``, Lightning's next call of it (the one before the split) does nothing.
+
+    Why: Lightning calls the hook (``trainer.call._call_configure_model``, through ``getattr(module,
+    "configure_model")``) after ``setup_environment`` and before ``Strategy.setup``, on the whole module; with tensor
+    parallelism it must also run after the split, on the layers the stage holds (:mod:`~lightning_gpipe.lightning.
+    tensor_parallel`): Lightning asks the hook to be idempotent, as it calls it for every fit, validation, test and
+    prediction. Where the module already holds its layers, its only call comes after the split: an attribute of the
+    instance stands for the method until the returned function removes it.
+
+    Checked on: lightning 2.6.0, 2.6.6.
+    """
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if not is_overridden("configure_model", module):
+        return None
+    hook = module.configure_model
+
+    def call() -> None:
+        vars(module).pop("configure_model", None)
+        hook()
+
+    if skip_first:
+        module.configure_model = lambda: None  # type: ignore[method-assign]
+    return call
+
+
 def attached_trainer(module: "pl.LightningModule") -> "pl.Trainer | None":
     """The Trainer ``module`` is attached to, or ``None`` (``module._trainer``; ``module.trainer`` raises instead).
 

@@ -54,8 +54,8 @@ class CheckpointHooks(_Strategy):
     def _whole_or_local(self, local: dict[str, Any]) -> dict[str, Any]:
         if self.config.state_dict_type == "sharded":
             return local
-        whole = whole_tensors(local)  # a stage's shards over its replicas (sharding_strategy), gathered whole
-        return state_dict.whole_on_rank_zero(whole, self.replica_index, self.pipeline_group, self._job) or {}
+        whole = whole_tensors(local)  # a stage's shards over its replicas or tensor ranks, gathered whole
+        return state_dict.whole_on_rank_zero(whole, self.pipeline_index, self.pipeline_group, self._job) or {}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:

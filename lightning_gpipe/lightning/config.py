@@ -185,7 +185,9 @@ class PipelineConfig:
             ``balance``, else ``devices * num_nodes / data_parallel_size`` if that is given, else ``devices`` (one
             pipeline per node).
         data_parallel_size: D, the pipeline replicas, each training on its own shard of every batch.
-            ``"auto"`` (default): ``devices * num_nodes / K``. ``K * D`` must equal ``devices * num_nodes``.
+            ``"auto"`` (default): ``devices * num_nodes / (K * T)``. ``K * D * T`` must equal ``devices * num_nodes``.
+        tensor_parallel_size: T, the processes of each stage (innermost in rank order) over which ``configure_model``,
+            run after the split, splits its layers (docs/scaling.md, "3D parallelism"). 1 (default): none.
         backbone: name of the ``nn.Sequential`` attribute to pipeline; ``None`` finds the only one.
         start_method: ``"popen"`` (default) re-runs the user's script once per extra stage, like
             ``torchrun``; ``"spawn"`` starts worker processes from the main one and loads every
@@ -232,17 +234,11 @@ class PipelineConfig:
             :mod:`lightning_gpipe.engine.compilation` and docs/how-it-works.md, "torch.compile").
 
     Raises:
-        ValueError: naming the option and the fix, for a value of the wrong type (``chunks`` and
-            ``virtual_stages`` not integers >= 1, ``deferred_batch_norm`` not a bool, ``backbone`` or
-            ``process_group_backend`` not a string, ``offload`` neither ``None`` nor ``"activations"``, ``cost_model``
-            not a :class:`~lightning_gpipe.planning.CostModel`, ``timeout`` or ``stall_timeout`` not a positive
-            ``timedelta``, e.g. seconds as a number), a value outside
-            :data:`CHOICES`, a ``balance`` that is neither a mode nor a list of integers, a ``balance_memory_limit``
-            that is not a positive integer or comes with a list ``balance``, or a mesh size that is neither a
-            positive integer nor ``"auto"``; a ``plan`` other than ``"auto"`` or ``None``, a ``memory_limit`` that is
-            not a positive integer, ``memory_limit`` or ``cost_model`` without ``plan="auto"``, or ``plan="auto"`` with
-            ``balance_memory_limit``; a ``compile`` that is neither a bool nor a dict of ``torch.compile``'s keyword
-            arguments, or ``compile`` with a ``sharding_strategy`` other than ``"NO_SHARD"``.
+        ValueError: naming the option and the fix, for a value of the wrong type or outside :data:`CHOICES`, a
+            ``balance`` that is neither a mode nor a list of integers, a ``balance_memory_limit`` that is not a
+            positive integer or comes with a list ``balance``, a bad mesh size, options ``tensor_parallel_size``
+            refuses (:func:`_check_tensor_parallel`), ``memory_limit`` or ``cost_model`` without ``plan="auto"``,
+            ``plan="auto"`` with ``balance_memory_limit``, or ``compile`` with a sharded ``sharding_strategy``.
     """
 
     balance: Balance = None
@@ -259,6 +255,7 @@ class PipelineConfig:
     sharding_strategy: ShardingStrategy | None = None
     pipeline_parallel_size: Size = "auto"
     data_parallel_size: Size = "auto"
+    tensor_parallel_size: int = 1
     timeout: timedelta | None = default_pg_timeout
     stall_timeout: timedelta | None = timedelta(minutes=5)
     process_group_backend: str | None = None
@@ -290,6 +287,7 @@ class PipelineConfig:
         _check_timeouts(self)
         checked_size(self.pipeline_parallel_size, "pipeline_parallel_size")
         checked_size(self.data_parallel_size, "data_parallel_size")
+        _check_tensor_parallel(self)
         if self.balance is not None and not isinstance(self.balance, str):
             object.__setattr__(self, "balance", list(self.balance))
 
@@ -513,6 +511,39 @@ def _check_compile(config: "PipelineConfig") -> None:
             " torch.compile have not been run under FSDP2's gathering hooks by GPipeStrategy; set compile=False, or"
             " sharding_strategy='NO_SHARD' to keep compile."
         )
+
+
+TENSOR_PARALLEL_NOT_YET = {
+    "plan": ("'auto'", "the planner counts one process per stage's layers; give the options yourself"),
+    "compile": ("True", "compiled layers are not checked with DTensor parameters yet; leave compile=False"),
+    "offload": ("'activations'", "offloading DTensor activations is not checked yet; leave offload=None"),
+}
+"""Options ``tensor_parallel_size > 1`` refuses for now, each with what it would be given as and why."""
+
+
+def _check_tensor_parallel(config: "PipelineConfig") -> None:
+    """Raise a ``ValueError`` naming the fix for a ``tensor_parallel_size`` that is not a positive integer, or with
+    ``tensor_parallel_size > 1`` an option of :data:`TENSOR_PARALLEL_NOT_YET`."""
+    size = config.tensor_parallel_size
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"GPipeStrategy(tensor_parallel_size={size!r}): give a positive integer (1: none).")
+    if size == 1:
+        return
+    for option, (given, why) in TENSOR_PARALLEL_NOT_YET.items():
+        if getattr(config, option) not in (None, False):
+            raise ValueError(f"GPipeStrategy(tensor_parallel_size={size}, {option}={given}): {why}.")
+
+
+def check_tensor_parallel_replicas(config: "PipelineConfig", replicas: int) -> None:
+    """Raise a ``ValueError`` naming the fix for tensor-parallel stages with several ``replicas`` kept in step by DDP
+    (``sharding_strategy="NO_SHARD"``): DDP takes no ``DTensor`` parameters; FSDP2 shards them over the replicas."""
+    if config.tensor_parallel_size == 1 or replicas == 1 or config.sharding_strategy != "NO_SHARD":
+        return
+    raise ValueError(
+        f"GPipeStrategy(tensor_parallel_size={config.tensor_parallel_size}) with {replicas} data-parallel replicas"
+        " and sharding_strategy='NO_SHARD': DDP does not take the tensor-parallel (DTensor) parameters. Use"
+        " sharding_strategy='FULL_SHARD' or 'SHARD_GRAD_OP' (FSDP2 over the replicas, as torchtitan composes them)."
+    )
 
 
 def _check_timeouts(config: "PipelineConfig") -> None:

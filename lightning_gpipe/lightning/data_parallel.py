@@ -2,7 +2,8 @@
 over them by torch's FSDP2.
 
 **Averaged by DDP** (``sharding_strategy="NO_SHARD"``, the default). Each stage's replicas (the same stage of every
-pipeline, its ``"dp"`` process group) hold the same parameters and compute gradients on different shards of the data.
+pipeline, its ``"data_parallel"`` process group) hold the same parameters and compute gradients on different shards of
+the data.
 :class:`GradientSync` wraps what this stage trains in :class:`torch.nn.parallel.DistributedDataParallel` and lets DDP's
 reducer average the gradients: bucketed, and overlapped with the step's last backward. The micro-batches' gradients
 accumulate locally first; only the step's last autograd call on this stage, the one that completes its gradients, is
@@ -17,10 +18,11 @@ which DDP broadcasts when it is built.
 
 **Sharded by FSDP2** (``sharding_strategy="SHARD_GRAD_OP" | "FULL_SHARD"``, with several replicas): the replicas of a
 stage no longer each hold its whole state. :class:`FullyShardedStage` applies torch's FSDP2
-(:func:`torch.distributed.fsdp.fully_shard`) over the ``"dp"`` dimension, as torchtitan composes its pipeline with FSDP
-(``fully_shard`` on each stage's model chunk over the data-parallel mesh; torch.distributed.pipelining's
-``_PipelineStageBase.backward_maybe_with_nosync`` and ``perform_reduce_grad`` drive FSDP2 the same way). Each
-parameter becomes a ``DTensor`` sharded on dim 0; FSDP2 all-gathers and reduce-scatters, nothing is home-made.
+(:func:`torch.distributed.fsdp.fully_shard`) over the ``"data_parallel"`` dimension, as torchtitan composes its
+pipeline with FSDP (``fully_shard`` on each stage's model chunk over the data-parallel mesh;
+torch.distributed.pipelining's ``_PipelineStageBase.backward_maybe_with_nosync`` and ``perform_reduce_grad`` drive
+FSDP2 the same way). Each parameter becomes a ``DTensor`` sharded on dim 0 (with tensor parallelism, a 2-D one, also
+split over the tensor ranks); FSDP2 all-gathers and reduce-scatters, nothing is home-made.
 
 What is one FSDP unit (one all-gather, one reduce-scatter): each model chunk's backbone layers together (a group,
 ``fully_shard([layer, ...])``), whose forward is each micro-batch's run through them; and the stage's other
@@ -90,7 +92,7 @@ class GradientSync(_Reducing):
     Args:
         module: what this stage trains: its partition, or on the last stage the whole local LightningModule
             (partition and the modules after the backbone).
-        group: the stage's data-parallel process group (the ``"dp"`` dimension of the mesh).
+        group: the stage's data-parallel process group (the ``"data_parallel"`` dimension of the mesh).
         device: the stage's device (``device_ids`` for DDP on CUDA).
 
     Attributes:
@@ -157,8 +159,8 @@ class FullyShardedStage(_Reducing):
         trained: what this stage trains: its partition, or on the last stage the whole local LightningModule.
         model_chunks: the stage's model chunks (one :class:`~lightning_gpipe.engine.Partition` per virtual stage
             held).
-        group: the stage's data-parallel process group (the ``"dp"`` dimension of the mesh).
-        device: the stage's device.
+        mesh: the 1-D mesh of the stage's replicas (:func:`~lightning_gpipe.engine.replicas_mesh`), a slice of the job's
+            mesh, so that FSDP2 shards a tensor-parallel ``DTensor`` over it too (a 2-D ``DTensor``, as torchtitan's).
         full_shard: free the gathered parameters after each forward until the step's first backward
             (``"FULL_SHARD"``); else keep them from the first forward (``"SHARD_GRAD_OP"``).
         job: the run's :class:`~lightning_gpipe.faults.job.Job`, whose waits the first broadcast uses.
@@ -171,13 +173,11 @@ class FullyShardedStage(_Reducing):
         self,
         trained: nn.Module,
         model_chunks: Sequence[nn.Module],
-        group: dist.ProcessGroup,
-        device: torch.device,
+        mesh: DeviceMesh,
         full_shard: bool,
         job: "Job",
     ) -> None:
-        _replicate_first(trained, group, job)
-        mesh = DeviceMesh.from_group(group, device.type)
+        _replicate_first(trained, mesh.get_group(), job)
         for layers in units(trained, model_chunks):
             fully_shard(layers, mesh=mesh, reshard_after_forward=full_shard)
         self.root = fully_shard(_Stage(trained, model_chunks), mesh=mesh, reshard_after_forward=False)
@@ -288,7 +288,8 @@ def _replicate_first(module: nn.Module, group: dist.ProcessGroup, job: "Job") ->
     first = dist.get_global_rank(group, 0)
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            waiting.broadcast(job, tensor.data, first, group)
+            data = tensor.data
+            waiting.broadcast(job, data.to_local() if isinstance(data, DTensor) else data, first, group)
 
 
 # --- FSDP2 at a step's end and after a fit: its internals (in lightning_gpipe/_torch.py) used as

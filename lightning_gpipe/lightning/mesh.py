@@ -9,7 +9,7 @@ owns what every process of the job does alike, whatever runs in it: the launcher
 (:mod:`~lightning_gpipe.lightning.agreement`).
 """
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.distributed import ReduceOp
+from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_gpipe._torch import default_store
@@ -30,15 +31,24 @@ from lightning_gpipe.engine import Topology, groups
 from lightning_gpipe.faults import Job, LauncherWatch, mark_launcher, waiting, watch_launcher
 from lightning_gpipe.lightning._lightning import (
     LaunchedParallelStrategy,
+    configure_model_after_split,
     default_process_group_backend,
     end_launched_processes,
     evaluation_max_batches,
+    give_device_mesh,
     init_process_group,
     replace_sigterm_broadcast,
     uses_distributed_sampler,
 )
 from lightning_gpipe.lightning.agreement import RunAgreement, StepAgreement, StopSignals, same_batch_counts
-from lightning_gpipe.lightning.config import STALL_LIMIT_NOTE, PipelineConfig, Size, checked_size
+from lightning_gpipe.lightning.backbone import find_backbone
+from lightning_gpipe.lightning.config import (
+    STALL_LIMIT_NOTE,
+    PipelineConfig,
+    Size,
+    check_tensor_parallel_replicas,
+    checked_size,
+)
 from lightning_gpipe.lightning.contract import StageRandomness
 from lightning_gpipe.lightning.data import same_batches, same_datasets
 from lightning_gpipe.lightning.data_parallel import reduce_over_replicas
@@ -77,6 +87,8 @@ class MeshStrategy(LaunchedParallelStrategy):
         self._pipeline_group: dist.ProcessGroup | None = None  # the stages of this process's replica
         self._data_parallel_group: dist.ProcessGroup | None = None  # the replicas of this process's stage
         self._control_group: dist.ProcessGroup | None = None  # gloo beside a device backend (NCCL); None: gloo
+        self._device_mesh: DeviceMesh | None = None  # from setup_environment
+        self.deferred_configure_model: Callable[[], None] | None = None  # runs the module's, after the split
         self._randomness = StageRandomness()  # one stream until setup_environment seeds the stage's own
         self._agreement: RunAgreement | None = None  # from setup_environment
         self._job = Job()  # one without a store until setup_environment creates the run's
@@ -117,12 +129,16 @@ class MeshStrategy(LaunchedParallelStrategy):
         """The data-parallel x pipeline mesh of this job (see :func:`resolve_topology`).
 
         Raises:
-            ValueError: if the mesh sizes or a list ``balance`` do not fit ``devices * num_nodes``.
+            ValueError: if the mesh sizes or a list ``balance`` do not fit ``devices * num_nodes``, or for
+                tensor-parallel stages whose replicas DDP would keep in step.
         """
         config = self.config
         assert config.virtual_stages is not None  # PipelineConfig gives the default
         sizes = (config.pipeline_parallel_size, config.data_parallel_size, config.balance)
-        return resolve_topology(*sizes, self.num_processes, self.num_nodes, config.virtual_stages, config.v_shape)
+        chunks, tensor = (config.virtual_stages, config.v_shape), config.tensor_parallel_size
+        topology = resolve_topology(*sizes, self.num_processes, self.num_nodes, *chunks, tensor_parallel_size=tensor)
+        check_tensor_parallel_replicas(config, topology.data_parallel_size)
+        return topology
 
     @property
     def stage_index(self) -> int:
@@ -133,6 +149,20 @@ class MeshStrategy(LaunchedParallelStrategy):
     def replica_index(self) -> int:
         """Data-parallel rank of this process (the pipeline replica it belongs to, 0-based)."""
         return self.topology.replica_of(self.global_rank)
+
+    @property
+    def pipeline_index(self) -> int:
+        """The pipeline this process is a stage of (:meth:`~lightning_gpipe.engine.Topology.pipeline_of`: its
+        data-parallel rank without tensor parallelism)."""
+        return self.topology.pipeline_of(self.global_rank)
+
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        """The job's device mesh (:meth:`~lightning_gpipe.engine.Topology.mesh`), named as Lightning's
+        ``ModelParallelStrategy`` names its dimensions, ``"data_parallel"`` and ``"tensor_parallel"`` (with
+        ``tensor_parallel_size > 1``), and ``"pipeline_parallel"``; the LightningModule sees it as
+        ``self.device_mesh``. ``None`` before ``setup_environment``."""
+        return self._device_mesh
 
     @property
     def job(self) -> Job:
@@ -187,7 +217,9 @@ class MeshStrategy(LaunchedParallelStrategy):
             # Lightning sets this attribute on its function at run time; its annotations do not declare it
             rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
             self._launcher_watch = watch_launcher(topology.name(self.global_rank), lambda: self._job.board)
-            self._pipeline_group, self._data_parallel_group, self._control_group = _join_process_groups(self)
+            self._device_mesh, self._control_group = _join_process_groups(self)
+            self._pipeline_group, self._data_parallel_group = groups(self._device_mesh)
+            _share_mesh(self)
             names = {rank: topology.name(rank) for rank in range(topology.world_size)}
             store = default_store()
             self._job.close()
@@ -267,7 +299,7 @@ class MeshStrategy(LaunchedParallelStrategy):
 
     @property
     def _last_stage_rank(self) -> int:
-        return self.topology.rank_of(self.topology.last_stage, self.replica_index)
+        return self.topology.rank_of(self.topology.last_stage, self.pipeline_index)
 
     def _share_from_last_stage(self, obj: Any) -> Any:
         """``obj`` of this pipeline's last stage, on every stage of the pipeline (a collective call)."""
@@ -316,12 +348,10 @@ def _ending_launched_processes_on_failure(launcher: Any) -> Iterator[None]:
         raise
 
 
-def _join_process_groups(
-    strategy: MeshStrategy,
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup | None]:
+def _join_process_groups(strategy: MeshStrategy) -> tuple[DeviceMesh, dist.ProcessGroup | None]:
     """Join the default process group (see :func:`~lightning_gpipe.lightning._lightning.init_process_group`), then
-    create the mesh's groups; return this process's pipeline group, data-parallel group, and the gloo group of the
-    host-read messages beside a device backend (``None`` on gloo).
+    create the mesh and its groups; return the mesh and the gloo group of the host-read messages beside a device
+    backend (``None`` on gloo).
 
     Raises:
         RuntimeError: torch.distributed's error; when global rank 0 cannot listen on ``MASTER_PORT`` (another
@@ -340,8 +370,31 @@ def _join_process_groups(
             " 0 cannot create the job's store. Set MASTER_PORT to a free port (without MASTER_PORT, Lightning's"
             " default environment picks a free one)."
         ) from error
-    pipeline, data_parallel = groups(strategy.topology.mesh(device.type))
-    return pipeline, data_parallel, None if backend == "gloo" else dist.new_group(backend="gloo")
+    return strategy.topology.mesh(device.type), None if backend == "gloo" else dist.new_group(backend="gloo")
+
+
+def _share_mesh(strategy: MeshStrategy) -> None:
+    """Give the LightningModule the job's device mesh as ``self.device_mesh``, as Lightning's
+    ``ModelParallelStrategy`` does in its ``setup_environment`` (before ``configure_model``); with tensor
+    parallelism, ``configure_model`` is called again after the split, for the stage's layers
+    (:attr:`deferred_configure_model`), and Lightning's call before it is skipped if the module already holds its
+    backbone."""
+    module = strategy.lightning_module
+    if module is None:
+        return
+    give_device_mesh(module, strategy.device_mesh)
+    if strategy.topology.tensor_parallel_size > 1:  # built in __init__: configure_model runs after the split only
+        built = _has_backbone(module, strategy.config.backbone)
+        strategy.deferred_configure_model = configure_model_after_split(module, skip_first=built)
+
+
+def _has_backbone(module: "pl.LightningModule", name: str | None) -> bool:
+    """Whether ``module`` holds its backbone before ``configure_model`` runs (else the hook creates it)."""
+    try:
+        find_backbone(module, name)
+    except ValueError:
+        return False
+    return True
 
 
 def _trainer_of(strategy: MeshStrategy) -> "pl.Trainer":
@@ -364,12 +417,13 @@ def resolve_topology(
     num_nodes: int,
     virtual_stages: int = 1,
     v_shape: bool = False,
+    tensor_parallel_size: int = 1,
 ) -> Topology:
     """The mesh the strategy's arguments ask for, checked against the job's size.
 
     ``"auto"`` sizes follow Lightning's ``ModelParallelStrategy``: the pipeline takes the length of a list
     ``balance``, else the other size's quotient, else the devices of one node (each node holds one pipeline;
-    the replicas are the nodes).
+    the replicas are the nodes), in stages of ``tensor_parallel_size`` processes.
 
     Args:
         pipeline_parallel_size: K, the stages of each pipeline, or ``"auto"``.
@@ -379,39 +433,59 @@ def resolve_topology(
         num_nodes: nodes of the job.
         virtual_stages: model chunks per stage (default 1).
         v_shape: whether they are placed in a V (:class:`~lightning_gpipe.engine.Topology`).
+        tensor_parallel_size: T, the tensor-parallel ranks of each stage (default 1).
 
     Raises:
-        ValueError: if a size is neither a positive integer nor ``"auto"``, if the sizes' product is not
-            the world size ``devices * num_nodes``, if a list ``balance`` has another length than
+        ValueError: if a size is neither a positive integer nor ``"auto"``, if the sizes' product is not the world
+            size ``devices * num_nodes`` (T dividing a node's devices), if a list ``balance`` has another length than
             ``K * virtual_stages``, or for virtual stages on a one-stage pipeline.
     """
-    world = devices_per_node * num_nodes
+    tp = _checked_tensor_parallel(tensor_parallel_size, devices_per_node, num_nodes)
+    per_node = devices_per_node // tp  # stages (of T processes each) per node, and in the job:
+    stages = per_node * num_nodes
     pp = checked_size(pipeline_parallel_size, "pipeline_parallel_size")
     dp = checked_size(data_parallel_size, "data_parallel_size")
     stages_listed = _stages_listed(balance, virtual_stages)
-    listed = stages_listed is not None
     if pp == "auto":
-        quotient = world // dp if dp != "auto" and world % dp == 0 else devices_per_node
+        quotient = stages // dp if dp != "auto" and stages % dp == 0 else per_node
         pp = stages_listed if stages_listed is not None else quotient
-    job = f"{world} processes (devices={devices_per_node} x num_nodes={num_nodes})"
-    if listed and pipeline_parallel_size == "auto" and world % pp:
+    job = f"{stages * tp} processes (devices={devices_per_node} x num_nodes={num_nodes}{_in_stages(stages, tp)})"
+    if stages_listed is not None and pipeline_parallel_size == "auto" and stages % pp:
         raise ValueError(
             f"GPipeStrategy(balance={list(balance)}) gives pipelines of {pp} stages, which cannot fill the job's"
             f" {job}: the number of processes must be a multiple of the stages. Give one layer count per stage of one"
             " pipeline."
         )
     if dp == "auto":
-        dp = max(world // pp, 1)
-    if pp * dp != world:
+        dp = max(stages // pp, 1)
+    if pp * dp != stages:
+        tensor = (f", tensor_parallel_size={tp}", f" x {tp} tensor ranks") if tp > 1 else ("", "")
         raise ValueError(
             f"GPipeStrategy(pipeline_parallel_size={pipeline_parallel_size!r},"
-            f" data_parallel_size={data_parallel_size!r}) makes a mesh of {pp} stages x {dp} replicas = {pp * dp}"
-            f" processes, but the job has {job}. Choose sizes whose product is devices * num_nodes, or leave them"
-            " 'auto'."
+            f" data_parallel_size={data_parallel_size!r}{tensor[0]}) makes a mesh of {pp} stages x {dp}"
+            f" replicas{tensor[1]} = {pp * dp * tp} processes, but the job has {job}. Choose sizes whose product is"
+            " devices * num_nodes, or leave them 'auto'."
         )
-    _check_stages_listed(balance, pp, virtual_stages, pipeline_parallel_size, world)
+    _check_stages_listed(balance, pp, virtual_stages, pipeline_parallel_size, stages * tp)
     _check_virtual_stages(pp, virtual_stages, v_shape)
-    return Topology(world_size=world, num_stages=pp, virtual_stages=virtual_stages, v_shape=v_shape)
+    return Topology(stages * tp, pp, virtual_stages=virtual_stages, v_shape=v_shape, tensor_parallel_size=tp)
+
+
+def _in_stages(stages: int, tp: int) -> str:
+    """How a message says that the job's processes make ``stages`` stages of ``tp`` processes ("" for ``tp`` 1)."""
+    return f"; {stages} stages of tensor_parallel_size={tp}" if tp > 1 else ""
+
+
+def _checked_tensor_parallel(tensor_parallel_size: int, devices_per_node: int, num_nodes: int) -> int:
+    """``tensor_parallel_size``, if it divides the devices of a node (the tensor ranks of a stage share one node's
+    links); else a ``ValueError`` naming the fix."""
+    if devices_per_node % tensor_parallel_size == 0:
+        return tensor_parallel_size
+    raise ValueError(
+        f"GPipeStrategy(tensor_parallel_size={tensor_parallel_size}) splits each stage's layers over"
+        f" {tensor_parallel_size} processes of one node, but a node has devices={devices_per_node}"
+        f" (num_nodes={num_nodes}). Choose a tensor_parallel_size that divides devices."
+    )
 
 
 def _stages_listed(balance: Any, virtual_stages: int) -> int | None:

@@ -203,15 +203,18 @@ def gather_union(local: dict[str, Any], group: dist.ProcessGroup | None, job: "J
     return {key: value for part in parts for key, value in part.items()}
 
 
-def whole_on_rank_zero(local: dict[str, Any], replica: int, group: dist.ProcessGroup | None, job: "Job") -> dict | None:
-    """The union of replica 0's stages' ``local`` dicts on global rank 0; ``None`` elsewhere. The other replicas
-    hold copies of replica 0's, so they send nothing (a collective call of replica 0's pipeline ``group``; ``job``:
-    the run's :class:`~lightning_gpipe.faults.job.Job`, whose waits the gather uses).
+def whole_on_rank_zero(
+    local: dict[str, Any], pipeline: int, group: dist.ProcessGroup | None, job: "Job"
+) -> dict | None:
+    """The union of pipeline 0's stages' ``local`` dicts on global rank 0; ``None`` elsewhere. The other pipelines
+    (replicas, and tensor ranks once their tensors are whole) hold copies of pipeline 0's, so they send nothing (a
+    collective call of pipeline 0's ``group``; ``job``: the run's :class:`~lightning_gpipe.faults.job.Job`, whose waits
+    the gather uses; ``pipeline``: :meth:`~lightning_gpipe.engine.Topology.pipeline_of` this process).
 
     Raises:
         PipelineFailure: if another stage failed while this one waited for it.
     """
-    if dist.is_initialized() and replica != 0:
+    if dist.is_initialized() and pipeline != 0:
         return None
     return gather_union(local, group, job)
 

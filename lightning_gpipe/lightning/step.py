@@ -64,6 +64,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_gpipe.engine import Partition, Recorder, StagePipeline, StepGradients, TiedParameters, materialize
 from lightning_gpipe.faults import Job
@@ -73,6 +74,7 @@ from lightning_gpipe.lightning.agreement import RunAgreement
 from lightning_gpipe.lightning.contract import BackboneCall, StageRandomness
 from lightning_gpipe.lightning.data_parallel import FullyShardedStage, GradientSync
 from lightning_gpipe.lightning.relay import LogRelay, StepRelay, share_step_output
+from lightning_gpipe.lightning.tensor_parallel import TensorSplit
 
 T = TypeVar("T")
 
@@ -91,6 +93,8 @@ class StageRun:
         job: the run's :class:`~lightning_gpipe.faults.job.Job` (failure board, position, watchdog, waits).
         gradient_sync: DDP over the stage's replicas, with several of them (set by :meth:`sync_gradients`).
         fsdp: FSDP2 over the stage's replicas instead, with a ``sharding_strategy`` (set by :meth:`sync_gradients`).
+        tensor_split: the split of the stage's layers over its tensor ranks, with ``tensor_parallel_size > 1`` (set
+            by :meth:`split_tensors`).
         step_gradients: a 1F1B step's gradients, kept apart until Lightning's ``backward``.
         collector: what the pipeline callbacks (:mod:`lightning_gpipe.lightning.callbacks`) record of this run's steps,
             shared by all of them; the first one that needs it sets it.
@@ -105,6 +109,7 @@ class StageRun:
     job: Job
     gradient_sync: GradientSync | None = None
     fsdp: FullyShardedStage | None = None
+    tensor_split: TensorSplit | None = None
     step_gradients: StepGradients = field(default_factory=StepGradients)
     collector: Any = None
 
@@ -124,27 +129,32 @@ class StageRun:
         return self.pipeline.events
 
     def sync_gradients(
-        self, module: "pl.LightningModule", group: Any, device: torch.device, sharding: str | None = "NO_SHARD"
+        self,
+        module: "pl.LightningModule",
+        replicas: DeviceMesh,
+        device: torch.device,
+        sharding: str | None = "NO_SHARD",
     ) -> None:
-        """Let DDP average this stage's gradients over its data-parallel ``group`` (several replicas only; see
+        """Let DDP average this stage's gradients over its ``replicas`` (a 1-D mesh, :func:`~lightning_gpipe.engine.
+        replicas_mesh`; several replicas only; see
         :mod:`lightning_gpipe.lightning.data_parallel`): what the stage trains is its partition, and on the last stage
         also the modules after the backbone. The sync starts at the step's last backward on the stage
         (:meth:`~lightning_gpipe.engine.StagePipeline.on_last_backward`); the other model chunks' parameters are
         complete by then, and DDP reduces them with the first bucket. With a ``sharding`` other than ``"NO_SHARD"``
-        (``None`` means it), FSDP2 shards what the stage holds over ``group`` instead
+        (``None`` means it), FSDP2 shards what the stage holds over ``replicas`` instead
         (:class:`~lightning_gpipe.lightning.data_parallel.FullyShardedStage`), keeping the gathered parameters from the
         stage's first backward of a step (:meth:`~lightning_gpipe.engine.StagePipeline.on_backward_start`) to its end.
-        A collective call of ``group``."""
+        A collective call of the replicas."""
         trained = module if self.pipeline.is_last else self.partition
         if sharding not in (None, "NO_SHARD"):
             if any(True for _ in trained.parameters()):
                 full = sharding == "FULL_SHARD"
-                self.fsdp = FullyShardedStage(trained, self.pipeline.partitions, group, device, full, self.job)
+                self.fsdp = FullyShardedStage(trained, self.pipeline.partitions, replicas, full, self.job)
                 self.pipeline.on_backward_start(self.fsdp.begin_backward)
             return
         if not GradientSync.trains(trained):
             return
-        self.gradient_sync = GradientSync(trained, group, device)
+        self.gradient_sync = GradientSync(trained, replicas.get_group(), device)
         if GradientSync.trains(self.partition):
             self.pipeline.on_last_backward(self.gradient_sync.prepare)
 
@@ -200,19 +210,35 @@ class StageRun:
         if self.fsdp is not None:
             self.fsdp.end_evaluation_step()
 
+    def split_tensors(
+        self, module: "pl.LightningModule", configure_model: Callable[[], None] | None, stage: str
+    ) -> None:
+        """Split the stage's layers over its tensor ranks by the module's deferred ``configure_model`` (see
+        :class:`~lightning_gpipe.lightning.tensor_parallel.TensorSplit`), after the split and before
+        :meth:`sync_gradients`.
+
+        Raises:
+            ValueError: if ``configure_model`` split a layer this stage does not hold.
+        """
+        self.tensor_split = TensorSplit(module, configure_model, stage)
+
     def unshard(self) -> None:
-        """With sharding, after a completed fit: every parameter whole again and FSDP2 undone, so the module leaves
-        the run plain (see :meth:`~lightning_gpipe.lightning.data_parallel.FullyShardedStage.release`). A collective
-        call of the stage's replicas."""
+        """With sharding or tensor parallelism, after a completed fit: every parameter whole again and FSDP2 and the
+        tensor split undone, so the module leaves the run plain (see :meth:`~lightning_gpipe.lightning.data_parallel.
+        FullyShardedStage.release`, :meth:`~lightning_gpipe.lightning.tensor_parallel.TensorSplit.undo`). A
+        collective call of the stage's replicas and tensor ranks."""
         if self.fsdp is not None:
             self.fsdp.release()
             self.fsdp = None
+        if self.tensor_split is not None:
+            self.tensor_split.undo()
+            self.tensor_split = None
 
-    def whole_state(self, module: "pl.LightningModule", replica: int, group: Any) -> dict | None:
-        """Every stage's part of ``module``'s state on the process of pipeline replica ``replica`` that gets the
-        whole model back (see :func:`~lightning_gpipe.lightning.state_dict.whole_on_rank_zero`; ``None`` elsewhere): a
-        collective call over the pipeline's ``group``."""
-        return state_dict.whole_on_rank_zero(module.state_dict(), replica, group, self.job)
+    def whole_state(self, module: "pl.LightningModule", pipeline: int, group: Any) -> dict | None:
+        """Every stage's part of ``module``'s state on the process of pipeline ``pipeline`` (the replica without
+        tensor parallelism) that gets the whole model back (see :func:`~lightning_gpipe.lightning.state_dict.
+        whole_on_rank_zero`; ``None`` elsewhere): a collective call over the pipeline's ``group``."""
+        return state_dict.whole_on_rank_zero(module.state_dict(), pipeline, group, self.job)
 
     def close(self, module: "pl.LightningModule", whole: dict[str, Any] | None) -> None:
         """Undo the split (see :meth:`~lightning_gpipe.engine.StagePipeline.close`; ``whole``: every stage's state, on

@@ -12,6 +12,7 @@ and the user contract, :mod:`~lightning_gpipe.lightning.contract`), checkpoints
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
+from dataclasses import fields
 from datetime import timedelta
 from typing import Any, Literal, Optional
 
@@ -27,7 +28,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gpipe.engine import CompileOption, is_whole
+from lightning_gpipe.engine import CompileOption, is_whole, replicas_mesh
 from lightning_gpipe.lightning import step
 from lightning_gpipe.lightning._lightning import attached_trainer, optimizers_to_device
 from lightning_gpipe.lightning.backbone import find_backbone
@@ -48,14 +49,15 @@ from lightning_gpipe.lightning.config import (
 from lightning_gpipe.lightning.contract import check_automatic_optimization
 from lightning_gpipe.lightning.measure import chosen_split, planned_config, shared_layer_costs
 from lightning_gpipe.lightning.mesh import MeshStrategy
-from lightning_gpipe.lightning.optimization import pipelined, unpipelined
+from lightning_gpipe.lightning.optimization import holders, pipelined, unpipelined
 from lightning_gpipe.lightning.relay import LogRelay, StepRelay
+from lightning_gpipe.lightning.resplit import ResplitHooks
 from lightning_gpipe.lightning.step import StageRun
 from lightning_gpipe.lightning.summary import replace_model_summary
 from lightning_gpipe.planning import CostModel, LayerCost, PlanReport
 
 
-class GPipeStrategy(CheckpointHooks, MeshStrategy):
+class GPipeStrategy(CheckpointHooks, ResplitHooks, MeshStrategy):
     """Train a LightningModule whose ``nn.Sequential`` backbone is split into stages, one per device of a pipeline.
 
     GPipe (Huang et al. 2019, arXiv:1811.06965): each mini-batch is split into ``chunks`` micro-batches that flow
@@ -88,6 +90,7 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         virtual_stages: model chunks per stage, interleaved (``None``, default: 1, or the planner's choice).
         pipeline_parallel_size: K, the stages of each pipeline (default ``"auto"``).
         data_parallel_size: D, the pipeline replicas (default ``"auto"``).
+        tensor_parallel_size: T, the processes of each stage, over which ``configure_model`` splits its layers (1).
         timeout: the process group's timeout, a ``timedelta`` (30 minutes by default).
         stall_timeout: how long (a ``timedelta``) a stage may wait for another before the job ends naming it (5 min).
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA unless given.
@@ -128,6 +131,7 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         virtual_stages: int | None = None,
         pipeline_parallel_size: Size = "auto",
         data_parallel_size: Size = "auto",
+        tensor_parallel_size: int = 1,
         timeout: timedelta | None = default_pg_timeout,
         stall_timeout: timedelta | None = timedelta(minutes=5),
         process_group_backend: str | None = None,
@@ -142,30 +146,8 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        config = PipelineConfig(
-            backbone=backbone,  # how the backbone is split into stages
-            balance=balance,
-            balance_memory_limit=balance_memory_limit,
-            chunks=chunks,  # how a step runs through them
-            schedule=schedule,
-            virtual_stages=virtual_stages,
-            checkpoint=checkpoint,
-            defer_weight_grad=defer_weight_grad,
-            deferred_batch_norm=deferred_batch_norm,
-            compile=compile,
-            offload=offload,
-            pipeline_parallel_size=pipeline_parallel_size,  # the processes: mesh, launcher, groups, timeouts
-            data_parallel_size=data_parallel_size,
-            sharding_strategy=sharding_strategy,
-            start_method=start_method,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            stall_timeout=stall_timeout,
-            plan=plan,  # planning
-            memory_limit=memory_limit,
-            cost_model=cost_model,
-            state_dict_type=state_dict_type,  # checkpoints
-        )
+        given = locals()  # every option above, and the five the Trainer fills in
+        config = PipelineConfig(**{option.name: given[option.name] for option in fields(PipelineConfig)})
         super().__init__(config, accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.layer_costs: list[LayerCost] | None = None  # profiled per backbone layer, when a mode needs them
         self.plan_report: PlanReport | None = None  # what plan="auto" chose and why, once planned
@@ -238,13 +220,18 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
         assert self.model is not None  # the attached module, at least
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if self.topology.tensor_parallel_size > 1:  # after the split, before the data-parallel wrapping
+            run.split_tensors(module, self.deferred_configure_model, self.topology.name(self.global_rank))
         run.ties.synchronize()  # tied copies start equal, even when each stage initialised its own
         if fitting and self.topology.data_parallel_size > 1:
-            run.sync_gradients(module, self._data_parallel_group, self.root_device, self.config.sharding_strategy)
+            assert self.device_mesh is not None  # made in setup_environment
+            replicas = replicas_mesh(self.device_mesh)
+            run.sync_gradients(module, replicas, self.root_device, self.config.sharding_strategy)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        pipelined(self.precision_plugin, self.pipeline_group, run.ties.uncounted, self._job, run.fsdp is not None)
+        spread = holders(self.topology, run.fsdp is not None)
+        pipelined(self.precision_plugin, self.pipeline_group, run.ties.uncounted, self._job, spread)
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
 
@@ -337,7 +324,7 @@ class GPipeStrategy(CheckpointHooks, MeshStrategy):
             run.unshard()  # with sharding: every parameter whole again (a collective call of the replicas)
         if run is not None and completed and self._whole_before_split:
             assert module is not None  # completed
-            whole = run.whole_state(module, self.replica_index, self.pipeline_group)
+            whole = run.whole_state(module, self.pipeline_index, self.pipeline_group)
         if module is not None and not is_whole(module):
             module.to_empty(device="cpu")  # a failed materialize; Lightning's teardown cannot move meta tensors
         unpipelined(self.precision_plugin)

@@ -4,13 +4,11 @@ The parameters compared are those of the module in rank 0's process after fit, s
 that the subprocess-script launcher leaves every stage's weights in the user's main process.
 """
 
-import functools
-
 import pytest
 import torch
 from conftest import shared_run
-from models import LossRecorder, TupleNet, loader
-from sharded import AdamWNet
+from models import TupleNet, loader
+from rowwise import adamw_reference
 
 CHUNKS = (1, 3, 8)
 MODES = ("always", "except_last", "never")
@@ -23,16 +21,6 @@ def reference_1f1b_state():
     from rowwise import fit_batches
 
     return fit_batches(batch_size=25).lightning_module.state_dict()
-
-
-@functools.cache
-def v_schedule_reference() -> dict:
-    """Single-device AdamWNet on the V schedules' runs' data (batches of 26 rows, 6 steps): its state and losses."""
-    from rowwise import fit_batches
-
-    recorder = LossRecorder()
-    trainer = fit_batches(batch_size=26, module=AdamWNet, callbacks=[recorder])
-    return {"state": trainer.lightning_module.state_dict(), "losses": recorder.losses}
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
@@ -62,7 +50,7 @@ def test_pipeline_equals_single_device(stages, reference_state, reference_1f1b_s
             message = f"{key}, v=2 {schedule}, {mode}"
             torch.testing.assert_close(interleaved[key], expected, rtol=0, atol=1e-5, msg=message)
     if stages in (2, 4):  # V-Min, V-Half and V-ZB: 8 micro-batches, 6 AdamW steps, the loss of each step too
-        reference = v_schedule_reference()
+        reference = adamw_reference()
         for schedule in ("v-min", "v-half", "v-zb"):
             run = torch.load(out / f"v_{schedule}.pt")
             torch.testing.assert_close(run["losses"], reference["losses"], rtol=0, atol=1e-5, msg=schedule)

@@ -13,7 +13,7 @@ FSDP2 wiring in one process: tests/unit/test_sharding.py.
 import pytest
 import torch
 from conftest import assert_states_close, assert_within_fp32_rounding, shared_run
-from sharded import CHECKPOINTED, HF_RUNS, MIXED, RUNS, VALIDATED, AdamWNet, hf_one_device, one_device
+from sharded import CHECKPOINTED, HF_RUNS, MIXED, RUNS, VALIDATED, AdamWNet, hf_in_float64, hf_one_device, one_device
 
 from lightning_gpipe.consolidate import consolidated_checkpoint
 
@@ -134,20 +134,10 @@ def test_a_hugging_face_llama_trains_sharded_like_one_device_with_and_without_lo
         assert_states_close(held[stage + 2]["state"], held[stage]["state"], atol=0.0)
     state, losses = hf_one_device(lora)
     merged = {**held[0]["state"], **held[1]["state"]}
-    assert_within_fp32_rounding(merged, state, lambda: _in_float64(lora))
+    assert_within_fp32_rounding(merged, state, lambda: hf_in_float64(lora))
     replicas = torch.tensor([held[1]["losses"], held[3]["losses"]]).mean(0)
     torch.testing.assert_close(replicas, torch.tensor(losses), atol=1e-5, rtol=0)
     if lora:
         initial = hf_one_device(lora, steps=0)[0]
         frozen = [key for key in state if ".lora_" not in key]
         assert frozen and all(torch.equal(merged[key], initial[key]) for key in frozen)
-
-
-_FLOAT64: dict = {}
-
-
-def _in_float64(lora: bool) -> dict:
-    """:func:`sharded.hf_one_device` in float64 (made once per case): what fp32 rounding is measured against."""
-    if lora not in _FLOAT64:
-        _FLOAT64[lora] = hf_one_device(lora, torch.float64)[0]
-    return _FLOAT64[lora]

@@ -272,3 +272,33 @@ def test_a_layer_at_two_positions_is_profiled_at_each():
     assert len(list(layers.named_children())) == 2 and len(layers) == 3
     costs = profile_layers(layers, torch.randn(8, 4), "cpu", repeats=1, warmup=0)
     assert len(costs) == 3 and costs[0].parameter_bytes == costs[2].parameter_bytes == 80
+
+
+def test_measured_stage_times_re_split_a_bad_profiled_split_under_the_memory_limit_only_when_5_percent_faster():
+    from lightning_gpipe.lightning.resplit import Resplit, choose_resplit, measured_costs
+
+    profile = [LayerCost(1e-3, 2e-3, parameter_bytes=10)] * 8  # every layer alike: balance="time" splits [4, 4]
+    config, measured = PipelineConfig(balance="time", chunks=2), [11e-3, 4e-3]  # stage 0 measured 2.75x stage 1
+    scaled = measured_costs(profile, [4, 4], measured, 2, "except_last")
+    share = 0.5  # except_last at M = 2: one of the two forwards recomputed
+    assert [2 * sum(c.forward * (1 + share) + c.backward for c in stage) for stage in (scaled[:4], scaled[4:])] == (
+        pytest.approx(measured)  # each stage's layers add up to its measured time
+    )
+    assert [c.forward / scaled[-1].forward for c in scaled[:4]] == pytest.approx([2.75] * 4)
+    assert [c.parameter_bytes for c in scaled] == [10] * 8  # memory as profiled
+    decision = choose_resplit(profile, [4, 4], measured, config, 2)
+    assert decision.taken and decision.best == [3, 5] and decision.best_step < 0.95 * decision.step
+    limited = PipelineConfig(balance="time", chunks=2, balance_memory_limit=40)  # no stage may hold 5 layers
+    assert not choose_resplit(profile, [4, 4], measured, limited, 2).taken
+    assert not choose_resplit(profile, [4, 4], [4.2e-3, 4e-3], config, 2).taken  # under 5% faster: kept
+    with pytest.raises(ValueError, match="Resplit"):
+        Resplit(steps=0)
+
+
+def test_a_stage_is_busy_in_its_forwards_recomputes_and_backwards_not_its_loss_optimizer_or_waits():
+    from lightning_gpipe.engine import Span
+    from lightning_gpipe.lightning.resplit import work_seconds
+
+    kinds = ["forward", "recv", "loss", "recompute", "backward", "weight", "send", "optimizer"]
+    spans = [Span(kind, 0, float(i), i + 0.5 * (i + 1)) for i, kind in enumerate(kinds)]
+    assert work_seconds(None, spans) == pytest.approx(0.5 + 2.0 + 2.5 + 3.0)  # the default time source

@@ -37,7 +37,7 @@ def test_a_v_holds_virtual_stages_k_and_2k_minus_1_minus_k_and_the_head_on_stage
     topology = resolve_topology("auto", 2, None, 3, 2, virtual_stages=2, v_shape=True)
     assert [topology.virtual_of(k) for k in range(3)] == [[0, 5], [1, 4], [2, 3]]
     assert (topology.last_stage, Topology(6, 3, virtual_stages=2).last_stage, Topology(6, 3).last_stage) == (0, 2, 2)
-    assert [topology.rank_of_virtual(s, replica=1) for s in range(6)] == [3, 4, 5, 5, 4, 3]
+    assert [topology.rank_of_virtual(s, pipeline=1) for s in range(6)] == [3, 4, 5, 5, 4, 3]
     with pytest.raises(ValueError, match="A V places two model chunks per stage, not virtual_stages=3"):
         Topology(6, 3, virtual_stages=3, v_shape=True)
 

@@ -88,6 +88,9 @@ TORCH_NAMES = {
     "_modules": "torch.nn.Module._modules, a module's children by name (Lightning binds it on a helper of its own, "
     "lightning/fabric/plugins/precision/utils.py)",
     "_version": "torch.Tensor._version, a tensor's in-place version counter (Lightning binds a module's _version)",
+    "_forward_hooks": "torch.nn.Module._forward_hooks, a module's forward hooks by id (Lightning's DeepSpeed strategy"
+    " resets them)",
+    "_forward_pre_hooks": "torch.nn.Module._forward_pre_hooks, a module's forward-pre hooks by id (likewise)",
 }
 """Private names Lightning binds too, which the package uses as torch's: name -> the torch attribute it is."""
 

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_gpipe import GPipeStrategy
+from lightning_gpipe.engine import Topology, replicas_mesh
 from lightning_gpipe.faults.job import Job
 from lightning_gpipe.lightning.data_parallel import FullyShardedStage, units
 from lightning_gpipe.lightning.optimization import pipelined
@@ -38,7 +39,7 @@ def test_a_gradient_scaler_with_sharding_is_refused_naming_the_fix():
         scaler = torch.amp.GradScaler("cpu")
 
     with pytest.raises(ValueError, match="use precision='bf16-mixed' .* or sharding_strategy='NO_SHARD'"):
-        pipelined(Plugin(), None, list, Job(), fully_sharded=True)
+        pipelined(Plugin(), None, list, Job(), holders=2)
 
 
 def test_a_layer_sharing_a_parameter_or_used_twice_is_left_to_the_root():
@@ -55,11 +56,11 @@ def test_a_layer_sharing_a_parameter_or_used_twice_is_left_to_the_root():
 
 @pytest.fixture
 def one_replica():
-    """The data-parallel group of a stage with one replica: a one-process gloo group."""
+    """The mesh of a one-stage pipeline with one replica, on a one-process gloo group."""
     assert not dist.is_initialized()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        yield dist.group.WORLD
+        yield Topology(1, 1).mesh("cpu")
     finally:
         dist.destroy_process_group()
 
@@ -80,7 +81,7 @@ def test_a_sharded_one_stage_pipeline_steps_like_the_plain_module_and_leaves_it_
     module = TupleNet()
     reference = copy.deepcopy(module)
     runtime = one_stage_pipeline(module, chunks=3, checkpoint="except_last", defer_weight_grad=True)
-    sharded = FullyShardedStage(module.backbone, [module.backbone], one_replica, torch.device("cpu"), full_shard, Job())
+    sharded = FullyShardedStage(module.backbone, [module.backbone], replicas_mesh(one_replica), full_shard, Job())
     begun: list[int] = []
     runtime.before_first_backward = lambda: (begun.append(1), sharded.begin_backward())
     assert all(isinstance(p, DTensor) for p in module.backbone.parameters())
@@ -107,7 +108,7 @@ def test_a_sharded_one_stage_pipeline_steps_like_the_plain_module_and_leaves_it_
     assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in layers)
     for got, want in zip(module.backbone.parameters(), reference.backbone.parameters(), strict=True):
         torch.testing.assert_close(got, want + 1.0)
-    again = FullyShardedStage(module.backbone, [module.backbone], one_replica, torch.device("cpu"), full_shard, Job())
+    again = FullyShardedStage(module.backbone, [module.backbone], replicas_mesh(one_replica), full_shard, Job())
     again.release()
 
 

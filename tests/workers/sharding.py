@@ -22,7 +22,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from conftest import hf_worker  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from models import GLOBAL_BATCH, LossRecorder, loader, trainer_kwargs  # noqa: E402
 from sharded import (  # noqa: E402
@@ -36,6 +35,7 @@ from sharded import (  # noqa: E402
     AdamWNet,
     dataset_of,
     hf_rows,
+    hf_starting_module,
     reference_loader,
 )
 from torch.distributed.tensor import DTensor  # noqa: E402
@@ -161,19 +161,11 @@ def hf_run(name: str, out: str) -> None:
     """A run of :data:`sharded.HF_RUNS`: every rank writes OUT_DIR/NAME_rank{r}.pt, its stage's tensors after fit (by
     the model's names), its replica's losses (on a last stage) and how many of the stage's parameters were
     ``DTensor`` shards at the end of training, of how many."""
-    import lightning_gpipe.hf as hf
     from lightning_gpipe.hf.layer import hf_name
 
-    worker, lora, rank = hf_worker(), HF_RUNS[name], int(os.environ.get("LOCAL_RANK", 0))
+    lora, rank = HF_RUNS[name], int(os.environ.get("LOCAL_RANK", 0))
     L.seed_everything(1, verbose=False)  # the distributed sampler's shuffle: sharded.hf_global_batches'
-    init, extra = os.path.join(out, f"{name}_init_rank{rank}"), {}
-    initial = worker.initial_model("llama")
-    initial.should_save_on_this_rank = lambda is_main_process: True  # every rank its own copy (a group exists)
-    initial.save_pretrained(init)
-    if lora:
-        extra["lora"] = os.path.join(out, f"{name}_adapter_rank{rank}")
-        worker.initial_lora("llama").save_pretrained(extra["lora"])
-    module = hf.CausalLM(pretrained=init, attn_implementation="eager", **extra, **worker.OPTIMIZATION)
+    module = hf_starting_module(name, out, lora)
     strategy = lightning_gpipe.GPipeStrategy(
         pipeline_parallel_size=2,
         data_parallel_size=2,

@@ -1,17 +1,20 @@
 """Distributed worker: a tiny `transformers` model (any family of tests/hf_families.py) trained and decoded through
 GPipeStrategy.
 
-Usage: python transformers_hf.py OUT_DIR --devices K [--family F] [--schedule S] [--balance time|memory] [--resume RUN]
+Usage: python transformers_hf.py OUT_DIR --devices K [--family F] [--schedule S] [--balance time|memory|A,B,...]
+       [--resume RUN]
        [--data-parallel D] [--precision P] [--fit-only | --quick] [--lora]
 Each rank writes the starting checkpoint (``save_pretrained`` of a seeded model of family ``F``, see ``FAMILIES``)
-to OUT_DIR/init_rank{r}; then the family's ``lightning_gpipe.hf`` module (``CausalLM``, ``MaskedLM`` or
-``SequenceClassifier``) built on the meta device, each stage loading only its own tensors from it, is fitted for
-``STEPS`` AdamW steps on K stages (schedule ``S``, default fill-drain; ``--balance time`` profiles the layers),
+to OUT_DIR/init_rank{r}; then the family's ``lightning_gpipe.hf`` module (``CausalLM``, ``Seq2SeqLM``, ``MaskedLM``
+or ``SequenceClassifier``) built on the meta device, each stage loading only its own tensors from it, is fitted for
+``STEPS`` AdamW steps on K stages (schedule ``S``, default fill-drain; ``--balance time`` profiles the layers,
+``--balance 7,4`` gives each stage that many layers),
 writing OUT_DIR/full.ckpt (a full Lightning checkpoint, at the last step), OUT_DIR/saved (``SavePretrained``: every
 stage its shard), OUT_DIR/state_rank{r}.pt (the rank's own parameters after fit, by the model's names) and
 OUT_DIR/losses.pt (the per-step training losses on the last stage). Decoders then decode ``prompts()`` greedily
 through the pipeline with ``trainer.predict``, with the stages' key/value caches (OUT_DIR/generated.pt, rank 0) and
-without (``kv_cache=False``: OUT_DIR/generated_no_cache.pt).
+without (``kv_cache=False``: OUT_DIR/generated_no_cache.pt); encoder-decoders generate from them as sources
+(OUT_DIR/generated.pt).
 
 ``--precision P`` is the Trainer's (default ``32-true``). Every run writes OUT_DIR/run_rank{r}.json: the stage's
 backbone layers (by their index), Lightning's precision plugin, the dtypes of the first local layer's outputs in the
@@ -40,7 +43,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from hf_families import FAMILIES, VOCAB, build, is_decoder  # noqa: E402
+from hf_families import FAMILIES, SEQ2SEQ, VOCAB, build, is_decoder  # noqa: E402
 
 CONFIG = FAMILIES["llama"][2]
 """The tiny Llama's config."""
@@ -58,7 +61,8 @@ that both get a gradient from the first step)."""
 
 def batches(family: str = "llama") -> list[dict[str, torch.Tensor]]:
     """``STEPS`` batches of 6 rows of 12 tokens, two rows right-padded: next-token labels (decoders), the original
-    ids of every third real token, masked (masked LMs), or a class per row (sequence classifiers)."""
+    ids of every third real token, masked (masked LMs), a class per row (sequence classifiers), or target ids ``(6,
+    8)``, two rows' tails unlabelled (encoder-decoders, :data:`hf_families.SEQ2SEQ`)."""
     generator = torch.Generator().manual_seed(1)
     result = []
     for _ in range(STEPS):
@@ -68,12 +72,15 @@ def batches(family: str = "llama") -> list[dict[str, torch.Tensor]]:
         mask[4, 5:] = 0
         ids = ids.masked_fill(mask == 0, 0)
         labels = ids.masked_fill(mask == 0, -100)
-        if FAMILIES[family][1] == "MaskedLM":
+        if FAMILIES.get(family, ("", ""))[1] == "MaskedLM":
             chosen = (torch.arange(12) % 3 == 1).expand(6, -1) & (mask == 1)
             labels = ids.masked_fill(~chosen, -100)
             ids = ids.masked_fill(chosen, MASK_ID)
-        elif FAMILIES[family][1] == "SequenceClassifier":
+        elif FAMILIES.get(family, ("", ""))[1] == "SequenceClassifier":
             labels = torch.randint(0, 3, (6,), generator=generator)
+        elif family in SEQ2SEQ:
+            labels = torch.randint(4, VOCAB, (6, 8), generator=generator)
+            labels[1, 6:] = labels[4, 3:] = -100
         result.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
     return result
 
@@ -115,7 +122,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--devices", type=int, required=True)
-    parser.add_argument("--family", choices=list(FAMILIES), default="llama")
+    parser.add_argument("--family", choices=[*FAMILIES, *SEQ2SEQ], default="llama")
     parser.add_argument("--schedule", default="gpipe")
     parser.add_argument("--balance", default=None)
     parser.add_argument("--resume", default=None)
@@ -169,8 +176,8 @@ if __name__ == "__main__":
     # made one): every rank writes its own copy here
     initial.should_save_on_this_rank = lambda is_main_process: True
     initial.save_pretrained(init)
-    module_class = getattr(hf, FAMILIES[args.family][1])
-    extra = {"max_new_tokens": MAX_NEW_TOKENS} if is_decoder(args.family) else {}
+    module_class = getattr(hf, {**FAMILIES, **SEQ2SEQ}[args.family][1])
+    extra = {"max_new_tokens": MAX_NEW_TOKENS} if is_decoder(args.family) or args.family in SEQ2SEQ else {}
     if args.lora:
         extra["lora"] = os.path.join(args.out, f"adapter_rank{rank}")
         initial_lora(args.family).save_pretrained(extra["lora"])
@@ -184,7 +191,9 @@ if __name__ == "__main__":
         ]
     dp = args.data_parallel
     mesh = {"pipeline_parallel_size": args.devices // dp, "data_parallel_size": dp} if dp > 1 else {}
-    strategy = lightning_gpipe.GPipeStrategy(chunks=3, schedule=args.schedule, balance=args.balance, **mesh)
+    counts = args.balance is not None and args.balance[0].isdigit()
+    balance = [int(count) for count in args.balance.split(",")] if counts else args.balance
+    strategy = lightning_gpipe.GPipeStrategy(chunks=3, schedule=args.schedule, balance=balance, **mesh)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -207,7 +216,7 @@ if __name__ == "__main__":
     torch.save(own, os.path.join(args.out, f"state_rank{rank}.pt"))
     if losses.losses and rank == args.devices - 1 and dp == 1:
         torch.save(losses.losses, os.path.join(args.out, "losses.pt"))
-    costs = strategy.layer_costs if args.balance is not None else None  # "zb-1p" profiles without a balance mode
+    costs = strategy.layer_costs if args.balance is not None and not counts else None  # "zb-1p" profiles without one
     record = {
         "layers": recorder.layers,
         "precision_plugin": type(trainer.precision_plugin).__name__,
@@ -218,9 +227,10 @@ if __name__ == "__main__":
     with open(os.path.join(args.out, f"run_rank{rank}.json"), "w") as f:
         json.dump(record, f)
 
-    if is_decoder(args.family) and not resumed and not args.fit_only and not args.lora:
+    decodes = is_decoder(args.family) or args.family in SEQ2SEQ  # an encoder-decoder's prompts are its sources
+    if decodes and not resumed and not args.fit_only and not args.lora:
         predictor = L.Trainer(
-            strategy=lightning_gpipe.GPipeStrategy(chunks=2),
+            strategy=lightning_gpipe.GPipeStrategy(chunks=2, balance=balance if counts else None),
             accelerator="cpu",
             devices=args.devices,
             default_root_dir=args.out,

@@ -204,6 +204,10 @@ class PipelineBalance(PipelineCallback):
     found. With ``virtual_stages > 1`` it reports the stages (``balance``: the layers each stage holds over all its
     model chunks) and suggests nothing.
 
+    Where the strategy re-split the pipeline from its measured stage times (``balance="time"``, see
+    :mod:`~lightning_gpipe.lightning.resplit`), or checked the split and kept it, the report's ``"resplit"`` says
+    what it found, at the end of training.
+
     Activation memory is counted in the measured steps only (a hook per saved tensor, a few percent of
     those steps' time).
 
@@ -236,9 +240,22 @@ class PipelineBalance(PipelineCallback):
         self.measured.append(step)
         if len(self.measured) == self.steps:
             self.report = self._report(trainer)
-            with open(os.path.join(log_dir(trainer), "pipeline_balance.json"), "w") as f:
-                json.dump(self.report, f, indent=1)
+            self._write(trainer)
             rank_zero_info(format_table(self.report))
+
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Add what the strategy's check of the split found (``strategy.resplit.record``, see
+        :mod:`~lightning_gpipe.lightning.resplit`) to the report, as ``"resplit"``, and write it again."""
+        check = getattr(trainer.strategy, "resplit", None)
+        if self.report is None or check is None or check.record is None:
+            return
+        self.report["resplit"] = check.record
+        self._write(trainer)
+
+    def _write(self, trainer: "pl.Trainer") -> None:
+        with open(os.path.join(log_dir(trainer), "pipeline_balance.json"), "w") as f:
+            json.dump(self.report, f, indent=1)
 
     def _report(self, trainer: "pl.Trainer") -> dict:
         assert isinstance(trainer.strategy, GPipeStrategy)  # steps are gathered under it only

@@ -1,0 +1,220 @@
+"""Tensor parallelism's parts in one process: the mesh's ranks with a tensor dimension, the sizes and options it
+refuses before any process starts, Lightning's ``configure_model`` deferred until after the split, and the check of
+what it split (a layer the stage does not hold is refused; the module leaves the run plain). The runs that train:
+tests/distributed/test_tensor_parallel.py."""
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from tensor_parallel import BLOCK_PLAN, PLAN, SplitMLP
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from lightning_gpipe import GPipeStrategy
+from lightning_gpipe.engine import Topology
+from lightning_gpipe.lightning._lightning import configure_model_after_split
+from lightning_gpipe.lightning.config import PipelineConfig, check_tensor_parallel_replicas
+from lightning_gpipe.lightning.mesh import resolve_topology
+from lightning_gpipe.lightning.tensor_parallel import TensorSplit
+
+
+def test_the_tensor_dimension_is_innermost_and_each_tensor_rank_has_its_own_pipeline():
+    """Rank ``(d * K + k) * T + t``: with K = 2, D = 2, T = 2, the tensor ranks of a stage are neighbours, and the
+    point-to-point neighbours of a process are the same tensor rank of the next stage."""
+    topology = Topology(8, 2, tensor_parallel_size=2)
+    assert topology.data_parallel_size == 2 and topology.num_pipelines == 4
+    assert [topology.stage_of(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [topology.tensor_rank_of(r) for r in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert [topology.replica_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [[topology.rank_of(k, p) for k in range(2)] for p in range(4)] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert all(topology.rank_of(topology.stage_of(r), topology.pipeline_of(r)) == r for r in range(8))
+    assert topology.name(3) == "stage 1, tensor rank 1 of replica 0 (rank 3)"
+
+
+def test_the_sizes_count_stages_of_t_processes_and_a_mesh_that_does_not_fit_is_refused():
+    assert resolve_topology("auto", "auto", None, 4, 1, tensor_parallel_size=2).num_stages == 2
+    one_stage = resolve_topology(1, "auto", None, 4, 1, tensor_parallel_size=2)
+    assert (one_stage.num_stages, one_stage.data_parallel_size) == (1, 2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3\) splits .* devices=4 .* divides devices"):
+        resolve_topology("auto", "auto", None, 4, 1, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=r"2 stages x 2 replicas x 2 tensor ranks = 8 processes, but the job has 4"):
+        resolve_topology(2, 2, None, 4, 1, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(tensor_parallel_size=0), r"tensor_parallel_size=0\): give a positive integer"),
+        (dict(tensor_parallel_size="2"), r"tensor_parallel_size='2'\): give a positive integer"),
+        (dict(tensor_parallel_size=2, plan="auto", memory_limit=2**30), r"plan='auto'\): the planner counts"),
+        (dict(tensor_parallel_size=2, compile=True), r"compile=True\): compiled layers"),
+        (dict(tensor_parallel_size=2, offload="activations"), r"offload='activations'\): offloading DTensor"),
+    ],
+)
+def test_options_tensor_parallelism_does_not_take_yet_are_refused_before_any_process_starts(options, message):
+    with pytest.raises(ValueError, match=message):
+        GPipeStrategy(**options)
+
+
+def test_replicas_of_tensor_parallel_stages_are_sharded_by_fsdp2_not_ddp():
+    check_tensor_parallel_replicas(PipelineConfig(tensor_parallel_size=2, sharding_strategy="FULL_SHARD"), 2)
+    check_tensor_parallel_replicas(PipelineConfig(tensor_parallel_size=2), 1)
+    with pytest.raises(ValueError, match="DDP does not take the tensor-parallel .* sharding_strategy='FULL_SHARD'"):
+        check_tensor_parallel_replicas(PipelineConfig(tensor_parallel_size=2), 2)
+
+
+def test_configure_model_runs_after_the_split_and_before_it_only_where_it_creates_the_backbone():
+    calls = []
+
+    class Configured(L.LightningModule):
+        def configure_model(self):
+            calls.append(self)
+
+    module = Configured()
+    run = configure_model_after_split(module, skip_first=True)
+    module.configure_model()  # Lightning's call, before the split: nothing happens
+    assert calls == [] and run is not None
+    run()
+    assert calls == [module] and "configure_model" not in vars(module)
+    run = configure_model_after_split(module, skip_first=False)
+    module.configure_model()
+    assert run is not None and calls == [module, module]
+    assert configure_model_after_split(L.LightningModule(), skip_first=True) is None
+
+
+def test_a_split_made_before_the_pipelines_is_refused_naming_the_fix(tensor_mesh):
+    module = SplitMLP()
+    parallelize_module(module.backbone, tensor_mesh, PLAN)
+    with pytest.raises(ValueError, match=r"split backbone\.0\.0\.weight, .* before the pipeline split its backbone"):
+        TensorSplit(module, None, "stage 0")
+
+
+@pytest.fixture
+def tensor_mesh():
+    """A one-process ``tensor_parallel`` mesh (a one-process gloo group): DTensors of one shard."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield Topology(1, 1, tensor_parallel_size=1).mesh("cpu")["data_parallel"]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_split_of_a_layer_the_stage_does_not_hold_is_refused_naming_it(tensor_mesh):
+    """Layers 2 and 3 are another stage's (on the meta device); splitting layer 3 through a reference the module
+    kept is refused, naming its parameters and the fix."""
+    module = SplitMLP()
+    every = list(module.backbone)  # what the module saw before the split
+    for layer in every[2:]:
+        layer.to("meta")
+
+    def configure_model():
+        parallelize_module(module.backbone[0], tensor_mesh, BLOCK_PLAN)
+        parallelize_module(every[3], tensor_mesh, BLOCK_PLAN)
+
+    with pytest.raises(ValueError, match=r"split backbone\.3\.0\.weight, .* on stage 0, which does not hold it"):
+        TensorSplit(module, configure_model, "stage 0")
+
+
+def test_a_module_leaves_the_split_plain_with_its_values(tensor_mesh):
+    """After the run, every split parameter is a plain parameter of its whole value again and the input and output
+    conversions ``parallelize_module`` hooked on are gone (the user's own hooks stay): the module computes as before."""
+    module = SplitMLP()
+    x = torch.randn(5, 16)
+    before = module.head(module.backbone(x))
+    user_hook = module.backbone[0].register_forward_hook(lambda *_: None)
+    split = TensorSplit(module, lambda: parallelize_module(module.backbone, tensor_mesh, PLAN), "stage 0")
+    assert isinstance(module.backbone[0][0].weight, DTensor)
+    split.undo()
+    assert not any(isinstance(p, DTensor) for p in module.parameters())
+    assert all(isinstance(p, nn.Parameter) for p in module.parameters())
+    assert list(module.backbone[0]._forward_hooks) == [user_hook.id]
+    assert not module.backbone[0][0]._forward_pre_hooks and not module.backbone[0][2]._forward_hooks
+    torch.testing.assert_close(module.head(module.backbone(x)), before, atol=0, rtol=0)
+
+
+def test_a_stage_split_into_nothing_is_warned_about(tensor_mesh):
+    with pytest.warns(UserWarning, match="split no parameter of stage 1: each of its tensor ranks holds"):
+        TensorSplit(SplitMLP(), None, "stage 1")
+
+
+@pytest.fixture
+def tensor_ranks():
+    """A one-process mesh whose only dimension is ``"tensor_parallel"``, as a module's ``device_mesh`` has it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("tensor_parallel",))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(base_model_tp_plan={}), "LlamaForCausalLM declares no tensor plan .* Use tensor_parallel_size=1"),
+        (
+            dict(base_model_tp_plan={"layers.*.mlp.up_proj": "packed_colwise"}),
+            "model.layers.\\*.mlp.up_proj is declared 'packed_colwise' .* a style GPipeStrategy does not split with",
+        ),
+    ],
+)
+def test_a_hugging_face_model_whose_tensor_plan_cannot_split_it_is_refused_naming_why(tensor_ranks, change, message):
+    pytest.importorskip("transformers")
+    from conftest import hf_worker
+
+    import lightning_gpipe.hf as hf
+    from lightning_gpipe.hf.tensor_plan import split_stage
+    from lightning_gpipe.lightning._lightning import give_device_mesh
+
+    config = hf_worker().initial_model("llama").config
+    for key, value in change.items():
+        setattr(config, key, value)
+    module = hf.CausalLM(config=config, attn_implementation="eager", self_check=False)
+    module.configure_model()
+    give_device_mesh(module, tensor_ranks)
+    with pytest.raises(hf.UnsupportedModelError, match=message):
+        split_stage(module)
+
+
+def test_a_hugging_face_model_splits_its_projections_and_keeps_its_tied_head_whole(tensor_ranks):
+    """The tiny Llama's attention and MLP projections become DTensors; its head, tied to the embeddings, stays whole;
+    a second call splits nothing more."""
+    pytest.importorskip("transformers")
+    from conftest import hf_worker
+
+    import lightning_gpipe.hf as hf
+    from lightning_gpipe.lightning._lightning import give_device_mesh
+
+    module = hf.CausalLM(config=hf_worker().initial_model("llama").config, attn_implementation="eager")
+    module.configure_model()
+    give_device_mesh(module, tensor_ranks)
+    module.configure_model()  # as GPipeStrategy calls it again after the split
+    split = {name for name, p in module.named_parameters() if isinstance(p, DTensor)}
+    assert any("self_attn.q_proj" in name for name in split)
+    assert any("down_proj" in name for name in split) and not any("lm_head" in name for name in split)
+    module.configure_model()
+    assert {name for name, p in module.named_parameters() if isinstance(p, DTensor)} == split
+
+
+def test_the_causal_lm_examples_tensor_parallel_config_makes_2_stages_of_2_tensor_ranks(monkeypatch):
+    """examples/causal_lm/configs/tensor_parallel.yaml parses with the example's command line into a GPipeStrategy of
+    2 stages x 2 tensor ranks on 4 processes, reading the defaults' batches (one replica)."""
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    monkeypatch.syspath_prepend(str(examples))
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    from causal_lm.train import main
+
+    cli = main(["--config", str(examples / "causal_lm" / "configs" / "tensor_parallel.yaml")], run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, GPipeStrategy) and cli.trainer.num_devices == 4
+    assert (strategy.config.pipeline_parallel_size, strategy.config.tensor_parallel_size) == (2, 2)
+    assert cli.datamodule.batch_size == main([], run=False).datamodule.batch_size
