@@ -20,6 +20,7 @@ from lightning_gpipe.engine import StageSpec, Topology, build_pipeline
 from lightning_gpipe.faults import Job
 from lightning_gpipe.lightning.config import PipelineConfig, offload_note
 from lightning_gpipe.lightning.contract import BackboneCall, StageRandomness
+from lightning_gpipe.lightning.current_values import kept_values
 from lightning_gpipe.lightning.relay import LogRelay, StepRelay
 from lightning_gpipe.lightning.step import StageRun
 from lightning_gpipe.planning import (
@@ -149,8 +150,9 @@ def build_stage(
     Raises:
         ValueError: if the skip connections do not pair up.
     """
+    kept = kept_values(module)  # before the split frees what this stage does not hold
     pipeline = build_pipeline(module, name, spec, job)
     call = BackboneCall(pipeline, pipeline.is_last, share=share, randomness=randomness, position=job.position)
     pipeline.partition.backbone_call = call
     relay, step_relay = relays
-    return StageRun(pipeline, call, relay, step_relay, randomness, share, job)
+    return StageRun(pipeline, call, relay, step_relay, randomness, share, job, kept=kept)

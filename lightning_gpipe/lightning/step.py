@@ -72,6 +72,7 @@ from lightning_gpipe.lightning import state_dict
 from lightning_gpipe.lightning._lightning import backward_skipped, closure_result, logged_results
 from lightning_gpipe.lightning.agreement import RunAgreement
 from lightning_gpipe.lightning.contract import BackboneCall, StageRandomness
+from lightning_gpipe.lightning.current_values import bring_current, held_names, mark_current
 from lightning_gpipe.lightning.data_parallel import FullyShardedStage, GradientSync
 from lightning_gpipe.lightning.relay import LogRelay, StepRelay, share_step_output
 from lightning_gpipe.lightning.tensor_parallel import TensorSplit
@@ -98,6 +99,8 @@ class StageRun:
         step_gradients: a 1F1B step's gradients, kept apart until Lightning's ``backward``.
         collector: what the pipeline callbacks (:mod:`lightning_gpipe.lightning.callbacks`) record of this run's steps,
             shared by all of them; the first one that needs it sets it.
+        kept: the module's current values kept across the split, until :meth:`start` has sent them where they are
+            stale (:func:`~lightning_gpipe.lightning.current_values.kept_values`).
     """
 
     pipeline: StagePipeline
@@ -112,6 +115,7 @@ class StageRun:
     tensor_split: TensorSplit | None = None
     step_gradients: StepGradients = field(default_factory=StepGradients)
     collector: Any = None
+    kept: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def partition(self) -> Partition:
@@ -160,14 +164,19 @@ class StageRun:
 
     def start(self, module: "pl.LightningModule", device: torch.device) -> None:
         """Initialise the stage's layers on ``device`` if ``module`` was created on the meta device (see
-        :func:`~lightning_gpipe.engine.partition.materialize`), with the stage's random stream, and relay what the
-        module's epoch-end hooks log. Once the run exists, so that :meth:`close` undoes the split if this fails.
+        :func:`~lightning_gpipe.engine.partition.materialize`), with the stage's random stream; give the tensors whose
+        values a previous run left stale here their current values (:func:`~lightning_gpipe.lightning.current_values.
+        bring_current`, a collective call); and relay what the module's epoch-end hooks log. Once the run exists, so
+        that :meth:`close` undoes the split if this fails.
 
         Raises:
             ValueError: if a layer created on the meta device cannot be initialised.
+            RuntimeError: if a tensor's latest value is on no process.
         """
         with self.randomness.stage():  # each stage initialises its own layers
             materialize(module, device)
+        bring_current(module, self.kept, self.job)
+        self.kept = {}
         self.relay.relay_after_epoch_end_hooks(module)
 
     @contextmanager
@@ -243,10 +252,13 @@ class StageRun:
     def close(self, module: "pl.LightningModule", whole: dict[str, Any] | None) -> None:
         """Undo the split (see :meth:`~lightning_gpipe.engine.StagePipeline.close`; ``whole``: every stage's state, on
         the process that gets the whole model back), the relay's hooks, and put back the shared random stream (if a
-        step that failed kept the stage's)."""
+        step that failed kept the stage's), recording which of the module's values are current on this process for a
+        later run (:func:`~lightning_gpipe.lightning.current_values.mark_current`)."""
+        held = held_names(module)
         self.backbone_call.end_kept()
         LogRelay.unwrap_epoch_end_hooks(module)
         self.pipeline.close(whole)
+        mark_current(module, None if whole is not None else held)
 
 
 class FillDrain:
