@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from conftest import hf_one_device_optimizer, hf_train_one_device, hf_worker
 from models import GLOBAL_BATCH, LossRecorder, SyncNet, loader, trainer_kwargs
 from nonchain import TiedNet, token_loader
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -161,6 +162,26 @@ def one_device(name: str, steps: int = STEPS) -> tuple[dict, list[float]]:
     trainer = L.Trainer(devices=1, max_steps=steps, **trainer_kwargs(callbacks=[recorder], **overrides))
     trainer.fit(module_class(), reference_loader(dataset_of(module_class)))
     return trainer.lightning_module.state_dict(), recorder.losses
+
+
+class ReplicaLosses(L.Callback):
+    """Keeps the loss of every training step of this process's pipeline replica (as its last stage returns it)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, *_) -> None:
+        if outputs is not None:
+            self.losses.append(float(outputs["loss"]))
+
+
+class ShardsHeld(L.Callback):
+    """At the end of training: how many of the stage's (not meta) trainable parameters are ``DTensor`` shards, of
+    how many."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        trained = [p for p in pl_module.parameters() if p.requires_grad and not p.is_meta]
+        self.sharded = (sum(isinstance(p, DTensor) for p in trained), len(trained))
 
 
 def hf_starting_module(name: str, out: str, lora: bool):

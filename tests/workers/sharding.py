@@ -33,6 +33,8 @@ from sharded import (  # noqa: E402
     STEPS,
     VALIDATED,
     AdamWNet,
+    ReplicaLosses,
+    ShardsHeld,
     dataset_of,
     hf_rows,
     hf_starting_module,
@@ -135,26 +137,6 @@ def checkpointed(name: str, out: str) -> None:
     if trainer.global_rank == 0:
         state = trainer.lightning_module.state_dict()
         torch.save({"state": state, "losses": recorder.losses}, os.path.join(out, f"{name}.pt"))
-
-
-class ReplicaLosses(L.Callback):
-    """Keeps the loss of every training step of this process's pipeline replica (as its last stage returns it)."""
-
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, *_) -> None:
-        if outputs is not None:
-            self.losses.append(float(outputs["loss"]))
-
-
-class ShardsHeld(L.Callback):
-    """At the end of training: how many of the stage's (not meta) trainable parameters are ``DTensor`` shards, of
-    how many."""
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        trained = [p for p in pl_module.parameters() if p.requires_grad and not p.is_meta]
-        self.sharded = (sum(isinstance(p, DTensor) for p in trained), len(trained))
 
 
 def hf_run(name: str, out: str) -> None:

@@ -18,7 +18,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from models import LossRecorder, trainer_kwargs  # noqa: E402
-from sharded import HF_STEPS, hf_global_batches, hf_starting_module  # noqa: E402
+from sharded import HF_STEPS, ReplicaLosses, ShardsHeld, hf_global_batches, hf_starting_module  # noqa: E402
 from tensor_parallel import (  # noqa: E402
     CHECKPOINTED,
     HF_RUNS,
@@ -68,22 +68,6 @@ def fit(name: str, out: str, options: dict, overrides: dict, steps: int, resume:
         torch.save({"state": state, "losses": recorder.losses}, os.path.join(out, f"{name}.pt"))
 
 
-class StageLosses(L.Callback):
-    """Keeps the loss of every training step (as the last stage returns it) and how many of the stage's trainable
-    parameters were split over the tensor ranks at the end of training, of how many."""
-
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, *_) -> None:
-        if outputs is not None:
-            self.losses.append(float(outputs["loss"]))
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        trained = [p for p in pl_module.parameters() if p.requires_grad and not p.is_meta]
-        self.split = (sum(isinstance(p, DTensor) for p in trained), len(trained))
-
-
 def hf_run(name: str, out: str) -> None:
     """A run of :data:`tensor_parallel.HF_RUNS`: every rank writes OUT_DIR/NAME_rank{r}.pt, its stage's tensors after
     fit (by the model's names, whole again), the losses (on a last stage), and what was split in training."""
@@ -93,11 +77,11 @@ def hf_run(name: str, out: str) -> None:
     L.seed_everything(1, verbose=False)
     module = hf_starting_module(name, out, lora)
     strategy = lightning_gpipe.GPipeStrategy(tensor_parallel_size=2, chunks=3, defer_weight_grad=False)
-    callbacks = [recorded := StageLosses()]
+    callbacks = [losses := ReplicaLosses(), held := ShardsHeld()]
     trainer = L.Trainer(strategy=strategy, devices=4, max_steps=HF_STEPS, **trainer_kwargs(callbacks=callbacks))
     trainer.fit(module, DataLoader(hf_global_batches(), batch_size=None))
     own = {hf_name(k): v for k, v in module.backbone.state_dict().items() if not v.is_meta}
-    result = {"state": own, "losses": recorded.losses, "split": recorded.split}
+    result = {"state": own, "losses": losses.losses, "split": held.sharded}
     torch.save(result, os.path.join(out, f"{name}_rank{rank}.pt"))
 
 
