@@ -19,8 +19,9 @@ Printed per model, after the header (the CPU named from /proc/cpuinfo) and the p
 s/step, its ratio to the fastest split's, and its stages' measured busy ms per step (forward, recompute, backward and
 weight-gradient spans: what the re-split's check measures) beside the profile's prediction of them (from the ``time``
 runs' profiled ``LayerCost`` s, the median over repeats: M times each stage's layers' forward (times 1 + the
-recomputed share) and backward, as ``resplit.measured_costs`` predicts them); the ``time`` runs' profiled split,
-the check's record and the split each run ended with; then two verdicts:
+recomputed share) and backward, B and W apart on the stages after the first where the run splits its backwards, as
+``resplit.profiled_busy`` predicts them); the ``time`` runs' profiled split, the check's record (its own profile's
+prediction and error) and the split each run ended with; then two verdicts:
 
 - ``split``: PASS where, in every repeat, the split ``balance="time"`` ended with has a median step within 5% of the
   fastest split's (both from the fixed-split configurations; the ``time`` runs' own median is printed beside);
@@ -42,8 +43,8 @@ from dataclasses import dataclass
 
 import _harness as harness
 
-from lightning_gpipe.engine import recomputed_share
-from lightning_gpipe.lightning.resplit import Resplit
+from lightning_gpipe.lightning.resplit import Resplit, profiled_busy
+from lightning_gpipe.planning import LayerCost
 
 CHUNKS, CHECKPOINT = 4, "never"
 """M and the checkpoint mode of every run (the recipes')."""
@@ -127,15 +128,20 @@ def busy_ms(records: list[dict]) -> list[float]:
     return [sum(r["breakdown"].get(kind, 0.0) for kind in BUSY) for r in sorted(records, key=lambda r: r["stage"])]
 
 
-def predicted_ms(costs: list[dict], split: list[int], micro_batches: int, checkpoint: str) -> list[float]:
-    """The profile's busy ms per step of each stage of ``split``: ``micro_batches`` times its layers' forward (with
-    the recomputed share under ``checkpoint``) and backward, as ``resplit.measured_costs`` predicts them."""
-    share, start, result = recomputed_share(checkpoint, micro_batches), 0, []
-    for count in split:
-        layers = costs[start : start + count]
-        start += count
-        result.append(1e3 * micro_batches * sum(c["forward"] * (1 + share) + c["backward"] for c in layers))
-    return result
+def predicted_ms(
+    costs: list[dict], split: list[int], micro_batches: int, checkpoint: str, split_backward: bool
+) -> list[float]:
+    """The profile's busy ms per step of each stage of ``split`` (``resplit.profiled_busy``: ``micro_batches`` times its
+    layers' forward, with the recomputed share under ``checkpoint``, and backward, B and W on the stages after the first
+    where ``split_backward``), as the re-split's check predicts them."""
+    layers = [LayerCost(**cost) for cost in costs]
+    return [1e3 * s for s in profiled_busy(layers, split, micro_batches, checkpoint, split_backward)]
+
+
+def split_backward(runs: list[list[dict]]) -> bool:
+    """Whether the ``time`` runs split their backwards into B and W (their check's record; the first run's)."""
+    record = runs[0][0].get("resplit") or {}
+    return bool(record.get("split_backward", False))
 
 
 def median_costs(runs: list[list[dict]]) -> list[dict]:
@@ -157,7 +163,7 @@ def _stage_cells(values: list[float]) -> str:
 def summarise(name: str, results: dict[str, harness.Series], kept: dict[str, list[list[dict]]]) -> None:
     """One model's table and its two verdicts."""
     time_runs = kept[f"{name}/time"]
-    costs = median_costs(time_runs)
+    costs, halves = median_costs(time_runs), split_backward(time_runs)
     fixed = [key for key in results if key.startswith(f"{name}/") and key != f"{name}/time"]
     splits = {key: [int(n) for n in key.split("/")[1].split(",")] for key in fixed}
     fastest = min(splits, key=lambda key: results[key].median())
@@ -168,7 +174,7 @@ def summarise(name: str, results: dict[str, harness.Series], kept: dict[str, lis
     )
     for key, split in splits.items():
         measured = [statistics.median(v) for v in zip(*(busy_ms(r) for r in kept[key]))]
-        predicted = predicted_ms(costs, split, CHUNKS, CHECKPOINT)
+        predicted = predicted_ms(costs, split, CHUNKS, CHECKPOINT, halves)
         ratios = "/".join(f"{a / b:.2f}" for a, b in zip(measured, predicted))
         step = results[key].median()
         print(
@@ -177,16 +183,16 @@ def summarise(name: str, results: dict[str, harness.Series], kept: dict[str, lis
         )
     step = results[f"{name}/time"].median()
     print(f"{'time':<8}{step:>9.4f}{step / best:>11.2f}x   (its steady steps, at the split it ended with)")
-    _verdicts(name, splits, results, time_runs, costs, fastest)
+    _verdicts(name, results, time_runs, costs, fastest, halves)
 
 
-def _verdicts(name, splits, results, time_runs, costs, fastest) -> None:
+def _verdicts(name, results, time_runs, costs, fastest, halves) -> None:
     """The time runs' record per repeat, and the PASS/FAIL lines of the split and of the profile."""
     best, ends = results[fastest].median(), []
     for repeat, records in enumerate(time_runs, 1):
         split = ended(records)
         ends.append(split)
-        found = _check_line(records[0].get("resplit"), records[0]["layer_costs"])
+        found = _check_line(records[0].get("resplit"))
         print(f"  time run {repeat}: {found}; ended with {split}")
     ratios = [results[f"{name}/{split[0]},{split[1]}"].median() / best if split else float("inf") for split in ends]
     verdict = "PASS" if max(ratios) <= 1 + SPLIT_TOLERANCE else "FAIL"
@@ -200,7 +206,7 @@ def _verdicts(name, splits, results, time_runs, costs, fastest) -> None:
         print(f"FAIL profile ({name}): the time runs did not all end with one split: {ends}")
         return
     measured = [statistics.median(v) for v in zip(*(busy_ms(r) for r in time_runs))]
-    predicted = predicted_ms(costs, final, CHUNKS, CHECKPOINT)
+    predicted = predicted_ms(costs, final, CHUNKS, CHECKPOINT, halves)
     errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
     verdict = "PASS" if max(errors) <= PROFILE_TOLERANCE else "FAIL"
     print(
@@ -210,17 +216,16 @@ def _verdicts(name, splits, results, time_runs, costs, fastest) -> None:
     )
 
 
-def _check_line(record: dict | None, costs: list[dict]) -> str:
-    """What a ``time`` run's check of its split found, in words."""
+def _check_line(record: dict | None) -> str:
+    """What a ``time`` run's check of its split found, in words (its own profile's prediction and error)."""
     if record is None:
         return "no check of the split ran"
     measured, balance = [1e3 * s for s in record["measured_s"]], record["balance"]
-    line = (
-        f"profiled split {balance}, checked: busy {_stage_cells(measured)} ms per step against the profile's"
-        f" {_stage_cells(predicted_ms(costs, balance, CHUNKS, CHECKPOINT))}"
-    )
+    line = f"profiled split {balance}, checked: busy {_stage_cells(measured)} ms per step"
     if "refused" in record:
         return f"{line}; kept whatever the times: {record['refused']}"
+    errors = ", ".join(f"{100 * e:+.0f}%" for e in record["profile_error"])
+    line += f" against the profile's {_stage_cells([1e3 * s for s in record['profiled_s']])} (error {errors})"
     return (
         f"{line}; best split of the measured costs {record['best_balance']}, predicted step"
         f" {1e3 * record['best_step_s']:.0f} ms against {1e3 * record['predicted_step_s']:.0f} ms:"

@@ -21,6 +21,7 @@ from lightning_gpipe.lightning.backbone import profile_backbone, profile_module
 from lightning_gpipe.lightning.build import stage_balance
 from lightning_gpipe.lightning.config import PipelineConfig
 from lightning_gpipe.lightning.planner import plan_for_strategy
+from lightning_gpipe.lightning.step import step_casts_cached
 from lightning_gpipe.planning import LayerCost, SplitChoice, choose_split
 
 Strategy = Any
@@ -29,9 +30,11 @@ Strategy = Any
 
 @contextmanager
 def _measuring(strategy: Strategy, what: str) -> Iterator[None]:
-    """Under the precision plugin's step context, in a phase the watchdog does not count as a stall."""
-    with strategy.precision_plugin.train_step_context(), strategy.job.position.unbounded_phase(what):
-        yield
+    """Under the precision plugin's step context with the weights' casts cached as a pipeline step caches them
+    (:func:`~lightning_gpipe.lightning.step.step_casts_cached`), in a phase the watchdog does not count as a stall."""
+    with strategy.precision_plugin.train_step_context(), step_casts_cached():
+        with strategy.job.position.unbounded_phase(what):
+            yield
 
 
 def shared_layer_costs(
@@ -39,13 +42,15 @@ def shared_layer_costs(
 ) -> list[LayerCost] | None:
     """The backbone layers' costs where the balance or the schedule needs them (``strategy.config.profiled``) or
     (``choosing``) the default chooses the B/W split, else ``None``: profiled on global rank 0
-    (:func:`~lightning_gpipe.lightning.backbone.profile_backbone`, with the B/W split for a schedule placed by cost or
-    the choice), broadcast, and kept in ``strategy.layer_costs``. Where only the choice needs them, a backbone that
-    cannot be profiled gives ``None`` (the choice keeps whole backwards) instead of stopping the run."""
+    (:func:`~lightning_gpipe.lightning.backbone.profile_backbone`) as the pipeline runs them: on one of the run's
+    micro-batches, under the precision plugin's step context (:func:`_measuring`), with the B/W split where the run
+    splits its backwards, a schedule is placed by cost or the default chooses; broadcast, and kept in
+    ``strategy.layer_costs``. Where only the choice needs them, a backbone that cannot be profiled gives ``None`` (the
+    choice keeps whole backwards) instead of stopping the run."""
     config = strategy.config
     if not (config.profiled or choosing):
         return None
-    costs, split = strategy.layer_costs, config.placed_by_cost or choosing
+    costs, split = strategy.layer_costs, config.placed_by_cost or choosing or config.splits_backward
     unsplit = split and costs is not None and not any(cost.weight_grad for cost in costs)
     if costs is None or len(costs) != len(getattr(module, name)) or unsplit:
         micro_batches = config.micro_batches_for(strategy.topology.num_stages)

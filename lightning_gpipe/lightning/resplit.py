@@ -4,9 +4,12 @@
 optimizer steps (:class:`Resplit`: ``warmup`` steps, then ``steps`` measured ones), every stage sends its mean busy time
 per step (forwards, recomputes, backwards and deferred weight gradients; the time source :attr:`Resplit.busy` is
 replaceable) and the names of its layers to every other stage, in one collective call, so every stage decides from the
-same numbers (:func:`choose_resplit`): each layer's profiled cost is scaled by its stage's measured over predicted time,
-the balance solver (under ``balance_memory_limit``) picks the split of those costs, and the simulator predicts both
-steps. Where the new split's step is at least ``gain`` (5%) shorter, the stages move the layers that change hands
+same numbers (:func:`choose_resplit`): each layer's profiled cost is scaled by its stage's measured over predicted time
+(:func:`profiled_busy`: B and W apart where the run splits its backwards), the balance solver (under
+``balance_memory_limit``) picks the split of those costs, and the simulator predicts both steps. One line says what the
+check found (:func:`check_line`): each stage's busy time the profile predicted against the measured one, with the
+profile's error, and the split kept or re-split. Where the new split's step is at least ``gain`` (5%) shorter, the
+stages move the layers that change hands
 (:func:`move_layers`): their parameters, buffers and optimizer state go over the run's process group to their new stage,
 exactly, the stages' pipelines are rebuilt through the same door as at setup
 (:func:`~lightning_gpipe.lightning.build.build_stage`), and the optimizer (the same object, so schedulers keep working)
@@ -15,6 +18,7 @@ virtual stages, tied parameters across stages, ``compile`` or ``deferred_batch_n
 why). The new pipeline's links are new process groups, made as at setup. See docs/balance.md.
 """
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -30,7 +34,7 @@ from lightning_gpipe.faults import waiting
 from lightning_gpipe.lightning._lightning import optimizers_to_device, torch_optimizer
 from lightning_gpipe.lightning.build import Process, build_stage, stage_spec
 from lightning_gpipe.lightning.step import StageRun
-from lightning_gpipe.planning import LayerCost, balance_by, simulate, stage_costs
+from lightning_gpipe.planning import CostModel, LayerCost, balance_by, modelled_stage_costs, simulate
 
 if TYPE_CHECKING:  # the class it comes ahead of, whose attributes it uses and whose methods it overrides
     from lightning_gpipe.lightning.config import PipelineConfig
@@ -39,6 +43,10 @@ else:
     _Strategy = object
 
 _BUSY = tuple(kind for kind in WORK if kind not in ("loss", "optimizer"))
+
+_AS_PROFILED = CostModel(micro_batch_overhead=0.0, compute_scale=1.0, copy_bandwidth=math.inf)
+"""The planner's stage costs (:func:`~lightning_gpipe.planning.predict.modelled_stage_costs`) with the layers' times as
+profiled: nothing added per micro-batch or per byte moved (a stage's busy spans hold neither)."""
 
 
 def work_seconds(run: StageRun, spans: Sequence[Span]) -> float:
@@ -62,6 +70,7 @@ class ResplitDecision(NamedTuple):
         step: the current split's predicted step, seconds, from the measured costs.
         best_step: ``best``'s.
         taken: whether ``best`` is predicted at least the asked share faster.
+        profiled: each stage's busy seconds per step the profile predicted for ``balance`` (:func:`profiled_busy`).
     """
 
     balance: list[int]
@@ -69,19 +78,52 @@ class ResplitDecision(NamedTuple):
     step: float
     best_step: float
     taken: bool
+    profiled: list[float]
+
+
+def profiled_busy(
+    costs: Sequence[LayerCost], balance: Sequence[int], micro_batches: int, checkpoint: str, split: bool = False
+) -> list[float]:
+    """Each stage's busy seconds per step as the profile predicts them: ``micro_batches`` times its layers' forwards
+    (and the recomputed share of them under ``checkpoint``) and backwards; with ``split`` (the run splits its
+    backwards into B and W), a stage after the first runs each layer's profiled B and W where they were measured, the
+    first stage whole backwards, as the engine runs them (a stage's busy time: :func:`work_seconds`)."""
+    share = recomputed_share(checkpoint, micro_batches)
+    stages = modelled_stage_costs(costs, balance, _AS_PROFILED, split)
+    return [micro_batches * (stage.forward * (1 + share) + stage.backward) for stage in stages]
+
+
+def profile_errors(profiled: Sequence[float], measured: Sequence[float]) -> list[float]:
+    """Each stage's profile error: its profiled busy time less its measured one, over the measured one (0.1: the
+    profile predicted 10% more than the run took; 0 where nothing was measured)."""
+    return [(p - m) / m if m > 0 else 0.0 for p, m in zip(profiled, measured)]
+
+
+def profile_line(profiled: Sequence[float], measured: Sequence[float]) -> str:
+    """The profile's busy time per stage against the measured one, in words: ``profiled 8.0, 4.0 ms per step against
+    11.0, 4.0 ms measured, error -27%, +0%``."""
+    errors = ", ".join(f"{100 * e:+.0f}%" for e in profile_errors(profiled, measured))
+    return (
+        f"profiled {', '.join(f'{1e3 * s:.1f}' for s in profiled)} ms per step against"
+        f" {', '.join(f'{1e3 * s:.1f}' for s in measured)} ms measured, error {errors}"
+    )
 
 
 def measured_costs(
-    costs: Sequence[LayerCost], balance: Sequence[int], measured: Sequence[float], micro_batches: int, checkpoint: str
+    costs: Sequence[LayerCost],
+    balance: Sequence[int],
+    measured: Sequence[float],
+    micro_batches: int,
+    checkpoint: str,
+    split: bool = False,
 ) -> list[LayerCost]:
     """Each layer's profiled times scaled by its stage's measured busy seconds per step over the profile's prediction
-    of them (``micro_batches`` times the stage's forwards, their recomputed share under ``checkpoint``, and backwards);
-    memory as profiled. A stage predicted to take no time keeps its costs."""
-    share, scaled, start = recomputed_share(checkpoint, micro_batches), [], 0
-    for count, seconds in zip(balance, measured):
+    of them (:func:`profiled_busy`, ``split`` as there); memory as profiled. A stage predicted to take no time keeps
+    its costs."""
+    scaled, start, profiled = [], 0, profiled_busy(costs, balance, micro_batches, checkpoint, split)
+    for count, seconds, predicted in zip(balance, measured, profiled):
         layers = costs[start : start + count]
         start += count
-        predicted = micro_batches * sum(c.forward * (1 + share) + c.backward for c in layers)
         ratio = seconds / predicted if predicted > 0 else 1.0
         scaled += [
             replace(
@@ -106,7 +148,8 @@ def choose_resplit(
 ) -> ResplitDecision:
     """The split the measured stage times ask for: the balance solver's split of :func:`measured_costs` under
     ``config.balance_memory_limit``, taken where the simulator predicts its step at least ``gain`` shorter than the
-    current ``balance``'s (both from the same costs, under ``config``'s schedule, checkpoint mode and B/W split).
+    current ``balance``'s (both from the same costs, under ``config``'s schedule, checkpoint mode and B/W split: each
+    stage after the first runs its layers' B and W where the run splits its backwards and they were profiled).
 
     Args:
         costs: the profiled cost of each backbone layer for one micro-batch.
@@ -118,10 +161,10 @@ def choose_resplit(
     """
     checkpoint, schedule, split_backward = config.checkpoint, config.schedule, config.splits_backward
     assert checkpoint is not None and schedule is not None  # PipelineConfig gave the defaults
-    scaled = measured_costs(costs, balance, measured, micro_batches, checkpoint)
+    scaled = measured_costs(costs, balance, measured, micro_batches, checkpoint, split_backward)
 
     def step(split: Sequence[int]) -> float:
-        stages = stage_costs(scaled, split)
+        stages = modelled_stage_costs(scaled, split, _AS_PROFILED, split_backward)
         return simulate(
             stages, micro_batches, checkpoint, schedule=schedule, defer_weight_grad=split_backward
         ).step_time
@@ -129,7 +172,8 @@ def choose_resplit(
     best = balance_by("time", scaled, len(balance), config.balance_memory_limit)
     current, best_step = step(balance), step(best)
     taken = list(best) != list(balance) and best_step <= (1 - gain) * current
-    return ResplitDecision(list(balance), best if taken else list(balance), current, best_step, taken)
+    profiled = profiled_busy(costs, balance, micro_batches, checkpoint, split_backward)
+    return ResplitDecision(list(balance), best if taken else list(balance), current, best_step, taken, profiled)
 
 
 @dataclass
@@ -146,8 +190,10 @@ class Resplit:
 
     Attributes:
         record: what the last fit's check found (``None`` before one): ``balance``, ``measured_s`` (per stage),
-            ``best_balance``, ``predicted_step_s``, ``best_step_s``, ``resplit`` (the new balance or ``None``) and,
-            where the run keeps its split whatever is found, ``refused`` (why).
+            ``resplit`` (the new balance or ``None``) and, where the run keeps its split whatever is found, ``refused``
+            (why); else ``profiled_s`` (each stage's busy seconds per step the profile predicted,
+            :func:`profiled_busy`), ``profile_error`` (per stage, :func:`profile_errors`), ``split_backward`` (whether
+            the run splits its backwards into B and W), ``best_balance``, ``predicted_step_s`` and ``best_step_s``.
 
     Raises:
         ValueError: for ``warmup < 0``, ``steps < 1`` or a ``gain`` outside ``[0, 1)``.
@@ -253,17 +299,11 @@ class ResplitHooks(_Strategy):
         assert self.layer_costs is not None  # _checks_split
         micro_batches = self.config.micro_batches_for(self.topology.num_stages)
         decision = choose_resplit(self.layer_costs, balance, measured, self.config, micro_batches, check.gain)
-        check.record |= {"best_balance": decision.best, "predicted_step_s": decision.step}
-        check.record |= {"best_step_s": decision.best_step, "resplit": decision.best if decision.taken else None}
-        if not decision.taken:
-            return
-        process = Process(self.topology, self.global_rank, self.root_device, self._job, self._control_group)
-        move_layers(self, run, process, decision.best)
-        rank_zero_info(
-            f"GPipeStrategy re-split the backbone from balance={balance} to {decision.best}: the stages' measured"
-            f" busy times ({', '.join(f'{1e3 * s:.1f}' for s in measured)} ms per step) predict a step of"
-            f" {1e3 * decision.best_step:.1f} ms instead of {1e3 * decision.step:.1f} ms."
-        )
+        check.record |= check_record(decision, measured, self.config.splits_backward)
+        if decision.taken:
+            process = Process(self.topology, self.global_rank, self.root_device, self._job, self._control_group)
+            move_layers(self, run, process, decision.best)
+        rank_zero_info(check_line(decision, measured, check.gain))
 
     def _refusal(self, tied: bool) -> str | None:
         """Why this run keeps its split whatever the times say (the same on every process), or ``None``."""
@@ -277,6 +317,37 @@ class ResplitHooks(_Strategy):
             "deferred batch norm is not re-split": config.deferred_batch_norm,
         }
         return next((reason for reason, holds in reasons.items() if holds), None)
+
+
+def check_record(decision: ResplitDecision, measured: Sequence[float], split: bool) -> dict[str, Any]:
+    """What :attr:`Resplit.record` holds of a check's ``decision`` beside the split and the ``measured`` busy
+    seconds per stage (``split``: whether the run splits its backwards)."""
+    return {
+        "profiled_s": decision.profiled,
+        "profile_error": profile_errors(decision.profiled, measured),
+        "split_backward": split,
+        "best_balance": decision.best,
+        "predicted_step_s": decision.step,
+        "best_step_s": decision.best_step,
+        "resplit": decision.best if decision.taken else None,
+    }
+
+
+def check_line(decision: ResplitDecision, measured: Sequence[float], gain: float) -> str:
+    """The one line a check prints: the split re-split or kept (``gain``: the least share a new split must save), the
+    stages' busy times per step, profiled against measured (:func:`profile_line`), and the steps the measured times
+    predict."""
+    busy = f"the stages' busy times ({profile_line(decision.profiled, measured)})"
+    best, now = f"{1e3 * decision.best_step:.1f} ms", f"{1e3 * decision.step:.1f} ms"
+    if decision.taken:
+        return (
+            f"GPipeStrategy re-split the backbone from balance={decision.balance} to {decision.best}: {busy} predict a"
+            f" step of {best} instead of {now}."
+        )
+    return (
+        f"GPipeStrategy keeps balance={decision.balance}: {busy} predict no split {gain:.0%} faster (the best split's"
+        f" step {best}, this one's {now})."
+    )
 
 
 def move_layers(strategy: Any, run: StageRun, process: Process, balance: list[int]) -> None:

@@ -1,6 +1,7 @@
 """Automatic balance: the memory-limited solver, the layer profiler, the modes (the strategy's choice on stage
 processes: tests/distributed/test_balance.py)."""
 
+import math
 from itertools import combinations
 
 import pytest
@@ -13,7 +14,7 @@ from lightning_gpipe.engine import Topology
 from lightning_gpipe.lightning.backbone import sample_micro_batch
 from lightning_gpipe.lightning.build import stage_balance
 from lightning_gpipe.lightning.config import PipelineConfig
-from lightning_gpipe.planning.balance import LayerCost, layer_weights, profile, resolve_balance, stage_sums
+from lightning_gpipe.planning.balance import LayerCost, Repeats, layer_weights, profile, resolve_balance, stage_sums
 
 
 def _splits(layers: int, stages: int):
@@ -302,3 +303,138 @@ def test_a_stage_is_busy_in_its_forwards_recomputes_and_backwards_not_its_loss_o
     kinds = ["forward", "recv", "loss", "recompute", "backward", "weight", "send", "optimizer"]
     spans = [Span(kind, 0, float(i), i + 0.5 * (i + 1)) for i, kind in enumerate(kinds)]
     assert work_seconds(None, spans) == pytest.approx(0.5 + 2.0 + 2.5 + 3.0)  # the default time source
+
+
+class Script:
+    """The seconds a :class:`Noisy` layer's successive forwards take: ``seconds`` in turn, then ``then`` for ever
+    (shared by the profiler's copies of the layer)."""
+
+    def __init__(self, *seconds: float, then: float) -> None:
+        self.seconds, self.then = list(seconds), then
+
+    def __next__(self) -> float:
+        return self.seconds.pop(0) if self.seconds else self.then
+
+    def __deepcopy__(self, memo: dict) -> "Script":
+        return self
+
+
+class Noisy(nn.Module):
+    """A ``Linear(4, 4)`` whose forwards take the seconds of ``script`` on ``clock``, a backward twice its forward."""
+
+    def __init__(self, clock: Clock, script: Script) -> None:
+        super().__init__()
+        self.linear, self.clock, self.script = nn.Linear(4, 4), clock, script
+
+    def forward(self, x):
+        return _Work.apply(self.linear(x), self.clock, next(self.script))
+
+
+UNTIMED = (1.0, 1.0, 1.0, 1.0)
+"""The forwards the profiler runs before timing a layer: its check for in-place changes, its counted run, 2 warm-ups."""
+
+
+@pytest.mark.parametrize(
+    "repeats, forward, timed",
+    [
+        (Repeats(least=3, budget=1e3), 1.0, 13),  # settled once 10 fast runs put the 3 slow ones outside the quartiles
+        (Repeats(least=3, most=6, budget=1e3), 3.0, 6),  # the cap: 6 runs, not settled
+        (Repeats(least=3, budget=40.0), 5.0, 4),  # the budget: 48 s of timed runs
+        (5, 5.0, 5),  # a number of runs: exactly that many (the old default, misled by the slow runs)
+    ],
+)
+def test_the_profile_times_a_layer_until_its_runs_settle_within_a_cap(monkeypatch, repeats, forward, timed):
+    """A layer slow on 3 of its first 4 timed runs (5 s against 1 s, on a clock that moves only while the layer works:
+    no machine's load decides) is timed until the runs settle (their interquartile range within 5% of their median),
+    or the cap on runs or on seconds ends it first; the median of the runs taken is its cost."""
+    clock = Clock()
+    monkeypatch.setattr(profile, "_clock", lambda device: clock)
+    backbone = nn.Sequential(Noisy(clock, Script(*UNTIMED, 5.0, 5.0, 1.0, 5.0, then=1.0)))
+    (cost,) = profile_layers(backbone, torch.randn(2, 4), repeats=repeats)
+    assert (cost.forward, cost.backward) == (forward, 2 * forward)
+    runs = ([5.0, 5.0, 1.0, 5.0] + [1.0] * timed)[:timed]  # the timed forwards
+    assert clock.now == UNTIMED[0] + 3 * sum(UNTIMED[1:]) + 3 * sum(runs)  # the in-place check runs no backward
+
+
+def test_the_spread_of_runs_is_their_interquartile_range_over_their_median():
+    from lightning_gpipe.planning.balance.repeats import relative_spread
+
+    assert relative_spread([1.0]) == relative_spread([2.0, 2.0, 2.0]) == 0.0
+    assert relative_spread([3.0, 15.0, 15.0]) == pytest.approx(6.0 / 15.0)  # quartiles 9 and 15, median 15
+    assert relative_spread([0.0, 0.0, 1.0]) == math.inf
+    with pytest.raises(ValueError, match=r"Repeats\(least=3, most=2, spread=0.05, budget=2.0\): give 1 <= least"):
+        Repeats(least=3, most=2)
+    with pytest.raises(ValueError, match=r"Repeats\(least=0, most=0"):
+        Repeats.exactly(0)
+
+
+def test_the_strategy_profiles_its_layers_as_the_pipeline_runs_them(monkeypatch):
+    """``balance="time"`` under ``bf16-mixed`` with ``zb-h1``: each layer is profiled on one of the run's micro-batches
+    (8 rows in 2), inside the precision plugin's autocast with the weights' casts cached as a step caches them, and
+    with its backward split into B and W as the schedule runs it (what B keeps for W is a bf16 gradient); the autocast
+    cache is left as it was."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    import lightning as L
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_gpipe.lightning.measure import shared_layer_costs
+
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append((len(x), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+            seen.append(torch.is_autocast_cache_enabled())
+            return x
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.backbone = nn.Sequential(Timed(clock, 1.0), Probe(), Timed(clock, 3.0))
+            self.example_input_array = torch.randn(8, 4)
+
+        def forward(self, x):
+            return self.backbone(x)
+
+    clock = Clock()
+    monkeypatch.setattr(profile, "_clock", lambda device: clock)
+    position = SimpleNamespace(unbounded_phase=lambda what: nullcontext())
+    strategy = SimpleNamespace(
+        config=PipelineConfig(balance="time", schedule="zb-h1", chunks=2),
+        layer_costs=None,
+        topology=SimpleNamespace(num_stages=2),
+        root_device=torch.device("cpu"),
+        precision_plugin=MixedPrecision("bf16-mixed", "cpu"),
+        job=SimpleNamespace(position=position),
+        is_global_zero=True,
+        broadcast=lambda value, src: value,
+    )
+    cached = torch.is_autocast_cache_enabled()
+    first, _, last = shared_layer_costs(strategy, Module(), "backbone")
+    assert torch.is_autocast_cache_enabled() == cached
+    assert set(seen[0::2]) == {(4, True, torch.bfloat16)} and set(seen[1::2]) == {True}
+    assert (first.forward, first.backward, first.input_grad, first.weight_grad) == (1.0, 2.0, 0.0, 2.0)  # on data: W
+    assert (last.forward, last.input_grad) == (3.0, 6.0) and last.kept_grad_bytes == 4 * 4 * 2  # B keeps a bf16 grad
+
+
+def test_the_profile_predicts_a_stage_s_busy_time_with_b_and_w_where_the_run_splits_its_backwards():
+    """The profile's busy time per step of each stage, as the re-split's check predicts it: M times the forwards and
+    backwards; where the run splits its backwards (zb-h1), a stage after the first runs each layer's profiled B and W
+    (more than its whole backward), the first stage whole backwards. The check says what it predicted against what it
+    measured, with the error, in its record and its line."""
+    from lightning_gpipe.lightning.resplit import check_line, check_record, choose_resplit, profiled_busy
+
+    profile = [LayerCost(1e-3, 2e-3, input_grad=1.5e-3, weight_grad=1.5e-3)] * 8
+    assert profiled_busy(profile, [4, 4], 4, "never") == pytest.approx([48e-3, 48e-3])
+    assert profiled_busy(profile, [4, 4], 4, "never", split=True) == pytest.approx([48e-3, 64e-3])
+    config = PipelineConfig(balance="time", chunks=4, checkpoint="never", schedule="zb-h1")
+    decision = choose_resplit(profile, [4, 4], [48e-3, 80e-3], config, 4)
+    assert decision.profiled == pytest.approx([48e-3, 64e-3]) and not decision.taken
+    record = check_record(decision, [48e-3, 80e-3], config.splits_backward)
+    assert record["profile_error"] == pytest.approx([0.0, -0.2]) and record["split_backward"]
+    assert check_line(decision, [48e-3, 80e-3], 0.05).startswith(
+        "GPipeStrategy keeps balance=[4, 4]: the stages' busy times (profiled 48.0, 64.0 ms per step against 48.0, 80.0"
+        " ms measured, error +0%, -20%) predict no split 5% faster (the best split's step "
+    )

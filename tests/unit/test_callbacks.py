@@ -180,3 +180,34 @@ def test_the_balance_table_docs_observability_md_shows_is_the_callbacks_format()
     docs = (Path(__file__).resolve().parents[2] / "docs" / "observability.md").read_text(encoding="utf-8")
     block = docs.split("```\nPipeline balance, mean per step")[1].split("\n```")[0]
     assert "Pipeline balance, mean per step" + block == format_table(report)
+
+
+def test_pipeline_balance_reports_the_profile_s_error_against_the_measured_stage_times(tmp_path, caplog):
+    """With profiled layer costs (B and W too) under zb-h1, the report holds each stage's busy time per step the
+    profile predicts (M times its forwards and backwards; the stage after the first runs B and W) against the measured
+    forwards, backwards and weight gradients (the loss is not the backbone's), with the error, logged and in a line of
+    the table."""
+    whole = LayerCost(1e-3, 2e-3, input_grad=0.0, weight_grad=2e-3)  # the first layer's: on data, all W
+    split = LayerCost(1e-3, 2e-3, input_grad=1e-3, weight_grad=1.5e-3)
+    strategy = GPipeStrategy(balance=[2, 2], chunks=2, checkpoint="never", schedule="zb-h1")
+    strategy.layer_costs = [whole, split] * 2  # predicted: 2 x (2 + 4) = 12 ms, 2 x (2 + 2 + 2.5) = 13 ms
+
+    def spans(*kinds: tuple[str, float]) -> list[Span]:
+        return [Span(kind, i, 0.0, seconds) for kind, seconds in kinds for i in range(2)]
+
+    stages = [
+        StageTrace(0, spans(("forward", 2e-3), ("backward", 4e-3)), 0.0, 1.0, layers=2),
+        StageTrace(
+            1, spans(("forward", 2.5e-3), ("loss", 1.0), ("backward", 3e-3), ("weight", 2e-3)), 0.0, 1.0, layers=2
+        ),
+    ]
+    callback = PipelineBalance(warmup=0, steps=1, threshold=1e3)
+    logged, printed = _fed(tmp_path, strategy, [StepTrace(0, stages)], callback, caplog)
+    report = callback.report
+    assert report is not None and report["profiled_s"] == pytest.approx([12e-3, 13e-3])
+    assert report["measured_s"] == pytest.approx([12e-3, 15e-3])
+    assert report["profile_error"] == pytest.approx([0.0, -2 / 15])
+    ((_, metrics),) = logged
+    assert metrics["pipeline/stage1/profile_error"] == pytest.approx(-2 / 15)
+    line = "busy per step: profiled 12.0, 13.0 ms per step against 12.0, 15.0 ms measured, error +0%, -13%"
+    assert format_table(report).splitlines()[-2] == line and line in printed

@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from lightning_gpipe.engine import TRANSFER, WORK, StepTrace, recomputed_share
 from lightning_gpipe.lightning.callbacks._pipeline import PipelineCallback, log_dir, log_metrics
+from lightning_gpipe.lightning.resplit import profile_errors, profile_line, profiled_busy
 from lightning_gpipe.lightning.strategy import GPipeStrategy
 from lightning_gpipe.planning import LayerCost, simulate, solve, stage_costs
 
@@ -75,6 +76,18 @@ def imbalance(loads: Sequence[StageLoad]) -> float:
     """The slowest stage's work over the mean work of the stages (1.0 is perfectly balanced)."""
     mean = sum(load.work for load in loads) / len(loads)
     return max(load.work for load in loads) / mean if mean > 0 else 1.0
+
+
+def profile_check(
+    costs: Sequence[LayerCost], loads: Sequence[StageLoad], micro_batches: int, checkpoint: str, split: bool
+) -> dict[str, list[float]]:
+    """The profile's prediction of each stage's busy seconds per step (its forwards, recomputes and backwards:
+    :func:`~lightning_gpipe.lightning.resplit.profiled_busy` of the profiled ``costs``, ``split``: whether the run
+    splits its backwards into B and W) against the measured ones (``loads``): ``profiled_s``, ``measured_s`` and
+    ``profile_error`` (:func:`~lightning_gpipe.lightning.resplit.profile_errors`)."""
+    profiled = profiled_busy(costs, [load.layers for load in loads], micro_batches, checkpoint, split)
+    measured = [load.forward + load.recompute + load.backward for load in loads]
+    return {"profiled_s": profiled, "measured_s": measured, "profile_error": profile_errors(profiled, measured)}
 
 
 def layer_estimates(loads: Sequence[StageLoad], micro_batches: int) -> list[LayerCost]:
@@ -204,6 +217,11 @@ class PipelineBalance(PipelineCallback):
     found. With ``virtual_stages > 1`` it reports the stages (``balance``: the layers each stage holds over all its
     model chunks) and suggests nothing.
 
+    Where the strategy profiled its layers (``strategy.layer_costs``, one model chunk per stage), the report holds the
+    profile's prediction of each stage's busy time per step against the measured one (:func:`profile_check`:
+    ``profiled_s``, ``measured_s``, ``profile_error``), the table says it in one line, and
+    ``pipeline/stage{k}/profile_error`` is logged.
+
     Where the strategy re-split the pipeline from its measured stage times (``balance="time"``, see
     :mod:`~lightning_gpipe.lightning.resplit`), or checked the split and kept it, the report's ``"resplit"`` says
     what it found, at the end of training.
@@ -272,17 +290,20 @@ class PipelineBalance(PipelineCallback):
             "imbalance": imbalance(loads),
             "suggested_balance": None,
         }
+        profiled, config = getattr(trainer.strategy, "layer_costs", None), trainer.strategy.config
+        if profiled and virtual_stages == 1:
+            report |= profile_check(profiled, loads, micro_batches, checkpoint, config.splits_backward)
         metrics = {"pipeline/imbalance": report["imbalance"]}
         for load in loads:
             for name in ("forward", "recompute", "backward", "loss", "waiting"):
                 metrics[f"pipeline/stage{load.stage}/{name}_s"] = getattr(load, name)
             metrics[f"pipeline/stage{load.stage}/activation_bytes"] = load.activation_bytes
+        for k, error in enumerate(report.get("profile_error", ())):
+            metrics[f"pipeline/stage{k}/profile_error"] = error
         log_metrics(trainer, metrics)
         if report["imbalance"] <= self.threshold or virtual_stages > 1:
             return report  # with virtual stages a stage's layers are not contiguous: no split is suggested
-        profiled = getattr(trainer.strategy, "layer_costs", None)
         costs = list(profiled) if profiled else layer_estimates(loads, micro_batches)
-        config = trainer.strategy.config
         assert config.schedule is not None  # PipelineConfig gave the default
         found = fastest_split(
             costs, report["balance"], micro_batches, checkpoint, loads[-1].loss, config.schedule, config.splits_backward
@@ -309,6 +330,8 @@ def format_table(report: dict) -> str:
             f"{s['stage']:>5} {s['layers']:>6} {s['parameters'] / 1e6:8.2f}M {times}"
             f" {s['activation_bytes'] / 2**20:6.1f}MiB"
         )
+    if "profiled_s" in report:
+        lines.append(f"busy per step: {profile_line(report['profiled_s'], report['measured_s'])}")
     lines.append(f"imbalance (slowest stage's work over the mean): {report['imbalance']:.2f}")
     if report["suggested_balance"] is not None:
         lines.append(

@@ -32,22 +32,27 @@ from lightning_gpipe.engine import (
     tracking,
 )
 from lightning_gpipe.planning.balance.costs import LayerCost
+from lightning_gpipe.planning.balance.repeats import Repeats
 
 
 def profile_layers(
     layers: nn.Sequential,
     sample: Value,
     device: torch.device | str = "cpu",
-    repeats: int = 5,
+    repeats: int | Repeats = Repeats(),
     warmup: int = 2,
     split: bool = False,
 ) -> list[LayerCost]:
     """Measure the cost of each layer of ``layers`` for the micro-batch ``sample``.
 
     Each layer is copied onto ``device`` (materialised with :func:`~lightning_gpipe.engine.partition.materialize`
-    if it is on the meta device), put in training mode, run ``warmup`` times untimed, then ``repeats``
-    times timed: forward, then backward with a gradient of ones on its outputs that require grad. Times
-    are the medians. The copy is dropped before the next layer, whose input is this layer's output
+    if it is on the meta device), put in training mode, run ``warmup`` times untimed, then timed until ``repeats``
+    has enough runs (:class:`~lightning_gpipe.planning.balance.repeats.Repeats`: until their spread settles, within a
+    cap): forward, then backward with a gradient of ones on its outputs that require grad. Times are the medians. Run
+    inside an autocast region (a precision plugin's step context), the layer runs in its precision; where that region
+    caches the casts of the weights (as a pipeline step does, once per step for all its micro-batches), the timed runs
+    reuse the cast the warm-up made, and the casts go with the copy (``torch.clear_autocast_cache``), never held for
+    the whole backbone. The copy is dropped before the next layer, whose input is this layer's output
     (detached; it requires grad where the output did), so only one layer is ever on the device. A layer that
     modifies its input in place (``nn.ReLU(inplace=True)``) runs on copies of it, as a stage runs it
     (:meth:`~lightning_gpipe.engine.microbatch.Partition.run`, found by one forward without autograd first). The
@@ -61,13 +66,16 @@ def profile_layers(
             the calling thread (which takes part in every parallel operator, so this is the wall time without
             the moments the OS gives the core to other processes: robust on a shared machine); on CUDA the
             wall time, after synchronising the device.
-        repeats: timed runs per layer (>= 1); the median is kept.
+        repeats: when a layer has been timed enough: a :class:`~lightning_gpipe.planning.balance.repeats.Repeats`
+            (default ``Repeats()``: 5 to 40 runs, until their interquartile range is within 5% of their median or
+            they took 2 s), or a number of runs (>= 1). The medians are kept.
         warmup: untimed runs per layer before the timed ones (>= 0). One more forward and backward,
             untimed, counts the saved activations and the transient bytes.
-        split: also time the backward split into B and W, as zero-bubble schedules run it
-            (:func:`~lightning_gpipe.engine.weightgrad.backward_input`, then the deferred W), after each timed run
-            (default ``False``: not measured, ``input_grad`` and ``weight_grad`` are 0). A layer whose input has no
-            gradient (the backbone's first, on data) has no B: its whole backward is W.
+        split: also time the backward split into B and W as the engine runs it
+            (:func:`~lightning_gpipe.engine.weightgrad.backward_input`, then the deferred W, alone), in runs of their
+            own, warmed up and repeated alike, after the whole backward's (default ``False``: not measured,
+            ``input_grad`` and ``weight_grad`` are 0). A layer whose input has no gradient (the backbone's first, on
+            data) has no B: its whole backward is W.
 
     Returns:
         One :class:`LayerCost` per layer, in order: ``forward`` and ``backward`` in seconds,
@@ -78,7 +86,7 @@ def profile_layers(
         seconds and ``kept_grad_bytes`` (what B keeps for W) in bytes.
 
     Raises:
-        ValueError: if ``repeats`` is below 1 or ``warmup`` below 0, or a meta-device layer cannot be
+        ValueError: if ``repeats`` is a number below 1 or ``warmup`` below 0, or a meta-device layer cannot be
             initialised.
         TypeError: if a layer returns anything but a Tensor or a tuple of Tensors.
 
@@ -92,7 +100,7 @@ def profile_with_output(
     layers: nn.Sequential,
     sample: Value,
     device: torch.device | str = "cpu",
-    repeats: int = 5,
+    repeats: int | Repeats = Repeats(),
     warmup: int = 2,
     split: bool = False,
 ) -> tuple[list[LayerCost], Value]:
@@ -102,8 +110,9 @@ def profile_with_output(
     Raises:
         ValueError, TypeError: as :func:`profile_layers`.
     """
-    if repeats < 1 or warmup < 0:
+    if isinstance(repeats, int) and repeats < 1 or warmup < 0:
         raise ValueError(f"profile_layers needs repeats >= 1 and warmup >= 0, got {repeats} and {warmup}.")
+    rule = Repeats.exactly(repeats) if isinstance(repeats, int) else repeats
     device = torch.device(device)
     value = leaves(sample, requires_grad=False, device=device)
     skips: dict = {}  # what the layers so far stashed, for later layers to pop
@@ -111,7 +120,7 @@ def profile_with_output(
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for name, layer in children(layers).items():  # every position, a layer used at two (tied) included
             try:
-                cost, value = _profile_copy(name, layer, value, skips, device, (repeats, warmup, split))
+                cost, value = _profile_copy(name, layer, value, skips, device, (rule, warmup, split))
             except Exception as error:
                 raise _naming_layer(error, name, layer) from error
             costs.append(cost)
@@ -129,10 +138,11 @@ def _naming_layer(error: Exception, name: str, layer: nn.Module) -> Exception:
 
 
 def _profile_copy(
-    name: str, layer: nn.Module, value: Value, skips: dict, device: torch.device, options: tuple[int, int, bool]
+    name: str, layer: nn.Module, value: Value, skips: dict, device: torch.device, options: tuple[Repeats, int, bool]
 ) -> tuple[LayerCost, Value]:
     """Profile a copy of ``layer`` on ``device`` (materialised there); its cost and its output as the next layer's
-    input. ``skips`` gets what it stashed; ``options``: repeats, warmup and split, as :func:`profile_layers`'s."""
+    input. ``skips`` gets what it stashed; ``options``: repeats, warmup and split, as :func:`profile_layers`'s. The
+    casts of the copy's weights an enclosing autocast region cached go with it."""
     replica = copy.deepcopy(layer)
     materialize(replica, device)
     partition = Partition({name: replica.to(device).train()})
@@ -140,17 +150,18 @@ def _profile_copy(
         partition.run(value, kept=True)  # finds whether it modifies its input in place (on copies), so the runs
         # below copy its input where the engine will, and only there
     cost, output, stashed = _profile(partition, value, skips, device, *options)
+    torch.clear_autocast_cache()
     skips.update({key: leaves(t, requires_grad=None, device=device) for key, t in stashed.items()})
     return cost, leaves(output, requires_grad=None, device=device)
 
 
 def _profile(
-    layer: Partition, value: Value, skips: dict, device: torch.device, repeats: int, warmup: int, split: bool
+    layer: Partition, value: Value, skips: dict, device: torch.device, repeats: Repeats, warmup: int, split: bool
 ) -> tuple:
     saved, output, stashed, transient = _counted_run(layer, value, skips)
     grads = [torch.ones_like(t) for t in _differentiable(output, stashed)]
-    runs = [_run(layer, value, skips, grads, device) for _ in range(warmup + repeats)][warmup:]
-    halves = [_split_run(layer, value, skips, grads, device) for _ in range(warmup + repeats)][warmup:] if split else []
+    runs = _timed(repeats, warmup, lambda: _run(layer, value, skips, grads, device))
+    halves = _timed(repeats, warmup, lambda: _split_run(layer, value, skips, grads, device)) if split else []
     cost = LayerCost(
         forward=statistics.median(forward for forward, _ in runs),
         backward=statistics.median(backward for _, backward in runs),
@@ -165,6 +176,14 @@ def _profile(
         kept_grad_bytes=halves[0][2] if halves else 0,
     )
     return cost, output, stashed
+
+
+def _timed(repeats: Repeats, warmup: int, run: Callable[[], tuple]) -> list[tuple]:
+    """``run`` ``warmup`` times, then as often as ``repeats`` asks of its first two times' sum (a run's whole
+    backward and forward, or its B and W); the timed runs' results."""
+    for _ in range(warmup):
+        run()
+    return repeats.collect(run, lambda times: times[0] + times[1])
 
 
 def _run(layer: Partition, value: Value, skips: dict, grads: list[Tensor], device: torch.device) -> tuple:
