@@ -287,6 +287,14 @@ def assert_states_close(state: dict, expected: dict, atol: float = 1e-5, rtol: f
         torch.testing.assert_close(state[key], expected[key], atol=atol, rtol=rtol, msg=key)
 
 
+def state_distance(state: dict, other: dict) -> float:
+    """The L2 norm of the difference of two states over all of ``state``'s tensors (the bf16 runs' measure: AdamW
+    turns small gradient differences into steps of about its learning rate, so no single entry is a useful bound)."""
+    import torch
+
+    return torch.sqrt(sum(((state[k].float() - other[k].float()) ** 2).sum() for k in state)).item()
+
+
 ROUNDING_FACTOR = 4
 """How far from the float64 result a pipelined fp32 fit may land, in multiples of the one-device fp32 fit's own
 distance to it (each tensor's largest difference), on top of the suite's 1e-5."""

@@ -48,6 +48,10 @@ RUNS = {
 """The runs that must train like one device, on every schedule kind: fill-drain, 1F1B, the B/W split, a V; with
 global clipping over DTensor gradients; FSDP2 over the replicas of tensor-parallel stages (2-D DTensors)."""
 
+MIXED = {"pp2_tp2_bf16": (dict(tensor_parallel_size=2, chunks=4), {"precision": "bf16-mixed"})}
+"""``precision="bf16-mixed"`` (Lightning's CPU autocast) on 2 stages x 2 tensor ranks, against one device's
+``bf16-mixed`` run."""
+
 CHECKPOINTED = {
     # name: (strategy options, resumed from); a run without one writes NAME.ckpt after 4 steps, a resumed one ends at 6
     "pp2_tp2_first4": (dict(tensor_parallel_size=2, chunks=4), None),

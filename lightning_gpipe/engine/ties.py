@@ -123,8 +123,8 @@ class TiedParameters:
     """
 
     def __init__(self, ties: list[Tie], module: nn.Module, topology: Topology, rank: int, job: "Job") -> None:
-        self.module, self.stage, self.job = module, topology.stage_of(rank), job
-        self._held: list[tuple[Tie, dist.ProcessGroup | None, int]] = []
+        self.module, self.stage, self.rank, self.job = module, topology.stage_of(rank), rank, job
+        self._held: list[tuple[Tie, dist.ProcessGroup | None, list[int]]] = []
         self.held = False
         pipeline = topology.pipeline_of(rank)
         for p in range(topology.num_pipelines):
@@ -132,21 +132,27 @@ class TiedParameters:
                 ranks = [topology.rank_of(stage, p) for stage in tie.stages]
                 group = dist.new_group(ranks) if dist.is_initialized() else None
                 if p == pipeline and rank in ranks:
-                    self._held.append((tie, group, ranks[0]))
+                    self._held.append((tie, group, ranks))
         self.held = bool(self._held)
 
     def _parameter(self, tie: Tie) -> nn.Parameter:
         return self.module.get_parameter(tie.local_name(self.stage))
 
     def synchronize(self) -> None:
-        """Give every copy of each tie the values of its first holding stage's copy (a collective call).
+        """Give every copy of each tie the values of its first holding stage's copy (a collective call), once the
+        holders found their copies laid out alike (:func:`check_layouts`).
 
         Raises:
+            ValueError: on every holder of a tie whose copies are laid out differently, naming the fix.
             PipelineFailure: if another stage failed or stalled meanwhile.
         """
-        for tie, group, first in self._held:
+        for tie, group, ranks in self._held:
+            own = layout(self._parameter(tie))
+            if group is not None:
+                held = [waiting.broadcast_object(self.job, own, src, group) for src in ranks]
+                check_layouts(tie, held)
             with torch.no_grad():
-                waiting.broadcast(self.job, _local(self._parameter(tie).data), first, group)
+                waiting.broadcast(self.job, _local(self._parameter(tie).data), ranks[0], group)
 
     def reduce_grads(self) -> None:
         """Sum each tie's gradients over its holding stages, in place. A copy without a gradient counts as zeros
@@ -195,3 +201,28 @@ def _local(tensor: Tensor) -> Tensor:
     """``tensor``'s local values: a ``DTensor``'s shard on this process (FSDP2 shards a tie's copies alike on every
     stage: same shape, same data-parallel replicas), else ``tensor`` itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def layout(parameter: Tensor) -> str:
+    """How ``parameter`` is laid out over its process's tensor ranks: ``"whole"``, or a ``DTensor``'s placements and
+    ranks (``"split as (Shard(dim=0),) over 2 ranks"``)."""
+    if not isinstance(parameter, DTensor):
+        return "whole"
+    return f"split as {tuple(parameter.placements)} over {parameter.device_mesh.size()} ranks"
+
+
+def check_layouts(tie: Tie, layouts: Sequence[str]) -> None:
+    """Raise a ``ValueError`` naming the fix where the copies of ``tie`` are laid out differently (``layouts``: each
+    holding stage's :func:`layout`, in the order of ``tie.stages``): a tensor plan that splits a tied parameter on one
+    of its stages and not on another (a head split by output columns, the embedding tied to it whole) leaves copies
+    that cannot start equal nor sum their gradients."""
+    if len(set(layouts)) <= 1:
+        return
+    held = "; ".join(f"stage {stage}: {each}" for stage, each in zip(tie.stages, layouts))
+    raise ValueError(
+        f"The parameter {' = '.join(tie.names)}, tied across stages {', '.join(map(str, tie.stages))}, is laid out"
+        f" differently on them over the tensor ranks ({held}), so its copies cannot start equal nor sum their"
+        " gradients. Split it alike on every stage that holds it (a Linear head split by output columns,"
+        " ColwiseParallel, and the Embedding tied to it split by rows, RowwiseParallel, both shard the weight's first"
+        " dimension), or on none: leave its modules out of the tensor plan of every stage."
+    )

@@ -35,7 +35,7 @@ from lightning_gpipe.hf.masks import unpackable_layer_types
 from lightning_gpipe.hf.moe import RouterLoss, router_loss_of
 from lightning_gpipe.hf.packing import decoder_input
 from lightning_gpipe.hf.seq2seq import seq2seq_input, seq2seq_loss
-from lightning_gpipe.hf.tensor_plan import split_stage
+from lightning_gpipe.hf.tensor_plan import split_stage, stage_targets
 from lightning_gpipe.hf.weights import SafetensorsWeights, save_stage_shards
 from lightning_gpipe.lightning import attached_trainer, forward_and_share, whole_tensors
 
@@ -112,6 +112,9 @@ class HFModule(pl.LightningModule):
     trains_seq2seq: bool = False
     """Whether the module trains an encoder-decoder (:mod:`lightning_gpipe.hf.seq2seq`)."""
 
+    tensor_targets = stage_targets
+    """``tensor_targets(size)``: per backbone layer, the modules transformers' plan splits, with their styles."""
+
     def __init__(
         self,
         pretrained: str | None = None,
@@ -148,11 +151,8 @@ class HFModule(pl.LightningModule):
             self._check_family(model_class.__name__, check_class(model_class, config))
 
     def _model_class(self, config: PretrainedConfig) -> type:
-        """The class :attr:`auto_class` builds for ``config``.
-
-        Raises:
-            UnsupportedModelError: if it builds none (a config of another kind of model).
-        """
+        """The class :attr:`auto_class` builds for ``config``; raises ``UnsupportedModelError`` if it builds none (a
+        config of another kind of model)."""
         try:
             return self.auto_class._model_mapping[type(config)]
         except KeyError:

@@ -8,7 +8,8 @@ runs again after the pipeline's split (:mod:`lightning_gpipe.lightning.tensor_pa
 applies the plan to the layers the stage holds with torch's ``parallelize_module``, each style as torch's
 :class:`~torch.distributed.tensor.parallel.ColwiseParallel` or :class:`~torch.distributed.tensor.parallel.
 RowwiseParallel` (:data:`STYLES`). Attention then runs on each rank's own heads (the projections' local outputs), the
-row-parallel output projections all-reduce, and what crosses a stage boundary is whole on every tensor rank.
+row-parallel output projections all-reduce, and what crosses a stage boundary is whole on every tensor rank. The
+planner reads the same modules and styles before the split (:func:`stage_targets`, the modules' ``tensor_targets``).
 
 LoRA (``peft``): a column-parallel layer's adapter keeps ``lora_A`` whole and splits ``lora_B`` in the base layer's
 style, a row-parallel one splits ``lora_A`` in its style and keeps ``lora_B`` whole, so the adapter's output is laid
@@ -27,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_gpipe.hf.layer import HFLayer, UnsupportedModelError
+from lightning_gpipe.planning import matching_modules
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -74,14 +76,30 @@ def split_stage(module: Any) -> None:
         return
     if any(isinstance(p, DTensor) for p in module.parameters()):
         return
-    model, ranks = module.hf_model, mesh[TENSOR_PARALLEL]
+    ranks = mesh[TENSOR_PARALLEL]
+    for targets in stage_targets(module, ranks.size()):
+        for target, style in targets:
+            _parallelize(target, ranks, style)
+
+
+def stage_targets(module: Any, size: int) -> list[list[tuple[nn.Module, str]]]:
+    """For each layer of ``module``'s backbone (a :class:`~lightning_gpipe.hf.module.HFModule`'s, whole or one
+    stage's), the modules the model's declared plan splits over ``size`` tensor ranks, each with its style (one of
+    :data:`STYLES`); none of a layer that is not the model's, or of one holding a tied parameter.
+
+    Raises:
+        UnsupportedModelError: as :func:`split_stage`.
+    """
+    model = module.hf_model
     plan = declared_plan(model)
-    _check_splittable(model, ranks.size())
+    _check_splittable(model, size)
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    for layer in module.backbone.children():
-        if isinstance(layer, HFLayer):
-            for path in layer.paths:
-                _split_part(layer.part(path), path, plan, ranks, tied)
+    return [
+        [pair for path in layer.paths for pair in _targets(layer.part(path), path, plan, tied)]
+        if isinstance(layer, HFLayer)
+        else []
+        for layer in module.backbone.children()
+    ]
 
 
 def _check_splittable(model: "PreTrainedModel", size: int) -> None:
@@ -102,8 +120,9 @@ def _check_splittable(model: "PreTrainedModel", size: int) -> None:
             )
 
 
-def _split_part(part: nn.Module, path: str, plan: dict[str, str], ranks: DeviceMesh, tied: set[str]) -> None:
-    """Apply every entry of ``plan`` at or below ``path`` to the modules of ``part`` (the module at ``path``)."""
+def _targets(part: nn.Module, path: str, plan: dict[str, str], tied: set[str]) -> Iterator[tuple[nn.Module, str]]:
+    """The modules of ``part`` (the module at ``path``) that an entry of ``plan`` at or below ``path`` splits, with
+    its style."""
     for key, style in plan.items():
         below = _below(key.split("."), path.split("."))
         if below is None or style in KEPT_WHOLE:
@@ -113,10 +132,10 @@ def _split_part(part: nn.Module, path: str, plan: dict[str, str], ranks: DeviceM
                 f"{key} is declared '{style}' in the model's tensor plan, a style GPipeStrategy does not split with"
                 f" yet (it takes {', '.join(sorted(STYLES))}). Use tensor_parallel_size=1 for this model."
             )
-        for name, target in _resolved(part, below):
+        for name, target in matching_modules(part, below):
             full = ".".join(filter(None, [path, name]))
             if not any(f"{full}.{p}" in tied for p, _ in target.named_parameters()):
-                _parallelize(target, ranks, style)
+                yield target, style
 
 
 def _below(key: list[str], path: list[str]) -> list[str] | None:
@@ -125,16 +144,6 @@ def _below(key: list[str], path: list[str]) -> list[str] | None:
     if len(key) < len(path) or not all(fnmatch(p, k) for p, k in zip(path, key, strict=False)):
         return None
     return key[len(path) :]
-
-
-def _resolved(module: nn.Module, tokens: list[str], prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
-    """The submodules of ``module`` that ``tokens`` (wildcards allowed) name, with their paths below it."""
-    if not tokens:
-        yield prefix, module
-        return
-    for name, child in module.named_children():
-        if fnmatch(name, tokens[0]):
-            yield from _resolved(child, tokens[1:], f"{prefix}.{name}" if prefix else name)
 
 
 def _parallelize(target: nn.Module, ranks: DeviceMesh, style: str) -> None:

@@ -212,9 +212,9 @@ class PipelineConfig:
         plan: ``"auto"`` plans the pipeline before the first step (see docs/planning.md): global rank 0 profiles the
             backbone's layers once, at two micro-batch sizes, and every process predicts each candidate plan
             (``chunks``, ``checkpoint``, ``schedule``, the best ``balance``) on the mesh the job was launched with,
-            and runs the fastest one whose every stage fits ``memory_limit``; what it chose and why is printed at fit
-            start and kept in ``GPipeStrategy.plan_report``. Options given explicitly (``chunks``, ``balance``,
-            ``checkpoint``, ``schedule``, even at their default values) are kept. ``None`` (default): no planning.
+            and runs the fastest one whose every process fits ``memory_limit`` (one tensor rank's stage, split as the
+            module declares); what it chose and why is printed and kept in ``plan_report``. ``None`` (default): no
+            planning. Options given (``chunks``, ``balance``, ``checkpoint``, ``schedule``, even at defaults) are kept.
         memory_limit: bytes one device may hold under ``plan="auto"``: parameters, gradients, optimizer state,
             activations and transfer buffers. ``None`` (default): the free memory CUDA reports on global rank 0's
             device; on the CPU it must be given.
@@ -371,6 +371,7 @@ class PipelineConfig:
             if "sharding_strategy" in self._given or self.compile is not False
             else None,
             offload=self.offload,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     @property
@@ -514,7 +515,6 @@ def _check_compile(config: "PipelineConfig") -> None:
 
 
 TENSOR_PARALLEL_NOT_YET = {
-    "plan": ("'auto'", "the planner counts one process per stage's layers; give the options yourself"),
     "compile": ("True", "compiled layers are not checked with DTensor parameters yet; leave compile=False"),
     "offload": ("'activations'", "offloading DTensor activations is not checked yet; leave offload=None"),
 }

@@ -10,6 +10,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_gpipe.lightning.backbone import find_backbone, profile_module
+from lightning_gpipe.lightning.tensor_parallel import layer_splits
 from lightning_gpipe.planning import (
     Constraints,
     CostModel,
@@ -17,6 +18,7 @@ from lightning_gpipe.planning import (
     ProfiledCosts,
     module_state_factor,
     optimizer_state_factor,
+    per_tensor_rank,
     search,
 )
 
@@ -42,22 +44,22 @@ def plan(
     virtual_stages: int | None = None,
     sharding_strategy: str | None = None,
     offload: str | bool | None = None,
+    tensor_parallel_size: int = 1,
+    tensor_plan: dict[str, Any] | None = None,
 ) -> PlanReport:
     """Plan a pipeline for ``module`` on ``world_size`` devices of ``memory_limit`` bytes each, without training.
 
     ``GPipeStrategy(plan="auto")``'s planner (docs/planning.md) over every mesh, by predicted seconds per trained row;
-    for several ``world_size``, "how many devices does this model need". Layers are profiled one at a time.
+    for several ``world_size``, "how many devices does this model need"; returns a :class:`~lightning_gpipe.PlanReport`.
 
     Args:
         module: the LightningModule. If its backbone does not exist yet (built in ``configure_model``), that hook
             is called under ``torch.device("meta")``: each layer is initialised only while it is profiled.
         world_size: devices (processes) of the job.
         memory_limit: bytes each device may hold (parameters, gradients, optimizer state, activations, buffers).
-        example_batch: one training batch, as the data loader yields it (per replica): the backbone input is
-            what ``training_step`` passes to the backbone, and the rest of the step (head, loss) is measured on it.
-            ``None``: the module's ``example_input_array`` (no loss is measured then).
-        optimizer: for the optimizer state's size: a name (``"sgd"``, ``"momentum"``, ``"adam"``, ``"adamw"``,
-            ``"amsgrad"``) or an optimizer; ``None`` (default): the module's ``configure_optimizers()``.
+        example_batch: one training batch as the loader yields it (per replica), on which the backbone input and the
+            rest of the step (head, loss) are measured; ``None``: the module's ``example_input_array`` (no loss).
+        optimizer: for its state's size, an optimizer or a name (``"sgd"``, ``"adamw"``...); None: the module's own.
         device: where to profile the layers (default ``"cpu"``); use the kind of device you will train on.
         backbone: the ``nn.Sequential`` attribute; ``None`` finds the only one.
         cost_model: the machine's constants (see docs/planning.md, "Calibrating").
@@ -70,20 +72,38 @@ def plan(
         virtual_stages: model chunks per stage, fixed (planned, 1 or 2, only on the CPU, where they have run).
         sharding_strategy: fixed; planned: ``"NO_SHARD"`` or ``"SHARD_GRAD_OP"`` (FSDP2) where D > 1.
         offload: ``"activations"``, or ``False`` for none, fixed; planned only on an accelerator ``device``.
-
-    Returns:
-        The :class:`~lightning_gpipe.planning.report.PlanReport` (``report.chosen.plan.options()``: the arguments).
+        tensor_parallel_size: T, fixed (default 1): each process predicted as one tensor rank of its stage holds it.
+        tensor_plan: with T > 1, the plan ``configure_model`` gives ``parallelize_module`` (None: the declared one).
 
     Raises:
         ValueError: for no backbone input (``example_batch`` or ``example_input_array``), constraints that leave no
-            plan, or a limit no plan fits (naming the smallest limit that would fit).
+            plan, a limit no plan fits (naming the smallest limit that would fit), or with T > 1 no known split.
     """
     name = _built_backbone(module, backbone, example_batch)
     fixed = (pipeline_parallel_size, data_parallel_size, chunks, checkpoint, schedule, balance, virtual_stages)
-    constraints = _interleaving(Constraints(*fixed, sharding_strategy, offload), torch.device(device))
-    profiled = profile_module(module, name, device, example_batch, chunks, constraints.splits)
+    device = torch.device(device)
+    constraints = _interleaving(Constraints(*fixed, sharding_strategy, offload, tensor_parallel_size), device)
+    profiled = _tensor_rank_profile(module, name, device, example_batch, constraints, tensor_plan, cost_model)
     factor = optimizer_state_factor(optimizer) if optimizer is not None else _state_factor(module)
-    return search(world_size, profiled, memory_limit, factor, cost_model, constraints, torch.device(device).type)
+    return search(world_size, profiled, memory_limit, factor, cost_model, constraints, device.type)
+
+
+def _tensor_rank_profile(
+    module: LightningModule,
+    name: str,
+    device: torch.device | str,
+    example_batch: Any,
+    constraints: Constraints,
+    tensor_plan: dict[str, Any] | None,
+    cost_model: CostModel,
+) -> ProfiledCosts:
+    """:func:`~lightning_gpipe.lightning.backbone.profile_module`'s costs of the backbone ``name`` as one tensor rank
+    of its stage has them (:func:`~lightning_gpipe.planning.per_tensor_rank`; the split, from ``tensor_plan`` or the
+    module, refused before the profile if unknown: :func:`~lightning_gpipe.lightning.tensor_parallel.layer_splits`)."""
+    size = constraints.tensor_parallel_size
+    splits = layer_splits(module, name, size, tensor_plan)
+    profiled = profile_module(module, name, device, example_batch, constraints.micro_batches, constraints.splits)
+    return per_tensor_rank(profiled, splits, size, cost_model)
 
 
 def _interleaving(constraints: Constraints, device: torch.device) -> Constraints:
@@ -144,7 +164,9 @@ def plan_for_strategy(
         config: the strategy's :class:`~lightning_gpipe.lightning.config.PipelineConfig` (its constraints, limit and
             model).
         mesh: ``(K, D)``, the mesh the job was launched with: the process groups exist before the model does (see
-            docs/planning.md), so the planner keeps it.
+            docs/planning.md), so the planner keeps it; its stages have ``config.tensor_parallel_size`` tensor ranks,
+            each predicted as one of them holds and runs the stage (from the module's declared split,
+            :func:`~lightning_gpipe.lightning.tensor_parallel.layer_splits`).
         device: this process's device (for the default memory limit on CUDA).
         profile: measures the backbone on global rank 0 (``None`` elsewhere).
         share: sends a picklable object from global rank 0 to every process (a collective call).
@@ -154,9 +176,12 @@ def plan_for_strategy(
 
     Raises:
         ValueError: on the CPU without ``memory_limit``, for constraints that leave no plan, or a limit no plan fits
-            (naming the smallest limit that would fit); on every process, before the first step.
+            (naming the smallest limit that would fit); with tensor parallelism, for a module that declares no split;
+            on every process, before the first step.
     """
     limit = config.memory_limit if config.memory_limit is not None else _device_memory(device)
+    tensor = config.tensor_parallel_size
+    splits = layer_splits(module, backbone, tensor)
     profiled, factor = share((profile(), module_state_factor(module)))
     if factor is None:
         factor = _state_factor(module)
@@ -165,7 +190,8 @@ def plan_for_strategy(
         constraints = replace(constraints, sharding_strategy="NO_SHARD")
     constraints = _interleaving(constraints, device)
     model = config.cost_model or CostModel()
-    return search(mesh[0] * mesh[1], profiled, share(limit), factor, model, constraints, device.type)
+    profiled = per_tensor_rank(profiled, splits, tensor, model)
+    return search(mesh[0] * mesh[1] * tensor, profiled, share(limit), factor, model, constraints, device.type)
 
 
 def _device_memory(device: torch.device) -> int:

@@ -13,6 +13,10 @@ is then the stage's partition, its layers under their original names, so a plan 
 (``{"*.0": ColwiseParallel(), "*.2": RowwiseParallel()}``) splits the layers this stage holds, and keys that name
 another stage's layers are skipped (torch warns that they "could not be resolved").
 
+The planner (``plan="auto"``, :func:`~lightning_gpipe.lightning.planner.plan`) counts one tensor rank's memory from how
+the split leaves each layer (:func:`layer_splits`), which it must know before the split: from the module's own
+declaration (``tensor_targets``, the Hugging Face modules': transformers' tensor plan) or a plan given to ``plan()``.
+
 What crosses a stage boundary is what the stage's last layer returns, sent from each tensor rank to the same tensor
 rank of the next stage: a plain tensor, the same on every tensor rank after a row-parallel layer
 (``use_local_output=True``, torch's default: all-reduced), or each rank's own part of it (a sequence-parallel layer's
@@ -20,7 +24,8 @@ local shard), which the next stage's first layer must then expect. A ``DTensor``
 layer's style ``use_local_output=True``.
 """
 
-from typing import TYPE_CHECKING
+from fnmatch import fnmatch
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -29,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_gpipe._torch import forward_hooks, remove_forward_hooks
+from lightning_gpipe.planning import LayerSplit, layer_split, matching_modules
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -112,3 +118,54 @@ def _check_held(module: "pl.LightningModule", stage: str) -> None:
 
 def _split(parameter: nn.Parameter) -> bool:
     return isinstance(parameter, DTensor)
+
+
+def layer_splits(
+    module: "pl.LightningModule", backbone: str, size: int, tensor_plan: dict[str, Any] | None = None
+) -> list[LayerSplit]:
+    """How the split over ``size`` tensor ranks will leave each layer of ``module``'s backbone, for the planner
+    (:func:`~lightning_gpipe.planning.layer_split`; one per layer, empty for ``size`` 1): from ``tensor_plan``, a plan
+    as ``parallelize_module`` takes it over the backbone (``{"*.0": ColwiseParallel(), "*.2": RowwiseParallel()}``, keys
+    whose first part names backbone layers), else from the module's ``tensor_targets(size)`` (the Hugging Face
+    modules: transformers' declared plan), which gives each layer's split modules and their styles.
+
+    Raises:
+        ValueError: for a module that declares no split and no ``tensor_plan`` (``configure_model``'s split exists only
+            once it runs, on a tensor mesh of ``size`` processes), naming the fix; a style the planner does not take.
+    """
+    if size == 1:
+        return []
+    layers = list(getattr(module, backbone).named_children())
+    declared = getattr(module, "tensor_targets", None)
+    targets: list[list[tuple[nn.Module, Any]]]
+    if tensor_plan is not None:
+        targets = [
+            [(target, style) for key, style in tensor_plan.items() for _, target in _keyed(name, layer, key)]
+            for name, layer in layers
+        ]
+    elif callable(declared):
+        targets = declared(size)
+    else:
+        raise ValueError(
+            f"The planner cannot tell how {type(module).__name__}.configure_model splits the backbone's layers over"
+            f" tensor_parallel_size={size} ranks: the split exists only once it runs on {size} processes. Plan with"
+            f" lightning_gpipe.plan(module, world_size, memory_limit, tensor_parallel_size={size}, tensor_plan=PLAN),"
+            " PLAN the dict configure_model gives parallelize_module over the backbone (e.g. {'*.0': ColwiseParallel(),"
+            " '*.2': RowwiseParallel()}), and give GPipeStrategy the plan's options (report.chosen.plan.options())"
+            " instead of plan='auto'."
+        )
+    return [layer_split(_in_module_order(layer, each)) for (_, layer), each in zip(layers, targets)]
+
+
+def _in_module_order(layer: nn.Module, targets: list[tuple[nn.Module, Any]]) -> list[tuple[nn.Module, Any]]:
+    """``targets`` (modules of ``layer`` with their styles) in the order of ``layer.modules()``: its last split module
+    decides how its output is laid out."""
+    order = {id(each): j for j, each in enumerate(layer.modules())}
+    return sorted(targets, key=lambda target: order.get(id(target[0]), len(order)))
+
+
+def _keyed(name: str, layer: nn.Module, key: str) -> list[tuple[str, nn.Module]]:
+    """The modules of backbone layer ``name`` (``layer``) that a ``parallelize_module`` plan's ``key`` over the
+    backbone names, in module order."""
+    first, *rest = key.split(".")
+    return list(matching_modules(layer, rest)) if fnmatch(name, first) else []

@@ -26,6 +26,7 @@ from lightning_gpipe.planning.report import PlanReport
 from lightning_gpipe.planning.search import Constraints, search
 from lightning_gpipe.planning.simulator import action_costs, simulate, stage_costs
 from lightning_gpipe.planning.split import SplitChoice, choose_split
+from lightning_gpipe.planning.tensor import LayerSplit, layer_split, matching_modules, per_tensor_rank
 
 __all__ = [
     # planning: the search and its report, the machine's constants, what a plan is predicted to cost
@@ -54,6 +55,11 @@ __all__ = [
     "choose_split",
     "resolve_balance",
     "solve",
+    # tensor parallelism: how the split leaves each layer, and one tensor rank's costs
+    "LayerSplit",
+    "layer_split",
+    "matching_modules",
+    "per_tensor_rank",
     # the simulator's costs of a stage's actions and its step
     "action_costs",
     "modelled_stage_costs",

@@ -47,6 +47,9 @@ class PipelinePlan:
             ``"NO_SHARD"`` (DDP) by default.
         offload: ``"activations"``: what a micro-batch's forward saves for its backward waits in host memory
             (``GPipeStrategy(offload=...)``); ``None`` (default): on the device.
+        tensor_parallel_size: T, the tensor ranks of each stage (``GPipeStrategy(tensor_parallel_size=...)``), 1 by
+            default; the plan is then predicted from one tensor rank's costs
+            (:func:`~lightning_gpipe.planning.tensor.per_tensor_rank`), and its memory is one process's.
     """
 
     pipeline_parallel_size: int
@@ -58,16 +61,20 @@ class PipelinePlan:
     virtual_stages: int = 1
     sharding_strategy: str = "NO_SHARD"
     offload: str | None = None
+    tensor_parallel_size: int = 1
 
     def options(self) -> dict:
         """The plan as ``GPipeStrategy`` keyword arguments (``micro_batches`` as ``chunks``, ``balance`` as a list;
-        ``sharding_strategy`` only where it shards, ``offload`` only where it offloads)."""
+        ``sharding_strategy`` only where it shards, ``offload`` only where it offloads, ``tensor_parallel_size`` only
+        above 1)."""
         options = {("chunks" if key == "micro_batches" else key): value for key, value in asdict(self).items()}
         options["balance"] = list(self.balance)
         if self.sharding_strategy == "NO_SHARD":
             del options["sharding_strategy"]
         if self.offload is None:
             del options["offload"]
+        if self.tensor_parallel_size == 1:
+            del options["tensor_parallel_size"]
         return options
 
     @property

@@ -72,8 +72,8 @@ class PlanReport:
 
     def table(self) -> str:
         """The chosen plan and the runners-up as a text table, one row each, with each stage's predicted peak
-        (``vN`` after a schedule: N model chunks per stage; ``off``: activation offload; ``s`` after the mesh: its
-        stages' state sharded by FSDP2)."""
+        (``vN`` after a schedule: N model chunks per stage; ``off``: activation offload; ``xT`` after the mesh: T
+        tensor ranks per stage; ``s`` after it: its stages' state sharded by FSDP2)."""
         head = (
             f"Pipeline plan: {sum(p.fits for p in self.predictions)} of {len(self.predictions)} plans fit"
             f" {self.memory_limit / MIB:,.0f} MiB per device ({self.world_size} processes); fastest per row first"
@@ -81,7 +81,10 @@ class PlanReport:
         columns = f"   {'K x D':<6}{'chunks':>7}  {'checkpoint':<12}{'schedule':<14}{'balance':<16}"
         columns += f"{'step s':>9}{'ms/row':>8}{'bubble':>8}  peak MiB per stage"
         rows = [_row(" *", self.chosen)] + [_row("  ", p) for p in self.runners_up]
-        return "\n".join([head, columns, *rows, " * chosen; s after K x D: sharded by FSDP2; off: activation offload"])
+        legend = " * chosen; s after K x D: sharded by FSDP2; off: activation offload"
+        if self.chosen.plan.tensor_parallel_size > 1:
+            legend += "; x T after K x D: T tensor ranks per stage, each peak one process's"
+        return "\n".join([head, columns, *rows, legend])
 
 
 def _row(mark: str, p: PlanPrediction) -> str:
@@ -91,7 +94,9 @@ def _row(mark: str, p: PlanPrediction) -> str:
     peaks = " / ".join(f"{stage.total / MIB:,.0f}" for stage in p.memory)
     schedule = plan.schedule + (f" v{plan.virtual_stages}" if plan.virtual_stages > 1 else "")  # model chunks per stage
     schedule += " off" if plan.offload is not None else ""  # activation offload
-    mesh = f"{plan.pipeline_parallel_size}x{plan.data_parallel_size}" + ("s" if plan.fully_sharded else "")
+    mesh = f"{plan.pipeline_parallel_size}x{plan.data_parallel_size}"
+    mesh += f"x{plan.tensor_parallel_size}" if plan.tensor_parallel_size > 1 else ""  # tensor ranks per stage
+    mesh += "s" if plan.fully_sharded else ""
     return (
         f"{mark} {mesh:<6}{plan.micro_batches:>7}"
         f"  {plan.checkpoint:<12}{schedule:<14}{balance:<16}"

@@ -59,6 +59,8 @@ class Constraints:
             ``"FULL_SHARD"``); ``None``: the planner chooses between ``"NO_SHARD"`` and ``"SHARD_GRAD_OP"`` where there
             are several replicas.
         offload: ``"activations"``, or ``False`` for none; ``None``: the planner's choice (only on an accelerator).
+        tensor_parallel_size: T, the tensor ranks of each stage, always fixed (default 1); the profile the planner is
+            given is then one tensor rank's (:func:`~lightning_gpipe.planning.tensor.per_tensor_rank`).
     """
 
     pipeline_parallel_size: int | None = None
@@ -70,6 +72,7 @@ class Constraints:
     virtual_stages: int | None = None
     sharding_strategy: str | None = None
     offload: str | bool | None = None
+    tensor_parallel_size: int = 1
 
     @property
     def splits(self) -> bool:
@@ -84,28 +87,32 @@ class Constraints:
 
 
 def meshes(world_size: int, num_layers: int, constraints: Constraints) -> list[tuple[int, int]]:
-    """The ``(K, D)`` pairs with ``K * D == world_size`` and at most one stage per layer that ``constraints`` allow.
+    """The ``(K, D)`` pairs with ``K * D * T == world_size`` (T: ``constraints.tensor_parallel_size``) and at most one
+    stage per layer that ``constraints`` allow.
 
     Raises:
         ValueError: if none is left, naming the constraints that exclude them all.
     """
     listed = constraints.balance if constraints.listed else None
     fixed_k = len(listed) / (constraints.virtual_stages or 1) if listed is not None else None  # no k if fractional
+    tensor = constraints.tensor_parallel_size
+    pipelines = world_size // tensor if world_size % tensor == 0 else 0
     pairs = [
-        (k, world_size // k)
-        for k in range(1, world_size + 1)
-        if world_size % k == 0
+        (k, pipelines // k)
+        for k in range(1, pipelines + 1)
+        if pipelines % k == 0
         and k <= num_layers
         and constraints.pipeline_parallel_size in (None, k)
-        and constraints.data_parallel_size in (None, world_size // k)
+        and constraints.data_parallel_size in (None, pipelines // k)
         and fixed_k in (None, k)
     ]
     if not pairs:
         raise ValueError(
             f"No mesh of {world_size} processes fits the constraints pipeline_parallel_size="
             f"{constraints.pipeline_parallel_size!r}, data_parallel_size={constraints.data_parallel_size!r},"
-            f" balance={constraints.balance!r} and a backbone of {num_layers} layers: the sizes must multiply to the"
-            " world size, a list balance fixes the stages, and a stage needs at least one layer. Drop or change one."
+            f" tensor_parallel_size={tensor}, balance={constraints.balance!r} and a backbone of {num_layers} layers:"
+            " the sizes must multiply to the world size, a list balance fixes the stages, and a stage needs at least"
+            " one layer. Drop or change one."
         )
     return pairs
 
@@ -151,10 +158,13 @@ def candidates(
 
 def _shardings(constraints: Constraints, replicas: int) -> list[str]:
     """The sharding strategies to plan with ``replicas`` replicas: the user's, or ``"NO_SHARD"`` and (with several
-    replicas) ``"SHARD_GRAD_OP"``."""
+    replicas) ``"SHARD_GRAD_OP"``; with several replicas of tensor-parallel stages ``"SHARD_GRAD_OP"`` alone (DDP
+    takes no tensor-parallel parameters)."""
     if constraints.sharding_strategy is not None:
         return [constraints.sharding_strategy]
-    return ["NO_SHARD", "SHARD_GRAD_OP"] if replicas > 1 else ["NO_SHARD"]
+    if replicas == 1:
+        return ["NO_SHARD"]
+    return ["SHARD_GRAD_OP"] if constraints.tensor_parallel_size > 1 else ["NO_SHARD", "SHARD_GRAD_OP"]
 
 
 def _offloads(constraints: Constraints, device_type: str) -> list[str | None]:
@@ -177,7 +187,8 @@ def search(
 
     Args:
         world_size: processes (devices) of the job.
-        profiled: the backbone layers' costs at two micro-batch sizes.
+        profiled: the backbone layers' costs at two micro-batch sizes (one tensor rank's, with
+            ``constraints.tensor_parallel_size`` > 1: :func:`~lightning_gpipe.planning.tensor.per_tensor_rank`).
         memory_limit: bytes each device may hold.
         state_factor: tensors of a parameter's size the optimizer keeps (see
             :func:`~lightning_gpipe.planning.costs.optimizer_state_factor`).
@@ -191,7 +202,7 @@ def search(
     """
     predictions = []
     for k, d, m, mode, schedule, v, sharding, offload in candidates(world_size, profiled, constraints, device_type):
-        plan = PipelinePlan(k, d, m, mode, schedule, (), v, sharding, offload)
+        plan = PipelinePlan(k, d, m, mode, schedule, (), v, sharding, offload, constraints.tensor_parallel_size)
         predictions += _shape_predictions(plan, profiled, state_factor, memory_limit, model, constraints, device_type)
     predictions.sort(key=_rank)
     report = PlanReport(predictions, memory_limit, world_size, model, profiled, state_factor)

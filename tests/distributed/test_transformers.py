@@ -18,6 +18,7 @@ from conftest import (
     hf_train_one_device,
     hf_worker,
     shared_run,
+    state_distance,
 )
 from hf_families import FIRST
 
@@ -263,11 +264,6 @@ def _records(out, stages: int) -> list[dict]:
     return [json.loads((out / f"run_rank{rank}.json").read_text()) for rank in range(stages)]
 
 
-def _distance(state: dict, other: dict) -> float:
-    """The L2 norm of the difference of two states over all of ``state``'s tensors."""
-    return torch.sqrt(sum(((state[k].float() - other[k].float()) ** 2).sum() for k in state)).item()
-
-
 def test_a_pipelined_bf16_mixed_fit_is_close_to_the_model_trained_on_one_device_under_autocast():
     """``precision="bf16-mixed"`` on 2 stages (Lightning's ``MixedPrecision``: CPU autocast to bf16 around each
     step's forward) against the unmodified Llama trained on one device with its forward under
@@ -302,9 +298,9 @@ def test_a_pipelined_bf16_mixed_fit_is_close_to_the_model_trained_on_one_device_
     (bf16_state, bf16_losses), (fp32_state, _) = one_device[True], one_device[False]
     pipelined = _merged_state(out, 2)
     assert set(pipelined) == set(bf16_state)
-    to_bf16 = _distance(pipelined, bf16_state)
-    assert to_bf16 <= 0.05 * _distance(bf16_state, initial), to_bf16
-    assert to_bf16 < _distance(pipelined, fp32_state), to_bf16
+    to_bf16 = state_distance(pipelined, bf16_state)
+    assert to_bf16 <= 0.05 * state_distance(bf16_state, initial), to_bf16
+    assert to_bf16 < state_distance(pipelined, fp32_state), to_bf16
     losses = torch.tensor(torch.load(out / "losses.pt"))
     torch.testing.assert_close(losses[0], torch.tensor(bf16_losses[0]), atol=1e-5, rtol=0)
     torch.testing.assert_close(losses, torch.tensor(bf16_losses), atol=1e-3, rtol=0)

@@ -3,6 +3,8 @@ refuses before any process starts, Lightning's ``configure_model`` deferred unti
 what it split (a layer the stage does not hold is refused; the module leaves the run plain). The runs that train:
 tests/distributed/test_tensor_parallel.py."""
 
+import dataclasses
+
 import lightning as L
 import pytest
 import torch
@@ -17,7 +19,7 @@ from lightning_gpipe.engine import Topology
 from lightning_gpipe.lightning._lightning import configure_model_after_split
 from lightning_gpipe.lightning.config import PipelineConfig, check_tensor_parallel_replicas
 from lightning_gpipe.lightning.mesh import resolve_topology
-from lightning_gpipe.lightning.tensor_parallel import TensorSplit
+from lightning_gpipe.lightning.tensor_parallel import TensorSplit, layer_splits
 
 
 def test_the_tensor_dimension_is_innermost_and_each_tensor_rank_has_its_own_pipeline():
@@ -48,7 +50,6 @@ def test_the_sizes_count_stages_of_t_processes_and_a_mesh_that_does_not_fit_is_r
     [
         (dict(tensor_parallel_size=0), r"tensor_parallel_size=0\): give a positive integer"),
         (dict(tensor_parallel_size="2"), r"tensor_parallel_size='2'\): give a positive integer"),
-        (dict(tensor_parallel_size=2, plan="auto", memory_limit=2**30), r"plan='auto'\): the planner counts"),
         (dict(tensor_parallel_size=2, compile=True), r"compile=True\): compiled layers"),
         (dict(tensor_parallel_size=2, offload="activations"), r"offload='activations'\): offloading DTensor"),
     ],
@@ -192,6 +193,13 @@ def test_a_hugging_face_model_splits_its_projections_and_keeps_its_tied_head_who
 
     module = hf.CausalLM(config=hf_worker().initial_model("llama").config, attn_implementation="eager")
     module.configure_model()
+    planned = layer_splits(module, "backbone", 2)  # what the planner reads of the same plan, before the split
+    layers = list(module.backbone)
+    assert planned[0].divided_bytes == 0 and planned[-1].divided_bytes == 0  # the tied embedding and head: whole
+    for layer, split in list(zip(layers, planned))[1:-2]:  # the decoder layers: all but their norms divided
+        assert split.output_divided is False and split.forward_collectives == 2  # o_proj and down_proj
+        norms = sum(p.numel() * p.element_size() for name, p in layer.named_parameters() if "norm" in name)
+        assert split.divided_bytes == sum(p.numel() * p.element_size() for p in layer.parameters()) - norms
     give_device_mesh(module, tensor_ranks)
     module.configure_model()  # as GPipeStrategy calls it again after the split
     split = {name for name, p in module.named_parameters() if isinstance(p, DTensor)}
@@ -218,3 +226,113 @@ def test_the_causal_lm_examples_tensor_parallel_config_makes_2_stages_of_2_tenso
     assert isinstance(strategy, GPipeStrategy) and cli.trainer.num_devices == 4
     assert (strategy.config.pipeline_parallel_size, strategy.config.tensor_parallel_size) == (2, 2)
     assert cli.datamodule.batch_size == main([], run=False).datamodule.batch_size
+
+
+@pytest.fixture
+def rank_zero_of_two():
+    """Global rank 0 of a world of 2 on torch's fake process group (collectives move nothing): one process holds the
+    shards rank 0 of 2 would, as ``parallelize_module`` makes them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",))
+    finally:
+        dist.destroy_process_group()
+
+
+def _block_costs(module: SplitMLP, rows: int) -> list:
+    """Injected costs of ``module``'s 4 blocks at ``rows`` rows (no clock): their parameter bytes, the block's input
+    saved whole by the first Linear, its 4x wider hidden layer saved once (the ReLU's output, the second Linear's
+    input), and its output."""
+    from lightning_gpipe.planning import LayerCost
+
+    row, hidden = 4 * 16 * rows, 4 * 64 * rows
+    return [
+        LayerCost(1e-3, 2e-3, row + hidden, row, sum(p.numel() * 4 for p in block.parameters()), row, 0)
+        for block in module.backbone
+    ]
+
+
+def test_the_planned_state_of_a_tensor_parallel_stage_is_what_its_rank_holds_after_the_split(rank_zero_of_two):
+    """pp=2 x tp=2 on the column/row MLP: each process's planned parameters, gradients and AdamW state are the bytes
+    of the local shards ``parallelize_module`` leaves rank 0 of its stage (the row-parallel biases whole); its
+    activations and its output fall where the split divides them; at T=1 the stage holds its blocks whole."""
+    from lightning_gpipe.planning import CostModel, PipelinePlan, ProfiledCosts, per_tensor_rank, predict
+
+    free = CostModel(0.0, float("inf"), 0.0, 0.0, float("inf"), float("inf"), 0.0, copy_bandwidth=float("inf"))
+    module = SplitMLP()
+    costs = ProfiledCosts((8, 8), _block_costs(module, 8), _block_costs(module, 8), 32, 4 * 16 * 32)
+    whole = [sum(p.numel() * 4 for block in module.backbone[s : s + 2] for p in block.parameters()) for s in (0, 2)]
+    ranked = per_tensor_rank(costs, layer_splits(module, "backbone", 2, PLAN), 2, free)
+    plan = PipelinePlan(2, 1, 4, "never", "gpipe", (2, 2), tensor_parallel_size=2)
+    split, unsplit = (predict(plan, c, free, 2, 2**40).memory for c in (ranked, costs))
+    parallelize_module(module.backbone, rank_zero_of_two, PLAN)
+    local = [
+        sum(p.to_local().numel() * 4 for block in module.backbone[s : s + 2] for p in block.parameters())
+        for s in (0, 2)
+    ]
+    assert local[0] < 0.55 * whole[0]  # the shards are real
+    for k in (0, 1):
+        assert (split[k].parameters, split[k].gradients, split[k].optimizer) == (local[k], local[k], 2 * local[k])
+        assert (unsplit[k].parameters, unsplit[k].optimizer) == (whole[k], 2 * whole[k])
+        assert split[k].activations < 0.65 * unsplit[k].activations  # the hidden layers, divided
+    assert ranked.large[0].output_bytes == costs.large[0].output_bytes  # a row-parallel output is whole
+
+
+def test_the_planner_plans_tensor_parallel_meshes_per_process_and_names_them():
+    """With T = 2 on 4 processes the planner tries K x D over 2 pipelines only; a limit one process of a stage on 2
+    pipelines cannot fit without T fits with it, and the plan's options carry T. Without a declared split or a plan
+    for ``configure_model``'s, ``plan()`` is refused naming the fix."""
+    from lightning_gpipe import plan
+    from lightning_gpipe.planning import Constraints, CostModel, ProfiledCosts, per_tensor_rank, search
+
+    module = SplitMLP()
+    costs = ProfiledCosts((8, 2), _block_costs(module, 8), _block_costs(module, 2), 32, 4 * 16 * 32)
+    ranked = per_tensor_rank(costs, layer_splits(module, "backbone", 2, PLAN), 2)
+    report = search(4, ranked, 2**40, 2, CostModel(), Constraints(micro_batches=4, tensor_parallel_size=2))
+    assert {(p.plan.pipeline_parallel_size, p.plan.data_parallel_size) for p in report.predictions} <= {(1, 2), (2, 1)}
+    assert report.chosen.plan.options()["tensor_parallel_size"] == 2 and "x2" in report.table()
+    two = Constraints(pipeline_parallel_size=2, data_parallel_size=1, micro_batches=4, checkpoint="never")
+    limit = 0.9 * search(2, costs, 2**40, 2, CostModel(), two).smallest_fitting_limit
+    with pytest.raises(ValueError, match="No pipeline plan fits"):
+        search(2, costs, limit, 2, CostModel(), two)
+    assert search(4, ranked, limit, 2, CostModel(), dataclasses.replace(two, tensor_parallel_size=2)).chosen.fits
+    with pytest.raises(ValueError, match=r"cannot tell how SplitMLP.configure_model splits .* tensor_plan=PLAN"):
+        plan(SplitMLP(), 4, 2**30, example_batch=(torch.randn(8, 16), None), tensor_parallel_size=2)
+
+
+def test_a_tied_parameter_split_on_one_of_its_stages_only_is_refused_before_its_copies_sync(
+    rank_zero_of_two, monkeypatch
+):
+    """An embedding tied to a head that the user's plan splits by output columns while the embedding stays whole: each
+    holder learns the other's layout and refuses before the first broadcast of the tie, naming it and the fix."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from lightning_gpipe.engine import ties as ties_module
+    from lightning_gpipe.engine.ties import Tie, TiedParameters, check_layouts, layout
+    from lightning_gpipe.faults import Job
+
+    embedding, head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+    head.weight = embedding.weight
+    parallelize_module(head, rank_zero_of_two, ColwiseParallel())
+    split = layout(head.weight)
+    assert layout(embedding.weight) == "whole" and split == "split as (Shard(dim=0),) over 2 ranks"
+    tie = Tie(("backbone.0.weight", "head.weight"), (0, 1), (0, 1))
+    check_layouts(tie, [split, split])  # alike: nothing to refuse
+    message = r"backbone\.0\.weight = head\.weight, tied across stages 0, 1, is laid out differently .*\(stage 0: whole"
+    with pytest.raises(ValueError, match=message + r".* ColwiseParallel, and the Embedding .* RowwiseParallel"):
+        check_layouts(tie, ["whole", split])
+    module = nn.Module()
+    module.backbone = nn.Sequential(embedding)
+    held = TiedParameters([tie], module, Topology(2, 2), rank=0, job=Job())
+    sent = []
+    monkeypatch.setattr(
+        ties_module.waiting, "broadcast_object", lambda job, obj, src, group: obj if src == 0 else split
+    )
+    monkeypatch.setattr(ties_module.waiting, "broadcast", lambda *args: sent.append(args))
+    with pytest.raises(ValueError, match=message):
+        held.synchronize()
+    assert sent == []

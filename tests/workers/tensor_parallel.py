@@ -1,11 +1,12 @@
 """Distributed worker: tensor parallelism inside the stages (``tensor_parallel_size``) on 4 processes.
 
 Usage: python tensor_parallel.py OUT_DIR [--runs NAME ...]  (4 processes, started by Lightning's launcher)
-Runs every run of :data:`tensor_parallel.RUNS` and :data:`tensor_parallel.CHECKPOINTED` by default. For each, global
-rank 0 writes OUT_DIR/NAME.pt: its module's whole state after fit (plain tensors again) and the training loss it saw
-after every step; every rank of a run of :data:`tensor_parallel.RUNS` writes OUT_DIR/NAME_rank{r}.pt, what it held
-during training: its parameters' local and whole element counts and whether each was a ``DTensor``. A run of
-:data:`tensor_parallel.CHECKPOINTED` without a source writes its full checkpoint after 4 steps.
+Runs every run of :data:`tensor_parallel.RUNS`, :data:`tensor_parallel.MIXED` and :data:`tensor_parallel.CHECKPOINTED`
+by default. For each, global rank 0 writes OUT_DIR/NAME.pt: its module's whole state after fit (plain tensors again)
+and the training loss it saw after every step; every rank of a run of :data:`tensor_parallel.RUNS` writes
+OUT_DIR/NAME_rank{r}.pt, what it held during training: its parameters' local and whole element counts and whether each
+was a ``DTensor``. A run of :data:`tensor_parallel.CHECKPOINTED` without a source writes its full checkpoint after 4
+steps.
 """
 
 import argparse
@@ -22,6 +23,7 @@ from sharded import HF_STEPS, ReplicaLosses, ShardsHeld, hf_global_batches, hf_s
 from tensor_parallel import (  # noqa: E402
     CHECKPOINTED,
     HF_RUNS,
+    MIXED,
     RUNS,
     STEPS,
     SplitMLP,
@@ -88,13 +90,13 @@ def hf_run(name: str, out: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--runs", nargs="+", default=[*RUNS, *CHECKPOINTED, *HF_RUNS])
+    parser.add_argument("--runs", nargs="+", default=[*RUNS, *MIXED, *CHECKPOINTED, *HF_RUNS])
     args = parser.parse_args()
     for each in args.runs:
         if each in HF_RUNS:
             hf_run(each, args.out)
-        elif each in RUNS:
-            fit(each, args.out, *RUNS[each], STEPS)
+        elif each in RUNS or each in MIXED:
+            fit(each, args.out, *(RUNS.get(each) or MIXED[each]), STEPS)
         else:
             options, resume = CHECKPOINTED[each]
             fit(each, args.out, options, {}, STEPS if resume else 4, resume)
