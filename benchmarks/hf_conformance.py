@@ -1,6 +1,7 @@
 """Conformance of ``lightning_gpipe.hf`` over every causal-LM class of the installed ``transformers`` that declares a
 pipeline plan (``config.base_model_pp_plan``, transformers PR #36091), and (``--seq2seq``) over every
-``AutoModelForSeq2SeqLM`` class: equal, refused or wrong.
+``AutoModelForSeq2SeqLM`` class, and (``--all``) over every causal-LM class, declared plan or not: equal, refused or
+wrong.
 
 For each model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` whose config class declares a plan, a tiny config (the
 type's default config, fixed where ``transformers``' own default cannot build or run its model, see
@@ -13,6 +14,11 @@ type's default config, fixed where ``transformers``' own default cannot build or
   tensor's largest entry where that exceeds 1);
 - ``wrong``: taken, but something differs (the worst tensor named): the adapter would train another model.
 
+With ``--all`` the types are every one of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` with a config (196 in ``transformers``
+5.24), each class trained by ``lightning_gpipe.hf.CausalLM``: a class cut as an encoder (a BERT-style causal-LM head
+without ``is_decoder=True``) is refused, as ``CausalLM`` refuses it; a class whose own forward fails on the probe
+counts as wrong, its error named (the self-check ran its forward already).
+
 With ``--seq2seq`` the types are those of ``MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES`` (none declares a plan),
 each class trained by ``lightning_gpipe.hf.Seq2SeqLM``; the probe adds labels of 2 rows of 7 tokens (the last 2 of
 the second unlabelled), from which both sides shift the decoder's input.
@@ -23,6 +29,7 @@ Run from the repository root (a few minutes on one CPU thread)::
     python benchmarks/hf_conformance.py --only gpt_neox phi qwen3_next
     python benchmarks/hf_conformance.py --json out.json
     python benchmarks/hf_conformance.py --seq2seq       # every AutoModelForSeq2SeqLM class
+    python benchmarks/hf_conformance.py --all           # every causal-LM class, declared plan or not
 
 tests/unit/test_transformers_plan.py runs :func:`conform` on a representative few; docs/transformers.md gives the
 counts.
@@ -79,6 +86,18 @@ def declaring_types() -> list[tuple[str, str]]:
         (model_type, name)
         for model_type, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
         if model_type in CONFIG_MAPPING and getattr(CONFIG_MAPPING[model_type], "base_model_pp_plan", None)
+    ]
+
+
+def causal_lm_types() -> list[tuple[str, str]]:
+    """``(model_type, class name)`` of every causal LM with a config, declared plan or not."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return [
+        (model_type, name)
+        for model_type, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()
+        if model_type in CONFIG_MAPPING
     ]
 
 
@@ -193,19 +212,27 @@ def conform(model_type: str, seq2seq: bool = False) -> Result:
         detail = str(error) if isinstance(error, UnsupportedModelError) else f"tiny config: {error!r}"
         return Result(model_type, name, "refused", None, detail, time.perf_counter() - start)
     try:
-        family = check_class(model_class, config).name
+        family = check_class(model_class, config)
     except UnsupportedModelError as refusal:
         return Result(model_type, name, "refused", None, str(refusal), time.perf_counter() - start)
-    with torch.random.fork_rng():
-        tensor, difference = (compare_seq2seq if seq2seq else compare)(model_class, config)
+    if family.encoder or family.seq2seq != seq2seq:  # the module for the other kind refuses it (_check_family)
+        detail = f"cut as {'an encoder' if family.encoder else 'an encoder-decoder'} by the {family.name} family"
+        return Result(model_type, name, "refused", family.name, detail, time.perf_counter() - start)
+    try:
+        with torch.random.fork_rng():
+            tensor, difference = (compare_seq2seq if seq2seq else compare)(model_class, config)
+    except Exception as error:  # taken, but its cut fails where the self-check ran its forward: wrong
+        return Result(model_type, name, "wrong", family.name, f"error: {error!r}", time.perf_counter() - start)
     verdict = "equal" if difference <= TOLERANCE else "wrong"
     detail = f"{tensor}: {difference:.2g}"
-    return Result(model_type, name, verdict, family, detail, time.perf_counter() - start)
+    return Result(model_type, name, verdict, family.name, detail, time.perf_counter() - start)
 
 
-def _own_reason(message: str) -> str:
-    """A refusal's reason for the table: what the encoder-decoder family says of it (the message lists every
-    family's), else the message."""
+def _own_reason(message: str, seq2seq: bool) -> str:
+    """A refusal's reason for the table: with ``seq2seq`` what the encoder-decoder family says of it (the message
+    lists every family's), else the message after the class's name."""
+    if not seq2seq:
+        return message.partition(": ")[2] or message
     return message.partition("not the encoder-decoder layout: ")[2].split("; and no registered family")[0] or message
 
 
@@ -214,6 +241,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="model types (default: every declaring one)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--seq2seq", action="store_true", help="every AutoModelForSeq2SeqLM class instead")
+    parser.add_argument("--all", action="store_true", help="every causal-LM class, declared plan or not")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     from transformers.utils import logging
@@ -222,17 +250,18 @@ def main() -> None:
     import transformers
 
     torch.set_num_threads(1)
-    types = args.only or [model_type for model_type, _ in (seq2seq_types() if args.seq2seq else declaring_types())]
+    listed = seq2seq_types() if args.seq2seq else causal_lm_types() if args.all else declaring_types()
+    types = args.only or [model_type for model_type, _ in listed]
     results = []
     print("model_type | class | verdict | family | detail")
     for model_type in types:
         result = conform(model_type, args.seq2seq)
         results.append(result)
-        detail = result.detail if result.verdict != "refused" else _own_reason(result.detail)[:160]
+        detail = result.detail if result.verdict != "refused" else _own_reason(result.detail, args.seq2seq)[:300]
         print(f"{model_type} | {result.model_class} | {result.verdict} | {result.family} | {detail}", flush=True)
     counts = {verdict: sum(r.verdict == verdict for r in results) for verdict in ("equal", "refused", "wrong")}
     share = counts["equal"] / len(results)
-    kind = "seq2seq" if args.seq2seq else "declaring"
+    kind = "seq2seq" if args.seq2seq else "causal-LM" if args.all else "declaring"
     print(f"transformers {transformers.__version__}: {len(results)} {kind} classes, {counts}, {share:.1%} equal")
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))

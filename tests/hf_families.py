@@ -23,6 +23,10 @@ first tests, the classes are chosen for what each exercises of the adapter:
   the whole padding mask (over the cached positions when decoding), a norm on the embeddings, tied embeddings.
 - GLM-MoE-DSA: each block's indexer takes the top-k indices the previous block chose (``prev_topk_indices``), an
   integer tensor carried from block to block, across the stages; latent attention, dense and sparse MLPs.
+- Mamba: no plan, the GPT-2-like layout (``backbone.embeddings``, ``layers``, ``norm_f``) with recurrent blocks
+  (``linear_attention``: a convolution and a selective scan, the padding zeroed by the mask), tied embeddings; in
+  decoding each stage keeps its blocks' convolution and recurrent states. Jamba: Mamba and attention layers in turn
+  (``attn_layer_period=2``), the attention layer's feed-forward a mixture of 4 experts (no load-balancing loss).
 """
 
 VOCAB = 61
@@ -180,6 +184,23 @@ FAMILIES = {
             mlp_layer_types=["dense", "sparse", "sparse"],
             layer_types=["indexed_attention"] * 3,
             indexer_types=["full", "full", "full"],
+        ),
+    ),  # fmt: skip
+    "mamba": (
+        "MambaForCausalLM",
+        "CausalLM",
+        dict(model_type="mamba", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, state_size=8, **ENDS),
+    ),
+    "jamba": (
+        "JambaForCausalLM",
+        "CausalLM",
+        dict(
+            model_type="jamba",
+            **DECODER,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            num_experts=4,
+            mamba_d_state=8,
         ),
     ),  # fmt: skip
     "roberta_mlm": (

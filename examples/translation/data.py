@@ -26,6 +26,7 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from translation.conventions import Convention
 from translation.vocabulary import language_token, load_tokenizer
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -65,8 +66,9 @@ class Pair:
     """One tokenized sentence pair.
 
     Attributes:
-        source: source ids with the target-language token first and ``</s>`` last.
-        target: target ids, without begin or end token.
+        source: source ids, ``</s>`` last, after what the model's convention puts first (the example's target-language
+            token; see :class:`~translation.conventions.Convention`).
+        target: target ids, without begin or end token (NLLB's and mBART-50's after the target's language code).
         direction: ``"en-de"`` style.
         reference: the raw target sentence (for BLEU).
     """
@@ -77,30 +79,36 @@ class Pair:
     reference: str
 
 
-def make_pairs(rows: datasets.Dataset, directions: list[str], tokenizer, max_length: int | None = None) -> list[Pair]:
-    """Tokenize every row of ``rows`` once per direction.
+def make_pairs(
+    rows: datasets.Dataset, directions: list[str], convention: Convention, max_length: int | None = None
+) -> list[Pair]:
+    """Tokenize every row of ``rows`` once per direction, with the model's language convention.
 
     Args:
         rows: a split with one text column per language.
         directions: ``"src-tgt"`` names; a direction listed twice yields its pairs twice (oversampling).
-        tokenizer: the shared ``PreTrainedTokenizerFast``.
-        max_length: drop pairs whose source (with its two special tokens) or target (with one) is longer,
+        convention: the model's :class:`~translation.conventions.Convention` (its tokenizer, and what it reads
+            before and after each sentence: the example's ``<2de>`` token first, T5's task prefix, NLLB's codes).
+        max_length: drop pairs whose source (with what the convention adds) or target (with ``</s>``) is longer,
             in tokens; ``None`` keeps all.
 
     Raises:
-        ValueError: for a direction whose languages are not in ``vocabulary.LANGUAGES``.
+        ValueError: for a direction whose languages are not in ``vocabulary.LANGUAGES``, or that the convention's
+            tokenizer cannot express (:meth:`~translation.conventions.Convention.check`).
     """
+    tokenizer = convention.tokenizer
     languages = sorted({language for direction in directions for language in _split_direction(direction)})
+    convention.check(directions)
     texts = {language: list(rows[language]) for language in languages}
     ids = {language: tokenizer(texts[language], add_special_tokens=False)["input_ids"] for language in languages}
-    eos = tokenizer.eos_token_id
     pairs = []
     for direction in directions:
         source, target = _split_direction(direction)
-        tag = tokenizer.convert_tokens_to_ids(language_token(target))
+        (head, tail), start = convention.source_ends(source, target), convention.target_start(target)
         for src, tgt, reference in zip(ids[source], ids[target], texts[target], strict=True):
-            if max_length is None or (len(src) + 2 <= max_length and len(tgt) + 1 <= max_length):
-                pairs.append(Pair([tag, *src, eos], tgt, direction, reference))
+            src, tgt = [*head, *src, *tail], [*start, *tgt]
+            if max_length is None or (len(src) <= max_length and len(tgt) + 1 <= max_length):
+                pairs.append(Pair(src, tgt, direction, reference))
     return pairs
 
 
@@ -144,8 +152,9 @@ def collate(pairs: list[Pair], bos_id: int, eos_id: int, pad_id: int) -> dict:
 
     Returns:
         ``{"src": (N, S) long, "tgt_in": (N, T) long, "tgt_out": (N, T) long, "directions": [str] * N,
-        "references": [str] * N}``: ``tgt_in`` is ``<s>`` + target (decoder input), ``tgt_out`` is
-        target + ``</s>`` (what the decoder must predict); padding is ``pad_id``.
+        "references": [str] * N}``: ``tgt_in`` is ``<s>`` (``bos_id``) + target (the example's decoder input; a
+        Hugging Face model shifts ``tgt_out`` right itself), ``tgt_out`` is target + ``</s>`` (what the decoder must
+        predict); padding is ``pad_id``.
     """
     src = _pad([pair.source for pair in pairs], pad_id)
     tgt_in = _pad([[bos_id, *pair.target] for pair in pairs], pad_id)
@@ -172,12 +181,13 @@ class BatchDataset(Dataset):
 
     Args:
         batches: pairs grouped by :func:`bucket`.
-        tokenizer: gives the begin, end and padding ids.
+        tokenizer: gives the begin (the padding id for a tokenizer without one, T5's), end and padding ids.
     """
 
     def __init__(self, batches: list[list[Pair]], tokenizer) -> None:
         self.batches = batches
-        self.ids = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        bos, pad = tokenizer.bos_token_id, tokenizer.pad_token_id
+        self.ids = (pad if bos is None else bos, tokenizer.eos_token_id, pad)
 
     def __len__(self) -> int:
         """Number of batches."""
@@ -204,7 +214,12 @@ class TranslationDataModule(LightningDataModule):
             ``datasets.load_dataset(dataset_name)`` (needs network access, or a copy in the Hugging Face cache),
             e.g. :data:`HUB_DATASET`. Default (neither): the subset shipped next to this file. A split missing
             under its name is looked up under its :data:`SPLIT_ALIASES` name.
-        tokenizer_file: the shared vocabulary (``tokenizer.json``). Default: the shipped one.
+        tokenizer_file: the shared vocabulary (``tokenizer.json``), or a Hugging Face model's directory holding its
+            tokenizer (``AutoTokenizer.from_pretrained``). Default: the shipped one.
+        model_type: the Hugging Face model type whose language convention the sources and targets follow (T5's task
+            prefix, NLLB's and mBART-50's language codes; see :mod:`translation.conventions`). Default (``None``):
+            the example's own model, the target-language token before the source. ``train.py`` sets it from
+            ``--model``.
         train_directions: directions to train on; a direction listed twice is seen twice per epoch.
             Default (``None``): those of :data:`DIRECTIONS` whose languages the data holds (all six in the
             shipped subset and a ``prepare.py`` directory; en-de and de-en in :data:`HUB_DATASET`).
@@ -218,6 +233,7 @@ class TranslationDataModule(LightningDataModule):
         predict_file: a UTF-8 text file of sentences to translate with ``predict``, one per line (after
             ``predict_sentences``, if both are given). Default: none.
         predict_target: language to translate them into. Default ``"de"``.
+        predict_source: their language (what a Hugging Face model's convention names). Default ``"en"``.
         seed: seed of the bucketing and of the batch order. Default 0.
         num_workers: DataLoader worker processes. Default 0.
         train_split: name of the training split. Default ``"train"``.
@@ -234,6 +250,7 @@ class TranslationDataModule(LightningDataModule):
         data_dir: str | None = None,
         dataset_name: str | None = None,
         tokenizer_file: str | None = None,
+        model_type: str | None = None,
         train_directions: list[str] | None = None,
         val_directions: list[str] | None = None,
         max_tokens: int = 4096,
@@ -243,6 +260,7 @@ class TranslationDataModule(LightningDataModule):
         predict_sentences: list[str] | None = None,
         predict_file: str | None = None,
         predict_target: str = "de",
+        predict_source: str = "en",
         seed: int = 0,
         num_workers: int = 0,
         train_split: str = "train",
@@ -251,6 +269,7 @@ class TranslationDataModule(LightningDataModule):
         super().__init__()
         self.save_hyperparameters()
         self.tokenizer = load_tokenizer(tokenizer_file)
+        self.convention = Convention(self.tokenizer, model_type)
         self.train_set: BatchDataset | None = None
         self.val_set: BatchDataset | None = None
 
@@ -281,12 +300,12 @@ class TranslationDataModule(LightningDataModule):
             if stage == "fit":
                 train = self._split(splits, hp.train_split)
                 directions = hp.train_directions or available_directions(train)
-                pairs = make_pairs(train, directions, self.tokenizer, hp.max_length)
+                pairs = make_pairs(train, directions, self.convention, hp.max_length)
                 self.train_set = BatchDataset(bucket(pairs, hp.max_tokens, hp.seed), self.tokenizer)
             rows = self._split(splits, hp.val_split)
             if hp.val_rows is not None:
                 rows = rows.select(range(min(hp.val_rows, len(rows))))
-            pairs = make_pairs(rows, hp.val_directions or available_directions(rows), self.tokenizer)
+            pairs = make_pairs(rows, hp.val_directions or available_directions(rows), self.convention)
             self.val_set = BatchDataset(bucket(pairs, hp.val_max_tokens, hp.seed), self.tokenizer)
 
     def train_dataloader(self) -> DataLoader:
@@ -300,17 +319,21 @@ class TranslationDataModule(LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         """``predict_sentences`` and the lines of ``predict_file`` in their order, as batches ``{"src": (N, S)
-        long}`` to translate into ``predict_target``."""
+        long, "directions": [str] * N}`` to translate from ``predict_source`` into ``predict_target``."""
         hp = self.hparams
         sentences = list(hp.predict_sentences or [])
         if hp.predict_file is not None:
             sentences += Path(hp.predict_file).read_text(encoding="utf-8").splitlines()
-        tag = self.tokenizer.convert_tokens_to_ids(language_token(hp.predict_target))
+        direction = f"{hp.predict_source}-{hp.predict_target}"
+        _split_direction(direction)
+        self.convention.check([direction])
+        head, tail = self.convention.source_ends(hp.predict_source, hp.predict_target)
         ids = self.tokenizer(sentences, add_special_tokens=False)["input_ids"]
-        sources = [[tag, *sentence, self.tokenizer.eos_token_id] for sentence in ids]
+        sources = [[*head, *sentence, *tail] for sentence in ids]
+        batches = [sources[i : i + 32] for i in range(0, len(sources), 32)]
         pad = self.tokenizer.pad_token_id
         return DataLoader(
-            [{"src": _pad(sources[i : i + 32], pad)} for i in range(0, len(sources), 32)], batch_size=None
+            [{"src": _pad(batch, pad), "directions": [direction] * len(batch)} for batch in batches], batch_size=None
         )
 
     def _splits(self) -> list[str]:

@@ -14,15 +14,11 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
-from lightning.pytorch import LightningModule
-from torch import Tensor, nn
-from torchmetrics import MeanMetric
-from torchmetrics.text import Perplexity, SacreBLEUScore
+from torch import Tensor
 
-from translation.data import DIRECTIONS
 from translation.decoding import beam_search, greedy
 from translation.model import transformer
+from translation.scoring import Translator
 from translation.vocabulary import load_tokenizer
 
 
@@ -67,7 +63,7 @@ DECODING = ("decode", "max_new_tokens", "beam_size", "length_penalty", "kv_cache
 names, left out of its saved hyperparameters (a checkpoint does not fix them)."""
 
 
-class TranslationModule(LightningModule):
+class TranslationModule(Translator):
     """One encoder-decoder Transformer for every translation direction, selected by a ``<2xx>`` source token.
 
     Args:
@@ -154,44 +150,21 @@ class TranslationModule(LightningModule):
             dropout=dropout,
             tie_embeddings=tie_embeddings,
         )
-        # metrics rather than tensors at epoch level: exact over several pipeline replicas, and no warning with one
-        self.val_loss = MeanMetric()
-        self.val_ppl = Perplexity(ignore_index=self.pad_id)
-        self.val_bleu = nn.ModuleDict({_key(direction): SacreBLEUScore() for direction in DIRECTIONS})
-        self.val_bleu_percent = nn.ModuleDict({key: bleu * 100 for key, bleu in self.val_bleu.items()})
+        self.add_metrics()
 
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         """Run the backbone on source and shifted target; log and return the label-smoothed loss per token."""
-        logits = self.backbone((batch["src"], batch["tgt_in"]))
-        loss = self._cross_entropy(logits, batch["tgt_out"], self.hparams.label_smoothing)
+        loss = self.cross_entropy(self.target_logits(batch), batch["tgt_out"], self.hparams.label_smoothing)
         self.log("train_loss", loss, prog_bar=True)
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss
 
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
-        """Translate the batch (if ``decode``) and score BLEU per direction, then log loss and perplexity."""
-        if self.decode:
-            hypotheses = self.translate(batch["src"])
-            for direction in set(batch["directions"]):
-                rows = [i for i, d in enumerate(batch["directions"]) if d == direction]
-                self.val_bleu[_key(direction)].update(
-                    [hypotheses[i] for i in rows], [[batch["references"][i]] for i in rows]
-                )
-        logits = self.backbone((batch["src"], batch["tgt_in"]))
-        tokens = int((batch["tgt_out"] != self.pad_id).sum())
-        self.val_loss(self._cross_entropy(logits, batch["tgt_out"], 0.0), weight=tokens)
-        self.log("val_loss", self.val_loss, prog_bar=True)
-        self.val_ppl(logits, batch["tgt_out"])
-        self.log("val_ppl", self.val_ppl)
+    def target_logits(self, batch: dict) -> Tensor:
+        """The backbone's ``(N, T, vocab)`` logits of ``(batch["src"], batch["tgt_in"])``."""
+        return self.backbone((batch["src"], batch["tgt_in"]))
 
-    def on_validation_epoch_end(self) -> None:
-        """Log the corpus SacreBLEU (0-100) of every direction that was decoded; Lightning then resets the scores."""
-        for key, bleu in self.val_bleu.items():
-            if bleu.update_count:
-                self.log(f"val_bleu_{key}", self.val_bleu_percent[key], prog_bar=key in ("en_de", "de_en"))
-
-    def predict_step(self, batch: dict, batch_idx: int) -> list[str]:
-        """Translate ``batch["src"]`` (ids with the target-language token first) through the pipeline."""
+    def translate_batch(self, batch: dict) -> list[str]:
+        """:meth:`translate` ``batch["src"]`` (each row's target language is its first token)."""
         return self.translate(batch["src"])
 
     @torch.no_grad()
@@ -233,14 +206,3 @@ class TranslationModule(LightningModule):
             factor = cooldown(factor, hp.cooldown_steps, lambda: self.trainer.max_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def _cross_entropy(self, logits: Tensor, targets: Tensor, label_smoothing: float) -> Tensor:
-        """Mean cross-entropy over the non-padding target tokens of ``(N, T, vocab)`` logits."""
-        return F.cross_entropy(
-            logits.flatten(0, 1), targets.flatten(), ignore_index=self.pad_id, label_smoothing=label_smoothing
-        )
-
-
-def _key(direction: str) -> str:
-    """``"en-de"`` -> ``"en_de"`` (module and metric names cannot hold ``-``)."""
-    return direction.replace("-", "_")

@@ -13,6 +13,10 @@ Usage (from the repository root)::
         --data.predict_target=de --translations.output_file=sentences.de --model.beam_size=4
     python examples/translation/train.py validate --ckpt_path=PATH.ckpt --data.data_dir=PATH/TO/multi30k \\
         --data.val_split=test_2016_flickr --data.val_rows=null --data.val_directions=[en-de]
+    python examples/translation/train.py fit --model=examples/translation/configs/seq2seq_t5.yaml  # a T5 config
+    python examples/translation/train.py fit --model=Seq2SeqTranslation --model.config=bart   # BART's default sizes
+    python examples/translation/train.py fit --model=Seq2SeqTranslation --model.pretrained=PATH/TO/nllb-200 \\
+        --model.lr=1e-4 --data.train_directions=[en-de]
 
 Defaults (``configs/cpu.yaml`` writes them out): a pre-LayerNorm Transformer
 (d_model 256, 3 + 3 layers) for the six directions en<->de, en<->fr, en<->cs of
@@ -24,6 +28,13 @@ checkpoints under ``<default_root_dir>/lightning_logs/translation/version_N/``
 (``default_root_dir``: the working directory unless ``--trainer.default_root_dir``
 is given; a ``--trainer.logger.save_dir`` of your own replaces
 ``<default_root_dir>/lightning_logs``).
+
+``--model`` chooses the module (LightningCLI's subclass mode; without it, the example's own
+``TranslationModule``): ``--model=Seq2SeqTranslation`` (``seq2seq.py``) trains a Hugging Face encoder-decoder
+instead, from a pretrained directory (``--model.pretrained``, with the tokenizer it ships) or from a config
+(``--model.config``: a dict, a JSON file or a model type) with the shipped tokenizer, on the same batches, in the
+model's language convention (``conventions.py``; the CLI sets ``--data.model_type`` and, for a pretrained model,
+``--data.tokenizer_file``), scored by the same SacreBLEU.
 """
 
 import sys
@@ -39,6 +50,8 @@ from lightning_gpipe.lightning.callbacks import PipelineThroughput
 from translation.callbacks import WriteTranslations, batch_tokens
 from translation.data import TranslationDataModule
 from translation.module import TranslationModule
+from translation.scoring import Translator
+from translation.seq2seq import Seq2SeqTranslation, model_type_of
 
 TRAINER_DEFAULTS = {
     "strategy": "gpipe",
@@ -65,13 +78,28 @@ and stage efficiency (logged every ``log_every_n_steps``)."""
 
 
 class TranslationCLI(ExampleCLI):
-    """LightningCLI whose ``--data.tokenizer_file`` also sets the model's vocabulary, and whose
-    ``--translations.output_file`` says where ``predict`` writes (standard output by default)."""
+    """LightningCLI whose ``--model`` is a :class:`~translation.scoring.Translator` (``TranslationModule`` unless
+    given), whose ``--data.tokenizer_file`` also sets the model's vocabulary, and whose ``--translations.output_file``
+    says where ``predict`` writes (standard output by default)."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        """Link the data module's tokenizer file to the model's; add the ``WriteTranslations`` callback's options."""
-        parser.link_arguments("data.tokenizer_file", "model.tokenizer_file")
+        """The default model class; link the data module's tokenizer file to the model's; add the
+        ``WriteTranslations`` callback's options."""
+        parser.set_defaults({"model": {"class_path": f"{TranslationModule.__module__}.TranslationModule"}})
+        parser.link_arguments("data.tokenizer_file", "model.init_args.tokenizer_file")
         parser.add_lightning_class_args(WriteTranslations, "translations")
+
+    def before_instantiate_classes(self) -> None:
+        """For a :class:`~translation.seq2seq.Seq2SeqTranslation`, batches in its model's language convention
+        (``--data.model_type``) and, from a pretrained directory without ``--data.tokenizer_file``, with its
+        tokenizer."""
+        super().before_instantiate_classes()
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if config.model.class_path == f"{Seq2SeqTranslation.__module__}.Seq2SeqTranslation":
+            model = config.model.init_args
+            if model.pretrained is not None and config.data.tokenizer_file is None:
+                config.data.tokenizer_file = model.pretrained
+            config.data.model_type = model_type_of(model.pretrained, model.config)
 
 
 def main(args: list[str] | None = None, run: bool = True) -> TranslationCLI:
@@ -86,8 +114,9 @@ def main(args: list[str] | None = None, run: bool = True) -> TranslationCLI:
         The CLI, with the ``model``, ``datamodule`` and ``trainer`` it built.
     """
     return TranslationCLI(
-        TranslationModule,
+        Translator,
         TranslationDataModule,
+        subclass_mode_model=True,
         trainer_defaults={**TRAINER_DEFAULTS, **CALLBACKS},
         seed_everything_default=0,
         args=args,

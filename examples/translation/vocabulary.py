@@ -9,7 +9,7 @@ Huang et al. 2019, section 5). ``train_tokenizer.py`` learns it;
 
 from pathlib import Path
 
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 LANGUAGES = ("en", "de", "fr", "cs")
 """The Multi30k languages (ISO 639-1), also the column names of the data files."""
@@ -35,15 +35,19 @@ def language_token(language: str) -> str:
     return f"<2{language}>"
 
 
-def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerFast:
-    """Load a ``tokenizer.json`` written by ``train_tokenizer.py`` as a ``PreTrainedTokenizerFast``.
+def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerBase:
+    """Load a ``tokenizer.json`` written by ``train_tokenizer.py`` as a ``PreTrainedTokenizerFast``, or the tokenizer
+    a Hugging Face model's directory ships (``AutoTokenizer.from_pretrained``, for ``train.py fit
+    --model=Seq2SeqTranslation --model.pretrained=DIR``).
 
     Args:
-        path: the file; default :data:`DEFAULT_TOKENIZER`.
+        path: the file, or a model's directory; default :data:`DEFAULT_TOKENIZER`.
 
     Raises:
-        ValueError: when a special token of :data:`SPECIAL_TOKENS` is missing from the vocabulary.
+        ValueError: when a special token of :data:`SPECIAL_TOKENS` is missing from a ``tokenizer.json``'s vocabulary.
     """
+    if path is not None and Path(path).is_dir():
+        return AutoTokenizer.from_pretrained(str(path))
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_file=str(path or DEFAULT_TOKENIZER), pad_token=PAD, unk_token=UNK, bos_token=BOS, eos_token=EOS
     )

@@ -8,7 +8,8 @@ BART, Marian, M2M100...), :class:`~lightning_gpipe.hf.module.MaskedLM` and
 :class:`~lightning_gpipe.hf.module.SequenceClassifier` fine-tune one with ``GPipeStrategy`` (every weight, or LoRA
 adapters with ``lora=``), each stage building its layers on the meta device and loading only its own weights;
 :func:`greedy_generate` decodes through the pipeline, each stage keeping its own blocks' key/value caches
-(:func:`seq2seq_greedy_generate` an encoder-decoder's, without caches). Needs ``transformers`` 5.24 or newer (``peft``
+(:func:`seq2seq_greedy_generate` and :func:`seq2seq_beam_search` an encoder-decoder's, its self- and cross-attention
+caches). Needs ``transformers`` 5.24 or newer (``peft``
 for LoRA). Guide: docs/transformers.md.
 
 Importing it with an older ``transformers`` (or none) raises ``ImportError`` naming the ``pip`` command that fixes it:
@@ -35,11 +36,11 @@ from lightning_gpipe.hf.module import (
     SequenceClassifier,
     greedy_generate,
     lr_factor,
-    seq2seq_greedy_generate,
 )
 from lightning_gpipe.hf.moe import RouterLoss
 from lightning_gpipe.hf.packing import pack_documents, packed_batch
 from lightning_gpipe.hf.selfcheck import SelfCheckError
+from lightning_gpipe.hf.seq2seq_generate import seq2seq_beam_search, seq2seq_greedy_generate
 from lightning_gpipe.hf.weights import SafetensorsWeights, save_stage_shards
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "positions_from_mask",
     "register_family",
     "save_stage_shards",
+    "seq2seq_beam_search",
     "seq2seq_greedy_generate",
     "to_sequential",
 ]

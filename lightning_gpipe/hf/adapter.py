@@ -10,9 +10,10 @@ mechanism (:mod:`lightning_gpipe.engine.ties`) finds by itself.
 Which layers a model is cut into is its :class:`Family`'s business. Models are recognised by what ``transformers``
 declares and by their structure, not their class name: first the pipeline plan a decoder declares (below), then the
 standard decoder layout of ``transformers`` 5 (:mod:`lightning_gpipe.hf.decoder_layout`), the GPT-2-like decoders
-that declare no plan (:mod:`lightning_gpipe.hf.gpt2_like`: Bloom, Falcon, MPT, GPT-BigCode, XGLM), the BERT-style
-encoders (:mod:`lightning_gpipe.hf.encoder`) and the encoder-decoders (:mod:`lightning_gpipe.hf.seq2seq`); GPT-2 is a
-family by name, and :func:`register_family` adds more.
+that declare no plan (:mod:`lightning_gpipe.hf.gpt2_like`: Bloom, Falcon, MPT, GPT-BigCode, XGLM; Mamba, Jamba and the
+other recurrent and hybrid decoders laid out alike), the BERT-style encoders (:mod:`lightning_gpipe.hf.encoder`) and
+the encoder-decoders (:mod:`lightning_gpipe.hf.seq2seq`); GPT-2 is a family by name, and :func:`register_family` adds
+more.
 Before a class is cut for the first time in a process, the self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves
 its cut on a miniature built from the same config, so a class that looks standard and is not is refused rather than
 trained
@@ -296,8 +297,8 @@ FAMILIES: list[Family] = [
 declared pipeline plan says (:func:`declared_decoder`: ``config.base_model_pp_plan``, the
 first source); then by structure, the standard decoder layout
 (:func:`~lightning_gpipe.hf.decoder_layout.standard_decoder`, the fallback), the GPT-2-like decoders without a plan
-(:func:`~lightning_gpipe.hf.gpt2_like.gpt2_like_decoder`: Bloom, Falcon, MPT, GPT-BigCode, XGLM), the BERT-style
-encoders (:func:`~lightning_gpipe.hf.encoder.standard_encoder`) and the encoder-decoders
+(:func:`~lightning_gpipe.hf.gpt2_like.gpt2_like_decoder`: Bloom, Falcon, MPT, GPT-BigCode, XGLM, Mamba, Jamba...), the
+BERT-style encoders (:func:`~lightning_gpipe.hf.encoder.standard_encoder`) and the encoder-decoders
 (:func:`~lightning_gpipe.hf.seq2seq.encoder_decoder`: T5, BART, Marian, M2M100...)."""
 
 

@@ -20,8 +20,11 @@ several kinds: :mod:`lightning_gpipe.hf.decoder_layout`).
 from __future__ import annotations
 
 import inspect
+import math
+import sys
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import Any, cast
 
 import torch
@@ -310,10 +313,12 @@ class GPT2LikeBlock(CachedDecoderBlock):
     Rebuilds the causal 4-D mask from the ``(N, S)`` padding mask (boolean for MPT, whose attention fills where it is
     true), and gives the block what the model's forward gives it where it asks for it: ALiBi biases from the whole
     mask ``(N, past + S)`` with the base model's ``build_alibi_tensor`` (Bloom's ``alibi``, ``(N * heads, 1, past +
-    S)``; ``None`` for Falcon's rotary layout), MPT's ``position_bias`` (``build_mpt_alibi_tensor`` over
-    ``config.max_seq_len``), the rotary cos/sin from the positions (Falcon), the cache under the name it takes. With
-    ``rows``, decodes incrementally with its own key/value cache
-    (:class:`~lightning_gpipe.hf.kv_cache.CachedDecoderBlock`).
+    S)``; ``None`` for Falcon's rotary layout; with Falcon's ``alibi=True``, its forward's biases folded into the mask,
+    :meth:`_folded_alibi`), MPT's ``position_bias`` (``build_mpt_alibi_tensor`` over
+    ``config.max_seq_len``), the rotary cos/sin from the positions (Falcon), the cache under the name it takes (and
+    ``use_cache`` where it names it: a Mamba block passes its other arguments on to its mixer). With ``rows``, decodes
+    incrementally with its own cache (keys and values, a recurrent layer's states:
+    :class:`~lightning_gpipe.hf.kv_cache.CachedDecoderBlock`).
 
     Args:
         model: the model.
@@ -326,12 +331,33 @@ class GPT2LikeBlock(CachedDecoderBlock):
         self._block, self._rotary = block, rotary
         self._base = block.rsplit(".", 2)[0]
         self._arguments = set(inspect.signature(self.part(block).forward).parameters)
+        base = model.get_submodule(self._base)
+        own = callable(getattr(base, "build_alibi_tensor", None))  # Bloom's; else its modeling module's (Falcon's)
+        self._folds_alibi = "alibi" in self._arguments and not own and bool(getattr(model.config, "alibi", False))
+        if self._folds_alibi:  # always a 4-D mask to fold the biases into, as the model's forward builds it
+            self._mask = partial(self._mask, allow_is_causal_skip=False)
+
+    def _folded_alibi(self, base: Any, attention_mask: Tensor, hidden: Tensor, mask: Any) -> dict[str, Any]:
+        """Falcon's ALiBi with ``alibi=True``, as its forward computes it: the biases ``(N, heads, 1, past + S)`` of
+        the whole padding mask, by its modeling module's ``build_alibi_tensor``, folded into the 4-D mask (scaled by
+        ``1 / sqrt(head width)``, the dtype's minimum where the mask masks), both given to the block."""
+        alibi = sys.modules[type(base).__module__].build_alibi_tensor(attention_mask, base.num_heads, hidden.dtype)
+        if mask is None or mask.ndim != 4:
+            return {"alibi": alibi, "attention_mask": mask}
+        minimum = torch.finfo(hidden.dtype).min
+        if mask.dtype == torch.bool:
+            mask = torch.where(mask, torch.full((), 0.0, device=mask.device, dtype=hidden.dtype), minimum)
+        alibi = alibi.reshape(hidden.shape[0], -1, *alibi.shape[1:])
+        scaled = alibi / math.sqrt(self.config.hidden_size // base.num_heads)
+        return {"alibi": alibi, "attention_mask": torch.masked_fill(scaled, mask < -1, minimum)}
 
     def _extra(self, hidden: Tensor, attention_mask: Tensor, position_ids: Tensor, mask: Any) -> dict[str, Any]:
         """The block's arguments besides the hidden states and the cache (see the class docstring)."""
         base = cast(Any, self.hf_model.get_submodule(self._base))
         arguments: dict[str, Any] = {"attention_mask": mask}
-        if "alibi" in self._arguments:
+        if self._folds_alibi:
+            arguments.update(self._folded_alibi(base, attention_mask, hidden, mask))
+        elif "alibi" in self._arguments:
             build = getattr(base, "build_alibi_tensor", None)
             arguments["alibi"] = None if build is None else build(attention_mask, base.num_heads, hidden.dtype)
         if "position_bias" in self._arguments:
@@ -348,11 +374,9 @@ class GPT2LikeBlock(CachedDecoderBlock):
         hidden, attention_mask, position_ids, _, documents, rows = _unpack(value, None)
         cache, mask = self.cache_and_mask(hidden, attention_mask, position_ids, rows, documents)
         name = "layer_past" if "layer_past" in self._arguments else "cache"
+        given = {"use_cache": cache is not None} if "use_cache" in self._arguments else {}  # as the forward gives it
         output = self.part(self._block)(
-            hidden,
-            use_cache=cache is not None,
-            **{name: cache},
-            **self._extra(hidden, attention_mask, position_ids, mask),
+            hidden, **given, **{name: cache}, **self._extra(hidden, attention_mask, position_ids, mask)
         )
         output = output[0] if isinstance(output, tuple) else output
         return _pack(output, attention_mask, position_ids, documents, rows)

@@ -1,5 +1,6 @@
-"""The GPT-2-like decoders that declare no pipeline plan, recognised by structure: Bloom, Falcon, MPT, GPT-BigCode
-(StarCoder), XGLM.
+"""The decoders that declare no pipeline plan and are laid out as GPT-2 is, recognised by structure: Bloom, Falcon,
+MPT, GPT-BigCode (StarCoder), XGLM; and the recurrent and hybrid ones of that layout, whose layers carry a state:
+Mamba, Mamba-2, Falcon-Mamba, Jamba, Bamba, LFM2.
 
 Their base model (under ``base_model_prefix``, beside ``lm_head``) holds, in order: the token embedding (the model's
 ``get_input_embeddings()``), at most one position embedding taking the positions (GPT-BigCode's ``wpe``, XGLM's
@@ -13,27 +14,41 @@ which its forward never reads). :func:`gpt2_like_decoder` recognises that layout
 
 Each block layer computes what the model's forward gives its blocks besides the hidden states, the mask and the
 cache, where the block asks for it (:data:`ARGUMENTS`): ALiBi biases from the ``(N, S)`` mask with the base model's
-own ``build_alibi_tensor`` (Bloom's ``alibi``; Falcon's ``None`` with ``config.alibi=False``), MPT's
+own ``build_alibi_tensor`` (Bloom's ``alibi``; Falcon's ``None`` with ``config.alibi=False``; with ``alibi=True``
+its modeling module's ``build_alibi_tensor``, folded into the 4-D mask as its forward folds them), MPT's
 ``position_bias`` (its base model's ``build_mpt_alibi_tensor``, with the boolean mask its attention fills), the rotary
-cos/sin (Falcon). What stays refused: Falcon with ``alibi=True`` (its forward folds the ALiBi biases into the 4-D mask
-it gives every block), cross-attention (``add_cross_attention``), XGLM's ``layerdrop`` (layers skipped at random), and
-blocks that carry a state (recurrent layer types or an ``nn.Conv1d`` in a block: Mamba, Jamba, LFM2's ``conv``
-layers...), whose state an attention block's key/value cache does not hold.
+cos/sin (Falcon, Bamba, LFM2). The mask is the one ``transformers`` declares for the block's layer type
+(:mod:`lightning_gpipe.hf.masks`): for a recurrent layer (``linear_attention``: a Mamba mixer; ``conv``: LFM2's short
+convolution) the ``(N, S)`` padding mask, with which the mixer zeroes the padding before its convolution and scan. In
+training no cache is given, so every row's state starts at zero and runs along the row, as in the model's forward (a
+packed row's documents would share it: :class:`~lightning_gpipe.hf.module.CausalLM` refuses packed batches for
+these); in cached decoding the block's ``transformers.DynamicCache`` keeps the convolution and recurrent states of its
+rows (:class:`~lightning_gpipe.hf.kv_cache.CachedDecoderBlock`).
+
+What stays refused, naming why: ``alibi=True`` without a ``build_alibi_tensor`` of the base model or its modeling
+module, cross-attention (``add_cross_attention``), XGLM's ``layerdrop`` (layers skipped at random); a
+load-balancing loss (``output_router_logits=True``: Jamba's experts), which the layout does not carry; hybrid layer
+types (attention and a Mamba mixer in one block: Falcon-H1, whose mixers hold buffers its base model sets); a scalar
+buffer of the base model's own (RecurrentGemma's ``normalizer`` on the embeddings), which no layer holds; and an
+``nn.Conv1d`` in a block whose layer types name no recurrent layer (a state no cache would keep).
 The self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves the cut on a miniature before step 1.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any, cast
 
 from torch import nn
 
 from lightning_gpipe._torch import children
 from lightning_gpipe.hf.decoder import DecoderEmbedding, FinalNorm, GPT2LikeBlock, Head
+from lightning_gpipe.hf.decoder_cut import head_scaling, own_field
 from lightning_gpipe.hf.decoder_layout import ADVICE, ROTARY, base_model_reason, layer_types_reason
 from lightning_gpipe.hf.layer import PreTrainedModel
-from lightning_gpipe.hf.masks import unpackable_layer_types
+from lightning_gpipe.hf.masks import HYBRID, layer_type, unpackable_layer_types
+from lightning_gpipe.hf.moe import adds_load_balancing_loss
 
 ARGUMENTS = frozenset(
     ("hidden_states", "attention_mask", "layer_past", "cache", "use_cache", "output_attentions", "position_ids")
@@ -85,21 +100,34 @@ def _config_reason(model: nn.Module, blocks: nn.ModuleList) -> str | None:
     arguments = inspect.signature(block.forward).parameters
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     extra = [p.name for p in arguments.values() if p.kind in named and p.name not in ARGUMENTS]
+    hybrid = sorted({layer_type(config, i) for i in range(config.num_hidden_layers)} & set(HYBRID))
+    if hybrid:
+        return (
+            f"its layer types {hybrid} put attention and a recurrent mixer side by side in one block, which the"
+            " GPT-2-like layout does not take (Falcon-H1: its blocks take the recurrent mask apart,"
+            " `mamba_attention_mask`, and its mixers hold buffers that its base model sets in its own initialisation,"
+            " `mup_vector`, which a stage building only its own blocks would leave unset)"
+        )
     if extra:
         return f"its blocks ({type(block).__name__}) take {extra}, which the adapter does not compute. {ADVICE}"
-    if "alibi" in arguments and not callable(getattr(base, "build_alibi_tensor", None)):
-        if getattr(config, "alibi", False):
-            return "alibi=True: its forward folds the ALiBi biases into the 4-D mask it gives every block"
+    builders = (base, sys.modules.get(type(base).__module__))  # Bloom's method, Falcon's module function
+    if "alibi" in arguments and getattr(config, "alibi", False):
+        if not any(callable(getattr(owner, "build_alibi_tensor", None)) for owner in builders):
+            return "alibi=True, and neither its base model nor its modeling module has a build_alibi_tensor"
     if "position_bias" in arguments and not callable(getattr(base, "build_mpt_alibi_tensor", None)):
         return "its blocks take position_bias, and its base model has no build_mpt_alibi_tensor to compute it"
     unknown = layer_types_reason(config)
     if unknown is not None:
         return unknown
-    recurrent = unpackable_layer_types(config)
-    if recurrent or any(isinstance(module, nn.Conv1d) for module in blocks.modules()):
+    if not unpackable_layer_types(config) and any(isinstance(module, nn.Conv1d) for module in blocks.modules()):
         return (
-            f"its blocks carry a state ({recurrent or 'a convolution'}: a recurrent layer), which the cache of an"
-            " attention block does not hold"
+            "its blocks hold a convolution (nn.Conv1d), which carries a state from token to token, but its layer types"
+            " name no recurrent layer (linear_attention, conv...) whose state the cache would keep"
+        )
+    if getattr(config, "output_router_logits", False) and adds_load_balancing_loss(type(model)):
+        return (
+            "output_router_logits=True: its forward adds a load-balancing loss, which the GPT-2-like layout does not"
+            " carry through the pipeline (Jamba's experts): train without it, overrides={'output_router_logits': False}"
         )
     if getattr(config, "add_cross_attention", False):
         return "add_cross_attention=True: its blocks attend to an encoder's output, which a causal LM lacks"
@@ -125,6 +153,13 @@ def gpt2_like_decoder(model: nn.Module) -> str | None:
     saved = [name for name, _ in base.named_buffers(recurse=False) if name not in _unsaved(base)]
     if saved:
         return f"`{model.base_model_prefix}` holds the buffers {saved} itself, which no layer can hold"
+    scalars = [name for name, buffer in base.named_buffers(recurse=False) if buffer.dim() == 0]
+    if scalars:
+        return (
+            f"`{model.base_model_prefix}` holds the scalar buffers {scalars} itself, unsaved (RecurrentGemma's"
+            " `normalizer`, a factor its forward applies to the embeddings), which no layer holds and which its own"
+            " initialisation sets, so a stage that builds only its own layers would leave them unset"
+        )
     blocks = cast(nn.ModuleList, base.get_submodule(parts["blocks"][0]))
     return _config_reason(model, blocks)
 
@@ -148,7 +183,9 @@ def _unsaved(module: nn.Module) -> set[str]:
 def gpt2_like_layers(model: PreTrainedModel) -> list[nn.Module]:
     """The backbone layers of a model of the GPT-2-like layout (:func:`gpt2_like_decoder`): the embeddings (with the
     position embedding, the module on the embeddings, and the base model's own ``dropout`` probability where it
-    has one, XGLM's), one :class:`~lightning_gpipe.hf.decoder.GPT2LikeBlock` per block, the final norm, the head."""
+    has one, XGLM's; a multiplier, Granite-MoE-Hybrid's ``embedding_multiplier``), one
+    :class:`~lightning_gpipe.hf.decoder.GPT2LikeBlock` per block, the final norm, the head (scaled as the config
+    declares, :func:`~lightning_gpipe.hf.decoder_cut.head_scaling`: Granite-MoE-Hybrid's ``logits_scaling``)."""
     parts = _parts(model)
     assert not isinstance(parts, str)  # the family takes only models of the layout
     prefix, base = model.base_model_prefix, _base(model)
@@ -156,15 +193,17 @@ def gpt2_like_layers(model: PreTrainedModel) -> list[nn.Module]:
     dropout = getattr(base, "dropout", None)
     rotary = next(iter(path["rotary"]), None)
     blocks = path["blocks"][0]
+    hidden_divisor, head = head_scaling(model.config)
     return [
         DecoderEmbedding(
             model,
             path["tokens"][0],
             next(iter(path["positions"]), None),
             next(iter(path["on_embeddings"]), None),
+            multiplier=own_field(model.config, "embedding_multiplier"),
             dropout_p=float(dropout) if isinstance(dropout, (int, float)) else None,
         ),
         *(GPT2LikeBlock(model, f"{blocks}.{i}", rotary) for i in range(model.config.num_hidden_layers)),
-        FinalNorm(model, path["norm"][0]),
-        Head(model, "lm_head"),
+        FinalNorm(model, path["norm"][0], divisor=hidden_divisor),
+        Head(model, "lm_head", **head),
     ]

@@ -1,7 +1,12 @@
-"""Cached decoding through the pipeline: decoder blocks that build their masks and keep their own key/value caches
+"""Cached decoding through the pipeline: decoder blocks that build their masks and keep their own caches
 (:class:`CachedDecoderBlock`, emptied by :func:`clear_kv_caches`), so that only the new tokens' hidden states travel
 between stages and each stage holds the caches of its own blocks; and the positions of left-padded prompts
 (:func:`positions_from_mask`). :func:`~lightning_gpipe.hf.greedy_generate` drives them.
+
+A block's cache is ``transformers``' ``DynamicCache`` built from the model's config, which holds for each layer type
+what the model's own ``generate`` keeps (``cache_utils.DYNAMIC_LAYER_TYPE_MAPPING``): keys and values for attention
+layers, the convolution and recurrent states for the recurrent ones (``linear_attention``: Mamba, Mamba-2, Jamba's and
+Bamba's Mamba layers; ``conv``: LFM2's short convolutions), both for the hybrid types (``hybrid``: Inkling's blocks).
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ def positions_from_mask(attention_mask: Tensor) -> Tensor:
 
 
 class CachedDecoderBlock(HFLayer):
-    """A decoder block that can keep its own key/value cache for incremental decoding.
+    """A decoder block that can keep its own cache (keys and values, or a recurrent layer's states) for incremental
+    decoding.
 
     In training and plain evaluation the value is ``(hidden (N, S, H), attention_mask (N, S), position_ids (N,
     S)[, statistics])`` and the block runs without a cache. For cached decoding (see
@@ -41,9 +47,11 @@ class CachedDecoderBlock(HFLayer):
     sequences of the batch these are. ``hidden`` and ``position_ids`` are then only the new tokens ``(n, t)``,
     while ``attention_mask`` ``(n, past + t)`` covers every token so far; the block keeps one
     ``transformers.DynamicCache`` per set of rows (one per micro-batch: a pipeline splits every decoding step of a
-    batch alike), in which the model's attention appends the new keys and values, and builds the 4-D mask against
-    it as the model's forward does. So only the new tokens' hidden states travel between stages, and each stage
-    holds the caches of its own blocks only. :func:`clear_kv_caches` empties them.
+    batch alike), in which the model's attention appends the new keys and values (a recurrent layer updates its
+    convolution and recurrent states), and builds the 4-D mask against it as the model's forward does; it counts the
+    tokens each set of rows has cached itself (a recurrent layer's state does not tell). So only the new tokens'
+    hidden states travel between stages, and each stage holds the caches of its own blocks only.
+    :func:`clear_kv_caches` empties them.
 
     Args:
         model: the model.
@@ -54,6 +62,7 @@ class CachedDecoderBlock(HFLayer):
 
     Attributes:
         kv_cache: ``{rows: DynamicCache}``, the caches of cached decoding (not part of the state dict).
+        cached_tokens: ``{rows: int}``, the tokens each cache holds (the attention mask's length so far).
     """
 
     def __init__(
@@ -66,6 +75,25 @@ class CachedDecoderBlock(HFLayer):
         self._mask = MASKS[attention]
         self._recurrent_mask = None if recurrent is None else MASKS[recurrent]
         self.kv_cache: dict[tuple[int, ...], Any] = {}
+        self.cached_tokens: dict[tuple[int, ...], int] = {}
+
+    def _cache_of(self, rows: Tensor, past: int, new: int) -> Any:
+        """The cache of ``rows``, new when ``past`` is 0, after checking it holds the ``past`` tokens the mask says
+        came before; counts the ``new`` ones it is about to take (:attr:`cached_tokens`)."""
+        key = tuple(rows.tolist())
+        cache = self.kv_cache.get(key)
+        if cache is None and past == 0:
+            cache = self.kv_cache[key] = DynamicCache(config=self.config)
+        seen = None if cache is None else self.cached_tokens.get(key, 0)
+        if seen != past:
+            raise RuntimeError(
+                f"Block {self.layer_index} holds {seen or 0} cached positions for rows {list(key)} but the"
+                f" attention mask says {past} came before: start cached decoding with the whole prompts, feed"
+                " each later step the new tokens of the same rows (every step split alike), and call"
+                " `clear_kv_caches(backbone)` between generations."
+            )
+        self.cached_tokens[key] = past + new
+        return cache
 
     def cache_and_mask(
         self,
@@ -81,24 +109,12 @@ class CachedDecoderBlock(HFLayer):
         :data:`~lightning_gpipe.hf.masks.HYBRID`, the mask is ``(attention mask, recurrent mask)``.
 
         Raises:
-            RuntimeError: if ``attention_mask`` covers earlier tokens whose keys and values this block has not
-                cached for these rows (caches cleared or the batch split differently mid-decoding).
+            RuntimeError: if ``attention_mask`` covers earlier tokens this block has not cached for these rows
+                (caches cleared or the batch split differently mid-decoding).
         """
         cache = None
         if rows is not None:
-            key = tuple(rows.tolist())
-            past = attention_mask.shape[1] - hidden.shape[1]
-            cache = self.kv_cache.get(key)
-            if cache is None and past == 0:
-                cache = self.kv_cache[key] = DynamicCache(config=self.config)
-            seen = None if cache is None else cache.get_seq_length(self.layer_index)
-            if seen != past:
-                raise RuntimeError(
-                    f"Block {self.layer_index} holds {seen or 0} cached positions for rows {list(key)} but the"
-                    f" attention mask says {past} came before: start cached decoding with the whole prompts, feed"
-                    " each later step the new tokens of the same rows (every step split alike), and call"
-                    " `clear_kv_caches(backbone)` between generations."
-                )
+            cache = self._cache_of(rows, attention_mask.shape[1] - hidden.shape[1], hidden.shape[1])
         arguments = dict(
             config=self.config,
             inputs_embeds=hidden,
@@ -114,7 +130,7 @@ class CachedDecoderBlock(HFLayer):
 
 
 def clear_kv_caches(backbone: nn.Module) -> None:
-    """Empty the key/value caches of ``backbone``'s decoder blocks (those this process holds), freeing them."""
+    """Empty the caches of ``backbone``'s decoder blocks (those this process holds), freeing them."""
     for module in backbone.modules():
         if isinstance(module, CachedDecoderBlock):
-            module.kv_cache = {}
+            module.kv_cache, module.cached_tokens = {}, {}

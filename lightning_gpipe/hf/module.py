@@ -35,6 +35,7 @@ from lightning_gpipe.hf.masks import unpackable_layer_types
 from lightning_gpipe.hf.moe import RouterLoss, router_loss_of
 from lightning_gpipe.hf.packing import decoder_input
 from lightning_gpipe.hf.seq2seq import seq2seq_input, seq2seq_loss
+from lightning_gpipe.hf.seq2seq_generate import generation_setting, seq2seq_beam_search, seq2seq_greedy_generate
 from lightning_gpipe.hf.tensor_plan import split_stage, stage_targets
 from lightning_gpipe.hf.weights import SafetensorsWeights, save_stage_shards
 from lightning_gpipe.lightning import attached_trainer, forward_and_share, whole_tensors
@@ -201,9 +202,9 @@ class HFModule(pl.LightningModule):
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
     def model_config_for_build(self) -> PretrainedConfig:
-        """:meth:`hf_config` as the model is built: with the attention implementation, no key/value cache."""
+        """:meth:`hf_config` as the model is built: with the attention implementation (:func:`_attention`), no cache."""
         config = self.hf_config()
-        config._attn_implementation = self.attn_implementation
+        config._attn_implementation = _attention(self._model_class(config), self.attn_implementation)
         config.use_cache = False
         return config
 
@@ -221,7 +222,7 @@ class HFModule(pl.LightningModule):
             return
         config = self.model_config_for_build()
         with torch.device("meta"):
-            model = self.auto_class.from_config(config, attn_implementation=self.attn_implementation)
+            model = self.auto_class.from_config(config, attn_implementation=config._attn_implementation)
         model.train()
         weights: SafetensorsWeights | peft_lora.PeftWeights | None = None  # the checkpoint's, then with adapters
         if self.pretrained is not None:
@@ -372,6 +373,12 @@ def _save_stage_adapters(module: HFModule, strategy: GPipeStrategy, directory: P
     strategy.barrier("save_pretrained")
 
 
+def _attention(model_class: type, requested: str) -> str:
+    """``requested``, but ``"eager"`` for ``"sdpa"`` where ``model_class`` has no SDPA attention (Mamba has no attention
+    at all), as ``transformers`` falls back when none is asked for."""
+    return "eager" if requested == "sdpa" and not getattr(model_class, "_supports_sdpa", False) else requested
+
+
 def _kind(encoder: bool, seq2seq: bool) -> str:
     """What a backbone is, for messages: an encoder, a decoder or an encoder-decoder."""
     return "an encoder-decoder" if seq2seq else "an encoder" if encoder else "a decoder"
@@ -411,7 +418,8 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, decay: str, min_ra
 
 
 class CausalLM(HFModule):
-    """Causal language-model fine-tuning of a decoder (the standard layout, GPT-2), pipelined by ``GPipeStrategy``.
+    """Causal language-model fine-tuning of a decoder (a declared plan, the standard layout, GPT-2, the GPT-2-like
+    layout with its recurrent and hybrid families: Mamba, Jamba...), pipelined by ``GPipeStrategy``.
 
     Batches are dicts of ``(N, S)`` long tensors: ``input_ids``, ``attention_mask`` (1 real, 0 padding) and
     ``labels`` (the ids, ``-100`` where no loss is wanted, e.g. padding); the loss is the model's own
@@ -529,13 +537,15 @@ class Seq2SeqLM(HFModule):
     :func:`~lightning_gpipe.hf.seq2seq.seq2seq_input`). The loss is the model's own (cross-entropy over the labelled
     tokens, their mean over the batch), with ``label_smoothing``; a batch may carry ``num_targets`` and ``num_rows``
     (ints of the whole batch, as :class:`CausalLM`'s) to make it the mean over the whole batch's targets under every
-    schedule. ``predict`` generates greedily through the pipeline (:func:`seq2seq_greedy_generate`).
+    schedule. ``predict`` generates through the pipeline, greedily or with beam search, each stage keeping its
+    decoder blocks' caches (:meth:`generate`).
 
     Args:
         *args: see :class:`HFModule`.
         label_smoothing: the label smoothing of the cross-entropy (``torch.nn.functional.cross_entropy``'s), in
             [0, 1). Default 0.0: the model's own loss.
         max_new_tokens: tokens ``predict_step`` generates at most. Default 32.
+        num_beams: the beams of ``predict_step`` (1: greedy); ``None`` (default): the generation config's.
         **kwargs: see :class:`HFModule`.
 
     Raises:
@@ -545,11 +555,18 @@ class Seq2SeqLM(HFModule):
     auto_class = AutoModelForSeq2SeqLM
     trains_seq2seq = True
 
-    def __init__(self, *args: Any, label_smoothing: float = 0.0, max_new_tokens: int = 32, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        label_smoothing: float = 0.0,
+        max_new_tokens: int = 32,
+        num_beams: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"label_smoothing={label_smoothing}: give a value in [0, 1).")
         super().__init__(*args, **kwargs)
-        self.label_smoothing, self.max_new_tokens = label_smoothing, max_new_tokens
+        self.label_smoothing, self.max_new_tokens, self.num_beams = label_smoothing, max_new_tokens, num_beams
 
     def backbone_input(self, batch: dict[str, Any]) -> tuple[Tensor, ...]:
         """``(input_ids, attention_mask, decoder_input_ids, decoder_attention_mask)``
@@ -573,33 +590,55 @@ class Seq2SeqLM(HFModule):
         return loss
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        """Greedy outputs for the batch's sources (``input_ids``, ``attention_mask``): ``(N, 1 + T)`` decoder ids, at
-        most :attr:`max_new_tokens` new ones (see :meth:`generate`)."""
-        return self.generate(batch["input_ids"], batch.get("attention_mask"), self.max_new_tokens)
+        """Outputs for the batch's sources (``input_ids``, ``attention_mask``): ``(N, 1 + T)`` decoder ids, at most
+        :attr:`max_new_tokens` new ones, with :attr:`num_beams` (see :meth:`generate`)."""
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+        return self.generate(ids, mask, self.max_new_tokens, num_beams=self.num_beams)
 
     @torch.no_grad()
-    def generate(self, input_ids: Tensor, attention_mask: Tensor | None = None, max_new_tokens: int = 20) -> Tensor:
-        """Greedy decoding through the pipeline with the model's generation config (its decoder start, forced first
-        and last tokens, end and padding ids; see :func:`seq2seq_greedy_generate`); call it on every stage.
+    def generate(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        max_new_tokens: int = 20,
+        num_beams: int | None = None,
+        length_penalty: float | None = None,
+        early_stopping: bool | str | None = None,
+        kv_cache: bool = True,
+    ) -> Tensor:
+        """Decoding through the pipeline with the model's generation config (its decoder start, forced first and
+        last tokens, end and padding ids, and what is not given here: ``num_beams``, ``length_penalty``,
+        ``early_stopping``, resolved as :func:`~lightning_gpipe.hf.seq2seq_generate.generation_setting` says); call
+        it on every stage. Greedy with one beam (:func:`~lightning_gpipe.hf.seq2seq_generate.seq2seq_greedy_generate`,
+        with the decoder blocks' caches unless ``kv_cache=False``), else beam search
+        (:func:`~lightning_gpipe.hf.seq2seq_generate.seq2seq_beam_search`, always with the caches).
+
+        Returns:
+            ``(N, 1 + T)`` long decoder ids, as ``model.generate`` with the same settings.
 
         Raises:
-            ValueError: if the generation config names no decoder start token (nor a ``bos_token_id``).
+            ValueError: if the generation config names no decoder start token (nor a ``bos_token_id``), or from
+                :func:`~lightning_gpipe.hf.seq2seq_generate.seq2seq_beam_search`.
         """
         generation = self.hf_model.generation_config
         start = generation.decoder_start_token_id
         start = generation.bos_token_id if start is None else start
         if start is None:
             raise ValueError("The model's generation config has no decoder_start_token_id (nor bos_token_id).")
-        return seq2seq_greedy_generate(
-            self.backbone,
-            input_ids,
-            attention_mask,
-            start,
+        num_beams = generation_setting(generation, "num_beams", num_beams)
+        ids = (self.backbone, input_ids, attention_mask, start)
+        ends = (generation.eos_token_id, generation.pad_token_id)
+        forced = (generation.forced_bos_token_id, generation.forced_eos_token_id)
+        if num_beams == 1:
+            return seq2seq_greedy_generate(*ids, max_new_tokens, *ends, *forced, kv_cache=kv_cache)
+        return seq2seq_beam_search(
+            *ids,
+            num_beams,
             max_new_tokens,
-            generation.eos_token_id,
-            generation.pad_token_id,
-            generation.forced_bos_token_id,
-            generation.forced_eos_token_id,
+            *ends,
+            *forced,
+            generation_setting(generation, "length_penalty", length_penalty),
+            generation_setting(generation, "early_stopping", early_stopping),
         )
 
 
@@ -661,10 +700,10 @@ def greedy_generate(
     Each step is one backbone call through :func:`lightning_gpipe.forward_and_share`: the last stage picks each
     row's most likely next token and every stage receives the ids, so all stages go round the loop together.
     With ``kv_cache`` (default) the first step runs the whole prompts and every later step only the new token of
-    each row: each decoder block keeps the keys and values of its rows in its own ``transformers.DynamicCache``
-    (see :class:`~lightning_gpipe.hf.adapter.CachedDecoderBlock`), so between stages only the new token's hidden
-    state ``(n, 1, H)``, the ``(n, S + t)`` padding mask, its position and the rows travel. Without it every step
-    runs the whole sequence so far. Without a pipeline it runs on one device.
+    each row: each decoder block keeps the keys and values (a recurrent layer's states: Mamba...) of its rows in its
+    own ``transformers.DynamicCache`` (:class:`~lightning_gpipe.hf.kv_cache.CachedDecoderBlock`), so between stages
+    only the new token's hidden state ``(n, 1, H)``, the ``(n, S + t)`` padding mask, its position and the rows
+    travel. Without it every step runs the whole sequence so far. Without a pipeline it runs on one device.
 
     Equals ``model.generate(input_ids, attention_mask=..., do_sample=False, max_new_tokens=...)``: prompts
     left-padded, positions counted from each row's first real token, a row that produced ``eos_token_id`` gets
@@ -706,65 +745,6 @@ def greedy_generate(
                 value = (ids, mask, positions_from_mask(mask))
     finally:
         clear_kv_caches(backbone)
-    return ids
-
-
-@torch.no_grad()
-def seq2seq_greedy_generate(
-    backbone: nn.Module,
-    input_ids: Tensor,
-    attention_mask: Tensor | None,
-    decoder_start_token_id: int,
-    max_new_tokens: int = 20,
-    eos_token_id: int | list[int] | None = None,
-    pad_token_id: int | None = None,
-    forced_bos_token_id: int | None = None,
-    forced_eos_token_id: int | list[int] | None = None,
-) -> Tensor:
-    """Greedy decoding of an encoder-decoder backbone, through the pipeline (every stage calls it alike).
-
-    Each step is one backbone call through :func:`lightning_gpipe.forward_and_share` on the sources and the decoder
-    ids so far (no cache: the encoder and the decoder run on the whole prefix every step); the last stage picks each
-    row's most likely next token and every stage receives the ids. Equals ``model.generate(input_ids,
-    attention_mask=..., do_sample=False, num_beams=1, max_new_tokens=...)`` with the same ids (its decoder start,
-    ``forced_bos_token_id`` as the first token, ``forced_eos_token_id`` as the last at ``max_new_tokens``, a row that
-    produced an end id padded afterwards, stopping once every row has); the generation config's other processors
-    (``no_repeat_ngram_size``, ``repetition_penalty``, ``min_length``...) are not applied.
-
-    Args:
-        backbone: the encoder-decoder's backbone (``module.backbone``).
-        input_ids: ``(N, S)`` long sources.
-        attention_mask: ``(N, S)``, 1 for real tokens; ``None``: all real.
-        decoder_start_token_id: the decoder's first id.
-        max_new_tokens: tokens to add at most. Default 20.
-        eos_token_id: the end id (or ids), or ``None`` (default) to always add ``max_new_tokens``.
-        pad_token_id: what finished rows get; defaults to the (first) end id.
-        forced_bos_token_id: the id forced as the first new token (mBART-50's and NLLB's target language), or
-            ``None``.
-        forced_eos_token_id: the id (or the first of the ids) forced as the last token when ``max_new_tokens`` is
-            reached (BART's, Marian's), or ``None``.
-
-    Returns:
-        ``(N, 1 + T)`` long: the decoder start and the ``T <= max_new_tokens`` new tokens.
-    """
-    ends = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    pad = next(iter(ends), None) if pad_token_id is None else pad_token_id
-    forced_eos = forced_eos_token_id[0] if isinstance(forced_eos_token_id, list) else forced_eos_token_id
-    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
-    ids = torch.full_like(input_ids[:, :1], decoder_start_token_id)
-    finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-    for step in range(max_new_tokens):
-        chosen = forward_and_share(backbone, (input_ids, mask, ids, torch.ones_like(ids)), _next_tokens)
-        chosen = chosen.to(ids.device)
-        forced = forced_bos_token_id if step == 0 else forced_eos if step == max_new_tokens - 1 else None
-        if forced is not None:
-            chosen = torch.full_like(chosen, forced)
-        if ends:
-            chosen = chosen.masked_fill(finished, cast(int, pad))
-            finished |= torch.isin(chosen, torch.tensor(ends, device=chosen.device))
-        ids = torch.cat([ids, chosen[:, None]], dim=1)
-        if ends and finished.all():
-            break
     return ids
 
 

@@ -71,6 +71,11 @@ LIMITS = {
 the attention heads stay equal; experts are kept when the config groups them, ``n_group``; CodeGen's and GPT-J's
 rotary width within a head's)."""
 
+SSM_HEADS = (("num_heads", "head_dim", "expand"), ("mamba_n_heads", "mamba_d_head", "mamba_expand"))
+"""The heads of a state-space mixer, ``(heads, head width, expansion)`` (Mamba-2's; Bamba's ``mamba_...``): the mixer
+is ``expansion * hidden_size`` wide, ``heads`` times the head width, so the miniature gives it as many heads as its
+width holds (at least one)."""
+
 SEQ2SEQ_LIMITS = {
     "decoder_layers": 2,
     "num_decoder_layers": 2,
@@ -225,7 +230,7 @@ def _shrunk(get: Callable[[str], Any], grouped: bool) -> dict[str, int]:
     :data:`SIZES`; the head width ``qk_rope_head_dim``'s, times the config's ratio of the two where the rotary part is a
     whole fraction of the head (a ``qk_nope_head_dim`` that fills the rest of the head does so again); the bounds of
     :data:`LIMITS` (experts kept where grouped, ``n_group``); as many key/value heads as attention heads where the
-    config has as many."""
+    config has as many; a state-space mixer's heads filling its width (:data:`SSM_HEADS`)."""
     values = {name: size for name, size in SIZES.items() if _is_integer(get(name))}
     rope, head, nope = get("qk_rope_head_dim"), get("head_dim"), get("qk_nope_head_dim")
     if _is_integer(rope) and _is_integer(head):
@@ -238,6 +243,10 @@ def _shrunk(get: Callable[[str], Any], grouped: bool) -> dict[str, int]:
             values[name] = min(get(name), limit)
     if get("num_key_value_heads") is not None and get("num_key_value_heads") == get("num_attention_heads"):
         values["num_key_value_heads"] = values.get("num_attention_heads", get("num_attention_heads"))
+    hidden = values.get("hidden_size")
+    for heads, width, expand in SSM_HEADS:
+        if hidden is not None and all(_is_integer(get(name)) for name in (heads, width, expand)):
+            values[heads] = max(1, get(expand) * hidden // values.get(width, get(width)))
     return values
 
 

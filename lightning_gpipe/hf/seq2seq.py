@@ -17,6 +17,16 @@ position bias: the stack's first block computes it with the bias table it holds,
 that table too (one parameter on several stages, which the tie mechanism keeps one) and computes it with the same method
 (``compute_bias``). An embedding layer runs its stack's own forward up to the first block (what it adds to the
 embeddings: scaling, learned or sinusoidal positions, a norm, dropout), so its family's variations need no code here.
+
+Cached decoding (:func:`~lightning_gpipe.hf.seq2seq_generate.seq2seq_greedy_generate`,
+:func:`~lightning_gpipe.hf.seq2seq_generate.seq2seq_beam_search`) adds ``rows`` ``(n,)`` long at the end of the value
+(which rows of the batch these are): each decoder block then keeps its own self- and cross-attention caches for them
+(:class:`~lightning_gpipe.hf.seq2seq_cache.DecoderCaches`). The first step is the whole value as above (the encoder
+runs, once); at every later step ``source`` is a ``(n,)`` stand-in (:func:`later_step`: the encoder's layers pass the
+value on, the cross-attention reads its cached keys and values), ``target`` the new tokens' ids ``(n, 1)`` and
+``target_mask`` ``(n, past + 1)`` covers every decoder token so far, so between decoder stages travel only the new
+tokens' hidden states. The decoder's embeddings number the new positions from ``past`` (the stack's forward is given a
+cache of that length, :func:`~lightning_gpipe.hf.seq2seq_cache.past_length_cache`), as under ``generate``.
 LayerDrop (Fan et al. 2019, arXiv:1909.11556: M2M100's and Seamless's default ``layerdrop``) is drawn by each block's
 layer as the stack's forward draws it. What stays refused, before step 1: blocks taking arguments the layers do not
 compute (Longformer-style global attention, prompts), a mixture of experts' load-balancing loss
@@ -38,6 +48,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe._torch import children
 from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel
+from lightning_gpipe.hf.seq2seq_cache import DecoderCaches, past_length_cache
 
 try:
     from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
@@ -54,8 +65,8 @@ BLOCK_ARGUMENTS = frozenset(
     + ("output_attentions", "return_dict", "position_bias", "encoder_decoder_position_bias")
 )
 """The named arguments an encoder or decoder block may take: the hidden states, the 4-D self-attention mask, the
-encoder's output and the 4-D cross-attention mask (decoder blocks), the cache (left at ``None``), T5's relative
-position biases, and flags left at their defaults."""
+encoder's output and the 4-D cross-attention mask (decoder blocks), the cache (a decoder block's own in cached decoding,
+else ``None``), T5's relative position biases, and flags left at their defaults."""
 
 NORMS = ("final_layer_norm", "layer_norm")
 """The names of a stack's final norm (T5's ``final_layer_norm``; mBART's, M2M100's, Pegasus's ``layer_norm``)."""
@@ -209,6 +220,12 @@ def seq2seq_loss(
     return loss if num_targets is None else loss / num_targets
 
 
+def later_step(value: tuple[Tensor, ...]) -> bool:
+    """Whether ``value`` is a step of cached decoding after the first (see the module docstring): it ends with
+    ``rows`` and its ``source`` is a ``(n,)`` stand-in, the encoder's output being in the decoder blocks' caches."""
+    return len(value) == 5 and value[0].dim() == 1
+
+
 class _Reached(Exception):
     """Raised by a pre-hook on a stack's first block: the hidden states its stack's forward gives it."""
 
@@ -225,7 +242,9 @@ class StackEmbedding(HFLayer):
     """A stack's embeddings: the encoder's ``(input_ids, mask, target, target_mask)`` to ``(hidden (N, S, H), mask,
     target, target_mask)``, or the decoder's ``(memory, mask, decoder_input_ids, target_mask)`` to ``(memory, mask,
     hidden (N, T, H), target_mask)``: the stack's own forward up to its first block (a pre-hook stops it there, so the
-    blocks, held by other layers, never run here; its ``layerdrop`` is off meanwhile: the blocks' layers draw it).
+    blocks, held by other layers, never run here; its ``layerdrop`` is off meanwhile: the blocks' layers draw it). In
+    cached decoding (``rows`` at the value's end, passed on) the encoder's embeddings pass a later step's value on, and
+    the decoder's embed a later step's new tokens at the positions after the ``past`` cached ones.
 
     Args:
         model: the model.
@@ -239,12 +258,27 @@ class StackEmbedding(HFLayer):
         self._use_cache = "use_cache" in inspect.signature(model.get_submodule(stack.path).forward).parameters
 
     def forward(self, value: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        source, source_mask, target, target_mask = value
-        stack: Any = self.hf_model.get_submodule(self.stack.path)
+        if later_step(value) and not self.stack.decoder:
+            return value  # the encoder ran at the first step
+        source, source_mask, target, target_mask, *rows = value
         inputs: dict[str, Any] = {"use_cache": False} if self._use_cache else {}
         if self.stack.decoder:
-            inputs.update(encoder_hidden_states=source, encoder_attention_mask=source_mask)
-        ids, mask = (target, target_mask) if self.stack.decoder else (source, source_mask)
+            past = target_mask.shape[1] - target.shape[1]
+            if past:  # a later step of cached decoding: the new tokens' positions follow the cached ones
+                inputs["cache"] = past_length_cache(past, source_mask)
+            else:
+                inputs.update(encoder_hidden_states=source, encoder_attention_mask=source_mask)
+            return (source, source_mask, self._embedded(target, target_mask, inputs), target_mask, *rows)
+        return (self._embedded(source, source_mask, inputs), *value[1:])
+
+    def _embedded(self, ids: Tensor, mask: Tensor, inputs: dict[str, Any]) -> Tensor:
+        """The hidden states ``(N, T, H)`` the stack's forward gives its first block for ``ids`` and ``mask`` ``(N,
+        T)`` and the other ``inputs``.
+
+        Raises:
+            RuntimeError: if the stack's forward never calls its first block.
+        """
+        stack: Any = self.hf_model.get_submodule(self.stack.path)
         first = cast(nn.ModuleList, self.hf_model.get_submodule(self.stack.blocks))[0]
         handle = first.register_forward_pre_hook(_stop, with_kwargs=True)
         layerdrop = stack.__dict__.get("layerdrop")
@@ -260,7 +294,7 @@ class StackEmbedding(HFLayer):
             handle.remove()
             if layerdrop:
                 stack.layerdrop = layerdrop
-        return (source, source_mask, hidden, target_mask) if self.stack.decoder else (hidden, *value[1:])
+        return hidden
 
 
 class StackBlock(HFLayer):
@@ -269,12 +303,18 @@ class StackBlock(HFLayer):
     T5 stack's first block, the relative position bias computed from the table the first block holds. With the
     stack's ``layerdrop`` (M2M100's, Seamless's default 0.05), in training the block is skipped with that probability,
     drawn as the stack's forward draws it (``torch.rand([])`` before each block): under a pipeline once per
-    micro-batch rather than once per batch, a draw of its own as a dropout mask is.
+    micro-batch rather than once per batch, a draw of its own as a dropout mask is. In cached decoding (``rows`` at
+    the value's end) a decoder block keeps its caches in :attr:`decoder_caches` and an encoder block passes a later
+    step's value on (see the module docstring).
 
     Args:
         model: the model.
         stack: the stack.
-        index: the block's index in the stack.
+        index: the block's index in the stack (its attention's ``layer_idx``).
+
+    Attributes:
+        decoder_caches: a decoder block's :class:`~lightning_gpipe.hf.seq2seq_cache.DecoderCaches` (not part of the
+            state dict), or ``None`` (an encoder block, or a block that takes no ``cache``).
     """
 
     def __init__(self, model: PreTrainedModel, stack: Stack, index: int) -> None:
@@ -282,31 +322,63 @@ class StackBlock(HFLayer):
         arguments = inspect.signature(model.get_submodule(block).forward).parameters
         self._bias = stack.bias if index and stack.bias is not None and "position_bias" in arguments else None
         super().__init__(model, [block, *([f"{self._bias}.relative_attention_bias"] if self._bias else [])])
-        self.stack, self.block, self._use_cache = stack, block, "use_cache" in arguments
+        self.stack, self.block, self.index, self._use_cache = stack, block, index, "use_cache" in arguments
         self.layerdrop = float(getattr(model.get_submodule(stack.path), "layerdrop", 0.0) or 0.0)
+        self.decoder_caches = DecoderCaches(index) if stack.decoder and "cache" in arguments else None
 
     def forward(self, value: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         if self.training and self.layerdrop > 0.0 and torch.rand([]) < self.layerdrop:
             return value  # LayerDrop, drawn as the stack's forward draws it
-        source, source_mask, target, target_mask = value
-        config = self.hf_model.get_submodule(self.stack.path).config
+        if later_step(value) and not self.stack.decoder:
+            return value  # the encoder ran at the first step
+        source, source_mask, target, target_mask, *rows = value
         hidden = target if self.stack.decoder else source
         extra: dict[str, Any] = {"use_cache": False} if self._use_cache else {}
         if self.stack.decoder:
-            mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=target_mask, cache=None)
-            extra["encoder_hidden_states"] = source
-            extra["encoder_attention_mask"] = create_bidirectional_mask(
-                config=config, inputs_embeds=hidden, attention_mask=source_mask, encoder_hidden_states=source
-            )
+            mask, past = self._decoder_inputs(value, extra)
         else:
-            mask = create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=source_mask)
+            config = self.hf_model.get_submodule(self.stack.path).config
+            mask, past = create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=source_mask), 0
         if self._bias is not None:
             length = hidden.shape[1]
             holder = cast(Any, self.hf_model.get_submodule(self._bias))
-            extra["position_bias"] = holder.compute_bias(length, length, device=hidden.device)
+            offset = {"past_seen_tokens": past} if past else {}
+            extra["position_bias"] = holder.compute_bias(length, past + length, device=hidden.device, **offset)
         output = self.part(self.block)(hidden, attention_mask=mask, **extra)
         output = output[0] if isinstance(output, tuple) else output
-        return (source, source_mask, output, target_mask) if self.stack.decoder else (output, *value[1:])
+        return (source, source_mask, output, target_mask, *rows) if self.stack.decoder else (output, *value[1:])
+
+    def _decoder_inputs(self, value: tuple[Tensor, ...], extra: dict[str, Any]) -> tuple[Any, int]:
+        """A decoder block's causal mask and how many cached positions precede the new tokens (0 without a cache);
+        put in ``extra``: the encoder's output and the cross-attention mask, and in cached decoding the cache of the
+        value's rows (at a later step the encoder's output is a stand-in of its shape that allocates nothing: the
+        cross-attention reads its cached keys and values).
+
+        Raises:
+            RuntimeError: in cached decoding, for a block that takes no ``cache``, or from
+                :meth:`~lightning_gpipe.hf.seq2seq_cache.DecoderCaches.of`.
+        """
+        source, source_mask, hidden, target_mask, *rows = value
+        config = self.hf_model.get_submodule(self.stack.path).config
+        cache = None
+        if rows:
+            if self.decoder_caches is None:
+                raise RuntimeError(f"{self.block} takes no `cache`: decode without key/value caches (kv_cache=False).")
+            cache = extra["cache"] = self.decoder_caches.of(rows[0], target_mask.shape[1] - hidden.shape[1])
+            if source.dim() == 1:
+                source = hidden.new_zeros(()).expand(hidden.shape[0], source_mask.shape[1], hidden.shape[-1])
+        mask = create_causal_mask(
+            config=config,
+            inputs_embeds=hidden,
+            attention_mask=target_mask,
+            cache=None if cache is None else cache.self_attention_cache,
+            layer_idx=self.index,
+        )
+        extra["encoder_hidden_states"] = source
+        extra["encoder_attention_mask"] = create_bidirectional_mask(
+            config=config, inputs_embeds=hidden, attention_mask=source_mask, encoder_hidden_states=source
+        )
+        return mask, 0 if cache is None else cache.get_seq_length(self.index)
 
 
 class StackNorm(HFLayer):
@@ -322,6 +394,8 @@ class StackNorm(HFLayer):
         self.stack = stack
 
     def forward(self, value: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        if later_step(value) and not self.stack.decoder:
+            return value  # the encoder ran at the first step
         where = 2 if self.stack.decoder else 0
         hidden = value[where]
         for path in self.stack.norm:

@@ -1,8 +1,9 @@
 """Hugging Face models in the pipeline (lightning_gpipe.hf), distributed: tests/workers/transformers_hf.py in the shared
-launches of 2, 3 and 4 processes (tiny models of tests/hf_families.py: 17 decoder classes, mixtures of experts among
-them, 3 encoder classes and 2 encoder-decoders, T5's with LoRA too; pipelined fit against the unmodified model trained
-on one device, 1F1B with balance="time", pipeline replicas, a resume on another number of stages, pipelined greedy
-generation against ``generate``, ``save_pretrained`` after fit, LoRA adapters with ``peft``).
+launches of 2, 3 and 4 processes (tiny models of tests/hf_families.py: 19 decoder classes, mixtures of experts and
+recurrent ones (Mamba, Jamba) among them, 3 encoder classes and 2 encoder-decoders, T5's and Mamba's with LoRA too;
+pipelined fit against the unmodified model trained on one device, 1F1B with balance="time", pipeline
+replicas, a resume on another number of stages, pipelined greedy generation and the encoder-decoders' beam search
+against ``generate``, ``save_pretrained`` after fit, LoRA adapters with ``peft``).
 
 Every model is built from a small config (the hub is not reachable here).
 """
@@ -49,8 +50,8 @@ QUICK = {
 }  # fmt: skip
 # encoder-decoders on 2 stages: T5 (relative position bias; 7 layers and 4: the second stage starts at the second
 # decoder block and holds the first one's bias table, a tie across the stages) and BART (learned positions,
-# final_logits_bias), the encoder's output carried to the decoder's stages; fit, and greedy generation from the
-# prompts as sources
+# final_logits_bias), the encoder's output carried to the decoder's stages; fit, and greedy generation and beam search
+# from the prompts as sources
 SEQ2SEQ_RUNS = {
     (family, 2): shared_run(
         "transformers_hf.py", "--devices=2", f"--family={family}", "--quick", *balance, devices=2, timeout=120,
@@ -67,6 +68,11 @@ LORA = shared_run(
 LORA_SEQ2SEQ = shared_run(
     "transformers_hf.py", "--devices=2", "--family=t5", "--lora", "--quick", devices=2, timeout=240,
     name="hf-t5-2-lora",
+)  # fmt: skip
+# LoRA of a recurrent decoder (Mamba: adapters on its mixers' projections) on 2 stages: fit only
+LORA_RECURRENT = shared_run(
+    "transformers_hf.py", "--devices=2", "--family=mamba", "--lora", "--quick", devices=2, timeout=240,
+    name="hf-mamba-2-lora",
 )  # fmt: skip
 LORA_RESUMED = shared_run(
     "transformers_hf.py", "--devices=4", "--family=llama", "--lora", "--resume=hf-llama-2-lora", devices=4,
@@ -102,7 +108,7 @@ MEMORY_BALANCED = shared_run(
 FITS = {**RUNS, **QUICK, **SEQ2SEQ_RUNS}
 DECODING = [(family, k, (True, False)) for family, k in RUNS if WORKER.is_decoder(family)]
 DECODING += [(family, k, (True,)) for family, k in QUICK if WORKER.is_decoder(family)]
-DECODING += [(family, k, (True,)) for family, k in SEQ2SEQ_RUNS]  # no cache: the whole prefix every step
+DECODING += [(family, k, (True,)) for family, k in SEQ2SEQ_RUNS]  # greedy with the decoder blocks' caches
 
 
 _TRAINED: dict = {}
@@ -191,6 +197,20 @@ def test_save_pretrained_after_a_pipelined_fit_reloads_with_from_pretrained(fami
     assert_states_close(reloaded.state_dict(), _merged_state(out, stages), atol=0.0)  # exactly what the stages held
     index = json.loads((out / "saved" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) == stages  # one shard per stage
+
+
+@pytest.mark.parametrize("family, stages", list(SEQ2SEQ_RUNS))
+def test_pipelined_beam_search_equals_generate_on_one_device(family, stages):
+    """Beam search through 2 stages (each reordering its decoder blocks' caches to the kept beams, the beams of the
+    second source split over the 2 micro-batches) against ``generate`` with the same beams on one device."""
+    out = SEQ2SEQ_RUNS[family, stages]()
+    model, _, _ = trained_on_one_device(family)
+    prompts = WORKER.prompts()
+    expected = model.generate(
+        prompts["input_ids"], attention_mask=prompts["attention_mask"], do_sample=False, num_beams=WORKER.BEAMS,
+        max_new_tokens=WORKER.MAX_NEW_TOKENS,
+    )  # fmt: skip
+    assert torch.equal(torch.load(out / "generated_beam.pt"), expected)
 
 
 @pytest.mark.parametrize("family, stages, caches", DECODING)
@@ -340,10 +360,10 @@ def _trained_lora(family: str = "llama", dtype: torch.dtype = torch.float32):
     return model, hf_train_one_device(model, optimizer, schedule, WORKER.batches(family))
 
 
-@pytest.mark.parametrize("family", ["llama", "t5"])
+@pytest.mark.parametrize("family", ["llama", "t5", "mamba"])
 def test_lora_on_two_stages_trains_the_adapters_as_one_device_and_leaves_the_base_weights_as_they_were(family):
     pytest.importorskip("peft")
-    out = {"llama": LORA, "t5": LORA_SEQ2SEQ}[family]()
+    out = {"llama": LORA, "t5": LORA_SEQ2SEQ, "mamba": LORA_RECURRENT}[family]()
     reference, losses = _trained_lora(family)
     expected = reference.get_base_model().state_dict()
     pipelined = _merged_state(out, 2)
@@ -352,7 +372,7 @@ def test_lora_on_two_stages_trains_the_adapters_as_one_device_and_leaves_the_bas
     assert trainable and all(".lora_" in name for name in trainable)
     if family == "llama":
         assert_states_close(pipelined, expected)  # adapters stepped alike, base weights untouched on both sides
-    else:  # T5's adapters: one entry 1.2e-5 off, within the rounding of fp32 (AdamW's steps of gradients near 0)
+    else:  # T5's adapters (one entry 1.2e-5 off) and Mamba's: within the rounding of fp32 (AdamW's steps near 0)
         exact = lambda: _trained_lora(family, torch.float64)[0].get_base_model().state_dict()  # noqa: E731
         assert_within_fp32_rounding(pipelined, expected, exact)
     initial = WORKER.initial_model(family).state_dict()

@@ -96,9 +96,11 @@ ENCODERS = ("bert_mlm", "bert_classifier", "roberta_mlm", "xlm_roberta_classifie
 CLASSIFIERS = ("bert_classifier", "xlm_roberta_classifier")
 BOTH = ("llama", "llama_untied", "mistral", "qwen2", "gpt2", "bert_mlm", "bert_classifier")
 ATTENTIONS = [(name, attention) for name in BOTH for attention in ("eager", "sdpa")]
-ATTENTIONS += [(name, "eager" if name in ("gemma2", "bloom") else "sdpa") for name in FAMILIES if name not in BOTH]
+ATTENTIONS += [
+    (name, "eager" if name in ("gemma2", "bloom", "mamba") else "sdpa") for name in FAMILIES if name not in BOTH
+]
 """(model, attention implementation): the first families with both, the others with the default ``sdpa`` (Gemma 2
-and Bloom have none but ``eager``)."""
+and Bloom have none but ``eager``; Mamba has no attention)."""
 
 
 def backbone_input(name: str, ids, mask):
@@ -214,12 +216,17 @@ def test_a_model_of_another_layout_is_refused_by_name_with_the_reasons_before_an
         ),
         ("openai-gpt", {}, "`transformer` holds \\['drop', 'h', 'positions_embed', 'tokens_embed'\\]"),
         ("megatron-bert", {}, "`bert.encoder` holds \\['layer', 'ln'\\]"),
+        ("falcon_h1", {}, r"\['hybrid'\] put attention and a recurrent mixer side by side in one block"),
+        ("recurrent_gemma", {}, r"holds the scalar buffers \['normalizer'\] itself"),
+        ("jamba", dict(output_router_logits=True), "output_router_logits=True: its forward adds a load-balancing loss"),
     ],
 )
 def test_a_deviation_the_adapter_does_not_handle_is_refused_by_structure(model_type, fields, reason):
     """Hybrid layer types on blocks taking one mask, a decoder's base model without a final norm that declares no plan
-    (OpenAI GPT), a final norm in an encoder: modules or layer types the standard layouts do not have (on the
-    meta device: nothing is allocated)."""
+    (OpenAI GPT), a final norm in an encoder: modules or layer types the standard layouts do not have; the recurrent
+    families of the GPT-2-like layout it does not take: attention and a Mamba mixer in one block (Falcon-H1), a scalar
+    buffer of the base model's own (RecurrentGemma), a load-balancing loss (Jamba's experts) (on the meta device:
+    nothing is allocated)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
     config = AutoConfig.for_model(model_type, num_hidden_layers=2, **fields)
@@ -237,10 +244,12 @@ def test_positions_from_mask_number_each_rows_real_tokens_as_generate_does():
 
 GENERATING = [(name, a) for name in ("llama", "mistral", "qwen2", "gpt2") for a in ("eager", "sdpa")]
 GENERATING += [("gemma2", "eager"), ("gemma3", "sdpa"), ("mixtral", "sdpa"), ("gpt_neox", "sdpa")]
+GENERATING += [("mamba", "eager")]
 """Decoding on one device: the first families with both attention implementations; Gemma 2 (alternating sliding
 layers, soft-capped logits), Gemma 3 (a rotary table per layer type), Mixtral (router statistics in the cached
-steps) and GPT-NeoX (its blocks' cache argument is ``layer_past``). Every decoder family decodes through the pipeline
-in tests/distributed/test_transformers.py."""
+steps), GPT-NeoX (its blocks' cache argument is ``layer_past``) and Mamba (each block's convolution and recurrent
+states in its cache). Every decoder family decodes through the pipeline in tests/distributed/test_transformers.py
+(Jamba's Mamba and attention layers in turn there)."""
 
 
 @pytest.mark.parametrize("name, attention", GENERATING)

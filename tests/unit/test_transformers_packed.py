@@ -103,9 +103,17 @@ def test_packing_fills_the_first_row_a_document_fits_and_labels_no_token_of_anot
         pack_documents([[1] * 7], 6)
 
 
-def test_a_model_with_recurrent_layers_refuses_packed_rows_naming_them():
-    module = CausalLM(config={"model_type": "qwen3_next", "num_hidden_layers": 2, "hidden_size": 32,
-                              "layer_types": ["linear_attention", "full_attention"]}, self_check=False)  # fmt: skip
+RECURRENT = [
+    {"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]},
+    {"model_type": "mamba"},
+]
+"""Models with recurrent layers: a declared plan's linear-attention hybrid (Qwen3-Next), a state-space model of the
+GPT-2-like layout (Mamba, every layer ``linear_attention``)."""
+
+
+@pytest.mark.parametrize("config", RECURRENT, ids=lambda config: config["model_type"])
+def test_a_model_with_recurrent_layers_refuses_packed_rows_naming_them(config):
+    module = CausalLM(config={**config, "num_hidden_layers": 2, "hidden_size": 32}, self_check=False)
     with torch.device("meta"):
         module.configure_model()
     batch = packed_batch(pack_documents(documents(), 16), pad_token_id=0)

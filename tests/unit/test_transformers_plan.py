@@ -247,14 +247,15 @@ def test_modules_the_plan_leaves_out_are_held_where_the_forward_uses_them():
 GPT2_LIKE = {
     "falcon-multi-query": dict(multi_query=True, parallel_attn=True),
     "falcon-new-architecture": dict(new_decoder_architecture=True, num_kv_heads=2),
+    "falcon-alibi": dict(alibi=True, multi_query=True, parallel_attn=True),
     "mpt": dict(n_heads=4, d_model=32, max_seq_len=64),
     "gpt_bigcode": dict(n_embd=32, n_head=4, n_positions=64),
     "xglm": dict(d_model=32, attention_heads=4, ffn_dim=48),
 }
 """The GPT-2-like decoders that declare no plan, as small configs (Bloom's ALiBi: tests/hf_families.py): rotary with
-multi-query and parallel attention, or the new architecture's grouped heads (Falcon), ALiBi over max_seq_len with a
-boolean mask (MPT), multi-query attention with learned positions (GPT-BigCode), sinusoidal positions and its own
-dropout (XGLM)."""
+multi-query and parallel attention, or the new architecture's grouped heads, or ALiBi folded into the mask (Falcon),
+ALiBi over max_seq_len with a boolean mask (MPT), multi-query attention with learned positions (GPT-BigCode),
+sinusoidal positions and its own dropout (XGLM)."""
 
 
 def _gpt2_like(name: str, **fields):
@@ -270,11 +271,17 @@ def test_gpt2_like_decoders_without_a_plan_equal_their_forward_and_decode_as_gen
     their forward computes, final norm, head), the self-check passing; logits, loss and every gradient equal the
     model's forward; greedy decoding of left-padded prompts with each block's own cache equals ``generate``'s tokens
     (MPT's position bias over the cached positions, Falcon's rotary, GPT-BigCode's multi-query cache)."""
-    from lightning_gpipe.hf import greedy_generate
-
     model = _gpt2_like(name)
     assert family_of(model).name == "gpt2-like"
     _equal_to_forward(model)
+    _decodes_as_generate(model)
+
+
+def _decodes_as_generate(model) -> None:
+    """Greedy decoding of left-padded prompts through ``model``'s backbone, each block keeping its own cache, equals
+    ``generate``'s tokens."""
+    from lightning_gpipe.hf import greedy_generate
+
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [8, 9, 10, 11, 12, 13]])
     mask = (ids != 0).long()
     expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=5, pad_token_id=2,
@@ -284,9 +291,33 @@ def test_gpt2_like_decoders_without_a_plan_equal_their_forward_and_decode_as_gen
 
 
 def test_a_gpt2_like_decoder_its_forward_changes_is_refused_naming_why():
-    """Falcon with ALiBi (its forward folds the biases into the mask every block gets) and XGLM's layer drop stay
-    refused, naming the option."""
-    with pytest.raises(UnsupportedModelError, match="alibi=True: its forward folds the ALiBi biases"):
-        to_sequential(_gpt2_like("falcon-multi-query", alibi=True), check=False)
+    """XGLM's layer drop stays refused, naming the option."""
     with pytest.raises(UnsupportedModelError, match="layerdrop=0.1: its forward skips layers at random"):
         to_sequential(_gpt2_like("xglm", layerdrop=0.1), check=False)
+
+
+RECURRENT = {
+    "mamba2": dict(num_heads=4, head_dim=16, state_size=8, n_groups=1, chunk_size=4),
+    "falcon_mamba": dict(state_size=8),
+    "bamba": dict(num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+                  mamba_chunk_size=4),
+    "lfm2": dict(num_key_value_heads=2, layer_types=["conv", "full_attention", "conv"], block_auto_adjust_ff_dim=False),
+}  # fmt: skip
+"""The recurrent and hybrid decoders without a plan besides Mamba and Jamba (tests/hf_families.py), as small configs:
+Mamba-2's multi-head selective scan in chunks of 4 tokens (the probe's 11 cross chunks), Falcon-Mamba's normalised
+time step, B and C, Bamba's Mamba-2 layers around an attention layer with rotary positions, LFM2's short convolutions
+(``conv`` layers) around an attention layer."""
+
+
+@pytest.mark.parametrize("name", list(RECURRENT))
+def test_recurrent_decoders_without_a_plan_equal_their_forward_and_decode_as_generate_does(name):
+    """Refused before ("its blocks carry a state"): cut by the GPT-2-like layout, the self-check passing, every row's
+    state starting at zero as in the model's forward; logits, loss and every gradient equal the model's forward (a
+    left-padded row, whose padding the mixers zero); greedy decoding of left-padded prompts, each block keeping its
+    convolution and recurrent states (an attention layer its keys and values) in its own cache, equals ``generate``."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(name, **{**TINY, **RECURRENT[name]})
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert family_of(model).name == "gpt2-like"
+    _equal_to_forward(model)
+    _decodes_as_generate(model)

@@ -1,7 +1,9 @@
 """Encoder-decoders in the pipeline (lightning_gpipe.hf.Seq2SeqLM, lightning_gpipe/hf/seq2seq.py): the cut backbone
 against the models' own forward (T5, mT5, umT5, BART, mBART, Marian, M2M100 of tests/hf_families.py: logits, loss,
 every gradient), T5's relative position bias on a stage starting mid-stack, meta-device builds loading their own
-weights, label smoothing, LoRA, and what is refused. The pipelined runs are in tests/distributed/test_transformers.py.
+weights, label smoothing, LoRA, what is refused, and generation against ``model.generate`` (greedy with and without
+the decoder blocks' caches, beam search; also on micro-batches, as a pipeline runs each step). The pipelined runs are in
+tests/distributed/test_transformers.py.
 """
 
 import copy
@@ -159,15 +161,44 @@ def test_what_the_layers_cannot_take_is_refused_before_step_1_naming_the_structu
 
 
 def randomized(model, seed: int = 2):
-    """``model`` with its saved tensors drawn at random (matrices with standard deviation ``1 / sqrt(fan_in)``,
-    vectors about 1): a fresh model's decoder repeats its start token, which would make its greedy outputs alike."""
+    """``model`` with its saved tensors drawn at random (matrices with standard deviation ``1 / sqrt(fan_in)``, norm
+    weights about 1, biases about 0): a fresh model's decoder repeats its start token, which would make its outputs
+    alike (as biases about 1 would make BART's)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for tensor in model.state_dict().values():
+        for name, tensor in model.state_dict().items():
             if tensor.is_floating_point():
                 scale = tensor.shape[-1] ** -0.5 if tensor.dim() >= 2 else 0.5
-                tensor.copy_(torch.randn(tensor.shape, generator=generator) * scale + (tensor.dim() == 1))
+                shift = tensor.dim() == 1 and not name.endswith("bias")
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * scale + shift)
     return model
+
+
+def seq2seq_module(name: str, generation: dict):
+    """A ``Seq2SeqLM`` of family ``name`` built on one device and the model it equals (weights :func:`randomized`),
+    both generation configs given the fields of ``generation``; no self-check (the layers' equality is tested above)."""
+    model = randomized(build(name, attn_implementation="eager")).eval()
+    module = Seq2SeqLM(config=copy.deepcopy(model.config), attn_implementation="eager", self_check=False)
+    module.configure_model()
+    module.hf_model.load_state_dict(model.state_dict())
+    module.eval()
+    for config in (model.generation_config, module.hf_model.generation_config):
+        for field, value in generation.items():
+            setattr(config, field, value)
+    return module, model
+
+
+class MicroBatched(nn.Module):
+    """The backbone run on ``chunks`` micro-batches of the value's rows in turn (``torch.tensor_split``, as the
+    pipeline splits a step), the logits concatenated: its layers see each decoding step as the stages do."""
+
+    def __init__(self, backbone: nn.Module, chunks: int) -> None:
+        super().__init__()
+        self.backbone, self.chunks = backbone, chunks
+
+    def forward(self, value):
+        parts = zip(*(torch.tensor_split(item, self.chunks) for item in value))
+        return torch.cat([self.backbone(part) for part in parts])
 
 
 @pytest.mark.parametrize(
@@ -181,22 +212,50 @@ def randomized(model, seed: int = 2):
 )
 def test_greedy_generation_equals_generate_with_the_models_start_forced_and_end_tokens(name, generation):
     """``Seq2SeqLM.generate`` (one backbone call per token, as through the pipeline) against ``model.generate``
-    (greedy, its key/value cache): T5's third row ending early (then padded), BART's forced end at the last step,
-    mBART's forced first token (a target language)."""
-    model = randomized(build(name, attn_implementation="eager")).eval()
-    module = Seq2SeqLM(config=copy.deepcopy(model.config), attn_implementation="eager")
-    module.configure_model()
-    module.hf_model.load_state_dict(model.state_dict())
-    module.eval()
-    for config in (model.generation_config, module.hf_model.generation_config):
-        for field, value in generation.items():
-            setattr(config, field, value)
+    (greedy, its key/value cache): with the decoder blocks' caches (also run on micro-batches, as a pipeline runs
+    each step) and without; T5's third row ending early (then padded), BART's forced end at the last step, mBART's
+    forced first token (a target language)."""
+    module, model = seq2seq_module(name, generation)
     ids, mask, _ = batch()
-    generated = module.generate(ids, mask, max_new_tokens=8)
     expected = model.generate(ids, attention_mask=mask, do_sample=False, num_beams=1, max_new_tokens=8)
+    generated = module.generate(ids, mask, max_new_tokens=8)
     assert torch.equal(generated, expected)
+    assert torch.equal(module.generate(ids, mask, max_new_tokens=8, kv_cache=False), expected)
+    module.backbone = MicroBatched(module.backbone, 2)
+    assert torch.equal(module.generate(ids, mask, max_new_tokens=8), expected)
     assert len(set(map(tuple, generated.tolist()))) > 1 or name != "t5"  # the rows differ
     if "forced_bos_token_id" in generation:
         assert (generated[:, 1] == 7).all()
     if "eos_token_id" in generation:
         assert generated[2, -1] == model.generation_config.pad_token_id and (generated[:2, -1] != 0).all()
+
+
+@pytest.mark.parametrize(
+    "name, generation",
+    [
+        ("t5", {"eos_token_id": 12, "early_stopping": True}),
+        ("mbart", {"forced_bos_token_id": 7, "length_penalty": 0.5}),
+        ("m2m_100", {"eos_token_id": [43, 9], "early_stopping": "never"}),
+    ],
+)
+def test_beam_search_equals_generate_token_for_token_the_encoder_run_once_one_new_token_per_step(name, generation):
+    """``Seq2SeqLM.generate(num_beams=4)`` against ``model.generate(num_beams=4)`` with the same settings, on the
+    whole batch and on 2 micro-batches (6 rows each after the first step: the second source's 4 beams split over
+    both, so the kept beams' caches move between micro-batches); the encoder's blocks run at the first step only, on
+    one row per source, and the decoder's get only the new token afterwards. T5 with ``early_stopping=True``, mBART's
+    forced first token with a length penalty, M2M100 with two end ids and ``early_stopping="never"``."""
+    module, model = seq2seq_module(name, generation)
+    ids, mask, _ = batch()
+    expected = model.generate(ids, attention_mask=mask, do_sample=False, num_beams=4, max_new_tokens=8)
+    assert not torch.equal(expected, model.generate(ids, attention_mask=mask, num_beams=1, max_new_tokens=8))
+    seen = []
+    blocks = [layer for layer in module.backbone if isinstance(layer, StackBlock) and layer.index == 1]  # not 0:
+    for layer in blocks:  # the embeddings' stack forward reaches the first block
+        block = layer.get_submodule(layer.block)
+        block.register_forward_pre_hook(lambda m, args, kwargs: seen.append((m, args[0].shape)), with_kwargs=True)
+    assert torch.equal(module.generate(ids, mask, max_new_tokens=8, num_beams=4), expected)
+    encoder_block = blocks[0].get_submodule(blocks[0].block)
+    assert [shape for m, shape in seen if m is encoder_block] == [(3, 9, 32)]
+    assert {shape[:2] for m, shape in seen if m is not encoder_block} == {(3, 1), (12, 1)}
+    module.backbone = MicroBatched(module.backbone, 2)
+    assert torch.equal(module.generate(ids, mask, max_new_tokens=8, num_beams=4), expected)

@@ -13,6 +13,7 @@ import yaml
 from tiny_translation import (
     EXAMPLE,
     TINY,
+    LossCurve,
     one_thread,
     predict_data,
     tiny_datamodule,
@@ -21,10 +22,12 @@ from tiny_translation import (
 )  # fmt: skip
 from torch import Tensor
 from translation.callbacks import WriteTranslations
+from translation.conventions import Convention
 from translation.data import DIRECTIONS, TranslationDataModule
 from translation.decoding import beam_search, greedy
 from translation.model import transformer
 from translation.module import DECODING, TranslationModule
+from translation.seq2seq import Seq2SeqTranslation
 from translation.vocabulary import LANGUAGES, SPECIAL_TOKENS, load_tokenizer
 
 
@@ -295,3 +298,127 @@ def test_prepare_downloads_the_release_and_a_hub_shaped_directory_trains_its_dir
     ):
         tiny_datamodule(data_dir=str(tmp_path / "missing")).check_data("fit")
     tiny_datamodule(data_dir=str(tmp_path / "missing")).check_data("predict")  # predict reads its own sentences
+
+
+T5_TINY = dict(
+    model_type="t5", d_model=32, d_ff=48, d_kv=8, num_heads=2, num_layers=2, num_decoder_layers=2,
+    feed_forward_proj="gated-gelu", dropout_rate=0.0,
+)  # fmt: skip
+"""A T5 small enough for a test (Flan-T5's gated feed-forward), trained from scratch with the shipped tokenizer."""
+
+
+def test_a_seq2seq_config_trains_from_scratch_with_the_shipped_tokenizer_and_t5s_task_prefix() -> None:
+    """``Seq2SeqTranslation(config=...)`` (``lightning_gpipe.hf.Seq2SeqLM``) reads the shipped vocabulary's ids; the
+    data module in T5's convention writes "translate English to German: ..." sources; 3 steps train and a validation
+    decodes through ``Seq2SeqLM.generate`` and logs the example's SacreBLEU per direction."""
+    L.seed_everything(0, verbose=False)
+    with one_thread():  # the self-check on a miniature
+        module = Seq2SeqTranslation(config=T5_TINY, attn_implementation="eager", lr=3e-3, max_new_tokens=1)
+    tokenizer = module.tokenizer
+    config = module.hf_config()
+    assert (config.vocab_size, config.pad_token_id, config.eos_token_id) == (8000, 0, 3)
+    assert config.decoder_start_token_id == tokenizer.bos_token_id and module.convention.layout == "prefix"
+    datamodule = tiny_datamodule(
+        model_type="t5", train_split="validation", train_directions=["en-de", "fr-en"], val_directions=["en-de"],
+        val_rows=2,
+    )  # fmt: skip
+    curve = LossCurve()
+    trainer = tiny_trainer(max_steps=3, limit_val_batches=1, val_check_interval=3, callbacks=[curve])
+    with one_thread():
+        trainer.fit(module, datamodule)
+    sources = {tokenizer.decode(pair.source) for batch in datamodule.train_set.batches for pair in batch}
+    assert {s.split(":")[0] for s in sources} == {"translate English to German", "translate French to English"}
+    assert all(s.endswith("</s>") and "<2" not in s for s in sources)
+    assert len(curve.losses) == 3 and all(0 < loss < 20 for loss in curve.losses)
+    bleu = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_bleu_")}
+    assert bleu and all(0 <= value <= 100 for value in bleu.values()) and "val_loss" in trainer.callback_metrics
+
+
+def tiny_nllb(directory) -> int:
+    """Save an M2M100 miniature (NLLB's class) with a character-level NLLB tokenizer (its 202 language codes) to
+    ``directory``; return the tokenizer's size."""
+    import string
+
+    from hf_families import build
+    from transformers import NllbTokenizer
+
+    pieces = ["<s>", "<pad>", "</s>", "<unk>", "\u2581", *string.ascii_letters, *".,'-"]
+    tokenizer = NllbTokenizer(vocab={piece: i for i, piece in enumerate(pieces)}, merges=[])
+    torch.manual_seed(0)
+    build("m2m_100", vocab_size=len(tokenizer), max_position_embeddings=256).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return len(tokenizer)
+
+
+def test_a_pretrained_directory_brings_its_tokenizer_and_nllb_language_codes_forced_per_row(
+    tmp_path, monkeypatch
+) -> None:
+    """From a saved directory (an M2M100 miniature and its NLLB tokenizer), through ``train.py``'s command line:
+    the data module uses the directory's tokenizer, sources start with ``eng_Latn``, targets with their own code,
+    the loss runs, and each row's translation starts with its target's code (forced per row in a mixed batch)."""
+    import sys
+
+    import translation.train as train
+
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+
+    size = tiny_nllb(tmp_path)
+    argv = [
+        "--model=Seq2SeqTranslation", f"--model.pretrained={tmp_path}", "--model.max_new_tokens=1",
+        "--model.attn_implementation=eager", "--data.val_rows=2", "--data.val_directions=[en-de,en-fr]",
+    ]  # fmt: skip
+    with one_thread():  # the self-check on a miniature
+        cli = train.main(argv, run=False)
+    module, datamodule = cli.model, cli.datamodule
+    assert isinstance(module, Seq2SeqTranslation) and module.model_type == "m2m_100"
+    assert len(datamodule.tokenizer) == size and datamodule.convention.layout == "codes"
+    code = {language: datamodule.tokenizer.convert_tokens_to_ids(name)
+            for language, name in (("en", "eng_Latn"), ("de", "deu_Latn"), ("fr", "fra_Latn"))}  # fmt: skip
+    module.configure_model()
+    datamodule.setup("validate")
+    batch = datamodule.val_set[0]
+    assert (batch["src"][:, 0] == code["en"]).all()
+    assert batch["tgt_out"][:, 0].tolist() == [code[d.split("-")[1]] for d in batch["directions"]]
+    with torch.no_grad(), one_thread():
+        loss = module.cross_entropy(module.target_logits(batch), batch["tgt_out"])
+    assert 0 < float(loss) < 20
+    de, fr = (
+        next(iter(TranslationDataModule(tokenizer_file=str(tmp_path), model_type="m2m_100",
+                                        predict_sentences=["A dog runs."], predict_target=t).predict_dataloader()))
+        for t in ("de", "fr")
+    )  # fmt: skip
+    mixed = {"src": torch.cat([de["src"], fr["src"], de["src"]]), "directions": ["en-de", "en-fr", "en-de"]}
+    with one_thread():
+        ids = module.eval().translation_ids(mixed)
+    assert [row[0] for row in ids] == [code["de"], code["fr"], code["de"]] and len(ids[0]) > 1
+    assert module.hf_model.generation_config.forced_bos_token_id is None  # restored after decoding
+
+
+def test_each_model_types_language_convention_around_a_sentence() -> None:
+    """T5's task prefix, mBART-50's codes (the target's forced first), the example's ``<2de>`` (also the codes of an
+    NLLB config trained with the shipped tokenizer); a direction a tokenizer cannot name is refused, except the one
+    target language of a bilingual model."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    shipped = load_tokenizer()
+    t5, own = Convention(shipped, "t5"), Convention(shipped)
+    eos = [shipped.eos_token_id]
+    head, tail = t5.source_ends("fr", "cs")
+    assert shipped.decode(head) == "translate French to Czech:" and tail == eos
+    assert t5.target_start("cs") == [] and t5.forced_bos("cs") is None
+    assert own.source_ends("en", "de") == ([shipped.convert_tokens_to_ids("<2de>")], eos)
+    assert own.target_start("de") == [] and own.forced_bos("de") is None
+    assert Convention(shipped, "m2m_100").source_ends("fr", "en")[0] == [shipped.convert_tokens_to_ids("<2fr>")]
+    words = models.WordLevel({"<unk>": 0, "</s>": 1, "en_XX": 2, "de_DE": 3}, unk_token="<unk>")
+    bare = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(words), eos_token="</s>", unk_token="<unk>")
+    mbart = Convention(bare, "mbart")
+    assert (
+        mbart.source_ends("en", "de") == ([2], [1]) and mbart.target_start("de") == [3] and mbart.forced_bos("de") == 3
+    )
+    mbart.check(["en-de", "de-en"])
+    with pytest.raises(ValueError, match=r"mbart needs a token naming each of the languages \['fr'\]"):
+        mbart.check(["en-fr"])
+    with pytest.raises(ValueError, match="none of <2fr> or fra_Latn or fr_XX or __fr__ or >>fra<<"):
+        Convention(bare, "bart").check(["en-de", "en-fr"])  # BART: a target-language token, none for French
+    Convention(bare, "bart").check(["en-fr", "de-fr"])  # one target language: a bilingual model needs none

@@ -13,8 +13,8 @@ writing OUT_DIR/full.ckpt (a full Lightning checkpoint, at the last step), OUT_D
 stage its shard), OUT_DIR/state_rank{r}.pt (the rank's own parameters after fit, by the model's names) and
 OUT_DIR/losses.pt (the per-step training losses on the last stage). Decoders then decode ``prompts()`` greedily
 through the pipeline with ``trainer.predict``, with the stages' key/value caches (OUT_DIR/generated.pt, rank 0) and
-without (``kv_cache=False``: OUT_DIR/generated_no_cache.pt); encoder-decoders generate from them as sources
-(OUT_DIR/generated.pt).
+without (``kv_cache=False``: OUT_DIR/generated_no_cache.pt); encoder-decoders generate from them as sources, greedily
+(OUT_DIR/generated.pt) and with beam search (``BEAMS`` beams: OUT_DIR/generated_beam.pt).
 
 ``--precision P`` is the Trainer's (default ``32-true``). Every run writes OUT_DIR/run_rank{r}.json: the stage's
 backbone layers (by their index), Lightning's precision plugin, the dtypes of the first local layer's outputs in the
@@ -52,11 +52,16 @@ STEPS = 4
 RESUMED_STEPS = 2
 OPTIMIZATION = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), warmup_steps=2, decay="cosine", min_lr_ratio=0.1)
 MAX_NEW_TOKENS = 8
+BEAMS = 4
+"""The beams of the encoder-decoders' beam search."""
 MASK_ID = 3
 """BERT's masked positions get this id (and their original ids as labels)."""
 LORA = dict(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
 """The LoRA adapters of ``--lora``: rank 4 on every linear layer of the blocks, both matrices drawn at random (so
 that both get a gradient from the first step)."""
+LORA_TARGETS = {"mamba": ["in_proj", "x_proj"]}
+"""The families whose adapters go on named linear layers instead: Mamba's (peft refuses adapters on its mixers'
+``out_proj``, which its fused kernels read directly)."""
 
 
 def batches(family: str = "llama") -> list[dict[str, torch.Tensor]]:
@@ -97,17 +102,19 @@ def initial_model(family: str = "llama"):
     return build(family)
 
 
-def with_lora(model):
-    """``model`` with seeded LoRA adapters (``peft.get_peft_model`` with :data:`LORA`, drawn after seed 1)."""
+def with_lora(model, family: str = "llama"):
+    """``model`` (of ``family``) with seeded LoRA adapters (``peft.get_peft_model`` with :data:`LORA`, on the layers
+    of :data:`LORA_TARGETS` where it names the family; drawn after seed 1)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(1)
-    return get_peft_model(model, LoraConfig(**LORA))
+    targets = {"target_modules": LORA_TARGETS[family]} if family in LORA_TARGETS else {}
+    return get_peft_model(model, LoraConfig(**{**LORA, **targets}))
 
 
 def initial_lora(family: str = "llama"):
     """The seeded starting LoRA model of ``family``: :func:`with_lora` of :func:`initial_model`."""
-    return with_lora(initial_model(family))
+    return with_lora(initial_model(family), family)
 
 
 if __name__ == "__main__":
@@ -238,8 +245,13 @@ if __name__ == "__main__":
             enable_progress_bar=False,
             enable_model_summary=False,
         )
-        for name, kv_cache in (("generated", True), ("generated_no_cache", False))[: 1 if args.quick else 2]:
-            module.kv_cache = kv_cache
+        settings = [("generated", {"kv_cache": True}), ("generated_no_cache", {"kv_cache": False})]
+        settings = settings[: 1 if args.quick else 2]
+        if args.family in SEQ2SEQ:  # greedy, then beam search: each stage its decoder blocks' caches
+            settings = [("generated", {"num_beams": 1}), ("generated_beam", {"num_beams": BEAMS})]
+        for name, setting in settings:
+            for field, value in setting.items():
+                setattr(module, field, value)
             generated = predictor.predict(module, DataLoader([prompts()], batch_size=None))
             if rank == 0:
                 torch.save(generated[0], os.path.join(args.out, f"{name}.pt"))
