@@ -14,6 +14,7 @@ are started first, from this script's own command line, before any script change
 import os
 import runpy
 import sys
+import time
 import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -54,9 +55,12 @@ if __name__ == "__main__":
     start_stage_processes(devices)
     rank = os.environ.get("LOCAL_RANK", "0")
     for script, out, args in planned:
+        began = time.perf_counter()
         sys.argv = [script, *([out] if OUT not in args else []), *(out if arg == OUT else arg for arg in args)]
         try:
             runpy.run_path(os.path.join(os.path.dirname(__file__), script), run_name="__main__")
         except Exception:  # noqa: BLE001 - recorded for the test that reads this script's output
             with open(os.path.join(out, f"failed_rank{rank}.txt"), "w") as f:
                 f.write(traceback.format_exc())
+        if rank == "0":  # what each run costs the suite, for whoever keeps it short
+            print(f"together: {time.perf_counter() - began:6.1f} s  {os.path.basename(out)}", file=sys.stderr)
