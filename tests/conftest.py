@@ -2,11 +2,20 @@
 other scripts that need K, see :func:`shared_run`)."""
 
 import os
+
+# Threads that wait for work sleep rather than spin (libgomp's default spins first), in this process and in every
+# process the tests start, which inherit it: the tests run processes side by side on two cores, where a spinning
+# thread only takes a core from another process's work. Set before torch loads its OpenMP runtime.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -16,25 +25,53 @@ make_importable()  # timm imports torchvision: see tests/torchvision_cpu.py
 
 WORKERS = Path(__file__).parent / "workers"
 
+_RUNNING: set[subprocess.Popen] = set()
+"""The main processes of :func:`run_worker`'s runs now running: what the session's end stops (SIGTERM: a job ends every
+stage on it) where it ends before a run started beside the tests (:func:`beside`) did."""
 
-def run_worker(script: str, *args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+_ENVIRONMENT = dict(os.environ)
+"""The environment the session began with: what the shared launches started beside other tests give their workers
+(an in-process test may change ``os.environ`` meanwhile, see :func:`_no_process_group_left`)."""
+
+
+def run_worker(
+    script: str, *args: str, timeout: float = 300, env: dict | None = None, inherit: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run ``tests/workers/<script>``; Lightning's launcher starts the other stage processes from it."""
-    process = start_worker(script, *args, env=env)
+    process = start_worker(script, *args, env=env, inherit=inherit)
+    _RUNNING.add(process)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         process.kill()
         raise
+    finally:
+        _RUNNING.discard(process)
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
-def start_worker(script: str, *args: str, env: dict | None = None, ignore_sigint: bool = False) -> subprocess.Popen:
-    """Start ``tests/workers/<script>`` (the main process of its stages) and return at once; ``ignore_sigint``
+def started_environment() -> dict[str, str]:
+    """The environment a process started now gets: ``os.environ`` on the main thread; in a thread beside the tests
+    (:func:`beside`, :func:`concurrently`) the session's first (an in-process test may change ``os.environ``
+    meanwhile, see :func:`_no_process_group_left`)."""
+    return dict(os.environ if threading.current_thread() is threading.main_thread() else _ENVIRONMENT)
+
+
+def start_worker(
+    script: str,
+    *args: str,
+    env: dict | None = None,
+    ignore_sigint: bool = False,
+    inherit: Mapping[str, str] | None = None,
+) -> subprocess.Popen:
+    """Start ``tests/workers/<script>`` (the main process of its stages) and return at once, in the environment
+    ``inherit`` (default :func:`started_environment`) updated with ``env``; ``ignore_sigint``
     starts it with SIGINT ignored, as a background job of a non-interactive shell is: ``sh`` ignores it and execs
     the script (the same pid, the disposition inherited), with no ``preexec_fn``, which is unsafe in a thread of
     :func:`concurrently`."""
+    inherited = started_environment() if inherit is None else inherit
     environment = {
-        k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")
+        k: v for k, v in inherited.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")
     }
     environment.update(env or {})
     command = [sys.executable, str(WORKERS / script), *args]
@@ -140,18 +177,102 @@ def run_example(script: str, *args: str, timeout: float = 400) -> tuple[subproce
     and the example's own test, each with its own assertions, read one run.
     """
     key = _example_key(script, args)
+    if key in _BESIDE:
+        return _BESIDE[key].result()
+    return _example_run(key, script, args, timeout)
+
+
+def _example_run(key: tuple, script: str, args: tuple[str, ...], timeout: float) -> tuple:
+    """:func:`run_example`'s run of ``script ARGS``, made once for ``key``."""
     if key not in _EXAMPLE_RUNS:
         tmp = Path(tempfile.mkdtemp(prefix="example_"))
         cwd, root = tmp / "cwd", tmp / "runs"
         cwd.mkdir()
         command = [sys.executable, str(ROOT / script), *args, f"--trainer.default_root_dir={root}"]
-        result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+        environment = started_environment()
+        result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=environment)
         _EXAMPLE_RUNS[key] = (result, cwd, root)
     return _EXAMPLE_RUNS[key]
 
 
-_SHARED: dict[int, list[tuple[str, tuple[str, ...], float, str, int | None]]] = {}
-"""Registered runs of worker scripts, by number of stage processes: (script, args, timeout, name, output_of)."""
+def example_beside(script: str, *args: str, timeout: float = 400) -> None:
+    """Register :func:`run_example`'s run of ``script ARGS`` to start beside the in-process tests (:func:`beside`);
+    :func:`run_example` then gives its result. Call at import time of a test module."""
+    key = _example_key(script, args)
+    if key not in _BESIDE:
+        _BESIDE[key] = _Beside(partial(_example_run, key, script, args, timeout), _caller_module())
+
+
+class _Beside:
+    """A run registered to start beside the in-process tests (see :func:`beside`): its function, the file of the test
+    module that registered it, and its future once submitted."""
+
+    def __init__(self, job: Callable[[], object], module: str) -> None:
+        self.job, self.module = job, module
+        self.future: Future | None = None
+        self.lock = threading.Lock()
+
+    def submit(self, pool: ThreadPoolExecutor) -> None:
+        """Queue the run on ``pool``, once."""
+        with self.lock:
+            if self.future is None:
+                self.future = pool.submit(self.job)
+
+    def result(self):
+        """The run's result (raising what it raised): waiting for it if it runs, run here and now if it has not
+        begun."""
+        with self.lock:
+            if self.future is None or self.future.cancel():
+                self.future = Future()
+                try:
+                    self.future.set_result(self.job())
+                except BaseException as error:  # noqa: BLE001 - given to whoever reads the result, as a thread's
+                    self.future.set_exception(error)
+        return self.future.result()
+
+
+_BESIDE: dict[object, _Beside] = {}
+"""The runs registered to start beside the in-process tests, by key (:func:`beside`, :func:`example_beside`)."""
+
+_POOL = ThreadPoolExecutor(2, thread_name_prefix="beside")
+"""The threads the registered runs start in (two runs at a time, beside the shared launches' own thread)."""
+
+
+def _caller_module() -> str:
+    """The file of the test module that called the caller of this function."""
+    return str(Path(sys._getframe(2).f_globals["__file__"]).resolve())
+
+
+_SCRATCH: list[Path] = []
+"""The directories :func:`scratch` made, removed at the session's end."""
+
+
+def scratch(prefix: str) -> Path:
+    """A new empty directory for a run registered at import time (where no ``tmp_path`` exists yet), removed at the
+    session's end."""
+    _SCRATCH.append(Path(tempfile.mkdtemp(prefix=prefix)))
+    return _SCRATCH[-1]
+
+
+def beside(key: str, job: Callable[[], object]) -> Callable[[], object]:
+    """Register ``job`` (it starts processes and waits for them) to start in a thread while the in-process tests run,
+    if a test of the calling module is selected; return a function that gives its result, or raises what it raised,
+    waiting for it, or running it then if it has not begun. Call at import time of a test module.
+
+    A launch of stage processes keeps about one core busy: its processes import Lightning and then mostly wait for
+    each other. Started beside the tests that run in the pytest process, such runs use the other core, two at a
+    time; a run checks within a time of its own end only what its own processes did.
+    """
+    _BESIDE[key] = _Beside(job, _caller_module())
+    return _BESIDE[key].result
+
+
+_SHARED: dict[int, list[tuple[str, tuple[str, ...], float, str, int | None, str]]] = {}
+"""Registered runs of worker scripts, by number of stage processes: (script, args, timeout, name, output_of, the
+file of the test module that registered it)."""
+
+_LAUNCHING = threading.Lock()
+"""Held while a shared launch runs, by the test that needs it or by :func:`_launch_beside_the_tests`."""
 
 _LAUNCHED: dict[int, tuple[Path, subprocess.CompletedProcess]] = {}
 """The launches made so far, by number of stage processes: (their output directory, the result)."""
@@ -176,7 +297,8 @@ def shared_run(
     script's traceback if it failed.
     """
     name = name or "-".join([Path(script).stem, *(arg.strip("-").replace("=", "") for arg in args)])
-    _SHARED.setdefault(devices, []).append((script, args, timeout, name, output_of))
+    module = _caller_module()
+    _SHARED.setdefault(devices, []).append((script, args, timeout, name, output_of, module))
 
     def output() -> Path:
         _launch(devices)
@@ -195,21 +317,54 @@ def shared_log(devices: int) -> str:
 
 
 def _launch(devices: int) -> Path:
-    """The output root of the shared launch on ``devices`` processes, launching it (and smaller ones) if needed."""
-    for k in sorted(_SHARED):
-        if k > devices or k in _LAUNCHED:
-            continue
-        root = Path(tempfile.mkdtemp(prefix=f"shared_K{k}_"))
-        command = []
-        for script, args, _, name, output_of in _SHARED[k]:
-            out = (root if output_of is None else _LAUNCHED[output_of][0]) / name
-            out.mkdir(exist_ok=True)
-            command += ["--", f"{out}:{script}", *args]
-        result = run_worker("together.py", str(k), *command[1:], timeout=sum(run[2] for run in _SHARED[k]))
-        _LAUNCHED[k] = (root, result)
+    """The output root of the shared launch on ``devices`` processes, launching it (and smaller ones) if needed, or
+    waiting for it where :func:`_launch_beside_the_tests` is launching it."""
+    with _LAUNCHING:
+        for k in sorted(_SHARED):
+            if k > devices or k in _LAUNCHED:
+                continue
+            root = Path(tempfile.mkdtemp(prefix=f"shared_K{k}_"))
+            command = []
+            for script, args, _, name, output_of, _ in _SHARED[k]:
+                out = (root if output_of is None else _LAUNCHED[output_of][0]) / name
+                out.mkdir(exist_ok=True)
+                command += ["--", f"{out}:{script}", *args]
+            timeout = sum(run[2] for run in _SHARED[k])
+            result = run_worker("together.py", str(k), *command[1:], timeout=timeout, inherit=_ENVIRONMENT)
+            _LAUNCHED[k] = (root, result)
     root, result = _LAUNCHED[devices]
     assert result.returncode == 0, result.stderr[-3000:]
     return root
+
+
+def _launch_beside_the_tests(devices: list[int]) -> None:
+    """Make the shared launches on ``devices`` processes, smallest first, in a thread (see
+    :func:`pytest_collection_modifyitems`); a launch that fails is made again by the first test that needs it,
+    which then reports why."""
+
+    def launch_each() -> None:
+        for k in devices:
+            try:
+                _launch(k)
+            except (AssertionError, subprocess.TimeoutExpired):
+                return
+
+    threading.Thread(target=launch_each, name="shared launches", daemon=True).start()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Run the tests that start no stage process (tests/unit) first, and meanwhile, in threads, the shared launches
+    and the runs registered with :func:`beside` that the selected tests read: a launch keeps about one of the two
+    cores busy (its processes mostly wait for each other), the in-process tests the other, so the suite takes
+    about the time of the longer of the two rather than of both."""
+    items.sort(key=lambda item: "distributed" in item.path.parts)
+    selected = {str(item.path.resolve()) for item in items}
+    needed = sorted(k for k, runs in _SHARED.items() if any(run[5] in selected for run in runs))
+    if needed:
+        _launch_beside_the_tests(needed)
+    for run in _BESIDE.values():
+        if run.module in selected:
+            run.submit(_POOL)
 
 
 @pytest.fixture(autouse=True)
@@ -227,11 +382,17 @@ def _no_process_group_left():
 
 
 def pytest_sessionfinish(session):
-    """Remove the shared launches' and the example runs' output directories."""
+    """Stop the runs still running (a session ended by ``-x`` or an interrupt before a shared launch beside the tests
+    did), then remove the shared launches' and the example runs' output directories."""
+    _POOL.shutdown(wait=False, cancel_futures=True)
+    for process in list(_RUNNING):
+        process.terminate()
     for root, _ in _LAUNCHED.values():
         shutil.rmtree(root, ignore_errors=True)
     for _, cwd, _ in _EXAMPLE_RUNS.values():
         shutil.rmtree(cwd.parent, ignore_errors=True)
+    for directory in _SCRATCH:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

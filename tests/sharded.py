@@ -14,6 +14,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from conftest import hf_one_device_optimizer, hf_train_one_device, hf_worker
+from grid import suite
 from models import GLOBAL_BATCH, LossRecorder, SyncNet, loader, trainer_kwargs
 from nonchain import TiedNet, token_loader
 from torch.distributed.tensor import DTensor
@@ -93,6 +94,19 @@ RUNS = {
     ),
 }
 
+"""The sharded runs that must train like one device: each sharding strategy with every schedule kind, clipping,
+accumulation, re-materialization and the B/W split, and tied parameters. The suite runs one of each kind
+(:mod:`grid`)."""
+RUNS = suite(
+    RUNS,
+    "full_gpipe",
+    "grad_op_1f1b",
+    "full_1f1b_clip_accumulate",
+    "full_interleaved_split",
+    "grad_op_zb_v",
+    "tied_full_gpipe_clip",
+)
+
 
 MIXED = {
     "bf16_ddp_1f1b": (
@@ -120,7 +134,15 @@ CHECKPOINTED = {
     "sharded_ckpt_of_ddp_first4": (2, 2, "NO_SHARD", "sharded", None, 4),
     "full_shard_from_sharded_ckpt_of_ddp": (2, 2, "FULL_SHARD", "full", "sharded_ckpt_of_ddp_first4", 6),
 }
-"""Checkpoints of sharded runs resumed on other meshes, with and without sharding, and the reverse (AdamWNet)."""
+"""Checkpoints of sharded runs resumed on other meshes, with and without sharding, and the reverse (AdamWNet). The
+suite resumes a sharded checkpoint on 4 stages and a full one under another sharding."""
+CHECKPOINTED = suite(
+    CHECKPOINTED,
+    "sharded_ckpt_of_full_shard_first4",
+    "pp4_dp1_from_sharded_ckpt_of_full_shard",
+    "full_ckpt_of_full_shard_first4",
+    "grad_op_from_full_ckpt_of_full_shard",
+)
 
 HF_RUNS = {
     name: lora
@@ -130,7 +152,9 @@ HF_RUNS = {
 """The tiny Hugging Face Llama of tests/hf_families.py (``lightning_gpipe.hf.CausalLM``, tests/workers/
 transformers_hf.py's starting model, AdamW and schedule) under FULL_SHARD on 2 stages x 2 replicas, 3 micro-batches:
 name -> fine-tuning LoRA adapters (``lora=True``: the worker's starting adapter) instead of every weight. Only those
-whose packages (``transformers``, ``peft``) are installed."""
+whose packages (``transformers``, ``peft``) are installed. The suite runs LoRA's (frozen weights beside sharded
+adapters; the whole model is sharded in :data:`RUNS`)."""
+HF_RUNS = suite(HF_RUNS, *(name for name in HF_RUNS if "lora" in name))
 
 HF_ROWS, HF_STEPS = 24, 4
 """The HF runs' rows, every one of 12 real tokens (no padding, so that each replica's mean over its labelled tokens

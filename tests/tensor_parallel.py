@@ -13,6 +13,7 @@ import importlib.util
 import lightning as L
 import torch
 import torch.nn.functional as F
+from grid import suite
 from models import CLASSES, FEATURES, GLOBAL_BATCH, LossRecorder, loader, trainer_kwargs
 from sharded import reference_loader
 from torch import nn
@@ -46,7 +47,9 @@ RUNS = {
     ),
 }
 """The runs that must train like one device, on every schedule kind: fill-drain, 1F1B, the B/W split, a V; with
-global clipping over DTensor gradients; FSDP2 over the replicas of tensor-parallel stages (2-D DTensors)."""
+global clipping over DTensor gradients; FSDP2 over the replicas of tensor-parallel stages (2-D DTensors). The suite
+runs 1F1B, the V (its B/W split) and FSDP2 (:mod:`grid`)."""
+RUNS = suite(RUNS, "pp2_tp2_1f1b_clip_accumulate", "pp2_tp2_v_half_clip", "pp1_dp2_tp2_full_shard_clip")
 
 MIXED = {"pp2_tp2_bf16": (dict(tensor_parallel_size=2, chunks=4), {"precision": "bf16-mixed"})}
 """``precision="bf16-mixed"`` (Lightning's CPU autocast) on 2 stages x 2 tensor ranks, against one device's
@@ -65,7 +68,11 @@ CHECKPOINTED = {
 }
 """A full checkpoint of a (2 stages x 2 tensor ranks) run resumed without tensor parallelism, and on one stage of 2
 tensor ranks (with 2 replicas: FSDP2); a sharded one (torch.distributed.checkpoint, each process its part) resumed
-without tensor parallelism."""
+without tensor parallelism. The suite resumes the full one on one stage and the sharded one without tensor
+parallelism."""
+CHECKPOINTED = suite(
+    CHECKPOINTED, "pp2_tp2_first4", "pp1_dp2_tp2_from_pp2_tp2", "pp2_tp2_first4_sharded", "pp2_dp2_from_pp2_tp2_sharded"
+)
 
 HF_RUNS = {
     name: lora
@@ -74,7 +81,8 @@ HF_RUNS = {
 }
 """The tiny Hugging Face Llama of tests/hf_families.py (``lightning_gpipe.hf.CausalLM``) split by its declared tensor
 plan on 2 stages x 2 tensor ranks, 3 micro-batches, on :func:`sharded.hf_global_batches`: name -> fine-tuning LoRA
-adapters instead of every weight. Only those whose packages are installed."""
+adapters instead of every weight. Only those whose packages are installed; the suite runs the whole model's."""
+HF_RUNS = suite(HF_RUNS, *(name for name in HF_RUNS if "lora" not in name))
 
 
 class SplitMLP(L.LightningModule):

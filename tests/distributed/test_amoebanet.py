@@ -3,7 +3,10 @@
 import csv
 import re
 
-from conftest import SHORT_EXAMPLE_RUNS, run_example
+from conftest import SHORT_EXAMPLE_RUNS, example_beside, run_example
+
+SCRIPT = "examples/amoebanet/train.py"
+example_beside(SCRIPT, "fit", *SHORT_EXAMPLE_RUNS[SCRIPT], timeout=300)  # started beside the in-process tests
 
 
 def test_example_trains_on_two_stages_and_logs_through_a_lightning_logger() -> None:
@@ -11,8 +14,7 @@ def test_example_trains_on_two_stages_and_logs_through_a_lightning_logger() -> N
     and checkpoint under ``--trainer.default_root_dir``, and a model summary of the whole model and its split. (4
     steps, validating every 2: the run of the README's command in tests/distributed/test_doc_commands.py, which reads
     the same run.)"""
-    script = "examples/amoebanet/train.py"
-    result, cwd, root = run_example(script, "fit", *SHORT_EXAMPLE_RUNS[script], timeout=300)
+    result, cwd, root = run_example(SCRIPT, "fit", *SHORT_EXAMPLE_RUNS[SCRIPT], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in result.stderr
     assert list(cwd.iterdir()) == []  # nothing in the working directory: logs follow default_root_dir

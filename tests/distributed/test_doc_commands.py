@@ -18,7 +18,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from conftest import SHORT_EXAMPLE_RUNS, concurrently, run_example
+from conftest import SHORT_EXAMPLE_RUNS, beside, example_beside, run_example, scratch, started_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,21 +83,38 @@ def test_runnable_marker_is_found_before_the_example_commands() -> None:
         runnable_commands(f"{RUNNABLE}\ntext\n")
 
 
-@pytest.mark.parametrize(
-    ("name", "line", "command"),
-    [
-        (name, line, command)
-        for name in RUNNABLE_FILES
-        for line, command in runnable_commands((ROOT / name).read_text(encoding="utf-8"))
-        if not command.startswith("pip install")
-    ],
-)
+COMMANDS = [
+    (name, line, command)
+    for name in RUNNABLE_FILES
+    for line, command in runnable_commands((ROOT / name).read_text(encoding="utf-8"))
+    if not command.startswith("pip install")
+]
+"""``(file, line number, command)`` of every marked command but ``pip install``."""
+
+
+def _shortened(command: str) -> tuple[str, list[str]]:
+    """``(script, its arguments with the options that shorten the run)`` of a ``python SCRIPT ...`` command."""
+    args = shlex.split(command)
+    return args[1], [*args[2:], *SHORTEN.get(args[1], ["--trainer.max_steps=2"])]
+
+
+def _register_commands() -> None:
+    """Start each marked ``python`` command's shortened run beside the in-process tests (:func:`conftest.beside`)."""
+    for _, _, command in COMMANDS:
+        if command.startswith("python "):
+            script, args = _shortened(command)
+            example_beside(script, *args)
+
+
+_register_commands()
+
+
+@pytest.mark.parametrize(("name", "line", "command"), COMMANDS)
 def test_runnable_command_blocks_run(name: str, line: int, command: str) -> None:
     """Each marked command runs, shortened, from an empty directory, and trains (a metrics file with losses)."""
-    args = shlex.split(command)
-    assert args[0] == "python", f"{name}:{line}: only `python ...` commands are run, not {command!r}"
-    script = args[1]
-    result, _, root = run_example(script, *args[2:], *SHORTEN.get(script, ["--trainer.max_steps=2"]))
+    assert command.startswith("python "), f"{name}:{line}: only `python ...` commands are run, not {command!r}"
+    script, args = _shortened(command)
+    result, _, root = run_example(script, *args)
     assert result.returncode == 0, f"{name}:{line}: `{command}` failed:\n{result.stderr[-3000:]}"
     metrics = list(root.glob("lightning_logs/*/version_*/metrics.csv"))
     assert metrics and "train_loss" in metrics[0].read_text(), f"{name}:{line}: `{command}` logged no train_loss"
@@ -121,21 +138,29 @@ def _run_script(block: list[str], strategy: str, directory: Path) -> subprocess.
     """``block`` as ``directory/train.py``, with ``strategy="gpipe"`` replaced by ``strategy``, run there."""
     script = "\n".join(block).replace('strategy="gpipe"', f'strategy="{strategy}"')
     (directory / "train.py").write_text(script + "\n", encoding="utf-8")
-    return subprocess.run([sys.executable, "train.py"], cwd=directory, capture_output=True, text=True, timeout=400)
+    command = [sys.executable, "train.py"]
+    environment = started_environment()
+    return subprocess.run(command, cwd=directory, capture_output=True, text=True, timeout=400, env=environment)
+
+
+def _script_runs() -> dict:
+    """``{(file, line, strategy): (result function, its directory)}``: every marked script with every strategy,
+    each in an empty directory of its own, started beside the in-process tests (:func:`conftest.beside`)."""
+    directories = {(name, line, strategy): scratch("script_") for name, line, _ in SCRIPTS for strategy in STRATEGIES}
+    blocks = {(name, line): block for name, line, block in SCRIPTS}
+    return {
+        key: (beside(f"script:{key}", partial(_run_script, blocks[key[:2]], key[2], d)), d)
+        for key, d in directories.items()
+    }
+
+
+SCRIPT_RUNS = _script_runs()
 
 
 @pytest.fixture(scope="module")
-def script_runs(tmp_path_factory) -> dict:
-    """``{(file, line, strategy): (result function, its directory)}``: every marked script with every strategy,
-    each in an empty directory of its own, two at a time (:func:`conftest.concurrently`)."""
-    directories = {
-        (name, line, strategy): tmp_path_factory.mktemp("script")
-        for name, line, _ in SCRIPTS
-        for strategy in STRATEGIES
-    }
-    blocks = {(name, line): block for name, line, block in SCRIPTS}
-    results = concurrently({key: partial(_run_script, blocks[key[:2]], key[2], d) for key, d in directories.items()})
-    return {key: (results[key], directories[key]) for key in directories}
+def script_runs() -> dict:
+    """:data:`SCRIPT_RUNS`."""
+    return SCRIPT_RUNS
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

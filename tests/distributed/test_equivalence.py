@@ -7,11 +7,10 @@ that the subprocess-script launcher leaves every stage's weights in the user's m
 import pytest
 import torch
 from conftest import shared_run
+from equivalence_grid import V_SCHEDULES, fill_drain, interleaved, per_microbatch
 from models import TupleNet, loader
 from rowwise import adamw_reference
 
-CHUNKS = (1, 3, 8)
-MODES = ("always", "except_last", "never")
 RUNS = {k: shared_run("equivalence.py", f"--devices={k}", devices=k, timeout=400) for k in (2, 3, 4)}
 
 
@@ -26,32 +25,28 @@ def reference_1f1b_state():
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_pipeline_equals_single_device(stages, reference_state, reference_1f1b_state):
     out = RUNS[stages]()
-    for chunks in CHUNKS:
-        for mode in MODES:
-            state = torch.load(out / f"M{chunks}_{mode}.pt")
-            assert state.keys() == reference_state.keys()
-            for key, expected in reference_state.items():
-                torch.testing.assert_close(state[key], expected, rtol=0, atol=1e-5, msg=f"{key}, M={chunks}, {mode}")
+    for chunks, mode in fill_drain(stages):
+        state = torch.load(out / f"M{chunks}_{mode}.pt")
+        assert state.keys() == reference_state.keys()
+        for key, expected in reference_state.items():
+            torch.testing.assert_close(state[key], expected, rtol=0, atol=1e-5, msg=f"{key}, M={chunks}, {mode}")
     threads = {int((out / f"threads_rank{r}.txt").read_text()) for r in range(stages)}
     assert threads == {max(1, (torch.multiprocessing.cpu_count() or 1) // stages)}
     # schedule="1f1b" (and the zero-bubble ones), M = 4 >= K (uneven: 7, 6, 6, 6 rows), then M = 2 < K when K > 2
-    zero_bubble = [("zb-h1", "always"), ("zb-h1", "never"), ("zb-1p", "except_last")]
-    for schedule, mode in [("1f1b", mode) for mode in MODES] + zero_bubble:
+    for schedule, mode in per_microbatch(stages):
         state_1f1b = torch.load(out / f"{schedule}_{mode}.pt")
         for key, expected in reference_1f1b_state.items():
             torch.testing.assert_close(state_1f1b[key], expected, rtol=0, atol=1e-5, msg=f"{key}, {schedule}, {mode}")
     # virtual_stages=2: the looped fill-drain on fit()'s data, interleaved 1F1B, ZB-H1, ZB-1p and ZB-V (its chunks in
     # a V, the head on stage 0) on the 1F1B runs' batches
-    interleaved = [("gpipe", "always"), ("gpipe", "never"), ("1f1b", "except_last"), ("1f1b", "never")]
-    interleaved += [("zb-h1", "always"), ("zb-1p", "never"), ("zb-v", "always"), ("zb-v", "never")]
-    for schedule, mode in interleaved:
-        interleaved = torch.load(out / f"v2_{schedule}_{mode}.pt")
+    for schedule, mode in interleaved(stages):
+        state_v2 = torch.load(out / f"v2_{schedule}_{mode}.pt")
         for key, expected in (reference_state if schedule == "gpipe" else reference_1f1b_state).items():
             message = f"{key}, v=2 {schedule}, {mode}"
-            torch.testing.assert_close(interleaved[key], expected, rtol=0, atol=1e-5, msg=message)
+            torch.testing.assert_close(state_v2[key], expected, rtol=0, atol=1e-5, msg=message)
     if stages in (2, 4):  # V-Min, V-Half and V-ZB: 8 micro-batches, 6 AdamW steps, the loss of each step too
         reference = adamw_reference()
-        for schedule in ("v-min", "v-half", "v-zb"):
+        for schedule in V_SCHEDULES:
             run = torch.load(out / f"v_{schedule}.pt")
             torch.testing.assert_close(run["losses"], reference["losses"], rtol=0, atol=1e-5, msg=schedule)
             for key, expected in reference["state"].items():

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_every_stage_exits, concurrently, run_worker, start_worker, wait_for_file
+from conftest import assert_every_stage_exits, beside, run_worker, scratch, start_worker, wait_for_file
+from grid import suite
 from models import TupleNet, fit
 
 CASES = {
@@ -40,7 +41,10 @@ CASES = {
     "float_labels": ["stage 0 stopped because stage 1 failed with RuntimeError: expected target dtype to be Long"],
 }
 """Each case's messages; every case exits with code 1 (the error's), not by a signal: the stage waiting for the
-failed one when it exits ends its waits first (lightning_gpipe.faults.job.end_waits_at_exit)."""
+failed one when it exits ends its waits first (lightning_gpipe.faults.job.end_waits_at_exit). The suite runs a failure
+outside training, one the strategy raises and one of memory (:mod:`grid`): the others' messages are the same
+mechanism's, their errors checked in one process by tests/unit/test_bad_inputs.py and test_units.py."""
+CASES = suite(CASES, "validation", "double", "oom")
 
 RUN = 400
 """Seconds a run may take before it counts as hung: far beyond a run's minute or so, which a busy machine (two runs at
@@ -103,25 +107,29 @@ SIGNALLED = {
 :func:`_signalled_run`)."""
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def _registered() -> dict:
     """``{name: (result function, output directory)}``: the killed saves and their resume (three launches one after
-    the other, submitted first as the longest job), the stage stuck past its stall limit, the SLURM job, the run on a
-    port in use, each case of :data:`CASES` and each run of :data:`SIGNALLED`, each a launch of its own, two at a
-    time (:func:`conftest.concurrently`)."""
+    the other, registered first as the longest job), the stage stuck past its stall limit, the SLURM job, the run on a
+    port in use, each case of :data:`CASES` and each run of :data:`SIGNALLED`, each a launch of its own, started
+    beside the in-process tests (:func:`conftest.beside`)."""
     alone = {
         "killed_mid_save": _killed_mid_save_then_resumed,
         "stalled": lambda out: _failing_run("stuck", out, "--stall", "4"),
         "requeued": _requeued_slurm_job,
         "port_in_use": _run_on_a_port_in_use,
     }
-    outs = {name: tmp_path_factory.mktemp(name) for name in (*alone, *CASES, *SIGNALLED)}
+    outs = {name: scratch(f"failures_{name}_") for name in (*alone, *CASES, *SIGNALLED)}
     jobs = {name: partial(run, outs[name]) for name, run in alone.items()}
     jobs.update({case: partial(_failing_run, case, outs[case]) for case in CASES})
     for name, (case, handshake, signum, ignore, end) in SIGNALLED.items():
         jobs[name] = partial(_signalled_run, case, outs[name], handshake, signum, ignore, end)
-    results = concurrently(jobs)
-    return {name: (results[name], outs[name]) for name in jobs}
+    return {name: (beside(f"failures:{name}", job), outs[name]) for name, job in jobs.items()}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    """The runs of :func:`_registered`, by name."""
+    return RUNS
 
 
 def _raise(error: AssertionError | None) -> None:
@@ -296,3 +304,7 @@ def test_a_killed_main_process_is_named_by_the_stage_that_waited_for_it(runs):
     lost = "stage 1 stopped because global rank 0's process (stage 0) has ended: the job's store"
     assert last.startswith(f"[rank1]: lightning_gpipe.faults.failure.PipelineFailure: {lost}"), stderr[-3000:]
     _raise(exits)
+
+
+RUNS = _registered()
+"""The runs the tests read (registered at import, after the functions they call)."""

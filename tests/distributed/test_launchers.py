@@ -5,13 +5,17 @@ same check.)
 """
 
 import torch
-from conftest import run_worker
+from conftest import beside, run_worker, scratch
+
+OUT = scratch("spawn_")
+SPAWNED = beside("launchers:spawn", lambda: run_worker("spawn.py", str(OUT / "state.pt")))
+"""The run with the spawn launcher, started beside the in-process tests."""
 
 
-def test_spawn_returns_every_stage_weights_to_the_main_process(reference_state, tmp_path):
-    result = run_worker("spawn.py", str(tmp_path / "state.pt"))
+def test_spawn_returns_every_stage_weights_to_the_main_process(reference_state):
+    result = SPAWNED()
     assert result.returncode == 0, result.stderr[-3000:]
-    state = torch.load(tmp_path / "state.pt")
+    state = torch.load(OUT / "state.pt")
     assert state.keys() == reference_state.keys()
     for key, expected in reference_state.items():
         torch.testing.assert_close(state[key], expected, rtol=0, atol=1e-5)

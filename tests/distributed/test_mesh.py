@@ -10,10 +10,21 @@ import os
 import socket
 import subprocess
 import sys
+from functools import partial
+from pathlib import Path
 
 import lightning as L
 import torch
-from conftest import WORKERS, assert_every_stage_exits, assert_states_close, run_worker, shared_run
+from conftest import (
+    WORKERS,
+    assert_every_stage_exits,
+    assert_states_close,
+    beside,
+    run_worker,
+    scratch,
+    shared_run,
+    started_environment,
+)
 from models import LossRecorder, SyncNet, ddp_order_loader, loader, trainer_kwargs
 
 REFERENCE = {  # which single-device run each configuration of the worker must equal
@@ -112,14 +123,15 @@ def _run_all(commands: list[list[str]], envs: list[dict], timeout: float = 300) 
 
 def _environment(**extra: str) -> dict:
     drop = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_PORT", "MASTER_ADDR")
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    inherited = started_environment()
+    env = {k: v for k, v in inherited.items() if k not in drop and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(WORKERS.parent), env.get("PYTHONPATH", "")])
     return {**env, **extra}
 
 
-def test_two_torchrun_nodes_train_like_one_device(tmp_path):
+def _torchrun_nodes(tmp_path: Path) -> list[subprocess.CompletedProcess]:
     """Two ``torchrun --nnodes=2 --node-rank=i`` commands of 2 processes each (TorchElasticEnvironment), with DDP and
-    with each stage's state sharded over its replicas (FSDP2's ``FULL_SHARD``)."""
+    with each stage's state sharded over its replicas (FSDP2's ``FULL_SHARD``), writing to ``tmp_path``."""
     port = _free_port()
     commands = [
         [
@@ -141,14 +153,12 @@ def test_two_torchrun_nodes_train_like_one_device(tmp_path):
         ]  # fmt: skip
         for node in range(2)
     ]
-    results = _run_all(commands, [_environment(), _environment()])
-    assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
-    _assert_equals_reference(tmp_path, ["pp2_dp2", "pp2_dp2_full_shard"])
-    assert torch.load(tmp_path / "pp2_dp2_full_shard.pt")["environment"] == "TorchElasticEnvironment"
+    return _run_all(commands, [_environment(), _environment()])
 
 
-def test_slurm_environment_trains_like_one_device(tmp_path):
-    """4 processes with the ``SLURM_*`` variables ``srun -N 2 --ntasks-per-node=2`` sets (SLURMEnvironment)."""
+def _slurm_tasks(tmp_path: Path) -> list[subprocess.CompletedProcess]:
+    """4 processes with the ``SLURM_*`` variables ``srun -N 2 --ntasks-per-node=2`` sets (SLURMEnvironment), writing
+    to ``tmp_path``."""
     port, job = _free_port(), str(90000 + os.getpid() % 1000)
     slurm = dict(SLURM_NTASKS="4", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="2", SLURM_JOB_ID=job)
     slurm.update(SLURM_JOB_NAME="mesh", SLURM_NODELIST="localhost", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -157,18 +167,47 @@ def test_slurm_environment_trains_like_one_device(tmp_path):
         for rank in range(4)
     ]
     command = [sys.executable, str(WORKERS / "mesh.py"), str(tmp_path), "--devices=2", "--num-nodes=2"]
-    results = _run_all([command + ["--configs", "pp2_dp2"]] * 4, envs)
+    return _run_all([command + ["--configs", "pp2_dp2"]] * 4, envs)
+
+
+def _failing_rank(tmp_path: Path) -> tuple[subprocess.CompletedProcess, AssertionError | None]:
+    """4 processes of which global rank 2 fails, writing to ``tmp_path``: ``(the result, what
+    :func:`conftest.assert_every_stage_exits` raised right after it, or None)``."""
+    result = run_worker("mesh.py", str(tmp_path), "--devices=4", "--fail-rank=2", timeout=400)
+    try:
+        assert_every_stage_exits(tmp_path, processes=4)
+    except AssertionError as error:
+        return result, error
+    return result, None
+
+
+LAUNCHES = {"torchrun": _torchrun_nodes, "slurm": _slurm_tasks, "failure": _failing_rank}
+"""The runs each test below reads, each writing to a directory of its own, started beside the in-process tests."""
+OUTS = {name: scratch(f"mesh_{name}_") for name in LAUNCHES}
+RESULTS = {name: beside(f"mesh:{name}", partial(launch, OUTS[name])) for name, launch in LAUNCHES.items()}
+
+
+def test_two_torchrun_nodes_train_like_one_device():
+    results, tmp_path = RESULTS["torchrun"](), OUTS["torchrun"]
+    assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
+    _assert_equals_reference(tmp_path, ["pp2_dp2", "pp2_dp2_full_shard"])
+    assert torch.load(tmp_path / "pp2_dp2_full_shard.pt")["environment"] == "TorchElasticEnvironment"
+
+
+def test_slurm_environment_trains_like_one_device():
+    results, tmp_path = RESULTS["slurm"](), OUTS["slurm"]
     assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
     _assert_equals_reference(tmp_path, ["pp2_dp2"])
     assert torch.load(tmp_path / "pp2_dp2.pt")["environment"] == "SLURMEnvironment"
 
 
-def test_a_failure_on_one_process_ends_all_four_naming_its_stage_and_replica(tmp_path):
-    result = run_worker("mesh.py", str(tmp_path), "--devices=4", "--fail-rank=2", timeout=400)
+def test_a_failure_on_one_process_ends_all_four_naming_its_stage_and_replica():
+    (result, left), tmp_path = RESULTS["failure"](), OUTS["failure"]
     assert result.returncode != 0
     message = (tmp_path / "failure.txt").read_text()
     assert (
         "stage 0 of replica 0 (rank 0) stopped because stage 0 of replica 1 (rank 2) failed with ValueError: boom"
         in message
     ), message
-    assert_every_stage_exits(tmp_path, processes=4)
+    if left is not None:  # a process outlived the run by more than assert_every_stage_exits allows
+        raise left

@@ -1,10 +1,10 @@
 """The translation example (examples/translation) on stage processes.
 
 The headline test trains the example's Transformer (tiny, dropout 0) for 20 steps of variable-length,
-token-bucketed batches on 2 and 3 pipeline stages and checks that the loss curve equals single-device
-training, then that decoding through the pipeline (``forward_and_share``; greedy with and without the
-key/value cache, beam search) gives the same translations as decoding the same weights on one device. Then
-`train.py fit` runs as a user runs it, on 2 stages.
+token-bucketed batches on 2 pipeline stages (and 3, with the whole grid: tests/grid.py) and checks that the loss
+curve equals single-device training, then that decoding through the pipeline (``forward_and_share``; greedy with
+and without the key/value cache, beam search) gives the same translations as decoding the same weights on one
+device. Then `train.py fit` runs as a user runs it, on 2 stages.
 """
 
 import csv
@@ -12,7 +12,8 @@ import csv
 import pytest
 import torch
 import yaml
-from conftest import SHORT_EXAMPLE_RUNS, run_example, shared_run
+from conftest import SHORT_EXAMPLE_RUNS, example_beside, run_example, shared_run
+from grid import FULL
 from tiny_translation import DECODINGS, EXAMPLE, STEPS, TINY, fit_tiny, one_thread, predict_data
 from translation.data import DIRECTIONS
 from translation.module import TranslationModule
@@ -25,10 +26,13 @@ def reference() -> tuple[TranslationModule, list[float]]:
         return fit_tiny()
 
 
-PIPELINED = {k: shared_run("translation.py", f"--devices={k}", devices=k, timeout=400) for k in (2, 3)}
+STAGES = (2, 3) if FULL else (2,)
+"""The pipelines the model trains on: 3 stages (an odd split of its encoder and decoder) with the whole grid only."""
+
+PIPELINED = {k: shared_run("translation.py", f"--devices={k}", devices=k, timeout=400) for k in STAGES}
 
 
-@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("stages", STAGES)
 def test_pipeline_loss_curve_and_decoding_equal_single_device(stages, reference) -> None:
     """K stages: same 20-step loss curve (relative 1e-4), same translations of the trained weights (greedy with
     and without the key/value cache, beam 4)."""
@@ -53,12 +57,15 @@ def test_pipeline_loss_curve_and_decoding_equal_single_device(stages, reference)
             assert got == translations, f"rank {rank}, {name}"
 
 
+SCRIPT = "examples/translation/train.py"
+example_beside(SCRIPT, "fit", "--trainer.devices=2", *SHORT_EXAMPLE_RUNS[SCRIPT], timeout=300)  # beside the tests
+
+
 def test_example_trains_on_two_stages_and_logs_bleu_and_throughput() -> None:
     """`train.py fit` from a directory with no shared data beside it: 2 stages, shipped subset, CSV metrics under
     ``--trainer.default_root_dir``, a model summary of the whole model and its split. (3 steps, one validation:
     the run of the README's command in tests/distributed/test_doc_commands.py, which reads the same run.)"""
-    script = "examples/translation/train.py"
-    result, cwd, root = run_example(script, "fit", "--trainer.devices=2", *SHORT_EXAMPLE_RUNS[script], timeout=300)
+    result, cwd, root = run_example(SCRIPT, "fit", "--trainer.devices=2", *SHORT_EXAMPLE_RUNS[SCRIPT], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in result.stderr
     assert list(cwd.iterdir()) == []  # nothing in the working directory: logs follow default_root_dir

@@ -8,13 +8,16 @@ simulator's step time, bubble, peaks and every span (kind, micro-batch, start, e
 transfer latency and bandwidth, a loss and an optimizer step. A case that differs names itself. Changed on purpose
 once since: the 1F1B-ordered plans (``"1f1b"``, ``"zb-h1"``, ``"zb-1p"``) lost the flush before each steady-phase
 send (their 1266 cases were re-digested; the 720 fill-drain and 360 ZB-V cases, and the 174 1F1B-ordered ones
-with no steady phase, kept theirs).
+with no steady phase, kept theirs). The suite compares a third of the cases, drawn with a fixed seed (about 10 s on two
+cores), and every one with the whole grid (tests/grid.py).
 """
 
 import hashlib
 import json
 import random
 from pathlib import Path
+
+from grid import FULL
 
 from lightning_gpipe.engine.schedule import check, evaluation, format_plans, plans
 from lightning_gpipe.planning.simulator import StageCost, Transfer, action_costs, simulate
@@ -71,6 +74,6 @@ def test_every_reader_of_plans_gives_what_it_gave_before_the_clock_was_shared():
         for m in range(1, 13)
         for mode in MODES
     ]
-    found = dict(_digest(*case) for case in cases)
-    assert len(found) == len(expected) == 2520
+    assert len(cases) == len(expected) == 2520
+    found = dict(_digest(*case) for case in (cases if FULL else random.Random(0).sample(cases, len(cases) // 3)))
     assert [key for key, value in found.items() if expected[key] != value] == []

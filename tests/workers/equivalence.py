@@ -1,5 +1,6 @@
-"""Distributed worker: pipelined training of TupleNet for every (chunks, checkpoint) on K stages, every other
-configuration with deferred weight gradients (``defer_weight_grad=True``).
+"""Distributed worker: pipelined training of TupleNet for the configurations tests/equivalence_grid.py gives K
+stages (on 2 stages every (chunks, checkpoint)), every other fill-drain one with deferred weight gradients
+(``defer_weight_grad=True``).
 
 Usage: python equivalence.py OUT_DIR  (run with Lightning's launcher: K = --devices)
 Writes OUT_DIR/M{chunks}_{checkpoint}.pt (rank 0's module after fit: the full state dict),
@@ -23,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from equivalence_grid import V_SCHEDULES, fill_drain, interleaved, per_microbatch  # noqa: E402
 from models import LossRecorder, fit, loader, trainer_kwargs  # noqa: E402
 from rowwise import fit_batches  # noqa: E402
 from sharded import AdamWNet  # noqa: E402
@@ -32,11 +34,9 @@ import lightning_gpipe  # noqa: E402
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--devices", type=int, required=True)
-parser.add_argument("--chunks", type=int, nargs="+", default=[1, 3, 8])
 args = parser.parse_args()
 
-configs = [(chunks, checkpoint) for chunks in args.chunks for checkpoint in ("always", "except_last", "never")]
-for i, (chunks, checkpoint) in enumerate(configs):
+for i, (chunks, checkpoint) in enumerate(fill_drain(args.devices)):
     # every other configuration defers weight gradients, so both drains meet every checkpoint mode
     strategy = lightning_gpipe.GPipeStrategy(chunks=chunks, checkpoint=checkpoint, defer_weight_grad=i % 2 == 1)
     module = fit(strategy=strategy, devices=args.devices)
@@ -47,15 +47,12 @@ with open(os.path.join(args.out, f"threads_rank{rank}.txt"), "w") as f:
     f.write(str(torch.get_num_threads()))
 trainer = L.Trainer(strategy=lightning_gpipe.GPipeStrategy(chunks=3), devices=args.devices, **trainer_kwargs())
 torch.save(trainer.predict(module, loader()), os.path.join(args.out, f"predictions_rank{rank}.pt"))
-one_f_one_b = [("1f1b", checkpoint) for checkpoint in ("always", "except_last", "never")]
-for schedule, checkpoint in one_f_one_b + [("zb-h1", "always"), ("zb-h1", "never"), ("zb-1p", "except_last")]:
+for schedule, checkpoint in per_microbatch(args.devices):
     strategy = lightning_gpipe.GPipeStrategy(chunks=4, checkpoint=checkpoint, schedule=schedule)
     state = fit_batches(strategy, args.devices, batch_size=25).lightning_module.state_dict()
     if rank == 0:
         torch.save(state, os.path.join(args.out, f"{schedule}_{checkpoint}.pt"))
-interleaved = [("gpipe", "always"), ("gpipe", "never"), ("1f1b", "except_last"), ("1f1b", "never"), ("zb-h1", "always")]
-interleaved += [("zb-1p", "never"), ("zb-v", "always"), ("zb-v", "never")]
-for schedule, checkpoint in interleaved:
+for schedule, checkpoint in interleaved(args.devices):
     defer = True if checkpoint == "never" else None  # the B/W split; None: the schedule's default (on for zb-h1)
     options = dict(checkpoint=checkpoint, schedule=schedule, virtual_stages=2, defer_weight_grad=defer)
     if schedule == "gpipe":
@@ -65,7 +62,6 @@ for schedule, checkpoint in interleaved:
         state = fit_batches(strategy, args.devices, batch_size=25).lightning_module.state_dict()
     if rank == 0:
         torch.save(state, os.path.join(args.out, f"v2_{schedule}_{checkpoint}.pt"))
-V_SCHEDULES = {"v-min": "always", "v-half": "except_last", "v-zb": "never"}  # each with a re-materialization mode
 for schedule, checkpoint in V_SCHEDULES.items() if args.devices in (2, 4) else ():
     recorder = LossRecorder()
     strategy = lightning_gpipe.GPipeStrategy(chunks=8, checkpoint=checkpoint, schedule=schedule)
