@@ -6,7 +6,8 @@ Kinds (every process prints one JSON line through :func:`_harness.emit` at the e
 - ``lightning``: ``Trainer.fit`` of the MLP, AmoebaNet or translation module, plain (``--strategy plain``, one
   process) or under ``GPipeStrategy`` (``--strategy gpipe``; Lightning's launcher re-runs this script for the other
   stages).
-  ``--count-saved`` also counts the bytes autograd saves (see :class:`SavedBytes`), and every stage process reports
+  ``--count-saved`` also counts the bytes autograd saves, the inputs kept for re-computation and the gradients a
+  deferred W keeps (see :class:`SavedBytes`, :class:`_StageCounter`), and every stage process reports
   ``rss_growth_mib``, its peak resident set during ``fit`` over the resident set at ``on_train_start``; such a
   process gives every allocation of 64 KiB or more its own mapping, returned to the system when freed
   (glibc's ``mallopt(M_MMAP_THRESHOLD)``), so that its resident set follows its live tensors, not the allocator's
@@ -210,12 +211,12 @@ class SavedBytes:
         """The saved tensor."""
         return handle.tensor
 
-    def kept_inputs(self, stage) -> int:
-        """Bytes of the micro-batch inputs ``stage`` (a ``lightning_gpipe.engine.model_chunk.ModelChunk``, or ``None``)
-        keeps for
-        re-computation now, in storages autograd does not already hold (read from its records, not changed)."""
+    def kept_inputs(self, model_chunks: Iterable) -> int:
+        """Bytes of the micro-batch inputs ``model_chunks`` (the process's
+        ``lightning_gpipe.engine.model_chunk.ModelChunk`` objects) keep for re-computation now, in storages autograd
+        does not already hold (read from their records, not changed)."""
         storages = {}
-        for record in stage._records.values() if stage is not None else []:
+        for record in (record for chunk in model_chunks for record in chunk._records.values()):
             if record.output is None:
                 for t in tensors(record.input):
                     storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
@@ -331,10 +332,11 @@ def run_lightning(args: argparse.Namespace) -> None:
     batch = _batch(args)
     data = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
 
-    def stage():  # the trainer is made below
-        return getattr(trainer.strategy, "stage", None)
+    def model_chunks() -> list:  # the trainer is made below; the strategy's run exists from setup to teardown
+        run = getattr(trainer.strategy, "run", None)
+        return run.pipeline._model_chunks if run is not None else []
 
-    counter = _StageCounter(module, stage, data) if args.count_saved else None
+    counter = _StageCounter(module, model_chunks, data) if args.count_saved else None
     live = LiveBytes(excluded=data) if args.count_live else None
     callback = Clock()
     breakdown = step_breakdown(args.warmup) if args.breakdown else None
@@ -390,6 +392,7 @@ def run_lightning(args: argparse.Namespace) -> None:
         record.update(_split_check(trainer.strategy))
     if counter is not None:
         record.update(saved_peak=counter.counter.peak, kept_inputs=counter.kept, peak=counter.peak)
+        record.update(kept_for_weights=counter.kept_for_weights, peak_with_weights=counter.peak_with_weights)
     if callback.rss_growth is not None:
         record.update(rss_growth_mib=callback.rss_growth)
         record.update(model_peak_mib=callback.model_peak, anon_mib=[callback.anon_setup, callback.anon_start])
@@ -477,18 +480,22 @@ class _StageCounter:
     split the module's layers: what setup saved (a profile of the layers) is not counted, and the parameters excluded
     are those the stage trains (setup may replace the module's).
 
-    At every saved tensor (and at each :meth:`sample`) it also samples the stage's kept inputs: ``kept`` is their
-    largest count, ``peak`` the largest sum of the live saved bytes and the kept inputs (bytes).
+    At every saved tensor, after every backward and before every deferred W of the stage's model chunks (and at each
+    :meth:`sample`) it also samples the micro-batch inputs the model chunks keep for re-computation and, under a B/W
+    split, the gradients their queued W keep (``DeferredWeightGradient.kept_bytes``; what autograd saves for W is
+    counted as saved): ``kept`` and ``kept_for_weights`` are their largest bytes, ``peak`` the largest sum of the live
+    saved bytes and the kept inputs (the tracked allocations of the 1F1B memory bar), ``peak_with_weights`` that sum
+    with the gradients kept for W.
 
     Args:
         module: the LightningModule.
-        stage: returns the strategy's current ``ModelChunk`` (``None`` without one).
+        model_chunks: returns the strategy's current ``ModelChunk`` objects (none without a split).
         batch: the mini-batch's tensors (see :class:`SavedBytes`).
     """
 
-    def __init__(self, module: torch.nn.Module, stage, batch: Iterable[torch.Tensor] = ()) -> None:
-        self.module, self.stage, self.batch = module, stage, list(batch)
-        self.restart()
+    def __init__(self, module: torch.nn.Module, model_chunks, batch: Iterable[torch.Tensor] = ()) -> None:
+        self.module, self.model_chunks, self.batch = module, model_chunks, list(batch)
+        self._reset()
 
     def pack(self, tensor: torch.Tensor) -> object:
         """:meth:`SavedBytes.pack`, then :meth:`sample`."""
@@ -497,15 +504,42 @@ class _StageCounter:
         return handle
 
     def sample(self) -> None:
-        """Update ``kept`` and ``peak`` with the bytes held now."""
-        kept = self.counter.kept_inputs(self.stage())
-        self.kept, self.peak = max(self.kept, kept), max(self.peak, self.counter.live + kept)
+        """Update ``kept``, ``kept_for_weights``, ``peak`` and ``peak_with_weights`` with the bytes held now."""
+        chunks = self.model_chunks()
+        kept = self.counter.kept_inputs(chunks)
+        weights = sum(weight.kept_bytes for chunk in chunks for _, weight, _ in chunk._weights)
+        self.kept, self.kept_for_weights = max(self.kept, kept), max(self.kept_for_weights, weights)
+        self.peak = max(self.peak, self.counter.live + kept)
+        self.peak_with_weights = max(self.peak_with_weights, self.counter.live + kept + weights)
 
     def restart(self) -> None:
-        """Count from now on, with the module's parameters as they are now."""
-        self.counter, self.kept, self.peak = SavedBytes(self.module.parameters(), self.batch), 0, 0
+        """Count from now on, with the module's parameters as they are now; sample around the model chunks'
+        backwards from now on."""
+        self._reset()
+        for chunk in self.model_chunks():
+            if "backward" not in vars(chunk):  # not wrapped yet
+                chunk.backward = _sampling(chunk.backward, self.sample, before=False)
+                chunk.backward_weights = _sampling(chunk.backward_weights, self.sample, before=True)
+
+    def _reset(self) -> None:
+        self.counter = SavedBytes(self.module.parameters(), self.batch)
+        self.kept = self.kept_for_weights = self.peak = self.peak_with_weights = 0
 
     unpack = staticmethod(SavedBytes.unpack)
+
+
+def _sampling(call, sample, before: bool):
+    """``call`` with ``sample()`` run before it (``before``) or after it."""
+
+    def run(*args):
+        if before:
+            sample()
+        result = call(*args)
+        if not before:
+            sample()
+        return result
+
+    return run
 
 
 def _map_large_allocations() -> None:

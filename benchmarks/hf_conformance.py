@@ -21,7 +21,13 @@ counts as wrong, its error named (the self-check ran its forward already).
 
 With ``--seq2seq`` the types are those of ``MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES`` (none declares a plan),
 each class trained by ``lightning_gpipe.hf.Seq2SeqLM``; the probe adds labels of 2 rows of 7 tokens (the last 2 of
-the second unlabelled), from which both sides shift the decoder's input.
+the second unlabelled), from which both sides shift the decoder's input. The speech-to-text language models the
+mapping lists (Voxtral, Qwen2-Audio...: a decoder with an audio tower, cut as a composite,
+``lightning_gpipe.hf.composite``) are trained by ``lightning_gpipe.hf.CausalLM`` and compared as causal LMs, on
+their text.
+
+A class is built from the config ``transformers``' auto classes build it from (a composite config's text config
+where the class is its language model's, ``lightning_gpipe.hf.selfcheck.built_config``).
 
 Run from the repository root (a few minutes on one CPU thread)::
 
@@ -143,7 +149,7 @@ def compare(model_class: type, config) -> tuple[str, float]:
     """The backbone layer by layer against ``model_class``'s own forward on a miniature of ``config``: ``(worst
     tensor, its difference)`` over the logits, the loss and every gradient."""
     from lightning_gpipe.hf import to_sequential
-    from lightning_gpipe.hf.decoder import causal_lm_loss
+    from lightning_gpipe.hf.decoder import causal_lm_loss, shifts_labels
     from lightning_gpipe.hf.moe import router_loss_of
     from lightning_gpipe.hf.packing import decoder_input
     from lightning_gpipe.hf.selfcheck import miniature
@@ -159,7 +165,7 @@ def compare(model_class: type, config) -> tuple[str, float]:
     value = decoder_input(ids, mask)
     for layer in to_sequential(model, check=False):
         value = layer(value)
-    loss = causal_lm_loss(value, labels, router_loss_of(model))
+    loss = causal_lm_loss(value, labels, router_loss_of(model), shift=shifts_labels(model_class))
     loss.backward()
     logits = value[0] if isinstance(value, tuple) else value
     ours = {"logits": logits[real].detach(), "loss": loss.detach()}
@@ -215,12 +221,12 @@ def conform(model_type: str, seq2seq: bool = False) -> Result:
         family = check_class(model_class, config)
     except UnsupportedModelError as refusal:
         return Result(model_type, name, "refused", None, str(refusal), time.perf_counter() - start)
-    if family.encoder or family.seq2seq != seq2seq:  # the module for the other kind refuses it (_check_family)
+    if family.encoder or (family.seq2seq and not seq2seq):  # the module for the other kind refuses it
         detail = f"cut as {'an encoder' if family.encoder else 'an encoder-decoder'} by the {family.name} family"
         return Result(model_type, name, "refused", family.name, detail, time.perf_counter() - start)
     try:
-        with torch.random.fork_rng():
-            tensor, difference = (compare_seq2seq if seq2seq else compare)(model_class, config)
+        with torch.random.fork_rng():  # a decoder of the seq2seq mapping (Voxtral...): its own causal-LM forward
+            tensor, difference = (compare_seq2seq if family.seq2seq else compare)(model_class, config)
     except Exception as error:  # taken, but its cut fails where the self-check ran its forward: wrong
         return Result(model_type, name, "wrong", family.name, f"error: {error!r}", time.perf_counter() - start)
     verdict = "equal" if difference <= TOLERANCE else "wrong"
@@ -230,10 +236,14 @@ def conform(model_type: str, seq2seq: bool = False) -> Result:
 
 def _own_reason(message: str, seq2seq: bool) -> str:
     """A refusal's reason for the table: with ``seq2seq`` what the encoder-decoder family says of it (the message
-    lists every family's), else the message after the class's name."""
+    lists every family's; the composite family's for a model that is no encoder-decoder), else the message after the
+    class's name."""
     if not seq2seq:
         return message.partition(": ")[2] or message
-    return message.partition("not the encoder-decoder layout: ")[2].split("; and no registered family")[0] or message
+    own = message.partition("not the encoder-decoder layout: ")[2].split("; and no registered family")[0]
+    if "is_encoder_decoder=False" in own and "not the composite layout: " in message:  # a speech-to-text decoder's
+        return message.partition("not the composite layout: ")[2].split("; not the ")[0]
+    return own or message
 
 
 def main() -> None:

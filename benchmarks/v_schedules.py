@@ -14,7 +14,10 @@ in a V, every (virtual) stage given the same number of layers (``balance=[...]``
   of two steps each; the ratio of the largest stage's to 1F1B's, beside the simulator's prediction of that ratio
   (:func:`lightning_gpipe.simulate`, equal half-stage costs, activation bytes one row per layer and sample). Each
   model chunk also saves its input, so the measured ratio exceeds the plans' (3/8 and 1/2 at K=4) by about one
-  layer's share: deep chunks (the default ``--depth``) make it small.
+  layer's share: deep chunks (the default ``--depth``) make it small. A second table adds what the saved bytes
+  leave out under the B/W split (the V schedules'; 1F1B runs whole backwards): the output gradients B keeps at each
+  linear layer for its W (``_runs.py``'s ``peak_with_weights``), about as many bytes again per micro-batch between
+  its B and its W on this MLP.
 - Time, at ``--time-devices`` K (default 2: a core per stage on a 2-core machine), interleaved repeats: as
   ``benchmarks/breakdown.py`` measures it, each stage's spans per measured step; the simulator predicts the step from
   each stage's measured compute parts (:func:`breakdown.simulated_ms`), set beside the measured period of stage 0
@@ -73,11 +76,12 @@ def _command(args: argparse.Namespace, schedule: str, devices: int) -> list[str]
     return command + ["--schedule", schedule, "--devices", str(devices), "--balance", balance]
 
 
-def measure_memory(args: argparse.Namespace, schedule: str) -> list[int]:
-    """One fit of two steps counting saved bytes; per stage, the peak bytes autograd held."""
+def measure_memory(args: argparse.Namespace, schedule: str) -> list[tuple[int, int]]:
+    """One fit of two steps counting saved bytes; per stage, the peak bytes autograd held, and the peak with the
+    gradients the B/W split keeps for W."""
     config = harness.Config(f"{schedule}/memory", [*_command(args, schedule, args.devices), "--count-saved"])
     config.args += ["--steps", "1", "--warmup", "1"]  # the later occurrences win
-    return [record["peak"] for record in harness.run_or_exit(config).records]
+    return [(record["peak"], record["peak_with_weights"]) for record in harness.run_or_exit(config).records]
 
 
 def predicted_ratio(args: argparse.Namespace, schedule: str) -> float:
@@ -134,14 +138,17 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def print_memory(args: argparse.Namespace) -> None:
-    """Measure and print each schedule's peak saved bytes per stage against 1F1B's and the simulator's ratio."""
+    """Measure and print each schedule's peak saved bytes per stage against 1F1B's and the simulator's ratio, then
+    the same with the gradients the B/W split keeps for W."""
     peaks = {schedule: measure_memory(args, schedule) for schedule in SCHEDULES}
-    base = max(peaks["1f1b"])
-    print(f"\n{'schedule':<9}{'peak MiB per stage':>40}{'max / 1F1B':>12}{'predicted':>11}")
-    for schedule, peak in peaks.items():
-        cells = " ".join(f"{p / MIB:7.1f}" for p in peak)
-        ratio = f"{max(peak) / base:>12.3f}{predicted_ratio(args, schedule):>11.3f}"
-        print(f"{schedule:<9}{cells:>40}{ratio}", flush=True)
+    for column, what in enumerate(("saved", "saved + kept for W")):
+        base = max(peak[column] for peak in peaks["1f1b"])
+        print(f"\n{'schedule':<9}{what + ', peak MiB per stage':>40}{'max / 1F1B':>12}{'predicted':>11}")
+        for schedule, stages in peaks.items():
+            peak = [stage[column] for stage in stages]
+            cells = " ".join(f"{p / MIB:7.2f}" for p in peak)
+            ratio = f"{max(peak) / base:>12.3f}{predicted_ratio(args, schedule):>11.3f}"
+            print(f"{schedule:<9}{cells:>40}{ratio}", flush=True)
 
 
 def print_times(args: argparse.Namespace) -> None:

@@ -2,10 +2,11 @@
 tests/distributed/test_tensor_parallel.py: an MLP whose blocks ``configure_model`` splits column- then row-wise
 (Megatron-LM's MLP), as a user of Lightning's ``ModelParallelStrategy`` writes it, and its one-device reference.
 
-Every run trains :class:`SplitMLP` with AdamW on global batches of 40 rows (each of D replicas reads 40 / D) on 4
-processes; its reference is the same module trained by plain Lightning on one device on the same global batches, in
-the order Lightning's ``DistributedSampler`` gives the replicas together (:func:`sharded.reference_loader`), where
-``configure_model`` splits nothing.
+Every run trains :class:`SplitMLP` (those of :data:`TIED`: :class:`TiedSplitLM`, its embedding tied to its head, both
+split) with AdamW on global batches of 40 rows (each of D replicas reads 40 / D) on 4 processes; its reference is the
+same module trained by plain Lightning on one device on the same global batches, in the order Lightning's
+``DistributedSampler`` gives the replicas together (:func:`sharded.reference_loader`), where ``configure_model`` splits
+nothing.
 """
 
 import importlib.util
@@ -17,8 +18,9 @@ from grid import suite
 from models import CLASSES, FEATURES, GLOBAL_BATCH, LossRecorder, loader, trainer_kwargs
 from sharded import reference_loader
 from torch import nn
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 STEPS = 6
 """AdamW steps of every run (three epochs of 40 + 12 rows)."""
@@ -74,6 +76,12 @@ CHECKPOINTED = suite(
     CHECKPOINTED, "pp2_tp2_first4", "pp1_dp2_tp2_from_pp2_tp2", "pp2_tp2_first4_sharded", "pp2_dp2_from_pp2_tp2_sharded"
 )
 
+TIED = {
+    "pp2_tp2_tied_1f1b_clip": (dict(tensor_parallel_size=2, chunks=4, schedule="1f1b"), {"gradient_clip_val": 0.05})
+}
+""":class:`TiedSplitLM` (its embedding on stage 0 tied to its head on stage 1, both split by rows of the shared weight)
+on 2 stages x 2 tensor ranks, 1F1B with global clipping (the tie's copy on stage 1 counted once)."""
+
 HF_RUNS = {
     name: lora
     for name, lora in {"hf_llama_pp2_tp2": False, "hf_llama_lora_pp2_tp2": True}.items()
@@ -110,25 +118,69 @@ class SplitMLP(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=0.01)
 
+    @staticmethod
+    def dataset() -> Dataset:
+        """The 52 rows it trains on: :func:`models.loader`'s."""
+        return loader().dataset
 
-def replicas_loader(replicas: int) -> DataLoader:
-    """The 52 rows of :func:`models.loader` for a run of ``replicas`` data-parallel replicas: global batches of 40 in
-    ``DistributedSampler`` order (one replica), else 40 / D rows per replica (Lightning adds the sampler)."""
-    dataset = loader().dataset
+
+VOCAB = 8
+""":class:`TiedSplitLM`'s vocabulary: its embedding's rows and its head's outputs, split over the tensor ranks."""
+
+TIED_PLAN = {
+    "0": RowwiseParallel(input_layouts=Replicate()),
+    "[123].0": ColwiseParallel(),
+    "[123].2": RowwiseParallel(),
+}
+""":class:`TiedSplitLM`'s backbone plan: the embedding split by rows (each rank its part of the vocabulary, its lookups
+all-reduced; torchtitan's), the blocks as :data:`PLAN`."""
+
+
+class TiedSplitLM(SplitMLP):
+    """Token ids -> an embedding (backbone layer 0) -> 3 MLP blocks -> a head whose weight is the embedding's (Press &
+    Wolf 2017). ``configure_model`` splits the embedding by rows and the head by output columns (gathered): on each
+    stage the shared weight's first dimension, so the tie's two copies (stage 0's, the last stage's) are split alike."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Embedding(VOCAB, WIDTH), *list(self.backbone)[1:])
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.backbone[0].weight
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh
+        if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()):
+            return
+        parallelize_module(self.backbone, mesh["tensor_parallel"], TIED_PLAN)
+        if isinstance(self.head, nn.Linear):  # on the last stage only (elsewhere, a stand-in)
+            parallelize_module(self.head, mesh["tensor_parallel"], ColwiseParallel(output_layouts=Replicate()))
+
+    @staticmethod
+    def dataset() -> Dataset:
+        """52 rows: a token and the token to predict."""
+        generator = torch.Generator().manual_seed(0)
+        tokens, targets = (torch.randint(0, VOCAB, (52,), generator=generator) for _ in range(2))
+        return TensorDataset(tokens, targets)
+
+
+def replicas_loader(replicas: int, module_class: type[SplitMLP] = SplitMLP) -> DataLoader:
+    """The 52 rows of ``module_class.dataset()`` for a run of ``replicas`` data-parallel replicas: global batches of 40
+    in ``DistributedSampler`` order (one replica), else 40 / D rows per replica (Lightning adds the sampler)."""
+    dataset = module_class.dataset()
     return reference_loader(dataset) if replicas == 1 else DataLoader(dataset, batch_size=GLOBAL_BATCH // replicas)
 
 
-def one_device(steps: int = STEPS, **overrides) -> tuple[dict, list[float]]:
-    """The state dict and per-step losses of :class:`SplitMLP` trained by single-device Lightning for ``steps`` steps
+def one_device(steps: int = STEPS, module_class: type[SplitMLP] = SplitMLP, **overrides) -> tuple[dict, list[float]]:
+    """The state dict and per-step losses of ``module_class`` trained by single-device Lightning for ``steps`` steps
     on the global batches (``overrides``: Trainer options, e.g. ``precision="64-true"`` for the exact reference)."""
     L.seed_everything(1, verbose=False)
     recorder = LossRecorder()
     trainer = L.Trainer(devices=1, max_steps=steps, **trainer_kwargs(callbacks=[recorder], **overrides))
-    trainer.fit(SplitMLP(), replicas_loader(1))
+    trainer.fit(module_class(), replicas_loader(1, module_class))
     return {k: v.detach().clone() for k, v in trainer.lightning_module.state_dict().items()}, recorder.losses
 
 
-def in_float64(overrides: dict, steps: int = STEPS) -> dict:
+def in_float64(overrides: dict, steps: int = STEPS, module_class: type[SplitMLP] = SplitMLP) -> dict:
     """The float64 reference's state after ``steps`` steps (what fp32 rounding is measured against;
     :func:`conftest.assert_within_fp32_rounding`)."""
-    return {k: v.double() for k, v in one_device(steps, precision="64-true", **overrides)[0].items()}
+    return {k: v.double() for k, v in one_device(steps, module_class, precision="64-true", **overrides)[0].items()}

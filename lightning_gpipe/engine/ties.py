@@ -161,7 +161,9 @@ class TiedParameters:
         sum has one without reading the count (no device-to-host copy in the usual step). Call once per optimizer step,
         after the last backward of the step (a collective call). A frozen tie (``requires_grad=False``, alike on every
         copy: one parameter of the user's model) has no gradient to sum and is skipped. Copies sharded over the
-        data-parallel replicas (FSDP2's ``DTensor``) sum their local shards: each replica's copies hold the same rows.
+        data-parallel replicas (FSDP2's ``DTensor``) sum their local shards: each replica's copies hold the same rows;
+        copies split by tensor parallelism alike (:func:`check_layouts`) sum their local parts, each gradient first laid
+        out as its parameter (a split embedding's comes back whole).
 
         Raises:
             PipelineFailure: if another stage failed or stalled meanwhile.
@@ -171,6 +173,8 @@ class TiedParameters:
             if not parameter.requires_grad:
                 continue
             has = parameter.grad is not None
+            if has:
+                parameter.grad = _laid_out_as(parameter, cast(Tensor, parameter.grad))
             grad = _local(cast(Tensor, parameter.grad) if has else torch.zeros_like(parameter))
             flat = torch.cat([grad.flatten(), grad.new_full((1,), float(has))])
             waiting.all_reduce(self.job, flat, group=group)
@@ -201,6 +205,15 @@ def _local(tensor: Tensor) -> Tensor:
     """``tensor``'s local values: a ``DTensor``'s shard on this process (FSDP2 shards a tie's copies alike on every
     stage: same shape, same data-parallel replicas), else ``tensor`` itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _laid_out_as(parameter: Tensor, grad: Tensor) -> Tensor:
+    """``grad`` laid out over the tensor ranks as ``parameter`` is, so that every holder of a tie sums local parts of
+    one shape: a split embedding's gradient comes back whole (``Replicate``, each rank computed all of it) where its
+    weight is split by rows (``Shard(0)``); taking this rank's rows of it moves nothing."""
+    if isinstance(parameter, DTensor) and isinstance(grad, DTensor) and grad.placements != parameter.placements:
+        return grad.redistribute(parameter.device_mesh, parameter.placements)
+    return grad
 
 
 def layout(parameter: Tensor) -> str:

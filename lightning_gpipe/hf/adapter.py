@@ -11,9 +11,10 @@ Which layers a model is cut into is its :class:`Family`'s business. Models are r
 declares and by their structure, not their class name: first the pipeline plan a decoder declares (below), then the
 standard decoder layout of ``transformers`` 5 (:mod:`lightning_gpipe.hf.decoder_layout`), the GPT-2-like decoders
 that declare no plan (:mod:`lightning_gpipe.hf.gpt2_like`: Bloom, Falcon, MPT, GPT-BigCode, XGLM; Mamba, Jamba and the
-other recurrent and hybrid decoders laid out alike), the BERT-style encoders (:mod:`lightning_gpipe.hf.encoder`) and
-the encoder-decoders (:mod:`lightning_gpipe.hf.seq2seq`); GPT-2 is a family by name, and :func:`register_family` adds
-more.
+other recurrent and hybrid decoders laid out alike), the causal LMs of one decoder stack
+(:mod:`lightning_gpipe.hf.decoder_stack`: OPT, BioGPT, BART's decoder...), the BERT-style encoders
+(:mod:`lightning_gpipe.hf.encoder`) and the encoder-decoders (:mod:`lightning_gpipe.hf.seq2seq`); GPT-2 is a family by
+name, and :func:`register_family` adds more.
 Before a class is cut for the first time in a process, the self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves
 its cut on a miniature built from the same config, so a class that looks standard and is not is refused rather than
 trained
@@ -50,6 +51,7 @@ from typing import Any, cast
 from torch import nn
 
 from lightning_gpipe.hf import lora, selfcheck
+from lightning_gpipe.hf.composite import composite_decoder, composite_layers
 from lightning_gpipe.hf.decoder_cut import (
     DecoderCut,
     decoder_layers,
@@ -66,6 +68,7 @@ from lightning_gpipe.hf.decoder_layout import (
     layer_types_reason,
     standard_decoder,
 )
+from lightning_gpipe.hf.decoder_stack import decoder_stack, decoder_stack_layers
 from lightning_gpipe.hf.encoder import standard_encoder, standard_encoder_layers
 from lightning_gpipe.hf.gpt2_like import gpt2_like_decoder, gpt2_like_layers, unsaved_buffers
 from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel, UnsupportedModelError
@@ -290,6 +293,8 @@ FAMILIES: list[Family] = [
     ),
     Family("decoder", (), standard_decoder_layers, DECODER_INPUTS, structure=standard_decoder, source=structure_source),
     Family("gpt2-like", (), gpt2_like_layers, DECODER_INPUTS, structure=gpt2_like_decoder),
+    Family("decoder stack", (), decoder_stack_layers, DECODER_INPUTS, structure=decoder_stack),
+    Family("composite", (), composite_layers, DECODER_INPUTS, structure=composite_decoder),
     Family("encoder", (), standard_encoder_layers, ENCODER_INPUTS, structure=standard_encoder, encoder=True),
     Family("encoder-decoder", (), encoder_decoder_layers, SEQ2SEQ_INPUTS, structure=encoder_decoder, seq2seq=True),
 ]
@@ -298,7 +303,10 @@ declared pipeline plan says (:func:`declared_decoder`: ``config.base_model_pp_pl
 first source); then by structure, the standard decoder layout
 (:func:`~lightning_gpipe.hf.decoder_layout.standard_decoder`, the fallback), the GPT-2-like decoders without a plan
 (:func:`~lightning_gpipe.hf.gpt2_like.gpt2_like_decoder`: Bloom, Falcon, MPT, GPT-BigCode, XGLM, Mamba, Jamba...), the
-BERT-style encoders (:func:`~lightning_gpipe.hf.encoder.standard_encoder`) and the encoder-decoders
+causal LMs of one decoder stack (:func:`~lightning_gpipe.hf.decoder_stack.decoder_stack`: OPT, BioGPT, BART's...),
+composite models cut as their language model is (:func:`~lightning_gpipe.hf.composite.composite_decoder`: Gemma 3's
+image-text model, Voxtral, Qwen2-Audio...), the BERT-style encoders
+(:func:`~lightning_gpipe.hf.encoder.standard_encoder`) and the encoder-decoders
 (:func:`~lightning_gpipe.hf.seq2seq.encoder_decoder`: T5, BART, Marian, M2M100...)."""
 
 

@@ -34,6 +34,7 @@ from lightning_gpipe.hf.decoder_layout import CARRIED, computed_arguments, rotar
 from lightning_gpipe.hf.kv_cache import CachedDecoderBlock
 from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel
 from lightning_gpipe.hf.moe import RouterLoss
+from lightning_gpipe.hf.seq2seq import seq2seq_loss
 
 try:
     from transformers.loss.loss_utils import ForCausalLMLoss
@@ -44,7 +45,11 @@ except ImportError as error:  # pragma: no cover - the message is the point
 
 
 def causal_lm_loss(
-    output: Tensor | tuple[Tensor, Tensor], labels: Tensor, router: RouterLoss | None, num_targets: int | None = None
+    output: Tensor | tuple[Tensor, Tensor],
+    labels: Tensor,
+    router: RouterLoss | None,
+    num_targets: int | None = None,
+    shift: bool = True,
 ) -> Tensor:
     """A causal LM's loss from its backbone's output, as the model's forward computes it with ``labels``.
 
@@ -53,14 +58,36 @@ def causal_lm_loss(
     when the output is ``(logits (N, S, V), statistics (N, 2E + 1))`` (a mixture of experts with
     ``output_router_logits=True``, see :mod:`lightning_gpipe.hf.moe`). The cross-entropy is the mean over these
     labelled tokens, or with ``num_targets`` their sum over ``num_targets`` (``transformers``' ``num_items_in_batch``:
-    the targets of a whole batch of which ``labels`` are some rows).
+    the targets of a whole batch of which ``labels`` are some rows). With ``shift=False`` each position's logits
+    are scored against its own label, unshifted, as the causal LMs of BART's family compute their loss
+    (:func:`shifts_labels`).
     """
     logits, statistics = output if isinstance(output, tuple) else (output, None)
-    # an int divides on the device (transformers takes one, though it annotates a tensor): no host-to-device copy
-    loss = ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1], num_items_in_batch=cast(Any, num_targets))
+    if shift:
+        # an int divides on the device (transformers takes one, though it annotates a tensor): no host-to-device copy
+        loss = ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1], num_items_in_batch=cast(Any, num_targets))
+    else:  # as an encoder-decoder's decoder scores its (shifted) input
+        loss = seq2seq_loss(logits, labels, num_targets=num_targets)
     if statistics is not None and router is not None:
         loss = loss + router.coefficient * router.aux_loss(statistics)
     return loss
+
+
+def shifts_labels(model_class: type) -> bool:
+    """Whether ``model_class``'s forward shifts its ``labels`` (next-token cross-entropy: ``self.loss_function``,
+    ``ForCausalLMLoss``, as nearly every causal LM), or scores each position's logits against its own label
+    (``CrossEntropyLoss`` over logits and labels as given: the causal LMs of BART, mBART, Marian, Pegasus, PLBart,
+    Blenderbot, TrOCR, whose labels come shifted like an encoder-decoder's): read from the names its ``forward``
+    uses (subclasses first, decorators unwrapped), ``True`` where none tells. The self-check compares the loss, so a
+    class read wrongly is refused."""
+    for cls in model_class.__mro__:
+        forward = cls.__dict__.get("forward")
+        code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+        if code is not None and "loss_function" in code.co_names:
+            return True
+        if code is not None and "CrossEntropyLoss" in code.co_names:
+            return False
+    return True
 
 
 def _unpack(value: tuple[Tensor, ...], router: RouterLoss | None, tokens: bool = False):
@@ -123,6 +150,8 @@ class DecoderEmbedding(HFLayer):
             into ``(N, S, streams, H)`` for the blocks, as the model's forward does; ``None`` (default) for none.
         pass_tokens: pass the token ids on to blocks that take them (DeepSeek-V4's ``input_ids``, see
             :func:`tokens_of`); default ``False``.
+        held: paths of modules the layer holds without calling them (a composite model's towers, which text does not
+            run through: :mod:`lightning_gpipe.hf.composite`); default none.
     """
 
     def __init__(
@@ -138,9 +167,11 @@ class DecoderEmbedding(HFLayer):
         per_layer: tuple[str, Sequence[str]] | None = None,
         streams: int | None = None,
         pass_tokens: bool = False,
+        held: Sequence[str] = (),
     ) -> None:
         own = [] if per_layer is None else list(per_layer[1])
-        super().__init__(model, [p for p in (tokens, *extensions, *own, positions, dropout) if p is not None])
+        paths = (tokens, *extensions, *own, positions, dropout, *held)
+        super().__init__(model, [p for p in paths if p is not None])
         self._tokens, self._positions, self._dropout = tokens, positions, dropout
         self.multiplier, self.dropout_p, self.router = multiplier, dropout_p, router
         self._extensions = tuple(extensions)

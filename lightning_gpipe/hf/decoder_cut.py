@@ -18,6 +18,7 @@ from typing import Any, cast
 from torch import nn
 
 from lightning_gpipe.hf.decoder import DecoderEmbedding, FinalNorm, GPT2Block, Head, RotaryDecoderBlock
+from lightning_gpipe.hf.decoder_layout import base_name
 from lightning_gpipe.hf.layer import PreTrainedModel
 from lightning_gpipe.hf.masks import layer_type
 from lightning_gpipe.hf.moe import router_loss_of
@@ -77,6 +78,9 @@ class DecoderCut:
         collapse: with hyper-connections (``config.hc_mult`` streams of hidden states, which the embedding layer
             makes), the module that collapses them before the final norm (HY-V4's ``"model.hc_head"``); default
             ``None``.
+        held: modules the embedding layer holds and text does not run through: a composite model's other towers
+            (Gemma 3's ``"model.vision_tower"``, ``"model.multi_modal_projector"``, see
+            :mod:`lightning_gpipe.hf.composite`); default none.
     """
 
     embedding: str
@@ -89,10 +93,12 @@ class DecoderCut:
     rotaries: str | None = None
     per_layer: tuple[str, ...] = ()
     collapse: str | None = None
+    held: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """The cut as a line: ``"model.embed_tokens -> model.layers.* -> model.norm -> lm_head"``."""
-        first = [self.embedding, *self.extensions, *([self.dropout] if self.dropout else [])]
+        embedding = f"{self.embedding} (holding {', '.join(self.held)})" if self.held else self.embedding
+        first = [embedding, *self.extensions, *([self.dropout] if self.dropout else [])]
         last = [*([self.collapse] if self.collapse else []), self.norm, self.head]
         return " -> ".join([*first, f"{self.blocks}.*", *last])
 
@@ -126,7 +132,7 @@ def block_rotary(model: nn.Module, cut: DecoderCut, index: int) -> tuple[str | N
 def standard_cut(model: PreTrainedModel) -> DecoderCut:
     """The cut of a model of the standard decoder layout
     (:func:`~lightning_gpipe.hf.decoder_layout.standard_decoder`)."""
-    prefix = model.base_model_prefix
+    prefix = base_name(model)
     return DecoderCut(
         f"{prefix}.embed_tokens", None, f"{prefix}.layers", f"{prefix}.rotary_emb", f"{prefix}.norm", "lm_head"
     )
@@ -162,6 +168,7 @@ def decoder_layers(model: PreTrainedModel, cut: DecoderCut) -> list[nn.Module]:
             per_layer=(cut.blocks.rpartition(".")[0], cut.per_layer) if cut.per_layer else None,
             streams=getattr(config, "hc_mult", None) if cut.collapse else None,
             pass_tokens=any(block.tokens for block in blocks),
+            held=cut.held,
         ),
         *blocks,
         FinalNorm(model, cut.norm, router, hidden_divisor, cut.collapse),

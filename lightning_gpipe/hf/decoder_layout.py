@@ -56,16 +56,32 @@ ADVICE = (
 """What a user can do about a decoder the adapter does not take."""
 
 
-def base_model_reason(model: nn.Module) -> str | None:
-    """``None`` when ``model``'s ``base_model_prefix`` names one of its children, and its children are exactly that
-    base model and ``lm_head``; else why not (Llama 4's text model names ``language_model`` but holds ``model``)."""
+def base_name(model: nn.Module) -> str:
+    """The name of ``model``'s base model among its children: its ``base_model_prefix`` where that names one; else
+    (Llama 4's and Mllama's causal LMs name ``language_model`` for their multimodal checkpoints' names, but hold
+    ``model``) the one child besides ``lm_head`` that is a model of ``model``'s config class; else the prefix."""
     prefix = getattr(model, "base_model_prefix", "")
+    found = children(model)
+    if prefix in found:
+        return prefix
+    config = getattr(model, "config", None)
+    own = [
+        name
+        for name, child in found.items()
+        if name != "lm_head" and isinstance(child, PreTrainedModel) and type(child.config) is type(config)
+    ]
+    return own[0] if len(own) == 1 else prefix
+
+
+def base_model_reason(model: nn.Module) -> str | None:
+    """``None`` when ``model``'s children are exactly its base model (:func:`base_name`) and ``lm_head``; else why
+    not."""
+    prefix = base_name(model)
     names = sorted(name for name, child in children(model).items() if child is not None)
     if prefix not in names:
         return (
-            f"its base_model_prefix {prefix!r} names none of its children {names}: the adapter finds the base"
-            f" model under that prefix, as transformers does (`model.base_model`), so it does not follow this one."
-            f" {ADVICE}"
+            f"its base_model_prefix {prefix!r} names none of its children {names}, none of which is a model of its"
+            f" config's class. {ADVICE}"
         )
     if names != sorted([prefix, "lm_head"]):
         return f"its children are {names}, not exactly the base model `{prefix}` and lm_head"
@@ -162,7 +178,7 @@ def bidirectional(config: Any) -> bool:
 
 def standard_decoder(model: nn.Module) -> str | None:
     """``None`` when ``model`` is of the standard decoder layout (see the module docstring), else why not: its
-    children must be exactly the base model (``base_model_prefix``) and ``lm_head``, the base model's exactly
+    children must be exactly the base model (:func:`base_name`) and ``lm_head``, the base model's exactly
     :data:`STANDARD_BASE` (the blocks an ``nn.ModuleList`` of ``num_hidden_layers``), every layer type one the
     adapter rebuilds (:func:`layer_types_reason`) and the blocks taking what it gives them
     (:func:`block_arguments_reason`)."""
@@ -171,7 +187,7 @@ def standard_decoder(model: nn.Module) -> str | None:
     reason = base_model_reason(model)
     if reason is not None:
         return reason
-    prefix, config = model.base_model_prefix, model.config
+    prefix, config = base_name(model), model.config
     base = model.get_submodule(prefix)
     inner = sorted(name for name, child in children(base).items() if child is not None)
     if inner != sorted(STANDARD_BASE):

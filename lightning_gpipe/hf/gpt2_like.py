@@ -45,7 +45,7 @@ from torch import nn
 from lightning_gpipe._torch import children
 from lightning_gpipe.hf.decoder import DecoderEmbedding, FinalNorm, GPT2LikeBlock, Head
 from lightning_gpipe.hf.decoder_cut import head_scaling, own_field
-from lightning_gpipe.hf.decoder_layout import ADVICE, ROTARY, base_model_reason, layer_types_reason
+from lightning_gpipe.hf.decoder_layout import ADVICE, ROTARY, base_model_reason, base_name, layer_types_reason
 from lightning_gpipe.hf.layer import PreTrainedModel
 from lightning_gpipe.hf.masks import HYBRID, layer_type, unpackable_layer_types
 from lightning_gpipe.hf.moe import adds_load_balancing_loss
@@ -61,7 +61,7 @@ encoder)."""
 
 
 def _base(model: nn.Module) -> nn.Module:
-    return model.get_submodule(cast(Any, model).base_model_prefix)
+    return model.get_submodule(base_name(model))
 
 
 def _parts(model: nn.Module) -> dict[str, list[str]] | str:
@@ -188,7 +188,7 @@ def gpt2_like_layers(model: PreTrainedModel) -> list[nn.Module]:
     declares, :func:`~lightning_gpipe.hf.decoder_cut.head_scaling`: Granite-MoE-Hybrid's ``logits_scaling``)."""
     parts = _parts(model)
     assert not isinstance(parts, str)  # the family takes only models of the layout
-    prefix, base = model.base_model_prefix, _base(model)
+    prefix, base = base_name(model), _base(model)
     path = {role: [f"{prefix}.{name}" for name in names] for role, names in parts.items()}
     dropout = getattr(base, "dropout", None)
     rotary = next(iter(path["rotary"]), None)

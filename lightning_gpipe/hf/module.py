@@ -27,7 +27,8 @@ from torch import Tensor, nn
 from lightning_gpipe.engine import Partition, materialize
 from lightning_gpipe.hf import lora as peft_lora
 from lightning_gpipe.hf.adapter import Family, check_class, family_of, to_sequential
-from lightning_gpipe.hf.decoder import causal_lm_loss
+from lightning_gpipe.hf.composite import unused_inputs
+from lightning_gpipe.hf.decoder import causal_lm_loss, shifts_labels
 from lightning_gpipe.hf.encoder import encoder_input
 from lightning_gpipe.hf.kv_cache import clear_kv_caches, positions_from_mask
 from lightning_gpipe.hf.layer import UnsupportedModelError, hf_name
@@ -107,6 +108,9 @@ class HFModule(pl.LightningModule):
     auto_class: Any = None
     """The ``transformers`` auto class that builds the model from a config."""
 
+    also_built_by: tuple[Any, ...] = ()
+    """Auto classes building a model from a config :attr:`auto_class` does not (of this kind: :meth:`_check_family`)."""
+
     trains_encoder: bool = False
     """Whether the module trains an encoder (its backbone takes ``(input_ids, attention_mask, token_type_ids)``)."""
 
@@ -151,16 +155,13 @@ class HFModule(pl.LightningModule):
             model_class = self._model_class(config)
             self._check_family(model_class.__name__, check_class(model_class, config))
 
+    def _auto_class(self, config: PretrainedConfig) -> Any:
+        """:func:`_builder` of :attr:`auto_class` and :attr:`also_built_by` for ``config``."""
+        return _builder((self.auto_class, *self.also_built_by), config, type(self).__name__)
+
     def _model_class(self, config: PretrainedConfig) -> type:
-        """The class :attr:`auto_class` builds for ``config``; raises ``UnsupportedModelError`` if it builds none (a
-        config of another kind of model)."""
-        try:
-            return self.auto_class._model_mapping[type(config)]
-        except KeyError:
-            raise UnsupportedModelError(
-                f"{self.auto_class.__name__} builds no model from a {type(config).__name__} ({config.model_type!r}):"
-                f" {type(self).__name__} cannot train it."
-            ) from None
+        """The class :meth:`_auto_class` builds for ``config``."""
+        return self._auto_class(config)._model_mapping[type(config)]
 
     def _check_family(self, name: str, family: Family) -> None:
         """Refuse a model its family cuts into another kind of backbone than this module feeds (e.g. BERT's causal-LM
@@ -222,7 +223,7 @@ class HFModule(pl.LightningModule):
             return
         config = self.model_config_for_build()
         with torch.device("meta"):
-            model = self.auto_class.from_config(config, attn_implementation=config._attn_implementation)
+            model = self._auto_class(config).from_config(config, attn_implementation=config._attn_implementation)
         model.train()
         weights: SafetensorsWeights | peft_lora.PeftWeights | None = None  # the checkpoint's, then with adapters
         if self.pretrained is not None:
@@ -373,6 +374,21 @@ def _save_stage_adapters(module: HFModule, strategy: GPipeStrategy, directory: P
     strategy.barrier("save_pretrained")
 
 
+def _builder(auto_classes: tuple[Any, ...], config: PretrainedConfig, module: str) -> Any:
+    """The first of ``auto_classes`` that builds a model from ``config``.
+
+    Raises:
+        UnsupportedModelError: if none does (a config of another kind of model), naming the first and ``module``.
+    """
+    for auto in auto_classes:
+        if type(config) in auto._model_mapping:
+            return auto
+    raise UnsupportedModelError(
+        f"{auto_classes[0].__name__} builds no model from a {type(config).__name__} ({config.model_type!r}):"
+        f" {module} cannot train it."
+    )
+
+
 def _attention(model_class: type, requested: str) -> str:
     """``requested``, but ``"eager"`` for ``"sdpa"`` where ``model_class`` has no SDPA attention (Mamba has no attention
     at all), as ``transformers`` falls back when none is asked for."""
@@ -425,7 +441,10 @@ class CausalLM(HFModule):
     ``labels`` (the ids, ``-100`` where no loss is wanted, e.g. padding); the loss is the model's own
     (``ForCausalLMLoss``: next-token cross-entropy, mean over the labelled tokens of the whole batch; plus the
     load-balancing loss of a mixture of experts whose config has ``output_router_logits=True``, times its
-    ``router_aux_loss_coef``). Positions are ``0 .. S-1``, as the model's forward numbers a training batch.
+    ``router_aux_loss_coef``; for a class whose forward scores unshifted labels, BART's causal LMs, its cross-entropy
+    of each position against its own label: give it labels shifted left,
+    :func:`~lightning_gpipe.hf.decoder.shifts_labels`). Positions are ``0 .. S-1``, as the model's forward numbers a
+    training batch.
     ``predict`` decodes greedily through the pipeline.
 
     Packed rows (several documents back to back in a row, no padding between them) are batches with ``position_ids``
@@ -448,10 +467,12 @@ class CausalLM(HFModule):
     """
 
     auto_class = AutoModelForCausalLM
+    also_built_by = (AutoModelForSeq2SeqLM,)  # speech-to-text language models (Voxtral, Qwen2-Audio...) listed there
 
     def __init__(self, *args: Any, max_new_tokens: int = 32, kv_cache: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.max_new_tokens, self.kv_cache = max_new_tokens, kv_cache
+        self._labels_checked = False
 
     def backbone_input(self, batch: dict[str, Any]) -> tuple[Tensor, ...]:
         """``(input_ids, attention_mask, position_ids)``, or for packed rows (a batch with ``position_ids``)
@@ -459,8 +480,11 @@ class CausalLM(HFModule):
 
         Raises:
             ValueError: for packed rows of a model with recurrent layers (``linear_attention``...), whose state would
-                run from one document into the next.
+                run from one document into the next; for a batch carrying what the model's forward takes and the
+                backbone would drop (:meth:`_refuse_unused`).
         """
+        self._refuse_unused(batch)
+        self._refuse_copied_labels(batch)
         positions = batch.get("position_ids")
         if positions is not None:
             recurrent = unpackable_layer_types(self.hf_model.config)
@@ -471,9 +495,48 @@ class CausalLM(HFModule):
                 )
         return decoder_input(batch["input_ids"], batch.get("attention_mask"), positions)
 
+    def _refuse_unused(self, batch: dict[str, Any]) -> None:
+        """Refuse a batch carrying inputs the model's forward takes and the backbone does not run
+        (:func:`~lightning_gpipe.hf.composite.unused_inputs`): a composite model's images or audio, rather than
+        train on the text alone without a word.
+
+        Raises:
+            ValueError: naming them.
+        """
+        unused = unused_inputs(self.hf_model, batch)
+        if unused:
+            raise ValueError(
+                f"The batch carries {unused}, which {type(self.hf_model).__name__}'s forward takes but CausalLM's"
+                " backbone does not run: it trains on the text (input_ids, attention_mask, position_ids, labels),"
+                " not on a composite model's image or audio towers (docs/transformers.md, 'Composite models')."
+                " Leave them out of the batch to train the language model on the text."
+            )
+
+    def _refuse_copied_labels(self, batch: dict[str, Any]) -> None:
+        """Refuse, on the first batch, labels equal to the input ids (``-100`` aside) for a class whose forward scores
+        each position against its own label (:func:`~lightning_gpipe.hf.decoder.shifts_labels` false: BART's causal
+        LMs): they would train the model to copy its input, silently. Reads the batch on the host once.
+
+        Raises:
+            ValueError: naming the class and the labels to give.
+        """
+        labels = batch.get("labels")
+        if self._labels_checked or labels is None or self.hf_model is None or shifts_labels(type(self.hf_model)):
+            return
+        self._labels_checked = True
+        scored = labels != -100
+        if bool(scored.any()) and bool((labels[scored] == batch["input_ids"][scored]).all()):
+            raise ValueError(
+                f"{type(self.hf_model).__name__}'s loss scores each position against its own label (unshifted), and"
+                " this batch's labels equal its input_ids: it would learn to copy its input. Give labels shifted"
+                " left: labels[:, i] = input_ids[:, i + 1], -100 at the end (docs/transformers.md, 'One decoder"
+                " stack')."
+            )
+
     def loss(self, output: Tensor | tuple[Tensor, Tensor], batch: dict[str, Any]) -> Tensor:
         """The model's loss with ``batch["labels"]`` (:func:`~lightning_gpipe.hf.decoder.causal_lm_loss`): next-token
-        cross-entropy over the labelled tokens, plus the load-balancing loss of a mixture of experts.
+        cross-entropy over the labelled tokens (unshifted where the model's forward does not shift them), plus the
+        load-balancing loss of a mixture of experts.
 
         With ``batch["num_targets"]`` and ``batch["num_rows"]`` (ints of the whole batch: its labelled targets and
         its rows; see the class), the cross-entropy is the sum over these rows' targets over ``num_targets``, times
@@ -481,7 +544,8 @@ class CausalLM(HFModule):
         loss and gradients are the mean over the whole batch's targets under every schedule.
         """
         labels = batch["labels"]
-        loss = causal_lm_loss(output, labels, self.router_loss, batch.get("num_targets"))
+        shift = self.hf_model is None or shifts_labels(type(self.hf_model))
+        loss = causal_lm_loss(output, labels, self.router_loss, batch.get("num_targets"), shift)
         if "num_rows" in batch:
             loss = loss * (batch["num_rows"] / labels.shape[0])
         return loss
@@ -505,6 +569,7 @@ class CausalLM(HFModule):
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         """Greedy continuations of the batch's left-padded prompts (``input_ids``, ``attention_mask``): ``(N, S +
         T)`` ids, at most :attr:`max_new_tokens` new ones, stopping at the model's ``eos_token_id``."""
+        self._refuse_unused(batch)
         eos = self.hf_model.generation_config.eos_token_id
         eos = eos[0] if isinstance(eos, list) else eos
         ids, mask = batch["input_ids"], batch.get("attention_mask")

@@ -30,7 +30,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe.hf.decoder import causal_lm_loss
+from lightning_gpipe.hf.composite import TEXT_CONFIG, text_config
+from lightning_gpipe.hf.decoder import causal_lm_loss, shifts_labels
 from lightning_gpipe.hf.encoder import encoder_input
 from lightning_gpipe.hf.layer import HFLayer, UnsupportedModelError
 from lightning_gpipe.hf.moe import router_loss_of
@@ -152,10 +153,21 @@ def miniature_config(config: Any) -> Any:
     :data:`LIMITS` (per layer too, :func:`_shrunk`; an encoder-decoder's :data:`SEQ2SEQ_LIMITS` too), token ids within
     the vocabulary, no cache; every other option (dropout probabilities included) as given.
 
+    A composite config (no depth of its own, a language model's ``text_config`` beside its towers': Gemma 3's,
+    Voxtral's) is copied with its text config shrunk so and each tower cut to one block (:func:`_one_block_towers`),
+    its own token ids as given (an image or audio placeholder id beyond the miniature's vocabulary is in no probe).
+
     Raises:
-        UnsupportedModelError: for a config of several towers without a depth of its own (:func:`_towers_reason`).
+        UnsupportedModelError: for a config of several towers without a depth of its own or a text config that has
+            one (:func:`_language_config`).
     """
-    _towers_reason(config)
+    text = _language_config(config)
+    if text is not None:
+        mini = copy.deepcopy(config)
+        setattr(mini, text, miniature_config(getattr(config, text)))
+        _one_block_towers(mini, keep=text)
+        mini.use_cache = False
+        return mini
     mini = copy.deepcopy(config)
     overrides = _overrides(config)
     if overrides is not None:
@@ -190,36 +202,40 @@ def miniature_config(config: Any) -> Any:
     return mini
 
 
-def _towers_reason(config: Any) -> None:
-    """Refuse a config with no depth of its own (``num_hidden_layers``), only nested configs: a model of several
-    towers (Voxtral's audio encoder feeding a language model; ``EncoderDecoderModel``'s two models).
+def _language_config(config: Any) -> str | None:
+    """``None`` for a config with a depth of its own (``num_hidden_layers``); for a composite one, the name of its
+    language model's config (``text_config``, with a depth: Gemma 3's, Voxtral's); else refused: a model of several
+    towers without one language model's config (``EncoderDecoderModel``'s two models, BLT's four stacks).
 
     Raises:
         UnsupportedModelError: naming the nested configs.
     """
     from transformers import PretrainedConfig
 
-    if not _integer(config, "num_hidden_layers"):
-        towers = [name for name, value in vars(config).items() if isinstance(value, PretrainedConfig)]
-        raise UnsupportedModelError(
-            f"{type(config).__name__} has no num_hidden_layers of its own but the configs {towers}: a model of"
-            " several towers (an audio or vision encoder feeding a language model, or two models joined), which no"
-            " family cuts into one backbone"
-        )
+    if _integer(config, "num_hidden_layers"):
+        return None
+    if text_config(config) is not None:
+        return TEXT_CONFIG
+    towers = [name for name, value in vars(config).items() if isinstance(value, PretrainedConfig)]
+    raise UnsupportedModelError(
+        f"{type(config).__name__} has no num_hidden_layers of its own but the configs {towers}, none of them a"
+        f" language model's `{TEXT_CONFIG}`: a model of several towers (two models joined, or stacks of other kinds),"
+        " which no family cuts into one backbone"
+    )
 
 
 SUB_CONFIG_DEPTHS = ("num_hidden_layers", "num_blocks")
 """The depths of a nested config (a multimodal model's vision or audio tower) that the miniature cuts to one."""
 
 
-def _one_block_towers(config: Any) -> None:
-    """Cut each config nested in ``config`` (Phi-4-multimodal's ``vision_config`` and ``audio_config``: towers the
-    embedding layer holds beside the token embedding, which the text-only probe does not run through) to one block,
-    widths as given: a miniature need not build 27 full-size vision layers."""
+def _one_block_towers(config: Any, keep: str | None = None) -> None:
+    """Cut each config nested in ``config`` but ``keep`` (Phi-4-multimodal's ``vision_config`` and ``audio_config``:
+    towers the embedding layer holds beside the token embedding, which the text-only probe does not run through) to one
+    block, widths as given: a miniature need not build 27 full-size vision layers."""
     from transformers import PretrainedConfig
 
-    for value in vars(config).values():
-        if isinstance(value, PretrainedConfig):
+    for name, value in vars(config).items():
+        if isinstance(value, PretrainedConfig) and name != keep:
             for name in SUB_CONFIG_DEPTHS:
                 if _is_integer(getattr(value, name, None)):
                     setattr(value, name, 1)
@@ -281,12 +297,22 @@ def _cpu_fp32() -> Iterator[None]:
         torch.set_default_dtype(dtype)
 
 
+def built_config(model_class: type, config: Any) -> Any:
+    """The config ``transformers``' auto classes build ``model_class`` from: a composite config's text config where
+    the class is its language model's (``config_class`` the config's ``text_config`` class: Qwen3.5's, Llama 4's and
+    Mllama's causal LMs, as ``AutoModelForCausalLM.from_config`` builds them), else ``config`` itself."""
+    text = getattr(config, "sub_configs", {}).get(TEXT_CONFIG)
+    if text is not None and getattr(model_class, "config_class", None) is text:
+        return config.get_text_config()
+    return config
+
+
 def miniature(model_class: type, config: Any) -> nn.Module:
     """The miniature of ``model_class`` for ``config`` (:func:`miniature_config`), in fp32 on the CPU, every
     parameter drawn at random from a seeded generator (matrices with standard deviation ``1 / sqrt(fan_in)``,
     vectors in [0.5, 1.5]); with the config's attention implementation when it is ``eager`` or ``sdpa``, else (a
     flash or kernel one, or none chosen) ``sdpa`` where the class supports it, else ``eager``."""
-    mini = miniature_config(config)
+    mini = miniature_config(built_config(model_class, config))
     if mini._attn_implementation not in ("eager", "sdpa"):  # flash or a kernel: the CPU runs its reference instead
         mini._attn_implementation = "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
     with _cpu_fp32():
@@ -361,7 +387,7 @@ def _compare(model: nn.Module, layers: list[HFLayer], value: tuple, mask: Tensor
         if not difference <= TOLERANCE:
             return index, difference
     if labels is not None:
-        loss = causal_lm_loss(value, labels, router_loss_of(model))
+        loss = causal_lm_loss(value, labels, router_loss_of(model), shift=shifts_labels(type(model)))
         difference = (loss - output.loss).abs().item()
         if not difference <= TOLERANCE:
             return None, difference
@@ -371,7 +397,7 @@ def _compare(model: nn.Module, layers: list[HFLayer], value: tuple, mask: Tensor
 def _describe(model_class: type, mini: nn.Module, family: Any, layers: list[HFLayer], where: tuple, mode: str) -> str:
     index, difference = where
     place = "its loss with labels" if index is None else f"backbone layer {index} ({', '.join(layers[index].paths)})"
-    config: Any = mini.config  # a transformers config
+    config: Any = text_config(mini.config) or mini.config  # a transformers config (a composite's: its text config)
     return (
         f"{model_class.__name__} is not cut into backbone layers correctly: {place} differs from the model's own"
         f" forward by {difference:.3g} (largest absolute difference on the real tokens of a left- and right-padded"

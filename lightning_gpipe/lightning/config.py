@@ -515,10 +515,12 @@ def _check_compile(config: "PipelineConfig") -> None:
 
 
 TENSOR_PARALLEL_NOT_YET = {
-    "compile": ("True", "compiled layers are not checked with DTensor parameters yet; leave compile=False"),
-    "offload": ("'activations'", "offloading DTensor activations is not checked yet; leave offload=None"),
+    "compile": "compiled layers are not checked with DTensor parameters yet; leave compile=False",
+    "offload": "offloading DTensor activations is not checked yet; leave offload=None (plan='auto' never plans it"
+    " with tensor_parallel_size > 1)",
 }
-"""Options ``tensor_parallel_size > 1`` refuses for now, each with what it would be given as and why."""
+"""Options ``tensor_parallel_size > 1`` refuses for now (when ``GPipeStrategy(...)`` is built, before any process
+starts), each with why and the fix."""
 
 
 def _check_tensor_parallel(config: "PipelineConfig") -> None:
@@ -529,20 +531,39 @@ def _check_tensor_parallel(config: "PipelineConfig") -> None:
         raise ValueError(f"GPipeStrategy(tensor_parallel_size={size!r}): give a positive integer (1: none).")
     if size == 1:
         return
-    for option, (given, why) in TENSOR_PARALLEL_NOT_YET.items():
+    for option, why in TENSOR_PARALLEL_NOT_YET.items():
         if getattr(config, option) not in (None, False):
-            raise ValueError(f"GPipeStrategy(tensor_parallel_size={size}, {option}={given}): {why}.")
+            raise ValueError(
+                f"GPipeStrategy(tensor_parallel_size={size}, {option}={getattr(config, option)!r}): {why}."
+            )
 
 
 def check_tensor_parallel_replicas(config: "PipelineConfig", replicas: int) -> None:
     """Raise a ``ValueError`` naming the fix for tensor-parallel stages with several ``replicas`` kept in step by DDP
-    (``sharding_strategy="NO_SHARD"``): DDP takes no ``DTensor`` parameters; FSDP2 shards them over the replicas."""
+    (``sharding_strategy="NO_SHARD"``): DDP takes no ``DTensor`` parameters; FSDP2 shards them over the replicas.
+    Under ``plan="auto"`` a ``sharding_strategy`` not given is the planner's, which plans FSDP2 for such stages."""
     if config.tensor_parallel_size == 1 or replicas == 1 or config.sharding_strategy != "NO_SHARD":
+        return
+    if config.plan == "auto" and config.constraints().sharding_strategy is None:
         return
     raise ValueError(
         f"GPipeStrategy(tensor_parallel_size={config.tensor_parallel_size}) with {replicas} data-parallel replicas"
         " and sharding_strategy='NO_SHARD': DDP does not take the tensor-parallel (DTensor) parameters. Use"
         " sharding_strategy='FULL_SHARD' or 'SHARD_GRAD_OP' (FSDP2 over the replicas, as torchtitan composes them)."
+    )
+
+
+def check_tensor_parallel_scaler(config: "PipelineConfig", scaler: bool) -> None:
+    """Raise a ``ValueError`` naming the fix for tensor-parallel stages under a precision with a gradient ``scaler``
+    (``precision="16-mixed"`` on CUDA, or a plugin given one): the scaler's unscaling of tensor-parallel (``DTensor``)
+    gradients has not been run, whatever ``sharding_strategy`` and the number of replicas, so no plan avoids it. Called
+    where the launcher is configured, before any process starts, and by the planner."""
+    if config.tensor_parallel_size == 1 or not scaler:
+        return
+    raise ValueError(
+        f"GPipeStrategy(tensor_parallel_size={config.tensor_parallel_size}) with precision='16-mixed': the gradient"
+        " scaler's unscaling of tensor-parallel (DTensor) gradients has not been run by GPipeStrategy, with any"
+        " sharding_strategy. Use precision='bf16-mixed' (no scaler) or '32-true', or tensor_parallel_size=1."
     )
 
 

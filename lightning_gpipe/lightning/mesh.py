@@ -47,6 +47,7 @@ from lightning_gpipe.lightning.config import (
     PipelineConfig,
     Size,
     check_tensor_parallel_replicas,
+    check_tensor_parallel_scaler,
     checked_size,
 )
 from lightning_gpipe.lightning.contract import StageRandomness
@@ -198,6 +199,7 @@ class MeshStrategy(LaunchedParallelStrategy):
     @override
     def _launch_start_method(self) -> str:
         _ = self.topology  # a mesh that does not fit the job fails here, before any process starts
+        check_tensor_parallel_scaler(self.config, getattr(self.precision_plugin, "scaler", None) is not None)
         if self.config.start_method != "popen" or not _environment_of(self).creates_processes_externally:
             mark_launcher()  # this process starts the others, which watch it (see faults.watchdog)
         return self.config.start_method

@@ -10,6 +10,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_gpipe.lightning.backbone import find_backbone, profile_module
+from lightning_gpipe.lightning.config import check_tensor_parallel_scaler
 from lightning_gpipe.lightning.tensor_parallel import layer_splits
 from lightning_gpipe.planning import (
     Constraints,
@@ -176,9 +177,11 @@ def plan_for_strategy(
 
     Raises:
         ValueError: on the CPU without ``memory_limit``, for constraints that leave no plan, or a limit no plan fits
-            (naming the smallest limit that would fit); with tensor parallelism, for a module that declares no split;
-            on every process, before the first step.
+            (naming the smallest limit that would fit); with tensor parallelism, for a module that declares no split
+            or with ``whole`` (:func:`~lightning_gpipe.lightning.config.check_tensor_parallel_scaler`); on every
+            process, before the first step.
     """
+    check_tensor_parallel_scaler(config, whole)  # no sharding takes a scaler's tensor-parallel gradients
     limit = config.memory_limit if config.memory_limit is not None else _device_memory(device)
     tensor = config.tensor_parallel_size
     splits = layer_splits(module, backbone, tensor)

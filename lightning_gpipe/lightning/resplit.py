@@ -14,8 +14,8 @@ stages move the layers that change hands
 exactly, the stages' pipelines are rebuilt through the same door as at setup
 (:func:`~lightning_gpipe.lightning.build.build_stage`), and the optimizer (the same object, so schedulers keep working)
 gets the new parameters in their groups. A ``balance`` given as a list is never changed. Runs with several replicas,
-virtual stages, tied parameters across stages, ``compile`` or ``deferred_batch_norm`` keep their split (one line says
-why). The new pipeline's links are new process groups, made as at setup. See docs/balance.md.
+tensor-parallel stages, virtual stages, tied parameters across stages, ``compile`` or ``deferred_batch_norm`` keep
+their split (one line says why). The new pipeline's links are new process groups, made as at setup. See docs/balance.md.
 """
 
 import math
@@ -310,7 +310,8 @@ class ResplitHooks(_Strategy):
         topology, config = self.topology, self.config
         reasons = {
             "data parallelism moves no layers yet": topology.data_parallel_size > 1,
-            "tensor parallelism moves no layers yet": topology.tensor_parallel_size > 1,
+            "tensor-parallel stages move no layers yet (a moved layer's shards and their optimizer state would go to"
+            " the same tensor rank of its new stage, to be split again there)": topology.tensor_parallel_size > 1,
             "virtual stages move no layers yet": topology.virtual_stages > 1,
             "tied parameters across stages move no layers yet": tied,
             "compiled stages are not re-split": config.compile is not False,

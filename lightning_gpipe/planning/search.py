@@ -168,10 +168,11 @@ def _shardings(constraints: Constraints, replicas: int) -> list[str]:
 
 
 def _offloads(constraints: Constraints, device_type: str) -> list[str | None]:
-    """The offload modes to plan: the user's (``False``: none), or none and, on an accelerator, ``"activations"``."""
+    """The offload modes to plan: the user's (``False``: none), or none and, on an accelerator without tensor-parallel
+    stages (whose ``DTensor`` activations offload has not run), ``"activations"``."""
     if constraints.offload is not None:
         return [constraints.offload if isinstance(constraints.offload, str) else None]  # False: none
-    return [None, "activations"] if device_type != "cpu" else [None]
+    return [None, "activations"] if device_type != "cpu" and constraints.tensor_parallel_size == 1 else [None]
 
 
 def search(

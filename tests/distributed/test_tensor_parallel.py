@@ -2,8 +2,9 @@
 the B/W split and a V schedule, with global clipping over the split gradients; one stage of 2 tensor ranks with 2
 replicas sharded by FSDP2 (2-D DTensors) too; each process holds about half of its stage's parameters; a full
 checkpoint of a tensor-parallel run loads into the plain module and resumes without tensor parallelism and on
-another mesh; a Hugging Face Llama split by its declared tensor plan, with and without LoRA, trains like one device;
-``bf16-mixed`` on 2 stages x 2 tensor ranks trains like one device's ``bf16-mixed``.
+another mesh; an embedding tied to the head across the stages, both split alike, trains like one device; a Hugging
+Face Llama split by its declared tensor plan, with and without LoRA, trains like one device; ``bf16-mixed`` on 2
+stages x 2 tensor ranks trains like one device's ``bf16-mixed``.
 
 Every run is tests/workers/tensor_parallel.py (one launch of 4 processes, shared with the suite's other 4-process
 runs); the references are single-device Lightning on the same global batches (tests/tensor_parallel.py), and the
@@ -16,7 +17,7 @@ import pytest
 import torch
 from conftest import assert_states_close, assert_within_fp32_rounding, shared_run, state_distance
 from sharded import hf_in_float64, hf_one_device
-from tensor_parallel import CHECKPOINTED, HF_RUNS, MIXED, RUNS, SplitMLP, in_float64, one_device
+from tensor_parallel import CHECKPOINTED, HF_RUNS, MIXED, RUNS, TIED, SplitMLP, TiedSplitLM, in_float64, one_device
 
 from lightning_gpipe.consolidate import consolidated_checkpoint
 
@@ -40,6 +41,19 @@ def test_tensor_parallel_stages_train_like_one_device(out, name):
     assert_within_fp32_rounding(got["state"], state, lambda: in_float64(overrides))
     torch.testing.assert_close(got["losses"], losses, atol=1e-5, rtol=0)
     assert len(got["losses"]) == len(losses)
+
+
+@pytest.mark.parametrize("name", list(TIED))
+def test_an_embedding_tied_to_the_head_across_stages_and_split_alike_trains_like_one_device(out, name):
+    """The embedding (stage 0, split by rows) and the head (stage 1, split by output columns) share one weight, each
+    stage's copy split alike over its 2 tensor ranks: under 1F1B with global clipping, every parameter after 6 AdamW
+    steps within fp32 rounding of one device's and the loss of every step; the copies end equal."""
+    overrides = TIED[name][1]
+    state, losses = one_device(module_class=TiedSplitLM, **overrides)
+    got = torch.load(out / f"{name}.pt")
+    assert_within_fp32_rounding(got["state"], state, lambda: in_float64(overrides, module_class=TiedSplitLM))
+    torch.testing.assert_close(got["losses"], losses, atol=1e-5, rtol=0)
+    assert torch.equal(got["state"]["backbone.0.weight"], got["state"]["head.weight"])
 
 
 @pytest.mark.parametrize("name", list(MIXED))

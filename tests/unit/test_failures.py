@@ -264,3 +264,41 @@ def test_a_stage_recorder_moves_the_position_whether_or_not_it_records_spans():
     with recorder.span("recv", 3):
         assert position.phase == "recv"
     assert len(recorder.take()) == 1  # the enabled span only
+
+
+def test_a_failure_on_one_tensor_rank_ends_every_process_of_the_stage_and_its_neighbours(monkeypatch):
+    """pp=2 x tp=2 on one store: stage 0's tensor rank 1 fails. Its tensor partner, blocked in the stage's
+    tensor-parallel all-reduce (torch's ``DTensor`` collective, outside the package's waits, so it never reads the
+    board), is ended by its heartbeat once the grace has passed, naming the failure; stage 1's processes, waiting on
+    their links through the package, stop at once naming it too."""
+    from lightning_gpipe.engine import Topology
+
+    topology = Topology(4, 2, tensor_parallel_size=2)
+    names = {rank: topology.name(rank) for rank in range(4)}
+    ended, partner_ended = [], threading.Event()
+
+    def exit_(code):  # the heartbeat's os._exit, recorded instead (every heartbeat of the job may call it)
+        ended.append((threading.current_thread().board.name, code))
+        partner_ended.set() if threading.current_thread().board.name == names[0] else None
+
+    monkeypatch.setattr(watchdog, "os", SimpleNamespace(_exit=exit_))
+    monkeypatch.setattr(watchdog, "INTERVAL", 0.05)
+    monkeypatch.setattr(watchdog, "GRACE", 0.2)
+    monkeypatch.setattr(waiting, "TICK", 0.05)
+    store, collective, links = dist.HashStore(), _BlockingWork(), [_BlockingWork(), _BlockingWork()]
+    jobs = [Job(store, rank, names) for rank in range(4)]
+    try:
+        threading.Thread(target=collective.wait, daemon=True).start()  # tensor rank 0's all-reduce, never completed
+        cause = f"{names[1]} failed with ValueError: boom"
+        jobs[1].board.publish(cause)
+        for rank, link in zip((2, 3), links):
+            stopped = rf"^{re.escape(names[rank])} stopped because {re.escape(cause)}$"
+            with pytest.raises(PipelineFailure, match=stopped):
+                waiting.wait(jobs[rank], [link], names[rank - 2])
+        assert partner_ended.wait(timeout=30) and not collective.done.is_set()
+        assert (names[0], 1) in ended
+    finally:
+        for work in (collective, *links):
+            work.done.set()
+        for job in jobs:
+            job.close()

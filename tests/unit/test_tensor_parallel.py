@@ -50,13 +50,32 @@ def test_the_sizes_count_stages_of_t_processes_and_a_mesh_that_does_not_fit_is_r
     [
         (dict(tensor_parallel_size=0), r"tensor_parallel_size=0\): give a positive integer"),
         (dict(tensor_parallel_size="2"), r"tensor_parallel_size='2'\): give a positive integer"),
-        (dict(tensor_parallel_size=2, compile=True), r"compile=True\): compiled layers"),
-        (dict(tensor_parallel_size=2, offload="activations"), r"offload='activations'\): offloading DTensor"),
+        (dict(tensor_parallel_size=2, compile=True), r"compile=True\): compiled layers .*; leave compile=False\.$"),
+        (dict(tensor_parallel_size=2, compile={"dynamic": False}), r"compile=\{'dynamic': False\}\): compiled"),
+        (
+            dict(tensor_parallel_size=2, offload="activations"),
+            r"offload='activations'\): offloading DTensor .*; leave offload=None",
+        ),
     ],
 )
 def test_options_tensor_parallelism_does_not_take_yet_are_refused_before_any_process_starts(options, message):
     with pytest.raises(ValueError, match=message):
         GPipeStrategy(**options)
+
+
+def test_the_planner_never_plans_offload_for_tensor_parallel_stages():
+    """On an accelerator the planner weighs activation offload, but not for tensor-parallel stages, which refuse it."""
+    from lightning_gpipe.planning import Constraints, CostModel, ProfiledCosts, search
+
+    module = SplitMLP()
+    costs = ProfiledCosts((8, 2), _block_costs(module, 8), _block_costs(module, 2), 32, 4 * 16 * 32)
+    fixed = Constraints(pipeline_parallel_size=2, micro_batches=4, checkpoint="never", schedule="gpipe")
+    for tensor in (1, 2):
+        report = search(
+            2 * tensor, costs, 2**40, 2, CostModel(), dataclasses.replace(fixed, tensor_parallel_size=tensor), "cuda"
+        )
+        offloads = {prediction.plan.offload for prediction in report.predictions}
+        assert offloads == ({None, "activations"} if tensor == 1 else {None})
 
 
 def test_replicas_of_tensor_parallel_stages_are_sharded_by_fsdp2_not_ddp():
@@ -336,3 +355,109 @@ def test_a_tied_parameter_split_on_one_of_its_stages_only_is_refused_before_its_
     with pytest.raises(ValueError, match=message):
         held.synchronize()
     assert sent == []
+
+
+class DeclaredSplitMLP(SplitMLP):
+    """:class:`SplitMLP` declaring its split to the planner (as the Hugging Face modules declare transformers')."""
+
+    def tensor_targets(self, size):
+        return [[(block[0], BLOCK_PLAN["0"]), (block[2], BLOCK_PLAN["2"])] for block in self.backbone]
+
+
+def _planned(config, whole=False):
+    """``plan="auto"``'s plan for 2 stages x 2 replicas x 2 tensor ranks of :class:`DeclaredSplitMLP`, on injected
+    costs (no clock), as every process gets it (``share`` a copy)."""
+    from lightning_gpipe.lightning.planner import plan_for_strategy
+    from lightning_gpipe.planning import ProfiledCosts
+
+    module = DeclaredSplitMLP()
+    costs = ProfiledCosts((8, 2), _block_costs(module, 8), _block_costs(module, 2), 32, 4 * 16 * 32)
+    mesh, device = (2, 2), torch.device("cpu")
+    return plan_for_strategy(module, "backbone", config, mesh, device, lambda: costs, lambda x: x, whole).chosen.plan
+
+
+def test_plan_auto_with_replicas_of_tensor_parallel_stages_plans_a_sharding_the_strategy_takes():
+    """``plan="auto"`` at D = 2, T = 2 without ``sharding_strategy``: the launch takes the mesh (the sharding is the
+    planner's), and the planner chooses FSDP2, which the replicas' check then accepts."""
+    options = dict(plan="auto", memory_limit=2**40, tensor_parallel_size=2, pipeline_parallel_size=2)
+    strategy = GPipeStrategy(data_parallel_size=2, **options)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=8, logger=False, enable_checkpointing=False)
+    assert trainer.strategy.topology.data_parallel_size == 2
+    chosen = _planned(strategy.config)
+    assert chosen.sharding_strategy == "SHARD_GRAD_OP" and chosen.tensor_parallel_size == 2
+    check_tensor_parallel_replicas(dataclasses.replace(strategy.config, sharding_strategy=chosen.sharding_strategy), 2)
+    with pytest.raises(ValueError, match="DDP does not take the tensor-parallel"):  # NO_SHARD given: still refused
+        check_tensor_parallel_replicas(PipelineConfig(sharding_strategy="NO_SHARD", **options), 2)
+
+
+def test_a_gradient_scaler_with_tensor_parallelism_is_refused_before_any_process_starts_and_never_planned():
+    """``precision="16-mixed"`` with a gradient scaler and T > 1 is refused when the Trainer configures the launch, for
+    any sharding, naming the fix; the planner refuses it alike rather than plan DDP (``"NO_SHARD"``) for it."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    message = r"tensor_parallel_size=2\) with precision='16-mixed': .* Use precision='bf16-mixed' \(no scaler\)"
+    for sharding in (None, "FULL_SHARD"):
+        strategy = GPipeStrategy(tensor_parallel_size=2, sharding_strategy=sharding)
+        plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+        with pytest.raises(ValueError, match=message):
+            L.Trainer(strategy=strategy, accelerator="cpu", devices=4, plugins=[plugin], logger=False)
+    config = PipelineConfig(plan="auto", memory_limit=2**40, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=message):
+        _planned(config, whole=True)
+
+
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_the_resplit_check_keeps_a_tensor_parallel_split_saying_why(tensor, monkeypatch, caplog):
+    """``balance="time"``'s check after the first steps, on injected busy times (no clock) that re-split 2 stages of
+    equal profiled layers where the second stage measured 4x the first: with T = 1 the layers move; with T = 2 the run
+    keeps its split, and its record and its line say why."""
+    from types import SimpleNamespace
+
+    from lightning_gpipe.lightning import resplit
+    from lightning_gpipe.planning import LayerCost
+
+    strategy = GPipeStrategy(balance="time", chunks=4, checkpoint="never", tensor_parallel_size=tensor)
+    strategy.parallel_devices = [torch.device("cpu")] * 2 * tensor
+    strategy.layer_costs = [LayerCost(1e-3, 2e-3)] * 4
+    busy = {0: 12e-3, 1: 48e-3}  # per stage: the profile predicts 12e-3 each
+    parts = [(busy[strategy.topology.stage_of(r)], ["0", "1"], False) for r in range(2 * tensor)]
+    monkeypatch.setattr(resplit.waiting, "all_gather_object", lambda job, mine: parts)
+    moved = []
+    monkeypatch.setattr(resplit, "move_layers", lambda strategy, run, process, balance: moved.append(balance))
+    check = resplit.Resplit(warmup=0, steps=1)
+    assert check.stepped(busy[0])
+    with caplog.at_level("INFO"):
+        strategy._check_split(check, SimpleNamespace(partition=nn.Sequential(), ties=SimpleNamespace(held=False)))
+    if tensor == 1:
+        assert moved == [check.record["resplit"]] and check.record["resplit"][0] > 2
+        return
+    assert moved == [] and check.record["resplit"] is None
+    assert check.record["refused"].startswith("tensor-parallel stages move no layers yet (a moved layer's shards")
+    assert "GPipeStrategy keeps balance=[2, 2] whatever its stages' measured times: tensor-parallel" in caplog.text
+
+
+def test_a_split_embeddings_whole_gradient_is_summed_over_its_tie_as_its_weight_is_split(rank_zero_of_two, monkeypatch):
+    """An embedding split by rows computes its weight's gradient whole (``Replicate``) on each tensor rank; the tie's
+    sum takes this rank's rows, laid out as the weight, so every holder all-reduces parts of one shape (the head's
+    gradient, split by output columns, has them)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from lightning_gpipe.engine import ties as ties_module
+    from lightning_gpipe.engine.ties import Tie, TiedParameters
+    from lightning_gpipe.faults import Job
+
+    module = nn.Module()
+    module.backbone = nn.Sequential(nn.Embedding(8, 4))
+    parallelize_module(module.backbone, rank_zero_of_two, {"0": RowwiseParallel(input_layouts=Replicate())})
+    module.backbone(torch.tensor([1, 6, 6])).sum().backward()
+    weight = module.backbone[0].weight
+    assert weight.grad.placements == (Replicate(),)
+    whole = weight.grad.full_tensor()
+    tie = Tie(("backbone.0.weight", "head.weight"), (0, 1), (0, 1))
+    summed = []
+    monkeypatch.setattr(ties_module.waiting, "all_reduce", lambda job, flat, group: summed.append(flat.numel()))
+    TiedParameters([tie], module, Topology(2, 2), rank=0, job=Job()).reduce_grads()
+    assert summed == [weight.to_local().numel() + 1]
+    assert weight.grad.placements == (Shard(0),)
+    torch.testing.assert_close(weight.grad.to_local(), whole[:4], atol=0, rtol=0)

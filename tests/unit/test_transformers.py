@@ -192,13 +192,13 @@ def test_training_the_backbone_trains_the_model_and_save_pretrained_round_trips(
 
 
 def test_a_model_of_another_layout_is_refused_by_name_with_the_reasons_before_any_step():
-    from transformers import OPTConfig, OPTForCausalLM
+    from transformers import CTRLConfig, CTRLLMHeadModel
 
-    model = OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
-                                     num_attention_heads=2, word_embed_proj_dim=16))  # fmt: skip
+    model = CTRLLMHeadModel(CTRLConfig(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2, dff=32))
     message = (
-        r"OPTForCausalLM: not the declared plan layout: it declares no pipeline plan.*"
-        r"not the decoder layout: `model` holds \['decoder'\].*no registered family names it"
+        r"CTRLLMHeadModel: not the declared plan layout: it declares no pipeline plan.*"
+        r"not the decoder layout: `transformer` holds \['dropout', 'h', 'layernorm', 'w'\].*"
+        r"no registered family names it"
     )
     with pytest.raises(UnsupportedModelError, match=message):
         to_sequential(model)

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from grid import FULL
 
 transformers = pytest.importorskip("transformers")
 
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from lightning_gpipe.hf import SelfCheckError, UnsupportedModelError, family_of, to_sequential  # noqa: E402
+from lightning_gpipe.hf import CausalLM, SelfCheckError, UnsupportedModelError, family_of, to_sequential  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "hf_conformance.py"
 TINY = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
@@ -80,8 +81,9 @@ def test_declaring_classes_of_the_installed_transformers_equal_their_own_forward
 
 
 def _equal_to_forward(model) -> None:
-    """The backbone of ``model`` (checked) layer by layer equals its forward: logits, loss, every gradient."""
-    from lightning_gpipe.hf.decoder import causal_lm_loss
+    """The backbone of ``model`` (checked) layer by layer equals its forward: logits, loss (shifted or not, as the
+    class's forward computes it), every gradient."""
+    from lightning_gpipe.hf.decoder import causal_lm_loss, shifts_labels
     from lightning_gpipe.hf.packing import decoder_input
 
     ids = torch.randint(3, 61, (2, 11), generator=torch.Generator().manual_seed(3))
@@ -96,7 +98,7 @@ def _equal_to_forward(model) -> None:
     value = decoder_input(ids, mask)
     for layer in to_sequential(model):
         value = layer(value)
-    loss = causal_lm_loss(value, labels, None)
+    loss = causal_lm_loss(value, labels, None, shift=shifts_labels(type(model)))
     torch.testing.assert_close(value[mask.bool()], expected.logits[mask.bool()], atol=1e-5, rtol=0)
     torch.testing.assert_close(loss, expected.loss, atol=1e-5, rtol=0)
     loss.backward()
@@ -321,3 +323,67 @@ def test_recurrent_decoders_without_a_plan_equal_their_forward_and_decode_as_gen
     assert family_of(model).name == "gpt2-like"
     _equal_to_forward(model)
     _decodes_as_generate(model)
+
+
+DECODER_STACKS = {
+    "bart": dict(vocab_size=61, d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=48,
+                 max_position_embeddings=64, scale_embedding=True, forced_eos_token_id=None),
+    "opt": dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=48,
+                word_embed_proj_dim=16, max_position_embeddings=64),
+    "gpt_neox_japanese": dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              intermediate_multiple_size=2, max_position_embeddings=64),
+}  # fmt: skip
+"""A causal LM of each decoder-stack structure, as small configs: a wrapper's decoder stack (BART's: learned positions
+over the padding too, a norm on the embeddings registered after the blocks, cross-attention left unused, a loss on
+unshifted labels; no end of sequence forced in `generate`), a stack applying modules after its final norm (OPT's
+``project_in`` and ``project_out`` at a width of 16), a stack that is the base model with a rotary embedding and a
+head of another name (GPT-NeoX-Japanese's ``embed_out``)."""
+
+
+@pytest.mark.parametrize("name", [name for name in DECODER_STACKS if FULL or name != "gpt_neox_japanese"])
+def test_decoder_stacks_equal_their_forward_and_decode_as_generate_does(name):
+    """Refused before by structure: cut as one decoder stack (its own forward up to the first block for the
+    embeddings, the blocks, what its forward applies after them, the head), the self-check passing; logits, loss and
+    every gradient equal the model's forward; greedy decoding of left-padded prompts with each block's own cache
+    equals ``generate``'s tokens (the new tokens numbered after the cached ones by the stack itself)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(AutoConfig.for_model(name, **DECODER_STACKS[name]))
+    assert family_of(model).name == "decoder stack"
+    _equal_to_forward(model)
+    _decodes_as_generate(model)
+
+
+def test_labels_equal_to_the_inputs_of_a_class_scoring_unshifted_labels_are_refused():
+    """BART's causal LM scores each position against its own label: labels equal to the input ids (as every other
+    causal LM takes them) would train it to copy its input, and are refused on the first batch, naming the labels to
+    give; those labels pass."""
+    ids = torch.randint(3, 61, (2, 7), generator=torch.Generator().manual_seed(2))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    shifted = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    for labels, refused in ((ids.masked_fill(ids < 9, -100), True), (shifted, False)):
+        module = CausalLM(config=AutoConfig.for_model("bart", **DECODER_STACKS["bart"]))
+        module.configure_model()
+        if refused:
+            with pytest.raises(ValueError, match=r"labels\[:, i\] = input_ids\[:, i \+ 1\]"):
+                module.backbone_input({**batch, "labels": labels})
+        else:
+            module.backbone_input({**batch, "labels": labels})
+
+
+def test_a_decoder_stack_its_forward_changes_is_refused_naming_why():
+    """A stack whose forward skips layers at random (LayerDrop) and blocks taking prompts the adapter does not compute
+    (MVP's) stay refused, naming why; packed rows are refused at the embeddings."""
+    with pytest.raises(UnsupportedModelError, match="layerdrop=0.5: its forward skips layers at random"):
+        to_sequential(transformers.AutoModelForCausalLM.from_config(
+            AutoConfig.for_model("bart", **DECODER_STACKS["bart"], decoder_layerdrop=0.5)), check=False)  # fmt: skip
+    mvp = AutoConfig.for_model("mvp", **DECODER_STACKS["bart"])
+    with pytest.raises(UnsupportedModelError, match=r"take \['self_attn_prompt', 'cross_attn_prompt'"):
+        to_sequential(transformers.AutoModelForCausalLM.from_config(mvp), check=False)
+    from lightning_gpipe.hf.packing import decoder_input
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(AutoConfig.for_model("opt", **DECODER_STACKS["opt"]))
+    ids = torch.randint(3, 61, (1, 6))
+    packed = decoder_input(ids, None, torch.tensor([[0, 1, 2, 0, 1, 2]]))
+    with pytest.raises(ValueError, match="numbers the positions of a whole row itself"):
+        to_sequential(model, check=False)[0](packed)

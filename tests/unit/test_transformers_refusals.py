@@ -175,12 +175,10 @@ def test_a_backbone_layer_failing_where_the_forward_runs_is_named_and_check_fals
     assert "skipping the check would not help" in message and "`check=False`" not in message
 
 
-def test_a_base_model_prefix_that_names_no_child_is_named_as_such():
-    """Llama 4's text model says ``base_model_prefix = "language_model"`` but holds its base model as ``model``;
-    refused before as "its children are ['lm_head', 'model'], not the base model and lm_head"."""
+def test_a_base_model_prefix_that_names_no_child_finds_the_child_of_its_config_class():
+    """Llama 4's text model says ``base_model_prefix = "language_model"`` (its multimodal checkpoints' name) but holds
+    its base model as ``model``: refused before, naming that; now its one child of its config's class is the base
+    model, cut under its own name (tests/unit/test_transformers_composite.py: equal to its forward)."""
     config = Llama4TextConfig(**{**TINY, "intermediate_size_mlp": 48}, num_local_experts=2)
-    with pytest.raises(UnsupportedModelError) as refused:
-        to_sequential(Llama4ForCausalLM(config), check=False)
-    message = str(refused.value)
-    assert "its base_model_prefix 'language_model' names none of its children ['lm_head', 'model']" in message
-    assert "'Adding a family'" in message
+    backbone = to_sequential(Llama4ForCausalLM(config), check=False)
+    assert backbone[0].paths[0] == "model.embed_tokens" and backbone[-2].paths == ("model.norm",)

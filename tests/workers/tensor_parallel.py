@@ -1,12 +1,12 @@
 """Distributed worker: tensor parallelism inside the stages (``tensor_parallel_size``) on 4 processes.
 
 Usage: python tensor_parallel.py OUT_DIR [--runs NAME ...]  (4 processes, started by Lightning's launcher)
-Runs every run of :data:`tensor_parallel.RUNS`, :data:`tensor_parallel.MIXED` and :data:`tensor_parallel.CHECKPOINTED`
-by default. For each, global rank 0 writes OUT_DIR/NAME.pt: its module's whole state after fit (plain tensors again)
-and the training loss it saw after every step; every rank of a run of :data:`tensor_parallel.RUNS` writes
-OUT_DIR/NAME_rank{r}.pt, what it held during training: its parameters' local and whole element counts and whether each
-was a ``DTensor``. A run of :data:`tensor_parallel.CHECKPOINTED` without a source writes its full checkpoint after 4
-steps.
+Runs every run of :data:`tensor_parallel.RUNS`, :data:`tensor_parallel.MIXED`, :data:`tensor_parallel.TIED` and
+:data:`tensor_parallel.CHECKPOINTED` by default. For each, global rank 0 writes OUT_DIR/NAME.pt: its module's whole
+state after fit (plain tensors again) and the training loss it saw after every step; every rank of a run of
+:data:`tensor_parallel.RUNS` writes OUT_DIR/NAME_rank{r}.pt, what it held during training: its parameters' local and
+whole element counts and whether each was a ``DTensor``. A run of :data:`tensor_parallel.CHECKPOINTED` without a source
+writes its full checkpoint after 4 steps.
 """
 
 import argparse
@@ -26,7 +26,9 @@ from tensor_parallel import (  # noqa: E402
     MIXED,
     RUNS,
     STEPS,
+    TIED,
     SplitMLP,
+    TiedSplitLM,
     replicas_loader,
 )
 from torch.distributed.tensor import DTensor  # noqa: E402
@@ -49,7 +51,8 @@ class HeldInTraining(L.Callback):
 
 
 def fit(name: str, out: str, options: dict, overrides: dict, steps: int, resume: str | None = None) -> None:
-    """Train :class:`tensor_parallel.SplitMLP` on 4 processes with ``options``; global rank 0 writes NAME.pt."""
+    """Train :class:`tensor_parallel.SplitMLP` (:class:`tensor_parallel.TiedSplitLM` for a run of
+    :data:`tensor_parallel.TIED`) on 4 processes with ``options``; global rank 0 writes NAME.pt."""
     strategy = lightning_gpipe.GPipeStrategy(**options)
     L.seed_everything(1, verbose=False)
     callbacks = [recorder := LossRecorder()]
@@ -62,8 +65,11 @@ def fit(name: str, out: str, options: dict, overrides: dict, steps: int, resume:
         strategy=strategy, devices=4, max_steps=steps, **trainer_kwargs(callbacks=callbacks, **overrides)
     )
     replicas = trainer.strategy.topology.data_parallel_size
+    module_class = TiedSplitLM if name in TIED else SplitMLP
     trainer.fit(
-        SplitMLP(), replicas_loader(replicas), ckpt_path=os.path.join(out, f"{resume}.ckpt") if resume else None
+        module_class(),
+        replicas_loader(replicas, module_class),
+        ckpt_path=os.path.join(out, f"{resume}.ckpt") if resume else None,
     )
     if trainer.global_rank == 0:
         state = {k: v.detach().clone() for k, v in trainer.lightning_module.state_dict().items()}
@@ -90,13 +96,13 @@ def hf_run(name: str, out: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--runs", nargs="+", default=[*RUNS, *MIXED, *CHECKPOINTED, *HF_RUNS])
+    parser.add_argument("--runs", nargs="+", default=[*RUNS, *MIXED, *TIED, *CHECKPOINTED, *HF_RUNS])
     args = parser.parse_args()
     for each in args.runs:
         if each in HF_RUNS:
             hf_run(each, args.out)
-        elif each in RUNS or each in MIXED:
-            fit(each, args.out, *(RUNS.get(each) or MIXED[each]), STEPS)
+        elif each in RUNS or each in MIXED or each in TIED:
+            fit(each, args.out, *(RUNS.get(each) or MIXED.get(each) or TIED[each]), STEPS)
         else:
             options, resume = CHECKPOINTED[each]
             fit(each, args.out, options, {}, STEPS if resume else 4, resume)

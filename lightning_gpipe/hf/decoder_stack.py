@@ -1,0 +1,209 @@
+"""Causal LMs whose decoder is one stack module that embeds its tokens itself, recognised by structure: the decoders of
+encoder-decoders exposed as causal LMs (BART, mBART, Marian, Blenderbot, Blenderbot-Small, Pegasus, PLBart,
+BigBird-Pegasus, TrOCR, Whisper), OPT, BioGPT and GPT-NeoX-Japanese.
+
+The model's children are its base model (``base_model_prefix``) and its output head (``get_output_embeddings()``:
+``lm_head``, BioGPT's ``output_projection``, GPT-NeoX-Japanese's ``embed_out``); the stack is the base model (BioGPT)
+or the base model's one child (the wrapper's ``model.decoder``). The stack holds one ``nn.ModuleList`` of blocks,
+modules its forward applies after them (:func:`after_blocks`: its final norm, OPT's ``project_out``, read from its
+forward's code), optionally a rotary embedding (``rotary_emb``, which every block's layer calls) and modules applied
+before the blocks, in an order its forward alone knows (token and position embeddings, BART's
+``layernorm_embedding`` registered after the blocks, OPT's ``project_in``). So the embedding layer
+(:class:`StackDecoderEmbedding`) runs the stack's own forward up to its first block (a pre-hook stops it there), as
+the encoder-decoders' embeddings do (:class:`~lightning_gpipe.hf.seq2seq.StackEmbedding`): the positions it numbers
+(BART's from 0 over the padding too, OPT's and BioGPT's from the mask), the scaling and the norms need no code here.
+The blocks are :class:`~lightning_gpipe.hf.decoder.GPT2LikeBlock` (the causal mask, the cache, the positions and
+rotary cos/sin where they take them; a BART decoder block's cross-attention is given no encoder output, as the causal
+LM's forward gives it none); the end (:class:`StackHead`) applies what the stack's forward applies after its blocks,
+then the head. A class whose forward scores unshifted labels (BART's family) is trained on its own loss
+(:func:`~lightning_gpipe.hf.decoder.shifts_labels`).
+
+:func:`decoder_stack` says why a model is not of the layout: an encoder-decoder config (the encoder-decoder family's),
+blocks taking what the adapter does not compute (MVP's prompts, ProphetNet's n-gram streams), layer types it does
+not know or that carry a state (Nemotron-H's), cross-attention asked for (``add_cross_attention``), LayerDrop (layers
+skipped at random), tensors of the stack's own. The self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves the cut
+on a miniature before step 1. Packed rows are refused (the stack numbers the positions of a whole row).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, cast
+
+from torch import Tensor, nn
+
+from lightning_gpipe._torch import children
+from lightning_gpipe.hf.decoder import GPT2LikeBlock
+from lightning_gpipe.hf.decoder_layout import ROTARY, layer_types_reason
+from lightning_gpipe.hf.gpt2_like import ARGUMENTS
+from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel
+from lightning_gpipe.hf.masks import unpackable_layer_types
+from lightning_gpipe.hf.seq2seq import Stack, StackEmbedding
+from lightning_gpipe.hf.seq2seq_cache import past_length_cache
+
+
+def after_blocks(stack: nn.Module, blocks: str) -> list[str]:
+    """The children of ``stack`` its forward applies after its blocks (the ``nn.ModuleList`` ``blocks``), in order:
+    those it first names after ``blocks`` (the names its code uses, in the order of their first use; decorators
+    unwrapped): the final norm (``layer_norm``, ``final_layer_norm``; BigBird-Pegasus's ``layernorm_embedding``),
+    OPT's ``project_out``. The stack registers its children in no order its forward follows (OPT registers
+    ``final_layer_norm`` before ``layers``, BART ``layernorm_embedding`` after them, applying it before); the
+    self-check proves the reading."""
+    names = list(inspect.unwrap(type(stack).forward).__code__.co_names)  # find_stack: ``blocks`` among them
+    own = _named(stack)
+    return [name for name in names[names.index(blocks) + 1 :] if name in own]
+
+
+@dataclass(frozen=True)
+class DecoderStack:
+    """Where a decoder stack's modules are.
+
+    Attributes:
+        stack: the stack module (``"model.decoder"``, BioGPT's ``"biogpt"``).
+        blocks: its ``nn.ModuleList`` of blocks (``"model.decoder.layers"``).
+        embedding: its children applied before the blocks (by its forward).
+        end: its children applied after the blocks, in order (:func:`after_blocks`).
+        head: the model's output head (``"lm_head"``).
+        rotary: its rotary embedding (``rotary_emb``), which every block's layer calls, or ``None``.
+    """
+
+    stack: str
+    blocks: str
+    embedding: tuple[str, ...]
+    end: tuple[str, ...]
+    head: str
+    rotary: str | None = None
+
+
+def _named(module: nn.Module) -> dict[str, nn.Module]:
+    return {name: child for name, child in children(module).items() if child is not None}
+
+
+def find_stack(model: nn.Module) -> DecoderStack | str:
+    """The :class:`DecoderStack` of ``model`` (see the module docstring), or why it has none."""
+    prefix = getattr(model, "base_model_prefix", "")
+    named = _named(model)
+    head = next((name for name, child in named.items() if child is cast(Any, model).get_output_embeddings()), None)
+    if head is None or sorted(named) != sorted([prefix, head]):
+        return f"its children are {sorted(named)}, not exactly its base model `{prefix}` and its output head"
+    stack, path = named[prefix], prefix
+    inner = _named(stack)
+    if not any(isinstance(child, nn.ModuleList) for child in inner.values()) and len(inner) == 1:
+        name, stack = next(iter(inner.items()))  # a wrapper's decoder
+        path = f"{prefix}.{name}"
+        inner = _named(stack)
+    lists = [name for name, child in inner.items() if isinstance(child, nn.ModuleList)]
+    if len(lists) != 1 or not len(cast(nn.ModuleList, inner[lists[0]])):
+        return f"`{path}` holds {sorted(inner)}, not one nn.ModuleList of blocks"
+    if [*stack.parameters(recurse=False), *stack.buffers(recurse=False)]:
+        return f"`{path}` holds tensors of its own, which no layer can hold"
+    if lists[0] not in inspect.unwrap(type(stack).forward).__code__.co_names:
+        return f"`{path}`'s forward does not name its blocks `{lists[0]}`"
+    after = after_blocks(stack, lists[0])
+    end = tuple(f"{path}.{name}" for name in after)
+    embedding = tuple(f"{path}.{name}" for name in inner if name not in (*after, lists[0], ROTARY))
+    rotary = f"{path}.{ROTARY}" if ROTARY in inner else None
+    return DecoderStack(path, f"{path}.{lists[0]}", embedding, end, head, rotary)
+
+
+def decoder_stack(model: nn.Module) -> str | None:
+    """``None`` when ``model`` is a causal LM of one decoder stack (see the module docstring), else why not: not an
+    encoder-decoder config, a stack (:func:`find_stack`) whose forward takes ``input_ids`` and ``attention_mask`` and
+    whose blocks take only :data:`~lightning_gpipe.hf.gpt2_like.ARGUMENTS`, layer types whose masks the adapter
+    rebuilds and none recurrent, no cross-attention asked for, no LayerDrop."""
+    if not isinstance(model, PreTrainedModel):
+        return "it is not a transformers PreTrainedModel"
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        return "its config is an encoder-decoder's (is_encoder_decoder=True)"
+    found = find_stack(model)
+    if isinstance(found, str):
+        return found
+    stack = model.get_submodule(found.stack)
+    if not {"input_ids", "attention_mask"} <= set(inspect.signature(stack.forward).parameters):
+        return f"`{found.stack}`'s forward does not take input_ids and attention_mask"
+    block = cast(nn.ModuleList, model.get_submodule(found.blocks))[0]
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    parameters = inspect.signature(block.forward).parameters.values()
+    extra = [p.name for p in parameters if p.kind in named and p.name not in ARGUMENTS]
+    if extra:
+        return f"its blocks ({type(block).__name__}) take {extra}, which the adapter does not compute"
+    unknown = layer_types_reason(config)
+    if unknown is not None:
+        return unknown
+    recurrent = unpackable_layer_types(config)
+    if recurrent:
+        return f"its layer types include {recurrent}, which carry a state (the GPT-2-like layout's recurrent blocks)"
+    if getattr(config, "add_cross_attention", False):
+        return "add_cross_attention=True: its blocks attend to an encoder's output, which a causal LM lacks"
+    layerdrop = stack.__dict__.get("layerdrop")
+    if layerdrop:
+        return f"its decoder's layerdrop={layerdrop}: its forward skips layers at random in training"
+    return None
+
+
+class StackDecoderEmbedding(StackEmbedding):
+    """A decoder stack's embeddings: ``(input_ids, attention_mask, position_ids[, rows])``, each ``(N, S)`` long (rows
+    ``(n,)``), to ``(hidden (N, S, H), attention_mask, position_ids[, rows])``: the stack's own forward up to its first
+    block (:class:`~lightning_gpipe.hf.seq2seq.StackEmbedding`), given the ids and the mask (not the positions: the
+    stack numbers them as its forward does). In cached decoding (``attention_mask`` ``(n, past + S)``) it is given a
+    cache of ``past`` positions, so the new tokens are numbered after the cached ones.
+
+    Args:
+        model: the model.
+        found: the model's :class:`DecoderStack`.
+
+    Raises:
+        ValueError: (forward) for packed rows (``documents`` in the value), whose documents the stack would number
+            as one sequence.
+    """
+
+    def __init__(self, model: PreTrainedModel, found: DecoderStack) -> None:
+        super().__init__(model, Stack(found.stack, found.blocks, found.embedding, found.end, None, True))
+
+    def forward(self, value: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        input_ids, attention_mask, position_ids, *rest = value
+        if any(item.dim() == 2 for item in rest):
+            raise ValueError(
+                f"{type(self.hf_model).__name__}'s decoder numbers the positions of a whole row itself: give it"
+                " unpacked batches (no position_ids)."
+            )
+        inputs: dict[str, Any] = {"use_cache": False} if self._use_cache else {}
+        past = attention_mask.shape[1] - input_ids.shape[1]
+        if past:
+            inputs["cache"] = past_length_cache(past, attention_mask).self_attention_cache
+        return (self._embedded(input_ids, attention_mask, inputs), attention_mask, position_ids, *rest)
+
+
+class StackHead(HFLayer):
+    """A decoder stack's end and the head: ``(hidden, ...)`` to logits ``(N, S, V)``, through the modules the
+    stack's forward applies after its blocks (:attr:`DecoderStack.end`), then the head.
+
+    Args:
+        model: the model.
+        found: the model's :class:`DecoderStack`.
+    """
+
+    def __init__(self, model: PreTrainedModel, found: DecoderStack) -> None:
+        super().__init__(model, [*found.end, found.head])
+        self._paths = (*found.end, found.head)
+
+    def forward(self, value: tuple[Tensor, ...]) -> Tensor:
+        hidden = value[0]
+        for path in self._paths:
+            hidden = self.part(path)(hidden)
+        return hidden
+
+
+def decoder_stack_layers(model: PreTrainedModel) -> list[nn.Module]:
+    """The backbone layers of a causal LM of one decoder stack (:func:`decoder_stack`): the stack's embeddings, one
+    :class:`~lightning_gpipe.hf.decoder.GPT2LikeBlock` per block, the stack's end with the head."""
+    found = find_stack(model)
+    assert not isinstance(found, str)  # the family takes only models of the layout
+    count = len(cast(nn.ModuleList, model.get_submodule(found.blocks)))
+    return [
+        StackDecoderEmbedding(model, found),
+        *(GPT2LikeBlock(model, f"{found.blocks}.{i}", found.rotary) for i in range(count)),
+        StackHead(model, found),
+    ]
