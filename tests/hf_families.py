@@ -29,6 +29,24 @@ first tests, the classes are chosen for what each exercises of the adapter:
   (``attn_layer_period=2``), the attention layer's feed-forward a mixture of 4 experts (no load-balancing loss).
 """
 
+import importlib.util
+import sys
+from pathlib import Path
+
+CONFORMANCE = Path(__file__).resolve().parents[1] / "benchmarks" / "hf_conformance.py"
+"""The conformance benchmark, whose comparison of a class with its own forward the tests reuse."""
+
+
+def conformance():
+    """benchmarks/hf_conformance.py as a module, loaded once (registered before it runs: its dataclass looks its
+    module up)."""
+    if "hf_conformance" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("hf_conformance", CONFORMANCE)
+        sys.modules["hf_conformance"] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules["hf_conformance"]
+
+
 VOCAB = 61
 ENDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 DECODER = dict(

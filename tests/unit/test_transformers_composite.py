@@ -4,12 +4,9 @@ text config (as AutoModelForCausalLM builds them); a batch carrying the towers' 
 against the model's own forward (logits, loss, every gradient; benchmarks/hf_conformance.py's comparison), on
 miniatures of small configs."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from hf_families import conformance
 
 transformers = pytest.importorskip("transformers")
 
@@ -18,21 +15,12 @@ from lightning_gpipe.hf.decoder import causal_lm_loss  # noqa: E402
 from lightning_gpipe.hf.packing import decoder_input  # noqa: E402
 from lightning_gpipe.hf.selfcheck import miniature, miniature_config  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "hf_conformance.py"
 TEXT = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64)  # fmt: skip
 VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
               patch_size=14)  # fmt: skip
 AUDIO = dict(d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, num_mel_bins=8,
              max_source_positions=16)  # fmt: skip
-
-
-def _conformance():
-    if "hf_conformance" not in sys.modules:  # registered first: its dataclass looks its module up
-        spec = importlib.util.spec_from_file_location("hf_conformance", SCRIPT)
-        sys.modules["hf_conformance"] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules["hf_conformance"]
 
 
 def _gemma3(**text):
@@ -61,7 +49,7 @@ def test_a_composite_is_cut_as_its_language_model_and_equals_its_own_forward(nam
     model's forward on text (logits, loss, every gradient), and neither gives the towers a gradient."""
     model_class = getattr(transformers, name)
     assert check_class(model_class, config()).name == "composite"
-    tensor, difference = _conformance().compare(model_class, config())
+    tensor, difference = conformance().compare(model_class, config())
     assert difference <= 1e-5, tensor
     model = miniature(model_class, config())
     backbone = to_sequential(model, check=False)
@@ -95,7 +83,7 @@ def test_a_causal_lm_of_a_composite_config_is_built_from_its_text_config():
     text = dict(TEXT, intermediate_size_mlp=48, num_local_experts=2, attention_chunk_size=4)
     config = transformers.Llama4Config(text_config=text, vision_config=dict(VISION, model_type="llama4_vision_model"))
     assert check_class(transformers.Llama4ForCausalLM, config).name == "decoder"
-    tensor, difference = _conformance().compare(transformers.Llama4ForCausalLM, config)
+    tensor, difference = conformance().compare(transformers.Llama4ForCausalLM, config)
     assert difference <= 1e-5, tensor
 
 

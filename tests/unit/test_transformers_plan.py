@@ -4,13 +4,10 @@ structure the fallback, the self-check always, a disagreement named; and benchma
 representative few of the installed transformers' declaring classes (the whole sweep is that benchmark). Built from
 small configs."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from grid import FULL
+from hf_families import conformance
 
 transformers = pytest.importorskip("transformers")
 
@@ -18,17 +15,8 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from lightning_gpipe.hf import CausalLM, SelfCheckError, UnsupportedModelError, family_of, to_sequential  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "hf_conformance.py"
 TINY = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
             max_position_embeddings=64)  # fmt: skip
-
-
-def _conformance():
-    if "hf_conformance" not in sys.modules:  # registered first: its dataclass looks its module up
-        spec = importlib.util.spec_from_file_location("hf_conformance", SCRIPT)
-        sys.modules["hf_conformance"] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules["hf_conformance"]
 
 
 def _meta(model_type: str, **fields):
@@ -76,7 +64,7 @@ def test_declaring_classes_of_the_installed_transformers_equal_their_own_forward
     hash-routed experts; `main` and `compress`), layers without rotary parameters given what their modeling module
     computes (Beam): logits, loss and every gradient of the backbone layer by layer within 1e-5 of the class's own
     forward."""
-    result = _conformance().conform(model_type)
+    result = conformance().conform(model_type)
     assert (result.verdict, result.family) == ("equal", "declared plan"), result.detail
 
 
@@ -170,7 +158,7 @@ def test_the_conformance_comparison_can_find_a_difference():
             output.logits = output.logits * 2
             return output
 
-    tensor, difference = _conformance().compare(DoubledLogits, LlamaConfig(**TINY))
+    tensor, difference = conformance().compare(DoubledLogits, LlamaConfig(**TINY))
     assert tensor == "logits" and difference > 1e-5
 
 
