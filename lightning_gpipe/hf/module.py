@@ -473,6 +473,7 @@ class CausalLM(HFModule):
         super().__init__(*args, **kwargs)
         self.max_new_tokens, self.kv_cache = max_new_tokens, kv_cache
         self._labels_checked = False
+        self._shift: bool | None = None  # shifts_labels of the model's class, read once (the loss asks per micro-batch)
 
     def backbone_input(self, batch: dict[str, Any]) -> tuple[Tensor, ...]:
         """``(input_ids, attention_mask, position_ids)``, or for packed rows (a batch with ``position_ids``)
@@ -521,9 +522,11 @@ class CausalLM(HFModule):
             ValueError: naming the class and the labels to give.
         """
         labels = batch.get("labels")
-        if self._labels_checked or labels is None or self.hf_model is None or shifts_labels(type(self.hf_model)):
+        if self._labels_checked or labels is None or self.hf_model is None:
             return
         self._labels_checked = True
+        if self._shifts_labels():
+            return
         scored = labels != -100
         if bool(scored.any()) and bool((labels[scored] == batch["input_ids"][scored]).all()):
             raise ValueError(
@@ -532,6 +535,13 @@ class CausalLM(HFModule):
                 " left: labels[:, i] = input_ids[:, i + 1], -100 at the end (docs/transformers.md, 'One decoder"
                 " stack')."
             )
+
+    def _shifts_labels(self) -> bool:
+        """Whether the model's class shifts its labels (:func:`~lightning_gpipe.hf.decoder.shifts_labels`; ``True``
+        before the model is built), read once per module."""
+        if self._shift is None and self.hf_model is not None:
+            self._shift = shifts_labels(type(self.hf_model))
+        return self._shift is not False
 
     def loss(self, output: Tensor | tuple[Tensor, Tensor], batch: dict[str, Any]) -> Tensor:
         """The model's loss with ``batch["labels"]`` (:func:`~lightning_gpipe.hf.decoder.causal_lm_loss`): next-token
@@ -544,8 +554,7 @@ class CausalLM(HFModule):
         loss and gradients are the mean over the whole batch's targets under every schedule.
         """
         labels = batch["labels"]
-        shift = self.hf_model is None or shifts_labels(type(self.hf_model))
-        loss = causal_lm_loss(output, labels, self.router_loss, batch.get("num_targets"), shift)
+        loss = causal_lm_loss(output, labels, self.router_loss, batch.get("num_targets"), self._shifts_labels())
         if "num_rows" in batch:
             loss = loss * (batch["num_rows"] / labels.shape[0])
         return loss
