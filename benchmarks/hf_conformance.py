@@ -55,6 +55,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+QSA = dict(indexer_n_heads=16, indexer_kv_heads=1, indexer_head_dim=256, indexer_budget=2048, indexer_compress_ratio=4)
+"""Qwen4-Exp's token indexer (QSA) widths, which its default config leaves unset (see :data:`CONFIG_FIXES`)."""
 CONFIG_FIXES: dict[str, dict] = {
     "ministral": {"head_dim": 128},  # default head_dim None: its attention takes None ** -0.5
     "deepseek_v2": {"num_experts_per_tok": 6},  # default None: its router's topk takes k=None
@@ -62,6 +64,15 @@ CONFIG_FIXES: dict[str, dict] = {
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}},
     # no decoder_start_token_id by default: their forward cannot shift labels (T5's checkpoints' value)
     **{t5: {"decoder_start_token_id": 0} for t5 in ("t5", "longt5", "switch_transformers")},
+    **{hunyuan: {"head_dim": 128} for hunyuan in ("hunyuan_v1_dense", "hunyuan_v1_moe")},  # head_dim None ** -0.5
+    "nemotron": {"num_key_value_heads": 8},  # default None: its attention divides the heads by None
+    # its attention reads a rope_theta its attention config does not declare, and clamps to clip_qkv (default None)
+    "dbrx": {"attn_config": {"rope_theta": 5e5, "clip_qkv": 8}},
+    # layer_types None: no layer is told conv or attention (LFM2-8B-A1B's: attention every fourth-ish layer)
+    "lfm2_moe": {"layer_types": ["full_attention" if i % 4 == 2 else "conv" for i in range(32)]},
+    "reformer": {"is_decoder": True},  # its causal-LM head asserts is_decoder
+    # its layer types name indexed attention, whose indexer (QSA) has no default widths
+    **{qwen4: qsa for qwen4, qsa in (("qwen4_exp_text", QSA), ("qwen4_exp", {"text_config": QSA}))},
 }
 """Fields set on ``transformers`` 5.24's default configs that cannot build or run their own model (the values are
 the types' documented ones; nothing of the adapter's)."""

@@ -274,12 +274,22 @@ SEQ2SEQ = {
     "mbart": ("MBartForConditionalGeneration", "Seq2SeqLM", dict(model_type="mbart", **BART)),
     "marian": ("MarianMTModel", "Seq2SeqLM", dict(model_type="marian", **BART, decoder_vocab_size=VOCAB)),
     "m2m_100": ("M2M100ForConditionalGeneration", "Seq2SeqLM", dict(model_type="m2m_100", **BART)),
+    "mvp": ("MvpForConditionalGeneration", "Seq2SeqLM", dict(model_type="mvp", **BART)),
+    "longt5": ("LongT5ForConditionalGeneration", "Seq2SeqLM", dict(model_type="longt5", **T5, local_radius=2)),
+    "led": ("LEDForConditionalGeneration", "Seq2SeqLM", dict(model_type="led", **BART, attention_window=4)),
+    "pegasus_x": (
+        "PegasusXForConditionalGeneration",
+        "Seq2SeqLM",
+        dict(model_type="pegasus_x", **BART, block_size=4, num_global_tokens=2),
+    ),
 }
 """The encoder-decoders (``lightning_gpipe.hf.Seq2SeqLM``), 3 encoder and 3 decoder blocks, dropout and layer drop
 off: T5 (Flan-T5's gated feed-forward, a relative position bias computed by each stack's first block, logits scaled),
 mT5 (no scaling), umT5 (a bias table per block), BART (learned positions offset by 2, a norm on the embeddings, a bias
 on the logits), mBART (final norms), Marian (sinusoidal positions, its own target vocabulary size), M2M100 (NLLB's
-class: sinusoidal positions from the padding)."""
+class: sinusoidal positions from the padding), MVP (BART's layout, its prompts off), LongT5 (local attention in blocks
+of 3 tokens), LED (Longformer attention, the source padded to a multiple of 4) and Pegasus-X (2 global tokens, the
+source padded to a multiple of 4, staggered blocks)."""
 
 FIRST = ("llama", "gpt2", "bert_mlm", "bert_classifier")
 """The families of the first tests (more runs each: 3 stages, checkpoints, resuming, replicas)."""

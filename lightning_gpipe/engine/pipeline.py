@@ -126,11 +126,21 @@ class StagePipeline:
         model_chunks: one :class:`~lightning_gpipe.engine.model_chunk.ModelChunk` per virtual stage held.
         runtime: executes the process's plans over ``model_chunks``.
         ties: the parameters this process shares with other stages.
+        process_groups: the process groups made for it that this process is in (its links' and its ties'): what
+            :meth:`close` gives back.
     """
 
-    def __init__(self, split: Split, model_chunks: list[ModelChunk], runtime: "Runtime", ties: TiedParameters) -> None:
+    def __init__(
+        self,
+        split: Split,
+        model_chunks: list[ModelChunk],
+        runtime: "Runtime",
+        ties: TiedParameters,
+        process_groups: list[dist.ProcessGroup] | None = None,
+    ) -> None:
         self.split, self.ties = split, ties
         self._model_chunks, self._runtime = model_chunks, runtime
+        self._process_groups = process_groups or []
 
     @property
     def num_stages(self) -> int:
@@ -234,12 +244,19 @@ class StagePipeline:
         first = self._model_chunks[0]
         return first.before_last_backward is None or not first.draining or first.loss_completes_gradients
 
-    def close(self, whole: dict[str, Any] | None) -> None:
+    def close(self, whole: dict[str, Any] | None, release_groups: bool = False) -> None:
         """Undo the split (``whole``: every stage's state, on the process that gets the whole model back; see
-        :meth:`~lightning_gpipe.engine.partition.Split.undo`), the compilation and deferred batch norm."""
+        :meth:`~lightning_gpipe.engine.partition.Split.undo`), the compilation and deferred batch norm; with
+        ``release_groups``, destroy the process groups made for the pipeline (each gloo group keeps threads that
+        wake a hundred times a second until it is destroyed). Release them only once no process of the job uses
+        them any more (after a barrier of the job, at the end of a run that completed)."""
         uncompile_layers(self.split.partition)
         self.split.undo(whole)
         revert_deferred_batch_norm(self.split.sequential)
+        if release_groups:
+            for group in self._process_groups:
+                dist.destroy_process_group(group)
+            self._process_groups = []
 
 
 def build_pipeline(module: nn.Module, backbone: str, spec: StageSpec, job: Job) -> StagePipeline:
@@ -264,7 +281,8 @@ def build_pipeline(module: nn.Module, backbone: str, spec: StageSpec, job: Job) 
     tie_groups = find_ties(module, backbone, spec.balance, topology.num_stages, topology.v_shape)
     split = Split(module, backbone, spec.balance, spec.stage, topology.num_stages, spec.held)
     compile_layers(split.partition, compile_options(spec.compile), spec.defer_weight_grad)
-    links = wire(spec, skips, job).links()
+    wiring = wire(spec, skips, job)
+    links = wiring.links()
     options = (topology.num_virtual, spec.micro_batches, spec.checkpoint, spec.defer_weight_grad)
     model_chunks = [
         ModelChunk(partition, link, virtual, *options, skip_links, _offload(spec))
@@ -272,7 +290,7 @@ def build_pipeline(module: nn.Module, backbone: str, spec: StageSpec, job: Job) 
     ]
     runtime = Runtime(model_chunks, spec.schedule, topology.num_stages, job.position, spec.action_costs)
     ties = TiedParameters(tie_groups, module, topology, spec.rank, job)
-    return StagePipeline(split, model_chunks, runtime, ties)
+    return StagePipeline(split, model_chunks, runtime, ties, [*wiring.groups.values(), *ties.process_groups])
 
 
 def _offload(spec: StageSpec) -> ActivationOffload | None:

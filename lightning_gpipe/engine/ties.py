@@ -135,6 +135,11 @@ class TiedParameters:
                     self._held.append((tie, group, ranks))
         self.held = bool(self._held)
 
+    @property
+    def process_groups(self) -> list[dist.ProcessGroup]:
+        """The process groups of the ties this stage holds (none without a process group of the job)."""
+        return [group for _, group, _ in self._held if group is not None]
+
     def _parameter(self, tie: Tie) -> nn.Parameter:
         return self.module.get_parameter(tie.local_name(self.stage))
 

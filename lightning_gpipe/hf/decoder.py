@@ -346,7 +346,8 @@ class GPT2LikeBlock(CachedDecoderBlock):
     mask ``(N, past + S)`` with the base model's ``build_alibi_tensor`` (Bloom's ``alibi``, ``(N * heads, 1, past +
     S)``; ``None`` for Falcon's rotary layout; with Falcon's ``alibi=True``, its forward's biases folded into the mask,
     :meth:`_folded_alibi`), MPT's ``position_bias`` (``build_mpt_alibi_tensor`` over
-    ``config.max_seq_len``), the rotary cos/sin from the positions (Falcon), the cache under the name it takes (and
+    ``config.max_seq_len``), the rotary cos/sin from the positions (Falcon; LFM3's of the block's layer type, none
+    for a layer type without a table of its rotary embedding's ``layer_types``), the cache under the name it takes (and
     ``use_cache`` where it names it: a Mamba block passes its other arguments on to its mixer). With ``rows``, decodes
     incrementally with its own cache (keys and values, a recurrent layer's states:
     :class:`~lightning_gpipe.hf.kv_cache.CachedDecoderBlock`).
@@ -362,6 +363,11 @@ class GPT2LikeBlock(CachedDecoderBlock):
         self._block, self._rotary = block, rotary
         self._base = block.rsplit(".", 2)[0]
         self._arguments = set(inspect.signature(self.part(block).forward).parameters)
+        embedding = None if rotary is None else self.part(rotary)
+        typed = embedding is not None and "layer_type" in inspect.signature(embedding.forward).parameters
+        kinds = getattr(embedding, "layer_types", ()) if typed else ()  # LFM3's tables, one per layer type
+        self._rotary_type = (self.layer_type,) if typed else ()
+        self._unrotated = typed and self.layer_type not in kinds
         base = model.get_submodule(self._base)
         own = callable(getattr(base, "build_alibi_tensor", None))  # Bloom's; else its modeling module's (Falcon's)
         self._folds_alibi = "alibi" in self._arguments and not own and bool(getattr(model.config, "alibi", False))
@@ -395,8 +401,10 @@ class GPT2LikeBlock(CachedDecoderBlock):
             length = self.config.max_seq_len
             arguments["position_bias"] = base.build_mpt_alibi_tensor(base.num_heads, length, device=hidden.device)
             arguments["attention_mask"] = mask.to(torch.bool)
-        if self._rotary is not None:
-            arguments["position_embeddings"] = self.part(self._rotary)(hidden, position_ids)
+        if self._unrotated:  # a layer type without a table of its own (LFM3's convolutions): none, as the forward
+            arguments["position_embeddings"] = None
+        elif self._rotary is not None:
+            arguments["position_embeddings"] = self.part(self._rotary)(hidden, position_ids, *self._rotary_type)
         if "position_ids" in self._arguments:
             arguments["position_ids"] = position_ids
         return arguments

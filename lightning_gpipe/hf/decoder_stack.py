@@ -19,9 +19,10 @@ then the head. A class whose forward scores unshifted labels (BART's family) is 
 (:func:`~lightning_gpipe.hf.decoder.shifts_labels`).
 
 :func:`decoder_stack` says why a model is not of the layout: an encoder-decoder config (the encoder-decoder family's),
-blocks taking what the adapter does not compute (MVP's prompts, ProphetNet's n-gram streams), layer types it does
-not know or that carry a state (Nemotron-H's), cross-attention asked for (``add_cross_attention``), LayerDrop (layers
-skipped at random), tensors of the stack's own. The self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves the cut
+blocks taking what the adapter does not compute (MVP's prompts with ``use_prompt=True``: off, the blocks' default
+``None`` is what the stack gives them; ProphetNet's n-gram streams), layer types it does not know or that carry a
+state (Nemotron-H's), cross-attention asked for (``add_cross_attention``), LayerDrop (layers skipped at random),
+tensors of the stack's own. The self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves the cut
 on a miniature before step 1. Packed rows are refused (the stack numbers the positions of a whole row).
 """
 
@@ -41,6 +42,7 @@ from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel
 from lightning_gpipe.hf.masks import unpackable_layer_types
 from lightning_gpipe.hf.seq2seq import Stack, StackEmbedding
 from lightning_gpipe.hf.seq2seq_cache import past_length_cache
+from lightning_gpipe.hf.seq2seq_inputs import PROMPTS
 
 
 def after_blocks(stack: nn.Module, blocks: str) -> list[str]:
@@ -110,8 +112,8 @@ def find_stack(model: nn.Module) -> DecoderStack | str:
 def decoder_stack(model: nn.Module) -> str | None:
     """``None`` when ``model`` is a causal LM of one decoder stack (see the module docstring), else why not: not an
     encoder-decoder config, a stack (:func:`find_stack`) whose forward takes ``input_ids`` and ``attention_mask`` and
-    whose blocks take only :data:`~lightning_gpipe.hf.gpt2_like.ARGUMENTS`, layer types whose masks the adapter
-    rebuilds and none recurrent, no cross-attention asked for, no LayerDrop."""
+    whose blocks take only :data:`~lightning_gpipe.hf.gpt2_like.ARGUMENTS` (and MVP's prompts, off), layer types
+    whose masks the adapter rebuilds and none recurrent, no cross-attention asked for, no LayerDrop."""
     if not isinstance(model, PreTrainedModel):
         return "it is not a transformers PreTrainedModel"
     config = model.config
@@ -127,7 +129,7 @@ def decoder_stack(model: nn.Module) -> str | None:
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     parameters = inspect.signature(block.forward).parameters.values()
     extra = [p.name for p in parameters if p.kind in named and p.name not in ARGUMENTS]
-    if extra:
+    if extra and not (set(extra) <= PROMPTS and not getattr(stack, "use_prompt", True)):  # MVP's, off: left None
         return f"its blocks ({type(block).__name__}) take {extra}, which the adapter does not compute"
     unknown = layer_types_reason(config)
     if unknown is not None:

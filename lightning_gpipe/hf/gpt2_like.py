@@ -6,8 +6,9 @@ Their base model (under ``base_model_prefix``, beside ``lm_head``) holds, in ord
 ``get_input_embeddings()``), at most one position embedding taking the positions (GPT-BigCode's ``wpe``, XGLM's
 sinusoidal ``embed_positions``), at most one module on the embeddings (Bloom's ``word_embeddings_layernorm``,
 GPT-BigCode's ``drop``), the blocks (an ``nn.ModuleList`` of ``num_hidden_layers``), the final norm, and optionally the
-rotary embedding (Falcon's ``rotary_emb``); besides, buffers the model does not save (GPT-BigCode's causal ``bias``,
-which its forward never reads). :func:`gpt2_like_decoder` recognises that layout, or says why a model is not of it;
+rotary embedding (Falcon's ``rotary_emb``; LFM2-MoE's ``pos_emb``, known by its ``inv_freq``); besides, buffers the
+model does not save (GPT-BigCode's causal ``bias``, which its forward never reads). :func:`gpt2_like_decoder`
+recognises that layout, or says why a model is not of it;
 :func:`gpt2_like_layers` cuts it into :class:`~lightning_gpipe.hf.decoder.DecoderEmbedding`, one
 :class:`~lightning_gpipe.hf.decoder.GPT2LikeBlock` per block, :class:`~lightning_gpipe.hf.decoder.FinalNorm` and
 :class:`~lightning_gpipe.hf.decoder.Head`.
@@ -40,7 +41,7 @@ import inspect
 import sys
 from typing import Any, cast
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_gpipe._torch import children
 from lightning_gpipe.hf.decoder import DecoderEmbedding, FinalNorm, GPT2LikeBlock, Head
@@ -66,13 +67,15 @@ def _base(model: nn.Module) -> nn.Module:
 
 def _parts(model: nn.Module) -> dict[str, list[str]] | str:
     """The base model's children by role, ``{"tokens", "positions", "on_embeddings", "blocks", "norm",
-    "rotary"}`` (names, each list at most one long but ``rotary``), or why they are not of the layout."""
+    "rotary"}`` (names, each list at most one long), or why they are not of the layout."""
     base, config = _base(model), cast(Any, model).config
     named = [(name, child) for name, child in children(base).items() if child is not None]
     lists = [i for i, (_, child) in enumerate(named) if isinstance(child, nn.ModuleList)]
     if len(lists) != 1 or len(cast(nn.ModuleList, named[lists[0]][1])) != config.num_hidden_layers:
         return f"`{model.base_model_prefix}` holds no one nn.ModuleList of num_hidden_layers blocks"
-    before, after = named[: lists[0]], [(n, c) for n, c in named[lists[0] + 1 :] if n != ROTARY]
+    rotary = [name for name, child in named if _is_rotary(name, child)]
+    before = [(n, c) for n, c in named[: lists[0]] if n not in rotary]
+    after = [(n, c) for n, c in named[lists[0] + 1 :] if n not in rotary]
     tokens = [name for name, child in before if child is cast(Any, model).get_input_embeddings()]
     positions = [name for name, child in before if name not in tokens and _takes_positions(child)]
     rest = [name for name, _ in before if name not in tokens + positions]
@@ -81,10 +84,17 @@ def _parts(model: nn.Module) -> dict[str, list[str]] | str:
             f"`{model.base_model_prefix}` holds {[name for name, _ in named]}, not the token embedding, at most one"
             " position embedding and one module on the embeddings, the blocks, the final norm (and a rotary_emb)"
         )
-    rotary = [ROTARY] if ROTARY in dict(named) else []
+    if len(rotary) > 1:
+        return f"`{model.base_model_prefix}` holds the rotary embeddings {rotary}, not one"
     blocks, norm = [named[lists[0]][0]], [after[0][0]]
     return {"tokens": tokens, "positions": positions, "on_embeddings": rest, "blocks": blocks, "norm": norm,
             "rotary": rotary}  # fmt: skip
+
+
+def _is_rotary(name: str, module: nn.Module) -> bool:
+    """Whether ``module`` is the base model's rotary embedding: named ``rotary_emb``, or holding the inverse
+    frequencies (``inv_freq``) under another name (LFM2-MoE's ``pos_emb``)."""
+    return name == ROTARY or isinstance(getattr(module, "inv_freq", None), Tensor)
 
 
 def _takes_positions(module: nn.Module) -> bool:

@@ -37,6 +37,7 @@ from lightning_gpipe.hf.layer import HFLayer, UnsupportedModelError
 from lightning_gpipe.hf.moe import router_loss_of
 from lightning_gpipe.hf.packing import decoder_input
 from lightning_gpipe.hf.seq2seq import StackBlock, StackEmbedding, seq2seq_input, seq2seq_loss
+from lightning_gpipe.hf.seq2seq_inputs import encoder_output
 
 SIZES = {
     "hidden_size": 64,
@@ -67,10 +68,13 @@ LIMITS = {
     "num_experts_per_tok": 2,
     "sliding_window": 4,
     "rotary_dim": 8,
+    "first_k_dense_replace": 1,
+    "num_dense_layers": 1,
 }
 """The miniature's upper bounds, each applied where the config has an integer of that name (key/value heads equal to
 the attention heads stay equal; experts are kept when the config groups them, ``n_group``; CodeGen's and GPT-J's
-rotary width within a head's)."""
+rotary width within a head's; one dense layer before the mixtures of experts, DeepSeek's ``first_k_dense_replace``,
+LFM2-MoE's ``num_dense_layers``, so that the miniature's second layer is a mixture's)."""
 
 SSM_HEADS = (("num_heads", "head_dim", "expand"), ("mamba_n_heads", "mamba_d_head", "mamba_expand"))
 """The heads of a state-space mixer, ``(heads, head width, expansion)`` (Mamba-2's; Bamba's ``mamba_...``): the mixer
@@ -118,15 +122,17 @@ def _layer_output(index: int, layer: Any, value: Any) -> Any:
 
 
 def _kept_layers(config: Any) -> list[int]:
-    """The blocks the miniature keeps: the first block of each kind the config's per-layer lists (``layer_types``...)
-    and per-layer overrides (:func:`_overrides`) tell apart, then the next ones up to two."""
+    """The blocks the miniature keeps: the first block of each kind the config's per-layer lists (``layer_types``...),
+    per-layer overrides (:func:`_overrides`) and key/value sharing (:func:`_first_kv_shared`) tell apart, then the
+    next ones up to two."""
     count = config.num_hidden_layers
     lists = [v for v in vars(config).values() if isinstance(v, (list, tuple)) and len(v) == count]
     overrides = _overrides(config) or {}
+    sharing = _first_kv_shared(config)
     first: dict[tuple, int] = {}
     for index in range(count):
         kind = (*(repr(values[index]) for values in lists), repr(sorted(overrides.get(index, {}).items())))
-        first.setdefault(kind, index)
+        first.setdefault((*kind, index >= sharing), index)
     kept = sorted(first.values())
     for index in range(count):
         if len(kept) >= min(2, count):
@@ -134,6 +140,13 @@ def _kept_layers(config: Any) -> list[int]:
         if index not in kept:
             kept = sorted([*kept, index])
     return kept
+
+
+def _first_kv_shared(config: Any) -> int:
+    """The first layer that reuses an earlier layer's keys and values (Gemma 3n's last ``num_kv_shared_layers``), or
+    the depth where none does."""
+    shared = getattr(config, "num_kv_shared_layers", 0)
+    return config.num_hidden_layers - (shared if _is_integer(shared) else 0)
 
 
 def _overrides(config: Any) -> dict[int, dict[str, Any]] | None:
@@ -149,7 +162,8 @@ def _overrides(config: Any) -> dict[int, dict[str, Any]] | None:
 
 def miniature_config(config: Any) -> Any:
     """A copy of ``config`` for the miniature: the blocks :func:`_kept_layers` keeps (per-layer lists and a
-    heterogeneous config's per-layer overrides cut alike), the widths of :data:`SIZES` and the bounds of
+    heterogeneous config's per-layer overrides cut alike; as many layers reusing earlier keys and values as it
+    keeps), the widths of :data:`SIZES` and the bounds of
     :data:`LIMITS` (per layer too, :func:`_shrunk`; an encoder-decoder's :data:`SEQ2SEQ_LIMITS` too), token ids within
     the vocabulary, no cache; every other option (dropout probabilities included) as given.
 
@@ -178,6 +192,8 @@ def miniature_config(config: Any) -> Any:
             setattr(mini, name, type(value)(value[i] for i in kept))
         elif name.endswith("_token_id") and isinstance(value, int):
             setattr(mini, name, min(value, SIZES["vocab_size"] - 1))
+    if _integer(config, "num_kv_shared_layers"):  # as many sharing layers as kept: each kind's producer kept too
+        mini.num_kv_shared_layers = sum(index >= _first_kv_shared(config) for index in kept)
     try:
         mini.num_hidden_layers = len(kept)
     except NotImplementedError:  # ProphetNet's config names its encoder's depth only
@@ -514,8 +530,12 @@ def _compare_seq2seq(model: nn.Module, layers: list[HFLayer], value: Any, masks:
         if expected[index] is None:  # a block LayerDrop skipped (and the embeddings before it): as this layer did
             continue
         target = isinstance(value, Tensor) or cast(Any, layer).stack.decoder
-        ours = value if isinstance(value, Tensor) else value[2 if target else 0]
-        difference = _difference(ours, expected[index], masks[1 if target else 0])
+        ours, theirs = value if isinstance(value, Tensor) else value[2 if target else 0], expected[index]
+        if not target:  # the source's positions (LED and Pegasus-X pad them, Pegasus-X's global tokens first)
+            stack = cast(Any, layer).stack
+            ours = encoder_output(stack.attention, model.get_submodule(stack.path), ours, masks[0])
+            theirs = theirs[:, : masks[0].shape[1]]
+        difference = _difference(ours, theirs, masks[1 if target else 0])
         if not difference <= TOLERANCE:
             return index, difference
     if labels is not None:

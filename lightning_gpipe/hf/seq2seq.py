@@ -28,12 +28,14 @@ value on, the cross-attention reads its cached keys and values), ``target`` the 
 tokens' hidden states. The decoder's embeddings number the new positions from ``past`` (the stack's forward is given a
 cache of that length, :func:`~lightning_gpipe.hf.seq2seq_cache.past_length_cache`), as under ``generate``.
 LayerDrop (Fan et al. 2019, arXiv:1909.11556: M2M100's and Seamless's default ``layerdrop``) is drawn by each block's
-layer as the stack's forward draws it. What stays refused, before step 1: blocks taking arguments the layers do not
-compute (Longformer-style global attention, prompts), a mixture of experts' load-balancing loss
-(``output_router_logits``), modules besides the stacks, the shared embedding and the head; the self-check
-(:mod:`lightning_gpipe.hf.selfcheck`) proves the cut on a miniature before step 1. Models: T5 (Raffel et al. 2020,
-arXiv:1910.10683), BART (Lewis et al. 2020, arXiv:1910.13461), M2M100 and NLLB (arXiv:2010.11125, 2207.04672), as
-``transformers`` 5.24 implements them.
+layer as the stack's forward draws it. Blocks that take more than a mask (MVP's prompts, LongT5's local attention,
+LED's Longformer attention, Pegasus-X's global tokens) get what their stack's forward gives them
+(:mod:`lightning_gpipe.hf.seq2seq_inputs`). What stays refused, before step 1: blocks taking arguments the layers do
+not compute (BigBird-Pegasus's block-sparse attention, MVP's prompts with ``use_prompt=True``), a mixture of
+experts' load-balancing loss (``output_router_logits``), modules besides the stacks, the shared embedding and the
+head; the self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves the cut on a miniature before step 1. Models: T5
+(Raffel et al. 2020, arXiv:1910.10683), BART (Lewis et al. 2020, arXiv:1910.13461), M2M100 and NLLB
+(arXiv:2010.11125, 2207.04672), as ``transformers`` 5.24 implements them.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from torch import Tensor, nn
 from lightning_gpipe._torch import children
 from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel
 from lightning_gpipe.hf.seq2seq_cache import DecoderCaches, past_length_cache
+from lightning_gpipe.hf.seq2seq_inputs import PROMPTS, attention_kind, encoder_inputs, encoder_output, local_bias
 
 try:
     from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
@@ -88,6 +91,8 @@ class Stack:
         bias: the module whose ``compute_bias`` gives later blocks their relative position bias (T5's first
             block's self-attention), or ``None``.
         decoder: whether it is the decoder (causal self-attention and cross-attention).
+        attention: the kind of its attention (:func:`~lightning_gpipe.hf.seq2seq_inputs.attention_kind`: ``"full"``,
+            ``"prompts"``, ``"local"``, ``"longformer"``, ``"global tokens"``).
     """
 
     path: str
@@ -96,6 +101,7 @@ class Stack:
     norm: tuple[str, ...]
     bias: str | None
     decoder: bool
+    attention: str = "full"
 
 
 def _path(model: nn.Module, module: nn.Module) -> str | None:
@@ -113,8 +119,9 @@ def _stack(model: nn.Module, module: nn.Module, decoder: bool) -> Stack | str:
     parameters = inspect.signature(blocks[0].forward).parameters.values()
     accepted = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     extra = [p.name for p in parameters if p.kind in accepted and p.name not in BLOCK_ARGUMENTS]
-    if extra:
-        return f"its {kind} blocks ({type(blocks[0]).__name__}) take {extra}, which the layers do not compute"
+    attention, reason = attention_kind(module, extra, decoder)
+    if reason is not None:
+        return reason.replace("blocks", f"blocks ({type(blocks[0]).__name__})", 1)
     tensors = {name: [*child.parameters(), *child.buffers()] for name, child in named.items()}
     norm = [name for name in named if name in NORMS and tensors[name]]
     idle = [name for name, child in named.items() if isinstance(child, nn.Dropout)]
@@ -129,6 +136,7 @@ def _stack(model: nn.Module, module: nn.Module, decoder: bool) -> Stack | str:
         tuple(f"{path}.{n}" for n in named if n in norm or (norm and n in idle)),
         None if bias is None else f"{path}.{lists[0]}.0.{bias}",
         decoder,
+        attention,
     )
 
 
@@ -227,15 +235,17 @@ def later_step(value: tuple[Tensor, ...]) -> bool:
 
 
 class _Reached(Exception):
-    """Raised by a pre-hook on a stack's first block: the hidden states its stack's forward gives it."""
+    """Raised by a pre-hook on a stack's first block: the hidden states its stack's forward gives it, and Pegasus-X's
+    global tokens' (its second argument) or ``None``."""
 
-    def __init__(self, hidden: Tensor) -> None:
+    def __init__(self, args: tuple, kwargs: dict) -> None:
         super().__init__("the stack's first block")
-        self.hidden = hidden
+        self.hidden = args[0] if args else kwargs["hidden_states"]
+        self.global_hidden = args[1] if len(args) > 1 else kwargs.get("global_hidden_states")
 
 
 def _stop(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    raise _Reached(args[0] if args else kwargs["hidden_states"])
+    raise _Reached(args, kwargs)
 
 
 class StackEmbedding(HFLayer):
@@ -288,6 +298,9 @@ class StackEmbedding(HFLayer):
             stack(input_ids=ids, attention_mask=mask, **inputs)
         except _Reached as reached:
             hidden = reached.hidden
+            if self.stack.attention == "global tokens":  # the global tokens' states before the others
+                assert reached.global_hidden is not None  # Pegasus-X's blocks take them
+                hidden = torch.cat([reached.global_hidden, hidden], dim=1)
         else:
             raise RuntimeError(f"{type(stack).__name__}'s forward never called its first block")
         finally:
@@ -325,28 +338,52 @@ class StackBlock(HFLayer):
         self.stack, self.block, self.index, self._use_cache = stack, block, index, "use_cache" in arguments
         self.layerdrop = float(getattr(model.get_submodule(stack.path), "layerdrop", 0.0) or 0.0)
         self.decoder_caches = DecoderCaches(index) if stack.decoder and "cache" in arguments else None
+        self._prompts = [name for name in arguments if name in PROMPTS] if stack.attention == "prompts" else []
+        self._last = index == len(cast(nn.ModuleList, model.get_submodule(stack.blocks))) - 1
 
     def forward(self, value: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        if self.training and self.layerdrop > 0.0 and torch.rand([]) < self.layerdrop:
-            return value  # LayerDrop, drawn as the stack's forward draws it
+        dropped = self.training and self.layerdrop > 0.0 and bool(torch.rand([]) < self.layerdrop)
         if later_step(value) and not self.stack.decoder:
             return value  # the encoder ran at the first step
         source, source_mask, target, target_mask, *rows = value
+        if dropped:  # LayerDrop, drawn as the stack's forward draws it
+            return value if self.stack.decoder or not self._last else (self._given(source, source_mask), *value[1:])
         hidden = target if self.stack.decoder else source
         extra: dict[str, Any] = {"use_cache": False} if self._use_cache else {}
+        extra.update(dict.fromkeys(self._prompts, None))
         if self.stack.decoder:
             mask, past = self._decoder_inputs(value, extra)
         else:
-            config = self.hf_model.get_submodule(self.stack.path).config
-            mask, past = create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=source_mask), 0
+            hidden, mask, past = *self._encoder_inputs(hidden, source_mask, extra), 0
         if self._bias is not None:
             length = hidden.shape[1]
             holder = cast(Any, self.hf_model.get_submodule(self._bias))
             offset = {"past_seen_tokens": past} if past else {}
-            extra["position_bias"] = holder.compute_bias(length, past + length, device=hidden.device, **offset)
+            if self.stack.attention == "local" and not self.stack.decoder:
+                extra["position_bias"] = local_bias(holder, holder.block_len, mask)
+            else:
+                extra["position_bias"] = holder.compute_bias(length, past + length, device=hidden.device, **offset)
         output = self.part(self.block)(hidden, attention_mask=mask, **extra)
+        if self.stack.decoder:
+            return (source, source_mask, output[0] if isinstance(output, tuple) else output, target_mask, *rows)
+        if self.stack.attention == "global tokens":  # the global tokens' states before the others
+            output = torch.cat([output[1], output[0]], dim=1)
         output = output[0] if isinstance(output, tuple) else output
-        return (source, source_mask, output, target_mask, *rows) if self.stack.decoder else (output, *value[1:])
+        return (self._given(output, source_mask) if self._last else output, *value[1:])
+
+    def _encoder_inputs(self, hidden: Tensor, mask: Tensor, extra: dict[str, Any]) -> tuple[Tensor, Any]:
+        """An encoder block's hidden states and attention mask for the ``source`` states ``hidden`` and the source
+        ``mask`` ``(N, S)`` (:func:`~lightning_gpipe.hf.seq2seq_inputs.encoder_inputs` for a stack of attention other
+        than the 4-D masks'), what else it takes put in ``extra``."""
+        stack = self.hf_model.get_submodule(self.stack.path)
+        if self.stack.attention in ("full", "prompts"):
+            return hidden, create_bidirectional_mask(config=stack.config, inputs_embeds=hidden, attention_mask=mask)
+        return encoder_inputs(self.stack.attention, stack, hidden, mask, extra)
+
+    def _given(self, source: Tensor, mask: Tensor) -> Tensor:
+        """The encoder's output ``(N, S, H)`` of the last block's ``source`` (without Pegasus-X's global tokens and
+        the positions LED and Pegasus-X pad; :func:`~lightning_gpipe.hf.seq2seq_inputs.encoder_output`)."""
+        return encoder_output(self.stack.attention, self.hf_model.get_submodule(self.stack.path), source, mask)
 
     def _decoder_inputs(self, value: tuple[Tensor, ...], extra: dict[str, Any]) -> tuple[Any, int]:
         """A decoder block's causal mask and how many cached positions precede the new tokens (0 without a cache);

@@ -249,15 +249,16 @@ class StageRun:
         whole_on_rank_zero`; ``None`` elsewhere): a collective call over the pipeline's ``group``."""
         return state_dict.whole_on_rank_zero(module.state_dict(), pipeline, group, self.job)
 
-    def close(self, module: "pl.LightningModule", whole: dict[str, Any] | None) -> None:
+    def close(self, module: "pl.LightningModule", whole: dict[str, Any] | None, release_groups: bool = False) -> None:
         """Undo the split (see :meth:`~lightning_gpipe.engine.StagePipeline.close`; ``whole``: every stage's state, on
-        the process that gets the whole model back), the relay's hooks, and put back the shared random stream (if a
-        step that failed kept the stage's), recording which of the module's values are current on this process for a
-        later run (:func:`~lightning_gpipe.lightning.current_values.mark_current`)."""
+        the process that gets the whole model back; ``release_groups``: destroy the pipeline's process groups, once
+        no process uses them), the relay's hooks, and put back the shared random stream (if a step that failed kept
+        the stage's), recording which of the module's values are current on this process for a later run
+        (:func:`~lightning_gpipe.lightning.current_values.mark_current`)."""
         held = held_names(module)
         self.backbone_call.end_kept()
         LogRelay.unwrap_epoch_end_hooks(module)
-        self.pipeline.close(whole)
+        self.pipeline.close(whole, release_groups)
         mark_current(module, None if whole is not None else held)
 
 

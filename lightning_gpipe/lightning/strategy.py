@@ -315,8 +315,9 @@ class GPipeStrategy(CheckpointHooks, ResplitHooks, MeshStrategy):
     @override
     def teardown(self) -> None:
         """Undo the split (see :meth:`~lightning_gpipe.lightning.step.StageRun.close`): after a completed run, global
-        rank 0's module gets every stage's weights back, if it was whole before the split. Under the spawn launcher
-        the main process runs no stage: its module, never attached to the Trainer, was not split."""
+        rank 0's module gets every stage's weights back, if it was whole before the split, and the pipeline's own
+        process groups (its links' and ties') are destroyed once every process has passed a barrier. Under the spawn
+        launcher the main process runs no stage: its module, never attached to the Trainer, was not split."""
         module, run, whole = self.lightning_module, self._run, None
         trainer = attached_trainer(module) if module is not None else None
         completed = trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED
@@ -328,10 +329,12 @@ class GPipeStrategy(CheckpointHooks, ResplitHooks, MeshStrategy):
         if module is not None and not is_whole(module):
             module.to_empty(device="cpu")  # a failed materialize; Lightning's teardown cannot move meta tensors
         unpipelined(self.precision_plugin)
+        if run is not None and completed:
+            self.barrier()  # past it no process uses the pipeline's process groups, which `close` destroys
         super().teardown()
         if run is not None:
             assert module is not None  # the module it was split from stays attached
-            run.close(module, whole)
+            run.close(module, whole, release_groups=completed)
         self._run = None
 
     @classmethod

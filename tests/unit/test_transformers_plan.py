@@ -313,6 +313,15 @@ def test_recurrent_decoders_without_a_plan_equal_their_forward_and_decode_as_gen
     _decodes_as_generate(model)
 
 
+@pytest.mark.parametrize("model_type", ["lfm2_moe", "lfm3"])
+def test_recurrent_decoders_of_other_rotary_embeddings_equal_their_own_forward(model_type):
+    """benchmarks/hf_conformance.py on LFM2-MoE (refused before: its rotary embedding is named `pos_emb`; its experts
+    after a dense layer) and LFM3 (refused before: a rotary table per layer type, none for its `conv` layers): cut by
+    the GPT-2-like layout; logits, loss and every gradient within 1e-5 of the class's own forward."""
+    result = conformance().conform(model_type)
+    assert (result.verdict, result.family) == ("equal", "gpt2-like"), result.detail
+
+
 DECODER_STACKS = {
     "bart": dict(vocab_size=61, d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=48,
                  max_position_embeddings=64, scale_embedding=True, forced_eos_token_id=None),
@@ -359,14 +368,14 @@ def test_labels_equal_to_the_inputs_of_a_class_scoring_unshifted_labels_are_refu
 
 
 def test_a_decoder_stack_its_forward_changes_is_refused_naming_why():
-    """A stack whose forward skips layers at random (LayerDrop) and blocks taking prompts the adapter does not compute
-    (MVP's) stay refused, naming why; packed rows are refused at the embeddings."""
+    """A stack whose forward skips layers at random (LayerDrop) stays refused, naming why; MVP's causal LM, whose
+    decoder is built without prompts whatever ``use_prompt`` says (its blocks' prompts stay ``None``), is taken;
+    packed rows are refused at the embeddings."""
     with pytest.raises(UnsupportedModelError, match="layerdrop=0.5: its forward skips layers at random"):
         to_sequential(transformers.AutoModelForCausalLM.from_config(
             AutoConfig.for_model("bart", **DECODER_STACKS["bart"], decoder_layerdrop=0.5)), check=False)  # fmt: skip
-    mvp = AutoConfig.for_model("mvp", **DECODER_STACKS["bart"])
-    with pytest.raises(UnsupportedModelError, match=r"take \['self_attn_prompt', 'cross_attn_prompt'"):
-        to_sequential(transformers.AutoModelForCausalLM.from_config(mvp), check=False)
+    mvp = transformers.AutoModelForCausalLM.from_config(AutoConfig.for_model("mvp", **DECODER_STACKS["bart"]))
+    assert family_of(mvp).name == "decoder stack"
     from lightning_gpipe.hf.packing import decoder_input
 
     torch.manual_seed(0)

@@ -142,3 +142,17 @@ def test_a_multimodal_configs_towers_are_cut_to_one_block_in_the_miniature():
     assert (mini.vision_config.num_hidden_layers, mini.audio_config.num_blocks) == (1, 1)
     assert mini.vision_config.hidden_size == config.vision_config.hidden_size
     assert (config.vision_config.num_hidden_layers, config.audio_config.num_blocks) == (27, 24)
+
+
+def test_the_miniature_keeps_layers_reusing_keys_and_values_and_one_dense_layer_before_the_experts():
+    """Gemma 3n's last 15 of 35 layers reuse the keys and values of the last earlier layer of their type (refused
+    before: a miniature of 2 layers with 15 sharing could not be built): the miniature keeps each kind of layer before
+    them and after them, as many sharing as it keeps, so every sharing type still has a layer producing its keys.
+    DeepSeek-V3's 3 dense layers before its experts (LFM2-MoE's 2): one, so the miniature's second layer is a
+    mixture's."""
+    mini = miniature_config(AutoConfig.for_model("gemma3n_text"))
+    assert mini.num_kv_shared_layers == 2 and mini.layer_types[-2:] == ["sliding_attention", "full_attention"]
+    # the config's own reading: the last layer of each type before the sharing ones stores, the sharing ones reuse
+    assert mini.kv_sharing_modes == [None] * (mini.num_hidden_layers - 4) + ["store"] * 2 + ["reuse"] * 2
+    assert miniature_config(AutoConfig.for_model("deepseek_v3")).first_k_dense_replace == 1
+    assert miniature_config(AutoConfig.for_model("lfm2_moe", layer_types=["conv"] * 32)).num_dense_layers == 1

@@ -1,9 +1,9 @@
 """Encoder-decoders in the pipeline (lightning_gpipe.hf.Seq2SeqLM, lightning_gpipe/hf/seq2seq.py): the cut backbone
-against the models' own forward (T5, mT5, umT5, BART, mBART, Marian, M2M100 of tests/hf_families.py: logits, loss,
-every gradient), T5's relative position bias on a stage starting mid-stack, meta-device builds loading their own
-weights, label smoothing, LoRA, what is refused, and generation against ``model.generate`` (greedy with and without
-the decoder blocks' caches, beam search; also on micro-batches, as a pipeline runs each step). The pipelined runs are in
-tests/distributed/test_transformers.py.
+against the models' own forward (T5, mT5, umT5, BART, mBART, Marian, M2M100, MVP, LongT5, LED, Pegasus-X of
+tests/hf_families.py: logits, loss, every gradient), T5's relative position bias on a stage starting mid-stack,
+meta-device builds loading their own weights, label smoothing, LoRA, what is refused, and generation against
+``model.generate`` (greedy with and without the decoder blocks' caches, beam search; also on micro-batches, as a
+pipeline runs each step). The pipelined runs are in tests/distributed/test_transformers.py.
 """
 
 import copy
@@ -158,6 +158,10 @@ def test_what_the_layers_cannot_take_is_refused_before_step_1_naming_the_structu
     switch = dict(model_type="switch_transformers", **{k: v for k, v in SEQ2SEQ["t5"][2].items() if k != "model_type"})
     with pytest.raises(UnsupportedModelError, match="output_router_logits=True"):
         Seq2SeqLM(config={**switch, "num_experts": 2, "output_router_logits": True}, attn_implementation="eager")
+    with pytest.raises(UnsupportedModelError, match=r"MvpDecoderLayer\) take MVP's prompts \(use_prompt=True\)"):
+        Seq2SeqLM(config={**SEQ2SEQ["mvp"][2], "use_prompt": True}, attn_implementation="eager")
+    with pytest.raises(UnsupportedModelError, match="attention is 'transient-global'"):
+        Seq2SeqLM(config={**SEQ2SEQ["longt5"][2], "encoder_attention_type": "transient-global"})
 
 
 def randomized(model, seed: int = 2):
