@@ -136,11 +136,11 @@ class StagePipeline:
         model_chunks: list[ModelChunk],
         runtime: "Runtime",
         ties: TiedParameters,
-        process_groups: list[dist.ProcessGroup] | None = None,
+        process_groups: list[dist.ProcessGroup],
     ) -> None:
         self.split, self.ties = split, ties
         self._model_chunks, self._runtime = model_chunks, runtime
-        self._process_groups = process_groups or []
+        self._process_groups = process_groups
 
     @property
     def num_stages(self) -> int:

@@ -249,7 +249,7 @@ class StageRun:
         whole_on_rank_zero`; ``None`` elsewhere): a collective call over the pipeline's ``group``."""
         return state_dict.whole_on_rank_zero(module.state_dict(), pipeline, group, self.job)
 
-    def close(self, module: "pl.LightningModule", whole: dict[str, Any] | None, release_groups: bool = False) -> None:
+    def close(self, module: "pl.LightningModule", whole: dict[str, Any] | None, release_groups: bool) -> None:
         """Undo the split (see :meth:`~lightning_gpipe.engine.StagePipeline.close`; ``whole``: every stage's state, on
         the process that gets the whole model back; ``release_groups``: destroy the pipeline's process groups, once
         no process uses them), the relay's hooks, and put back the shared random stream (if a step that failed kept
