@@ -244,7 +244,7 @@ class StagePipeline:
         first = self._model_chunks[0]
         return first.before_last_backward is None or not first.draining or first.loss_completes_gradients
 
-    def close(self, whole: dict[str, Any] | None, release_groups: bool = False) -> None:
+    def close(self, whole: dict[str, Any] | None, release_groups: bool) -> None:
         """Undo the split (``whole``: every stage's state, on the process that gets the whole model back; see
         :meth:`~lightning_gpipe.engine.partition.Split.undo`), the compilation and deferred batch norm; with
         ``release_groups``, destroy the process groups made for the pipeline (each gloo group keeps threads that

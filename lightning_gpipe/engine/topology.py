@@ -4,8 +4,15 @@ The world is a mesh, data-parallel replicas x pipeline stages (x tensor-parallel
 :func:`~torch.distributed.device_mesh.init_device_mesh` with the dimensions named as Lightning's
 ``ModelParallelStrategy`` names them, ``("data_parallel", "pipeline_parallel"[, "tensor_parallel"])``, so its process
 groups are torch's. Every other module asks this one for ranks and groups.
+
+A mesh is made once per process and layout and reused by every later run of that process while its default process
+group is the same (:data:`_MESHES`): each mesh's process groups hold threads (gloo: three per group) that stay until
+the group is destroyed, and a group cannot be destroyed while torch still resolves it by name for the meshes and
+``DTensor`` objects of an earlier run, so a new mesh per run would leave one more set of groups with every fit of a
+notebook, a sweep or a test launch.
 """
 
+import weakref
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -142,7 +149,8 @@ class Topology:
 
     def mesh(self, device_type: str) -> DeviceMesh:
         """The device mesh of this topology, its dimensions named ``("data_parallel", "pipeline_parallel")`` and,
-        with tensor parallelism, ``"tensor_parallel"`` innermost (a collective call on every process of the job).
+        with tensor parallelism, ``"tensor_parallel"`` innermost (a collective call on every process of the job, the
+        first time this process asks for the layout; later runs of the process get the same mesh, :data:`_MESHES`).
 
         Args:
             device_type: ``"cpu"`` or ``"cuda"``: the type of the processes' devices.
@@ -150,7 +158,19 @@ class Topology:
         sizes, names = [self.data_parallel_size, self.num_stages], [DATA_PARALLEL, PIPELINE_PARALLEL]
         if self.tensor_parallel_size > 1:
             sizes, names = [*sizes, self.tensor_parallel_size], [*names, TENSOR_PARALLEL]
-        return init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+        layout = (device_type, tuple(sizes), tuple(names))
+        world = dist.group.WORLD
+        assert world is not None, "the mesh is made after the job's default process group"
+        meshes = _MESHES.setdefault(world, {})
+        if layout not in meshes:
+            meshes[layout] = init_device_mesh(device_type, layout[1], mesh_dim_names=layout[2])
+        return meshes[layout]
+
+
+_MESHES: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, DeviceMesh]] = weakref.WeakKeyDictionary()
+"""The meshes this process made, by default process group and layout ``(device type, sizes, names)``: the one
+process-wide state of the package (see the module docstring). Every process of a job asks for the same layouts in the
+same order (the mesh is collective), so every process finds or makes the same ones."""
 
 
 DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL = "data_parallel", "pipeline_parallel", "tensor_parallel"

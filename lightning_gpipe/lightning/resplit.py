@@ -378,7 +378,9 @@ def move_layers(strategy: Any, run: StageRun, process: Process, balance: list[in
     _forget(optimizers, [p for layer in leaving.values() for p in layer.parameters()])
     events = run.pipeline.events
     run.backbone_call.end_kept()
-    run.pipeline.close(None)  # the backbone whole again: this stage's layers real, the others' on the meta device
+    # the backbone whole again (this stage's layers real, the others' on the meta device); every process has finished
+    # its steps (the gather above), so no process uses the old pipeline's links and ties, and their groups are released
+    run.pipeline.close(None, release_groups=True)
     device = strategy.root_device
     for name, (tensors, entries) in arriving.items():
         _install(children(split.sequential)[name], tensors, device)

@@ -251,7 +251,9 @@ class Board:
 def test_the_engine_keeps_no_process_wide_state():
     """The failure board, the position, the watchdog and the waiter are one run's
     (:class:`lightning_gpipe.faults.job.Job`):
-    no module keeps state in module-level or class-level variables."""
+    no module keeps state in module-level or class-level variables. The one process-wide state, chosen and documented,
+    is the device meshes a process made (``engine/topology.py`` ``_MESHES``, filled through a local name), as
+    torch.distributed's default process group is process-wide."""
     found = {name: mutable_globals(path.read_text()) for name, path in _modules().items()}
     assert {name: where for name, where in found.items() if where} == {}
 

@@ -85,3 +85,24 @@ def test_traces_of_another_node_are_moved_onto_rank_zeros_clock():
     parts = [(trace(0, 11.0), 10.0, "node0"), (trace(1, 1011.5), 1010.0, "node1"), (trace(2, 12.0), 10.2, "node0")]
     stages = _on_one_clock(parts)
     assert [(s.stage, s.start, s.spans[0].end) for s in stages] == [(0, 11.0, 12.0), (1, 11.5, 12.5), (2, 12.0, 13.0)]
+
+
+def test_a_process_makes_the_mesh_of_a_layout_once_and_a_new_job_makes_its_own():
+    """Each mesh's process groups keep threads until destroyed: later runs of a process reuse its mesh of the layout
+    (a notebook's second fit adds no group), while a new default process group (a new job) gets new meshes."""
+    import torch.distributed as dist
+
+    def groups() -> int:
+        return len(dist.distributed_c10d._world.pg_map)
+
+    meshes = []
+    for _ in range(2):  # two jobs, one after the other, in this process
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            meshes.append(Topology(1, 1).mesh("cpu"))
+            made = groups()
+            assert Topology(1, 1).mesh("cpu") is meshes[-1] and groups() == made
+            assert Topology(1, 1).mesh("meta") is not meshes[-1]  # the layout includes the device type
+        finally:
+            dist.destroy_process_group()
+    assert meshes[0] is not meshes[1]
