@@ -11,6 +11,10 @@ Before ``fit``, ``validate``, ``test`` and ``predict`` the CLI calls the data mo
 that a missing ``--data.data_dir`` or an unreachable Hub dataset stops the command at once, in the one process that
 exists then, instead of after the Trainer has started the other stage processes; :func:`run_cli` prints that error's
 message alone (no traceback) and exits with status 1.
+
+``--precision_fallback=true`` (a CPU recipe's config sets it) trains in ``32-true`` where the config asks for bf16
+mixed precision on a CPU that runs bf16 slower than fp32, as measured before the Trainer is built
+(:mod:`cpu_precision`).
 """
 
 import os
@@ -20,9 +24,10 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from cpu_precision import cpu_precision
 from example_data import DataUnavailableError
 from lightning.pytorch.callbacks import RichProgressBar
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 DEFAULT_ROOT_DIR = "<default_root_dir>"
 """Stands for ``trainer.default_root_dir`` at the start of a logger's ``save_dir``."""
@@ -62,14 +67,42 @@ def follow_default_root_dir(config: Any) -> None:
             init_args.save_dir = os.path.join(root, rest) if rest else root
 
 
+def fall_back_to_fp32(config: Any) -> None:
+    """With ``precision_fallback`` set and a CPU accelerator, replace a bf16 mixed ``trainer.precision`` by
+    ``32-true`` where this CPU runs bf16 slower (:func:`cpu_precision.cpu_precision`), printing what it measured.
+
+    Args:
+        config: the parsed configuration of one subcommand; changed in place.
+    """
+    trainer = config.trainer
+    if not config.precision_fallback or trainer.accelerator != "cpu" or not isinstance(trainer.precision, str):
+        return
+    trainer.precision, line = cpu_precision(trainer.precision)
+    if line is not None:
+        print(line, flush=True)
+
+
 class ExampleCLI(LightningCLI):
     """``LightningCLI`` whose loggers' ``save_dir`` may start with :data:`DEFAULT_ROOT_DIR`, which checks the data
-    (the data module's ``check_data``) before a subcommand starts any stage process, and whose default progress bar
-    is :class:`StepProgressBar`."""
+    (the data module's ``check_data``) before a subcommand starts any stage process, whose default progress bar
+    is :class:`StepProgressBar`, and whose ``--precision_fallback`` trains a CPU recipe in fp32 where bf16 is
+    slower (:func:`fall_back_to_fp32`)."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """``--precision_fallback`` (default ``false``)."""
+        parser.add_argument(
+            "--precision_fallback",
+            type=bool,
+            default=False,
+            help="on a CPU, train in 32-true where the config's bf16 mixed precision measures slower than fp32",
+        )
 
     def before_instantiate_classes(self) -> None:
-        """Resolve :data:`DEFAULT_ROOT_DIR` in the loggers' ``save_dir`` before the Trainer is built."""
-        follow_default_root_dir(self.config[self.subcommand] if self.subcommand else self.config)
+        """Resolve :data:`DEFAULT_ROOT_DIR` in the loggers' ``save_dir`` and apply ``--precision_fallback`` before
+        the Trainer is built."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        follow_default_root_dir(config)
+        fall_back_to_fp32(config)
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         """Lightning's Trainer, with :class:`StepProgressBar` in place of the ``RichProgressBar`` Lightning adds when

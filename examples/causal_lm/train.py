@@ -88,6 +88,7 @@ class CausalLMCLI(ExampleCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Model defaults; the ``SavePretrained`` callback's options."""
+        super().add_arguments_to_parser(parser)
         parser.set_defaults({f"model.{key}": value for key, value in MODEL_DEFAULTS.items()})
         parser.add_lightning_class_args(SavePretrained, "save_pretrained")
         parser.set_defaults({"save_pretrained.dirpath": f"{DEFAULT_ROOT_DIR}/causal_lm_model"})

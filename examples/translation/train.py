@@ -85,6 +85,7 @@ class TranslationCLI(ExampleCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """The default model class; link the data module's tokenizer file to the model's; add the
         ``WriteTranslations`` callback's options."""
+        super().add_arguments_to_parser(parser)
         parser.set_defaults({"model": {"class_path": f"{TranslationModule.__module__}.TranslationModule"}})
         parser.link_arguments("data.tokenizer_file", "model.init_args.tokenizer_file")
         parser.add_lightning_class_args(WriteTranslations, "translations")

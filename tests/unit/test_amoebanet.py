@@ -5,6 +5,7 @@ Parameter counts are checked against GPipe (Huang et al. 2019,
 arXiv:1811.06965) Table 1, building the ImageNet models on the meta device.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -98,6 +99,36 @@ def test_example_logger_follows_default_root_dir_unless_given_a_save_dir(args, s
     cli = train.main([arg.format(**paths) for arg in args], run=False)
     assert cli.trainer.logger.save_dir == save_dir.format(**paths)
     assert cli.trainer.logger.name == "amoebanet"
+
+
+@pytest.mark.parametrize(
+    ("speedup", "fallback", "trained"),
+    [(0.2, "true", "32-true"), (1.5, "true", "bf16-mixed"), (0.2, "false", "bf16-mixed")],
+)
+def test_the_cpu_recipe_trains_in_fp32_where_this_cpu_runs_bf16_slower(
+    speedup, fallback, trained, monkeypatch, tmp_path
+):
+    """``precision_fallback`` (the 20-minute recipe's) replaces bf16-mixed by 32-true where bf16 measures slower
+    (the measurement injected), leaves the choice to the stage processes in the environment, and a stage process
+    takes it from there without measuring."""
+    import cpu_precision
+    from amoebanet import train
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    monkeypatch.setenv(cpu_precision.CHOICE, "")  # restored (unset) after the test
+    monkeypatch.delenv(cpu_precision.CHOICE)
+    monkeypatch.setattr(cpu_precision, "bf16_speedup", lambda: speedup)
+    recipe = Path(train.__file__).parent / "configs" / "cifar10_20min.yaml"
+    args = [f"--config={recipe}", f"--precision_fallback={fallback}", "--data.data_dir=cifar10"]
+    assert train.main(args, run=False).trainer.precision == trained
+    assert os.environ.get(cpu_precision.CHOICE) == (trained if fallback == "true" else None)
+
+    def not_again() -> float:
+        raise AssertionError("a stage process measured again")
+
+    monkeypatch.setattr(cpu_precision, "bf16_speedup", not_again)  # a stage process: the choice is in its environment
+    assert train.main(args, run=False).trainer.precision == trained
 
 
 def test_decoding_once_gives_the_images_of_decoding_every_time() -> None:
