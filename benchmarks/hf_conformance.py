@@ -15,8 +15,9 @@ type's default config, fixed where ``transformers``' own default cannot build or
 - ``wrong``: taken, but something differs (the worst tensor named): the adapter would train another model.
 
 With ``--all`` the types are every one of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` with a config (196 in ``transformers``
-5.24), each class trained by ``lightning_gpipe.hf.CausalLM``: a class cut as an encoder (a BERT-style causal-LM head
-without ``is_decoder=True``) is refused, as ``CausalLM`` refuses it; a class whose own forward fails on the probe
+5.24), each class trained by ``lightning_gpipe.hf.CausalLM``: the BERT-style causal-LM heads are built with
+``is_decoder=True``, as ``transformers`` tells their users (:data:`CONFIG_FIXES`); a class cut as an encoder is
+refused, as ``CausalLM`` refuses it; a class whose own forward fails on the probe
 counts as wrong, its error named (the self-check ran its forward already).
 
 With ``--seq2seq`` the types are those of ``MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES`` (none declares a plan),
@@ -57,6 +58,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 QSA = dict(indexer_n_heads=16, indexer_kv_heads=1, indexer_head_dim=256, indexer_budget=2048, indexer_compress_ratio=4)
 """Qwen4-Exp's token indexer (QSA) widths, which its default config leaves unset (see :data:`CONFIG_FIXES`)."""
+BERT_DECODERS = tuple(
+    "bert bert-generation camembert data2vec-text electra ernie megatron-bert rembert roberta roberta-prelayernorm"
+    " roc_bert roformer xlm-roberta xlm-roberta-xl".split()
+)
+"""The BERT-style causal-LM heads built with ``is_decoder=True`` (besides BigBird and X-MOD, in :data:`CONFIG_FIXES`
+with more)."""
+
 CONFIG_FIXES: dict[str, dict] = {
     "ministral": {"head_dim": 128},  # default head_dim None: its attention takes None ** -0.5
     "deepseek_v2": {"num_experts_per_tok": 6},  # default None: its router's topk takes k=None
@@ -73,9 +81,16 @@ CONFIG_FIXES: dict[str, dict] = {
     "reformer": {"is_decoder": True},  # its causal-LM head asserts is_decoder
     # its layer types name indexed attention, whose indexer (QSA) has no default widths
     **{qwen4: qsa for qwen4, qsa in (("qwen4_exp_text", QSA), ("qwen4_exp", {"text_config": QSA}))},
+    # BERT-style causal-LM heads are causal LMs with is_decoder=True, as transformers tells their users ("If you want
+    # to use `BertLMHeadModel` as a standalone, add `is_decoder=True.`"); by default they are bidirectional encoders
+    **{bert: {"is_decoder": True} for bert in BERT_DECODERS},
+    # a BigBird decoder attends fully (its block-sparse attention is bidirectional); X-MOD's default adapter language
+    "big_bird": {"is_decoder": True, "attention_type": "original_full"},
+    "xmod": {"is_decoder": True, "default_language": "en_XX"},
 }
-"""Fields set on ``transformers`` 5.24's default configs that cannot build or run their own model (the values are
-the types' documented ones; nothing of the adapter's)."""
+"""Fields set on ``transformers`` 5.24's default configs that cannot build or run their own model, or build it as
+another kind of model (a BERT-style causal-LM head without ``is_decoder=True`` is a bidirectional encoder); the values
+are the types' documented ones, nothing of the adapter's."""
 
 TOLERANCE = 1e-5
 ROWS, LENGTH = 2, 13

@@ -12,7 +12,8 @@ declares and by their structure, not their class name: first the pipeline plan a
 standard decoder layout of ``transformers`` 5 (:mod:`lightning_gpipe.hf.decoder_layout`), the GPT-2-like decoders
 that declare no plan (:mod:`lightning_gpipe.hf.gpt2_like`: Bloom, Falcon, MPT, GPT-BigCode, XGLM; Mamba, Jamba and the
 other recurrent and hybrid decoders laid out alike), the causal LMs of one decoder stack
-(:mod:`lightning_gpipe.hf.decoder_stack`: OPT, BioGPT, BART's decoder...), the BERT-style encoders
+(:mod:`lightning_gpipe.hf.decoder_stack`: OPT, BioGPT, BART's decoder...), the BERT-style causal-LM heads with
+``is_decoder=True`` (:mod:`lightning_gpipe.hf.causal_encoder`), the BERT-style encoders
 (:mod:`lightning_gpipe.hf.encoder`) and the encoder-decoders (:mod:`lightning_gpipe.hf.seq2seq`); GPT-2 is a family by
 name, and :func:`register_family` adds more.
 Before a class is cut for the first time in a process, the self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves
@@ -51,6 +52,7 @@ from typing import Any, cast
 from torch import nn
 
 from lightning_gpipe.hf import lora, selfcheck
+from lightning_gpipe.hf.causal_encoder import causal_encoder, causal_encoder_layers
 from lightning_gpipe.hf.composite import composite_decoder, composite_layers
 from lightning_gpipe.hf.decoder_cut import (
     DecoderCut,
@@ -295,6 +297,7 @@ FAMILIES: list[Family] = [
     Family("gpt2-like", (), gpt2_like_layers, DECODER_INPUTS, structure=gpt2_like_decoder),
     Family("decoder stack", (), decoder_stack_layers, DECODER_INPUTS, structure=decoder_stack),
     Family("composite", (), composite_layers, DECODER_INPUTS, structure=composite_decoder),
+    Family("causal encoder", (), causal_encoder_layers, DECODER_INPUTS, structure=causal_encoder),
     Family("encoder", (), standard_encoder_layers, ENCODER_INPUTS, structure=standard_encoder, encoder=True),
     Family("encoder-decoder", (), encoder_decoder_layers, SEQ2SEQ_INPUTS, structure=encoder_decoder, seq2seq=True),
 ]
@@ -305,7 +308,9 @@ first source); then by structure, the standard decoder layout
 (:func:`~lightning_gpipe.hf.gpt2_like.gpt2_like_decoder`: Bloom, Falcon, MPT, GPT-BigCode, XGLM, Mamba, Jamba...), the
 causal LMs of one decoder stack (:func:`~lightning_gpipe.hf.decoder_stack.decoder_stack`: OPT, BioGPT, BART's...),
 composite models cut as their language model is (:func:`~lightning_gpipe.hf.composite.composite_decoder`: Gemma 3's
-image-text model, Voxtral, Qwen2-Audio...), the BERT-style encoders
+image-text model, Voxtral, Qwen2-Audio...), the BERT-style causal-LM heads with ``is_decoder=True``
+(:func:`~lightning_gpipe.hf.causal_encoder.causal_encoder`: BERT, RoBERTa, ELECTRA, RoFormer...), the BERT-style
+encoders
 (:func:`~lightning_gpipe.hf.encoder.standard_encoder`) and the encoder-decoders
 (:func:`~lightning_gpipe.hf.seq2seq.encoder_decoder`: T5, BART, Marian, M2M100...)."""
 

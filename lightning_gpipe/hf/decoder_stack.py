@@ -175,7 +175,13 @@ class StackDecoderEmbedding(StackEmbedding):
         past = attention_mask.shape[1] - input_ids.shape[1]
         if past:
             inputs["cache"] = past_length_cache(past, attention_mask).self_attention_cache
+        inputs.update(self._positions(position_ids, rest))
         return (self._embedded(input_ids, attention_mask, inputs), attention_mask, position_ids, *rest)
+
+    def _positions(self, position_ids: Tensor, rest: list[Tensor]) -> dict[str, Tensor]:
+        """The positions given to the stack's forward (``rest``: the value's items after them): none, the stack
+        numbers them itself."""
+        return {}
 
 
 class StackHead(HFLayer):

@@ -1,7 +1,8 @@
 """Cached decoding through the pipeline: decoder blocks that build their masks and keep their own caches
 (:class:`CachedDecoderBlock`, emptied by :func:`clear_kv_caches`), so that only the new tokens' hidden states travel
-between stages and each stage holds the caches of its own blocks; and the positions of left-padded prompts
-(:func:`positions_from_mask`). :func:`~lightning_gpipe.hf.greedy_generate` drives them.
+between stages and each stage holds the caches of its own blocks; the positions of left-padded prompts
+(:func:`positions_from_mask`); and whether a backbone call is a decoding step (:func:`decoding`, with or without
+caches). :func:`~lightning_gpipe.hf.greedy_generate` drives them.
 
 A block's cache is ``transformers``' ``DynamicCache`` built from the model's config, which holds for each layer type
 what the model's own ``generate`` keeps (``cache_utils.DYNAMIC_LAYER_TYPE_MAPPING``): keys and values for attention
@@ -11,6 +12,9 @@ Bamba's Mamba layers; ``conv``: LFM2's short convolutions), both for the hybrid 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from torch import Tensor, nn
@@ -35,6 +39,30 @@ def positions_from_mask(attention_mask: Tensor) -> Tensor:
     tokens, as the model's ``forward`` numbers them when given no positions.
     """
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0).masked_fill(attention_mask == 0, 0)
+
+
+_DECODING: ContextVar[bool] = ContextVar("lightning_gpipe_decoding", default=False)
+
+
+@contextmanager
+def decoding() -> Iterator[None]:
+    """Mark every backbone call of this process within as a step of a decoding loop (with or without caches), whose
+    positions are :func:`positions_from_mask`'s, as ``generate`` gives them: for a model whose forward numbers the
+    positions itself otherwise when given none (RoBERTa's from the padding id up), the embedding layer then gives
+    the forward these (:class:`~lightning_gpipe.hf.causal_encoder.CausalEncoderEmbedding`).
+    :func:`~lightning_gpipe.hf.greedy_generate` runs within it on every stage (its decorator). :func:`is_decoding`
+    reads it."""
+    token = _DECODING.set(True)
+    try:
+        yield
+    finally:
+        _DECODING.reset(token)
+
+
+def is_decoding(value: tuple[Tensor, ...]) -> bool:
+    """Whether the backbone ``value`` is a decoding step: within :func:`decoding`, or a step of cached decoding
+    (``rows`` ``(n,)`` at its end)."""
+    return _DECODING.get() or value[-1].dim() == 1
 
 
 class CachedDecoderBlock(HFLayer):

@@ -30,7 +30,7 @@ from lightning_gpipe.hf.adapter import Family, check_class, family_of, to_sequen
 from lightning_gpipe.hf.composite import unused_inputs
 from lightning_gpipe.hf.decoder import causal_lm_loss, shifts_labels
 from lightning_gpipe.hf.encoder import encoder_input
-from lightning_gpipe.hf.kv_cache import clear_kv_caches, positions_from_mask
+from lightning_gpipe.hf.kv_cache import clear_kv_caches, decoding, positions_from_mask
 from lightning_gpipe.hf.layer import UnsupportedModelError, hf_name
 from lightning_gpipe.hf.masks import unpackable_layer_types
 from lightning_gpipe.hf.moe import RouterLoss, router_loss_of
@@ -171,7 +171,7 @@ class HFModule(pl.LightningModule):
         if kind != other:
             raise UnsupportedModelError(
                 f"{type(self).__name__} trains {other}, but {name} is cut as {kind} (the {family.name} family, whose"
-                f" backbone takes {family.inputs}): choose the module for {kind}."
+                f" backbone takes {family.inputs}): {_fix_for(kind, other)}."
             )
 
     @property
@@ -398,6 +398,20 @@ def _attention(model_class: type, requested: str) -> str:
 def _kind(encoder: bool, seq2seq: bool) -> str:
     """What a backbone is, for messages: an encoder, a decoder or an encoder-decoder."""
     return "an encoder-decoder" if seq2seq else "an encoder" if encoder else "a decoder"
+
+
+def _fix_for(kind: str, trained: str) -> str:
+    """What to do with a model cut as ``kind`` under a module that trains ``trained`` (:func:`_kind`'s words): choose
+    the module for ``kind``; for an encoder under a decoder's module also set ``is_decoder=True``, with which
+    ``transformers`` runs the causal-LM heads of BERT-style encoders as decoders (the encoder family takes no model
+    with it, :mod:`lightning_gpipe.hf.causal_encoder` takes them)."""
+    fix = f"choose the module for {kind}"
+    if (kind, trained) == ("an encoder", "a decoder"):
+        return (
+            "to train it as a causal LM set `is_decoder=True` in its config (overrides={'is_decoder': True}), as"
+            f" transformers asks of a BERT-style causal-LM head used as a standalone decoder; or {fix}"
+        )
+    return fix
 
 
 def _is_object(value: Any) -> bool:
@@ -760,6 +774,7 @@ class SequenceClassifier(HFModule):
 
 
 @torch.no_grad()
+@decoding()  # generate's positions, with or without caches
 def greedy_generate(
     backbone: nn.Module,
     input_ids: Tensor,

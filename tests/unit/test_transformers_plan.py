@@ -267,17 +267,19 @@ def test_gpt2_like_decoders_without_a_plan_equal_their_forward_and_decode_as_gen
     _decodes_as_generate(model)
 
 
-def _decodes_as_generate(model) -> None:
-    """Greedy decoding of left-padded prompts through ``model``'s backbone, each block keeping its own cache, equals
-    ``generate``'s tokens."""
+def _decodes_as_generate(model, kv_caches: tuple[bool, ...] = (True,)) -> None:
+    """Greedy decoding of left-padded prompts through ``model``'s backbone, each block keeping its own cache (and
+    without caches where ``kv_caches`` holds ``False``), equals ``generate``'s tokens."""
     from lightning_gpipe.hf import greedy_generate
 
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [8, 9, 10, 11, 12, 13]])
     mask = (ids != 0).long()
     expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=5, pad_token_id=2,
                               eos_token_id=2)  # fmt: skip
-    generated = greedy_generate(to_sequential(model, check=False), ids, mask, max_new_tokens=5, eos_token_id=2)
-    assert torch.equal(generated, expected)
+    backbone = to_sequential(model, check=False)
+    for kv_cache in kv_caches:
+        generated = greedy_generate(backbone, ids, mask, max_new_tokens=5, eos_token_id=2, kv_cache=kv_cache)
+        assert torch.equal(generated, expected), kv_cache
 
 
 def test_a_gpt2_like_decoder_its_forward_changes_is_refused_naming_why():
@@ -384,3 +386,48 @@ def test_a_decoder_stack_its_forward_changes_is_refused_naming_why():
     packed = decoder_input(ids, None, torch.tensor([[0, 1, 2, 0, 1, 2]]))
     with pytest.raises(ValueError, match="numbers the positions of a whole row itself"):
         to_sequential(model, check=False)[0](packed)
+
+
+BERT_STACK = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+                  max_position_embeddings=64, is_decoder=True)  # fmt: skip
+CAUSAL_ENCODERS = {
+    "bert": {},
+    "roberta": {},
+    "electra": dict(embedding_size=16),
+    "roformer": dict(embedding_size=16, rotary_value=True),
+}
+"""BERT-style causal-LM heads with ``is_decoder=True``, as small configs: BERT's (word, position and token-type
+embeddings; its ``cls`` head tied to the word embedding; its forward numbers a left-padded row's positions from the
+row's start, ``generate`` from its first real token), RoBERTa's (its forward numbers positions from its padding id
+up, ``generate`` from 0), ELECTRA's (a projection of narrower embeddings, a head of two modules), RoFormer's (rotary
+``sinusoidal_pos`` its encoder computes for every block, on the values too; its forward takes no positions)."""
+
+
+@pytest.mark.parametrize("name", [name for name in CAUSAL_ENCODERS if FULL or name != "electra"])
+def test_bert_style_causal_lm_heads_with_is_decoder_equal_their_forward_and_decode_as_generate_does(name):
+    """Refused before (cut as encoders, or no layout): with ``is_decoder=True`` cut as a causal encoder (the base
+    model's forward up to its first block, the blocks with the causal mask, the head), the self-check passing;
+    logits, loss and every gradient equal the model's forward (positions numbered as it numbers them); greedy
+    decoding of left-padded prompts, with each block's own cache and without caches, equals ``generate``'s tokens
+    (positions numbered as ``generate`` numbers them, which differ)."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(name, **BERT_STACK, **CAUSAL_ENCODERS[name])
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert family_of(model).name == "causal encoder"
+    _equal_to_forward(model)
+    _decodes_as_generate(model, (True, False))
+
+
+def test_a_bert_style_causal_lm_head_that_is_no_causal_lm_is_refused_naming_the_fix():
+    """Without ``is_decoder=True`` (a bidirectional encoder) ``CausalLM`` refuses it, naming ``is_decoder=True``;
+    with cross-attention (a decoder of an encoder-decoder) and BigBird's block-sparse attention (bidirectional) it
+    is refused by structure, naming why."""
+    bert = {"model_type": "bert", **{k: v for k, v in BERT_STACK.items() if k != "is_decoder"}}
+    with pytest.raises(UnsupportedModelError, match=r"set `is_decoder=True` in its config \(overrides="):
+        CausalLM(config=bert)
+    electra = AutoConfig.for_model("electra", **BERT_STACK, add_cross_attention=True)
+    with pytest.raises(UnsupportedModelError, match="add_cross_attention=True: its blocks attend to an encoder's"):
+        to_sequential(transformers.AutoModelForCausalLM.from_config(electra), check=False)
+    big_bird = AutoConfig.for_model("big_bird", **BERT_STACK, attention_type="block_sparse")
+    with pytest.raises(UnsupportedModelError, match="attention_type='block_sparse': block-sparse attention"):
+        to_sequential(transformers.AutoModelForCausalLM.from_config(big_bird), check=False)
