@@ -87,6 +87,8 @@ CONFIG_FIXES: dict[str, dict] = {
     # a BigBird decoder attends fully (its block-sparse attention is bidirectional); X-MOD's default adapter language
     "big_bird": {"is_decoder": True, "attention_type": "original_full"},
     "xmod": {"is_decoder": True, "default_language": "en_XX"},
+    # its config requires a text config without per-layer inputs, which Gemma 4's default text config has
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}},
 }
 """Fields set on ``transformers`` 5.24's default configs that cannot build or run their own model, or build it as
 another kind of model (a BERT-style causal-LM head without ``is_decoder=True`` is a bidirectional encoder); the values

@@ -69,6 +69,7 @@ from lightning_gpipe.hf.decoder_layout import (
     kv_sharing_reason,
     layer_types_reason,
     standard_decoder,
+    theta_rotaries,
 )
 from lightning_gpipe.hf.decoder_stack import decoder_stack, decoder_stack_layers
 from lightning_gpipe.hf.encoder import standard_encoder, standard_encoder_layers
@@ -162,13 +163,7 @@ def _left_out(model: nn.Module, base_model: nn.Module, name: str, child: nn.Modu
     arguments = list(inspect.signature(child.forward).parameters)
     if arguments[:2] == ["input_ids", "inputs_embeds"]:
         return "extension"
-    rotary = getattr(base_model, ROTARY, None)
-    config = cast(Any, model).config
-    per_layer = getattr(config, "layer_rope_theta", None)
-    if isinstance(child, nn.ModuleList) and rotary is not None and isinstance(per_layer, (list, tuple)):
-        if len(child) and all(type(member) is type(rotary) for member in child):
-            return "rotaries"
-    return None
+    return "rotaries" if theta_rotaries(cast(Any, model).config, base_model, child) else None
 
 
 def _has(model: nn.Module, path: str) -> bool:

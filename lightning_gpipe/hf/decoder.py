@@ -30,7 +30,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe.hf.decoder_layout import CARRIED, computed_arguments, rotary_kinds
+from lightning_gpipe.hf.decoder_layout import CARRIED, computed_arguments, rotary_kinds, rotary_layer_types
 from lightning_gpipe.hf.kv_cache import CachedDecoderBlock
 from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel
 from lightning_gpipe.hf.moe import RouterLoss
@@ -258,9 +258,10 @@ class RotaryDecoderBlock(CachedDecoderBlock):
         self.tokens = "input_ids" in arguments
         rope = getattr(model.config, "rope_parameters", None)
         self._kinds = rotary_kinds(model.config) if typed else []
+        rotated = rotary_layer_types(type(model.get_submodule(block.rsplit(".", 2)[0])))
         self._nope = (
             bool(typed) and isinstance(rope, dict) and self.layer_type in rope and rope[self.layer_type] is None
-        )
+        ) or (rotated is not None and self.layer_type not in rotated)  # Lara-mini's forward gives its full layers none
 
     def _arguments(self, value: tuple[Tensor, ...], hidden: Tensor, position_ids: Tensor, mask: Any) -> dict:
         """What the model's forward gives the block besides the hidden states, the cache and the positions."""

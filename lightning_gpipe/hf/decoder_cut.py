@@ -18,7 +18,7 @@ from typing import Any, cast
 from torch import nn
 
 from lightning_gpipe.hf.decoder import DecoderEmbedding, FinalNorm, GPT2Block, Head, RotaryDecoderBlock
-from lightning_gpipe.hf.decoder_layout import base_name
+from lightning_gpipe.hf.decoder_layout import base_name, norm_before_blocks, theta_rotaries_name
 from lightning_gpipe.hf.layer import PreTrainedModel
 from lightning_gpipe.hf.masks import layer_type
 from lightning_gpipe.hf.moe import router_loss_of
@@ -131,11 +131,17 @@ def block_rotary(model: nn.Module, cut: DecoderCut, index: int) -> tuple[str | N
 
 def standard_cut(model: PreTrainedModel) -> DecoderCut:
     """The cut of a model of the standard decoder layout
-    (:func:`~lightning_gpipe.hf.decoder_layout.standard_decoder`)."""
+    (:func:`~lightning_gpipe.hf.decoder_layout.standard_decoder`); its final norm applied on the embeddings too where
+    its forward applies it before the blocks (:func:`~lightning_gpipe.hf.decoder_layout.norm_before_blocks`:
+    NanoChat's)."""
     prefix = base_name(model)
+    norm = f"{prefix}.norm"
+    on_embeddings = norm if norm_before_blocks(model.get_submodule(prefix)) else None  # NanoChat's norm, twice
+    rotaries = theta_rotaries_name(model)
     return DecoderCut(
-        f"{prefix}.embed_tokens", None, f"{prefix}.layers", f"{prefix}.rotary_emb", f"{prefix}.norm", "lm_head"
-    )
+        f"{prefix}.embed_tokens", on_embeddings, f"{prefix}.layers", f"{prefix}.rotary_emb", norm, "lm_head",
+        rotaries=None if rotaries is None else f"{prefix}.{rotaries}",
+    )  # fmt: skip
 
 
 def decoder_layers(model: PreTrainedModel, cut: DecoderCut) -> list[nn.Module]:

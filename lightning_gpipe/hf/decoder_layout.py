@@ -8,16 +8,22 @@ the rotary cos/sin, the 4-D mask and the cache, ``model.norm``, ``model.rotary_e
 layers the adapter cannot carry). What the model's forward gives its blocks besides the hidden states, and the blocks
 get where they ask for it (:class:`~lightning_gpipe.hf.decoder.RotaryDecoderBlock`): a value carried from block to
 block (``prev_...``, :data:`CARRIED`), what their modeling module computes from the positions
-(:func:`computed_arguments`), rotary tables of several kinds (:func:`rotary_kinds`). Whatever else a class does
-differently is caught by the self-check (:mod:`lightning_gpipe.hf.selfcheck`) before the first step.
+(:func:`computed_arguments`), rotary tables of several kinds (:func:`rotary_kinds`) or for one layer type only
+(:func:`rotary_layer_types`); rotary modules per layer theta (:func:`theta_rotaries`); the final norm applied to the
+embeddings too (:func:`norm_before_blocks`). Blocks run in several loops are refused (:func:`block_loops_reason`).
+Whatever else a class does differently is caught by the self-check (:mod:`lightning_gpipe.hf.selfcheck`) before the
+first step.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
 import sys
+import textwrap
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor, nn
 
@@ -116,6 +122,66 @@ def rotary_kinds(config: Any) -> list[str]:
     return [] if types & set(rope) else list(rope)
 
 
+@functools.cache
+def _forward_tree(base_class: Any) -> ast.AST | None:
+    """The syntax tree of the forward of ``base_class`` (decorators unwrapped), or ``None`` where its code cannot be
+    read."""
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(base_class.forward))))
+    except (OSError, TypeError, AttributeError, SyntaxError):
+        return None
+
+
+def rotary_layer_types(base_class: Any) -> frozenset[str] | None:
+    """The layer types whose blocks the forward of ``base_class`` (a base model's class) gives the rotary tables,
+    where its code gives them to one type only: the blocks' argument ``position_embeddings=<tables> if <name> ==
+    "<type>" else None`` (Lara-mini's, whose full-attention layers use no positional encoding); ``None`` where it gives
+    no such argument (every block gets the tables), or its code cannot be read. The self-check proves the reading."""
+    tree = _forward_tree(base_class)
+    for node in [] if tree is None else ast.walk(tree):
+        if not (isinstance(node, ast.keyword) and node.arg == "position_embeddings"):
+            continue
+        value = node.value
+        if isinstance(value, ast.IfExp) and isinstance(value.orelse, ast.Constant) and value.orelse.value is None:
+            test = value.test
+            if isinstance(test, ast.Compare) and isinstance(test.ops[0], ast.Eq):
+                compared = test.comparators[0]
+                if isinstance(compared, ast.Constant) and isinstance(compared.value, str):
+                    return frozenset([compared.value])
+    return None
+
+
+def _loops_over(node: ast.AST, blocks: str) -> bool:
+    """Whether ``node`` holds a ``for`` statement over ``self.<blocks>`` (or a slice of it, ``enumerate`` of it)."""
+    return any(
+        isinstance(loop, ast.For)
+        and any(
+            isinstance(sub, ast.Attribute) and sub.attr == blocks and isinstance(sub.value, ast.Name)
+            and sub.value.id == "self"
+            for sub in ast.walk(loop.iter)
+        )
+        for loop in ast.walk(node)
+    )  # fmt: skip
+
+
+def block_loops_reason(base: nn.Module, blocks: str = "layers") -> str | None:
+    """``None`` unless the forward of the base model ``base`` runs its blocks (the ``nn.ModuleList`` ``blocks``) in
+    several loops one after the other: two statements of one block of code that each loop over ``self.<blocks>``
+    (Dory's input, recurrent and output sections, the recurrent one run ``n_recurrent_loops`` times with the section's
+    input added back), which no one pass through the blocks in order follows. Loops in other branches of an ``if``
+    (xLSTM's chunked inference) are one pass each."""
+    tree = _forward_tree(cast(Any, type(base)))  # a class: hashable
+    bodies = [] if tree is None else [v for node in ast.walk(tree) for v in vars(node).values() if isinstance(v, list)]
+    for body in bodies:
+        count = sum(isinstance(statement, ast.stmt) and _loops_over(statement, blocks) for statement in body)
+        if count > 1:
+            return (
+                f"its forward runs its blocks in {count} loops one after the other (sections of blocks, or blocks run"
+                f" more than once), which one pass through the blocks in order does not follow. {ADVICE}"
+            )
+    return None
+
+
 def computed_arguments(block: nn.Module) -> dict[str, Callable[[Tensor], Tensor]]:
     """The arguments of ``block`` that its modeling module computes from the positions, by name: ``X`` where the
     module defines ``compute_X(position_ids)`` (Beam's ``attention_scaling``, which its forward gives the layers of
@@ -176,12 +242,41 @@ def bidirectional(config: Any) -> bool:
     return value is True or value == "all"
 
 
+def theta_rotaries(config: Any, base: nn.Module, child: nn.Module) -> bool:
+    """Whether ``child`` of the base model ``base`` is an ``nn.ModuleList`` of modules of the class of its rotary
+    embedding (``rotary_emb``) where ``config`` gives each layer its ``layer_rope_theta`` (Granite-SWA's and
+    Granite-MoE-SWA's ``rotary_embs``, one per theta: each block calls its own theta's, none for 0; see
+    :func:`~lightning_gpipe.hf.decoder_cut.block_rotary`)."""
+    rotary = getattr(base, ROTARY, None)
+    per_layer = getattr(config, "layer_rope_theta", None)
+    if not isinstance(child, nn.ModuleList) or rotary is None or not isinstance(per_layer, (list, tuple)):
+        return False
+    return bool(len(child)) and all(type(member) is type(rotary) for member in child)
+
+
+def theta_rotaries_name(model: nn.Module) -> str | None:
+    """The name of the one child of ``model``'s base model (:func:`base_name`) that holds rotary modules per layer
+    theta (:func:`theta_rotaries`), or ``None``."""
+    base = model.get_submodule(base_name(model))
+    config = getattr(model, "config", None)
+    found = [n for n, child in children(base).items() if child is not None and theta_rotaries(config, base, child)]
+    return found[0] if len(found) == 1 else None
+
+
+def norm_before_blocks(base: nn.Module) -> bool:
+    """Whether ``base``'s forward applies its final norm ``norm`` before its blocks ``layers`` too (NanoChat's
+    "additional norm before the layers"): read from the names its code uses, ``norm`` first named before ``layers``
+    (decorators unwrapped). The self-check proves the reading."""
+    names = list(inspect.unwrap(type(base).forward).__code__.co_names)
+    return {"norm", "layers"} <= set(names) and names.index("norm") < names.index("layers")
+
+
 def standard_decoder(model: nn.Module) -> str | None:
     """``None`` when ``model`` is of the standard decoder layout (see the module docstring), else why not: its
     children must be exactly the base model (:func:`base_name`) and ``lm_head``, the base model's exactly
-    :data:`STANDARD_BASE` (the blocks an ``nn.ModuleList`` of ``num_hidden_layers``), every layer type one the
-    adapter rebuilds (:func:`layer_types_reason`) and the blocks taking what it gives them
-    (:func:`block_arguments_reason`)."""
+    :data:`STANDARD_BASE` (and an ``nn.ModuleList`` of rotary modules per layer theta, :func:`theta_rotaries`; the
+    blocks an ``nn.ModuleList`` of ``num_hidden_layers``), every layer type one the adapter rebuilds
+    (:func:`layer_types_reason`) and the blocks taking what it gives them (:func:`block_arguments_reason`)."""
     if not isinstance(model, PreTrainedModel):
         return "it is not a transformers PreTrainedModel"
     reason = base_model_reason(model)
@@ -190,12 +285,15 @@ def standard_decoder(model: nn.Module) -> str | None:
     prefix, config = base_name(model), model.config
     base = model.get_submodule(prefix)
     inner = sorted(name for name, child in children(base).items() if child is not None)
-    if inner != sorted(STANDARD_BASE):
+    rotaries = theta_rotaries_name(model)  # Granite-MoE-SWA's rotary modules per layer theta besides
+    if sorted(name for name in inner if name != rotaries) != sorted(STANDARD_BASE):
         return f"`{prefix}` holds {inner}, not exactly {list(STANDARD_BASE)}"
     if not isinstance(base.layers, nn.ModuleList) or len(base.layers) != config.num_hidden_layers:
         return f"`{prefix}.layers` is not an nn.ModuleList of num_hidden_layers blocks"
     if bidirectional(config):
         return "use_bidirectional_attention=True (a bidirectional encoder, not a causal LM)"
-    return layer_types_reason(config, base.get_submodule("rotary_emb")) or block_arguments_reason(
-        base.layers[0], config
+    return (
+        layer_types_reason(config, base.get_submodule("rotary_emb"))
+        or block_arguments_reason(base.layers[0], config)
+        or block_loops_reason(base)
     )

@@ -1,12 +1,13 @@
 """Causal LMs whose decoder is one stack module that embeds its tokens itself, recognised by structure: the decoders of
 encoder-decoders exposed as causal LMs (BART, mBART, Marian, Blenderbot, Blenderbot-Small, Pegasus, PLBart,
-BigBird-Pegasus, TrOCR, Whisper), OPT, BioGPT and GPT-NeoX-Japanese.
+BigBird-Pegasus, TrOCR, Whisper), OPT, BioGPT, GPT-NeoX-Japanese and ModernBERT-decoder.
 
 The model's children are its base model (``base_model_prefix``) and its output head (``get_output_embeddings()``:
-``lm_head``, BioGPT's ``output_projection``, GPT-NeoX-Japanese's ``embed_out``); the stack is the base model (BioGPT)
-or the base model's one child (the wrapper's ``model.decoder``). The stack holds one ``nn.ModuleList`` of blocks,
-modules its forward applies after them (:func:`after_blocks`: its final norm, OPT's ``project_out``, read from its
-forward's code), optionally a rotary embedding (``rotary_emb``, which every block's layer calls) and modules applied
+``lm_head``, BioGPT's ``output_projection``, GPT-NeoX-Japanese's ``embed_out``), and at most one more module with
+parameters, applied between them (ModernBERT-decoder's prediction head ``lm_head``); the stack is the base model
+(BioGPT) or the base model's one child (the wrapper's ``model.decoder``). The stack holds one ``nn.ModuleList`` of
+blocks, modules its forward applies after them (:func:`after_blocks`: its final norm, OPT's ``project_out``, read from
+its forward's code), optionally a rotary embedding (``rotary_emb``, which every block's layer calls) and modules applied
 before the blocks, in an order its forward alone knows (token and position embeddings, BART's
 ``layernorm_embedding`` registered after the blocks, OPT's ``project_in``). So the embedding layer
 (:class:`StackDecoderEmbedding`) runs the stack's own forward up to its first block (a pre-hook stops it there), as
@@ -36,7 +37,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe._torch import children
 from lightning_gpipe.hf.decoder import GPT2LikeBlock
-from lightning_gpipe.hf.decoder_layout import ROTARY, layer_types_reason
+from lightning_gpipe.hf.decoder_layout import ROTARY, block_loops_reason, layer_types_reason
 from lightning_gpipe.hf.gpt2_like import ARGUMENTS
 from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel
 from lightning_gpipe.hf.masks import unpackable_layer_types
@@ -68,6 +69,9 @@ class DecoderStack:
         end: its children applied after the blocks, in order (:func:`after_blocks`).
         head: the model's output head (``"lm_head"``).
         rotary: its rotary embedding (``rotary_emb``), which every block's layer calls, or ``None``.
+        prediction: a child of the model its forward applies between the stack and the head (ModernBERT-decoder's
+            prediction head ``lm_head``: dense, activation, norm, before its output embeddings ``decoder``), or
+            ``None``.
     """
 
     stack: str
@@ -76,6 +80,7 @@ class DecoderStack:
     end: tuple[str, ...]
     head: str
     rotary: str | None = None
+    prediction: str | None = None
 
 
 def _named(module: nn.Module) -> dict[str, nn.Module]:
@@ -87,8 +92,13 @@ def find_stack(model: nn.Module) -> DecoderStack | str:
     prefix = getattr(model, "base_model_prefix", "")
     named = _named(model)
     head = next((name for name, child in named.items() if child is cast(Any, model).get_output_embeddings()), None)
-    if head is None or sorted(named) != sorted([prefix, head]):
-        return f"its children are {sorted(named)}, not exactly its base model `{prefix}` and its output head"
+    others = [name for name in named if name not in (prefix, head)]
+    prediction = others[0] if len(others) == 1 and [*named[others[0]].parameters()] else None
+    if head is None or prefix not in named or [name for name in others if name != prediction]:
+        return (
+            f"its children are {sorted(named)}, not exactly its base model `{prefix}` and its output head (and one"
+            " module with parameters before it)"
+        )
     stack, path = named[prefix], prefix
     inner = _named(stack)
     if not any(isinstance(child, nn.ModuleList) for child in inner.values()) and len(inner) == 1:
@@ -106,14 +116,15 @@ def find_stack(model: nn.Module) -> DecoderStack | str:
     end = tuple(f"{path}.{name}" for name in after)
     embedding = tuple(f"{path}.{name}" for name in inner if name not in (*after, lists[0], ROTARY))
     rotary = f"{path}.{ROTARY}" if ROTARY in inner else None
-    return DecoderStack(path, f"{path}.{lists[0]}", embedding, end, head, rotary)
+    return DecoderStack(path, f"{path}.{lists[0]}", embedding, end, head, rotary, prediction)
 
 
 def decoder_stack(model: nn.Module) -> str | None:
     """``None`` when ``model`` is a causal LM of one decoder stack (see the module docstring), else why not: not an
     encoder-decoder config, a stack (:func:`find_stack`) whose forward takes ``input_ids`` and ``attention_mask`` and
     whose blocks take only :data:`~lightning_gpipe.hf.gpt2_like.ARGUMENTS` (and MVP's prompts, off), layer types
-    whose masks the adapter rebuilds and none recurrent, no cross-attention asked for, no LayerDrop."""
+    whose masks the adapter rebuilds and none recurrent, no cross-attention asked for, no LayerDrop, the blocks run in
+    one loop (:func:`~lightning_gpipe.hf.decoder_layout.block_loops_reason`)."""
     if not isinstance(model, PreTrainedModel):
         return "it is not a transformers PreTrainedModel"
     config = model.config
@@ -139,6 +150,9 @@ def decoder_stack(model: nn.Module) -> str | None:
         return f"its layer types include {recurrent}, which carry a state (the GPT-2-like layout's recurrent blocks)"
     if getattr(config, "add_cross_attention", False):
         return "add_cross_attention=True: its blocks attend to an encoder's output, which a causal LM lacks"
+    loops = block_loops_reason(stack, found.blocks.rpartition(".")[2])
+    if loops is not None:
+        return loops
     layerdrop = stack.__dict__.get("layerdrop")
     if layerdrop:
         return f"its decoder's layerdrop={layerdrop}: its forward skips layers at random in training"
@@ -186,7 +200,8 @@ class StackDecoderEmbedding(StackEmbedding):
 
 class StackHead(HFLayer):
     """A decoder stack's end and the head: ``(hidden, ...)`` to logits ``(N, S, V)``, through the modules the
-    stack's forward applies after its blocks (:attr:`DecoderStack.end`), then the head.
+    stack's forward applies after its blocks (:attr:`DecoderStack.end`), then the model's prediction head if it has one
+    (:attr:`DecoderStack.prediction`) and its output head.
 
     Args:
         model: the model.
@@ -194,8 +209,8 @@ class StackHead(HFLayer):
     """
 
     def __init__(self, model: PreTrainedModel, found: DecoderStack) -> None:
-        super().__init__(model, [*found.end, found.head])
-        self._paths = (*found.end, found.head)
+        self._paths = (*found.end, *([found.prediction] if found.prediction else []), found.head)
+        super().__init__(model, list(self._paths))
 
     def forward(self, value: tuple[Tensor, ...]) -> Tensor:
         hidden = value[0]

@@ -46,7 +46,14 @@ from torch import Tensor, nn
 from lightning_gpipe._torch import children
 from lightning_gpipe.hf.decoder import DecoderEmbedding, FinalNorm, GPT2LikeBlock, Head
 from lightning_gpipe.hf.decoder_cut import head_scaling, own_field
-from lightning_gpipe.hf.decoder_layout import ADVICE, ROTARY, base_model_reason, base_name, layer_types_reason
+from lightning_gpipe.hf.decoder_layout import (
+    ADVICE,
+    ROTARY,
+    base_model_reason,
+    base_name,
+    block_loops_reason,
+    layer_types_reason,
+)
 from lightning_gpipe.hf.layer import PreTrainedModel
 from lightning_gpipe.hf.masks import HYBRID, layer_type, unpackable_layer_types
 from lightning_gpipe.hf.moe import adds_load_balancing_loss
@@ -149,8 +156,9 @@ def _config_reason(model: nn.Module, blocks: nn.ModuleList) -> str | None:
 def gpt2_like_decoder(model: nn.Module) -> str | None:
     """``None`` when ``model`` is of the GPT-2-like layout (see the module docstring), else why not: its children
     exactly the base model and ``lm_head``, the base model's the modules named there, every buffer it holds itself
-    unsaved, its blocks taking only :data:`ARGUMENTS`, and its config nothing the adapter does not carry (ALiBi
-    folded into the mask, cross-attention, layer drop)."""
+    unsaved, its blocks taking only :data:`ARGUMENTS` and run in one loop
+    (:func:`~lightning_gpipe.hf.decoder_layout.block_loops_reason`), and its config nothing the adapter does not carry
+    (ALiBi folded into the mask, cross-attention, layer drop)."""
     if not isinstance(model, PreTrainedModel):
         return "it is not a transformers PreTrainedModel"
     reason = base_model_reason(model)
@@ -171,7 +179,7 @@ def gpt2_like_decoder(model: nn.Module) -> str | None:
             " initialisation sets, so a stage that builds only its own layers would leave them unset"
         )
     blocks = cast(nn.ModuleList, base.get_submodule(parts["blocks"][0]))
-    return _config_reason(model, blocks)
+    return block_loops_reason(base, parts["blocks"][0]) or _config_reason(model, blocks)
 
 
 def unsaved_buffers(model: nn.Module) -> set[str]:

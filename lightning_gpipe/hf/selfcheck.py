@@ -23,6 +23,7 @@ hundredths of a second (docs/transformers.md).
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -214,8 +215,24 @@ def miniature_config(config: Any) -> Any:
         if _is_integer(getattr(mini, "decoder_vocab_size", None)):  # Marian's target vocabulary
             mini.decoder_vocab_size = mini.vocab_size
     _one_block_towers(mini)
+    _part_widths(config, mini)
     mini.use_cache = False
     return mini
+
+
+def _part_widths(config: Any, mini: Any) -> None:
+    """Give the configs nested in ``mini`` without a depth of their own (parts of its blocks: DBRX's ``ffn_config``,
+    whose ``hidden_size`` is the model's) the miniature's widths of :data:`SIZES` where theirs equal ``config``'s:
+    a part as wide as the model stays as wide as the miniature."""
+    from transformers import PretrainedConfig
+
+    for part in vars(mini).values():
+        if not isinstance(part, PretrainedConfig) or any(_integer(part, d) for d in SUB_CONFIG_DEPTHS):
+            continue
+        for name in SIZES:
+            value = part.__dict__.get(name)
+            if _is_integer(value) and value == getattr(config, name, None):
+                setattr(part, name, getattr(mini, name))
 
 
 def _language_config(config: Any) -> str | None:
@@ -359,13 +376,15 @@ def _first(value: Any) -> Tensor:
 
 def _received(model: nn.Module, layers: list[HFLayer], ids: Tensor, mask: Tensor, **kwargs: Any):
     """The model's forward on the probe, and what the first module of each backbone layer after the first
-    received (its hidden states), by forward pre-hooks: ``(output, [received, ...])``."""
-    received: list[Tensor | None] = [None] * (len(layers) - 1)
+    received (its hidden states), by forward pre-hooks: ``(output, [received, ...])``. A module the forward calls
+    more than once (NanoChat's final norm, applied to the embeddings too) counts by its first call after the previous
+    layer's."""
+    calls: list[list[tuple[int, Tensor | None]]] = [[] for _ in layers[1:]]
+    order = itertools.count()
 
     def hook(index: int) -> Callable[..., None]:
         def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if received[index] is None:
-                received[index] = args[0] if args else kwargs.get("hidden_states")
+            calls[index].append((next(order), args[0] if args else kwargs.get("hidden_states")))
 
         return record
 
@@ -376,6 +395,12 @@ def _received(model: nn.Module, layers: list[HFLayer], ids: Tensor, mask: Tensor
     finally:
         for handle in handles:
             handle.remove()
+    received: list[Tensor | None] = []
+    after = -1
+    for index_calls in calls:
+        call = next(((at, value) for at, value in index_calls if at > after), None)
+        after = after if call is None else call[0]
+        received.append(None if call is None else call[1])
     return output, received
 
 

@@ -431,3 +431,29 @@ def test_a_bert_style_causal_lm_head_that_is_no_causal_lm_is_refused_naming_the_
     big_bird = AutoConfig.for_model("big_bird", **BERT_STACK, attention_type="block_sparse")
     with pytest.raises(UnsupportedModelError, match="attention_type='block_sparse': block-sparse attention"):
         to_sequential(transformers.AutoModelForCausalLM.from_config(big_bird), check=False)
+
+
+@pytest.mark.parametrize(
+    "model_type, family",
+    [("nanochat", "decoder"), ("granitemoe_swa", "decoder"), ("dbrx", "gpt2-like"),
+     ("modernbert-decoder", "decoder stack"), ("lara_mini", "declared plan")],
+)  # fmt: skip
+def test_decoders_of_structures_taken_since_equal_their_own_forward(model_type, family):
+    """benchmarks/hf_conformance.py on one class of each structure taken since (issue 58), each refused before: a final
+    norm its forward applies to the embeddings too (NanoChat: the self-check compares what the norm receives after the
+    blocks, not its first call), rotary modules per layer theta beside the standard layout (Granite-MoE-SWA), a
+    config nested in the model's of the model's width (DBRX's ``ffn_config``, which the miniature shrinks with it),
+    a prediction head between the decoder stack and the output head (ModernBERT-decoder), rotary tables its forward
+    gives one layer type only (Lara-mini: none for its full-attention layers): logits, loss and every gradient of the
+    backbone layer by layer within 1e-5 of the class's own forward."""
+    result = conformance().conform(model_type)
+    assert (result.verdict, result.family) == ("equal", family), result.detail
+
+
+def test_a_decoder_running_its_blocks_in_several_loops_is_refused_naming_it():
+    """Dory runs an input section of its blocks, a recurrent section twice with the section's input added back, then
+    an output section: no one pass through the blocks follows it, so every layout refuses it by structure, naming the
+    loops (before, the self-check refused it at its final norm, naming no structure)."""
+    result = conformance().conform("dory")
+    assert result.verdict == "refused"
+    assert "not the decoder layout: its forward runs its blocks in 3 loops one after the other" in result.detail
