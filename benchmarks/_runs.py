@@ -15,7 +15,7 @@ Kinds (every process prints one JSON line through :func:`_harness.emit` at the e
   1.6-2.2x slower): ``--default-allocator`` keeps glibc's own, for runs that measure time. ``--count-live``: every
   process also reports ``live_peak_mib``, the peak of its live tensors during training (:class:`LiveBytes`).
   A ``GPipeStrategy`` run that profiled its layers (``--balance time``) also reports ``layer_costs`` and ``resplit``
-  (:func:`_split_check`).
+  (:func:`_split_check`) on rank 0.
   ``--schedule 1f1b``, ``zb-h1`` or ``zb-1p`` (also for ``bare``, where ``zb-1p`` places W by equal costs) runs
   ``GPipeStrategy(schedule=...)``.
 - ``bare``: our engine (``ModelChunk``, ``Partition``, ``Link``) driven directly, without the Trainer; one process per
@@ -389,7 +389,10 @@ def run_lightning(args: argparse.Namespace) -> None:
     record = {**callback.clock.summary(), "threads": torch.get_num_threads(), "world_size": trainer.world_size}
     if args.strategy != "plain":
         record.update(split=trainer.strategy.config.splits_backward)  # what ran: given, or the default's choice
-        record.update(_split_check(trainer.strategy))
+        # rank 0's only (every stage profiles alike): the stages share one stdout, and lines longer than a pipe's
+        # atomic write (4 KiB) from several of them interleave (768 layers' costs on 4 stages broke the records)
+        if trainer.global_rank == 0:
+            record.update(_split_check(trainer.strategy))
     if counter is not None:
         record.update(saved_peak=counter.counter.peak, kept_inputs=counter.kept, peak=counter.peak)
         record.update(kept_for_weights=counter.kept_for_weights, peak_with_weights=counter.peak_with_weights)
