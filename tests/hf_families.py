@@ -266,6 +266,20 @@ T5 = dict(
     eos_token_id=1,
     decoder_start_token_id=0,
 )
+GEMMA_STACK = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    sliding_window=4,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+)
 SEQ2SEQ = {
     "t5": ("T5ForConditionalGeneration", "Seq2SeqLM", dict(model_type="t5", **T5, feed_forward_proj="gated-gelu")),
     "mt5": ("MT5ForConditionalGeneration", "Seq2SeqLM", dict(model_type="mt5", **T5, feed_forward_proj="gated-gelu")),
@@ -282,14 +296,27 @@ SEQ2SEQ = {
         "Seq2SeqLM",
         dict(model_type="pegasus_x", **BART, block_size=4, num_global_tokens=2),
     ),
+    "bigbird_pegasus": (
+        "BigBirdPegasusForConditionalGeneration",
+        "Seq2SeqLM",
+        dict(model_type="bigbird_pegasus", **BART, block_size=2, num_random_blocks=1),
+    ),
+    "t5gemma": (
+        "T5GemmaForConditionalGeneration",
+        "Seq2SeqLM",
+        dict(model_type="t5gemma", encoder=GEMMA_STACK, decoder=GEMMA_STACK, vocab_size=VOCAB),
+    ),
 }
 """The encoder-decoders (``lightning_gpipe.hf.Seq2SeqLM``), 3 encoder and 3 decoder blocks, dropout and layer drop
 off: T5 (Flan-T5's gated feed-forward, a relative position bias computed by each stack's first block, logits scaled),
 mT5 (no scaling), umT5 (a bias table per block), BART (learned positions offset by 2, a norm on the embeddings, a bias
 on the logits), mBART (final norms), Marian (sinusoidal positions, its own target vocabulary size), M2M100 (NLLB's
 class: sinusoidal positions from the padding), MVP (BART's layout, its prompts off), LongT5 (local attention in blocks
-of 3 tokens), LED (Longformer attention, the source padded to a multiple of 4) and Pegasus-X (2 global tokens, the
-source padded to a multiple of 4, staggered blocks)."""
+of 3 tokens), LED (Longformer attention, the source padded to a multiple of 4), Pegasus-X (2 global tokens, the
+source padded to a multiple of 4, staggered blocks) and BigBird-Pegasus (block-sparse attention in blocks of 2 tokens,
+which its encoder replaces by full attention on a source of at most 14 tokens; final norms named
+``layernorm_embedding``) and T5Gemma (two Gemma 2 stacks of their own configs: rotary positions, sliding windows of 4
+tokens, soft-capped logits, the decoder's mask from its padding tokens in training)."""
 
 FIRST = ("llama", "gpt2", "bert_mlm", "bert_classifier")
 """The families of the first tests (more runs each: 3 stages, checkpoints, resuming, replicas)."""

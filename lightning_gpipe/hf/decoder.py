@@ -77,7 +77,8 @@ def shifts_labels(model_class: type) -> bool:
     """Whether ``model_class``'s forward shifts its ``labels`` (next-token cross-entropy: ``self.loss_function``,
     ``ForCausalLMLoss``, as nearly every causal LM), or scores each position's logits against its own label
     (``CrossEntropyLoss`` over logits and labels as given: the causal LMs of BART, mBART, Marian, Pegasus, PLBart,
-    Blenderbot, TrOCR, whose labels come shifted like an encoder-decoder's): read from the names its ``forward``
+    Blenderbot, TrOCR, whose labels come shifted like an encoder-decoder's; a ``CrossEntropyLoss`` after a local
+    ``shift_labels`` shifts them by hand: Qwen2-Audio, Granite Speech): read from the names its ``forward``
     uses (subclasses first, decorators unwrapped), ``True`` where none tells. The self-check compares the loss, so a
     class read wrongly is refused."""
     for cls in model_class.__mro__:
@@ -86,7 +87,7 @@ def shifts_labels(model_class: type) -> bool:
         if code is not None and "loss_function" in code.co_names:
             return True
         if code is not None and "CrossEntropyLoss" in code.co_names:
-            return False
+            return "shift_labels" in code.co_varnames  # shifted by hand before the loss: Qwen2-Audio, Granite Speech
     return True
 
 

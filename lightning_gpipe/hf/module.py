@@ -666,6 +666,7 @@ class Seq2SeqLM(HFModule):
             batch.get("decoder_input_ids"),
             batch.get("decoder_attention_mask"),
             batch.get("labels"),
+            self.training,
         )
 
     def loss(self, logits: Tensor, batch: dict[str, Any]) -> Tensor:

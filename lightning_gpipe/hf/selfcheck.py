@@ -171,11 +171,14 @@ def miniature_config(config: Any) -> Any:
     A composite config (no depth of its own, a language model's ``text_config`` beside its towers': Gemma 3's,
     Voxtral's) is copied with its text config shrunk so and each tower cut to one block (:func:`_one_block_towers`),
     its own token ids as given (an image or audio placeholder id beyond the miniature's vocabulary is in no probe).
+    T5Gemma's, whose stacks have configs of their own, is rebuilt from their miniatures (:func:`_joined_miniature`).
 
     Raises:
         UnsupportedModelError: for a config of several towers without a depth of its own or a text config that has
             one (:func:`_language_config`).
     """
+    if _joined_stacks(config):
+        return _joined_miniature(config)
     text = _language_config(config)
     if text is not None:
         mini = copy.deepcopy(config)
@@ -233,6 +236,33 @@ def _part_widths(config: Any, mini: Any) -> None:
             value = part.__dict__.get(name)
             if _is_integer(value) and value == getattr(config, name, None):
                 setattr(part, name, getattr(mini, name))
+
+
+STACK_CONFIGS = ("encoder", "decoder")
+"""The configs of an encoder-decoder's stacks, where its own config holds them (T5Gemma's)."""
+
+
+def _joined_stacks(config: Any) -> bool:
+    """Whether ``config`` is an encoder-decoder's whose depths are its stacks' configs' (:data:`STACK_CONFIGS`, each
+    with ``num_hidden_layers``), none of its own."""
+    stacks = [getattr(config, name, None) for name in STACK_CONFIGS]
+    joined = getattr(config, "is_encoder_decoder", False) and not _integer(config, "num_hidden_layers")
+    return joined and all(_integer(stack, "num_hidden_layers") for stack in stacks)
+
+
+def _joined_miniature(config: Any) -> Any:
+    """The miniature of an encoder-decoder config of :func:`_joined_stacks`: its class built again from its fields,
+    each stack's config its miniature (:func:`miniature_config`), its own vocabulary and token ids within the
+    miniature's, so that what its class derives from the stacks' (T5Gemma's decoder's cross-attention width, the
+    encoder's) follows."""
+    fields = config.to_dict()
+    fields.update({name: miniature_config(getattr(config, name)).to_dict() for name in STACK_CONFIGS})
+    for name, value in fields.items():
+        if (name.endswith("_token_id") or name == "vocab_size") and _is_integer(value):
+            fields[name] = min(value, SIZES["vocab_size"] - name.endswith("_token_id"))
+    mini = type(config).from_dict(fields)
+    mini.use_cache = False
+    return mini
 
 
 def _language_config(config: Any) -> str | None:
@@ -439,6 +469,7 @@ def _describe(model_class: type, mini: nn.Module, family: Any, layers: list[HFLa
     index, difference = where
     place = "its loss with labels" if index is None else f"backbone layer {index} ({', '.join(layers[index].paths)})"
     config: Any = text_config(mini.config) or mini.config  # a transformers config (a composite's: its text config)
+    config = config.encoder if _joined_stacks(config) else config  # T5Gemma's: its encoder's
     return (
         f"{model_class.__name__} is not cut into backbone layers correctly: {place} differs from the model's own"
         f" forward by {difference:.3g} (largest absolute difference on the real tokens of a left- and right-padded"
@@ -541,6 +572,7 @@ def _compare_seq2seq(model: nn.Module, layers: list[HFLayer], value: Any, masks:
     handles = _anchors(model, layers, expected)
     torch.manual_seed(0)
     source, mask, targets, _ = value
+    value = seq2seq_input(model, source, mask, targets, training=model.training)  # the decoder's mask of the mode
     try:
         output = model(input_ids=source, attention_mask=mask, decoder_input_ids=targets, labels=labels)
     except Exception as error:

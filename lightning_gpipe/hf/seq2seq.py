@@ -28,20 +28,24 @@ value on, the cross-attention reads its cached keys and values), ``target`` the 
 tokens' hidden states. The decoder's embeddings number the new positions from ``past`` (the stack's forward is given a
 cache of that length, :func:`~lightning_gpipe.hf.seq2seq_cache.past_length_cache`), as under ``generate``.
 LayerDrop (Fan et al. 2019, arXiv:1909.11556: M2M100's and Seamless's default ``layerdrop``) is drawn by each block's
-layer as the stack's forward draws it. Blocks that take more than a mask (MVP's prompts, LongT5's local attention,
-LED's Longformer attention, Pegasus-X's global tokens) get what their stack's forward gives them
-(:mod:`lightning_gpipe.hf.seq2seq_inputs`). What stays refused, before step 1: blocks taking arguments the layers do
-not compute (BigBird-Pegasus's block-sparse attention, MVP's prompts with ``use_prompt=True``), a mixture of
-experts' load-balancing loss (``output_router_logits``), modules besides the stacks, the shared embedding and the
-head; the self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves the cut on a miniature before step 1. Models: T5
-(Raffel et al. 2020, arXiv:1910.10683), BART (Lewis et al. 2020, arXiv:1910.13461), M2M100 and NLLB
-(arXiv:2010.11125, 2207.04672), as ``transformers`` 5.24 implements them.
+layer as the stack's forward draws it. Blocks that take more than a mask (MVP's prompts, LongT5's local attention, LED's
+Longformer attention, Pegasus-X's global tokens, BigBird-Pegasus's full attention where its encoder falls back to it,
+T5Gemma's rotary positions and sliding windows) get what their stack's forward gives them
+(:mod:`lightning_gpipe.hf.seq2seq_inputs`). A stack's final norm is the module its forward calls after its blocks
+(:data:`NORMS` by name, or by the forward's source: BigBird-Pegasus's ``layernorm_embedding``, T5Gemma's ``norm``). What
+stays refused, before step 1: blocks taking arguments the layers do not compute (FSMT's, ProphetNet's, MVP's prompts
+with ``use_prompt=True``), a mixture of experts' load-balancing loss (``output_router_logits``), modules besides the
+stacks, the shared embedding and the head; the self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves the cut on a
+miniature before step 1. Models: T5 (Raffel et al. 2020, arXiv:1910.10683), BART (Lewis et al. 2020, arXiv:1910.13461),
+M2M100 and NLLB (arXiv:2010.11125, 2207.04672), as ``transformers`` 5.24 implements them.
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
 import sys
+import textwrap
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -49,12 +53,24 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gpipe._torch import children
+from lightning_gpipe.hf.decoder_layout import ROTARY
 from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel
+from lightning_gpipe.hf.masks import layer_type
 from lightning_gpipe.hf.seq2seq_cache import DecoderCaches, past_length_cache
-from lightning_gpipe.hf.seq2seq_inputs import PROMPTS, attention_kind, encoder_inputs, encoder_output, local_bias
+from lightning_gpipe.hf.seq2seq_inputs import (
+    DECODER_MASKS,
+    ENCODER_MASKS,
+    PROMPTS,
+    attention_kind,
+    derived_mask,
+    encoder_inputs,
+    encoder_output,
+    full_attention,
+    local_bias,
+)
 
 try:
-    from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+    from transformers.masking_utils import create_bidirectional_mask
 except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError(
         "lightning_gpipe.hf needs `transformers` 5.24 or newer: pip install 'transformers>=5.24'"
@@ -92,7 +108,7 @@ class Stack:
             block's self-attention), or ``None``.
         decoder: whether it is the decoder (causal self-attention and cross-attention).
         attention: the kind of its attention (:func:`~lightning_gpipe.hf.seq2seq_inputs.attention_kind`: ``"full"``,
-            ``"prompts"``, ``"local"``, ``"longformer"``, ``"global tokens"``).
+            ``"prompts"``, ``"local"``, ``"longformer"``, ``"global tokens"``, ``"block sparse"``, ``"rotary"``).
     """
 
     path: str
@@ -106,6 +122,26 @@ class Stack:
 
 def _path(model: nn.Module, module: nn.Module) -> str | None:
     return next((name for name, m in model.named_modules() if m is module), None)
+
+
+def _called_after(forward: Any, blocks: str) -> set[str]:
+    """The names ``name`` of the ``self.name(...)`` calls that ``forward``'s source makes after its loop over
+    ``self.<blocks>`` (BigBird-Pegasus's ``layernorm_embedding``, T5Gemma's ``norm``: final norms of other names than
+    :data:`NORMS`; BART's ``layernorm_embedding`` is called before its blocks); none without such a loop."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    loops = [n for n in ast.walk(tree) if isinstance(n, ast.For) and blocks in map(_self_name, ast.walk(n.iter))]
+    if not loops:
+        return set()
+    end = cast(int, loops[0].end_lineno)
+    calls = [_self_name(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call) and n.lineno > end]
+    return {name for name in calls if name is not None}
+
+
+def _self_name(node: ast.AST) -> str | None:
+    """``name`` where ``node`` is the attribute ``self.name``, else ``None``."""
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return node.attr
+    return None
 
 
 def _stack(model: nn.Module, module: nn.Module, decoder: bool) -> Stack | str:
@@ -123,7 +159,8 @@ def _stack(model: nn.Module, module: nn.Module, decoder: bool) -> Stack | str:
     if reason is not None:
         return reason.replace("blocks", f"blocks ({type(blocks[0]).__name__})", 1)
     tensors = {name: [*child.parameters(), *child.buffers()] for name, child in named.items()}
-    norm = [name for name in named if name in NORMS and tensors[name]]
+    after = _called_after(type(module).forward, lists[0])
+    norm = [name for name in named if (name in NORMS or name in after) and tensors[name]]
     idle = [name for name, child in named.items() if isinstance(child, nn.Dropout)]
     if len(norm) > 1 or list(module.parameters(recurse=False)):
         return f"its {kind} holds {sorted(named)}: more than one final norm, or tensors of its own"
@@ -168,8 +205,8 @@ def encoder_decoder(model: nn.Module) -> str | None:
     if isinstance(found, str):
         return found
     head = model.get_output_embeddings()
-    if not isinstance(head, nn.Module) or _path(model, head) != "lm_head":
-        return "it has no output head `lm_head`"
+    if not isinstance(head, nn.Module) or (_path(model, head) or "").split(".")[0] != "lm_head":
+        return "it has no output head `lm_head` (or within it: T5Gemma's `lm_head.out_proj`)"
     modules = [model.get_submodule(path) for path in (found[0].path, found[1].path, "lm_head")]
     held = {id(t) for m in [*modules, model.get_input_embeddings()] for t in [*m.parameters(), *m.buffers()]}
     held |= {id(getattr(model, OUTPUT_BIAS))} if isinstance(getattr(model, OUTPUT_BIAS, None), Tensor) else set()
@@ -186,15 +223,19 @@ def seq2seq_input(
     decoder_input_ids: Tensor | None = None,
     decoder_attention_mask: Tensor | None = None,
     labels: Tensor | None = None,
+    training: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """An encoder-decoder backbone's input: ``(input_ids (N, S), attention_mask (N, S), decoder_input_ids (N, T),
     decoder_attention_mask (N, T))``, long. Without ``decoder_input_ids`` they are ``labels`` shifted right, as the
     model's forward makes them (its ``prepare_decoder_input_ids_from_labels``, else its modeling module's
     ``shift_tokens_right`` with the config's ``pad_token_id`` and ``decoder_start_token_id``: M2M100's); masks default
-    to all ones.
+    to those the stacks' forward uses without one (all ones, or T5Gemma's from the padding tokens, its decoder's in
+    ``training`` only: :func:`~lightning_gpipe.hf.seq2seq_inputs.derived_mask`).
 
     Raises:
-        ValueError: with neither ``decoder_input_ids`` nor ``labels``.
+        ValueError: with neither ``decoder_input_ids`` nor ``labels``; for padding in ``input_ids`` without
+            ``attention_mask`` where the encoder derives a mask from it (T5Gemma's, whose cross-attention then attends
+            to every position).
     """
     if decoder_input_ids is None:
         if labels is None:
@@ -206,8 +247,15 @@ def seq2seq_input(
             shift = sys.modules[type(model).__module__].shift_tokens_right
             decoder_input_ids = shift(labels, model.config.pad_token_id, model.config.decoder_start_token_id)
     decoder_input_ids = cast(Tensor, decoder_input_ids)
-    source = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    target = torch.ones_like(decoder_input_ids) if decoder_attention_mask is None else decoder_attention_mask
+    get = cast(Any, model)
+    source = derived_mask(get.get_encoder(), input_ids, training) if attention_mask is None else attention_mask
+    if not bool(source.all()) and attention_mask is None:
+        raise ValueError(
+            f"{type(model).__name__}'s encoder masks the padding tokens of a batch without `attention_mask`, and its"
+            " cross-attention does not: give the batch's `attention_mask`."
+        )
+    target = decoder_attention_mask
+    target = derived_mask(get.get_decoder(), decoder_input_ids, training) if target is None else target
     return input_ids, source, decoder_input_ids, target
 
 
@@ -274,10 +322,11 @@ class StackEmbedding(HFLayer):
         inputs: dict[str, Any] = {"use_cache": False} if self._use_cache else {}
         if self.stack.decoder:
             past = target_mask.shape[1] - target.shape[1]
+            states = source
             if past:  # a later step of cached decoding: the new tokens' positions follow the cached ones
                 inputs["cache"] = past_length_cache(past, source_mask)
-            else:
-                inputs.update(encoder_hidden_states=source, encoder_attention_mask=source_mask)
+                states = source_mask.new_zeros((), dtype=torch.float32).expand(*source_mask.shape, 1)  # a stand-in
+            inputs.update(encoder_hidden_states=states, encoder_attention_mask=source_mask)
             return (source, source_mask, self._embedded(target, target_mask, inputs), target_mask, *rows)
         return (self._embedded(source, source_mask, inputs), *value[1:])
 
@@ -289,6 +338,9 @@ class StackEmbedding(HFLayer):
             RuntimeError: if the stack's forward never calls its first block.
         """
         stack: Any = self.hf_model.get_submodule(self.stack.path)
+        # the stack is no module of this layer's, so `train()` and `eval()` do not reach it: its own dropout (BART's
+        # on the embeddings) and layerdrop follow this layer's mode (its children's modes are this layer's own)
+        stack.training = self.training
         first = cast(nn.ModuleList, self.hf_model.get_submodule(self.stack.blocks))[0]
         handle = first.register_forward_pre_hook(_stop, with_kwargs=True)
         layerdrop = stack.__dict__.get("layerdrop")
@@ -334,12 +386,15 @@ class StackBlock(HFLayer):
         block = f"{stack.blocks}.{index}"
         arguments = inspect.signature(model.get_submodule(block).forward).parameters
         self._bias = stack.bias if index and stack.bias is not None and "position_bias" in arguments else None
-        super().__init__(model, [block, *([f"{self._bias}.relative_attention_bias"] if self._bias else [])])
+        self._rotary = f"{stack.path}.{ROTARY}" if stack.attention == "rotary" else None
+        held = [*([f"{self._bias}.relative_attention_bias"] if self._bias else []), *filter(None, [self._rotary])]
+        super().__init__(model, [block, *held])
         self.stack, self.block, self.index, self._use_cache = stack, block, index, "use_cache" in arguments
         self.layerdrop = float(getattr(model.get_submodule(stack.path), "layerdrop", 0.0) or 0.0)
         self.decoder_caches = DecoderCaches(index) if stack.decoder and "cache" in arguments else None
         self._prompts = [name for name in arguments if name in PROMPTS] if stack.attention == "prompts" else []
         self._last = index == len(cast(nn.ModuleList, model.get_submodule(stack.blocks))) - 1
+        self._type = layer_type(model.get_submodule(stack.path).config, index)
 
     def forward(self, value: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         dropped = self.training and self.layerdrop > 0.0 and bool(torch.rand([]) < self.layerdrop)
@@ -363,6 +418,9 @@ class StackBlock(HFLayer):
                 extra["position_bias"] = local_bias(holder, holder.block_len, mask)
             else:
                 extra["position_bias"] = holder.compute_bias(length, past + length, device=hidden.device, **offset)
+        if self._rotary is not None:  # the rotary cos/sin of the positions, as the stack's forward computes them
+            positions = torch.arange(past, past + hidden.shape[1], device=hidden.device)[None]
+            extra.update(position_ids=positions, position_embeddings=self.part(self._rotary)(hidden, positions))
         output = self.part(self.block)(hidden, attention_mask=mask, **extra)
         if self.stack.decoder:
             return (source, source_mask, output[0] if isinstance(output, tuple) else output, target_mask, *rows)
@@ -376,8 +434,10 @@ class StackBlock(HFLayer):
         ``mask`` ``(N, S)`` (:func:`~lightning_gpipe.hf.seq2seq_inputs.encoder_inputs` for a stack of attention other
         than the 4-D masks'), what else it takes put in ``extra``."""
         stack = self.hf_model.get_submodule(self.stack.path)
-        if self.stack.attention in ("full", "prompts"):
-            return hidden, create_bidirectional_mask(config=stack.config, inputs_embeds=hidden, attention_mask=mask)
+        if self.stack.attention == "block sparse":  # full attention, as the stack's forward falls back to
+            full_attention(self.part(self.block), stack.config, hidden.shape[1])
+        if self.stack.attention in ("full", "prompts", "block sparse", "rotary"):
+            return hidden, ENCODER_MASKS[self._type](config=stack.config, inputs_embeds=hidden, attention_mask=mask)
         return encoder_inputs(self.stack.attention, stack, hidden, mask, extra)
 
     def _given(self, source: Tensor, mask: Tensor) -> Tensor:
@@ -404,7 +464,7 @@ class StackBlock(HFLayer):
             cache = extra["cache"] = self.decoder_caches.of(rows[0], target_mask.shape[1] - hidden.shape[1])
             if source.dim() == 1:
                 source = hidden.new_zeros(()).expand(hidden.shape[0], source_mask.shape[1], hidden.shape[-1])
-        mask = create_causal_mask(
+        mask = DECODER_MASKS[self._type](
             config=config,
             inputs_embeds=hidden,
             attention_mask=target_mask,
@@ -458,10 +518,24 @@ def output_scale(model: nn.Module) -> float | None:
     return dimension**-0.5 if (config.tie_word_embeddings if condition is None else condition) else None
 
 
+SOFTCAP = "final_logit_softcapping"
+"""The decoder's config field by which T5Gemma's forward soft-caps the logits (``c * tanh(logits / c)``)."""
+
+
+def output_softcap(model: nn.Module) -> float | None:
+    """``c`` where the model's forward soft-caps the logits, ``c * tanh(logits / c)``, else ``None``: its decoder's
+    config's :data:`SOFTCAP` where the class's forward's source names it (T5Gemma's). The self-check proves the
+    choice on a miniature."""
+    if SOFTCAP not in inspect.getsource(type(model).forward):
+        return None
+    return getattr(cast(Any, model).get_decoder().config, SOFTCAP, None)
+
+
 class Seq2SeqHead(HFLayer):
     """The head: the value to logits ``(N, T, V)``: the decoder's hidden states (times ``d_model ** -0.5`` where the
     model's forward scales them, :func:`output_scale`) through ``lm_head``, plus the model's ``final_logits_bias``
-    where it has one (held here under the model's name).
+    where it has one (held here under the model's name), soft-capped where the model's forward soft-caps them
+    (:func:`output_softcap`).
 
     Args:
         model: the model.
@@ -469,7 +543,7 @@ class Seq2SeqHead(HFLayer):
 
     def __init__(self, model: PreTrainedModel) -> None:
         super().__init__(model, ["lm_head"])
-        self.scale = output_scale(model)
+        self.scale, self.softcap = output_scale(model), output_softcap(model)
         bias = getattr(model, OUTPUT_BIAS, None)
         self.register_buffer(OUTPUT_BIAS, bias if isinstance(bias, Tensor) else None)
 
@@ -479,7 +553,8 @@ class Seq2SeqHead(HFLayer):
             hidden = hidden * self.scale
         logits = self.part("lm_head")(hidden)
         bias = getattr(self, OUTPUT_BIAS)
-        return logits if bias is None else logits + bias.to(logits.device)
+        logits = logits if bias is None else logits + bias.to(logits.device)
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
 
     def reset_parameters(self) -> None:
         """:meth:`HFLayer.reset_parameters`, and ``final_logits_bias`` zeros (as the model initialises it) unless the

@@ -88,11 +88,14 @@ def test_a_causal_lm_of_a_composite_config_is_built_from_its_text_config():
 
 
 def test_a_config_of_towers_without_a_language_models_config_is_refused_naming_them():
-    """Two models joined (EncoderDecoderModel's encoder and decoder configs) have no text config to cut."""
+    """BLT's four stacks have no text config to cut; two models joined (EncoderDecoderModel's encoder and decoder
+    configs, whose miniature is each stack's since T5Gemma) are refused by structure, naming it."""
+    with pytest.raises(UnsupportedModelError, match=r"the configs \['patcher_config', 'encoder_config', 'decoder_co"):
+        miniature_config(transformers.BltConfig())
     bert = transformers.BertConfig(**{k: TEXT[k] for k in ("vocab_size", "hidden_size", "num_attention_heads")})
     config = transformers.EncoderDecoderConfig(encoder=bert.to_dict(), decoder=bert.to_dict())
-    with pytest.raises(UnsupportedModelError, match=r"the configs \['encoder', 'decoder'\], none of them a language"):
-        miniature_config(config)
+    with pytest.raises(UnsupportedModelError, match=r"cannot pipeline EncoderDecoderModel: not the declared plan"):
+        to_sequential(transformers.EncoderDecoderModel(config=config), check=False)
 
 
 def test_what_a_composites_forward_leaves_out_of_its_text_config_is_refused_by_the_self_check():

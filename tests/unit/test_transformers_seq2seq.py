@@ -1,5 +1,6 @@
 """Encoder-decoders in the pipeline (lightning_gpipe.hf.Seq2SeqLM, lightning_gpipe/hf/seq2seq.py): the cut backbone
-against the models' own forward (T5, mT5, umT5, BART, mBART, Marian, M2M100, MVP, LongT5, LED, Pegasus-X of
+against the models' own forward (T5, mT5, umT5, BART, mBART, Marian, M2M100, MVP, LongT5, LED, Pegasus-X,
+BigBird-Pegasus, T5Gemma of
 tests/hf_families.py: logits, loss, every gradient), T5's relative position bias on a stage starting mid-stack,
 meta-device builds loading their own weights, label smoothing, LoRA, what is refused, and generation against
 ``model.generate`` (greedy with and without the decoder blocks' caches, beam search; also on micro-batches, as a
@@ -59,7 +60,7 @@ def test_the_backbone_layer_by_layer_equals_the_models_forward_logits_loss_and_e
 
     backbone = to_sequential(model)
     assert family_of(model).name == "encoder-decoder"
-    logits = through(backbone, seq2seq_input(model, ids, mask, labels=labels))
+    logits = through(backbone, seq2seq_input(model, ids, mask, labels=labels, training=model.training))
     loss = seq2seq_loss(logits, labels)
     loss.backward()
 
@@ -148,6 +149,27 @@ def test_layerdrop_skips_the_blocks_the_models_forward_skips_with_the_same_seed(
         expected = model(input_ids=ids, attention_mask=mask, labels=labels).logits
         torch.manual_seed(seed)
         torch.testing.assert_close(through(backbone, seq2seq_input(model, ids, mask, labels=labels)), expected)
+
+
+def test_the_stacks_own_dropout_follows_the_backbones_mode_as_lightning_sets_it():
+    """BART's stacks apply dropout to the embeddings in their own forward, which the embedding layers run up to the
+    first block; the stacks are no modules of those layers, so ``eval()`` on the backbone (Lightning's, before
+    validation) must reach them: evaluation equals the model's own evaluation forward (it dropped out before), and
+    training after ``train()`` the model's training forward with the same seed."""
+    torch.manual_seed(0)
+    model = build("bart", attn_implementation="eager", dropout=0.3)
+    reference = build("bart", attn_implementation="eager", dropout=0.3)
+    reference.load_state_dict(model.state_dict())
+    ids, mask, labels = batch()
+    backbone = to_sequential(model)
+    for training in (False, True):
+        backbone.train(training)
+        reference.train(training)
+        torch.manual_seed(1)
+        expected = reference(input_ids=ids, attention_mask=mask, labels=labels).logits
+        torch.manual_seed(1)
+        logits = through(backbone, seq2seq_input(model, ids, mask, labels=labels, training=training))
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0, msg=f"training={training}")
 
 
 def test_what_the_layers_cannot_take_is_refused_before_step_1_naming_the_structure():
@@ -263,3 +285,35 @@ def test_beam_search_equals_generate_token_for_token_the_encoder_run_once_one_ne
     assert {shape[:2] for m, shape in seen if m is not encoder_block} == {(3, 1), (12, 1)}
     module.backbone = MicroBatched(module.backbone, 2)
     assert torch.equal(module.generate(ids, mask, max_new_tokens=8, num_beams=4), expected)
+
+
+def test_bigbird_pegasus_blocks_attend_fully_where_its_encoder_falls_back_and_refuse_block_sparse_attention():
+    """BigBird-Pegasus (blocks of 2 tokens, 1 random block): on 9 source tokens, at most ``(5 + 2) * 2``, its encoder
+    replaces block-sparse attention by full attention, and so do the blocks' layers: greedy generation equals
+    ``model.generate``; on 16 tokens, which its encoder attends block-sparsely, a block's layer refuses."""
+    module, model = seq2seq_module("bigbird_pegasus", {})
+    ids, mask, _ = batch()
+    expected = model.generate(ids, attention_mask=mask, do_sample=False, num_beams=1, max_new_tokens=4)
+    assert torch.equal(module.generate(ids, mask, max_new_tokens=4), expected)
+    fresh = build("bigbird_pegasus", attn_implementation="eager")
+    long = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    value = seq2seq_input(fresh, long, decoder_input_ids=long[:, :4])
+    with pytest.raises(RuntimeError, match=r"block-sparse attention \(a source of 16 tokens, more than 14\)"):
+        through(to_sequential(fresh, check=False), value)
+
+
+def test_t5gemma_greedy_generation_past_its_sliding_window_equals_generate_and_its_decoder_masks_padding_in_training():
+    """T5Gemma (rotary positions computed by each block's layer, sliding windows of 4 tokens, soft-capped logits):
+    greedy decoding of 8 tokens, past the window, equals ``model.generate``; without a ``decoder_attention_mask`` its
+    decoder masks the padding tokens of its input in training only (keeping no cache), as the backbone's input does;
+    a source with padding and no ``attention_mask`` is refused (its cross-attention would not mask it)."""
+    module, model = seq2seq_module("t5gemma", {})
+    ids, mask, labels = batch()
+    expected = model.generate(ids, attention_mask=mask, do_sample=False, num_beams=1, max_new_tokens=8)
+    assert torch.equal(module.generate(ids, mask, max_new_tokens=8), expected)
+    targets = seq2seq_input(model, ids, mask, labels=labels)[2]
+    assert (targets == 0).any()  # the unlabelled positions, shifted in as padding
+    assert seq2seq_input(model, ids, mask, labels=labels)[3].all()
+    assert torch.equal(seq2seq_input(model, ids, mask, labels=labels, training=True)[3], (targets != 0).long())
+    with pytest.raises(ValueError, match="give the batch's `attention_mask`"):
+        seq2seq_input(model, ids.masked_fill(mask == 0, 0), labels=labels)
