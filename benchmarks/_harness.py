@@ -67,16 +67,19 @@ class StepClock:
         self.ends: list[float] = []
         self.waits: list[float] = []  # seconds this thread had spent runnable but not running
         self.cpu: list[float] = []  # CPU seconds of this process (all its threads)
+        self.main_cpu: list[float] = []  # CPU seconds of this thread (the one that marks the steps)
 
     def mark(self) -> None:
         """Record the end of one step."""
         self.ends.append(time.perf_counter())
         self.waits.append(run_queue_wait())
         self.cpu.append(time.process_time())
+        self.main_cpu.append(time.thread_time())
 
     def summary(self) -> dict:
         """``median_s`` (median step period, s), ``step_s`` (every period), ``cpu_s`` (CPU s per step, all
-        threads), ``runq_wait`` (share of the measured time the main thread waited for a CPU), ``peak_rss_mib``."""
+        threads), ``main_cpu_s`` (CPU s per step of the thread that marks the steps), ``runq_wait`` (share of the
+        measured time the main thread waited for a CPU), ``peak_rss_mib``."""
         first = max(self.warmup - 1, 0)
         ends = self.ends[first:]
         times = [b - a for a, b in zip(ends, ends[1:])]
@@ -86,6 +89,7 @@ class StepClock:
             "median_s": statistics.median(times),
             "step_s": times,
             "cpu_s": (self.cpu[-1] - self.cpu[first]) / len(times),
+            "main_cpu_s": (self.main_cpu[-1] - self.main_cpu[first]) / len(times),
             "runq_wait": (self.waits[-1] - self.waits[first]) / (ends[-1] - ends[0]),
             "peak_rss_mib": peak_rss_mib(),
         }
@@ -146,11 +150,13 @@ class Outcome:
 
 @dataclass
 class Series:
-    """The repeats of one configuration: rank-0 medians, the busiest process's CPU s/step, contention flags."""
+    """The repeats of one configuration: rank-0 medians, the busiest process's CPU s/step, contention flags, and
+    every repeat's records (one per process, by rank)."""
 
     medians: list[float] = field(default_factory=list)
     busiest_cpu: list[float] = field(default_factory=list)
     contended: list[bool] = field(default_factory=list)
+    records: list[list[dict]] = field(default_factory=list)
 
     def median(self, clean: bool = False) -> float | None:
         """Median over the repeats (``clean``: the uncontended ones only; ``None`` if there are none)."""
@@ -337,16 +343,13 @@ def print_header(settings: str, configs: list[Config], figure: str) -> None:
     print(flush=True)
 
 
-def interleave(
-    configs: list[Config], repeats: int, settle_s: float = 0.0, kept: dict[str, list[list[dict]]] | None = None
-) -> dict[str, Series]:
+def interleave(configs: list[Config], repeats: int, settle_s: float = 0.0) -> dict[str, Series]:
     """Run every configuration ``repeats`` times, interleaved (A, B, ..., A, B, ...), printing each run.
 
     Args:
         configs: what to run.
         repeats: runs of each configuration.
         settle_s: see :func:`settle`, before each run.
-        kept: where given, every run's records (one per process, by rank) are appended to ``kept[name]``.
 
     Returns:
         The series of each configuration, by name.
@@ -356,11 +359,10 @@ def interleave(
         for config in configs:
             found, ticks = settle(settle_s), cpu_ticks()
             records = run_or_exit(config).records
-            if kept is not None:
-                kept.setdefault(config.name, []).append(records)
             stolen = stolen_share(ticks, cpu_ticks())
             main, series = records[0], results[config.name]
             series.medians.append(main["median_s"])
+            series.records.append(records)
             series.busiest_cpu.append(max(r["cpu_s"] for r in records))
             series.contended.append(max(max(r["runq_wait"] for r in records), stolen) > CONTENDED)
             cpu = "/".join(f"{r['cpu_s']:.4f}" for r in records)

@@ -388,7 +388,8 @@ def run_lightning(args: argparse.Namespace) -> None:
         trainer.fit(module, loader)
     record = {**callback.clock.summary(), "threads": torch.get_num_threads(), "world_size": trainer.world_size}
     if args.strategy != "plain":
-        record.update(split=trainer.strategy.config.splits_backward)  # what ran: given, or the default's choice
+        config = trainer.strategy.config  # what ran: given, or the default's choice
+        record.update(split=config.splits_backward, virtual_stages=config.virtual_stages)
         # rank 0's only (every stage profiles alike): the stages share one stdout, and lines longer than a pipe's
         # atomic write (4 KiB) from several of them interleave (768 layers' costs on 4 stages broke the records)
         if trainer.global_rank == 0:
@@ -605,8 +606,9 @@ def _materialized(layers: list[torch.nn.Module]) -> None:
             layer.reset_parameters()
 
 
-def _train(step, params, args: argparse.Namespace, rank: int) -> None:
-    """Run ``step()`` for the warm-up and measured steps with an SGD update after each; emit the clock."""
+def _train(step, params, args: argparse.Namespace, rank: int, split: bool = False, virtual_stages: int = 1) -> None:
+    """Run ``step()`` for the warm-up and measured steps with an SGD update after each; emit the clock, with what
+    this process ran: ``split`` (backwards split into B and W), ``virtual_stages`` (model chunks it holds)."""
     optimizer = torch.optim.SGD(params, lr=1e-3, momentum=args.momentum)
     clock = StepClock(args.warmup)
     for _ in range(args.warmup + args.steps):
@@ -614,7 +616,7 @@ def _train(step, params, args: argparse.Namespace, rank: int) -> None:
         step()
         optimizer.step()
         clock.mark()
-    emit(rank, **clock.summary(), threads=torch.get_num_threads())
+    emit(rank, **clock.summary(), threads=torch.get_num_threads(), split=split, virtual_stages=virtual_stages)
 
 
 def run_bare(args: argparse.Namespace) -> None:
@@ -654,7 +656,7 @@ def run_bare(args: argparse.Namespace) -> None:
         pipeline.backward()
 
     params = [*pipeline.partition.parameters(), *(head.parameters() if pipeline.is_last else [])]
-    _train(step, params, args, rank)
+    _train(step, params, args, rank, split=defer)
     dist.destroy_process_group()
 
 
@@ -717,7 +719,8 @@ def run_tp_zero_bubble(args: argparse.Namespace) -> None:
     def step() -> None:
         schedule.step(*([x] if first else []), **({"target": y} if last else {}))
 
-    _train(step, [p for m in modules for p in m.parameters()], args, rank)
+    params = [p for m in modules for p in m.parameters()]
+    _train(step, params, args, rank, split=args.kind != "tp-i1f1b", virtual_stages=len(modules))
     dist.destroy_process_group()
 
 
@@ -734,7 +737,8 @@ def run_torchgpipe(args: argparse.Namespace) -> None:
     balance[-1] += 1  # the head, on the last partition as in the other pipelines
     model = GPipe(sequential, balance, devices=["cpu"] * args.devices, chunks=args.chunks, checkpoint=args.checkpoint)
     x, y = _batch(args)
-    _train(lambda: F.cross_entropy(model(x), y).backward(), list(model.parameters()), args, 0)
+    step = lambda: F.cross_entropy(model(x), y).backward()  # noqa: E731
+    _train(step, list(model.parameters()), args, 0, virtual_stages=args.devices)  # every partition in this process
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -265,6 +265,31 @@ def summarise(args: argparse.Namespace, results: dict[str, harness.Series]) -> N
             if split in args.only and whole in args.only:
                 a, b = f"{whole}/M{m}", f"{split}/M{m}"
                 harness.print_ratio(f"{what}, M={m}", results[a], results[b], a, b)
+    print_actions(results)
+
+
+def print_actions(results: dict[str, harness.Series]) -> None:
+    """Each run's CPU per step and per pipeline action, per process (rank 0/rank 1/...), medians over the repeats:
+    of the main thread (which runs the actions) and of all threads. An action is the forward, the backward, or the
+    B or W half of one micro-batch on one model chunk: M x (2, or 3 with the B/W split) x the process's model chunks
+    a step (torchgpipe's one process runs every partition's)."""
+    print(
+        "\nCPU ms per step and per action (forward, backward, B or W of one micro-batch on one model chunk), per"
+        " process (rank 0/rank 1/...), medians over the repeats; less sensitive to other load than the step time"
+    )
+    print(
+        f"{'config':<16} {'actions':>7}  {'main thread /step':>18}  {'/action':>13}  {'all threads /step':>18}  /action"
+    )
+    for name, series in results.items():
+        first = series.records[0][0]
+        actions = int(name.rsplit("/M", 1)[1]) * (3 if first.get("split") else 2) * first.get("virtual_stages", 1)
+        cells = []
+        for key in ("main_cpu_s", "cpu_s"):
+            per_rank = [1e3 * statistics.median(run[rank].get(key, float("nan")) for run in series.records)
+                        for rank in range(len(series.records[0]))]  # fmt: skip
+            cells.append("/".join(f"{v:.2f}" for v in per_rank))
+            cells.append("/".join(f"{v / actions:.3f}" for v in per_rank))
+        print(f"{name:<16} {actions:>7}  {cells[0]:>18}  {cells[1]:>13}  {cells[2]:>18}  {cells[3]}")
 
 
 if __name__ == "__main__":

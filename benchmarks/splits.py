@@ -160,9 +160,9 @@ def _stage_cells(values: list[float]) -> str:
     return "/".join(f"{v:.0f}" for v in values)
 
 
-def summarise(name: str, results: dict[str, harness.Series], kept: dict[str, list[list[dict]]]) -> None:
+def summarise(name: str, results: dict[str, harness.Series]) -> None:
     """One model's table and its two verdicts."""
-    time_runs = kept[f"{name}/time"]
+    time_runs = results[f"{name}/time"].records
     costs, halves = median_costs(time_runs), split_backward(time_runs)
     fixed = [key for key in results if key.startswith(f"{name}/") and key != f"{name}/time"]
     splits = {key: [int(n) for n in key.split("/")[1].split(",")] for key in fixed}
@@ -173,7 +173,7 @@ def summarise(name: str, results: dict[str, harness.Series], kept: dict[str, lis
         f"{'split':<8}{'s/step':>9}{'vs fastest':>12}   {'busy ms/step':>16}   {'profile ms/step':>16}   measured/pred"
     )
     for key, split in splits.items():
-        measured = [statistics.median(v) for v in zip(*(busy_ms(r) for r in kept[key]))]
+        measured = [statistics.median(v) for v in zip(*(busy_ms(r) for r in results[key].records))]
         predicted = predicted_ms(costs, split, CHUNKS, CHECKPOINT, halves)
         ratios = "/".join(f"{a / b:.2f}" for a, b in zip(measured, predicted))
         step = results[key].median()
@@ -258,11 +258,10 @@ def main(argv: list[str] | None = None) -> None:
     harness.print_header(settings, grid, "median time per optimizer step (s) on global rank 0")
 
     def body() -> None:
-        kept: dict[str, list[list[dict]]] = {}
-        results = harness.interleave(grid, args.repeats, args.settle, kept)
+        results = harness.interleave(grid, args.repeats, args.settle)
         harness.print_table(results)
         for name in args.models:
-            summarise(name, results, kept)
+            summarise(name, results)
 
     harness.timed(body)
 
