@@ -68,6 +68,7 @@ from lightning_gpipe.hf.decoder_layout import (
     block_arguments_reason,
     kv_sharing_reason,
     layer_types_reason,
+    per_layer_module,
     standard_decoder,
     theta_rotaries,
 )
@@ -78,11 +79,6 @@ from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel, UnsupportedModelE
 from lightning_gpipe.hf.seq2seq import SEQ2SEQ_INPUTS, encoder_decoder, encoder_decoder_layers
 
 # ------------------------------------------------------------------ the pipeline plan transformers declares
-
-PER_LAYER = ("get_per_layer_inputs", "project_per_layer_inputs")
-"""The methods of a base model that computes per-layer inputs for its blocks from the tokens and the embeddings
-(Gemma 4's per-layer embeddings): the embedding layer calls them (:class:`~lightning_gpipe.hf.decoder_cut.DecoderCut`'s
-``per_layer``)."""
 
 
 def plan_of(model: nn.Module) -> dict[str, tuple[list[str], list[str]]]:
@@ -149,14 +145,14 @@ def _left_out(model: nn.Module, base_model: nn.Module, name: str, child: nn.Modu
     Phi-4-multimodal's image and audio features); ``"rotaries"``, an ``nn.ModuleList`` of modules of the class of the
     base model's rotary embedding where the config gives each layer its ``layer_rope_theta`` (Granite-SWA); ``"idle"``,
     a module without parameters or buffers (nothing to hold; the self-check proves the forward does not need it:
-    Phi-4-multimodal's ``embed_dropout``, which its forward never calls); ``"per layer"``, a module named
-    ``...per_layer...`` of a base model with the per-layer embedding methods (:data:`PER_LAYER`: Gemma 4's
-    ``embed_tokens_per_layer``...), which compute the per-layer inputs from it at the embedding (not Gemma 3n's
-    ``altup_projections``); ``"collapse"``, any other module of a model with hyper-connections (``config.hc_mult``
-    streams: HY-V4's ``hc_head``), applied before the final norm; else ``None``."""
+    Phi-4-multimodal's ``embed_dropout``, which its forward never calls); ``"per layer"``, a per-layer embedding
+    module (:func:`~lightning_gpipe.hf.decoder_layout.per_layer_module`: Gemma 4's ``embed_tokens_per_layer``...),
+    which computes the per-layer inputs at the embedding; ``"collapse"``, any other module of a model with
+    hyper-connections (``config.hc_mult`` streams: HY-V4's ``hc_head``), applied before the final norm; else
+    ``None``."""
     if not [*child.parameters(), *child.buffers()]:
         return "idle"
-    if "per_layer" in name and all(callable(getattr(base_model, method, None)) for method in PER_LAYER):
+    if per_layer_module(base_model, name):
         return "per layer"
     if isinstance(getattr(cast(Any, model).config, "hc_mult", None), int):
         return "collapse"

@@ -32,6 +32,7 @@ from lightning_gpipe.hf.decoder_layout import (
     block_arguments_reason,
     kv_sharing_reason,
     layer_types_reason,
+    per_layer_module,
 )
 from lightning_gpipe.hf.layer import PreTrainedModel
 
@@ -95,14 +96,16 @@ def _norm_name(language: nn.Module, text: Any) -> str:
 
 def _text_cut(model: nn.Module, prefix: str, language: str, text: Any) -> DecoderCut | str:
     """The cut of the language model at ``prefix.language`` (its ``embed_tokens``, ``layers``, final norm and
-    ``rotary_emb``; the base model's other children held by the embedding layer), or why not."""
+    ``rotary_emb``, and its per-layer embedding modules, :func:`~lightning_gpipe.hf.decoder_layout.per_layer_module`:
+    Gemma 4's; the base model's other children held by the embedding layer), or why not."""
     path = f"{prefix}.{language}"
     module = model.get_submodule(path)
     norm = _norm_name(module, text)
     if norm.startswith("not "):
         return f"`{path}` holds {norm}"
     inner = sorted(name for name, child in children(module).items() if child is not None)
-    expected = sorted(["embed_tokens", "layers", norm, *([ROTARY] if ROTARY in inner else [])])
+    per_layer = [name for name in inner if per_layer_module(module, name)]  # Gemma 4's per-layer embeddings
+    expected = sorted(["embed_tokens", "layers", norm, *([ROTARY] if ROTARY in inner else []), *per_layer])
     if inner != expected:
         return f"`{path}` holds {inner}, not exactly {expected}"
     blocks = module.get_submodule("layers")
@@ -114,7 +117,10 @@ def _text_cut(model: nn.Module, prefix: str, language: str, text: Any) -> Decode
         if name != language and child is not None
     )
     rotary = f"{path}.{ROTARY}" if ROTARY in inner else None
-    return DecoderCut(f"{path}.embed_tokens", None, f"{path}.layers", rotary, f"{path}.{norm}", "lm_head", held=towers)
+    return DecoderCut(
+        f"{path}.embed_tokens", None, f"{path}.layers", rotary, f"{path}.{norm}", "lm_head",
+        per_layer=tuple(f"{path}.{name}" for name in per_layer), held=towers,
+    )  # fmt: skip
 
 
 def composite_decoder(model: nn.Module) -> str | None:

@@ -315,6 +315,25 @@ class RotaryDecoderBlock(CachedDecoderBlock):
         return _pack(output, attention_mask, position_ids, statistics, per_layer, tokens, given, documents, rows)
 
 
+class SkippedBlock(HFLayer):
+    """A block the model's forward skips on text alone (Mllama's cross-attention layers without an image,
+    :func:`~lightning_gpipe.hf.decoder_layout.skipped_block`): it holds the block's modules (every tensor of the model
+    is held by a layer; neither gets a gradient) and passes the value on unchanged.
+
+    Args:
+        model: the model.
+        block: path of the block (``"model.layers.3"``).
+    """
+
+    tokens = False  # it reads no token ids (see RotaryDecoderBlock.tokens)
+
+    def __init__(self, model: PreTrainedModel, block: str) -> None:
+        super().__init__(model, [block])
+
+    def forward(self, value: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        return value
+
+
 class GPT2Block(CachedDecoderBlock):
     """One GPT-2 block: ``(hidden, attention_mask, position_ids[, rows])`` to the same, with the causal mask
     rebuilt; with ``rows``, decodes incrementally with its own key/value cache (see

@@ -5,7 +5,8 @@
 there, with the deviations the config declares: a multiplier on the embeddings (Granite's ``embedding_multiplier``) or
 a dropout on them (StarCoder 2's ``embedding_dropout``), the hidden states scaled before the head (MiniCPM3's
 ``dim_model_base``), logits scaled (``logits_scaling``, ``logit_scale``) or soft-capped (``final_logit_softcapping``),
-a rotary module per layer theta (Granite-SWA), blocks of several attention layers (LongCat-Flash), and
+a rotary module per layer theta (Granite-SWA), blocks of several attention layers (LongCat-Flash), blocks the forward
+skips on text (Mllama's cross-attention layers, :class:`~lightning_gpipe.hf.decoder.SkippedBlock`), and
 mixture-of-experts routers whose load-balancing loss travels as per-row statistics (:mod:`lightning_gpipe.hf.moe`).
 :func:`gpt2_layers` cuts GPT-2.
 """
@@ -17,8 +18,8 @@ from typing import Any, cast
 
 from torch import nn
 
-from lightning_gpipe.hf.decoder import DecoderEmbedding, FinalNorm, GPT2Block, Head, RotaryDecoderBlock
-from lightning_gpipe.hf.decoder_layout import base_name, norm_before_blocks, theta_rotaries_name
+from lightning_gpipe.hf.decoder import DecoderEmbedding, FinalNorm, GPT2Block, Head, RotaryDecoderBlock, SkippedBlock
+from lightning_gpipe.hf.decoder_layout import base_name, norm_before_blocks, skipped_block, theta_rotaries_name
 from lightning_gpipe.hf.layer import PreTrainedModel
 from lightning_gpipe.hf.masks import layer_type
 from lightning_gpipe.hf.moe import router_loss_of
@@ -155,13 +156,20 @@ def decoder_layers(model: PreTrainedModel, cut: DecoderCut) -> list[nn.Module]:
     config = model.config
     router = router_loss_of(model)
     hidden_divisor, head = head_scaling(config)
-    count = len(cast(nn.ModuleList, model.get_submodule(cut.blocks)))
-    per_block = sublayers(config, count)
+    modules = cast(nn.ModuleList, model.get_submodule(cut.blocks))
+    base = model.get_submodule(cut.blocks.rpartition(".")[0])
+    per_block = sublayers(config, len(modules))
     assert isinstance(per_block, int)  # the families take only models whose blocks hold whole layers
-    blocks = []
-    for i in range(count):
+    blocks: list[RotaryDecoderBlock | SkippedBlock] = []
+    for i, module in enumerate(modules):
         rotary, held = block_rotary(model, cut, i)
-        blocks.append(RotaryDecoderBlock(model, f"{cut.blocks}.{i}", rotary, i * per_block, router, held))
+        path = f"{cut.blocks}.{i}"
+        skipped = skipped_block(base, module)  # Mllama's cross-attention layers on text
+        blocks.append(
+            SkippedBlock(model, path)
+            if skipped
+            else RotaryDecoderBlock(model, path, rotary, i * per_block, router, held)
+        )
     return [
         DecoderEmbedding(
             model,

@@ -10,7 +10,9 @@ get where they ask for it (:class:`~lightning_gpipe.hf.decoder.RotaryDecoderBloc
 block (``prev_...``, :data:`CARRIED`), what their modeling module computes from the positions
 (:func:`computed_arguments`), rotary tables of several kinds (:func:`rotary_kinds`) or for one layer type only
 (:func:`rotary_layer_types`); rotary modules per layer theta (:func:`theta_rotaries`); the final norm applied to the
-embeddings too (:func:`norm_before_blocks`). Blocks run in several loops are refused (:func:`block_loops_reason`).
+embeddings too (:func:`norm_before_blocks`); arguments the forward passes on as given, ``None`` on text
+(:func:`passed_arguments`), and blocks it skips without them (:func:`skipped_block`: Mllama's cross-attention layers).
+Blocks run in several loops are refused (:func:`block_loops_reason`).
 Whatever else a class does differently is caught by the self-check (:mod:`lightning_gpipe.hf.selfcheck`) before the
 first step.
 """
@@ -151,6 +153,60 @@ def rotary_layer_types(base_class: Any) -> frozenset[str] | None:
     return None
 
 
+def passed_arguments(base_class: Any) -> frozenset[str]:
+    """The arguments of the forward of ``base_class`` (a base model's class) that default to ``None`` and that it
+    passes on as given (a keyword ``name=name``, the name never assigned): Mllama's ``cross_attention_states``,
+    ``cross_attention_mask`` and ``full_text_row_masked_out_mask``, which its blocks get ``None`` on text alone, as
+    the adapter gives them (their default; a batch carrying them is refused, :func:`~lightning_gpipe.hf.composite.
+    unused_inputs`). Empty where its code cannot be read. The self-check proves the reading."""
+    tree = _forward_tree(base_class)
+    if tree is None:
+        return frozenset()
+    parameters = inspect.signature(inspect.unwrap(base_class.forward)).parameters.values()
+    optional = {p.name for p in parameters if p.default is None}
+    assigned = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)}
+    passed = {
+        node.arg
+        for node in ast.walk(tree)
+        if isinstance(node, ast.keyword) and isinstance(node.value, ast.Name) and node.value.id == node.arg
+    }
+    return frozenset(passed & optional - assigned)
+
+
+def skipping_arguments(base_class: Any, blocks: str = "layers") -> frozenset[str]:
+    """The arguments whose absence makes the forward of ``base_class`` skip blocks: ``name`` where its loop over
+    ``self.<blocks>`` holds ``if ... name is None ...: continue`` (Mllama's text-only path, which skips its
+    cross-attention layers without ``cross_attention_states``); a block whose forward requires such an argument
+    (:func:`skipped_block`) is skipped on text. Empty where its code cannot be read."""
+    tree = _forward_tree(base_class)
+    skips = [
+        node.test
+        for loop in ([] if tree is None else ast.walk(tree))
+        if isinstance(loop, ast.For) and _loops_over(loop, blocks)
+        for node in ast.walk(loop)
+        if isinstance(node, ast.If) and len(node.body) == 1 and isinstance(node.body[0], ast.Continue)
+    ]
+    return frozenset(
+        test.left.id
+        for skip in skips
+        for test in ast.walk(skip)
+        if isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and isinstance(test.ops[0], ast.Is)
+        and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None
+    )  # fmt: skip
+
+
+def skipped_block(base: nn.Module, block: nn.Module) -> bool:
+    """Whether the forward of the base model ``base`` skips ``block`` on text alone: the block's forward requires
+    (no default) an argument the base model's forward passes on as given (:func:`passed_arguments`), ``None`` on text,
+    and whose ``None`` makes it skip blocks (:func:`skipping_arguments`): Mllama's cross-attention layers. The
+    adapter's layer for it passes the value on (:class:`~lightning_gpipe.hf.decoder.SkippedBlock`); the self-check
+    proves the reading."""
+    base_class = cast(Any, type(base))
+    absent = passed_arguments(base_class) & skipping_arguments(base_class)
+    parameters = inspect.signature(block.forward).parameters.values()
+    return any(p.name in absent and p.default is inspect.Parameter.empty for p in parameters)
+
+
 def _loops_over(node: ast.AST, blocks: str) -> bool:
     """Whether ``node`` holds a ``for`` statement over ``self.<blocks>`` (or a slice of it, ``enumerate`` of it)."""
     return any(
@@ -193,6 +249,20 @@ def computed_arguments(block: nn.Module) -> dict[str, Callable[[Tensor], Tensor]
     return {name: compute for name, compute in found.items() if callable(compute)}
 
 
+PER_LAYER = ("get_per_layer_inputs", "project_per_layer_inputs")
+"""The methods of a base model that computes per-layer inputs for its blocks from the tokens and the embeddings
+(Gemma 4's per-layer embeddings): the embedding layer calls them (:class:`~lightning_gpipe.hf.decoder_cut.DecoderCut`'s
+``per_layer``)."""
+
+
+def per_layer_module(base: nn.Module, name: str) -> bool:
+    """Whether ``base``'s child ``name`` is one of its per-layer embedding modules: named ``...per_layer...`` in a base
+    model with the per-layer embedding methods (:data:`PER_LAYER`: Gemma 4's ``embed_tokens_per_layer``,
+    ``per_layer_model_projection``, ``per_layer_projection_norm``; not Gemma 3n's ``altup_projections``), which the
+    embedding layer holds and computes the per-layer inputs with. The self-check proves the reading."""
+    return "per_layer" in name and all(callable(getattr(base, method, None)) for method in PER_LAYER)
+
+
 def kv_sharing_reason(config: Any) -> str | None:
     """``None`` unless layers of ``config`` reuse the keys and values of earlier layers (``num_kv_shared_layers``:
     Gemma 3n, Gemma 4), which the adapter does not carry from block to block (the blocks of a model without such
@@ -207,14 +277,16 @@ def kv_sharing_reason(config: Any) -> str | None:
     return None
 
 
-def block_arguments_reason(block: nn.Module, config: Any = None) -> str | None:
+def block_arguments_reason(block: nn.Module, config: Any = None, passed: frozenset[str] = frozenset()) -> str | None:
     """``None`` when ``block``'s forward takes no named argument beyond :data:`BLOCK_ARGUMENTS` (and one named
     ``prev_...``, :data:`CARRIED`; where ``config`` has a layer type of :data:`~lightning_gpipe.hf.masks.HYBRID`, one
-    more ``..._mask``), else why not (the model's forward computes something else for it: Beam's
-    ``attention_scaling``)."""
+    more ``..._mask``; any of ``passed``, the arguments the model's forward passes on as given,
+    :func:`passed_arguments`, left at their default ``None``), else why not (the model's forward computes something
+    else for it: Beam's ``attention_scaling``)."""
     parameters = inspect.signature(block.forward).parameters.values()
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    extra = [p.name for p in parameters if p.kind in named and p.name not in BLOCK_ARGUMENTS]
+    given = BLOCK_ARGUMENTS | {p.name for p in parameters if p.name in passed and p.default is None}
+    extra = [p.name for p in parameters if p.kind in named and p.name not in given]
     extra = [name for name in extra if name not in computed_arguments(block)]
     carried = [name for name in extra if name.startswith(CARRIED)]
     masks = [name for name in extra if name.endswith("_mask")]
@@ -294,6 +366,6 @@ def standard_decoder(model: nn.Module) -> str | None:
         return "use_bidirectional_attention=True (a bidirectional encoder, not a causal LM)"
     return (
         layer_types_reason(config, base.get_submodule("rotary_emb"))
-        or block_arguments_reason(base.layers[0], config)
+        or block_arguments_reason(base.layers[0], config, passed_arguments(type(base)))
         or block_loops_reason(base)
     )

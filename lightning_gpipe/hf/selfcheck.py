@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gpipe.hf.composite import TEXT_CONFIG, text_config
-from lightning_gpipe.hf.decoder import causal_lm_loss, shifts_labels
+from lightning_gpipe.hf.decoder import SkippedBlock, causal_lm_loss, shifts_labels
 from lightning_gpipe.hf.encoder import encoder_input
 from lightning_gpipe.hf.layer import HFLayer, UnsupportedModelError
 from lightning_gpipe.hf.moe import router_loss_of
@@ -122,12 +122,26 @@ def _layer_output(index: int, layer: Any, value: Any) -> Any:
         raise _Failed(error, f"backbone layer {index} ({', '.join(layer.paths)})") from error
 
 
+def _layer_indices(config: Any) -> dict[str, list[int]]:
+    """The config's lists of layer indices, by name: a non-empty ``..._layers`` list of indices below
+    ``num_hidden_layers``, not one entry per layer (Mllama's ``cross_attention_layers``, FLINT's
+    ``mlp_only_layers``)."""
+    count = config.num_hidden_layers
+    return {
+        name: list(value)
+        for name, value in vars(config).items()
+        if name.endswith("_layers") and isinstance(value, (list, tuple)) and value and len(value) != count
+        and all(_is_integer(index) and 0 <= index < count for index in value)
+    }  # fmt: skip
+
+
 def _kept_layers(config: Any) -> list[int]:
     """The blocks the miniature keeps: the first block of each kind the config's per-layer lists (``layer_types``...),
-    per-layer overrides (:func:`_overrides`) and key/value sharing (:func:`_first_kv_shared`) tell apart, then the
-    next ones up to two."""
+    lists of layer indices (:func:`_layer_indices`: whether a block is among them), per-layer overrides
+    (:func:`_overrides`) and key/value sharing (:func:`_first_kv_shared`) tell apart, then the next ones up to two."""
     count = config.num_hidden_layers
     lists = [v for v in vars(config).values() if isinstance(v, (list, tuple)) and len(v) == count]
+    lists += [[index in indices for index in range(count)] for indices in _layer_indices(config).values()]
     overrides = _overrides(config) or {}
     sharing = _first_kv_shared(config)
     first: dict[tuple, int] = {}
@@ -163,10 +177,10 @@ def _overrides(config: Any) -> dict[int, dict[str, Any]] | None:
 
 def miniature_config(config: Any) -> Any:
     """A copy of ``config`` for the miniature: the blocks :func:`_kept_layers` keeps (per-layer lists and a
-    heterogeneous config's per-layer overrides cut alike; as many layers reusing earlier keys and values as it
-    keeps), the widths of :data:`SIZES` and the bounds of
-    :data:`LIMITS` (per layer too, :func:`_shrunk`; an encoder-decoder's :data:`SEQ2SEQ_LIMITS` too), token ids within
-    the vocabulary, no cache; every other option (dropout probabilities included) as given.
+    heterogeneous config's per-layer overrides cut alike, lists of layer indices renumbered; as many layers reusing
+    earlier keys and values as it keeps), the widths of :data:`SIZES` and the bounds of :data:`LIMITS` (per layer too,
+    :func:`_shrunk`; an encoder-decoder's :data:`SEQ2SEQ_LIMITS` too), token ids within the vocabulary, no cache;
+    every other option (dropout probabilities included) as given.
 
     A composite config (no depth of its own, a language model's ``text_config`` beside its towers': Gemma 3's,
     Voxtral's) is copied with its text config shrunk so and each tower cut to one block (:func:`_one_block_towers`),
@@ -196,6 +210,8 @@ def miniature_config(config: Any) -> Any:
             setattr(mini, name, type(value)(value[i] for i in kept))
         elif name.endswith("_token_id") and isinstance(value, int):
             setattr(mini, name, min(value, SIZES["vocab_size"] - 1))
+    for name, indices in _layer_indices(config).items():  # renumbered among the kept blocks
+        setattr(mini, name, [kept.index(index) for index in indices if index in kept])
     if _integer(config, "num_kv_shared_layers"):  # as many sharing layers as kept: each kind's producer kept too
         mini.num_kv_shared_layers = sum(index >= _first_kv_shared(config) for index in kept)
     try:
@@ -212,15 +228,21 @@ def miniature_config(config: Any) -> Any:
         names = set(overrides[0])
         mini.per_layer_config = {j: {n: v for n, v in values.items() if n in names} for j, values in enumerate(layers)}
     if getattr(config, "is_encoder_decoder", False):
-        for name, limit in SEQ2SEQ_LIMITS.items():
-            if _is_integer(getattr(mini, name, None)):
-                setattr(mini, name, min(getattr(mini, name), limit))
-        if _is_integer(getattr(mini, "decoder_vocab_size", None)):  # Marian's target vocabulary
-            mini.decoder_vocab_size = mini.vocab_size
+        _seq2seq_limits(mini)
     _one_block_towers(mini)
     _part_widths(config, mini)
     mini.use_cache = False
     return mini
+
+
+def _seq2seq_limits(mini: Any) -> None:
+    """Bound an encoder-decoder miniature's :data:`SEQ2SEQ_LIMITS`; its target vocabulary (Marian's) is its
+    vocabulary."""
+    for name, limit in SEQ2SEQ_LIMITS.items():
+        if _is_integer(getattr(mini, name, None)):
+            setattr(mini, name, min(getattr(mini, name), limit))
+    if _is_integer(getattr(mini, "decoder_vocab_size", None)):
+        mini.decoder_vocab_size = mini.vocab_size
 
 
 def _part_widths(config: Any, mini: Any) -> None:
@@ -408,7 +430,8 @@ def _received(model: nn.Module, layers: list[HFLayer], ids: Tensor, mask: Tensor
     """The model's forward on the probe, and what the first module of each backbone layer after the first
     received (its hidden states), by forward pre-hooks: ``(output, [received, ...])``. A module the forward calls
     more than once (NanoChat's final norm, applied to the embeddings too) counts by its first call after the previous
-    layer's."""
+    layer's. A block the forward does not call (:class:`~lightning_gpipe.hf.decoder.SkippedBlock`) is to receive what
+    the next layer receives."""
     calls: list[list[tuple[int, Tensor | None]]] = [[] for _ in layers[1:]]
     order = itertools.count()
 
@@ -431,6 +454,9 @@ def _received(model: nn.Module, layers: list[HFLayer], ids: Tensor, mask: Tensor
         call = next(((at, value) for at, value in index_calls if at > after), None)
         after = after if call is None else call[0]
         received.append(None if call is None else call[1])
+    for index in reversed(range(len(received) - 1)):  # a block the forward skips receives nothing: what follows it
+        if received[index] is None and isinstance(layers[index + 1], SkippedBlock):
+            received[index] = received[index + 1]
     return output, received
 
 

@@ -64,6 +64,20 @@ def test_a_composite_is_cut_as_its_language_model_and_equals_its_own_forward(nam
     assert model.get_submodule("model.language_model.embed_tokens").weight.grad is not None
 
 
+def test_a_composites_language_model_with_per_layer_embeddings_is_cut_with_them():
+    """Gemma 4's image-text model: its language model holds per-layer embeddings (``embed_tokens_per_layer``,
+    ``per_layer_model_projection``, ``per_layer_projection_norm``) beside the decoder's modules, from which its forward
+    computes each block's per-layer input on text as Gemma 4's text model does; the embedding layer holds them (and
+    the towers) and computes them, and the cut equals the model's forward (logits, loss, every gradient)."""
+    model_class, config = transformers.Gemma4ForConditionalGeneration, transformers.Gemma4Config(vision_config={})
+    tensor, difference = conformance().compare(model_class, config)
+    assert difference <= 1e-5, tensor
+    own = ["embed_tokens", "embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm"]
+    embedding = to_sequential(miniature(model_class, config), check=False)[0]
+    towers = ["model.vision_tower", "model.embed_vision"]
+    assert list(embedding.paths) == [f"model.language_model.{name}" for name in own] + towers
+
+
 def test_causal_lm_trains_a_speech_to_text_model_and_refuses_its_audio_in_a_batch():
     """Voxtral is built by AutoModelForSeq2SeqLM only: CausalLM builds it (a decoder, checked as such); a batch carrying
     its audio features is refused naming them, not trained on its text alone; the text trains."""

@@ -457,3 +457,24 @@ def test_a_decoder_running_its_blocks_in_several_loops_is_refused_naming_it():
     result = conformance().conform("dory")
     assert result.verdict == "refused"
     assert "not the decoder layout: its forward runs its blocks in 3 loops one after the other" in result.detail
+
+
+def test_blocks_the_forward_skips_on_text_are_held_and_passed_over():
+    """Mllama's text model skips its cross-attention layers where it is given no image (``if ... cross_attention_states
+    is None ...: continue``) and passes its image arguments on to its blocks as given, ``None`` on text: its
+    self-attention blocks are called without them, a cross-attention block (which requires them) is a layer holding it
+    that passes the value on; the miniature keeps one (its ``cross_attention_layers`` renumbered), logits, loss and
+    every gradient equal the class's own forward (neither side gives the skipped block a gradient), and greedy
+    decoding with each block's own cache equals ``generate``'s tokens."""
+    from lightning_gpipe.hf.decoder import SkippedBlock
+    from lightning_gpipe.hf.selfcheck import miniature, miniature_config
+
+    config = AutoConfig.for_model("mllama").get_text_config()
+    assert miniature_config(config).cross_attention_layers == [1]
+    model = miniature(transformers.MllamaForCausalLM, config).eval()
+    backbone = to_sequential(model, check=False)
+    assert [type(layer).__name__ for layer in backbone[1:3]] == ["RotaryDecoderBlock", "SkippedBlock"]
+    assert isinstance(backbone[2], SkippedBlock) and backbone[2].paths == ("model.layers.1",)
+    result = conformance().conform("mllama")
+    assert (result.verdict, result.family) == ("equal", "decoder"), result.detail
+    _decodes_as_generate(model)
