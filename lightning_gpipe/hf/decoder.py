@@ -19,6 +19,7 @@ several kinds: :mod:`lightning_gpipe.hf.decoder_layout`).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import sys
@@ -383,7 +384,9 @@ class GPT2LikeBlock(CachedDecoderBlock):
         super().__init__(model, [block, *([] if rotary is None else [rotary])], int(block.rsplit(".", 1)[1]))
         self._block, self._rotary = block, rotary
         self._base = block.rsplit(".", 2)[0]
-        self._arguments = set(inspect.signature(self.part(block).forward).parameters)
+        parameters = inspect.signature(self.part(block).forward).parameters
+        self._arguments = set(parameters)
+        self._keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
         embedding = None if rotary is None else self.part(rotary)
         typed = embedding is not None and "layer_type" in inspect.signature(embedding.forward).parameters
         kinds = getattr(embedding, "layer_types", ()) if typed else ()  # LFM3's tables, one per layer type
@@ -394,6 +397,23 @@ class GPT2LikeBlock(CachedDecoderBlock):
         self._folds_alibi = "alibi" in self._arguments and not own and bool(getattr(model.config, "alibi", False))
         if self._folds_alibi:  # always a 4-D mask to fold the biases into, as the model's forward builds it
             self._mask = partial(self._mask, allow_is_causal_skip=False)
+
+    def reset_parameters(self) -> None:
+        """:meth:`~lightning_gpipe.hf.layer.HFLayer.reset_parameters`, then, where the block holds buffers it does not
+        save, the model's initialisation of its base model run on this block alone (a shallow copy of the base model
+        holding only it): a base model may set its blocks' buffers itself (Falcon-H1's ``mup_vector`` of each mixer),
+        which a stage building only its own blocks would otherwise leave unset."""
+        super().reset_parameters()
+        block = self.part(self._block)
+        if not any(name not in module.state_dict() for module in block.modules() for name, _ in
+                   module.named_buffers(recurse=False)):  # fmt: skip
+            return
+        base = self.hf_model.get_submodule(self._base)
+        blocks = self._block.rsplit(".", 2)[1]
+        alone = copy.copy(base)  # the base model's attributes, but its children only this block, in its list
+        alone.__dict__.update(_modules={blocks: nn.ModuleList([block])}, _parameters={}, _buffers={})
+        with torch.no_grad():
+            self.hf_model._init_weights(alone)
 
     def _folded_alibi(self, base: Any, attention_mask: Tensor, hidden: Tensor, mask: Any) -> dict[str, Any]:
         """Falcon's ALiBi with ``alibi=True``, as its forward computes it: the biases ``(N, heads, 1, past + S)`` of
@@ -413,6 +433,9 @@ class GPT2LikeBlock(CachedDecoderBlock):
         """The block's arguments besides the hidden states and the cache (see the class docstring)."""
         base = cast(Any, self.hf_model.get_submodule(self._base))
         arguments: dict[str, Any] = {"attention_mask": mask}
+        if isinstance(mask, tuple):  # a hybrid layer type: the recurrent mask under the block's other mask argument
+            other = (n for n in self._arguments if n.endswith("_mask") and not n.startswith(("attention", "encoder")))
+            arguments["attention_mask"], arguments[next(other)] = mask
         if self._folds_alibi:
             arguments.update(self._folded_alibi(base, attention_mask, hidden, mask))
         elif "alibi" in self._arguments:
@@ -432,14 +455,29 @@ class GPT2LikeBlock(CachedDecoderBlock):
 
     def forward(self, value: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         hidden, attention_mask, position_ids, _, documents, rows = _unpack(value, None)
+        name = next((n for n in ("layer_past", "cache") if n in self._arguments), None)
+        if rows is not None and name is None:
+            raise ValueError(
+                f"{type(self.part(self._block)).__name__} keeps its recurrent state in an argument of its own"
+                f" ({sorted(self._arguments & {'state'})}), not in a cache: cached decoding through the pipeline"
+                " does not keep it; decode with the model's own `generate`."
+            )
         cache, mask = self.cache_and_mask(hidden, attention_mask, position_ids, rows, documents)
-        name = "layer_past" if "layer_past" in self._arguments else "cache"
         given = {"use_cache": cache is not None} if "use_cache" in self._arguments else {}  # as the forward gives it
-        output = self.part(self._block)(
-            hidden, **given, **{name: cache}, **self._extra(hidden, attention_mask, position_ids, mask)
-        )
-        output = output[0] if isinstance(output, tuple) else output
-        return _pack(output, attention_mask, position_ids, documents, rows)
+        extra = self._extra(hidden, attention_mask, position_ids, mask)
+        if not self._keywords:  # a block naming its arguments (RWKV's takes no mask): only those
+            extra = {key: item for key, item in extra.items() if key in self._arguments}
+        output = self.part(self._block)(hidden, **given, **({} if name is None else {name: cache}), **extra)
+        output = output[0] if isinstance(output, (tuple, list)) else output  # OpenAI GPT's blocks give a list
+        return _pack(self._rescaled(output), attention_mask, position_ids, documents, rows)
+
+    def _rescaled(self, hidden: Tensor) -> Tensor:
+        """``hidden`` halved where the model's forward halves it: after every ``config.rescale_every``-th block while
+        its base model's weights are rescaled for evaluation (RWKV's ``layers_are_rescaled``, set by its own forward
+        in evaluation mode, which divides the blocks' output weights by powers of 2)."""
+        every = getattr(self.config, "rescale_every", 0)
+        rescaled = getattr(self.hf_model.get_submodule(self._base), "layers_are_rescaled", False)
+        return hidden / 2 if rescaled and every and (self.layer_index + 1) % every == 0 else hidden
 
 
 class FinalNorm(HFLayer):
@@ -448,7 +486,8 @@ class FinalNorm(HFLayer):
 
     Args:
         model: the model.
-        norm: path of the norm (``"model.norm"``).
+        norm: path of the norm (``"model.norm"``), or ``None`` for a model without one (OpenAI GPT's blocks end
+            in their own norms): the hidden states as the last block gives them.
         router: the model's :class:`~lightning_gpipe.hf.moe.RouterLoss` when the value carries router statistics,
             else ``None`` (default).
         divisor: what the normalised hidden states are divided by before the head (MiniCPM3's
@@ -461,19 +500,20 @@ class FinalNorm(HFLayer):
     def __init__(
         self,
         model: PreTrainedModel,
-        norm: str,
+        norm: str | None,
         router: RouterLoss | None = None,
         divisor: float | None = None,
         collapse: str | None = None,
     ) -> None:
-        super().__init__(model, [norm] if collapse is None else [collapse, norm])
+        super().__init__(model, [path for path in (collapse, norm) if path is not None])
         self._norm, self.router, self.divisor, self._collapse = norm, router, divisor, collapse
 
     def forward(self, value: tuple[Tensor, ...]) -> Tensor | tuple[Tensor, Tensor]:
         hidden, _, _, statistics, _, _ = _unpack(value, self.router)
         if self._collapse is not None:
             hidden = self.part(self._collapse)(hidden)
-        hidden = self.part(self._norm)(hidden)
+        if self._norm is not None:
+            hidden = self.part(self._norm)(hidden)
         if self.divisor is not None:
             hidden = hidden / self.divisor
         return hidden if statistics is None else (hidden, statistics)

@@ -31,17 +31,18 @@ def head_scaling(config: Any) -> tuple[float | None, dict[str, Any]]:
 
     MiniCPM3 (``dim_model_base``) divides the hidden states by ``logits_scaling = hidden_size / dim_model_base``
     before the head, Inkling by ``logits_mup_width_multiplier``; Granite divides the logits by ``logits_scaling``,
-    Cohere multiplies them by ``logit_scale``, Gemma 2 and 3 soft-cap them (``final_logit_softcapping``); Inkling
-    keeps the first ``unpadded_vocab_size``.
+    Cohere multiplies them by ``logit_scale`` (Falcon-H1 by ``lm_head_multiplier``), Gemma 2 and 3 soft-cap them
+    (``final_logit_softcapping``; xLSTM by ``output_logit_soft_cap``); Inkling keeps the first
+    ``unpadded_vocab_size``.
     """
     hidden_divisor = getattr(config, "logits_mup_width_multiplier", None)
     if getattr(config, "dim_model_base", None) is not None:
         hidden_divisor = config.logits_scaling
     vocab = getattr(config, "unpadded_vocab_size", None)
     head = {
-        "multiplier": getattr(config, "logit_scale", None),
+        "multiplier": getattr(config, "logit_scale", None) or getattr(config, "lm_head_multiplier", None),
         "divisor": None if hidden_divisor is not None else getattr(config, "logits_scaling", None),
-        "softcap": getattr(config, "final_logit_softcapping", None),
+        "softcap": getattr(config, "final_logit_softcapping", None) or getattr(config, "output_logit_soft_cap", None),
         "vocab": vocab if vocab is not None and vocab < config.vocab_size else None,
     }
     return hidden_divisor, head

@@ -81,9 +81,9 @@ def base_name(model: nn.Module) -> str:
     return own[0] if len(own) == 1 else prefix
 
 
-def base_model_reason(model: nn.Module) -> str | None:
-    """``None`` when ``model``'s children are exactly its base model (:func:`base_name`) and ``lm_head``; else why
-    not."""
+def base_model_reason(model: nn.Module, head: str = "lm_head") -> str | None:
+    """``None`` when ``model``'s children are exactly its base model (:func:`base_name`) and its output head
+    ``head`` (default ``lm_head``); else why not."""
     prefix = base_name(model)
     names = sorted(name for name, child in children(model).items() if child is not None)
     if prefix not in names:
@@ -91,8 +91,8 @@ def base_model_reason(model: nn.Module) -> str | None:
             f"its base_model_prefix {prefix!r} names none of its children {names}, none of which is a model of its"
             f" config's class. {ADVICE}"
         )
-    if names != sorted([prefix, "lm_head"]):
-        return f"its children are {names}, not exactly the base model `{prefix}` and lm_head"
+    if names != sorted([prefix, head]):
+        return f"its children are {names}, not exactly the base model `{prefix}` and {head}"
     return None
 
 

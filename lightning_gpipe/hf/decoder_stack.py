@@ -1,6 +1,6 @@
 """Causal LMs whose decoder is one stack module that embeds its tokens itself, recognised by structure: the decoders of
 encoder-decoders exposed as causal LMs (BART, mBART, Marian, Blenderbot, Blenderbot-Small, Pegasus, PLBart,
-BigBird-Pegasus, TrOCR, Whisper), OPT, BioGPT, GPT-NeoX-Japanese and ModernBERT-decoder.
+BigBird-Pegasus, TrOCR, Whisper), OPT, BioGPT, GPT-NeoX-Japanese, ModernBERT-decoder and CTRL.
 
 The model's children are its base model (``base_model_prefix``) and its output head (``get_output_embeddings()``:
 ``lm_head``, BioGPT's ``output_projection``, GPT-NeoX-Japanese's ``embed_out``), and at most one more module with
@@ -22,8 +22,11 @@ then the head. A class whose forward scores unshifted labels (BART's family) is 
 :func:`decoder_stack` says why a model is not of the layout: an encoder-decoder config (the encoder-decoder family's),
 blocks taking what the adapter does not compute (MVP's prompts with ``use_prompt=True``: off, the blocks' default
 ``None`` is what the stack gives them; ProphetNet's n-gram streams), layer types it does not know or that carry a
-state (Nemotron-H's), cross-attention asked for (``add_cross_attention``), LayerDrop (layers skipped at random),
-tensors of the stack's own. The self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves the cut
+state, cross-attention asked for (``add_cross_attention``), LayerDrop (layers skipped at random), tensors of the
+stack's own that it saves. Buffers of its own that it does not save (CTRL's sinusoidal ``pos_encoding``) are held by the
+embedding layer, which lends them to the stack before running its forward and recomputes them on a stage as the model
+initialises them; in cached decoding a stack whose forward takes ``position_ids`` is given the positions ``generate``
+gives (CTRL's). The self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves the cut
 on a miniature before step 1. Packed rows are refused (the stack numbers the positions of a whole row).
 """
 
@@ -33,12 +36,13 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, cast
 
+import torch
 from torch import Tensor, nn
 
 from lightning_gpipe._torch import children
 from lightning_gpipe.hf.decoder import GPT2LikeBlock
 from lightning_gpipe.hf.decoder_layout import ROTARY, block_loops_reason, layer_types_reason
-from lightning_gpipe.hf.gpt2_like import ARGUMENTS
+from lightning_gpipe.hf.gpt2_like import ARGUMENTS, hidden_name
 from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel
 from lightning_gpipe.hf.masks import unpackable_layer_types
 from lightning_gpipe.hf.seq2seq import Stack, StackEmbedding
@@ -83,6 +87,11 @@ class DecoderStack:
     prediction: str | None = None
 
 
+def _saved(module: nn.Module) -> set[str]:
+    """The names of ``module``'s own tensors (not its children's) that its state dict holds."""
+    return {name for name in module.state_dict(keep_vars=True) if "." not in name}
+
+
 def _named(module: nn.Module) -> dict[str, nn.Module]:
     return {name: child for name, child in children(module).items() if child is not None}
 
@@ -108,8 +117,8 @@ def find_stack(model: nn.Module) -> DecoderStack | str:
     lists = [name for name, child in inner.items() if isinstance(child, nn.ModuleList)]
     if len(lists) != 1 or not len(cast(nn.ModuleList, inner[lists[0]])):
         return f"`{path}` holds {sorted(inner)}, not one nn.ModuleList of blocks"
-    if [*stack.parameters(recurse=False), *stack.buffers(recurse=False)]:
-        return f"`{path}` holds tensors of its own, which no layer can hold"
+    if [*stack.parameters(recurse=False), *(b for n, b in stack.named_buffers(recurse=False) if n in _saved(stack))]:
+        return f"`{path}` holds tensors of its own that it saves, which no layer can hold"
     if lists[0] not in inspect.unwrap(type(stack).forward).__code__.co_names:
         return f"`{path}`'s forward does not name its blocks `{lists[0]}`"
     after = after_blocks(stack, lists[0])
@@ -139,7 +148,7 @@ def decoder_stack(model: nn.Module) -> str | None:
     block = cast(nn.ModuleList, model.get_submodule(found.blocks))[0]
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     parameters = inspect.signature(block.forward).parameters.values()
-    extra = [p.name for p in parameters if p.kind in named and p.name not in ARGUMENTS]
+    extra = [p.name for p in parameters if p.kind in named and p.name not in ARGUMENTS | {hidden_name(block)}]
     if extra and not (set(extra) <= PROMPTS and not getattr(stack, "use_prompt", True)):  # MVP's, off: left None
         return f"its blocks ({type(block).__name__}) take {extra}, which the adapter does not compute"
     unknown = layer_types_reason(config)
@@ -177,8 +186,33 @@ class StackDecoderEmbedding(StackEmbedding):
 
     def __init__(self, model: PreTrainedModel, found: DecoderStack) -> None:
         super().__init__(model, Stack(found.stack, found.blocks, found.embedding, found.end, None, True))
+        stack = model.get_submodule(found.stack)
+        holder = self.get_submodule(found.stack) if found.embedding else self  # under the stack's own path
+        self._lent = [name for name, _ in stack.named_buffers(recurse=False)]
+        for name in self._lent:
+            holder.register_buffer(name, stack.get_buffer(name), persistent=False)
+        self._holder = found.stack if found.embedding else ""
+        self._takes_positions = "position_ids" in inspect.signature(stack.forward).parameters
+
+    def _lend(self) -> nn.Module:
+        """The stack, given the buffers of its own this layer holds (its forward reads them; a stage materialises
+        them here, not in the model's stack, which it does not build)."""
+        stack = self.hf_model.get_submodule(self.stack.path)
+        holder = self.get_submodule(self._holder)
+        for name in self._lent:
+            stack._buffers[name] = holder.get_buffer(name)
+        return stack
+
+    def reset_parameters(self) -> None:
+        """:meth:`~lightning_gpipe.hf.layer.HFLayer.reset_parameters`, then the stack's own buffers this layer holds
+        recomputed as the model initialises them (its ``_init_weights`` of the stack: CTRL's sinusoidal table)."""
+        super().reset_parameters()
+        if self._lent:
+            with torch.no_grad():
+                self.hf_model._init_weights(self._lend())
 
     def forward(self, value: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        self._lend()
         input_ids, attention_mask, position_ids, *rest = value
         if any(item.dim() == 2 for item in rest):
             raise ValueError(
@@ -193,9 +227,10 @@ class StackDecoderEmbedding(StackEmbedding):
         return (self._embedded(input_ids, attention_mask, inputs), attention_mask, position_ids, *rest)
 
     def _positions(self, position_ids: Tensor, rest: list[Tensor]) -> dict[str, Tensor]:
-        """The positions given to the stack's forward (``rest``: the value's items after them): none, the stack
-        numbers them itself."""
-        return {}
+        """The positions given to the stack's forward (``rest``: the value's items after them): in cached decoding
+        (``rows`` in ``rest``) the value's, as ``generate`` gives them, where the stack takes them (CTRL's); else
+        none, the stack numbers them itself."""
+        return {"position_ids": position_ids} if rest and self._takes_positions else {}
 
 
 class StackHead(HFLayer):

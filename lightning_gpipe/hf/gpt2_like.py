@@ -1,6 +1,6 @@
 """The decoders that declare no pipeline plan and are laid out as GPT-2 is, recognised by structure: Bloom, Falcon,
-MPT, GPT-BigCode (StarCoder), XGLM; and the recurrent and hybrid ones of that layout, whose layers carry a state:
-Mamba, Mamba-2, Falcon-Mamba, Jamba, Bamba, LFM2.
+MPT, GPT-BigCode (StarCoder), XGLM, Moshi; and the recurrent and hybrid ones of that layout, whose layers carry a
+state: Mamba, Mamba-2, Falcon-Mamba, Jamba, Bamba, LFM2, Nemotron-H, Falcon-H1, RWKV, xLSTM.
 
 Their base model (under ``base_model_prefix``, beside ``lm_head``) holds, in order: the token embedding (the model's
 ``get_input_embeddings()``), at most one position embedding taking the positions (GPT-BigCode's ``wpe``, XGLM's
@@ -26,12 +26,23 @@ packed row's documents would share it: :class:`~lightning_gpipe.hf.module.Causal
 these); in cached decoding the block's ``transformers.DynamicCache`` keeps the convolution and recurrent states of its
 rows (:class:`~lightning_gpipe.hf.kv_cache.CachedDecoderBlock`).
 
+Blocks are told apart by what they take, not by their names: the hidden states as their first argument whatever it
+is called (CTRL's ``x``, RWKV's ``hidden``); ``state``, a recurrent state of their own (RWKV's, xLSTM's), ``None`` as
+the model's forward gives it in training (fresh per sequence; cached decoding, which would not keep it, is refused);
+an argument the base model's forward never names keeps its default (Moshi's ``codebook_idx``); a ``hybrid`` layer type
+(Falcon-H1: a Mamba-2 mixer beside attention) gets the attention mask and the recurrent one under its other ``..._mask``
+argument; the layer types without attention (Nemotron-H's ``mlp``, ``moe``) get no mask. Buffers a base model sets in
+its blocks at its own initialisation (Falcon-H1's ``mup_vector``) are set again on a stage
+(:meth:`~lightning_gpipe.hf.decoder.GPT2LikeBlock.reset_parameters`); the model's output head is its
+``get_output_embeddings()`` (RWKV's ``head``); a model without a final norm (OpenAI GPT's post-norm blocks) has none.
+
 What stays refused, naming why: ``alibi=True`` without a ``build_alibi_tensor`` of the base model or its modeling
 module, cross-attention (``add_cross_attention``), XGLM's ``layerdrop`` (layers skipped at random); a
-load-balancing loss (``output_router_logits=True``: Jamba's experts), which the layout does not carry; hybrid layer
-types (attention and a Mamba mixer in one block: Falcon-H1, whose mixers hold buffers its base model sets); a scalar
-buffer of the base model's own (RecurrentGemma's ``normalizer`` on the embeddings), which no layer holds; and an
-``nn.Conv1d`` in a block whose layer types name no recurrent layer (a state no cache would keep).
+load-balancing loss (``output_router_logits=True``: Jamba's experts), which the layout does not carry; hybrid blocks
+taking more than one recurrent mask or other arguments (Zamba2's shared blocks); buffers of the base model's own that
+its forward reads (CTRL's ``pos_encoding``, taken by :mod:`lightning_gpipe.hf.decoder_stack`; RecurrentGemma's
+``normalizer``), which the layout's embedding does not compute; and an ``nn.Conv1d`` in a block whose layer types name
+no recurrent layer (a state no cache would keep).
 The self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves the cut on a miniature before step 1.
 """
 
@@ -60,7 +71,7 @@ from lightning_gpipe.hf.moe import adds_load_balancing_loss
 
 ARGUMENTS = frozenset(
     ("hidden_states", "attention_mask", "layer_past", "cache", "use_cache", "output_attentions", "position_ids")
-    + ("alibi", "position_bias", "position_embeddings", "encoder_hidden_states", "encoder_attention_mask")
+    + ("alibi", "position_bias", "position_embeddings", "encoder_hidden_states", "encoder_attention_mask", "state")
 )
 """The named arguments a GPT-2-like block may take: the hidden states, the 4-D mask, the cache (``layer_past`` or
 ``cache``) and whether to use it, the positions, ALiBi biases (``alibi``: Bloom, Falcon; ``position_bias``: MPT), the
@@ -70,6 +81,19 @@ encoder)."""
 
 def _base(model: nn.Module) -> nn.Module:
     return model.get_submodule(base_name(model))
+
+
+def _head(model: nn.Module) -> str:
+    """The name of ``model``'s child that is its output head (``get_output_embeddings()``: ``lm_head``, RWKV's
+    ``head``), ``lm_head`` where none is."""
+    head = cast(Any, model).get_output_embeddings()
+    return next((n for n, child in children(model).items() if child is head and head is not None), "lm_head")
+
+
+def hidden_name(block: nn.Module) -> str:
+    """The name of the first argument of ``block``'s forward, the hidden states it is given positionally
+    (``hidden_states``; CTRL's ``x``, RWKV's ``hidden``)."""
+    return next(iter(inspect.signature(block.forward).parameters))
 
 
 def _parts(model: nn.Module) -> dict[str, list[str]] | str:
@@ -86,14 +110,17 @@ def _parts(model: nn.Module) -> dict[str, list[str]] | str:
     tokens = [name for name, child in before if child is cast(Any, model).get_input_embeddings()]
     positions = [name for name, child in before if name not in tokens and _takes_positions(child)]
     rest = [name for name, _ in before if name not in tokens + positions]
-    if len(tokens) != 1 or len(positions) > 1 or len(rest) > 1 or len(after) != 1:
+    masked = [name for name, child in before if "attention_mask" in inspect.signature(child.forward).parameters]
+    if masked:  # BioGPT's positions numbered from the mask: the decoder stack's embedding runs its forward
+        return f"`{model.base_model_prefix}`'s {masked} take the attention mask, which the layout does not give them"
+    if len(tokens) != 1 or len(positions) > 1 or len(rest) > 1 or len(after) > 1:
         return (
             f"`{model.base_model_prefix}` holds {[name for name, _ in named]}, not the token embedding, at most one"
-            " position embedding and one module on the embeddings, the blocks, the final norm (and a rotary_emb)"
+            " position embedding and one module on the embeddings, the blocks, a final norm (and a rotary_emb)"
         )
     if len(rotary) > 1:
         return f"`{model.base_model_prefix}` holds the rotary embeddings {rotary}, not one"
-    blocks, norm = [named[lists[0]][0]], [after[0][0]]
+    blocks, norm = [named[lists[0]][0]], [name for name, _ in after]
     return {"tokens": tokens, "positions": positions, "on_embeddings": rest, "blocks": blocks, "norm": norm,
             "rotary": rotary}  # fmt: skip
 
@@ -111,20 +138,38 @@ def _takes_positions(module: nn.Module) -> bool:
     return "position_ids" in inspect.signature(module.forward).parameters
 
 
+def _gives(base: nn.Module, name: str) -> bool:
+    """Whether the forward of ``base`` (decorators unwrapped, nested functions included) names ``name`` anywhere: as
+    a variable, an attribute or a keyword. A block argument it never names keeps its default in its blocks (Moshi's
+    ``codebook_idx``, which only its depth decoder gives); the self-check proves that default right."""
+
+    def names(code: Any) -> set[str]:
+        found = {*code.co_names, *code.co_varnames}
+        for constant in code.co_consts:  # keyword names of calls, and nested functions' code
+            if isinstance(constant, (str, tuple)):
+                items = constant if isinstance(constant, tuple) else (constant,)
+                found |= {item for item in items if isinstance(item, str)}
+            elif hasattr(constant, "co_names"):
+                found |= names(constant)
+        return found
+
+    return name in names(inspect.unwrap(type(base).forward).__code__)
+
+
 def _config_reason(model: nn.Module, blocks: nn.ModuleList) -> str | None:
     """Why the model's forward gives its blocks what the adapter does not (see the module docstring), or ``None``."""
     config, base, block = cast(Any, model).config, _base(model), blocks[0]
     arguments = inspect.signature(block.forward).parameters
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    extra = [p.name for p in arguments.values() if p.kind in named and p.name not in ARGUMENTS]
     hybrid = sorted({layer_type(config, i) for i in range(config.num_hidden_layers)} & set(HYBRID))
-    if hybrid:
+    masks = {name for name in arguments if name.endswith("_mask") and name not in ARGUMENTS} if hybrid else set()
+    if hybrid and len(masks) != 1:
         return (
-            f"its layer types {hybrid} put attention and a recurrent mixer side by side in one block, which the"
-            " GPT-2-like layout does not take (Falcon-H1: its blocks take the recurrent mask apart,"
-            " `mamba_attention_mask`, and its mixers hold buffers that its base model sets in its own initialisation,"
-            " `mup_vector`, which a stage building only its own blocks would leave unset)"
+            f"its layer types {hybrid} take an attention and a recurrent mask at once, but its blocks"
+            f" ({type(block).__name__}) take {sorted(masks)} besides attention_mask, not one recurrent mask"
         )
+    given = ARGUMENTS | masks | {hidden_name(block)}
+    extra = [p.name for p in arguments.values() if p.kind in named and p.name not in given and _gives(base, p.name)]
     if extra:
         return f"its blocks ({type(block).__name__}) take {extra}, which the adapter does not compute. {ADVICE}"
     builders = (base, sys.modules.get(type(base).__module__))  # Bloom's method, Falcon's module function
@@ -161,7 +206,7 @@ def gpt2_like_decoder(model: nn.Module) -> str | None:
     (ALiBi folded into the mask, cross-attention, layer drop)."""
     if not isinstance(model, PreTrainedModel):
         return "it is not a transformers PreTrainedModel"
-    reason = base_model_reason(model)
+    reason = base_model_reason(model, _head(model))
     if reason is not None:
         return reason
     parts = _parts(model)
@@ -171,12 +216,11 @@ def gpt2_like_decoder(model: nn.Module) -> str | None:
     saved = [name for name, _ in base.named_buffers(recurse=False) if name not in _unsaved(base)]
     if saved:
         return f"`{model.base_model_prefix}` holds the buffers {saved} itself, which no layer can hold"
-    scalars = [name for name, buffer in base.named_buffers(recurse=False) if buffer.dim() == 0]
-    if scalars:
+    read = sorted(_unsaved(base) & set(inspect.unwrap(type(base).forward).__code__.co_names))
+    if read:  # CTRL's sinusoidal `pos_encoding`, RecurrentGemma's `normalizer`: not the layout's embedding
         return (
-            f"`{model.base_model_prefix}` holds the scalar buffers {scalars} itself, unsaved (RecurrentGemma's"
-            " `normalizer`, a factor its forward applies to the embeddings), which no layer holds and which its own"
-            " initialisation sets, so a stage that builds only its own layers would leave them unset"
+            f"its forward reads the buffers {read} that `{model.base_model_prefix}` holds itself, unsaved, which"
+            " the layout's embedding does not compute"
         )
     blocks = cast(nn.ModuleList, base.get_submodule(parts["blocks"][0]))
     return block_loops_reason(base, parts["blocks"][0]) or _config_reason(model, blocks)
@@ -222,6 +266,6 @@ def gpt2_like_layers(model: PreTrainedModel) -> list[nn.Module]:
             dropout_p=float(dropout) if isinstance(dropout, (int, float)) else None,
         ),
         *(GPT2LikeBlock(model, f"{blocks}.{i}", rotary) for i in range(model.config.num_hidden_layers)),
-        FinalNorm(model, path["norm"][0], divisor=hidden_divisor),
-        Head(model, "lm_head", **head),
+        FinalNorm(model, next(iter(path["norm"]), None), divisor=hidden_divisor),
+        Head(model, _head(model), **head),
     ]

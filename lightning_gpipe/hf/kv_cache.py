@@ -20,7 +20,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel
-from lightning_gpipe.hf.masks import HYBRID, MASKS, layer_type
+from lightning_gpipe.hf.masks import HYBRID, MASKS, forward_layer_type
 from lightning_gpipe.hf.moe import RouterLoss
 from lightning_gpipe.hf.packing import document_mask
 
@@ -98,7 +98,7 @@ class CachedDecoderBlock(HFLayer):
     ) -> None:
         super().__init__(model, paths)
         self.layer_index, self.router = layer_index, router
-        self.layer_type = layer_type(model.config, layer_index)
+        self.layer_type = forward_layer_type(model.config, layer_index, model.get_submodule(paths[0].rsplit(".", 2)[0]))
         attention, recurrent = HYBRID.get(self.layer_type, (self.layer_type, None))
         self._mask = MASKS[attention]
         self._recurrent_mask = None if recurrent is None else MASKS[recurrent]

@@ -18,13 +18,25 @@ except ImportError as error:  # pragma: no cover - the message is the point
     ) from error
 
 
+def _no_mask(*, and_mask_function: Callable[..., Any] | None = None, **arguments: Any) -> None:
+    """The mask of a layer that mixes no tokens (:data:`TOKENWISE`): none, as the model's forward gives it none."""
+    return None
+
+
+TOKENWISE = ("moe", "mlp")
+"""The layer types without attention or any other mixing of tokens (Nemotron-H's ``mlp`` and ``moe`` blocks: a
+feed-forward network on each token), as ``transformers`` declares them: its caches keep nothing for them
+(``cache_utils`` gives them a ``DummyLayer``) and its mask mapping names no mask for them, so the model's forward
+gives their blocks none."""
+
 MASKS: dict[str, Callable[..., Any]] = {
     layer_type: helper for layer_type, helper in LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING.items() if callable(helper)
-}
+} | {layer_type: _no_mask for layer_type in TOKENWISE if layer_type not in LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING}
 """The mask helper of each layer type the adapter rebuilds (``config.layer_types``), as ``transformers`` declares them
 (``masking_utils.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING``): a 4-D causal mask for ``full_attention``, a sliding-window
 one for ``sliding_attention``, chunked for ``chunked_attention``, the ``(N, S)`` padding mask for recurrent layers
-(``linear_attention``, ``conv``; ``None`` without padding)... Types that map to several masks at once are
+(``linear_attention``, ``conv``; ``None`` without padding)..., and none for the layers that mix no tokens
+(:data:`TOKENWISE`). Types that map to several masks at once are
 :data:`HYBRID`."""
 
 
@@ -54,6 +66,20 @@ def layer_type(config: Any, layer_index: int) -> str:
     if layer_types is not None:
         return layer_types[layer_index]
     return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+
+
+def forward_layer_type(config: Any, layer_index: int, stack: Any) -> str:
+    """:func:`layer_type`, but ``"full_attention"`` for a ``"sliding_attention"`` the model's forward does not build:
+    a config without ``layer_types`` whose ``sliding_window`` the forward of ``stack`` (the module holding the
+    blocks) ignores, building the causal mask (``create_causal_mask``) and no sliding-window one (Moshi's
+    ``sliding_window``, which none of its modules reads)."""
+    kind = layer_type(config, layer_index)
+    names = getattr(inspect.unwrap(type(stack).forward), "__code__", None)
+    names = set() if names is None else set(names.co_names)
+    if kind == "sliding_attention" and getattr(config, "layer_types", None) is None:
+        if "create_causal_mask" in names and not names & {"create_sliding_window_causal_mask", "layer_types"}:
+            return "full_attention"
+    return kind
 
 
 def unpackable_layer_types(config: Any) -> list[str]:

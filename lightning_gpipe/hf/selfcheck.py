@@ -82,6 +82,10 @@ SSM_HEADS = (("num_heads", "head_dim", "expand"), ("mamba_n_heads", "mamba_d_hea
 is ``expansion * hidden_size`` wide, ``heads`` times the head width, so the miniature gives it as many heads as its
 width holds (at least one)."""
 
+SSM_WIDTH = "mamba_d_ssm"
+"""A state-space mixer's width where the config gives it outright (Falcon-H1's; else ``expansion * hidden_size``): the
+miniature's is its heads times their width (:data:`SSM_HEADS`)."""
+
 SEQ2SEQ_LIMITS = {
     "decoder_layers": 2,
     "num_decoder_layers": 2,
@@ -205,13 +209,7 @@ def miniature_config(config: Any) -> Any:
     if overrides is not None:
         mini.per_layer_config = None  # the global values; the kept layers' own are set again below
     kept = _kept_layers(config)
-    for name, value in vars(config).items():
-        if isinstance(value, (list, tuple)) and len(value) == config.num_hidden_layers:
-            setattr(mini, name, type(value)(value[i] for i in kept))
-        elif name.endswith("_token_id") and isinstance(value, int):
-            setattr(mini, name, min(value, SIZES["vocab_size"] - 1))
-    for name, indices in _layer_indices(config).items():  # renumbered among the kept blocks
-        setattr(mini, name, [kept.index(index) for index in indices if index in kept])
+    _cut_per_layer(config, mini, kept)
     if _integer(config, "num_kv_shared_layers"):  # as many sharing layers as kept: each kind's producer kept too
         mini.num_kv_shared_layers = sum(index >= _first_kv_shared(config) for index in kept)
     try:
@@ -219,9 +217,12 @@ def miniature_config(config: Any) -> Any:
     except NotImplementedError:  # ProphetNet's config names its encoder's depth only
         mini.num_encoder_layers = len(kept)
     grouped = _integer(mini, "n_group")
-    for name, size in _shrunk(lambda name: getattr(mini, name, None), grouped).items():
-        if not _derived(mini, name):
+    shrunk = {"num_hidden_layers": len(kept), **_shrunk(lambda name: getattr(mini, name, None), grouped)}
+    for name, size in shrunk.items():
+        if name != "num_hidden_layers" and not _derived(mini, name):
             setattr(mini, name, size)
+    for mirror, name in _mirrors(config, shrunk).items():
+        setattr(mini, mirror, shrunk[name])
     if overrides is not None:
         originals = {name: vars(config).get(name) for name in overrides[0]}
         layers = [_shrunk({**originals, **overrides[i]}.get, grouped) for i in kept]
@@ -233,6 +234,18 @@ def miniature_config(config: Any) -> Any:
     _part_widths(config, mini)
     mini.use_cache = False
     return mini
+
+
+def _cut_per_layer(config: Any, mini: Any, kept: list[int]) -> None:
+    """Cut ``mini``'s per-layer lists to the ``kept`` blocks, renumber its lists of layer indices among them, and
+    bring its token ids within the miniature's vocabulary."""
+    for name, value in vars(config).items():
+        if isinstance(value, (list, tuple)) and len(value) == config.num_hidden_layers:
+            setattr(mini, name, type(value)(value[i] for i in kept))
+        elif name.endswith("_token_id") and isinstance(value, int):
+            setattr(mini, name, min(value, SIZES["vocab_size"] - 1))
+    for name, indices in _layer_indices(config).items():
+        setattr(mini, name, [kept.index(index) for index in indices if index in kept])
 
 
 def _seq2seq_limits(mini: Any) -> None:
@@ -285,6 +298,27 @@ def _joined_miniature(config: Any) -> Any:
     mini = type(config).from_dict(fields)
     mini.use_cache = False
     return mini
+
+
+MIRRORED = ("num_hidden_layers", "hidden_size")
+"""The depth and the width, which a config may mirror in fields of its own (:func:`_mirrors`)."""
+
+
+def _mirrors(config: Any, shrunk: dict[str, int]) -> dict[str, str]:
+    """The fields of ``config`` that mirror its depth or width (:data:`MIRRORED`), which the miniature shrinks,
+    ``{mirror: shrunk field}``: declared by its
+    class without a value of their own (a default of ``None``, which the config's initialisation fills from the
+    other: xLSTM's ``num_blocks`` from ``num_hidden_layers``, ``embedding_dim`` from ``hidden_size``) and holding the
+    shrunk field's value; the miniature gives them its value too."""
+    fields = getattr(type(config), "__dataclass_fields__", {})
+    values = {name: vars(config).get(name) for name in MIRRORED if name in shrunk}
+    return {
+        mirror: name
+        for mirror, field in fields.items()
+        if field.default is None and mirror not in shrunk and not mirror.endswith("_token_id")
+        for name, value in values.items()
+        if _is_integer(value) and vars(config).get(mirror) == value
+    }
 
 
 def _language_config(config: Any) -> str | None:
@@ -348,6 +382,8 @@ def _shrunk(get: Callable[[str], Any], grouped: bool) -> dict[str, int]:
     for heads, width, expand in SSM_HEADS:
         if hidden is not None and all(_is_integer(get(name)) for name in (heads, width, expand)):
             values[heads] = max(1, get(expand) * hidden // values.get(width, get(width)))
+            if _is_integer(get(SSM_WIDTH)):  # the mixer's width given outright: its heads' again
+                values[SSM_WIDTH] = values[heads] * values.get(width, get(width))
     return values
 
 

@@ -294,11 +294,19 @@ RECURRENT = {
     "bamba": dict(num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
                   mamba_chunk_size=4),
     "lfm2": dict(num_key_value_heads=2, layer_types=["conv", "full_attention", "conv"], block_auto_adjust_ff_dim=False),
+    "nemotron_h": dict(layer_types=["linear_attention", "moe", "full_attention", "mlp"], num_key_value_heads=2,
+                       mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=4,
+                       n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       moe_shared_expert_intermediate_size=16, n_group=1, topk_group=1),
+    "falcon_h1": dict(num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8,
+                      mamba_n_groups=1, mamba_chunk_size=4, lm_head_multiplier=0.5, embedding_multiplier=2.0),
 }  # fmt: skip
 """The recurrent and hybrid decoders without a plan besides Mamba and Jamba (tests/hf_families.py), as small configs:
 Mamba-2's multi-head selective scan in chunks of 4 tokens (the probe's 11 cross chunks), Falcon-Mamba's normalised
 time step, B and C, Bamba's Mamba-2 layers around an attention layer with rotary positions, LFM2's short convolutions
-(``conv`` layers) around an attention layer."""
+(``conv`` layers) around an attention layer, Nemotron-H's Mamba-2, attention and feed-forward blocks (``moe``,
+``mlp``: no mask, no cache), Falcon-H1's ``hybrid`` blocks (a Mamba-2 mixer beside attention, each given its mask; its
+multipliers on the embeddings and the logits)."""
 
 
 @pytest.mark.parametrize("name", list(RECURRENT))
@@ -478,3 +486,74 @@ def test_blocks_the_forward_skips_on_text_are_held_and_passed_over():
     result = conformance().conform("mllama")
     assert (result.verdict, result.family) == ("equal", "decoder"), result.detail
     _decodes_as_generate(model)
+
+
+SMALL = {
+    "rwkv": dict(vocab_size=61, hidden_size=32, num_hidden_layers=3, attention_hidden_size=32, intermediate_size=48,
+                 context_length=64, rescale_every=2, use_cache=False),
+    "ctrl": dict(vocab_size=61, n_embd=32, n_layer=2, n_head=4, dff=48, n_positions=64),
+    "moshi": dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                  intermediate_size=48, max_position_embeddings=64, sliding_window=3),
+    "falcon_h1": dict(TINY, **RECURRENT["falcon_h1"]),
+}  # fmt: skip
+"""Small configs of the layouts taken by the blocks' own names and state (RWKV, rescaling every 2 blocks in
+evaluation), a stack's unsaved buffer (CTRL's sinusoidal table), a sliding window the forward ignores (Moshi)."""
+
+
+def _small(name: str):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(AutoConfig.for_model(name, **SMALL[name]))
+
+
+def test_blocks_with_a_state_argument_equal_their_forward_and_refuse_cached_decoding():
+    """RWKV, refused before (its head is `head`, its blocks take `hidden` and `state`): cut by the GPT-2-like layout,
+    its state fresh per sequence (`None`, as its forward gives it in training), equal to its forward in evaluation
+    after its own forward rescaled its weights (the hidden states halved after every `rescale_every`-th block, as its
+    forward halves them); cached decoding through the pipeline, which would not keep that state, is refused loudly.
+    xLSTM (its miniature's `num_blocks` mirroring the depth, its logits soft-capped by `output_logit_soft_cap`) by the
+    conformance benchmark."""
+    from lightning_gpipe.hf import greedy_generate
+
+    model = _small("rwkv")
+    assert family_of(model).name == "gpt2-like"
+    _equal_to_forward(model)  # its eval forward rescales the weights first: the layers halve where it halves
+    assert model.rwkv.layers_are_rescaled
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match=r"keeps its recurrent state in an argument of its own \(\['state'\]\)"):
+        greedy_generate(to_sequential(model, check=False), ids, torch.ones_like(ids), max_new_tokens=2)
+    result = conformance().conform("xlstm")
+    assert (result.verdict, result.family) == ("equal", "gpt2-like"), result.detail
+
+
+@pytest.mark.parametrize("name", ["ctrl", "moshi"])
+def test_stack_buffers_and_ignored_options_equal_their_forward_and_decode_as_generate_does(name):
+    """CTRL, refused before (its blocks take `x`; its stack reads a sinusoidal table it holds unsaved): cut as a
+    decoder stack whose embedding holds that buffer and runs the stack's forward (the scaled embeddings, the table),
+    the positions generate gives when decoding; Moshi, refused before (its blocks take `codebook_idx`, which its forward
+    never gives them): the GPT-2-like layout, the causal mask its forward builds (not the sliding window its config
+    names and nothing reads). Equal to their forward; greedy decoding equals `generate`."""
+    model = _small(name)
+    assert family_of(model).name == ("decoder stack" if name == "ctrl" else "gpt2-like")
+    _equal_to_forward(model)
+    _decodes_as_generate(model)
+
+
+@pytest.mark.parametrize("name", ["ctrl", "falcon_h1"])
+def test_buffers_the_model_sets_itself_are_set_on_a_stage_that_builds_only_its_layers(name):
+    """Built on the meta device and materialised layer by layer as stages do, with the model's weights loaded: the
+    buffers the model computes at its own initialisation and does not save are set again (CTRL's table, which the
+    embedding layer holds and lends its stack; Falcon-H1's `mup_vector`, which its base model sets in each mixer),
+    so the layers equal the model's forward."""
+    from lightning_gpipe.engine import materialize
+    from lightning_gpipe.hf.packing import decoder_input
+
+    real = _small(name).eval()
+    config = AutoConfig.for_model(name, **SMALL[name])
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    value = decoder_input(torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]]))
+    for layer in to_sequential(model.eval(), check=False):
+        materialize(layer, torch.device("cpu"))
+        layer.load_state_dict({name: real.state_dict()[name] for name in layer.state_dict()})
+        value = layer(value)
+    torch.testing.assert_close(value, real(input_ids=torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])).logits)
