@@ -2,13 +2,14 @@
 
 A pipeline needs a few things torch keeps to itself: the dispatch mode and pytree helpers that count and walk an
 operator's tensors, the saved tensors of an autograd node (to split a linear layer's backward), a module's children
-by position (a layer at two positions at both), the batch-norm base class, AOTAutograd's donated buffers, the
-default store of the process group, a checkpoint read without a template, a random sampler's requested length, the
-gradient scaler's per-device overflow flags, and FSDP2's per-backward callbacks and state (the pipeline's backwards
-are several autograd calls, and FSDP2 has no public inverse). torch may rename or remove any of them in any release,
-so every use lives here, one small function (or constant) each, whose docstring says why the package needs it and on
-which torch versions it was checked. No other module of ``lightning_gpipe`` imports a private torch name or reads or
-writes a private attribute of a torch object; ``tests/unit/test_private_api.py`` fails when one does.
+by position (a layer at two positions at both), a module's buffer set as saved or not as it was, the batch-norm base
+class, AOTAutograd's donated buffers, the default store of the process group, a checkpoint read without a template,
+a random sampler's requested length, the gradient scaler's per-device overflow flags, and FSDP2's per-backward
+callbacks and state (the pipeline's backwards are several autograd calls, and FSDP2 has no public inverse). torch
+may rename or remove any of them in any release, so every use lives here, one small function (or constant) each,
+whose docstring says why the package needs it and on which torch versions it was checked. No other module of
+``lightning_gpipe`` imports a private torch name or reads or writes a private attribute of a torch object;
+``tests/unit/test_private_api.py`` fails when one does.
 
 Checked on: torch 2.13.0 (``pyproject.toml`` asks for ``torch>=2.13,<2.14``).
 
@@ -161,6 +162,18 @@ Checked on: torch 2.13.0."""
 
 
 # -------------------------------------------------------------------------------------- data, scaler, processes
+
+
+def set_buffer(module: nn.Module, name: str, tensor: Tensor) -> None:
+    """Make ``tensor`` ``module``'s existing buffer ``name`` (``module._buffers[name]``), whether it is saved as it
+    was.
+
+    Why: a Hugging Face layer lends a model's module the buffers the layer holds for it (a stack's unsaved tables its
+    forward reads, :class:`~lightning_gpipe.hf.decoder_stack.StackDecoderEmbedding`); ``register_buffer`` would also
+    set whether the buffer is saved, and torch keeps that set private.
+
+    Checked on: torch 2.13.0."""
+    module._buffers[name] = tensor
 
 
 def requested_samples(sampler: RandomSampler) -> int | None:

@@ -39,7 +39,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe._torch import children
+from lightning_gpipe._torch import children, set_buffer
 from lightning_gpipe.hf.decoder import GPT2LikeBlock
 from lightning_gpipe.hf.decoder_layout import ROTARY, block_loops_reason, layer_types_reason
 from lightning_gpipe.hf.gpt2_like import ARGUMENTS, hidden_name
@@ -200,7 +200,7 @@ class StackDecoderEmbedding(StackEmbedding):
         stack = self.hf_model.get_submodule(self.stack.path)
         holder = self.get_submodule(self._holder)
         for name in self._lent:
-            stack._buffers[name] = holder.get_buffer(name)
+            set_buffer(stack, name, holder.get_buffer(name))
         return stack
 
     def reset_parameters(self) -> None:
