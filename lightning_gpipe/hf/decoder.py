@@ -387,6 +387,8 @@ class GPT2LikeBlock(CachedDecoderBlock):
         parameters = inspect.signature(self.part(block).forward).parameters
         self._arguments = set(parameters)
         self._keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        self._cache_name = next((n for n in ("layer_past", "cache") if n in self._arguments), None)
+        self._rescale_every = getattr(model.config, "rescale_every", 0) or 0  # RWKV's (see _rescaled)
         embedding = None if rotary is None else self.part(rotary)
         typed = embedding is not None and "layer_type" in inspect.signature(embedding.forward).parameters
         kinds = getattr(embedding, "layer_types", ()) if typed else ()  # LFM3's tables, one per layer type
@@ -455,7 +457,7 @@ class GPT2LikeBlock(CachedDecoderBlock):
 
     def forward(self, value: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         hidden, attention_mask, position_ids, _, documents, rows = _unpack(value, None)
-        name = next((n for n in ("layer_past", "cache") if n in self._arguments), None)
+        name = self._cache_name
         if rows is not None and name is None:
             raise ValueError(
                 f"{type(self.part(self._block)).__name__} keeps its recurrent state in an argument of its own"
@@ -475,9 +477,11 @@ class GPT2LikeBlock(CachedDecoderBlock):
         """``hidden`` halved where the model's forward halves it: after every ``config.rescale_every``-th block while
         its base model's weights are rescaled for evaluation (RWKV's ``layers_are_rescaled``, set by its own forward
         in evaluation mode, which divides the blocks' output weights by powers of 2)."""
-        every = getattr(self.config, "rescale_every", 0)
-        rescaled = getattr(self.hf_model.get_submodule(self._base), "layers_are_rescaled", False)
-        return hidden / 2 if rescaled and every and (self.layer_index + 1) % every == 0 else hidden
+        every = self._rescale_every
+        if not every or (self.layer_index + 1) % every:
+            return hidden
+        rescaled = getattr(self.hf_model.get_submodule(self._base), "layers_are_rescaled", False)  # per mode
+        return hidden / 2 if rescaled else hidden
 
 
 class FinalNorm(HFLayer):

@@ -335,11 +335,17 @@ def theta_rotaries_name(model: nn.Module) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
+def forward_names(module: nn.Module) -> list[str]:
+    """The global and attribute names ``module``'s forward uses, in the order its code first uses them (its class's
+    forward, decorators unwrapped): what the layouts read the order of a forward's steps from."""
+    return list(inspect.unwrap(type(module).forward).__code__.co_names)
+
+
 def norm_before_blocks(base: nn.Module) -> bool:
     """Whether ``base``'s forward applies its final norm ``norm`` before its blocks ``layers`` too (NanoChat's
     "additional norm before the layers"): read from the names its code uses, ``norm`` first named before ``layers``
     (decorators unwrapped). The self-check proves the reading."""
-    names = list(inspect.unwrap(type(base).forward).__code__.co_names)
+    names = forward_names(base)
     return {"norm", "layers"} <= set(names) and names.index("norm") < names.index("layers")
 
 

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe._torch import children, set_buffer
 from lightning_gpipe.hf.decoder import GPT2LikeBlock
-from lightning_gpipe.hf.decoder_layout import ROTARY, block_loops_reason, layer_types_reason
+from lightning_gpipe.hf.decoder_layout import ROTARY, block_loops_reason, forward_names, layer_types_reason
 from lightning_gpipe.hf.gpt2_like import ARGUMENTS, hidden_name
 from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel
 from lightning_gpipe.hf.masks import unpackable_layer_types
@@ -57,7 +57,7 @@ def after_blocks(stack: nn.Module, blocks: str) -> list[str]:
     OPT's ``project_out``. The stack registers its children in no order its forward follows (OPT registers
     ``final_layer_norm`` before ``layers``, BART ``layernorm_embedding`` after them, applying it before); the
     self-check proves the reading."""
-    names = list(inspect.unwrap(type(stack).forward).__code__.co_names)  # find_stack: ``blocks`` among them
+    names = forward_names(stack)  # find_stack: ``blocks`` among them
     own = _named(stack)
     return [name for name in names[names.index(blocks) + 1 :] if name in own]
 
@@ -119,7 +119,7 @@ def find_stack(model: nn.Module) -> DecoderStack | str:
         return f"`{path}` holds {sorted(inner)}, not one nn.ModuleList of blocks"
     if [*stack.parameters(recurse=False), *(b for n, b in stack.named_buffers(recurse=False) if n in _saved(stack))]:
         return f"`{path}` holds tensors of its own that it saves, which no layer can hold"
-    if lists[0] not in inspect.unwrap(type(stack).forward).__code__.co_names:
+    if lists[0] not in forward_names(stack):
         return f"`{path}`'s forward does not name its blocks `{lists[0]}`"
     after = after_blocks(stack, lists[0])
     end = tuple(f"{path}.{name}" for name in after)

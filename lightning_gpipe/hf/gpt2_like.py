@@ -63,6 +63,7 @@ from lightning_gpipe.hf.decoder_layout import (
     base_model_reason,
     base_name,
     block_loops_reason,
+    forward_names,
     layer_types_reason,
 )
 from lightning_gpipe.hf.layer import PreTrainedModel
@@ -216,7 +217,7 @@ def gpt2_like_decoder(model: nn.Module) -> str | None:
     saved = [name for name, _ in base.named_buffers(recurse=False) if name not in _unsaved(base)]
     if saved:
         return f"`{model.base_model_prefix}` holds the buffers {saved} itself, which no layer can hold"
-    read = sorted(_unsaved(base) & set(inspect.unwrap(type(base).forward).__code__.co_names))
+    read = sorted(_unsaved(base) & set(forward_names(base)))
     if read:  # CTRL's sinusoidal `pos_encoding`, RecurrentGemma's `normalizer`: not the layout's embedding
         return (
             f"its forward reads the buffers {read} that `{model.base_model_prefix}` holds itself, unsaved, which"
