@@ -11,6 +11,7 @@ the others (the check's), so that every configuration measures steady steps of t
 
   amoebanet    AmoebaNet-D (3, 16), as examples/amoebanet/configs/cifar10_20min.yaml: 7 backbone layers (6 splits),
                batch 128 of random 32 x 32 images, M=4, channels_last, checkpoint never, zb-h1, bf16-mixed
+               (``--amoebanet-precision 32-true``: as the recipe trains where bf16 is emulated)
   translation  the translation example's Transformer (examples/translation/configs/cpu.yaml's model: d_model 256,
                3 + 3 layers: 9 backbone layers, 8 splits) on its first batch of 4,096 tokens per side, M=4,
                checkpoint never, the strategy's default schedule, fp32
@@ -32,6 +33,7 @@ Usage::
 
     python benchmarks/splits.py --settle 30                 # both models, 3 interleaved repeats (the issue's figures)
     python benchmarks/splits.py --models amoebanet --repeats 5
+    python benchmarks/splits.py --models amoebanet --amoebanet-precision 32-true   # an AVX2-only CPU's recipe
     python benchmarks/splits.py --quick                     # a smoke run: tiny batches, 1 repeat, 2 steps
 """
 
@@ -74,11 +76,10 @@ class Model:
 MODELS = {
     "amoebanet": Model(
         7,
-        ("--model", "amoebanet", "--amoebanet-layers", "3", "--channels-last", "--schedule", "zb-h1")
-        + ("--precision", "bf16-mixed"),
+        ("--model", "amoebanet", "--amoebanet-layers", "3", "--channels-last", "--schedule", "zb-h1"),
         ("--batch-size", "128"),
         ("--batch-size", "8"),
-        "AmoebaNet-D (3, 16), channels_last, M=4, checkpoint never, zb-h1, bf16-mixed",
+        "AmoebaNet-D (3, 16), channels_last, M=4, checkpoint never, zb-h1",
     ),
     "translation": Model(
         9,
@@ -97,6 +98,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quick", action="store_true", help="a smoke run: tiny batches, 1 repeat, 1 warm-up and 2 measured steps"
     )
+    parser.add_argument(
+        "--amoebanet-precision",
+        choices=("bf16-mixed", "32-true"),
+        default="bf16-mixed",
+        help="AmoebaNet-D's precision: the recipe's bf16-mixed, or 32-true, which the recipe's precision_fallback "
+        "trains in on a CPU without native bf16 (default bf16-mixed)",
+    )
     harness.add_timing_args(parser, repeats=3, steps=8, warmup=2)
     args = parser.parse_args(argv)
     if args.quick:
@@ -112,15 +120,22 @@ def configs(args: argparse.Namespace) -> list[harness.Config]:
         model = MODELS[name]
         common = ["lightning", "--devices", "2", "--chunks", str(CHUNKS), "--checkpoint", CHECKPOINT, "--breakdown"]
         common += ["--steps", str(args.steps)]
-        common += [*model.args, *(model.quick if args.quick else model.size)]
+        common += [*model.args, *(model.quick if args.quick else model.size), *precision(name, args)]
+        described = ", ".join([model.describe, *precision(name, args)[1:]])
         for first in range(1, model.layers):
             split = f"{first},{model.layers - first}"
             run = [*common, "--balance", split, "--warmup", str(args.warmup)]
-            result.append(harness.Config(f"{name}/{split}", run, describe=f"{model.describe}; balance=[{split}]"))
+            result.append(harness.Config(f"{name}/{split}", run, describe=f"{described}; balance=[{split}]"))
         run = [*common, "--balance", "time", "--warmup", str(args.warmup + CHECK_STEPS)]
-        describe = f"{model.describe}; balance='time' (re-split checked after {CHECK_STEPS} steps)"
+        describe = f"{described}; balance='time' (re-split checked after {CHECK_STEPS} steps)"
         result.append(harness.Config(f"{name}/time", run, describe=describe))
     return result
+
+
+def precision(name: str, args: argparse.Namespace) -> list[str]:
+    """The ``_runs.py`` precision arguments of model ``name``: AmoebaNet-D's ``--amoebanet-precision``; the
+    translation model trains in fp32."""
+    return ["--precision", args.amoebanet_precision] if name == "amoebanet" else []
 
 
 def busy_ms(records: list[dict]) -> list[float]:
