@@ -9,7 +9,8 @@ position_ids (N, S)[, router statistics (N, 2E + 1)][, per-layer inputs (N, S, L
 (N, S, k)][, documents (N, S)][, rows (n,)])`` (``documents`` for packed rows,
 :func:`~lightning_gpipe.hf.packing.decoder_input`; ``rows`` for cached decoding,
 :class:`~lightning_gpipe.hf.kv_cache.CachedDecoderBlock`; per-layer inputs, token ids and a carried value only for the
-models whose blocks take them; with hyper-connections the hidden states are ``(N, S, streams, H)``). Each block
+models whose blocks take them; with hyper-connections the hidden states are ``(N, S, streams, H)``, or ``(N, S,
+streams * H)``). Each block
 rebuilds what the model's forward builds once for all blocks (the 4-D mask, :mod:`lightning_gpipe.hf.masks`, kept
 inside each document of a packed row; the rotary cos/sin from the positions) and calls the block as the model's
 forward does, giving it what the forward gives it where it asks for it (a value carried from block to block,
@@ -31,9 +32,18 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe.hf.decoder_layout import CARRIED, computed_arguments, rotary_kinds, rotary_layer_types
+from lightning_gpipe.hf.decoder_layout import (
+    CARRIED,
+    cache_state,
+    computed_arguments,
+    padding_token,
+    rotary_kinds,
+    rotary_layer_types,
+    token_argument,
+)
 from lightning_gpipe.hf.kv_cache import CachedDecoderBlock
 from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel
+from lightning_gpipe.hf.masks import MASKS, mixed_masks
 from lightning_gpipe.hf.moe import RouterLoss
 from lightning_gpipe.hf.seq2seq import seq2seq_loss
 
@@ -148,8 +158,10 @@ class DecoderEmbedding(HFLayer):
             and ``project_per_layer_inputs``): the layer computes them as its forward does and passes them on, ``(N,
             S, L, D)`` after the positions (and router statistics), for each block to take its own; ``None``
             (default) for none.
-        streams: the number of hyper-connection streams (HY-V4's ``config.hc_mult``): the embeddings are repeated
-            into ``(N, S, streams, H)`` for the blocks, as the model's forward does; ``None`` (default) for none.
+        streams: ``(count, flat)`` of hyper-connection streams
+            (:func:`~lightning_gpipe.hf.decoder_layout.hyper_streams`): the embeddings are repeated into ``(N, S,
+            count, H)`` for the blocks (HY-V4's ``config.hc_mult``), or with ``flat`` into ``(N, S, count * H)``
+            (Qwen4-Exp's ``config.hc_count``), as the model's forward does; ``None`` (default) for none.
         pass_tokens: pass the token ids on to blocks that take them (DeepSeek-V4's ``input_ids``, see
             :func:`tokens_of`); default ``False``.
         held: paths of modules the layer holds without calling them (a composite model's towers, which text does not
@@ -167,7 +179,7 @@ class DecoderEmbedding(HFLayer):
         router: RouterLoss | None = None,
         extensions: Sequence[str] = (),
         per_layer: tuple[str, Sequence[str]] | None = None,
-        streams: int | None = None,
+        streams: tuple[int, bool] | None = None,
         pass_tokens: bool = False,
         held: Sequence[str] = (),
     ) -> None:
@@ -197,8 +209,9 @@ class DecoderEmbedding(HFLayer):
             hidden = self.part(self._dropout)(hidden)
         if self.dropout_p is not None:
             hidden = nn.functional.dropout(hidden, p=self.dropout_p, training=self.training)
-        if self.streams is not None:  # hyper-connections: the blocks take (N, S, streams, H)
-            hidden = hidden.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()
+        if self.streams is not None:  # hyper-connections: the blocks take (N, S, streams, H) or (N, S, streams * H)
+            count, flat = self.streams
+            hidden = hidden.repeat(1, 1, count) if flat else hidden.unsqueeze(2).expand(-1, -1, count, -1).contiguous()
         statistics = None
         if self.router is not None:
             statistics = torch.zeros(input_ids.shape[0], self.router.width, device=hidden.device)
@@ -219,7 +232,11 @@ class RotaryDecoderBlock(CachedDecoderBlock):
     block taking an argument named ``prev_...`` (:data:`~lightning_gpipe.hf.decoder_layout.CARRIED`; GLM-MoE-DSA's
     ``prev_topk_indices``) gives ``(hidden, what the next block takes there)``, as the model's forward passes it on:
     the layer carries it in the value to the next block's layer (:func:`carried_of`; the first block gets ``None``,
-    as in the model's forward).
+    as in the model's forward). A block taking the token ids gets them (:func:`tokens_of`;
+    :func:`~lightning_gpipe.hf.decoder_layout.token_argument`), per-layer ones with the padding the recurrent mask
+    masks replaced as the forward replaces it (:func:`~lightning_gpipe.hf.decoder_layout.padding_token`: Qwen4-Exp's
+    ``ple_input_ids``); where the model's forward keeps state on its cache itself
+    (:func:`~lightning_gpipe.hf.decoder_layout.cache_state`), cached decoding raises ``ValueError``.
 
     Args:
         model: the model.
@@ -257,10 +274,22 @@ class RotaryDecoderBlock(CachedDecoderBlock):
         self._second_mask = next((n for n in arguments if n.endswith("_mask") and n != "attention_mask"), None)
         self._per_layer, self._shared_kv = "per_layer_input" in arguments, "shared_kv_states" in arguments
         self._computed = computed_arguments(self.part(block))
-        self.tokens = "input_ids" in arguments
+        base = model.get_submodule(block.rsplit(".", 2)[0])
+        self._token_argument = token_argument(base, self.part(block))  # DeepSeek-V4's input_ids...
+        self.tokens = self._token_argument is not None
+        self._padding_token = None if self._token_argument == "input_ids" else padding_token(base)
+        kept = cache_state(base)  # state of the whole model's cache: cached decoding refused (forward)
+        self._cache_refusal = None if not kept else (
+            f"{type(base).__name__}'s forward keeps state on its cache itself ({', '.join(kept)}), which no block's"
+            " own cache keeps: cached decoding through the pipeline cannot follow it; decode with `kv_cache=False` or"
+            " the model's own `generate`."
+        )  # fmt: skip
+        mixed = mixed_masks(model.config)
+        if self._second_mask is not None and self._recurrent_mask is None and mixed is not None:
+            self._mask, self._recurrent_mask = MASKS[mixed[0]], MASKS[mixed[1]]  # both masks, as a hybrid block's
         rope = getattr(model.config, "rope_parameters", None)
         self._kinds = rotary_kinds(model.config) if typed else []
-        rotated = rotary_layer_types(type(model.get_submodule(block.rsplit(".", 2)[0])))
+        rotated = rotary_layer_types(type(base))
         self._nope = (
             bool(typed) and isinstance(rope, dict) and self.layer_type in rope and rope[self.layer_type] is None
         ) or (rotated is not None and self.layer_type not in rotated)  # Lara-mini's forward gives its full layers none
@@ -275,8 +304,11 @@ class RotaryDecoderBlock(CachedDecoderBlock):
             arguments["position_embeddings"] = {kind: rotary(hidden, position_ids, kind) for kind in self._kinds}
         elif self._rotary is not None:
             arguments["position_embeddings"] = self.part(self._rotary)(hidden, position_ids, *self._rotary_type)
-        if self.tokens:
-            arguments["input_ids"] = tokens_of(value, self.router)
+        if self.tokens:  # the token ids; per-layer ones with the padding the recurrent mask masks replaced
+            tokens, recurrent = tokens_of(value, self.router), mask[1] if isinstance(mask, tuple) else None
+            if self._padding_token is not None and recurrent is not None:
+                tokens = torch.where(recurrent.bool(), tokens, self._padding_token)
+            arguments[cast(str, self._token_argument)] = tokens
         for name, compute in self._computed.items():
             arguments[name] = compute(position_ids) if self._nope else None
         if self._carry is not None:
@@ -292,6 +324,8 @@ class RotaryDecoderBlock(CachedDecoderBlock):
 
     def forward(self, value: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         hidden, attention_mask, position_ids, statistics, documents, rows = _unpack(value, self.router, self.tokens)
+        if rows is not None and self._cache_refusal is not None:
+            raise ValueError(self._cache_refusal)
         cache, mask = self.cache_and_mask(hidden, attention_mask, position_ids, rows, documents)
         arguments = self._arguments(value, hidden, position_ids, mask)
         # statistics come with a router only (_unpack)

@@ -19,7 +19,14 @@ from typing import Any, cast
 from torch import nn
 
 from lightning_gpipe.hf.decoder import DecoderEmbedding, FinalNorm, GPT2Block, Head, RotaryDecoderBlock, SkippedBlock
-from lightning_gpipe.hf.decoder_layout import base_name, norm_before_blocks, skipped_block, theta_rotaries_name
+from lightning_gpipe.hf.decoder_layout import (
+    base_name,
+    collapse_name,
+    hyper_streams,
+    norm_before_blocks,
+    skipped_block,
+    theta_rotaries_name,
+)
 from lightning_gpipe.hf.layer import PreTrainedModel
 from lightning_gpipe.hf.masks import layer_type
 from lightning_gpipe.hf.moe import router_loss_of
@@ -66,7 +73,8 @@ class DecoderCut:
         dropout: a module applied to the embeddings before the blocks (Phi's ``"model.embed_dropout"``), or ``None``.
         blocks: the ``nn.ModuleList`` of blocks (``"model.layers"``).
         rotary: the rotary embedding every block's layer holds (``"model.rotary_emb"``), or ``None``.
-        norm: the final norm (``"model.norm"``, Phi's ``"model.final_layernorm"``).
+        norm: the final norm (``"model.norm"``, Phi's ``"model.final_layernorm"``), or ``None`` where the collapse
+            of hyper-connection streams ends the blocks' output alone (Qwen4-Exp's).
         head: the output head (``"lm_head"``).
         extensions: modules applied to ``(input_ids, embeddings)`` after the embedding (Phi-4-multimodal's
             ``"model.embed_tokens_extend"``, see :class:`~lightning_gpipe.hf.decoder.DecoderEmbedding`); default none.
@@ -77,9 +85,10 @@ class DecoderCut:
             ``"model.per_layer_model_projection"``, ``"model.per_layer_projection_norm"``), held by the embedding
             layer, which computes the per-layer inputs with the base model's own methods (see
             :class:`~lightning_gpipe.hf.decoder.DecoderEmbedding`); default none.
-        collapse: with hyper-connections (``config.hc_mult`` streams of hidden states, which the embedding layer
-            makes), the module that collapses them before the final norm (HY-V4's ``"model.hc_head"``); default
-            ``None``.
+        collapse: with hyper-connections (streams of hidden states, which the embedding layer makes as the model's
+            forward does: :func:`~lightning_gpipe.hf.decoder_layout.hyper_streams`), the module that collapses them
+            before the final norm (HY-V4's ``"model.hc_head"``; Qwen4-Exp's ``"model.hyper_connection_mixer"``,
+            without a norm); default ``None``.
         held: modules the embedding layer holds and text does not run through: a composite model's other towers
             (Gemma 3's ``"model.vision_tower"``, ``"model.multi_modal_projector"``, see
             :mod:`lightning_gpipe.hf.composite`); default none.
@@ -89,7 +98,7 @@ class DecoderCut:
     dropout: str | None
     blocks: str
     rotary: str | None
-    norm: str
+    norm: str | None
     head: str
     extensions: tuple[str, ...] = ()
     rotaries: str | None = None
@@ -101,7 +110,7 @@ class DecoderCut:
         """The cut as a line: ``"model.embed_tokens -> model.layers.* -> model.norm -> lm_head"``."""
         embedding = f"{self.embedding} (holding {', '.join(self.held)})" if self.held else self.embedding
         first = [embedding, *self.extensions, *([self.dropout] if self.dropout else [])]
-        last = [*([self.collapse] if self.collapse else []), self.norm, self.head]
+        last = [path for path in (self.collapse, self.norm, self.head) if path]
         return " -> ".join([*first, f"{self.blocks}.*", *last])
 
 
@@ -135,14 +144,17 @@ def standard_cut(model: PreTrainedModel) -> DecoderCut:
     """The cut of a model of the standard decoder layout
     (:func:`~lightning_gpipe.hf.decoder_layout.standard_decoder`); its final norm applied on the embeddings too where
     its forward applies it before the blocks (:func:`~lightning_gpipe.hf.decoder_layout.norm_before_blocks`:
-    NanoChat's)."""
+    NanoChat's); the module collapsing hyper-connection streams where it has one
+    (:func:`~lightning_gpipe.hf.decoder_layout.collapse_name`: Qwen4-Exp's, without a norm)."""
     prefix = base_name(model)
-    norm = f"{prefix}.norm"
-    on_embeddings = norm if norm_before_blocks(model.get_submodule(prefix)) else None  # NanoChat's norm, twice
-    rotaries = theta_rotaries_name(model)
+    base = model.get_submodule(prefix)
+    norm = f"{prefix}.norm" if hasattr(base, "norm") else None  # none where a collapse ends the blocks (Qwen4-Exp)
+    on_embeddings = norm if norm_before_blocks(base) else None  # NanoChat's norm, twice
+    rotaries, collapse = theta_rotaries_name(model), collapse_name(base)
     return DecoderCut(
         f"{prefix}.embed_tokens", on_embeddings, f"{prefix}.layers", f"{prefix}.rotary_emb", norm, "lm_head",
         rotaries=None if rotaries is None else f"{prefix}.{rotaries}",
+        collapse=None if collapse is None else f"{prefix}.{collapse}",
     )  # fmt: skip
 
 
@@ -181,7 +193,7 @@ def decoder_layers(model: PreTrainedModel, cut: DecoderCut) -> list[nn.Module]:
             router=router,
             extensions=cut.extensions,
             per_layer=(cut.blocks.rpartition(".")[0], cut.per_layer) if cut.per_layer else None,
-            streams=getattr(config, "hc_mult", None) if cut.collapse else None,
+            streams=hyper_streams(base) if cut.collapse else None,
             pass_tokens=any(block.tokens for block in blocks),
             held=cut.held,
         ),

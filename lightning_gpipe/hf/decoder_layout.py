@@ -11,8 +11,13 @@ block (``prev_...``, :data:`CARRIED`), what their modeling module computes from 
 (:func:`computed_arguments`), rotary tables of several kinds (:func:`rotary_kinds`) or for one layer type only
 (:func:`rotary_layer_types`); rotary modules per layer theta (:func:`theta_rotaries`); the final norm applied to the
 embeddings too (:func:`norm_before_blocks`); arguments the forward passes on as given, ``None`` on text
-(:func:`passed_arguments`), and blocks it skips without them (:func:`skipped_block`: Mllama's cross-attention layers).
-Blocks run in several loops are refused (:func:`block_loops_reason`).
+(:func:`passed_arguments`), and blocks it skips without them (:func:`skipped_block`: Mllama's cross-attention layers);
+hyper-connection streams the embeddings are widened into and a module collapsing them after the blocks
+(:func:`hyper_streams`, :func:`collapse_name`: Qwen4-Exp's ``hyper_connection_mixer``, in place of the norm); the token
+ids (:func:`token_argument`), padding replaced where the forward does (:func:`padding_token`); both masks for every
+block of a model of one attention and one recurrent layer type
+(:func:`~lightning_gpipe.hf.masks.mixed_masks`). Blocks run in several loops are refused (:func:`block_loops_reason`);
+so is cached decoding where the forward keeps state on the cache itself (:func:`cache_state`).
 Whatever else a class does differently is caught by the self-check (:mod:`lightning_gpipe.hf.selfcheck`) before the
 first step.
 """
@@ -31,7 +36,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe._torch import children
 from lightning_gpipe.hf.layer import PreTrainedModel
-from lightning_gpipe.hf.masks import HYBRID, MASKS, layer_type
+from lightning_gpipe.hf.masks import HYBRID, MASKS, layer_type, mixed_masks
 
 STANDARD_BASE = ("embed_tokens", "layers", "norm", "rotary_emb")
 """The modules of a standard decoder's base model, and nothing else."""
@@ -279,9 +284,10 @@ def kv_sharing_reason(config: Any) -> str | None:
 
 def block_arguments_reason(block: nn.Module, config: Any = None, passed: frozenset[str] = frozenset()) -> str | None:
     """``None`` when ``block``'s forward takes no named argument beyond :data:`BLOCK_ARGUMENTS` (and one named
-    ``prev_...``, :data:`CARRIED`; where ``config`` has a layer type of :data:`~lightning_gpipe.hf.masks.HYBRID`, one
-    more ``..._mask``; any of ``passed``, the arguments the model's forward passes on as given,
-    :func:`passed_arguments`, left at their default ``None``), else why not (the model's forward computes something
+    ``prev_...``, :data:`CARRIED`; where ``config`` has a layer type of :data:`~lightning_gpipe.hf.masks.HYBRID`, or
+    one attention and one recurrent type, :func:`~lightning_gpipe.hf.masks.mixed_masks`, one more ``..._mask``; any of
+    ``passed``, the arguments the model's forward passes on as given, :func:`passed_arguments`, left at their default
+    ``None``, or gives the token ids, :func:`token_argument`), else why not (the model's forward computes something
     else for it: Beam's ``attention_scaling``)."""
     parameters = inspect.signature(block.forward).parameters.values()
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -291,6 +297,7 @@ def block_arguments_reason(block: nn.Module, config: Any = None, passed: frozens
     carried = [name for name in extra if name.startswith(CARRIED)]
     masks = [name for name in extra if name.endswith("_mask")]
     hybrid = config is not None and any(layer_type(config, i) in HYBRID for i in range(config.num_hidden_layers))
+    hybrid = hybrid or (config is not None and mixed_masks(config) is not None and len(masks) == 1)
     if hybrid and len(masks) != 1:
         return (
             f"its layer types take an attention and a recurrent mask at once ({', '.join(HYBRID)}), but its blocks"
@@ -349,11 +356,90 @@ def norm_before_blocks(base: nn.Module) -> bool:
     return {"norm", "layers"} <= set(names) and names.index("norm") < names.index("layers")
 
 
+def hyper_streams(base: nn.Module) -> tuple[int, bool] | None:
+    """``(streams, flat)`` where the forward of the base model ``base`` widens its embeddings into hyper-connection
+    streams, ``streams`` copies each: ``x.unsqueeze(2).expand(-1, -1, self.config.<n>, -1)``, ``(N, S, streams, H)``
+    (HY-V4's, DeepSeek-V4's ``hc_mult``; ``flat`` False), or ``x.repeat(1, 1, self.config.<n>)``, ``(N, S, streams *
+    H)`` (Qwen4-Exp's ``hc_count``; ``flat`` True), read from its code; else ``None``. The self-check proves the
+    reading."""
+    tree = _forward_tree(cast(Any, type(base)))
+    for node in [] if tree is None else ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        shape = [ast.unparse(argument) for argument in node.args]
+        field = next((item[len("self.config.") :] for item in shape if item.startswith("self.config.")), None)
+        count = getattr(getattr(base, "config", None), field or "", None)
+        if not isinstance(count, int):
+            continue
+        if node.func.attr == "repeat" and shape[:2] == ["1", "1"] and len(shape) == 3:
+            return count, True
+        if node.func.attr == "expand" and shape[:2] == ["-1", "-1"] and shape[3:] == ["-1"]:
+            return count, False
+    return None
+
+
+def collapse_name(base: nn.Module) -> str | None:
+    """The name of the child of the base model ``base`` that collapses its hyper-connection streams
+    (:func:`hyper_streams`) after the blocks: its one child besides :data:`STANDARD_BASE` (Qwen4-Exp's
+    ``hyper_connection_mixer``, which gives the hidden states ``(N, S, H)`` in place of a final norm); ``None``
+    without streams, or with other children than these."""
+    others = [name for name, child in children(base).items() if child is not None and name not in STANDARD_BASE]
+    return others[0] if len(others) == 1 and hyper_streams(base) is not None else None
+
+
+def _base_modules(base: nn.Module) -> list[str]:
+    """:data:`STANDARD_BASE`, without ``norm`` where ``base`` collapses hyper-connection streams
+    (:func:`collapse_name`) and holds no norm."""
+    if collapse_name(base) is not None and "norm" not in children(base):
+        return [name for name in STANDARD_BASE if name != "norm"]
+    return list(STANDARD_BASE)
+
+
+def token_argument(base: nn.Module, block: nn.Module) -> str | None:
+    """The argument of ``block`` that takes the token ids: ``input_ids`` (DeepSeek-V4's hash-routed experts), or the
+    one ``..._input_ids`` the forward of the base model ``base`` takes too and gives every block (Qwen4-Exp's
+    ``ple_input_ids``, the ids its per-layer embeddings hash: :func:`padding_token`); ``None`` where it takes
+    neither."""
+    names = inspect.signature(block.forward).parameters
+    if "input_ids" in names:
+        return "input_ids"
+    own = inspect.signature(inspect.unwrap(cast(Any, type(base)).forward)).parameters
+    found = [name for name in names if name.endswith("_input_ids") and name in own]
+    return found[0] if len(found) == 1 else None
+
+
+def padding_token(base: nn.Module) -> int | None:
+    """The id the forward of the base model ``base`` gives its blocks' per-layer token ids (:func:`token_argument`)
+    in place of the padding the recurrent mask masks: ``config.eos_token_id`` (the first of a list) where its code
+    names ``eos_token_id`` (Qwen4-Exp's ``torch.where(conv_mask.bool(), ple_input_ids, eos_token_id)``, after which
+    its n-grams restart), else ``None`` (the ids as given). The self-check proves the reading on padded rows."""
+    if "eos_token_id" not in forward_names(base):
+        return None
+    eos = getattr(getattr(base, "config", None), "eos_token_id", None)
+    return eos[0] if isinstance(eos, (list, tuple)) and eos else eos if isinstance(eos, int) else None
+
+
+def cache_state(base: nn.Module) -> list[str]:
+    """The attributes the forward of the base model ``base`` sets on objects other than itself (Qwen4-Exp's
+    ``indexer_cache.indexer_position_ids``: the positions of every token so far, kept on its cache for the rotary
+    tables its indexers get): state of the whole model's cache that no block keeps, so that cached decoding through
+    the pipeline, each block with its own cache, cannot follow it (refused:
+    :class:`~lightning_gpipe.hf.decoder.RotaryDecoderBlock`)."""
+    tree = _forward_tree(cast(Any, type(base)))
+    return sorted(
+        ast.unparse(node)
+        for node in ([] if tree is None else ast.walk(tree))
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+    )  # fmt: skip
+
+
 def standard_decoder(model: nn.Module) -> str | None:
     """``None`` when ``model`` is of the standard decoder layout (see the module docstring), else why not: its
     children must be exactly the base model (:func:`base_name`) and ``lm_head``, the base model's exactly
-    :data:`STANDARD_BASE` (and an ``nn.ModuleList`` of rotary modules per layer theta, :func:`theta_rotaries`; the
-    blocks an ``nn.ModuleList`` of ``num_hidden_layers``), every layer type one the adapter rebuilds
+    :data:`STANDARD_BASE` (and an ``nn.ModuleList`` of rotary modules per layer theta, :func:`theta_rotaries`; a module
+    collapsing hyper-connection streams, before the norm or in its place, :func:`collapse_name`; the blocks an
+    ``nn.ModuleList`` of ``num_hidden_layers``), every layer type one the adapter rebuilds
     (:func:`layer_types_reason`) and the blocks taking what it gives them (:func:`block_arguments_reason`)."""
     if not isinstance(model, PreTrainedModel):
         return "it is not a transformers PreTrainedModel"
@@ -364,14 +450,20 @@ def standard_decoder(model: nn.Module) -> str | None:
     base = model.get_submodule(prefix)
     inner = sorted(name for name, child in children(base).items() if child is not None)
     rotaries = theta_rotaries_name(model)  # Granite-MoE-SWA's rotary modules per layer theta besides
-    if sorted(name for name in inner if name != rotaries) != sorted(STANDARD_BASE):
-        return f"`{prefix}` holds {inner}, not exactly {list(STANDARD_BASE)}"
+    collapse = collapse_name(base)  # Qwen4-Exp's hyper-connection mixer, in place of the norm
+    if sorted(name for name in inner if name not in (rotaries, collapse)) != sorted(_base_modules(base)):
+        return (
+            f"`{prefix}` holds {inner}, not exactly {list(STANDARD_BASE)} (with hyper-connection streams, one module"
+            " collapsing them in place of the norm or before it)"
+        )
     if not isinstance(base.layers, nn.ModuleList) or len(base.layers) != config.num_hidden_layers:
         return f"`{prefix}.layers` is not an nn.ModuleList of num_hidden_layers blocks"
     if bidirectional(config):
         return "use_bidirectional_attention=True (a bidirectional encoder, not a causal LM)"
+    token = token_argument(base, base.layers[0])  # Qwen4-Exp's ple_input_ids: the token ids
+    tokens = frozenset([] if token is None else [token])
     return (
         layer_types_reason(config, base.get_submodule("rotary_emb"))
-        or block_arguments_reason(base.layers[0], config, passed_arguments(type(base)))
+        or block_arguments_reason(base.layers[0], config, passed_arguments(type(base)) | tokens)
         or block_loops_reason(base)
     )

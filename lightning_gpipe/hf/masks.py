@@ -1,6 +1,7 @@
 """The masks a decoder block rebuilds from the ``(N, S)`` padding mask, as the model's forward builds them once for all
 blocks: by the block's layer type (:func:`layer_type`), with the ``transformers.masking_utils`` helper of that type
-(:data:`MASKS`), two at once for the hybrid types (:data:`HYBRID`); and the types whose masks cannot keep the documents
+(:data:`MASKS`), two at once for the hybrid types (:data:`HYBRID`) and for every block of a model of one attention and
+one recurrent type whose blocks take both (:func:`mixed_masks`); and the types whose masks cannot keep the documents
 of a packed row apart (:func:`unpackable_layer_types`; packed rows: :mod:`lightning_gpipe.hf.packing`).
 """
 
@@ -57,6 +58,19 @@ and ``linear_attention``; ``hybrid_sliding``: ``sliding_attention`` and ``linear
 ``{layer type: (attention type, recurrent type)}``. A block of such a type gets the attention type's mask (of
 :data:`MASKS`, as the model's forward builds it) as ``attention_mask`` and the recurrent type's under the one other
 ``..._mask`` argument it takes (Inkling's ``conv_mask``)."""
+
+
+def mixed_masks(config: Any) -> tuple[str, str] | None:
+    """``(attention type, recurrent type)`` where ``config``'s layer types are exactly one attention type and one
+    recurrent one (of :data:`MASKS`, told apart as :data:`HYBRID`'s: Qwen4-Exp's ``indexed_attention`` and
+    ``linear_attention``), else ``None``. A block of such a model that takes a second ``..._mask`` gets both masks
+    whatever its own type, as a :data:`HYBRID` block does (Qwen4-Exp's forward gives every block the indexed
+    attention's as ``attention_mask`` and the recurrent one as ``conv_mask``); the self-check proves the reading."""
+    types = {layer_type(config, i) for i in range(config.num_hidden_layers)}
+    if len(types) != 2 or not types <= set(MASKS) - set(TOKENWISE):
+        return None
+    attention, recurrent = sorted(types, key=lambda t: _recurrent(MASKS[t]))
+    return (attention, recurrent) if not _recurrent(MASKS[attention]) and _recurrent(MASKS[recurrent]) else None
 
 
 def layer_type(config: Any, layer_index: int) -> str:

@@ -557,3 +557,40 @@ def test_buffers_the_model_sets_itself_are_set_on_a_stage_that_builds_only_its_l
         layer.load_state_dict({name: real.state_dict()[name] for name in layer.state_dict()})
         value = layer(value)
     torch.testing.assert_close(value, real(input_ids=torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])).logits)
+
+
+QWEN4_EXP = dict(TINY, num_hidden_layers=2, num_key_value_heads=2, head_dim=8, layer_types=["linear_attention",
+                 "indexed_attention"], linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                 linear_num_value_heads=4, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
+                 num_experts_per_tok=2, hc_count=2, hc_lowrank=8, ple_layer_ids=[1], ple_embed_dim=16,
+                 heads_per_ngram=2, ngram_vocab_size_base=50, make_ngram_vocab_size_divisible_by=8, eos_token_id=2,
+                 indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                 indexer_compress_ratio=2)  # fmt: skip
+"""A small Qwen4-Exp: a linear-attention block with per-layer n-gram embeddings (PLE), an indexed-attention one."""
+
+
+def test_flat_hyper_connection_streams_per_layer_token_ids_and_both_masks_equal_their_forward():
+    """Qwen4-Exp, refused before: its embeddings repeated into 2 flat hyper-connection streams ``(N, S, 2 * H)``
+    (``repeat(1, 1, config.hc_count)``) and collapsed after the blocks by ``hyper_connection_mixer`` in place of a
+    final norm; every block given the indexed attention's 4-D mask and the recurrent one (``conv_mask``), and the token
+    ids its per-layer n-gram embeddings hash (``ple_input_ids``) with the padding replaced by ``eos_token_id``, as its
+    forward gives them: logits, loss and every gradient equal its forward on a left-padded row (its PLE convolution
+    drawn non-zero). Its forward keeps the positions on its cache itself, so cached decoding through the pipeline is
+    refused loudly; decoding without caches equals ``generate``'s tokens."""
+    from lightning_gpipe.hf import greedy_generate
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen4_exp_text", **QWEN4_EXP))
+    with torch.no_grad():
+        model.model.layers[0].ple.conv1d.weight.normal_(0.0, 0.3)  # zero as initialised: every path counts
+    backbone = to_sequential(model, check=False)
+    assert family_of(model).name == "decoder" and backbone[0].streams == (2, True)
+    assert backbone[-2].paths == ("model.hyper_connection_mixer",)
+    _equal_to_forward(model)
+    ids = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
+    mask = (ids != 0).long()
+    with pytest.raises(ValueError, match=r"keeps state on its cache itself \(indexer_cache.indexer_position_ids\)"):
+        greedy_generate(backbone, ids, mask, max_new_tokens=3)
+    expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3, pad_token_id=2,
+                              eos_token_id=2)  # fmt: skip
+    assert torch.equal(greedy_generate(backbone, ids, mask, max_new_tokens=3, eos_token_id=2, kv_cache=False), expected)
