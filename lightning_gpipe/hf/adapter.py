@@ -35,9 +35,10 @@ module on the embeddings before the blocks, the blocks (the ``nn.ModuleList``), 
 entry that gives ``logits``). Of the base model's modules the plan leaves out, the adapter takes those it knows what
 the forward does with (:func:`_left_out`): the rotary embedding (``rotary_emb``: every block's layer rebuilds its
 cos/sin), modules on ``(input_ids, inputs_embeds)`` (Phi-4-multimodal), rotary modules per layer theta
-(Granite-SWA), per-layer embeddings (Gemma 4), the collapse of hyper-connection streams (HY-V4) and modules without
-tensors; anything else is refused. The blocks are called as the standard layout's, with what the config declares
-around them (:func:`~lightning_gpipe.hf.decoder_cut.decoder_layers`). Where a class declares no plan,
+(Granite-SWA), per-layer embeddings (Gemma 4), the collapse of hyper-connection streams (HY-V4), the modules that
+widen the embeddings into AltUp's predictions and narrow them back (Gemma 3n, :mod:`lightning_gpipe.hf.altup`) and
+modules without tensors; anything else is refused. The blocks are called as the standard layout's, with what the
+config declares around them (:func:`~lightning_gpipe.hf.decoder_cut.decoder_layers`). Where a class declares no plan,
 or one the adapter cannot follow, the structure decides; a plan and a structure that both take a model must cut it
 alike; the self-check proves whichever cut on a miniature.
 """
@@ -52,6 +53,7 @@ from typing import Any, cast
 from torch import nn
 
 from lightning_gpipe.hf import lora, selfcheck
+from lightning_gpipe.hf.altup import altup_children
 from lightning_gpipe.hf.causal_encoder import causal_encoder, causal_encoder_layers
 from lightning_gpipe.hf.composite import composite_decoder, composite_layers
 from lightning_gpipe.hf.decoder_cut import (
@@ -115,7 +117,9 @@ def declared_cut(model: nn.Module) -> DecoderCut | str:
             " one final norm and the head"
         )
     base_model = model.get_submodule(parent) if parent else model
+    altup = altup_children(cast(Any, model).config, base_model, blocks.rpartition(".")[2])
     left = {name: child for name, child in base_model.named_children() if f"{parent}.{name}".lstrip(".") not in plan}
+    left = {name: child for name, child in left.items() if name not in (altup or ())}  # AltUp's, known
     kinds = {name: _left_out(model, base_model, name, child) for name, child in left.items() if name != ROTARY}
     unknown = [name for name, kind in kinds.items() if kind is None]
     outside = [name for name, _ in model.named_children() if name != head and name != parent.split(".")[0]]
@@ -123,7 +127,8 @@ def declared_cut(model: nn.Module) -> DecoderCut | str:
         return (
             f"it holds {[*outside, *unknown]} besides the modules its plan names and those the adapter knows"
             f" (`{ROTARY}`, modules on (input_ids, inputs_embeds), rotary modules per layer_rope_theta, per-layer"
-            " embeddings, a hyper-connection collapse, modules without parameters or buffers)"
+            " embeddings, a hyper-connection collapse, AltUp's widening and narrowing, modules without parameters or"
+            " buffers)"
         )
     rotary = f"{parent}.{ROTARY}" if ROTARY in left else None
     extensions = tuple(f"{parent}.{name}".lstrip(".") for name, kind in kinds.items() if kind == "extension")
@@ -136,6 +141,7 @@ def declared_cut(model: nn.Module) -> DecoderCut | str:
     return DecoderCut(
         before[0], dropout, blocks, rotary, after[0], head, extensions, next(iter(rotaries), None), per_layer,
         next(iter(collapse), None),
+        altup=None if altup is None else cast(tuple[str, str], tuple(f"{parent}.{n}".lstrip(".") for n in altup)),
     )  # fmt: skip
 
 

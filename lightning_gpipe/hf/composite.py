@@ -23,6 +23,7 @@ from typing import Any, cast
 from torch import nn
 
 from lightning_gpipe._torch import children
+from lightning_gpipe.hf.altup import altup_children
 from lightning_gpipe.hf.decoder_cut import DecoderCut, decoder_layers
 from lightning_gpipe.hf.decoder_layout import (
     ROTARY,
@@ -97,7 +98,8 @@ def _norm_name(language: nn.Module, text: Any) -> str:
 def _text_cut(model: nn.Module, prefix: str, language: str, text: Any) -> DecoderCut | str:
     """The cut of the language model at ``prefix.language`` (its ``embed_tokens``, ``layers``, final norm and
     ``rotary_emb``, and its per-layer embedding modules, :func:`~lightning_gpipe.hf.decoder_layout.per_layer_module`:
-    Gemma 4's; the base model's other children held by the embedding layer), or why not."""
+    Gemma 4's; AltUp's widening and narrowing, :func:`~lightning_gpipe.hf.altup.altup_children`: Gemma 3n's; the base
+    model's other children held by the embedding layer), or why not."""
     path = f"{prefix}.{language}"
     module = model.get_submodule(path)
     norm = _norm_name(module, text)
@@ -105,7 +107,9 @@ def _text_cut(model: nn.Module, prefix: str, language: str, text: Any) -> Decode
         return f"`{path}` holds {norm}"
     inner = sorted(name for name, child in children(module).items() if child is not None)
     per_layer = [name for name in inner if per_layer_module(module, name)]  # Gemma 4's per-layer embeddings
-    expected = sorted(["embed_tokens", "layers", norm, *([ROTARY] if ROTARY in inner else []), *per_layer])
+    altup = altup_children(text, module)  # Gemma 3n's
+    known = [*per_layer, *(altup or ())]
+    expected = sorted(["embed_tokens", "layers", norm, *([ROTARY] if ROTARY in inner else []), *known])
     if inner != expected:
         return f"`{path}` holds {inner}, not exactly {expected}"
     blocks = module.get_submodule("layers")
@@ -120,6 +124,7 @@ def _text_cut(model: nn.Module, prefix: str, language: str, text: Any) -> Decode
     return DecoderCut(
         f"{path}.embed_tokens", None, f"{path}.layers", rotary, f"{path}.{norm}", "lm_head",
         per_layer=tuple(f"{path}.{name}" for name in per_layer), held=towers,
+        altup=None if altup is None else (f"{path}.{altup[0]}", f"{path}.{altup[1]}"),
     )  # fmt: skip
 
 
@@ -146,11 +151,23 @@ def composite_decoder(model: nn.Module) -> str | None:
         return cut
     if getattr(text, "output_router_logits", False):
         return "its language model adds a load-balancing loss (output_router_logits=True), which it does not carry"
+    embedders = [path for path in cut.held if _first_argument(model.get_submodule(path)) == "input_ids"]
+    if embedders:
+        return (
+            f"its base model holds {embedders} beside its language model, which take token ids: its forward embeds"
+            " text with them too (Gemma 3n's, masked out: their weights get zero gradients), which the backbone does"
+            " not run"
+        )
     if bidirectional(text):
         return "its text config has use_bidirectional_attention=True (a bidirectional encoder, not a causal LM)"
     rotary = None if cut.rotary is None else model.get_submodule(cut.rotary)
     first = cast(nn.ModuleList, model.get_submodule(cut.blocks))[0]
     return layer_types_reason(text, rotary) or kv_sharing_reason(text) or block_arguments_reason(first, text)
+
+
+def _first_argument(module: nn.Module) -> str | None:
+    """The name of the first argument of ``module``'s forward, or ``None``."""
+    return next(iter(inspect.signature(module.forward).parameters), None)
 
 
 def composite_layers(model: PreTrainedModel) -> list[nn.Module]:

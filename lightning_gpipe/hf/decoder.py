@@ -32,6 +32,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from lightning_gpipe._torch import set_buffer
+from lightning_gpipe.hf.altup import collapse, expand, from_block, to_block
 from lightning_gpipe.hf.decoder_layout import (
     CARRIED,
     cache_state,
@@ -43,7 +45,7 @@ from lightning_gpipe.hf.decoder_layout import (
 )
 from lightning_gpipe.hf.kv_cache import CachedDecoderBlock
 from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel
-from lightning_gpipe.hf.masks import MASKS, mixed_masks
+from lightning_gpipe.hf.masks import MASKS, layer_type, mixed_masks
 from lightning_gpipe.hf.moe import RouterLoss
 from lightning_gpipe.hf.seq2seq import seq2seq_loss
 
@@ -129,6 +131,12 @@ def carried_of(value: tuple[Tensor, ...], dim: int = 3) -> Tensor | None:
     return next((item for item in value[3:] if item.dim() == dim), None)
 
 
+def shared_of(value: tuple[Tensor, ...]) -> list[Tensor]:
+    """The keys and values earlier blocks stored for the layers reusing them, ``(N, 2, kv heads, S, head width)``
+    each, in the order of the blocks (the value's items of 5 dimensions, see :class:`RotaryDecoderBlock`)."""
+    return [item for item in value[3:] if item.dim() == 5]
+
+
 def _pack(*items: Tensor | None) -> tuple[Tensor, ...]:
     return tuple(item for item in items if item is not None)
 
@@ -164,6 +172,9 @@ class DecoderEmbedding(HFLayer):
             (Qwen4-Exp's ``config.hc_count``), as the model's forward does; ``None`` (default) for none.
         pass_tokens: pass the token ids on to blocks that take them (DeepSeek-V4's ``input_ids``, see
             :func:`tokens_of`); default ``False``.
+        altup: path of the modules that widen the embeddings into AltUp's stack of predictions (Gemma 3n's
+            ``"model.altup_projections"``, :func:`~lightning_gpipe.hf.altup.expand`): the blocks take ``(N, S, n,
+            H)``; ``None`` (default) for none.
         held: paths of modules the layer holds without calling them (a composite model's towers, which text does not
             run through: :mod:`lightning_gpipe.hf.composite`); default none.
     """
@@ -182,15 +193,40 @@ class DecoderEmbedding(HFLayer):
         streams: tuple[int, bool] | None = None,
         pass_tokens: bool = False,
         held: Sequence[str] = (),
+        altup: str | None = None,
     ) -> None:
         own = [] if per_layer is None else list(per_layer[1])
-        paths = (tokens, *extensions, *own, positions, dropout, *held)
+        paths = (tokens, *extensions, *own, positions, dropout, altup, *held)
         super().__init__(model, [p for p in paths if p is not None])
         self._tokens, self._positions, self._dropout = tokens, positions, dropout
         self.multiplier, self.dropout_p, self.router = multiplier, dropout_p, router
         self._extensions = tuple(extensions)
         self._per_layer_base = None if per_layer is None else per_layer[0]
-        self.streams, self.pass_tokens = streams, pass_tokens
+        self.streams, self.pass_tokens, self._altup = streams, pass_tokens, altup
+        self._lent: list[str] = []
+        if self._per_layer_base is not None:  # the base model's own buffers its per-layer methods read (Gemma 3n's)
+            base = model.get_submodule(self._per_layer_base)
+            self._lent = [name for name, _ in base.named_buffers(recurse=False)]
+            for name in self._lent:
+                self.part(self._per_layer_base).register_buffer(name, base.get_buffer(name), persistent=False)
+
+    def _per_layer_model(self) -> Any:
+        """The base model that computes the per-layer inputs, given the buffers of its own this layer holds (a stage
+        materialises them here, not in the base model, which it does not build)."""
+        base = self.hf_model.get_submodule(cast(str, self._per_layer_base))
+        holder = self.part(cast(str, self._per_layer_base))
+        for name in self._lent:
+            set_buffer(base, name, holder.get_buffer(name))
+        return base
+
+    def reset_parameters(self) -> None:
+        """:meth:`~lightning_gpipe.hf.layer.HFLayer.reset_parameters`, then the base model's own buffers this layer
+        holds recomputed as the base model initialises them (its ``_init_weights``: Gemma 3n's per-layer scales)."""
+        super().reset_parameters()
+        if self._lent:
+            base = self._per_layer_model()
+            with torch.no_grad():
+                base._init_weights(base)
 
     def forward(self, value: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         input_ids, attention_mask, position_ids, *rows = value
@@ -199,8 +235,9 @@ class DecoderEmbedding(HFLayer):
             hidden = self.part(extension)(input_ids, hidden)
         per_layer = None
         if self._per_layer_base is not None:  # the base model's own methods, on the modules this layer holds
-            base = cast(Any, self.hf_model.get_submodule(self._per_layer_base))
-            per_layer = base.project_per_layer_inputs(hidden, base.get_per_layer_inputs(input_ids, hidden))
+            base = self._per_layer_model()
+            both = len(inspect.signature(base.get_per_layer_inputs).parameters) > 1  # Gemma 4's takes the embeddings
+            per_layer = base.project_per_layer_inputs(hidden, base.get_per_layer_inputs(input_ids, *[hidden][:both]))
         if self.multiplier is not None:
             hidden = hidden * self.multiplier
         if self._positions is not None:
@@ -212,6 +249,8 @@ class DecoderEmbedding(HFLayer):
         if self.streams is not None:  # hyper-connections: the blocks take (N, S, streams, H) or (N, S, streams * H)
             count, flat = self.streams
             hidden = hidden.repeat(1, 1, count) if flat else hidden.unsqueeze(2).expand(-1, -1, count, -1).contiguous()
+        if self._altup is not None:  # AltUp: the blocks take its stack of predictions (N, S, n, H)
+            hidden = expand(cast(nn.ModuleList, self.part(self._altup)), hidden)
         statistics = None
         if self.router is not None:
             statistics = torch.zeros(input_ids.shape[0], self.router.width, device=hidden.device)
@@ -250,6 +289,17 @@ class RotaryDecoderBlock(CachedDecoderBlock):
         router: see :class:`~lightning_gpipe.hf.kv_cache.CachedDecoderBlock`.
         held: paths of other modules the layer holds without calling them (rotary modules the model builds and its
             forward leaves unused: Granite-SWA's ``model.rotary_emb``); default none.
+        altup: the hidden states are AltUp's stack of predictions (:mod:`lightning_gpipe.hf.altup`), ``(N, S, n, H)``
+            between layers, which the block takes and gives as ``(n, N, S, H)``; default ``False``. Kept as
+            :attr:`stacked` (the self-check compares what the block receives in the travelling layout).
+
+    Layers reusing the keys and values of earlier ones (``config.kv_sharing_modes``: Gemma 3n's and Gemma 4's last
+    ``num_kv_shared_layers``): the block of a layer that stores them for later ones (``"store"``) adds them to the
+    value, ``(N, 2, kv heads, S, head width)``, after what it carries otherwise; every later block's layer gives its
+    block those of the blocks before it by layer type (``shared_kv_states``), as the model's forward does, so a layer
+    reads keys and values across a stage boundary, their gradients sent back. In cached decoding a reusing layer keeps
+    the new tokens' keys and values in its own cache under the storing layer's index, so that it builds its mask
+    against what the storing layer's cache holds, as the model's forward builds one mask per layer type.
     """
 
     def __init__(
@@ -260,6 +310,7 @@ class RotaryDecoderBlock(CachedDecoderBlock):
         layer_index: int,
         router: RouterLoss | None = None,
         held: Sequence[str] = (),
+        altup: bool = False,
     ) -> None:
         paths = [block, *([] if rotary is None else [rotary]), *(p for p in held if p != rotary)]
         super().__init__(model, paths, layer_index, router)
@@ -273,6 +324,8 @@ class RotaryDecoderBlock(CachedDecoderBlock):
         self._block_index = int(block.rsplit(".", 1)[1])
         self._second_mask = next((n for n in arguments if n.endswith("_mask") and n != "attention_mask"), None)
         self._per_layer, self._shared_kv = "per_layer_input" in arguments, "shared_kv_states" in arguments
+        self.stacked = altup
+        self._kv_sharing(model.config, layer_index)
         self._computed = computed_arguments(self.part(block))
         base = model.get_submodule(block.rsplit(".", 2)[0])
         self._token_argument = token_argument(base, self.part(block))  # DeepSeek-V4's input_ids...
@@ -293,6 +346,28 @@ class RotaryDecoderBlock(CachedDecoderBlock):
         self._nope = (
             bool(typed) and isinstance(rope, dict) and self.layer_type in rope and rope[self.layer_type] is None
         ) or (rotated is not None and self.layer_type not in rotated)  # Lara-mini's forward gives its full layers none
+
+    def _kv_sharing(self, config: Any, layer_index: int) -> None:
+        """Whether the block's layer stores keys and values for later layers or reuses them, its layer type, those
+        of the storing layers before it, and the cache layer its mask is built against (see the class)."""
+        modes = (getattr(config, "kv_sharing_modes", None) if self._shared_kv else None) or []
+        mode = modes[layer_index] if modes else None
+        stores = [j for j, kind in enumerate(modes[:layer_index]) if kind == "store"]
+        self._stores, self._reuses, self._kv_type = mode == "store", mode == "reuse", layer_type(config, layer_index)
+        self._stored_before = [layer_type(config, j) for j in stores]
+        if self._reuses:  # its mask is the storing layer's of its type
+            self.mask_layer = max(j for j in stores if layer_type(config, j) == self._kv_type)
+
+    def _shared_after(self, value: tuple[Tensor, ...], stored: dict, cache: Any, new: int) -> list[Tensor]:
+        """The keys and values the value carries after the block (``stored``: the store it was given), with its
+        own where it stores them; in cached decoding a reusing layer's cache takes the ``new`` tokens' of the storing
+        layer (see the class)."""
+        shared = shared_of(value)
+        if self._stores:
+            shared.append(torch.stack(stored[self._kv_type], dim=1))
+        if cache is not None and self._reuses:
+            cache.update(*(states[:, :, -new:] for states in stored[self._kv_type]), self.mask_layer)
+        return shared
 
     def _arguments(self, value: tuple[Tensor, ...], hidden: Tensor, position_ids: Tensor, mask: Any) -> dict:
         """What the model's forward gives the block besides the hidden states, the cache and the positions."""
@@ -316,8 +391,9 @@ class RotaryDecoderBlock(CachedDecoderBlock):
         if self._per_layer:  # Gemma 4: its own slice of the per-layer inputs, None where the model computes none
             per_layer = carried_of(value, 4)
             arguments["per_layer_input"] = None if per_layer is None else per_layer[:, :, self._block_index, :]
-        if self._shared_kv:  # no layer reads another's keys and values (kv_sharing_reason): each its own store
-            arguments["shared_kv_states"] = {}
+        if self._shared_kv:  # the keys and values stored by the blocks before, by layer type (see the class)
+            stored = zip(self._stored_before, shared_of(value))
+            arguments["shared_kv_states"] = {kind: (pair[:, 0], pair[:, 1]) for kind, pair in stored}
         if isinstance(mask, tuple):  # a hybrid layer type: the recurrent mask under the block's other mask argument
             arguments["attention_mask"], arguments[cast(str, self._second_mask)] = mask
         return arguments
@@ -334,7 +410,7 @@ class RotaryDecoderBlock(CachedDecoderBlock):
         )
         with recording as router_logits:
             output = self.part(self._block)(
-                hidden,
+                to_block(hidden) if self.stacked else hidden,
                 position_ids=position_ids,
                 use_cache=cache is not None,
                 **{self._cache_argument: cache},
@@ -343,11 +419,15 @@ class RotaryDecoderBlock(CachedDecoderBlock):
         given = None
         if self._carry is not None:  # the block gives (hidden, what the next block takes)
             output, given = output
+        output = from_block(output) if self.stacked else output
+        shared = self._shared_after(value, arguments.get("shared_kv_states", {}), cache, hidden.shape[1])
         for logits in router_logits:
             assert self.router is not None  # router logits are recorded with a router only
             statistics = statistics + self.router.statistics(logits, attention_mask[:, -hidden.shape[1] :])
         per_layer, tokens = carried_of(value, 4), tokens_of(value, self.router) if self.tokens else None
-        return _pack(output, attention_mask, position_ids, statistics, per_layer, tokens, given, documents, rows)
+        return _pack(
+            output, attention_mask, position_ids, statistics, per_layer, tokens, given, *shared, documents, rows
+        )
 
 
 class SkippedBlock(HFLayer):
@@ -533,6 +613,9 @@ class FinalNorm(HFLayer):
         collapse: path of a module the model's forward applies before the norm (HY-V4's ``"model.hc_head"``, which
             collapses the hyper-connection streams, see :class:`~lightning_gpipe.hf.decoder_cut.DecoderCut`), or
             ``None`` (default).
+        altup: path of the modules that narrow AltUp's stack of predictions before the norm (Gemma 3n's
+            ``"model.altup_unembed_projections"``, :func:`~lightning_gpipe.hf.altup.collapse`), or ``None``
+            (default).
     """
 
     def __init__(
@@ -542,14 +625,17 @@ class FinalNorm(HFLayer):
         router: RouterLoss | None = None,
         divisor: float | None = None,
         collapse: str | None = None,
+        altup: str | None = None,
     ) -> None:
-        super().__init__(model, [path for path in (collapse, norm) if path is not None])
-        self._norm, self.router, self.divisor, self._collapse = norm, router, divisor, collapse
+        super().__init__(model, [path for path in (collapse, altup, norm) if path is not None])
+        self._norm, self.router, self.divisor, self._collapse, self._altup = norm, router, divisor, collapse, altup
 
     def forward(self, value: tuple[Tensor, ...]) -> Tensor | tuple[Tensor, Tensor]:
         hidden, _, _, statistics, _, _ = _unpack(value, self.router)
         if self._collapse is not None:
             hidden = self.part(self._collapse)(hidden)
+        if self._altup is not None:
+            hidden = collapse(cast(nn.ModuleList, self.part(self._altup)), hidden)
         if self._norm is not None:
             hidden = self.part(self._norm)(hidden)
         if self.divisor is not None:

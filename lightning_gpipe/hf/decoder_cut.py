@@ -92,6 +92,9 @@ class DecoderCut:
         held: modules the embedding layer holds and text does not run through: a composite model's other towers
             (Gemma 3's ``"model.vision_tower"``, ``"model.multi_modal_projector"``, see
             :mod:`lightning_gpipe.hf.composite`); default none.
+        altup: ``(widening, narrowing)``: the modules that widen the embeddings into AltUp's stack of predictions,
+            which the blocks take, and narrow it before the final norm (Gemma 3n's ``"model.altup_projections"``,
+            ``"model.altup_unembed_projections"``, :mod:`lightning_gpipe.hf.altup`); default ``None``.
     """
 
     embedding: str
@@ -105,12 +108,14 @@ class DecoderCut:
     per_layer: tuple[str, ...] = ()
     collapse: str | None = None
     held: tuple[str, ...] = ()
+    altup: tuple[str, str] | None = None
 
     def describe(self) -> str:
         """The cut as a line: ``"model.embed_tokens -> model.layers.* -> model.norm -> lm_head"``."""
         embedding = f"{self.embedding} (holding {', '.join(self.held)})" if self.held else self.embedding
-        first = [embedding, *self.extensions, *([self.dropout] if self.dropout else [])]
-        last = [path for path in (self.collapse, self.norm, self.head) if path]
+        widen, narrow = self.altup or (None, None)
+        first = [embedding, *self.extensions, *([self.dropout] if self.dropout else []), *([widen] if widen else [])]
+        last = [path for path in (self.collapse, narrow, self.norm, self.head) if path]
         return " -> ".join([*first, f"{self.blocks}.*", *last])
 
 
@@ -181,7 +186,7 @@ def decoder_layers(model: PreTrainedModel, cut: DecoderCut) -> list[nn.Module]:
         blocks.append(
             SkippedBlock(model, path)
             if skipped
-            else RotaryDecoderBlock(model, path, rotary, i * per_block, router, held)
+            else RotaryDecoderBlock(model, path, rotary, i * per_block, router, held, cut.altup is not None)
         )
     return [
         DecoderEmbedding(
@@ -196,9 +201,10 @@ def decoder_layers(model: PreTrainedModel, cut: DecoderCut) -> list[nn.Module]:
             streams=hyper_streams(base) if cut.collapse else None,
             pass_tokens=any(block.tokens for block in blocks),
             held=cut.held,
+            altup=cut.altup[0] if cut.altup else None,
         ),
         *blocks,
-        FinalNorm(model, cut.norm, router, hidden_divisor, cut.collapse),
+        FinalNorm(model, cut.norm, router, hidden_divisor, cut.collapse, cut.altup[1] if cut.altup else None),
         Head(model, cut.head, **head),
     ]
 

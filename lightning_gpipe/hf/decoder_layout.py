@@ -269,15 +269,16 @@ def per_layer_module(base: nn.Module, name: str) -> bool:
 
 
 def kv_sharing_reason(config: Any) -> str | None:
-    """``None`` unless layers of ``config`` reuse the keys and values of earlier layers (``num_kv_shared_layers``:
-    Gemma 3n, Gemma 4), which the adapter does not carry from block to block (the blocks of a model without such
-    layers get an empty store of their own, ``shared_kv_states``)."""
+    """``None`` unless layers of ``config`` reuse the keys and values of earlier layers (``num_kv_shared_layers``)
+    without the config telling which layer stores them for which (``kv_sharing_modes``, ``"store"`` and ``"reuse"``
+    per layer: Gemma 3n's, Gemma 4's, whose stored keys and values the adapter carries from block to block,
+    :class:`~lightning_gpipe.hf.decoder.RotaryDecoderBlock`)."""
     shared = getattr(config, "num_kv_shared_layers", 0)
-    if shared:
+    if shared and getattr(config, "kv_sharing_modes", None) is None:
         return (
             f"its last {shared} layers reuse the keys and values of earlier layers (num_kv_shared_layers={shared}),"
-            " which the adapter does not carry between blocks: set num_kv_shared_layers=0 if your checkpoint has no"
-            f" such layers. {ADVICE}"
+            " and its config does not say which layer stores them (kv_sharing_modes), so the adapter cannot carry"
+            f" them between blocks. {ADVICE}"
         )
     return None
 

@@ -91,6 +91,8 @@ class CachedDecoderBlock(HFLayer):
     Attributes:
         kv_cache: ``{rows: DynamicCache}``, the caches of cached decoding (not part of the state dict).
         cached_tokens: ``{rows: int}``, the tokens each cache holds (the attention mask's length so far).
+        mask_layer: the layer of the cache the mask is built against: ``layer_index``, or the layer whose keys and
+            values the block's layer reuses (:class:`~lightning_gpipe.hf.decoder.RotaryDecoderBlock`).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class CachedDecoderBlock(HFLayer):
     ) -> None:
         super().__init__(model, paths)
         self.layer_index, self.router = layer_index, router
+        self.mask_layer = layer_index
         self.layer_type = forward_layer_type(model.config, layer_index, model.get_submodule(paths[0].rsplit(".", 2)[0]))
         attention, recurrent = HYBRID.get(self.layer_type, (self.layer_type, None))
         self._mask = MASKS[attention]
@@ -149,7 +152,7 @@ class CachedDecoderBlock(HFLayer):
             attention_mask=attention_mask,
             cache=cache,
             position_ids=position_ids,
-            layer_idx=self.layer_index,
+            layer_idx=self.mask_layer,
         )
         mask = self._mask(**arguments) if documents is None else document_mask(self._mask, documents, **arguments)
         if self._recurrent_mask is not None:  # a hybrid layer type: (attention mask, recurrent mask)

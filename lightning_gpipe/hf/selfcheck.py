@@ -31,6 +31,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from lightning_gpipe.hf.altup import from_block
 from lightning_gpipe.hf.composite import TEXT_CONFIG, text_config
 from lightning_gpipe.hf.decoder import SkippedBlock, causal_lm_loss, shifts_labels
 from lightning_gpipe.hf.encoder import encoder_input
@@ -467,7 +468,8 @@ def _received(model: nn.Module, layers: list[HFLayer], ids: Tensor, mask: Tensor
     received (its hidden states), by forward pre-hooks: ``(output, [received, ...])``. A module the forward calls
     more than once (NanoChat's final norm, applied to the embeddings too) counts by its first call after the previous
     layer's. A block the forward does not call (:class:`~lightning_gpipe.hf.decoder.SkippedBlock`) is to receive what
-    the next layer receives."""
+    the next layer receives; a layer whose first module is a list the forward never calls itself (AltUp's narrowing
+    projections, :mod:`lightning_gpipe.hf.altup`) receives what the layer before's first module gave."""
     calls: list[list[tuple[int, Tensor | None]]] = [[] for _ in layers[1:]]
     order = itertools.count()
 
@@ -477,8 +479,19 @@ def _received(model: nn.Module, layers: list[HFLayer], ids: Tensor, mask: Tensor
 
         return record
 
+    def given(index: int) -> Callable[..., None]:
+        def record(module: nn.Module, args: tuple, output: Any) -> None:
+            calls[index].append((next(order), _first(output)))
+
+        return record
+
     modules = [model.get_submodule(layer.paths[0]) for layer in layers[1:]]
-    handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, m in enumerate(modules)]
+    handles = [
+        modules[i - 1].register_forward_hook(given(i))
+        if i and isinstance(m, nn.ModuleList)
+        else m.register_forward_pre_hook(hook(i), with_kwargs=True)
+        for i, m in enumerate(modules)
+    ]
     try:
         output = model(input_ids=ids, attention_mask=mask, **kwargs)
     finally:
@@ -513,6 +526,9 @@ def _compare(model: nn.Module, layers: list[HFLayer], value: tuple, mask: Tensor
     except Exception as error:
         raise _Failed(error) from error
     expected = [*received, output.logits]
+    for index in range(len(layers) - 1):  # AltUp's stack, which its blocks take and give as (n, N, S, H)
+        if any(getattr(layer, "stacked", False) for layer in layers[index : index + 2]) and expected[index] is not None:
+            expected[index] = from_block(expected[index])
     torch.manual_seed(0)
     for index, layer in enumerate(layers):
         value = _layer_output(index, layer, value)

@@ -139,14 +139,44 @@ def test_a_rotary_module_per_layer_theta_and_layers_without_rotary():
     _equal_to_forward(model)
 
 
-def test_layers_reusing_earlier_layers_keys_and_values_are_refused_naming_it():
-    """Gemma 4 with `num_kv_shared_layers`: its last layers read the keys and values of earlier ones, which the
-    adapter does not carry between blocks (without them, Gemma 4 is taken: its per-layer embeddings are computed at
-    the embedding and each block takes its own)."""
-    model = _meta("gemma4_text", num_hidden_layers=4, num_kv_shared_layers=2, hidden_size_per_layer_input=8,
-                  vocab_size_per_layer_input=61, layer_types=["sliding_attention", "full_attention"] * 2)  # fmt: skip
-    with pytest.raises(UnsupportedModelError, match=r"its last 2 layers reuse the keys and values of earlier layers"):
-        to_sequential(model, check=False)
+def test_layers_reusing_earlier_layers_keys_and_values_read_them_across_layers_and_decode_as_generate_does():
+    """Gemma 4 with `num_kv_shared_layers`, refused before: the layers that store keys and values (one per layer type)
+    add them to the value, the last layers read them from it, so the backbone equals the model's forward (every
+    gradient too: the reusing layers' flow back into the storing layers' projections); greedy decoding, with caches (a
+    reusing layer's mask built against the storing layer's cache, mirrored in its own) and without, equals `generate`.
+    Without `kv_sharing_modes` to say which layer stores what, it stays refused."""
+    from lightning_gpipe.hf.decoder_layout import kv_sharing_reason
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("gemma4_text", **{**TINY, "num_hidden_layers": 4}, num_kv_shared_layers=2,
+                                  hidden_size_per_layer_input=8, vocab_size_per_layer_input=61,
+                                  layer_types=["sliding_attention", "full_attention"] * 2)  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    _equal_to_forward(model)
+    _decodes_as_generate(model, kv_caches=(True, False))
+    assert "kv_sharing_modes" in str(kv_sharing_reason(LlamaConfig(num_kv_shared_layers=2)))
+
+
+def test_alternating_updates_travel_as_a_stack_and_are_narrowed_before_the_norm():
+    """Gemma 3n, refused before (its base model holds `altup_projections` and `altup_unembed_projections`): the
+    embedding layer widens the embeddings into AltUp's predictions, which travel as (N, S, n, H) and each block takes
+    as (n, N, S, H), the final norm's layer narrows them; with its last 2 layers reusing keys and values and its
+    per-layer inputs, the backbone equals its forward (logits, loss, every gradient) and decodes as `generate` (its
+    sliding window of 3 crossed), with caches and without. (benchmarks/hf_conformance.py checks its default config's
+    miniature.)"""
+    torch.manual_seed(0)
+    fields = {**SMALL["gemma3n_text"], "num_hidden_layers": 4, "num_kv_shared_layers": 2}
+    fields.update(
+        layer_types=["sliding_attention", "full_attention"] * 2, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0]
+    )
+    model = transformers.AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma3n_text", **fields))
+    backbone = to_sequential(model, check=False)
+    assert (
+        backbone[0].paths[-1] == "model.altup_projections"
+        and backbone[-2].paths[0] == "model.altup_unembed_projections"
+    )
+    _equal_to_forward(model)
+    _decodes_as_generate(model, kv_caches=(True, False))
 
 
 def test_the_conformance_comparison_can_find_a_difference():
@@ -495,6 +525,9 @@ SMALL = {
     "moshi": dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                   intermediate_size=48, max_position_embeddings=64, sliding_window=3),
     "falcon_h1": dict(TINY, **RECURRENT["falcon_h1"]),
+    "gemma3n_text": dict(TINY, vocab_size_per_layer_input=61, hidden_size_per_layer_input=8, num_hidden_layers=2,
+                         num_key_value_heads=2, head_dim=8, laurel_rank=4, num_kv_shared_layers=0, sliding_window=3,
+                         layer_types=["sliding_attention", "full_attention"], activation_sparsity_pattern=[0.95, 0.0]),
 }  # fmt: skip
 """Small configs of the layouts taken by the blocks' own names and state (RWKV, rescaling every 2 blocks in
 evaluation), a stack's unsaved buffer (CTRL's sinusoidal table), a sliding window the forward ignores (Moshi)."""
@@ -538,12 +571,13 @@ def test_stack_buffers_and_ignored_options_equal_their_forward_and_decode_as_gen
     _decodes_as_generate(model)
 
 
-@pytest.mark.parametrize("name", ["ctrl", "falcon_h1"])
+@pytest.mark.parametrize("name", ["ctrl", "falcon_h1", "gemma3n_text"])
 def test_buffers_the_model_sets_itself_are_set_on_a_stage_that_builds_only_its_layers(name):
     """Built on the meta device and materialised layer by layer as stages do, with the model's weights loaded: the
     buffers the model computes at its own initialisation and does not save are set again (CTRL's table, which the
-    embedding layer holds and lends its stack; Falcon-H1's `mup_vector`, which its base model sets in each mixer),
-    so the layers equal the model's forward."""
+    embedding layer holds and lends its stack; Falcon-H1's `mup_vector`, which its base model sets in each mixer;
+    Gemma 3n's per-layer scales, which its base model holds and its per-layer methods read, held and lent by the
+    embedding layer), so the layers equal the model's forward."""
     from lightning_gpipe.engine import materialize
     from lightning_gpipe.hf.packing import decoder_input
 
