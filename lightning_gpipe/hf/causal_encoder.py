@@ -44,7 +44,6 @@ from lightning_gpipe.engine import attach
 from lightning_gpipe.hf.decoder import GPT2LikeBlock
 from lightning_gpipe.hf.decoder_stack import DecoderStack, StackDecoderEmbedding, StackHead, after_blocks
 from lightning_gpipe.hf.gpt2_like import ARGUMENTS
-from lightning_gpipe.hf.kv_cache import is_decoding
 from lightning_gpipe.hf.layer import PreTrainedModel
 
 EMBEDDINGS, ENCODER, BLOCKS, POOLER, POSITIONS = "embeddings", "encoder", "layer", "pooler", "embed_positions"
@@ -156,10 +155,6 @@ class CausalEncoderEmbedding(StackDecoderEmbedding):
     def __init__(self, model: PreTrainedModel, found: DecoderStack) -> None:
         super().__init__(model, found)
         self._takes_positions = "position_ids" in inspect.signature(model.forward).parameters  # as generate asks
-
-    def _positions(self, position_ids: Tensor, rest: list[Tensor]) -> dict[str, Tensor]:
-        decoding = is_decoding((position_ids, *rest))
-        return {"position_ids": position_ids} if decoding and self._takes_positions else {}
 
 
 class CausalEncoderBlock(GPT2LikeBlock):

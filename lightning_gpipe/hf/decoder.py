@@ -24,7 +24,7 @@ import copy
 import inspect
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Any, cast
@@ -38,6 +38,7 @@ from lightning_gpipe.hf.decoder_layout import (
     CARRIED,
     cache_state,
     computed_arguments,
+    mask_keys,
     padding_token,
     rotary_kinds,
     rotary_layer_types,
@@ -492,11 +493,18 @@ class GPT2LikeBlock(CachedDecoderBlock):
         model: the model.
         block: path of the block (``"transformer.h.2"``).
         rotary: path of the rotary embedding (``"transformer.rotary_emb"``), or ``None`` (default).
+        mask: the helper that rebuilds the block's mask instead of its layer type's
+            (:data:`~lightning_gpipe.hf.masks.MASKS`; OpenAI GPT's :func:`~lightning_gpipe.hf.masks.padding_mask`),
+            or ``None`` (default).
     """
 
-    def __init__(self, model: PreTrainedModel, block: str, rotary: str | None = None) -> None:
+    def __init__(
+        self, model: PreTrainedModel, block: str, rotary: str | None = None, mask: Callable[..., Any] | None = None
+    ) -> None:
         super().__init__(model, [block, *([] if rotary is None else [rotary])], int(block.rsplit(".", 1)[1]))
         self._block, self._rotary = block, rotary
+        if mask is not None:
+            self._mask = mask
         self._base = block.rsplit(".", 2)[0]
         parameters = inspect.signature(self.part(block).forward).parameters
         self._arguments = set(parameters)
@@ -511,6 +519,9 @@ class GPT2LikeBlock(CachedDecoderBlock):
         base = model.get_submodule(self._base)
         own = callable(getattr(base, "build_alibi_tensor", None))  # Bloom's; else its modeling module's (Falcon's)
         self._folds_alibi = "alibi" in self._arguments and not own and bool(getattr(model.config, "alibi", False))
+        self._mask_keys = mask_keys(type(base))  # Zaya's: a hybrid type's two masks in one dict
+        named = inspect.unwrap(type(base).forward).__code__.co_varnames  # a value its forward carries between blocks
+        self._carry = next((n for n in self._arguments if n.startswith(CARRIED) and n in named), None)
         if self._folds_alibi:  # always a 4-D mask to fold the biases into, as the model's forward builds it
             self._mask = partial(self._mask, allow_is_causal_skip=False)
 
@@ -549,7 +560,9 @@ class GPT2LikeBlock(CachedDecoderBlock):
         """The block's arguments besides the hidden states and the cache (see the class docstring)."""
         base = cast(Any, self.hf_model.get_submodule(self._base))
         arguments: dict[str, Any] = {"attention_mask": mask}
-        if isinstance(mask, tuple):  # a hybrid layer type: the recurrent mask under the block's other mask argument
+        if isinstance(mask, tuple) and self._mask_keys is not None:  # both in one dict, under the forward's keys
+            arguments["attention_mask"] = dict(zip(self._mask_keys, mask, strict=True))
+        elif isinstance(mask, tuple):  # a hybrid layer type: the recurrent mask under the block's other mask argument
             other = (n for n in self._arguments if n.endswith("_mask") and not n.startswith(("attention", "encoder")))
             arguments["attention_mask"], arguments[next(other)] = mask
         if self._folds_alibi:
@@ -573,19 +586,30 @@ class GPT2LikeBlock(CachedDecoderBlock):
         hidden, attention_mask, position_ids, _, documents, rows = _unpack(value, None)
         name = self._cache_name
         if rows is not None and name is None:
+            state = sorted(self._arguments & {"state"})
             raise ValueError(
-                f"{type(self.part(self._block)).__name__} keeps its recurrent state in an argument of its own"
-                f" ({sorted(self._arguments & {'state'})}), not in a cache: cached decoding through the pipeline"
-                " does not keep it; decode with the model's own `generate`."
+                f"{type(self.part(self._block)).__name__}"
+                + (
+                    f" keeps its recurrent state in an argument of its own ({state}), not in a cache: cached decoding"
+                    " through the pipeline does not keep it; decode with the model's own `generate`."
+                    if state
+                    else " takes no cache (the model's `generate` runs the whole sequence every step): decode"
+                    " through the pipeline with kv_cache=False."
+                )
             )
         cache, mask = self.cache_and_mask(hidden, attention_mask, position_ids, rows, documents)
         given = {"use_cache": cache is not None} if "use_cache" in self._arguments else {}  # as the forward gives it
         extra = self._extra(hidden, attention_mask, position_ids, mask)
         if not self._keywords:  # a block naming its arguments (RWKV's takes no mask): only those
             extra = {key: item for key, item in extra.items() if key in self._arguments}
+        if self._carry is not None:  # what the previous block gave (None for the first, as in the forward)
+            extra[self._carry] = carried_of(value)
         output = self.part(self._block)(hidden, **given, **({} if name is None else {name: cache}), **extra)
+        carried = None
+        if self._carry is not None:  # the block gives (hidden, what the next block takes)
+            output, carried = output
         output = output[0] if isinstance(output, (tuple, list)) else output  # OpenAI GPT's blocks give a list
-        return _pack(self._rescaled(output), attention_mask, position_ids, documents, rows)
+        return _pack(self._rescaled(output), attention_mask, position_ids, carried, documents, rows)
 
     def _rescaled(self, hidden: Tensor) -> Tensor:
         """``hidden`` halved where the model's forward halves it: after every ``config.rescale_every``-th block while

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe._torch import children
 from lightning_gpipe.hf.layer import PreTrainedModel
-from lightning_gpipe.hf.masks import HYBRID, MASKS, layer_type, mixed_masks
+from lightning_gpipe.hf.masks import HYBRID, MASKS, layer_type, mixed_masks, recurrent_type
 
 STANDARD_BASE = ("embed_tokens", "layers", "norm", "rotary_emb")
 """The modules of a standard decoder's base model, and nothing else."""
@@ -155,6 +155,23 @@ def rotary_layer_types(base_class: Any) -> frozenset[str] | None:
                 compared = test.comparators[0]
                 if isinstance(compared, ast.Constant) and isinstance(compared.value, str):
                     return frozenset([compared.value])
+    return None
+
+
+def mask_keys(base_class: Any) -> tuple[str, str] | None:
+    """The keys under which the forward of ``base_class`` (the module holding the blocks) gives its blocks a hybrid
+    layer type's two masks in one dict, ``attention_mask={"causal": ..., "conv": ...}`` (Zaya's): ``(the attention
+    mask's key, the recurrent mask's)``, the recurrent one the key naming a recurrent layer type
+    (:func:`~lightning_gpipe.hf.masks.recurrent_type`); ``None`` where its code gives no such dict, or cannot be read.
+    The self-check proves the reading."""
+    tree = _forward_tree(base_class)
+    for node in [] if tree is None else ast.walk(tree):
+        if not (isinstance(node, ast.keyword) and node.arg == "attention_mask" and isinstance(node.value, ast.Dict)):
+            continue
+        keys = [key.value for key in node.value.keys if isinstance(key, ast.Constant) and isinstance(key.value, str)]
+        recurrent = [key for key in keys if recurrent_type(key)]
+        if len(keys) == len(node.value.keys) == 2 and len(recurrent) == 1:
+            return next(key for key in keys if key != recurrent[0]), recurrent[0]
     return None
 
 

@@ -1,13 +1,14 @@
 """Causal LMs whose decoder is one stack module that embeds its tokens itself, recognised by structure: the decoders of
 encoder-decoders exposed as causal LMs (BART, mBART, Marian, Blenderbot, Blenderbot-Small, Pegasus, PLBart,
-BigBird-Pegasus, TrOCR, Whisper), OPT, BioGPT, GPT-NeoX-Japanese, ModernBERT-decoder and CTRL.
+BigBird-Pegasus, TrOCR, Whisper), OPT, BioGPT, GPT-NeoX-Japanese, ModernBERT-decoder, CTRL, OpenAI GPT and Zaya.
 
 The model's children are its base model (``base_model_prefix``) and its output head (``get_output_embeddings()``:
 ``lm_head``, BioGPT's ``output_projection``, GPT-NeoX-Japanese's ``embed_out``), and at most one more module with
 parameters, applied between them (ModernBERT-decoder's prediction head ``lm_head``); the stack is the base model
 (BioGPT) or the base model's one child (the wrapper's ``model.decoder``). The stack holds one ``nn.ModuleList`` of
 blocks, modules its forward applies after them (:func:`after_blocks`: its final norm, OPT's ``project_out``, read from
-its forward's code), optionally a rotary embedding (``rotary_emb``, which every block's layer calls) and modules applied
+its forward's code), optionally a rotary embedding (``rotary_emb``, which every block's layer calls, and the embedding
+layer, whose forward calls it too) and modules applied
 before the blocks, in an order its forward alone knows (token and position embeddings, BART's
 ``layernorm_embedding`` registered after the blocks, OPT's ``project_in``). So the embedding layer
 (:class:`StackDecoderEmbedding`) runs the stack's own forward up to its first block (a pre-hook stops it there), as
@@ -15,19 +16,25 @@ the encoder-decoders' embeddings do (:class:`~lightning_gpipe.hf.seq2seq.StackEm
 (BART's from 0 over the padding too, OPT's and BioGPT's from the mask), the scaling and the norms need no code here.
 The blocks are :class:`~lightning_gpipe.hf.decoder.GPT2LikeBlock` (the causal mask, the cache, the positions and
 rotary cos/sin where they take them; a BART decoder block's cross-attention is given no encoder output, as the causal
-LM's forward gives it none); the end (:class:`StackHead`) applies what the stack's forward applies after its blocks,
-then the head. A class whose forward scores unshifted labels (BART's family) is trained on its own loss
+LM's forward gives it none; the padding mask alone where the stack's forward builds its mask itself, OpenAI GPT's,
+:func:`~lightning_gpipe.hf.masks.builds_own_mask`; a hybrid layer type's two masks in one dict where its forward gives
+them so, Zaya's, :func:`~lightning_gpipe.hf.decoder_layout.mask_keys`; a value carried from block to block,
+``prev_...``, Zaya's router states); the end (:class:`StackHead`) applies what the stack's forward applies after its
+blocks, then the head. A class whose forward scores unshifted labels (BART's family) is trained on its own loss
 (:func:`~lightning_gpipe.hf.decoder.shifts_labels`).
 
 :func:`decoder_stack` says why a model is not of the layout: an encoder-decoder config (the encoder-decoder family's),
 blocks taking what the adapter does not compute (MVP's prompts with ``use_prompt=True``: off, the blocks' default
 ``None`` is what the stack gives them; ProphetNet's n-gram streams), layer types it does not know or that carry a
-state, cross-attention asked for (``add_cross_attention``), LayerDrop (layers skipped at random), tensors of the
-stack's own that it saves. Buffers of its own that it does not save (CTRL's sinusoidal ``pos_encoding``) are held by the
-embedding layer, which lends them to the stack before running its forward and recomputes them on a stage as the model
-initialises them; in cached decoding a stack whose forward takes ``position_ids`` is given the positions ``generate``
-gives (CTRL's). The self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves the cut
-on a miniature before step 1. Packed rows are refused (the stack numbers the positions of a whole row).
+state (but hybrid ones whose masks the forward gives in one dict), cross-attention asked for
+(``add_cross_attention``), LayerDrop (layers skipped at random), tensors of the stack's own that it saves where it has
+no module before its blocks. Tensors of its own (CTRL's unsaved sinusoidal ``pos_encoding``, Zaya's input scale and
+bias) are held by the embedding layer, which lends them to the stack before running its forward and initialises them
+on a stage as the model does (those a checkpoint gives, read); in decoding a stack whose forward takes
+``position_ids`` is given the positions ``generate`` gives (CTRL's, OpenAI GPT's; in cached decoding, Whisper's
+too). A block taking no cache (OpenAI GPT's) decodes without caches (cached decoding is refused, naming that). The
+self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves the cut on a miniature before step 1. Packed rows are refused
+(the stack numbers the positions of a whole row).
 """
 
 from __future__ import annotations
@@ -41,10 +48,18 @@ from torch import Tensor, nn
 
 from lightning_gpipe._torch import children, set_buffer
 from lightning_gpipe.hf.decoder import GPT2LikeBlock
-from lightning_gpipe.hf.decoder_layout import ROTARY, block_loops_reason, forward_names, layer_types_reason
+from lightning_gpipe.hf.decoder_layout import (
+    CARRIED,
+    ROTARY,
+    block_loops_reason,
+    forward_names,
+    layer_types_reason,
+    mask_keys,
+)
 from lightning_gpipe.hf.gpt2_like import ARGUMENTS, hidden_name
+from lightning_gpipe.hf.kv_cache import is_decoding
 from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel
-from lightning_gpipe.hf.masks import unpackable_layer_types
+from lightning_gpipe.hf.masks import HYBRID, builds_own_mask, padding_mask, unpackable_layer_types
 from lightning_gpipe.hf.seq2seq import Stack, StackEmbedding
 from lightning_gpipe.hf.seq2seq_cache import past_length_cache
 from lightning_gpipe.hf.seq2seq_inputs import PROMPTS
@@ -87,11 +102,6 @@ class DecoderStack:
     prediction: str | None = None
 
 
-def _saved(module: nn.Module) -> set[str]:
-    """The names of ``module``'s own tensors (not its children's) that its state dict holds."""
-    return {name for name in module.state_dict(keep_vars=True) if "." not in name}
-
-
 def _named(module: nn.Module) -> dict[str, nn.Module]:
     return {name: child for name, child in children(module).items() if child is not None}
 
@@ -117,13 +127,14 @@ def find_stack(model: nn.Module) -> DecoderStack | str:
     lists = [name for name, child in inner.items() if isinstance(child, nn.ModuleList)]
     if len(lists) != 1 or not len(cast(nn.ModuleList, inner[lists[0]])):
         return f"`{path}` holds {sorted(inner)}, not one nn.ModuleList of blocks"
-    if [*stack.parameters(recurse=False), *(b for n, b in stack.named_buffers(recurse=False) if n in _saved(stack))]:
-        return f"`{path}` holds tensors of its own that it saves, which no layer can hold"
     if lists[0] not in forward_names(stack):
         return f"`{path}`'s forward does not name its blocks `{lists[0]}`"
     after = after_blocks(stack, lists[0])
     end = tuple(f"{path}.{name}" for name in after)
     embedding = tuple(f"{path}.{name}" for name in inner if name not in (*after, lists[0], ROTARY))
+    own = {*dict(stack.named_parameters(recurse=False)), *dict(stack.named_buffers(recurse=False))}
+    if not embedding and own & set(stack.state_dict(keep_vars=True)):
+        return f"`{path}` holds tensors of its own that it saves and no module before its blocks to hold them with"
     rotary = f"{path}.{ROTARY}" if ROTARY in inner else None
     return DecoderStack(path, f"{path}.{lists[0]}", embedding, end, head, rotary, prediction)
 
@@ -149,14 +160,19 @@ def decoder_stack(model: nn.Module) -> str | None:
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     parameters = inspect.signature(block.forward).parameters.values()
     extra = [p.name for p in parameters if p.kind in named and p.name not in ARGUMENTS | {hidden_name(block)}]
+    carried = [name for name in extra if name.startswith(CARRIED)]  # Zaya's router states, block to block
+    extra = [name for name in extra if len(carried) != 1 or name != carried[0]]
     if extra and not (set(extra) <= PROMPTS and not getattr(stack, "use_prompt", True)):  # MVP's, off: left None
         return f"its blocks ({type(block).__name__}) take {extra}, which the adapter does not compute"
     unknown = layer_types_reason(config)
     if unknown is not None:
         return unknown
     recurrent = unpackable_layer_types(config)
-    if recurrent:
-        return f"its layer types include {recurrent}, which carry a state (the GPT-2-like layout's recurrent blocks)"
+    if recurrent and not (set(recurrent) <= set(HYBRID) and mask_keys(type(stack)) is not None):
+        return (
+            f"its layer types include {recurrent}, which carry a state (the GPT-2-like layout's recurrent blocks;"
+            " this layout takes hybrid ones whose two masks its forward gives in one dict)"
+        )
     if getattr(config, "add_cross_attention", False):
         return "add_cross_attention=True: its blocks attend to an encoder's output, which a causal LM lacks"
     loops = block_loops_reason(stack, found.blocks.rpartition(".")[2])
@@ -172,8 +188,10 @@ class StackDecoderEmbedding(StackEmbedding):
     """A decoder stack's embeddings: ``(input_ids, attention_mask, position_ids[, rows])``, each ``(N, S)`` long (rows
     ``(n,)``), to ``(hidden (N, S, H), attention_mask, position_ids[, rows])``: the stack's own forward up to its first
     block (:class:`~lightning_gpipe.hf.seq2seq.StackEmbedding`), given the ids and the mask (not the positions: the
-    stack numbers them as its forward does). In cached decoding (``attention_mask`` ``(n, past + S)``) it is given a
-    cache of ``past`` positions, so the new tokens are numbered after the cached ones.
+    stack numbers them as its forward does, but in decoding, :meth:`_positions`). In cached decoding
+    (``attention_mask`` ``(n, past + S)``) it is given a cache of ``past`` positions, so the new tokens are numbered
+    after the cached ones. It holds the stack's own tensors (lent to the stack) and its rotary embedding, which the
+    forward calls before the first block.
 
     Args:
         model: the model.
@@ -185,31 +203,48 @@ class StackDecoderEmbedding(StackEmbedding):
     """
 
     def __init__(self, model: PreTrainedModel, found: DecoderStack) -> None:
-        super().__init__(model, Stack(found.stack, found.blocks, found.embedding, found.end, None, True))
+        rotary = () if found.rotary is None else (found.rotary,)  # its forward calls it before the first block too
+        super().__init__(model, Stack(found.stack, found.blocks, found.embedding, found.end, None, True), rotary)
         stack = model.get_submodule(found.stack)
         holder = self.get_submodule(found.stack) if found.embedding else self  # under the stack's own path
-        self._lent = [name for name, _ in stack.named_buffers(recurse=False)]
-        for name in self._lent:
-            holder.register_buffer(name, stack.get_buffer(name), persistent=False)
+        saved = set(stack.state_dict(keep_vars=True))
+        for name, parameter in stack.named_parameters(recurse=False):  # Zaya's input scale and bias
+            holder.register_parameter(name, parameter)
+        for name, buffer in stack.named_buffers(recurse=False):  # CTRL's sinusoidal table, unsaved
+            holder.register_buffer(name, buffer, persistent=name in saved)
+        self._lent_parameters = [name for name, _ in stack.named_parameters(recurse=False)]
+        self._lent = [*self._lent_parameters, *(name for name, _ in stack.named_buffers(recurse=False))]
         self._holder = found.stack if found.embedding else ""
         self._takes_positions = "position_ids" in inspect.signature(stack.forward).parameters
+        self._given_positions = "position_ids" in inspect.signature(model.forward).parameters  # generate gives them
 
     def _lend(self) -> nn.Module:
-        """The stack, given the buffers of its own this layer holds (its forward reads them; a stage materialises
-        them here, not in the model's stack, which it does not build)."""
+        """The stack, given the parameters and buffers of its own this layer holds (its forward reads them; a stage
+        materialises them here, not in the model's stack, which it does not build)."""
         stack = self.hf_model.get_submodule(self.stack.path)
         holder = self.get_submodule(self._holder)
         for name in self._lent:
-            set_buffer(stack, name, holder.get_buffer(name))
+            if name in self._lent_parameters:
+                setattr(stack, name, holder.get_parameter(name))
+            else:
+                set_buffer(stack, name, holder.get_buffer(name))
         return stack
 
     def reset_parameters(self) -> None:
-        """:meth:`~lightning_gpipe.hf.layer.HFLayer.reset_parameters`, then the stack's own buffers this layer holds
-        recomputed as the model initialises them (its ``_init_weights`` of the stack: CTRL's sinusoidal table)."""
+        """:meth:`~lightning_gpipe.hf.layer.HFLayer.reset_parameters`, then the stack's own tensors this layer holds
+        that :attr:`weights` does not give initialised as the model initialises them (its ``_init_weights`` of the
+        stack: CTRL's sinusoidal table, Zaya's input scale and bias)."""
         super().reset_parameters()
-        if self._lent:
-            with torch.no_grad():
-                self.hf_model._init_weights(self._lend())
+        if not self._lent:
+            return
+        holder = self.get_submodule(self._holder)
+        loaded = {id(t) for t in self._provided().values()}
+        own = [*holder.parameters(recurse=False), *holder.buffers(recurse=False)]
+        kept = [(tensor, tensor.detach().clone()) for tensor in own if id(tensor) in loaded]
+        with torch.no_grad():
+            self.hf_model._init_weights(self._lend())
+            for tensor, value in kept:  # the checkpoint's, as read
+                tensor.copy_(value)
 
     def forward(self, value: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         self._lend()
@@ -227,10 +262,12 @@ class StackDecoderEmbedding(StackEmbedding):
         return (self._embedded(input_ids, attention_mask, inputs), attention_mask, position_ids, *rest)
 
     def _positions(self, position_ids: Tensor, rest: list[Tensor]) -> dict[str, Tensor]:
-        """The positions given to the stack's forward (``rest``: the value's items after them): in cached decoding
-        (``rows`` in ``rest``) the value's, as ``generate`` gives them, where the stack takes them (CTRL's); else
-        none, the stack numbers them itself."""
-        return {"position_ids": position_ids} if rest and self._takes_positions else {}
+        """The positions given to the stack's forward (``rest``: the value's items after them), where it takes them:
+        the value's, as ``generate`` gives them, in cached decoding (``rows`` in ``rest``) and in any decoding step
+        (:func:`~lightning_gpipe.hf.kv_cache.is_decoding`) of a model whose forward takes them (``generate`` gives
+        them then: CTRL's, OpenAI GPT's); else none, the stack numbers them itself."""
+        given = self._given_positions and is_decoding((position_ids, *rest))
+        return {"position_ids": position_ids} if self._takes_positions and (rest or given) else {}
 
 
 class StackHead(HFLayer):
@@ -256,12 +293,15 @@ class StackHead(HFLayer):
 
 def decoder_stack_layers(model: PreTrainedModel) -> list[nn.Module]:
     """The backbone layers of a causal LM of one decoder stack (:func:`decoder_stack`): the stack's embeddings, one
-    :class:`~lightning_gpipe.hf.decoder.GPT2LikeBlock` per block, the stack's end with the head."""
+    :class:`~lightning_gpipe.hf.decoder.GPT2LikeBlock` per block (given the padding mask alone,
+    :func:`~lightning_gpipe.hf.masks.padding_mask`, where the stack's forward builds its mask itself:
+    :func:`~lightning_gpipe.hf.masks.builds_own_mask`), the stack's end with the head."""
     found = find_stack(model)
     assert not isinstance(found, str)  # the family takes only models of the layout
     count = len(cast(nn.ModuleList, model.get_submodule(found.blocks)))
+    mask = padding_mask if builds_own_mask(model.get_submodule(found.stack)) else None  # OpenAI GPT's
     return [
         StackDecoderEmbedding(model, found),
-        *(GPT2LikeBlock(model, f"{found.blocks}.{i}", found.rotary) for i in range(count)),
+        *(GPT2LikeBlock(model, f"{found.blocks}.{i}", found.rotary, mask) for i in range(count)),
         StackHead(model, found),
     ]

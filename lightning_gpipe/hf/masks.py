@@ -1,8 +1,9 @@
 """The masks a decoder block rebuilds from the ``(N, S)`` padding mask, as the model's forward builds them once for all
 blocks: by the block's layer type (:func:`layer_type`), with the ``transformers.masking_utils`` helper of that type
 (:data:`MASKS`), two at once for the hybrid types (:data:`HYBRID`) and for every block of a model of one attention and
-one recurrent type whose blocks take both (:func:`mixed_masks`); and the types whose masks cannot keep the documents
-of a packed row apart (:func:`unpackable_layer_types`; packed rows: :mod:`lightning_gpipe.hf.packing`).
+one recurrent type whose blocks take both (:func:`mixed_masks`), or the padding mask alone for a forward that builds
+its mask without them (:func:`builds_own_mask`, :func:`padding_mask`); and the types whose masks cannot keep the
+documents of a packed row apart (:func:`unpackable_layer_types`; packed rows: :mod:`lightning_gpipe.hf.packing`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,11 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from torch import Tensor, nn
+
 try:
+    from transformers import masking_utils
     from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING
 except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError(
@@ -71,6 +76,33 @@ def mixed_masks(config: Any) -> tuple[str, str] | None:
         return None
     attention, recurrent = sorted(types, key=lambda t: _recurrent(MASKS[t]))
     return (attention, recurrent) if not _recurrent(MASKS[attention]) and _recurrent(MASKS[recurrent]) else None
+
+
+def recurrent_type(name: str) -> bool:
+    """Whether ``name`` is a layer type whose mask is a recurrent layer's ``(N, S)`` padding mask (:data:`MASKS`:
+    ``linear_attention``, ``conv``)."""
+    return name in MASKS and _recurrent(MASKS[name])
+
+
+def builds_own_mask(stack: nn.Module) -> bool:
+    """Whether the forward of ``stack`` (the module holding the blocks) builds its blocks' mask without
+    ``transformers.masking_utils``: its code names no function defined there (decorators unwrapped). OpenAI
+    GPT's builds :func:`padding_mask` (its attention masks the future with its own ``bias`` buffer); the self-check
+    proves the reading."""
+    own = masking_utils.__name__
+    helpers = {
+        name for name, item in vars(masking_utils).items() if inspect.isfunction(item) and item.__module__ == own
+    }
+    return not helpers & set(inspect.unwrap(type(stack).forward).__code__.co_names)
+
+
+def padding_mask(*, inputs_embeds: Tensor, attention_mask: Tensor, **arguments: Any) -> Tensor:
+    """The padding mask alone, inverted, as an older forward builds it for all its blocks (OpenAI GPT's): ``(N, 1, 1,
+    K)`` of ``inputs_embeds``' dtype, 0 where ``attention_mask`` ``(N, K)`` keeps a token and the dtype's minimum
+    where it pads one, for the blocks to add to their scores (their attention masks the future itself). Takes (and
+    ignores) the other arguments of a :data:`MASKS` helper."""
+    dtype = inputs_embeds.dtype
+    return (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
 
 
 def layer_type(config: Any, layer_index: int) -> str:

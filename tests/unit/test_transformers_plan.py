@@ -528,9 +528,15 @@ SMALL = {
     "gemma3n_text": dict(TINY, vocab_size_per_layer_input=61, hidden_size_per_layer_input=8, num_hidden_layers=2,
                          num_key_value_heads=2, head_dim=8, laurel_rank=4, num_kv_shared_layers=0, sliding_window=3,
                          layer_types=["sliding_attention", "full_attention"], activation_sparsity_pattern=[0.95, 0.0]),
+    "openai-gpt": dict(vocab_size=61, n_embd=32, n_layer=2, n_head=4, n_positions=64, initializer_range=0.3),
+    "zaya": dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=8, moe_intermediate_size=16, num_experts=4, router_hidden_size=16, max_position_embeddings=64,
+                 layer_types=["hybrid", "hybrid_sliding"], sliding_window=4, initializer_range=0.3),
 }  # fmt: skip
 """Small configs of the layouts taken by the blocks' own names and state (RWKV, rescaling every 2 blocks in
-evaluation), a stack's unsaved buffer (CTRL's sinusoidal table), a sliding window the forward ignores (Moshi)."""
+evaluation), a stack's unsaved buffer (CTRL's sinusoidal table), a sliding window the forward ignores (Moshi), a stack
+building its mask itself (OpenAI GPT), a stack's own parameters, hybrid masks in one dict and router states carried
+from block to block (Zaya: a full and a sliding-window layer); weights drawn wide enough that greedy decoding varies."""
 
 
 def _small(name: str):
@@ -571,13 +577,36 @@ def test_stack_buffers_and_ignored_options_equal_their_forward_and_decode_as_gen
     _decodes_as_generate(model)
 
 
-@pytest.mark.parametrize("name", ["ctrl", "falcon_h1", "gemma3n_text"])
+@pytest.mark.parametrize("name", ["openai-gpt", "zaya"])
+def test_stacks_building_their_own_masks_and_carrying_router_states_equal_their_forward(name):
+    """OpenAI GPT, refused before by the self-check (its loss): its stack's forward builds no mask with
+    ``masking_utils`` but gives its blocks the padding mask alone, inverted (their attention masks the future with
+    its own ``bias``), which decides what a left-padded row's padding attends to, and so the logits at its last
+    padding, scored against the first real token; its blocks take no cache, so cached decoding is refused, naming
+    ``kv_cache=False``, which equals ``generate`` (the positions it gives). Zaya, refused before (its hybrid masks in
+    one dict; its base model's own input scale and bias): a decoder stack whose embedding holds and lends those
+    parameters and runs its forward, blocks given ``{"causal": ..., "conv": ...}`` and the router states the previous
+    block gave. Equal to their forward; greedy decoding equals ``generate``."""
+    from lightning_gpipe.hf import greedy_generate
+
+    model = _small(name)
+    assert family_of(model).name == "decoder stack"
+    _equal_to_forward(model)
+    _decodes_as_generate(model, (False,) if name == "openai-gpt" else (True, False))
+    if name == "openai-gpt":
+        ids = torch.tensor([[5, 6, 7]])
+        with pytest.raises(ValueError, match=r"Block takes no cache .* with kv_cache=False"):
+            greedy_generate(to_sequential(model, check=False), ids, torch.ones_like(ids), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("name", ["ctrl", "falcon_h1", "gemma3n_text", "zaya"])
 def test_buffers_the_model_sets_itself_are_set_on_a_stage_that_builds_only_its_layers(name):
     """Built on the meta device and materialised layer by layer as stages do, with the model's weights loaded: the
     buffers the model computes at its own initialisation and does not save are set again (CTRL's table, which the
     embedding layer holds and lends its stack; Falcon-H1's `mup_vector`, which its base model sets in each mixer;
     Gemma 3n's per-layer scales, which its base model holds and its per-layer methods read, held and lent by the
-    embedding layer), so the layers equal the model's forward."""
+    embedding layer), and a stack's own parameters are initialised as the model initialises them and then loaded
+    (Zaya's input scale, held by the embedding layer), so the layers equal the model's forward."""
     from lightning_gpipe.engine import materialize
     from lightning_gpipe.hf.packing import decoder_input
 
@@ -588,6 +617,8 @@ def test_buffers_the_model_sets_itself_are_set_on_a_stage_that_builds_only_its_l
     value = decoder_input(torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]]))
     for layer in to_sequential(model.eval(), check=False):
         materialize(layer, torch.device("cpu"))
+        if name == "zaya" and "model.input_hidden_states_scale" in layer.state_dict():
+            assert torch.equal(layer.state_dict()["model.input_hidden_states_scale"], torch.ones(32))
         layer.load_state_dict({name: real.state_dict()[name] for name in layer.state_dict()})
         value = layer(value)
     torch.testing.assert_close(value, real(input_ids=torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])).logits)
