@@ -9,10 +9,10 @@ position_ids (N, S)[, router statistics (N, 2E + 1)][, per-layer inputs (N, S, L
 (N, S, k)][, documents (N, S)][, rows (n,)])`` (``documents`` for packed rows,
 :func:`~lightning_gpipe.hf.packing.decoder_input`; ``rows`` for cached decoding,
 :class:`~lightning_gpipe.hf.kv_cache.CachedDecoderBlock`; per-layer inputs, token ids and a carried value only for the
-models whose blocks take them; with hyper-connections the hidden states are ``(N, S, streams, H)``, or ``(N, S,
-streams * H)``). Each block
-rebuilds what the model's forward builds once for all blocks (the 4-D mask, :mod:`lightning_gpipe.hf.masks`, kept
-inside each document of a packed row; the rotary cos/sin from the positions) and calls the block as the model's
+models whose blocks take them, the carried value being the embeddings ``(N, S, H)`` for blocks that read them at every
+layer, Zamba's; with hyper-connections the hidden states are ``(N, S, streams, H)``, or ``(N, S, streams * H)``).
+Each block rebuilds what the model's forward builds once for all blocks (the 4-D mask, :mod:`lightning_gpipe.hf.masks`,
+kept inside each document of a packed row; the rotary cos/sin from the positions) and calls the block as the model's
 forward does, giving it what the forward gives it where it asks for it (a value carried from block to block,
 ``prev_...``; what its modeling module computes from the positions; the token ids, :func:`tokens_of`; rotary tables of
 several kinds: :mod:`lightning_gpipe.hf.decoder_layout`).
@@ -147,7 +147,7 @@ class DecoderEmbedding(HFLayer):
     documents][, rows])``, each ``(N, S)`` long (packed rows' ``documents``, see
     :func:`~lightning_gpipe.hf.packing.decoder_input`; rows ``(n,)``, see
     :class:`~lightning_gpipe.hf.kv_cache.CachedDecoderBlock`), to ``(hidden (N, S, H), attention_mask, position_ids[,
-    statistics][, documents][, rows])``.
+    statistics][, embeddings][, documents][, rows])``.
 
     Args:
         model: the model.
@@ -176,6 +176,9 @@ class DecoderEmbedding(HFLayer):
         altup: path of the modules that widen the embeddings into AltUp's stack of predictions (Gemma 3n's
             ``"model.altup_projections"``, :func:`~lightning_gpipe.hf.altup.expand`): the blocks take ``(N, S, n,
             H)``; ``None`` (default) for none.
+        pass_embeddings: pass the embeddings on beside the hidden states, ``(N, S, H)`` after the token ids, to blocks
+            that read them at every layer (Zamba's ``original_hidden_states``, see
+            :class:`GPT2LikeBlock`); default ``False``.
         held: paths of modules the layer holds without calling them (a composite model's towers, which text does not
             run through: :mod:`lightning_gpipe.hf.composite`); default none.
     """
@@ -195,6 +198,7 @@ class DecoderEmbedding(HFLayer):
         pass_tokens: bool = False,
         held: Sequence[str] = (),
         altup: str | None = None,
+        pass_embeddings: bool = False,
     ) -> None:
         own = [] if per_layer is None else list(per_layer[1])
         paths = (tokens, *extensions, *own, positions, dropout, altup, *held)
@@ -204,6 +208,7 @@ class DecoderEmbedding(HFLayer):
         self._extensions = tuple(extensions)
         self._per_layer_base = None if per_layer is None else per_layer[0]
         self.streams, self.pass_tokens, self._altup = streams, pass_tokens, altup
+        self.pass_embeddings = pass_embeddings
         self._lent: list[str] = []
         if self._per_layer_base is not None:  # the base model's own buffers its per-layer methods read (Gemma 3n's)
             base = model.get_submodule(self._per_layer_base)
@@ -256,7 +261,8 @@ class DecoderEmbedding(HFLayer):
         if self.router is not None:
             statistics = torch.zeros(input_ids.shape[0], self.router.width, device=hidden.device)
         given = input_ids if self.pass_tokens else None
-        return _pack(hidden, attention_mask, position_ids, statistics, per_layer, given, *rows)
+        embeddings = hidden.clone() if self.pass_embeddings else None  # a copy, as the model's forward keeps them
+        return _pack(hidden, attention_mask, position_ids, statistics, per_layer, given, embeddings, *rows)
 
 
 class RotaryDecoderBlock(CachedDecoderBlock):
@@ -474,6 +480,15 @@ class GPT2Block(CachedDecoderBlock):
         return _pack(hidden, attention_mask, position_ids, documents, rows)
 
 
+EMBEDDINGS = "original_hidden_states"
+"""The block argument that takes the embeddings (the embedding layer's output, carried beside the hidden states from
+layer to layer: Zamba's and Zamba2's, whose shared attention block concatenates them to its input)."""
+
+CAUSAL_MASK = "causal_mask"
+"""The mask argument of a hybrid block that takes the causal (attention) mask beside ``attention_mask``, which then
+takes the recurrent one (Zamba's blocks, given both as the model's forward gives them)."""
+
+
 class GPT2LikeBlock(CachedDecoderBlock):
     """One block of the GPT-2-like layout: ``(hidden, attention_mask, position_ids[, rows])`` to the same, the block
     applied.
@@ -485,7 +500,11 @@ class GPT2LikeBlock(CachedDecoderBlock):
     :meth:`_folded_alibi`), MPT's ``position_bias`` (``build_mpt_alibi_tensor`` over
     ``config.max_seq_len``), the rotary cos/sin from the positions (Falcon; LFM3's of the block's layer type, none
     for a layer type without a table of its rotary embedding's ``layer_types``), the cache under the name it takes (and
-    ``use_cache`` where it names it: a Mamba block passes its other arguments on to its mixer). With ``rows``, decodes
+    ``use_cache`` where it names it: a Mamba block passes its other arguments on to its mixer), its index in the model
+    (``layer_idx``) and the embeddings the value carries beside the hidden states (``original_hidden_states``, which
+    it passes on: Zamba's and Zamba2's blocks, whose shared attention block reads them at every hybrid layer and picks
+    Zamba2's per-layer adapters by the index). A hybrid block taking a ``causal_mask`` (Zamba's) gets the causal mask
+    there and the recurrent one as ``attention_mask``, as the model's forward gives them. With ``rows``, decodes
     incrementally with its own cache (keys and values, a recurrent layer's states:
     :class:`~lightning_gpipe.hf.kv_cache.CachedDecoderBlock`).
 
@@ -564,7 +583,10 @@ class GPT2LikeBlock(CachedDecoderBlock):
             arguments["attention_mask"] = dict(zip(self._mask_keys, mask, strict=True))
         elif isinstance(mask, tuple):  # a hybrid layer type: the recurrent mask under the block's other mask argument
             other = (n for n in self._arguments if n.endswith("_mask") and not n.startswith(("attention", "encoder")))
-            arguments["attention_mask"], arguments[next(other)] = mask
+            name = next(other)  # named for the causal one (Zamba's causal_mask): that, the recurrent as attention_mask
+            arguments["attention_mask"], arguments[name] = mask[::-1] if name == CAUSAL_MASK else mask
+        if "layer_idx" in self._arguments:
+            arguments["layer_idx"] = self.layer_index
         if self._folds_alibi:
             arguments.update(self._folded_alibi(base, attention_mask, hidden, mask))
         elif "alibi" in self._arguments:
@@ -600,6 +622,9 @@ class GPT2LikeBlock(CachedDecoderBlock):
         cache, mask = self.cache_and_mask(hidden, attention_mask, position_ids, rows, documents)
         given = {"use_cache": cache is not None} if "use_cache" in self._arguments else {}  # as the forward gives it
         extra = self._extra(hidden, attention_mask, position_ids, mask)
+        embeddings = carried_of(value)  # carried on past blocks that do not read them
+        if embeddings is not None and EMBEDDINGS in self._arguments:
+            extra[EMBEDDINGS] = embeddings
         if not self._keywords:  # a block naming its arguments (RWKV's takes no mask): only those
             extra = {key: item for key, item in extra.items() if key in self._arguments}
         if self._carry is not None:  # what the previous block gave (None for the first, as in the forward)
@@ -609,7 +634,8 @@ class GPT2LikeBlock(CachedDecoderBlock):
         if self._carry is not None:  # the block gives (hidden, what the next block takes)
             output, carried = output
         output = output[0] if isinstance(output, (tuple, list)) else output  # OpenAI GPT's blocks give a list
-        return _pack(self._rescaled(output), attention_mask, position_ids, carried, documents, rows)
+        passed = carried if self._carry is not None else embeddings  # one carried slot: a block's output, or these
+        return _pack(self._rescaled(output), attention_mask, position_ids, passed, documents, rows)
 
     def _rescaled(self, hidden: Tensor) -> Tensor:
         """``hidden`` halved where the model's forward halves it: after every ``config.rescale_every``-th block while

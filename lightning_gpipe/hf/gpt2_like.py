@@ -1,6 +1,6 @@
 """The decoders that declare no pipeline plan and are laid out as GPT-2 is, recognised by structure: Bloom, Falcon,
 MPT, GPT-BigCode (StarCoder), XGLM, Moshi; and the recurrent and hybrid ones of that layout, whose layers carry a
-state: Mamba, Mamba-2, Falcon-Mamba, Jamba, Bamba, LFM2, Nemotron-H, Falcon-H1, RWKV, xLSTM.
+state: Mamba, Mamba-2, Falcon-Mamba, Jamba, Bamba, LFM2, Nemotron-H, Falcon-H1, RWKV, xLSTM, Zamba, Zamba2.
 
 Their base model (under ``base_model_prefix``, beside ``lm_head``) holds, in order: the token embedding (the model's
 ``get_input_embeddings()``), at most one position embedding taking the positions (GPT-BigCode's ``wpe``, XGLM's
@@ -31,7 +31,12 @@ is called (CTRL's ``x``, RWKV's ``hidden``); ``state``, a recurrent state of the
 the model's forward gives it in training (fresh per sequence; cached decoding, which would not keep it, is refused);
 an argument the base model's forward never names keeps its default (Moshi's ``codebook_idx``); a ``hybrid`` layer type
 (Falcon-H1: a Mamba-2 mixer beside attention) gets the attention mask and the recurrent one under its other ``..._mask``
-argument; the layer types without attention (Nemotron-H's ``mlp``, ``moe``) get no mask. Buffers a base model sets in
+argument; the layer types without attention (Nemotron-H's ``mlp``, ``moe``) get no mask. Zamba's and Zamba2's hybrid
+layers add one attention block, shared by all of them (its weights tied: one ``nn.Parameter`` in several layers, which
+the strategy ties across stages), to a Mamba layer; that block reads the embeddings beside the hidden states
+(``original_hidden_states``: the embedding layer passes them on in the value, every block layer carries them) and is
+told its layer's index (``layer_idx``: Zamba2 picks its per-layer adapters by it), and their blocks take the causal mask
+as ``causal_mask`` and the recurrent one as ``attention_mask`` (:data:`SHARED_BLOCK`). Buffers a base model sets in
 its blocks at its own initialisation (Falcon-H1's ``mup_vector``) are set again on a stage
 (:meth:`~lightning_gpipe.hf.decoder.GPT2LikeBlock.reset_parameters`); the model's output head is its
 ``get_output_embeddings()`` (RWKV's ``head``); a model without a final norm (OpenAI GPT's post-norm blocks) has none.
@@ -39,7 +44,7 @@ its blocks at its own initialisation (Falcon-H1's ``mup_vector``) are set again 
 What stays refused, naming why: ``alibi=True`` without a ``build_alibi_tensor`` of the base model or its modeling
 module, cross-attention (``add_cross_attention``), XGLM's ``layerdrop`` (layers skipped at random); a
 load-balancing loss (``output_router_logits=True``: Jamba's experts), which the layout does not carry; hybrid blocks
-taking more than one recurrent mask or other arguments (Zamba2's shared blocks); buffers of the base model's own that
+taking more than one recurrent mask or other arguments; buffers of the base model's own that
 its forward reads (CTRL's ``pos_encoding``, taken by :mod:`lightning_gpipe.hf.decoder_stack`; RecurrentGemma's
 ``normalizer``), which the layout's embedding does not compute; and an ``nn.Conv1d`` in a block whose layer types name
 no recurrent layer (a state no cache would keep).
@@ -55,7 +60,7 @@ from typing import Any, cast
 from torch import Tensor, nn
 
 from lightning_gpipe._torch import children
-from lightning_gpipe.hf.decoder import DecoderEmbedding, FinalNorm, GPT2LikeBlock, Head
+from lightning_gpipe.hf.decoder import EMBEDDINGS, DecoderEmbedding, FinalNorm, GPT2LikeBlock, Head
 from lightning_gpipe.hf.decoder_cut import head_scaling, own_field
 from lightning_gpipe.hf.decoder_layout import (
     ADVICE,
@@ -78,6 +83,12 @@ ARGUMENTS = frozenset(
 ``cache``) and whether to use it, the positions, ALiBi biases (``alibi``: Bloom, Falcon; ``position_bias``: MPT), the
 rotary cos/sin (``position_embeddings``: Falcon), and the cross-attention inputs, left at ``None`` (a causal LM has no
 encoder)."""
+
+
+SHARED_BLOCK = frozenset((EMBEDDINGS, "layer_idx"))
+"""What the blocks of the hybrids sharing one attention block across their layers take besides :data:`ARGUMENTS`
+(Zamba's, Zamba2's): the embeddings, carried beside the hidden states (the shared block concatenates them to its
+input), and the block's index in the model (which Zamba2's shared block picks its per-layer adapters by)."""
 
 
 def _base(model: nn.Module) -> nn.Module:
@@ -169,7 +180,7 @@ def _config_reason(model: nn.Module, blocks: nn.ModuleList) -> str | None:
             f"its layer types {hybrid} take an attention and a recurrent mask at once, but its blocks"
             f" ({type(block).__name__}) take {sorted(masks)} besides attention_mask, not one recurrent mask"
         )
-    given = ARGUMENTS | masks | {hidden_name(block)}
+    given = ARGUMENTS | masks | {hidden_name(block)} | SHARED_BLOCK
     extra = [p.name for p in arguments.values() if p.kind in named and p.name not in given and _gives(base, p.name)]
     if extra:
         return f"its blocks ({type(block).__name__}) take {extra}, which the adapter does not compute. {ADVICE}"
@@ -257,6 +268,8 @@ def gpt2_like_layers(model: PreTrainedModel) -> list[nn.Module]:
     rotary = next(iter(path["rotary"]), None)
     blocks = path["blocks"][0]
     hidden_divisor, head = head_scaling(model.config)
+    modules = cast(nn.ModuleList, model.get_submodule(blocks))
+    embeddings = any(EMBEDDINGS in inspect.signature(block.forward).parameters for block in modules)
     return [
         DecoderEmbedding(
             model,
@@ -265,6 +278,7 @@ def gpt2_like_layers(model: PreTrainedModel) -> list[nn.Module]:
             next(iter(path["on_embeddings"]), None),
             multiplier=own_field(model.config, "embedding_multiplier"),
             dropout_p=float(dropout) if isinstance(dropout, (int, float)) else None,
+            pass_embeddings=embeddings,
         ),
         *(GPT2LikeBlock(model, f"{blocks}.{i}", rotary) for i in range(model.config.num_hidden_layers)),
         FinalNorm(model, next(iter(path["norm"]), None), divisor=hidden_divisor),

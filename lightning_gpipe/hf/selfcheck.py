@@ -23,6 +23,7 @@ hundredths of a second (docs/transformers.md).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,6 +37,7 @@ from lightning_gpipe.hf.composite import TEXT_CONFIG, text_config
 from lightning_gpipe.hf.decoder import SkippedBlock, causal_lm_loss, shifts_labels
 from lightning_gpipe.hf.encoder import encoder_input
 from lightning_gpipe.hf.layer import HFLayer, UnsupportedModelError
+from lightning_gpipe.hf.masks import HYBRID, layer_type
 from lightning_gpipe.hf.moe import router_loss_of
 from lightning_gpipe.hf.packing import decoder_input
 from lightning_gpipe.hf.seq2seq import StackBlock, StackEmbedding, seq2seq_input, seq2seq_loss
@@ -143,23 +145,39 @@ def _layer_indices(config: Any) -> dict[str, list[int]]:
 def _kept_layers(config: Any) -> list[int]:
     """The blocks the miniature keeps: the first block of each kind the config's per-layer lists (``layer_types``...),
     lists of layer indices (:func:`_layer_indices`: whether a block is among them), per-layer overrides
-    (:func:`_overrides`) and key/value sharing (:func:`_first_kv_shared`) tell apart, then the next ones up to two."""
+    (:func:`_overrides`) and key/value sharing (:func:`_first_kv_shared`) tell apart (the first two of a kind sharing
+    a block, :func:`_shared_kinds`), then the next ones up to two."""
     count = config.num_hidden_layers
     lists = [v for v in vars(config).values() if isinstance(v, (list, tuple)) and len(v) == count]
     lists += [[index in indices for index in range(count)] for indices in _layer_indices(config).values()]
     overrides = _overrides(config) or {}
     sharing = _first_kv_shared(config)
-    first: dict[tuple, int] = {}
+    twice = _shared_kinds(config)
+    first: dict[tuple, list[int]] = {}
     for index in range(count):
         kind = (*(repr(values[index]) for values in lists), repr(sorted(overrides.get(index, {}).items())))
-        first.setdefault((*kind, index >= sharing), index)
-    kept = sorted(first.values())
+        of_kind = first.setdefault((*kind, index >= sharing), [])
+        if len(of_kind) < (2 if twice and layer_type(config, index) in twice else 1):
+            of_kind.append(index)
+    kept = sorted(index for indices in first.values() for index in indices)
     for index in range(count):
         if len(kept) >= min(2, count):
             break
         if index not in kept:
             kept = sorted([*kept, index])
     return kept
+
+
+def _shared_kinds(config: Any) -> set[str]:
+    """The layer types of ``config`` of which the miniature keeps two blocks: a hybrid type (attention beside a
+    recurrent mixer, :data:`~lightning_gpipe.hf.masks.HYBRID`) in a config that also has layers of its recurrent type
+    alone, the hybrid layers adding an attention block to a recurrent layer, one block the model shares across them
+    (Zamba's and Zamba2's shared transformer, which ``transformers`` ties from the first hybrid layer into the others
+    and cannot build with one): two of them prove what they share."""
+    types = getattr(config, "layer_types", None)
+    if not isinstance(types, (list, tuple)):
+        return set()
+    return {kind for kind in types if kind in HYBRID and HYBRID[kind][1] in types}
 
 
 def _first_kv_shared(config: Any) -> int:
@@ -185,7 +203,8 @@ def miniature_config(config: Any) -> Any:
     heterogeneous config's per-layer overrides cut alike, lists of layer indices renumbered; as many layers reusing
     earlier keys and values as it keeps), the widths of :data:`SIZES` and the bounds of :data:`LIMITS` (per layer too,
     :func:`_shrunk`; an encoder-decoder's :data:`SEQ2SEQ_LIMITS` too), token ids within the vocabulary, no cache;
-    every other option (dropout probabilities included) as given.
+    what the config's class derives from them derived again (:func:`_derive_again`); every other option (dropout
+    probabilities included) as given.
 
     A composite config (no depth of its own, a language model's ``text_config`` beside its towers': Gemma 3's,
     Voxtral's) is copied with its text config shrunk so and each tower cut to one block (:func:`_one_block_towers`),
@@ -233,8 +252,50 @@ def miniature_config(config: Any) -> Any:
         _seq2seq_limits(mini)
     _one_block_towers(mini)
     _part_widths(config, mini)
+    _derive_again(config, mini)
     mini.use_cache = False
     return mini
+
+
+def _fields(config: Any) -> dict[str, Any]:
+    """``config``'s fields (those its class declares) as its ``to_dict`` gives them."""
+    fields = getattr(type(config), "__dataclass_fields__", {})
+    return {name: value for name, value in config.to_dict().items() if name in fields}
+
+
+def _derive_again(config: Any, mini: Any) -> None:
+    """Give ``mini`` again the integers (and lists of them) its class derives from its other fields, where the
+    shrinking left ``config``'s: attributes its initialisation sets that are no fields (Zamba2's
+    ``attention_hidden_size``, ``mamba_headdim``, ``hybrid_layer_ids``) and fields it fills when left at their default
+    (Zamba's ``attention_hidden_size``, ``None``: twice the hidden size; ``mamba_dt_rank``, ``"auto"``). Found by
+    building the class again from ``config``'s fields with those at their defaults (a value it gives back alike was
+    derived, not given) and from ``mini``'s; a config its class cannot build so keeps its values."""
+    fields = getattr(type(config), "__dataclass_fields__", {})
+    own, shrunk = vars(config), vars(mini)
+
+    def integers(value: Any) -> bool:  # widths, counts, layer indices: none negative
+        items = value if isinstance(value, list) else [value]
+        return all(_is_integer(item) and item >= 0 for item in items)
+
+    left = {name for name, value in shrunk.items() if integers(value) and own.get(name) == value}
+    defaults = {
+        name: field.default
+        for name, field in fields.items()
+        if name in left and field.default is not dataclasses.MISSING and not _is_integer(field.default)
+    }
+    try:  # from the fields alone: attributes given beside them are set after the class derives its own
+        bare = type(config).from_dict({**_fields(config), **defaults})
+        derived = {name for name in defaults if getattr(bare, name) == own[name]}
+        fresh = type(config).from_dict({**_fields(mini), **{name: defaults[name] for name in derived}})
+    except Exception:  # a config its class does not rebuild from its fields: as it is (the self-check proves it)
+        return
+    for name in left:
+        if (
+            (name in derived or name not in fields)
+            and integers(value := vars(fresh).get(name))
+            and value != shrunk[name]
+        ):
+            setattr(mini, name, value)
 
 
 def _cut_per_layer(config: Any, mini: Any, kept: list[int]) -> None:

@@ -330,13 +330,19 @@ RECURRENT = {
                        moe_shared_expert_intermediate_size=16, n_group=1, topk_group=1),
     "falcon_h1": dict(num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8,
                       mamba_n_groups=1, mamba_chunk_size=4, lm_head_multiplier=0.5, embedding_multiplier=2.0),
+    "zamba": dict(layers_block_type=["hybrid", "linear_attention", "hybrid"], n_mamba_heads=2, mamba_d_state=8,
+                  num_key_value_heads=2),
+    "zamba2": dict(layers_block_type=["hybrid", "linear_attention", "hybrid"], n_mamba_heads=4, mamba_d_state=8,
+                   chunk_size=4, use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True),
 }  # fmt: skip
 """The recurrent and hybrid decoders without a plan besides Mamba and Jamba (tests/hf_families.py), as small configs:
 Mamba-2's multi-head selective scan in chunks of 4 tokens (the probe's 11 cross chunks), Falcon-Mamba's normalised
 time step, B and C, Bamba's Mamba-2 layers around an attention layer with rotary positions, LFM2's short convolutions
 (``conv`` layers) around an attention layer, Nemotron-H's Mamba-2, attention and feed-forward blocks (``moe``,
 ``mlp``: no mask, no cache), Falcon-H1's ``hybrid`` blocks (a Mamba-2 mixer beside attention, each given its mask; its
-multipliers on the embeddings and the logits)."""
+multipliers on the embeddings and the logits), Zamba's and Zamba2's Mamba layers, two of them hybrid: one attention
+block shared by both (tied), reading the embeddings beside the hidden states (Zamba2's with per-layer adapters and
+rotary positions)."""
 
 
 @pytest.mark.parametrize("name", list(RECURRENT))

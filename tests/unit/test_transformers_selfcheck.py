@@ -144,6 +144,19 @@ def test_a_multimodal_configs_towers_are_cut_to_one_block_in_the_miniature():
     assert (config.vision_config.num_hidden_layers, config.audio_config.num_blocks) == (27, 24)
 
 
+def test_the_miniature_keeps_two_hybrid_layers_sharing_a_block_and_derives_its_widths_again():
+    """Zamba's and Zamba2's hybrid layers add one attention block, shared and tied across them, to a Mamba layer
+    (refused before: a miniature of one hybrid layer, which ``transformers`` cannot tie, and widths its config had
+    derived from the full ones): the miniature keeps two of them and derives again what the class derives, where the
+    shrinking left the full config's (the attention's input, twice the hidden size; Mamba-2's head width; which layers
+    are hybrid; Zamba's ``mamba_dt_rank="auto"``)."""
+    zamba, zamba2 = (miniature_config(AutoConfig.for_model(name)) for name in ("zamba", "zamba2"))
+    for mini in (zamba, zamba2):
+        assert mini.layers_block_type == ["linear_attention", "hybrid", "hybrid"]
+        assert mini.attention_hidden_size == 2 * mini.hidden_size == 128
+    assert zamba.mamba_dt_rank == 4 and (zamba2.hybrid_layer_ids, zamba2.mamba_headdim) == ([1, 2], 16)
+
+
 def test_the_miniature_keeps_layers_reusing_keys_and_values_and_one_dense_layer_before_the_experts():
     """Gemma 3n's last 15 of 35 layers reuse the keys and values of the last earlier layer of their type (refused
     before: a miniature of 2 layers with 15 sharing could not be built): the miniature keeps each kind of layer before
