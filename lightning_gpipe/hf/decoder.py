@@ -24,8 +24,8 @@ import copy
 import inspect
 import math
 import sys
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from typing import Any, cast
 
@@ -506,7 +506,10 @@ class GPT2LikeBlock(CachedDecoderBlock):
     Zamba2's per-layer adapters by the index). A hybrid block taking a ``causal_mask`` (Zamba's) gets the causal mask
     there and the recurrent one as ``attention_mask``, as the model's forward gives them. With ``rows``, decodes
     incrementally with its own cache (keys and values, a recurrent layer's states:
-    :class:`~lightning_gpipe.hf.kv_cache.CachedDecoderBlock`).
+    :class:`~lightning_gpipe.hf.kv_cache.CachedDecoderBlock`). A block whose modules keep its recurrent state on
+    themselves (RecurrentGemma's recurrent blocks, whose modules set it up with ``_setup_cache``) is told
+    ``use_cache=False`` in training, so it starts fresh per sequence; in cached decoding it is given the state of its
+    rows (:meth:`_states_of`).
 
     Args:
         model: the model.
@@ -515,6 +518,10 @@ class GPT2LikeBlock(CachedDecoderBlock):
         mask: the helper that rebuilds the block's mask instead of its layer type's
             (:data:`~lightning_gpipe.hf.masks.MASKS`; OpenAI GPT's :func:`~lightning_gpipe.hf.masks.padding_mask`),
             or ``None`` (default).
+
+    Raises:
+        ValueError: (forward, with ``rows``) for a block that keeps its recurrent state in an argument of its own
+            (RWKV's ``state``), which no cache of its rows would keep, or that takes no cache (OpenAI GPT's).
     """
 
     def __init__(
@@ -529,6 +536,8 @@ class GPT2LikeBlock(CachedDecoderBlock):
         self._arguments = set(parameters)
         self._keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
         self._cache_name = next((n for n in ("layer_past", "cache") if n in self._arguments), None)
+        stateful = {type(m).__name__ for m in self.part(block).modules() if callable(getattr(m, "_setup_cache", None))}
+        self._state_on_modules = sorted(stateful)  # RecurrentGemma's recurrent blocks: see _states_of
         self._rescale_every = getattr(model.config, "rescale_every", 0) or 0  # RWKV's (see _rescaled)
         embedding = None if rotary is None else self.part(rotary)
         typed = embedding is not None and "layer_type" in inspect.signature(embedding.forward).parameters
@@ -547,8 +556,9 @@ class GPT2LikeBlock(CachedDecoderBlock):
     def reset_parameters(self) -> None:
         """:meth:`~lightning_gpipe.hf.layer.HFLayer.reset_parameters`, then, where the block holds buffers it does not
         save, the model's initialisation of its base model run on this block alone (a shallow copy of the base model
-        holding only it): a base model may set its blocks' buffers itself (Falcon-H1's ``mup_vector`` of each mixer),
-        which a stage building only its own blocks would otherwise leave unset."""
+        holding only it, and its own buffers on the meta device, which its initialisation may set but this layer does
+        not hold: RecurrentGemma's ``normalizer``): a base model may set its blocks' buffers itself (Falcon-H1's
+        ``mup_vector`` of each mixer), which a stage building only its own blocks would otherwise leave unset."""
         super().reset_parameters()
         block = self.part(self._block)
         if not any(name not in module.state_dict() for module in block.modules() for name, _ in
@@ -557,7 +567,8 @@ class GPT2LikeBlock(CachedDecoderBlock):
         base = self.hf_model.get_submodule(self._base)
         blocks = self._block.rsplit(".", 2)[1]
         alone = copy.copy(base)  # the base model's attributes, but its children only this block, in its list
-        alone.__dict__.update(_modules={blocks: nn.ModuleList([block])}, _parameters={}, _buffers={})
+        own = {name: buffer.to("meta") for name, buffer in base.named_buffers(recurse=False)}
+        alone.__dict__.update(_modules={blocks: nn.ModuleList([block])}, _parameters={}, _buffers=own)
         with torch.no_grad():
             self.hf_model._init_weights(alone)
 
@@ -629,13 +640,31 @@ class GPT2LikeBlock(CachedDecoderBlock):
             extra = {key: item for key, item in extra.items() if key in self._arguments}
         if self._carry is not None:  # what the previous block gave (None for the first, as in the forward)
             extra[self._carry] = carried_of(value)
-        output = self.part(self._block)(hidden, **given, **({} if name is None else {name: cache}), **extra)
+        with self._states_of(rows):
+            output = self.part(self._block)(hidden, **given, **({} if name is None else {name: cache}), **extra)
         carried = None
         if self._carry is not None:  # the block gives (hidden, what the next block takes)
             output, carried = output
         output = output[0] if isinstance(output, (tuple, list)) else output  # OpenAI GPT's blocks give a list
         passed = carried if self._carry is not None else embeddings  # one carried slot: a block's output, or these
         return _pack(self._rescaled(output), attention_mask, position_ids, passed, documents, rows)
+
+    @contextmanager
+    def _states_of(self, rows: Tensor | None) -> Iterator[None]:
+        """In cached decoding (``rows``), a block keeping its recurrent state on its modules
+        (:attr:`_state_on_modules`: RecurrentGemma's convolution and recurrent states, tensors its modules hold as
+        plain attributes) given the state of these rows, kept in ``module_states`` between steps: ``None`` for
+        rows new to it, from which its modules start at zero as the model's ``_setup_cache`` starts them. A stage runs
+        every micro-batch of a step through the same modules; each keeps its own rows' state."""
+        if rows is None or not self._state_on_modules:
+            yield
+            return
+        key, modules = tuple(rows.tolist()), list(self.part(self._block).modules())
+        saved = self.module_states.get(key, {})
+        for index, name in _plain_tensors(modules).keys() | saved.keys():
+            setattr(modules[index], name, saved.get((index, name)))
+        yield
+        self.module_states[key] = _plain_tensors(modules)
 
     def _rescaled(self, hidden: Tensor) -> Tensor:
         """``hidden`` halved where the model's forward halves it: after every ``config.rescale_every``-th block while
@@ -646,6 +675,17 @@ class GPT2LikeBlock(CachedDecoderBlock):
             return hidden
         rescaled = getattr(self.hf_model.get_submodule(self._base), "layers_are_rescaled", False)  # per mode
         return hidden / 2 if rescaled else hidden
+
+
+def _plain_tensors(modules: list[nn.Module]) -> dict[tuple[int, str], Tensor]:
+    """The tensors ``modules`` hold as plain attributes (no parameters, no buffers), by ``(index in modules,
+    name)``: a state a module keeps on itself (RecurrentGemma's ``conv1d_state``, ``recurrent_states``)."""
+    return {
+        (index, name): item
+        for index, module in enumerate(modules)
+        for name, item in vars(module).items()
+        if isinstance(item, Tensor)
+    }
 
 
 class FinalNorm(HFLayer):
@@ -706,6 +746,8 @@ class Head(HFLayer):
             or ``None``.
         vocab: how many of the head's outputs are logits (Inkling's ``config.unpadded_vocab_size``, the rest
             padding), or ``None`` (default: all).
+        before: paths of modules applied to the hidden states before the head, in order (a decoder stack's end,
+            :class:`~lightning_gpipe.hf.decoder_stack.StackHead`); none by default.
     """
 
     def __init__(
@@ -716,13 +758,16 @@ class Head(HFLayer):
         divisor: float | None = None,
         softcap: float | None = None,
         vocab: int | None = None,
+        before: Sequence[str] = (),
     ) -> None:
-        super().__init__(model, [head])
-        self._head = head
+        super().__init__(model, [*before, head])
+        self._head, self._before = head, tuple(before)
         self.multiplier, self.divisor, self.softcap, self.vocab = multiplier, divisor, softcap, vocab
 
     def forward(self, value: Tensor | tuple[Tensor, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
         hidden, *statistics = value if isinstance(value, tuple) else (value,)
+        for path in self._before:
+            hidden = self.part(path)(hidden)
         logits = self.part(self._head)(hidden)
         if self.vocab is not None:
             logits = logits[..., : self.vocab]

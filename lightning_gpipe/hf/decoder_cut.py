@@ -49,7 +49,9 @@ def head_scaling(config: Any) -> tuple[float | None, dict[str, Any]]:
     head = {
         "multiplier": getattr(config, "logit_scale", None) or getattr(config, "lm_head_multiplier", None),
         "divisor": None if hidden_divisor is not None else getattr(config, "logits_scaling", None),
-        "softcap": getattr(config, "final_logit_softcapping", None) or getattr(config, "output_logit_soft_cap", None),
+        "softcap": getattr(config, "final_logit_softcapping", None)
+        or getattr(config, "output_logit_soft_cap", None)
+        or getattr(config, "logits_soft_cap", None),
         "vocab": vocab if vocab is not None and vocab < config.vocab_size else None,
     }
     return hidden_divisor, head

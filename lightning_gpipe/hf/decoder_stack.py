@@ -1,6 +1,7 @@
 """Causal LMs whose decoder is one stack module that embeds its tokens itself, recognised by structure: the decoders of
 encoder-decoders exposed as causal LMs (BART, mBART, Marian, Blenderbot, Blenderbot-Small, Pegasus, PLBart,
-BigBird-Pegasus, TrOCR, Whisper), OPT, BioGPT, GPT-NeoX-Japanese, ModernBERT-decoder, CTRL, OpenAI GPT and Zaya.
+BigBird-Pegasus, TrOCR, Whisper), OPT, BioGPT, GPT-NeoX-Japanese, ModernBERT-decoder, CTRL, OpenAI GPT, Zaya and
+RecurrentGemma.
 
 The model's children are its base model (``base_model_prefix``) and its output head (``get_output_embeddings()``:
 ``lm_head``, BioGPT's ``output_projection``, GPT-NeoX-Japanese's ``embed_out``), and at most one more module with
@@ -19,22 +20,25 @@ rotary cos/sin where they take them; a BART decoder block's cross-attention is g
 LM's forward gives it none; the padding mask alone where the stack's forward builds its mask itself, OpenAI GPT's,
 :func:`~lightning_gpipe.hf.masks.builds_own_mask`; a hybrid layer type's two masks in one dict where its forward gives
 them so, Zaya's, :func:`~lightning_gpipe.hf.decoder_layout.mask_keys`; a value carried from block to block,
-``prev_...``, Zaya's router states); the end (:class:`StackHead`) applies what the stack's forward applies after its
-blocks, then the head. A class whose forward scores unshifted labels (BART's family) is trained on its own loss
+``prev_...``, Zaya's router states; a recurrent layer type's block, RecurrentGemma's, its state fresh per sequence in
+training and kept per set of rows in cached decoding); the end (:class:`StackHead`) applies what the stack's forward
+applies after its blocks, then the head, its logits scaled as the config declares (RecurrentGemma's soft-capping). A
+class whose forward scores unshifted labels (BART's family) is trained on its own loss
 (:func:`~lightning_gpipe.hf.decoder.shifts_labels`).
 
 :func:`decoder_stack` says why a model is not of the layout: an encoder-decoder config (the encoder-decoder family's),
 blocks taking what the adapter does not compute (MVP's prompts with ``use_prompt=True``: off, the blocks' default
-``None`` is what the stack gives them; ProphetNet's n-gram streams), layer types it does not know or that carry a
-state (but hybrid ones whose masks the forward gives in one dict), cross-attention asked for
-(``add_cross_attention``), LayerDrop (layers skipped at random), tensors of the stack's own that it saves where it has
-no module before its blocks. Tensors of its own (CTRL's unsaved sinusoidal ``pos_encoding``, Zaya's input scale and
-bias) are held by the embedding layer, which lends them to the stack before running its forward and initialises them
-on a stage as the model does (those a checkpoint gives, read); in decoding a stack whose forward takes
-``position_ids`` is given the positions ``generate`` gives (CTRL's, OpenAI GPT's; in cached decoding, Whisper's
-too). A block taking no cache (OpenAI GPT's) decodes without caches (cached decoding is refused, naming that). The
-self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves the cut on a miniature before step 1. Packed rows are refused
-(the stack numbers the positions of a whole row).
+``None`` is what the stack gives them; ProphetNet's n-gram streams), layer types it does not know or that take an
+attention and a recurrent mask at once (:data:`~lightning_gpipe.hf.masks.HYBRID`) but where its forward gives both in
+one dict, cross-attention asked for (``add_cross_attention``), a load-balancing loss (``output_router_logits=True``:
+:func:`~lightning_gpipe.hf.gpt2_like.router_loss_reason`), LayerDrop (layers skipped at random), tensors of the
+stack's own that it saves where it has no module before its blocks. Tensors of its own (CTRL's unsaved sinusoidal
+``pos_encoding``, RecurrentGemma's unsaved ``normalizer``, Zaya's input scale and bias) are held by the embedding
+layer, which lends them to the stack before running its forward and initialises them on a stage as the model does
+(those a checkpoint gives, read); in decoding a stack whose forward takes ``position_ids`` is given the positions
+``generate`` gives (CTRL's, OpenAI GPT's; in cached decoding, Whisper's too). A block taking no cache (OpenAI GPT's)
+decodes without caches (cached decoding is refused, naming that). The self-check (:mod:`lightning_gpipe.hf.selfcheck`)
+proves the cut on a miniature before step 1. Packed rows are refused (the stack numbers the positions of a whole row).
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gpipe._torch import children, set_buffer
-from lightning_gpipe.hf.decoder import GPT2LikeBlock
+from lightning_gpipe.hf.decoder import GPT2LikeBlock, Head
+from lightning_gpipe.hf.decoder_cut import head_scaling
 from lightning_gpipe.hf.decoder_layout import (
     CARRIED,
     ROTARY,
@@ -56,10 +61,10 @@ from lightning_gpipe.hf.decoder_layout import (
     layer_types_reason,
     mask_keys,
 )
-from lightning_gpipe.hf.gpt2_like import ARGUMENTS, hidden_name
+from lightning_gpipe.hf.gpt2_like import ARGUMENTS, hidden_name, router_loss_reason
 from lightning_gpipe.hf.kv_cache import is_decoding
-from lightning_gpipe.hf.layer import HFLayer, PreTrainedModel
-from lightning_gpipe.hf.masks import HYBRID, builds_own_mask, padding_mask, unpackable_layer_types
+from lightning_gpipe.hf.layer import PreTrainedModel
+from lightning_gpipe.hf.masks import HYBRID, builds_own_mask, layer_type, padding_mask
 from lightning_gpipe.hf.seq2seq import Stack, StackEmbedding
 from lightning_gpipe.hf.seq2seq_cache import past_length_cache
 from lightning_gpipe.hf.seq2seq_inputs import PROMPTS
@@ -143,8 +148,8 @@ def decoder_stack(model: nn.Module) -> str | None:
     """``None`` when ``model`` is a causal LM of one decoder stack (see the module docstring), else why not: not an
     encoder-decoder config, a stack (:func:`find_stack`) whose forward takes ``input_ids`` and ``attention_mask`` and
     whose blocks take only :data:`~lightning_gpipe.hf.gpt2_like.ARGUMENTS` (and MVP's prompts, off), layer types
-    whose masks the adapter rebuilds and none recurrent, no cross-attention asked for, no LayerDrop, the blocks run in
-    one loop (:func:`~lightning_gpipe.hf.decoder_layout.block_loops_reason`)."""
+    whose masks the adapter rebuilds and none hybrid, no cross-attention asked for, no load-balancing loss, no
+    LayerDrop, the blocks run in one loop (:func:`~lightning_gpipe.hf.decoder_layout.block_loops_reason`)."""
     if not isinstance(model, PreTrainedModel):
         return "it is not a transformers PreTrainedModel"
     config = model.config
@@ -167,14 +172,18 @@ def decoder_stack(model: nn.Module) -> str | None:
     unknown = layer_types_reason(config)
     if unknown is not None:
         return unknown
-    recurrent = unpackable_layer_types(config)
-    if recurrent and not (set(recurrent) <= set(HYBRID) and mask_keys(type(stack)) is not None):
+    hybrid = sorted({layer_type(config, i) for i in range(config.num_hidden_layers)} & set(HYBRID))
+    if hybrid and mask_keys(type(stack)) is None:
         return (
-            f"its layer types include {recurrent}, which carry a state (the GPT-2-like layout's recurrent blocks;"
-            " this layout takes hybrid ones whose two masks its forward gives in one dict)"
+            f"its layer types include {hybrid}, which take an attention and a recurrent mask at once (the GPT-2-like"
+            " layout's hybrid blocks, given the second under a mask argument of their own; this layout takes them"
+            " where its forward gives both masks in one dict)"
         )
     if getattr(config, "add_cross_attention", False):
         return "add_cross_attention=True: its blocks attend to an encoder's output, which a causal LM lacks"
+    router = router_loss_reason(model)
+    if router is not None:
+        return router
     loops = block_loops_reason(stack, found.blocks.rpartition(".")[2])
     if loops is not None:
         return loops
@@ -270,10 +279,11 @@ class StackDecoderEmbedding(StackEmbedding):
         return {"position_ids": position_ids} if self._takes_positions and (rest or given) else {}
 
 
-class StackHead(HFLayer):
+class StackHead(Head):
     """A decoder stack's end and the head: ``(hidden, ...)`` to logits ``(N, S, V)``, through the modules the
     stack's forward applies after its blocks (:attr:`DecoderStack.end`), then the model's prediction head if it has one
-    (:attr:`DecoderStack.prediction`) and its output head.
+    (:attr:`DecoderStack.prediction`) and its output head, the logits scaled as its config declares
+    (:func:`~lightning_gpipe.hf.decoder_cut.head_scaling`: RecurrentGemma's soft-capping, ``logits_soft_cap``).
 
     Args:
         model: the model.
@@ -281,14 +291,11 @@ class StackHead(HFLayer):
     """
 
     def __init__(self, model: PreTrainedModel, found: DecoderStack) -> None:
-        self._paths = (*found.end, *([found.prediction] if found.prediction else []), found.head)
-        super().__init__(model, list(self._paths))
+        before = (*found.end, *([found.prediction] if found.prediction else []))
+        super().__init__(model, found.head, before=before, **head_scaling(model.config)[1])
 
-    def forward(self, value: tuple[Tensor, ...]) -> Tensor:
-        hidden = value[0]
-        for path in self._paths:
-            hidden = self.part(path)(hidden)
-        return hidden
+    def forward(self, value: tuple[Tensor, ...]) -> Tensor:  # type: ignore[override]  # the blocks' value
+        return cast(Tensor, super().forward(value[0]))
 
 
 def decoder_stack_layers(model: PreTrainedModel) -> list[nn.Module]:

@@ -44,10 +44,10 @@ its blocks at its own initialisation (Falcon-H1's ``mup_vector``) are set again 
 What stays refused, naming why: ``alibi=True`` without a ``build_alibi_tensor`` of the base model or its modeling
 module, cross-attention (``add_cross_attention``), XGLM's ``layerdrop`` (layers skipped at random); a
 load-balancing loss (``output_router_logits=True``: Jamba's experts), which the layout does not carry; hybrid blocks
-taking more than one recurrent mask or other arguments; buffers of the base model's own that
-its forward reads (CTRL's ``pos_encoding``, taken by :mod:`lightning_gpipe.hf.decoder_stack`; RecurrentGemma's
-``normalizer``), which the layout's embedding does not compute; and an ``nn.Conv1d`` in a block whose layer types name
-no recurrent layer (a state no cache would keep).
+taking more than one recurrent mask or other arguments; buffers of the base model's own that its forward reads
+(CTRL's ``pos_encoding``, RecurrentGemma's ``normalizer``: both taken by :mod:`lightning_gpipe.hf.decoder_stack`),
+which the layout's embedding does not compute; and an ``nn.Conv1d`` in a block whose layer types name no recurrent
+layer (a state no cache would keep).
 The self-check (:mod:`lightning_gpipe.hf.selfcheck`) proves the cut on a miniature before step 1.
 """
 
@@ -198,15 +198,25 @@ def _config_reason(model: nn.Module, blocks: nn.ModuleList) -> str | None:
             "its blocks hold a convolution (nn.Conv1d), which carries a state from token to token, but its layer types"
             " name no recurrent layer (linear_attention, conv...) whose state the cache would keep"
         )
-    if getattr(config, "output_router_logits", False) and adds_load_balancing_loss(type(model)):
-        return (
-            "output_router_logits=True: its forward adds a load-balancing loss, which the GPT-2-like layout does not"
-            " carry through the pipeline (Jamba's experts): train without it, overrides={'output_router_logits': False}"
-        )
+    router = router_loss_reason(model)
+    if router is not None:
+        return router
     if getattr(config, "add_cross_attention", False):
         return "add_cross_attention=True: its blocks attend to an encoder's output, which a causal LM lacks"
     if getattr(config, "layerdrop", 0.0):
         return f"layerdrop={config.layerdrop}: its forward skips layers at random in training"
+    return None
+
+
+def router_loss_reason(model: nn.Module) -> str | None:
+    """``None`` unless ``model``'s forward adds a load-balancing loss (``output_router_logits=True``: Jamba's experts),
+    which neither this layout nor the decoder stack's carries through the pipeline; else why, and what to do."""
+    if getattr(cast(Any, model).config, "output_router_logits", False) and adds_load_balancing_loss(type(model)):
+        return (
+            "output_router_logits=True: its forward adds a load-balancing loss, which neither the GPT-2-like layout"
+            " nor the decoder stack carries through the pipeline (Jamba's experts): train without it,"
+            " overrides={'output_router_logits': False}"
+        )
     return None
 
 

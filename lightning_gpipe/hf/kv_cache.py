@@ -8,6 +8,8 @@ A block's cache is ``transformers``' ``DynamicCache`` built from the model's con
 what the model's own ``generate`` keeps (``cache_utils.DYNAMIC_LAYER_TYPE_MAPPING``): keys and values for attention
 layers, the convolution and recurrent states for the recurrent ones (``linear_attention``: Mamba, Mamba-2, Jamba's and
 Bamba's Mamba layers; ``conv``: LFM2's short convolutions), both for the hybrid types (``hybrid``: Inkling's blocks).
+A block whose modules keep its state on themselves instead (RecurrentGemma's recurrent blocks) keeps each set of rows'
+state beside its cache (``module_states``).
 """
 
 from __future__ import annotations
@@ -93,6 +95,9 @@ class CachedDecoderBlock(HFLayer):
         cached_tokens: ``{rows: int}``, the tokens each cache holds (the attention mask's length so far).
         mask_layer: the layer of the cache the mask is built against: ``layer_index``, or the layer whose keys and
             values the block's layer reuses (:class:`~lightning_gpipe.hf.decoder.RotaryDecoderBlock`).
+        module_states: ``{rows: {(module index, name): tensor}}``, the state of each set of rows of a block that
+            keeps it on its modules rather than in a cache (RecurrentGemma's recurrent blocks:
+            :class:`~lightning_gpipe.hf.decoder.GPT2LikeBlock`).
     """
 
     def __init__(
@@ -107,6 +112,7 @@ class CachedDecoderBlock(HFLayer):
         self._recurrent_mask = None if recurrent is None else MASKS[recurrent]
         self.kv_cache: dict[tuple[int, ...], Any] = {}
         self.cached_tokens: dict[tuple[int, ...], int] = {}
+        self.module_states: dict[tuple[int, ...], dict[tuple[int, str], Any]] = {}
 
     def _cache_of(self, rows: Tensor, past: int, new: int) -> Any:
         """The cache of ``rows``, new when ``past`` is 0, after checking it holds the ``past`` tokens the mask says
@@ -164,4 +170,4 @@ def clear_kv_caches(backbone: nn.Module) -> None:
     """Empty the caches of ``backbone``'s decoder blocks (those this process holds), freeing them."""
     for module in backbone.modules():
         if isinstance(module, CachedDecoderBlock):
-            module.kv_cache, module.cached_tokens = {}, {}
+            module.kv_cache, module.cached_tokens, module.module_states = {}, {}, {}

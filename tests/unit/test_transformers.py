@@ -216,15 +216,15 @@ def test_a_model_of_another_layout_is_refused_by_name_with_the_reasons_before_an
             "take an attention and a recurrent mask at once",
         ),
         ("megatron-bert", {}, "`bert.encoder` holds \\['layer', 'ln'\\]"),
-        ("recurrent_gemma", {}, r"its forward reads the buffers \['normalizer'\]"),
         ("jamba", dict(output_router_logits=True), "output_router_logits=True: its forward adds a load-balancing loss"),
     ],
 )
 def test_a_deviation_the_adapter_does_not_handle_is_refused_by_structure(model_type, fields, reason):
     """Hybrid layer types on blocks taking one mask, a final norm in an encoder: modules or layer types the standard
-    layouts do not have; the recurrent families of the GPT-2-like layout it does not take: a buffer of the base
-    model's own that its forward reads (RecurrentGemma), a load-balancing loss (Jamba's experts) (on the meta device:
-    nothing is allocated)."""
+    layouts do not have; a decoder whose forward gives its blocks the padding mask alone (OpenAI GPT: refused by the
+    self-check, its loss); the recurrent families of the GPT-2-like layout it does not take: a load-balancing loss
+    (Jamba's experts) (on the meta device: nothing is allocated). (RecurrentGemma, refused here before for its stack's
+    `normalizer`, is taken by the decoder-stack family: tests/unit/test_transformers_plan.py.)"""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
     config = AutoConfig.for_model(model_type, num_hidden_layers=2, **fields)

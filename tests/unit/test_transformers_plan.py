@@ -297,9 +297,10 @@ def test_gpt2_like_decoders_without_a_plan_equal_their_forward_and_decode_as_gen
     _decodes_as_generate(model)
 
 
-def _decodes_as_generate(model, kv_caches: tuple[bool, ...] = (True,)) -> None:
-    """Greedy decoding of left-padded prompts through ``model``'s backbone, each block keeping its own cache (and
-    without caches where ``kv_caches`` holds ``False``), equals ``generate``'s tokens."""
+def _decodes_as_generate(model, kv_caches: tuple[bool, ...] = (True,), wrap=None) -> None:
+    """Greedy decoding of left-padded prompts through ``model``'s backbone (given to ``wrap`` where one is), each
+    block keeping its own cache (and without caches where ``kv_caches`` holds ``False``), equals ``generate``'s
+    tokens."""
     from lightning_gpipe.hf import greedy_generate
 
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [8, 9, 10, 11, 12, 13]])
@@ -307,6 +308,7 @@ def _decodes_as_generate(model, kv_caches: tuple[bool, ...] = (True,)) -> None:
     expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=5, pad_token_id=2,
                               eos_token_id=2)  # fmt: skip
     backbone = to_sequential(model, check=False)
+    backbone = backbone if wrap is None else wrap(backbone)
     for kv_cache in kv_caches:
         generated = greedy_generate(backbone, ids, mask, max_new_tokens=5, eos_token_id=2, kv_cache=kv_cache)
         assert torch.equal(generated, expected), kv_cache
@@ -538,9 +540,11 @@ SMALL = {
     "zaya": dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=8, moe_intermediate_size=16, num_experts=4, router_hidden_size=16, max_position_embeddings=64,
                  layer_types=["hybrid", "hybrid_sliding"], sliding_window=4, initializer_range=0.3),
+    "recurrent_gemma": dict(TINY, num_key_value_heads=2, head_dim=8, lru_width=32, attention_window_size=4),
 }  # fmt: skip
 """Small configs of the layouts taken by the blocks' own names and state (RWKV, rescaling every 2 blocks in
-evaluation), a stack's unsaved buffer (CTRL's sinusoidal table), a sliding window the forward ignores (Moshi), a stack
+evaluation), a stack's unsaved buffer (CTRL's sinusoidal table; RecurrentGemma's `normalizer`, with two recurrent
+blocks and a sliding-window attention block of window 4), a sliding window the forward ignores (Moshi), a stack
 building its mask itself (OpenAI GPT), a stack's own parameters, hybrid masks in one dict and router states carried
 from block to block (Zaya: a full and a sliding-window layer); weights drawn wide enough that greedy decoding varies."""
 
@@ -568,6 +572,32 @@ def test_blocks_with_a_state_argument_equal_their_forward_and_refuse_cached_deco
         greedy_generate(to_sequential(model, check=False), ids, torch.ones_like(ids), max_new_tokens=2)
     result = conformance().conform("xlstm")
     assert (result.verdict, result.family) == ("equal", "gpt2-like"), result.detail
+
+
+class _RowByRow(torch.nn.Module):
+    """A backbone run on each row of the value alone, one after the other, as a stage runs a decoding step's
+    micro-batches through its layers."""
+
+    def __init__(self, backbone: torch.nn.Module) -> None:
+        super().__init__()
+        self.backbone = backbone
+
+    def forward(self, value):
+        return torch.cat([self.backbone(tuple(item[row : row + 1] for item in value)) for row in range(len(value[0]))])
+
+
+def test_blocks_keeping_their_state_on_their_modules_equal_their_forward_and_decode_as_generate_does():
+    """RecurrentGemma, refused before (its stack reads its unsaved `normalizer`; its `linear_attention` layers carry
+    a state): cut as a decoder stack, its recurrent blocks told `use_cache=False` so that their state, which they keep
+    on their modules (`_setup_cache`), starts fresh per sequence as in the model's forward; its logits soft-capped
+    (`logits_soft_cap`). Equal to its forward; greedy decoding of left-padded prompts equals `generate` with and
+    without caches, and with the rows run one at a time through the same modules (a pipeline's micro-batches), each
+    block giving each row its own state."""
+    model = _small("recurrent_gemma")
+    assert family_of(model).name == "decoder stack"
+    _equal_to_forward(model)
+    _decodes_as_generate(model, kv_caches=(True, False))
+    _decodes_as_generate(model, wrap=_RowByRow)
 
 
 @pytest.mark.parametrize("name", ["ctrl", "moshi"])
@@ -605,14 +635,15 @@ def test_stacks_building_their_own_masks_and_carrying_router_states_equal_their_
             greedy_generate(to_sequential(model, check=False), ids, torch.ones_like(ids), max_new_tokens=2)
 
 
-@pytest.mark.parametrize("name", ["ctrl", "falcon_h1", "gemma3n_text", "zaya"])
+@pytest.mark.parametrize("name", ["ctrl", "falcon_h1", "gemma3n_text", "zaya", "recurrent_gemma"])
 def test_buffers_the_model_sets_itself_are_set_on_a_stage_that_builds_only_its_layers(name):
     """Built on the meta device and materialised layer by layer as stages do, with the model's weights loaded: the
-    buffers the model computes at its own initialisation and does not save are set again (CTRL's table, which the
-    embedding layer holds and lends its stack; Falcon-H1's `mup_vector`, which its base model sets in each mixer;
-    Gemma 3n's per-layer scales, which its base model holds and its per-layer methods read, held and lent by the
-    embedding layer), and a stack's own parameters are initialised as the model initialises them and then loaded
-    (Zaya's input scale, held by the embedding layer), so the layers equal the model's forward."""
+    buffers the model computes at its own initialisation and does not save are set again (CTRL's table and
+    RecurrentGemma's `normalizer`, which the embedding layer holds and lends its stack; Falcon-H1's `mup_vector`,
+    which its base model sets in each mixer; Gemma 3n's per-layer scales, which its base model holds and its per-layer
+    methods read, held and lent by the embedding layer), and a stack's own parameters are initialised as the model
+    initialises them and then loaded (Zaya's input scale, held by the embedding layer), so the layers equal the
+    model's forward."""
     from lightning_gpipe.engine import materialize
     from lightning_gpipe.hf.packing import decoder_input
 
