@@ -210,8 +210,10 @@ class DecoderEmbedding(HFLayer):
         self.streams, self.pass_tokens, self._altup = streams, pass_tokens, altup
         self.pass_embeddings = pass_embeddings
         self._lent: list[str] = []
+        self._per_layer_both = False  # whether get_per_layer_inputs takes the embeddings too (Gemma 4's)
         if self._per_layer_base is not None:  # the base model's own buffers its per-layer methods read (Gemma 3n's)
             base = model.get_submodule(self._per_layer_base)
+            self._per_layer_both = len(inspect.signature(cast(Any, base).get_per_layer_inputs).parameters) > 1
             self._lent = [name for name, _ in base.named_buffers(recurse=False)]
             for name in self._lent:
                 self.part(self._per_layer_base).register_buffer(name, base.get_buffer(name), persistent=False)
@@ -242,8 +244,8 @@ class DecoderEmbedding(HFLayer):
         per_layer = None
         if self._per_layer_base is not None:  # the base model's own methods, on the modules this layer holds
             base = self._per_layer_model()
-            both = len(inspect.signature(base.get_per_layer_inputs).parameters) > 1  # Gemma 4's takes the embeddings
-            per_layer = base.project_per_layer_inputs(hidden, base.get_per_layer_inputs(input_ids, *[hidden][:both]))
+            both = [hidden] if self._per_layer_both else []
+            per_layer = base.project_per_layer_inputs(hidden, base.get_per_layer_inputs(input_ids, *both))
         if self.multiplier is not None:
             hidden = hidden * self.multiplier
         if self._positions is not None:
@@ -548,6 +550,8 @@ class GPT2LikeBlock(CachedDecoderBlock):
         own = callable(getattr(base, "build_alibi_tensor", None))  # Bloom's; else its modeling module's (Falcon's)
         self._folds_alibi = "alibi" in self._arguments and not own and bool(getattr(model.config, "alibi", False))
         self._mask_keys = mask_keys(type(base))  # Zaya's: a hybrid type's two masks in one dict
+        others = (n for n in self._arguments if n.endswith("_mask") and not n.startswith(("attention", "encoder")))
+        self._other_mask = next(others, None)  # a hybrid block's second mask argument (see _extra)
         named = inspect.unwrap(type(base).forward).__code__.co_varnames  # a value its forward carries between blocks
         self._carry = next((n for n in self._arguments if n.startswith(CARRIED) and n in named), None)
         if self._folds_alibi:  # always a 4-D mask to fold the biases into, as the model's forward builds it
@@ -593,8 +597,7 @@ class GPT2LikeBlock(CachedDecoderBlock):
         if isinstance(mask, tuple) and self._mask_keys is not None:  # both in one dict, under the forward's keys
             arguments["attention_mask"] = dict(zip(self._mask_keys, mask, strict=True))
         elif isinstance(mask, tuple):  # a hybrid layer type: the recurrent mask under the block's other mask argument
-            other = (n for n in self._arguments if n.endswith("_mask") and not n.startswith(("attention", "encoder")))
-            name = next(other)  # named for the causal one (Zamba's causal_mask): that, the recurrent as attention_mask
+            name = cast(str, self._other_mask)  # Zamba's causal_mask takes the causal one, attention_mask the other
             arguments["attention_mask"], arguments[name] = mask[::-1] if name == CAUSAL_MASK else mask
         if "layer_idx" in self._arguments:
             arguments["layer_idx"] = self.layer_index
