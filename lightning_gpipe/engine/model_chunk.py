@@ -279,7 +279,7 @@ class ModelChunk:
         """
         record = self._records[index]
         if not self.is_last:
-            self.link.post_grads(record.metas)
+            self.link.post_grads(record.metas, index)
         if self.skips is not None:
             self.skips.expect_grads(record.skip_out)
 
@@ -320,8 +320,8 @@ class ModelChunk:
         if not record.through:  # else the loss's backward ran through the stage (see `loss`)
             self._backpropagate(index, record, last=self._backwards == record.micro.micro_batches)
         if not self.is_first:
-            inputs = microbatch.floats(record.input)
-            self.link.send_grads([x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs], index)
+            inputs = microbatch.floats(record.input)  # as received: their gradients go back in their layouts
+            self.link.send_grads([x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs], index, inputs)
         if self.skips is not None:
             self.skips.send_grads(record.skip_in, index)
 
@@ -448,7 +448,7 @@ class Shapes:
         Raises:
             RuntimeError: if ``predicted`` (what the step message announced) is not ``actual``, naming ``where``.
         """
-        if predicted is not None and predicted != actual:
+        if predicted is not None and _shapes(predicted) != _shapes(actual):  # a layout may change: sent as announced
             raise RuntimeError(
                 f"The output of {where} has the shapes and dtypes {_shown(actual)}, but an earlier step made"
                 f" {_shown(predicted)} of an input of the same shapes. The pipeline tells the next stage each"
@@ -471,8 +471,13 @@ def _in_graph(y: Value) -> bool:
     return bool(floats) and all(t.requires_grad for t in floats)
 
 
+def _shapes(sig: Signature) -> tuple:
+    """A signature's shapes and dtypes, without the layouts (the sender sends in the layout it announced)."""
+    return sig[0], tuple((shape, dtype) for shape, dtype, _ in sig[1])
+
+
 def _shown(sig: Signature) -> str:
-    return ", ".join(f"{tuple(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype in sig[1])
+    return ", ".join(f"{tuple(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype, _ in sig[1])
 
 
 def _scattered_key(value: Value) -> Hashable | None:

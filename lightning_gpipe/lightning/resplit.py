@@ -4,18 +4,19 @@
 optimizer steps (:class:`Resplit`: ``warmup`` steps, then ``steps`` measured ones), every stage sends its mean busy time
 per step (forwards, recomputes, backwards and deferred weight gradients; the time source :attr:`Resplit.busy` is
 replaceable) and the names of its layers to every other stage, in one collective call, so every stage decides from the
-same numbers (:func:`choose_resplit`): each layer's profiled cost is scaled by its stage's measured over predicted time
-(:func:`profiled_busy`: B and W apart where the run splits its backwards), the balance solver (under
-``balance_memory_limit``) picks the split of those costs, and the simulator predicts both steps. One line says what the
-check found (:func:`check_line`): each stage's busy time the profile predicted against the measured one, with the
-profile's error, and the split kept or re-split. Where the new split's step is at least ``gain`` (5%) shorter, the
-stages move the layers that change hands
-(:func:`move_layers`): their parameters, buffers and optimizer state go over the run's process group to their new stage,
-exactly, the stages' pipelines are rebuilt through the same door as at setup
-(:func:`~lightning_gpipe.lightning.build.build_stage`), and the optimizer (the same object, so schedulers keep working)
-gets the new parameters in their groups. A ``balance`` given as a list is never changed. Runs with several replicas,
-tensor-parallel stages, virtual stages, tied parameters across stages, ``compile`` or ``deferred_batch_norm`` keep
-their split (one line says why). The new pipeline's links are new process groups, made as at setup. See docs/balance.md.
+same numbers (:func:`choose_resplit`): each stage's measured over predicted time (:func:`stage_ratios`; the prediction
+:func:`profiled_busy`, B and W apart where the run splits its backwards) is how much slower or faster than profiled that
+stage runs, a layer costs on each stage its profiled time times that stage's ratio, the balance solver (under
+``balance_memory_limit``) picks the split of those costs (:func:`measured_split`), and the simulator predicts both
+steps. One line says what the check found (:func:`check_line`): each stage's busy time the profile predicted against
+the measured one, with the profile's error, and the split kept or re-split. Where the new split's step is at least
+``gain`` (5%) shorter, the stages move the layers that change hands (:func:`move_layers`): their parameters, buffers
+and optimizer state go over the run's process group to their new stage, exactly, the stages' pipelines are rebuilt
+through the same door as at setup (:func:`~lightning_gpipe.lightning.build.build_stage`), and the optimizer (the same
+object, so schedulers keep working) gets the new parameters in their groups. A ``balance`` given as a list is never
+changed. Runs with several replicas, tensor-parallel stages, virtual stages, tied parameters across stages,
+``compile`` or ``deferred_batch_norm`` keep their split (one line says why). The new pipeline's links are new process
+groups, made as at setup. See docs/balance.md.
 """
 
 import math
@@ -34,7 +35,15 @@ from lightning_gpipe.faults import waiting
 from lightning_gpipe.lightning._lightning import optimizers_to_device, torch_optimizer
 from lightning_gpipe.lightning.build import Process, build_stage, stage_spec
 from lightning_gpipe.lightning.step import StageRun
-from lightning_gpipe.planning import CostModel, LayerCost, balance_by, modelled_stage_costs, simulate
+from lightning_gpipe.planning import (
+    CostModel,
+    LayerCost,
+    StageCost,
+    layer_memory,
+    modelled_stage_costs,
+    simulate,
+    solve_by_stage,
+)
 
 if TYPE_CHECKING:  # the class it comes ahead of, whose attributes it uses and whose methods it overrides
     from lightning_gpipe.lightning.config import PipelineConfig
@@ -109,33 +118,61 @@ def profile_line(profiled: Sequence[float], measured: Sequence[float]) -> str:
     )
 
 
-def measured_costs(
+def stage_ratios(
     costs: Sequence[LayerCost],
     balance: Sequence[int],
     measured: Sequence[float],
     micro_batches: int,
     checkpoint: str,
     split: bool = False,
-) -> list[LayerCost]:
-    """Each layer's profiled times scaled by its stage's measured busy seconds per step over the profile's prediction
-    of them (:func:`profiled_busy`, ``split`` as there); memory as profiled. A stage predicted to take no time keeps
-    its costs."""
-    scaled, start, profiled = [], 0, profiled_busy(costs, balance, micro_batches, checkpoint, split)
-    for count, seconds, predicted in zip(balance, measured, profiled):
-        layers = costs[start : start + count]
-        start += count
-        ratio = seconds / predicted if predicted > 0 else 1.0
-        scaled += [
-            replace(
-                c,
-                forward=c.forward * ratio,
-                backward=c.backward * ratio,
-                input_grad=c.input_grad * ratio,
-                weight_grad=c.weight_grad * ratio,
-            )
-            for c in layers
-        ]
-    return scaled
+) -> list[float]:
+    """Each stage's measured busy seconds per step over the profile's prediction of them (:func:`profiled_busy`,
+    ``split`` as there): how much slower (above 1) or faster than profiled the stage runs whatever layers it holds.
+    A stage predicted to take no time gets 1."""
+    profiled = profiled_busy(costs, balance, micro_batches, checkpoint, split)
+    return [seconds / predicted if predicted > 0 else 1.0 for seconds, predicted in zip(measured, profiled)]
+
+
+def measured_stages(
+    costs: Sequence[LayerCost], balance: Sequence[int], ratios: Sequence[float], split: bool = False
+) -> list[StageCost]:
+    """The simulator's costs of the stages of ``balance``: their layers' profiled times (B and W apart on the stages
+    after the first where ``split``) scaled by each stage's ``ratios`` (:func:`stage_ratios`)."""
+    stages = modelled_stage_costs(costs, balance, _AS_PROFILED, split)
+    return [
+        replace(
+            stage,
+            forward=stage.forward * ratio,
+            backward=stage.backward * ratio,
+            recompute=(stage.forward if stage.recompute is None else stage.recompute) * ratio,
+            weight=stage.weight * ratio,
+        )
+        for stage, ratio in zip(stages, ratios)
+    ]
+
+
+def measured_split(
+    costs: Sequence[LayerCost],
+    ratios: Sequence[float],
+    micro_batches: int,
+    checkpoint: str,
+    split: bool = False,
+    memory_limit: int | None = None,
+) -> list[int]:
+    """The split whose busiest stage is least busy when each stage runs at its measured ``ratios`` (a layer costs on
+    stage ``k`` its profiled time, B and W apart after the first stage where ``split``, times ``ratios[k]``), each
+    stage within ``memory_limit`` (bytes, as :func:`~lightning_gpipe.planning.balance.balance_by` counts them)."""
+    share = recomputed_share(checkpoint, micro_batches)
+
+    def busy(halves: bool) -> list[float]:
+        layers = modelled_stage_costs(costs, [1] * len(costs), _AS_PROFILED, halves)
+        return [layer.forward * (1 + share) + layer.backward for layer in layers]
+
+    whole, halves = busy(False), busy(split)
+    rows = [[ratio * t for t in (whole if k == 0 else halves)] for k, ratio in enumerate(ratios)]
+    if memory_limit is None:
+        return solve_by_stage(rows)
+    return solve_by_stage(rows, memory=layer_memory(costs), memory_limit=memory_limit)
 
 
 def choose_resplit(
@@ -146,10 +183,15 @@ def choose_resplit(
     micro_batches: int,
     gain: float = 0.05,
 ) -> ResplitDecision:
-    """The split the measured stage times ask for: the balance solver's split of :func:`measured_costs` under
-    ``config.balance_memory_limit``, taken where the simulator predicts its step at least ``gain`` shorter than the
-    current ``balance``'s (both from the same costs, under ``config``'s schedule, checkpoint mode and B/W split: each
-    stage after the first runs its layers' B and W where the run splits its backwards and they were profiled).
+    """The split the measured stage times ask for, taken where the simulator predicts its step at least ``gain``
+    shorter than the current ``balance``'s.
+
+    The error the check corrects is the stage's: each stage's measured busy time over the profile's prediction
+    (:func:`stage_ratios`) is taken as how much slower or faster that stage runs whatever layers it holds (its
+    process's share of the machine, its B/W split, its caches), and a layer moved to another stage costs its
+    profiled time times its new stage's ratio. The candidate is :func:`measured_split` (under
+    ``config.balance_memory_limit``); both steps come from the same costs (:func:`measured_stages`) under ``config``'s
+    schedule, checkpoint mode and B/W split.
 
     Args:
         costs: the profiled cost of each backbone layer for one micro-batch.
@@ -161,15 +203,16 @@ def choose_resplit(
     """
     checkpoint, schedule, split_backward = config.checkpoint, config.schedule, config.splits_backward
     assert checkpoint is not None and schedule is not None  # PipelineConfig gave the defaults
-    scaled = measured_costs(costs, balance, measured, micro_batches, checkpoint, split_backward)
+    ratios = stage_ratios(costs, balance, measured, micro_batches, checkpoint, split_backward)
 
     def step(split: Sequence[int]) -> float:
-        stages = modelled_stage_costs(scaled, split, _AS_PROFILED, split_backward)
+        stages = measured_stages(costs, split, ratios, split_backward)
         return simulate(
             stages, micro_batches, checkpoint, schedule=schedule, defer_weight_grad=split_backward
         ).step_time
 
-    best = balance_by("time", scaled, len(balance), config.balance_memory_limit)
+    limit = config.balance_memory_limit
+    best = measured_split(costs, ratios, micro_batches, checkpoint, split_backward, limit)
     current, best_step = step(balance), step(best)
     taken = list(best) != list(balance) and best_step <= (1 - gain) * current
     profiled = profiled_busy(costs, balance, micro_batches, checkpoint, split_backward)

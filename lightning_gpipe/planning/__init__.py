@@ -11,7 +11,16 @@ B/W split, the simulator's stage costs. Its modules are its internals (:mod:`~li
 :mod:`~lightning_gpipe.planning.simulator` have API pages of their own).
 """
 
-from lightning_gpipe.planning.balance import MODES, LayerCost, balance_by, profile_layers, resolve_balance, solve
+from lightning_gpipe.planning.balance import (
+    MODES,
+    LayerCost,
+    balance_by,
+    layer_memory,
+    profile_layers,
+    resolve_balance,
+    solve,
+    solve_by_stage,
+)
 from lightning_gpipe.planning.costs import CostModel, ProfiledCosts, optimizer_state_factor
 from lightning_gpipe.planning.predict import (
     PipelinePlan,
@@ -24,7 +33,7 @@ from lightning_gpipe.planning.predict import (
 from lightning_gpipe.planning.profiling import AfterBackbone, measure_host_bandwidth, module_state_factor, profile_sizes
 from lightning_gpipe.planning.report import PlanReport
 from lightning_gpipe.planning.search import Constraints, search
-from lightning_gpipe.planning.simulator import action_costs, simulate, stage_costs
+from lightning_gpipe.planning.simulator import StageCost, action_costs, simulate, stage_costs
 from lightning_gpipe.planning.split import SplitChoice, choose_split
 from lightning_gpipe.planning.tensor import LayerSplit, layer_split, matching_modules, per_tensor_rank
 
@@ -53,14 +62,17 @@ __all__ = [
     "SplitChoice",
     "balance_by",
     "choose_split",
+    "layer_memory",
     "resolve_balance",
     "solve",
+    "solve_by_stage",
     # tensor parallelism: how the split leaves each layer, and one tensor rank's costs
     "LayerSplit",
     "layer_split",
     "matching_modules",
     "per_tensor_rank",
     # the simulator's costs of a stage's actions and its step
+    "StageCost",
     "action_costs",
     "modelled_stage_costs",
     "simulate",

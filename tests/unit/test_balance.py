@@ -276,24 +276,45 @@ def test_a_layer_at_two_positions_is_profiled_at_each():
 
 
 def test_measured_stage_times_re_split_a_bad_profiled_split_under_the_memory_limit_only_when_5_percent_faster():
-    from lightning_gpipe.lightning.resplit import Resplit, choose_resplit, measured_costs
+    """The error is the stage's: a stage measured 2.75x its profile runs any layer 2.75x slower, so the check moves
+    layers off it until its busiest stage is least busy at the measured speeds, [2, 6] (stage 0: 2 x 2.75 = 5.5
+    units, stage 1: 6 x 1), not [3, 5] (8.25)."""
+    from lightning_gpipe.lightning.resplit import Resplit, choose_resplit, measured_split, measured_stages, stage_ratios
 
     profile = [LayerCost(1e-3, 2e-3, parameter_bytes=10)] * 8  # every layer alike: balance="time" splits [4, 4]
     config, measured = PipelineConfig(balance="time", chunks=2), [11e-3, 4e-3]  # stage 0 measured 2.75x stage 1
-    scaled = measured_costs(profile, [4, 4], measured, 2, "except_last")
+    ratios = stage_ratios(profile, [4, 4], measured, 2, "except_last")
     share = 0.5  # except_last at M = 2: one of the two forwards recomputed
-    assert [2 * sum(c.forward * (1 + share) + c.backward for c in stage) for stage in (scaled[:4], scaled[4:])] == (
-        pytest.approx(measured)  # each stage's layers add up to its measured time
-    )
-    assert [c.forward / scaled[-1].forward for c in scaled[:4]] == pytest.approx([2.75] * 4)
-    assert [c.parameter_bytes for c in scaled] == [10] * 8  # memory as profiled
+    assert ratios == pytest.approx([11 / (2 * 4 * (1.5 + 2)), 4 / (2 * 4 * (1.5 + 2))])
+    stages = measured_stages(profile, [4, 4], ratios)
+    assert [2 * (s.forward * (1 + share) + s.backward) for s in stages] == pytest.approx(measured)  # as measured
+    assert [s.recompute for s in stages] == pytest.approx([s.forward for s in stages])
+    moved = measured_stages(profile, [2, 6], ratios)  # 2 layers at stage 0's speed, 6 at stage 1's
+    assert [2 * (s.forward * (1 + share) + s.backward) for s in moved] == pytest.approx([5.5e-3, 6e-3])
+    assert measured_split(profile, ratios, 2, "except_last") == [2, 6]
     decision = choose_resplit(profile, [4, 4], measured, config, 2)
-    assert decision.taken and decision.best == [3, 5] and decision.best_step < 0.95 * decision.step
-    limited = PipelineConfig(balance="time", chunks=2, balance_memory_limit=40)  # no stage may hold 5 layers
-    assert not choose_resplit(profile, [4, 4], measured, limited, 2).taken
+    assert decision.taken and decision.best == [2, 6] and decision.best_step < 0.95 * decision.step
+    limited = PipelineConfig(balance="time", chunks=2, balance_memory_limit=50)  # no stage may hold 6 layers
+    assert choose_resplit(profile, [4, 4], measured, limited, 2).best == [3, 5]
+    tighter = PipelineConfig(balance="time", chunks=2, balance_memory_limit=40)  # nor 5: [4, 4] or nothing
+    assert not choose_resplit(profile, [4, 4], measured, tighter, 2).taken
     assert not choose_resplit(profile, [4, 4], [4.2e-3, 4e-3], config, 2).taken  # under 5% faster: kept
     with pytest.raises(ValueError, match=r"Resplit\(warmup=3, steps=0, gain=0.05\): give warmup >= 0 .* steps >= 1"):
         Resplit(steps=0)
+
+
+def test_a_layer_costs_its_new_stage_s_b_and_w_when_the_check_moves_it():
+    """Under the B/W split a layer on a later stage runs B and W apart (here dearer than its whole backward): the
+    check's candidate split counts each layer as the stage it would land on runs it, at that stage's ratio."""
+    from lightning_gpipe.lightning.resplit import measured_split, measured_stages
+
+    profile = [LayerCost(1e-3, 2e-3, input_grad=2e-3, weight_grad=2e-3)] * 6  # B + W = 4 ms against a 2 ms backward
+    whole = measured_split(profile, [1.0, 1.0], 4, "never")  # without the split: alike everywhere
+    halves = measured_split(profile, [1.0, 1.0], 4, "never", split=True)  # stage 1 pays 5 ms a layer, stage 0 3 ms
+    assert whole == [3, 3] and halves == [4, 2]
+    first, second = measured_stages(profile, [4, 2], [1.0, 2.0], split=True)
+    assert (first.backward, first.weight) == pytest.approx((8e-3, 0.0))  # whole backwards on the first stage
+    assert (second.forward, second.backward, second.weight) == pytest.approx((4e-3, 16e-3, 8e-3))  # twice as slow
 
 
 def test_a_stage_is_busy_in_its_forwards_recomputes_and_backwards_not_its_loss_optimizer_or_waits():
@@ -430,11 +451,11 @@ def test_the_profile_predicts_a_stage_s_busy_time_with_b_and_w_where_the_run_spl
     assert profiled_busy(profile, [4, 4], 4, "never") == pytest.approx([48e-3, 48e-3])
     assert profiled_busy(profile, [4, 4], 4, "never", split=True) == pytest.approx([48e-3, 64e-3])
     config = PipelineConfig(balance="time", chunks=4, checkpoint="never", schedule="zb-h1")
-    decision = choose_resplit(profile, [4, 4], [48e-3, 80e-3], config, 4)
+    decision = choose_resplit(profile, [4, 4], [60e-3, 64e-3], config, 4)
     assert decision.profiled == pytest.approx([48e-3, 64e-3]) and not decision.taken
-    record = check_record(decision, [48e-3, 80e-3], config.splits_backward)
-    assert record["profile_error"] == pytest.approx([0.0, -0.2]) and record["split_backward"]
-    assert check_line(decision, [48e-3, 80e-3], 0.05).startswith(
-        "GPipeStrategy keeps balance=[4, 4]: the stages' busy times (profiled 48.0, 64.0 ms per step against 48.0, 80.0"
-        " ms measured, error +0%, -20%) predict no split 5% faster (the best split's step "
+    record = check_record(decision, [60e-3, 64e-3], config.splits_backward)
+    assert record["profile_error"] == pytest.approx([-0.2, 0.0]) and record["split_backward"]
+    assert check_line(decision, [60e-3, 64e-3], 0.05).startswith(
+        "GPipeStrategy keeps balance=[4, 4]: the stages' busy times (profiled 48.0, 64.0 ms per step against 60.0, 64.0"
+        " ms measured, error -20%, +0%) predict no split 5% faster (the best split's step "
     )

@@ -106,7 +106,10 @@ class FakeTransport:
 
     def irecv(self, tensor: torch.Tensor, src: int, group=None, tag: int = 0):
         message = self.messages[tag].pop(0)
-        work = self._work(lambda: tensor.copy_(message), tag)
+        # as gloo: contiguous buffers of one dtype, the bytes copied in memory order whatever the shapes say
+        assert tensor.is_contiguous() and message.is_contiguous() and tensor.dtype == message.dtype
+        assert tensor.numel() == message.numel()
+        work = self._work(lambda: tensor.view(-1).copy_(message.view(-1)), tag)
         if tag < CONTROL_TAG:
             self.receives.append(work)
         return work
@@ -286,6 +289,52 @@ def test_a_cpu_link_waits_as_on_gloo_without_polling(monkeypatch, predicted):
         for value, activation in zip(values, got):
             for a, b in zip(value, activation):
                 torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("predicted", [True, False])
+def test_an_activation_crosses_a_link_in_its_memory_layout_or_the_one_its_step_message_announced(
+    monkeypatch, predicted
+):
+    """A ``channels_last`` (or ``channels_last_3d``) activation arrives in that layout, a contiguous one contiguous,
+    each with its values; where the step message announced another layout than the tensor has, it arrives in the
+    announced one (the receiver allocated so before the tensor was computed), values unchanged. Its gradient comes
+    back in the layout it crossed in."""
+    monkeypatch.setattr(waiting, "polls", lambda device, group=None: False)
+    transport = FakeTransport(lambda deliver: GlooLikeWork(deliver))
+    monkeypatch.setattr(dist, "isend", transport.isend)
+    monkeypatch.setattr(dist, "irecv", transport.irecv)
+    job = Job()
+    sender, receiver = Link(None, 1, torch.device("cpu"), job=job), Link(0, None, torch.device("cpu"), job=job)
+    images = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    volumes = torch.randn(2, 3, 4, 5, 6).to(memory_format=torch.channels_last_3d)
+    value = (images, volumes, torch.randn(2, 3, 4, 5))
+    announced = (images.contiguous(), volumes, images)  # the first contiguous, the third channels_last
+    values = [value, value]
+    sender.send_step(2, [signature(value), signature(announced)] if predicted else [None, None])
+    for index, sent in enumerate(values):
+        sender.send_activation(sent, index)
+    sender.flush()
+    count, _ = receiver.receive_step()
+    got = [receiver.recv_activation() for _ in range(count)]
+    formats = (torch.channels_last, torch.channels_last_3d, torch.contiguous_format)
+    expected = [
+        formats,
+        (torch.contiguous_format, torch.channels_last_3d, torch.channels_last) if predicted else formats,
+    ]
+    for activation, layouts in zip(got, expected):
+        for sent, arrived, memory_format in zip(value, activation, layouts):
+            torch.testing.assert_close(arrived, sent, rtol=0, atol=0)
+            assert arrived.is_contiguous(memory_format=memory_format)
+    # the gradients go back in the layouts the activations came in, whatever layout autograd gave them
+    for index, activation in enumerate(got):
+        grads = [
+            torch.full_like(t, float(i + 1), memory_format=torch.contiguous_format) for i, t in enumerate(activation)
+        ]
+        receiver.send_grads(grads, index, activation)
+        sender.post_grads([(t.shape, t.dtype) for t in activation], index)
+        for grad, back, memory_format in zip(grads, sender.recv_grads(index), expected[index]):
+            torch.testing.assert_close(back, grad, rtol=0, atol=0)
+            assert back.is_contiguous(memory_format=memory_format)
 
 
 def test_a_polled_collective_reads_the_received_size_only_once_it_has_arrived(monkeypatch):

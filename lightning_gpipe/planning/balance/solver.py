@@ -35,15 +35,44 @@ def solve(
             ``memory`` and ``memory_limit`` is given or their lengths differ, or no split keeps every stage
             within ``memory_limit`` (the message gives the smallest limit that fits).
     """
-    layers = len(costs)
     _check(costs, num_stages, memory, memory_limit)
+    return solve_by_stage([costs] * num_stages, memory, memory_limit)
+
+
+def solve_by_stage(
+    costs: Sequence[Sequence[float]],
+    memory: Sequence[float] | None = None,
+    memory_limit: float | None = None,
+) -> list[int]:
+    """:func:`solve` where a layer costs what the stage it lands on makes it cost: ``costs[k][i]`` is layer ``i``'s
+    cost were it on stage ``k`` (a stage that runs its backwards as B and W apart, or one measured slower than
+    profiled). Minimises the costliest stage, each stage's cost the sum of its layers' costs there.
+
+    Args:
+        costs: one row of non-negative layer costs per stage, all of one length; ``len(costs)`` is K.
+        memory: non-negative memory of each layer in order (bytes), used with ``memory_limit``.
+        memory_limit: the most memory one stage may hold (the sum of its layers' ``memory``); ``None`` (default)
+            for no limit.
+
+    Returns:
+        ``balance``, as :func:`solve`'s.
+
+    Raises:
+        ValueError: as :func:`solve` (no row is no stage), and for rows of different lengths.
+    """
+    num_stages, layers = len(costs), len(costs[0]) if costs else 0
+    if any(len(row) != layers for row in costs):
+        raise ValueError(f"Give every stage one cost per layer; got rows of {sorted({len(row) for row in costs})}.")
+    for row in costs or [[]]:  # no row: no stage, which _check refuses
+        _check(row, num_stages, memory, memory_limit)
     fits = _fits(memory, memory_limit)
-    prefix = [0.0, *accumulate(costs)]
+    prefixes = [[0.0, *accumulate(row)] for row in costs]
     # best[k][i]: lowest possible costliest stage when the first i layers form k stages
     best = [[float("inf")] * (layers + 1) for _ in range(num_stages + 1)]
     cut = [[0] * (layers + 1) for _ in range(num_stages + 1)]
     best[0][0] = 0.0
     for k in range(1, num_stages + 1):
+        prefix = prefixes[k - 1]
         for i in range(k, layers - (num_stages - k) + 1):
             for j in range(k - 1, i):
                 candidate = max(best[k - 1][j], prefix[i] - prefix[j])
