@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-tokens", type=int, default=4096, help="translation: padded tokens per side of its batch (default 4096)"
     )
     parser.add_argument("--strategy", choices=("plain", "gpipe"), default="gpipe", help="lightning only")
-    parser.add_argument("--devices", type=int, default=2, help="K, pipeline stages")
+    parser.add_argument("--devices", type=int, default=2, help="processes: K, pipeline stages (K x D with --mesh)")
     parser.add_argument("--chunks", type=int, default=8, help="M, micro-batches")
     parser.add_argument("--checkpoint", choices=("never", "except_last", "always"), default="never")
     parser.add_argument(
@@ -105,6 +105,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--offload", action="store_true", help='lightning gpipe only: GPipeStrategy(offload="activations")'
+    )
+    parser.add_argument(
+        "--mesh",
+        type=int,
+        nargs=2,
+        metavar=("K", "D"),
+        help="lightning gpipe only: GPipeStrategy(pipeline_parallel_size=K, data_parallel_size=D), K x D = --devices"
+        " (default: the strategy's own, one pipeline of --devices stages)",
+    )
+    parser.add_argument(
+        "--sharding-strategy",
+        choices=("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"),
+        help="lightning gpipe only: GPipeStrategy(sharding_strategy=...), for a mesh of D > 1 (default: its own)",
     )
     parser.add_argument(
         "--local-layers",
@@ -151,6 +164,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         " (LiveBytes; it slows the run)",
     )
     args = parser.parse_args(argv)
+    if args.mesh is not None and args.mesh[0] * args.mesh[1] != args.devices:
+        parser.error(f"--mesh {args.mesh[0]} {args.mesh[1]} needs K x D = --devices {args.devices}")
     if args.depth is None:
         args.depth = 3 if args.model == "translation" else 8
     return args
@@ -257,7 +272,10 @@ class LiveBytes(TorchDispatchMode):
         return out
 
     def _count(self, storage: torch.UntypedStorage) -> None:
-        key, size = storage.data_ptr(), storage.nbytes()
+        try:
+            key, size = storage.data_ptr(), storage.nbytes()
+        except RuntimeError:  # no data of its own (FSDP2's sharded parameters': "invalid python storage")
+            return
         if not key or key in self.counted:
             return
         self.counted.add(key)
@@ -375,6 +393,9 @@ def run_lightning(args: argparse.Namespace) -> None:
         else:
             options.update(balance=args.balance)
         options.update({"offload": "activations"} if args.offload else {})
+        if args.mesh is not None:
+            options.update(pipeline_parallel_size=args.mesh[0], data_parallel_size=args.mesh[1])
+        options.update({"sharding_strategy": args.sharding_strategy} if args.sharding_strategy else {})
         strategy = GPipeStrategy(defer_weight_grad=args.defer_weight_grad, **options)
         trainer = pl.Trainer(strategy=strategy, devices=args.devices, **trainer_kwargs)
     loader = models.repeat_loader(batch, args.warmup + args.steps, fresh=args.plan_limit_mib is not None)

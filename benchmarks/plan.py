@@ -26,6 +26,18 @@ Usage::
 The planner considers every schedule (those that split their backwards too: it profiles B and W), so ``auto`` may run
 one of the grid's zero-bubble or V schedules; a V schedule (``v-min``, ``v-half``, ``v-zb``, ``zb-v``) is a grid
 plan with its two model chunks per stage whatever ``--virtual-stages`` says.
+
+**The mesh, the sharding and offload** (issue 59): ``--meshes 2x1 1x2`` puts each pipeline x data-parallel size (K x D,
+K x D = ``--devices``) in the grid, each D > 1 mesh with every ``--sharding`` (FSDP2's ``SHARD_GRAD_OP`` or
+``FULL_SHARD``, or the state whole: ``NO_SHARD``), and ``--offload none activations`` each plan that re-materializes
+nothing with and without ``offload="activations"`` (on a CPU the mechanism runs and moves nothing: its bookkeeping's
+cost). The strategy plans within the mesh it was launched with, so with several meshes ``auto`` is launched on the
+mesh ``lightning_gpipe.plan`` chooses for the same model, batch and limit over every mesh of ``--devices`` processes
+(profiled in this process, one thread, as a user plans before launching), then plans the rest itself. A mesh of D
+replicas trains D batches per step, so plans are compared by their seconds per trained batch (the step over D)::
+
+    python benchmarks/plan.py --chunks 8 16 --checkpoint never except_last --schedule gpipe 1f1b \
+        --meshes 2x1 1x2 --sharding NO_SHARD SHARD_GRAD_OP --offload none activations --repeats 1
 """
 
 import argparse
@@ -42,7 +54,7 @@ import _harness as harness
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's lightning_gpipe
 
-from lightning_gpipe.engine.schedule import SCHEDULES, V_SHAPED
+from lightning_gpipe.engine.schedule import DEFERRED_BY_DEFAULT, SCHEDULES, V_SHAPED
 from lightning_gpipe.planning import CostModel, PipelinePlan, ProfiledCosts, predict
 from lightning_gpipe.planning.balance import LayerCost
 
@@ -65,6 +77,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", nargs="+", choices=modes, default=list(modes))
     parser.add_argument("--schedule", nargs="+", choices=tuple(SCHEDULES), default=["gpipe", "1f1b"])
     parser.add_argument("--virtual-stages", type=int, nargs="+", default=[1], help="model chunks per stage (default 1)")
+    parser.add_argument(
+        "--meshes",
+        nargs="+",
+        help="pipeline x data-parallel sizes of the grid, each KxD with K x D = --devices (default: one pipeline of"
+        " --devices stages); with several, auto runs on the mesh lightning_gpipe.plan chooses",
+    )
+    shardings = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
+    parser.add_argument(
+        "--sharding", nargs="+", choices=shardings, default=["NO_SHARD"], help="a D > 1 mesh's (default NO_SHARD)"
+    )
+    parser.add_argument(
+        "--offload",
+        nargs="+",
+        choices=("none", "activations"),
+        default=["none"],
+        help="each plan that re-materializes nothing without (none) and with offload='activations' (default none)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a run counts as failed")
     parser.add_argument(
         "--save", type=Path, help="write every run (its profile, plan, prediction and measurements) to this JSON file"
@@ -76,28 +105,76 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     positive = ("devices", "batch_size", "width", "depth", "chunks", "virtual_stages", "repeats", "steps")
     harness.check_positive(parser, args, positive)
+    args.meshes = [_mesh(parser, text, args.devices) for text in args.meshes or [f"{args.devices}x1"]]
     return args
 
 
+def _mesh(parser: argparse.ArgumentParser, text: str, devices: int) -> tuple[int, int]:
+    """``KxD`` as ``(K, D)``, refused unless K x D is the number of processes."""
+    try:
+        k, d = (int(n) for n in text.lower().split("x"))
+    except ValueError:
+        parser.error(f"--meshes takes KxD (e.g. 2x1), got {text!r}")
+    if k < 1 or d < 1 or k * d != devices:
+        parser.error(f"--meshes {text}: K x D must be --devices ({devices})")
+    return k, d
+
+
 def configs(args: argparse.Namespace) -> list[harness.Config]:
-    """``auto``, then one configuration per ``(chunks, checkpoint, schedule, virtual_stages)`` of the grid."""
+    """``auto``, then one configuration per ``(mesh, chunks, checkpoint, schedule, virtual_stages, sharding,
+    offload)`` of the grid (a schedule that needs two stages or more only where K is; sharding only where D > 1;
+    offload only where nothing is re-materialized)."""
     common = ["lightning", "--model", args.model, "--momentum", str(args.momentum), "--plan-limit-mib"]
     common += [str(args.limit_mib), *harness.mlp_run_args(args)]
-    found = [harness.Config("auto", common, describe="plan='auto'")]
-    points = product(args.chunks, args.checkpoint, args.schedule, args.virtual_stages)
-    for m, mode, schedule, v in dict.fromkeys((m, c, s, 2 if s in V_SHAPED else v) for m, c, s, v in points):
-        if m == 1 and mode == "except_last":
-            continue  # the same plan as "never"
+    several, named = len(args.meshes) > 1, args.meshes != [(args.devices, 1)]  # named: not the default mesh alone
+    mesh = planned_mesh(args) if several else args.meshes[0]
+    found = [harness.Config("auto", [*common, *(["--mesh", *map(str, mesh)] if named else [])], describe="plan='auto'")]
+    points = product(
+        args.meshes, args.chunks, args.checkpoint, args.schedule, args.virtual_stages, args.sharding, args.offload
+    )
+    for (k, d), m, mode, schedule, v, sharding, offload in dict.fromkeys(
+        (mesh, m, c, s, 2 if s in V_SHAPED else v, sh if mesh[1] > 1 else "NO_SHARD", o if c == "never" else "none")
+        for mesh, m, c, s, v, sh, o in points
+    ):
+        if m == 1 and mode == "except_last" or k == 1 and (schedule in V_SHAPED or DEFERRED_BY_DEFAULT[schedule]):
+            continue  # the same plan as "never"; a schedule of two stages or more
         fixed = ["--chunks", str(m), "--checkpoint", mode, "--schedule", schedule, "--virtual-stages", str(v)]
         fixed += ["--plan-fix", "chunks", "checkpoint", "schedule", "virtual_stages"]
-        found.append(harness.Config(f"M{m}/{mode}/{schedule}" + (f"/v{v}" if v > 1 else ""), [*common, *fixed]))
+        fixed += ["--mesh", str(k), str(d)] if named else []
+        fixed += ["--sharding-strategy", sharding] if d > 1 else []
+        fixed += ["--offload"] if offload == "activations" else []
+        name = f"M{m}/{mode}/{schedule}" + (f"/v{v}" if v > 1 else "") + (f"/{k}x{d}" if several else "")
+        name += (f"/{sharding}" if d > 1 else "") + ("/offload" if offload == "activations" else "")
+        found.append(harness.Config(name, [*common, *fixed]))
     return found
+
+
+def planned_mesh(args: argparse.Namespace) -> tuple[int, int]:
+    """The mesh (K, D) ``lightning_gpipe.plan`` chooses for the run's model, batch and ``--limit-mib`` over every mesh
+    of ``--devices`` processes, profiled here with one thread (as each run's process has), printed."""
+    import models
+    import torch
+
+    from lightning_gpipe import plan
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    if args.model == "amoebanet":
+        module, batch = models.amoebanet_classifier(6), models.image_batch(args.batch_size)
+    else:
+        module = models.MLPClassifier(args.width, args.depth, momentum=args.momentum)
+        batch = models.mlp_batch(args.batch_size, args.width)
+    chosen = plan(module, args.devices, int(args.limit_mib * MIB), example_batch=batch).chosen.plan
+    mesh = chosen.pipeline_parallel_size, chosen.data_parallel_size
+    print(f"lightning_gpipe.plan chose the mesh {mesh[0]}x{mesh[1]} for auto ({_options(chosen.options())})")
+    return mesh
 
 
 def measure(args: argparse.Namespace, config: harness.Config, memory: bool = False) -> dict:
     """One run under the cap: rank 0's median step, each process's measured peak (MiB), the plan and its
-    prediction; or why it did not train. ``memory``: the run that measures the peak (every large allocation mapped
-    on its own, see the module docstring); else glibc's allocator as a user has it, for the time."""
+    prediction (each process's: rank r holds stage r mod K); or why it did not train. ``memory``: the run that
+    measures the peak (every large allocation mapped on its own, see the module docstring); else glibc's allocator as
+    a user has it, for the time."""
     cap = int((args.limit_mib + args.reserve_mib) * MIB)
     run = dataclasses.replace(config, args=[*config.args, *(["--count-live"] if memory else ["--default-allocator"])])
     outcome = harness.run(run, memory_cap=cap, timeout=args.timeout)
@@ -112,7 +189,7 @@ def measure(args: argparse.Namespace, config: harness.Config, memory: bool = Fal
         "measured_mib": [r["model_peak_mib"] for r in outcome.records],
         "live_mib": [r.get("live_peak_mib") for r in outcome.records],
         "predicted_s": plan["step_time"],
-        "predicted_mib": [b / MIB for b in plan["peak_bytes"]],
+        "predicted_mib": [plan["peak_bytes"][r % len(plan["peak_bytes"])] / MIB for r in range(args.devices)],
         "plan": plan,
         "runq": max(r["runq_wait"] for r in outcome.records),
         "memory_run": memory,
@@ -182,14 +259,17 @@ def _options(plan: dict) -> str:
     """A plan's options in a few words: M, re-materialization, schedule, model chunks, sharding and offload where
     set."""
     extras = [plan[key] for key in ("sharding_strategy", "offload") if plan.get(key)]
-    words = [f"M={plan['chunks']}", plan["checkpoint"], plan["schedule"], f"v={plan.get('virtual_stages', 1)}", *extras]
+    mesh = f"{plan.get('pipeline_parallel_size', '?')}x{plan.get('data_parallel_size', 1)}"
+    words = [mesh, f"M={plan['chunks']}", plan["checkpoint"], plan["schedule"], f"v={plan.get('virtual_stages', 1)}"]
+    words += extras
     return " ".join(words)
 
 
 def summarise(args: argparse.Namespace, runs: dict[str, list[dict]], peaks: dict[str, dict]) -> None:
-    """The table (medians over the time runs; the memory run's peaks) and the issue's figures."""
+    """The table (medians over the time runs of the seconds per trained batch, the step over D; the memory run's
+    peaks) and the issue's figures."""
     print()
-    header = f"{'plan':<24}{'measured s':>11}{'predicted':>10}{'ratio':>7}"
+    header = f"{'plan':<24}{'s/batch':>11}{'predicted':>10}{'ratio':>7}"
     print(f"{header}  peak MiB per stage: tensors | resident / predicted")
     rows = {}
     for name, results in runs.items():
@@ -197,8 +277,8 @@ def summarise(args: argparse.Namespace, runs: dict[str, list[dict]], peaks: dict
         if not good:
             print(f"{name:<24}  {results[0]['failed']}")
             continue
-        median = statistics.median(r["median_s"] for r in good)
-        step = statistics.median(r["predicted_s"] for r in good)
+        median = statistics.median(r["median_s"] / _replicas(r) for r in good)
+        step = statistics.median(r["predicted_s"] / _replicas(r) for r in good)
         memory = peaks.get(name, {"failed": "no memory run"})
         if "failed" in memory:
             print(f"{name:<24}{median:>11.3f}{step:>10.3f}{step / median:>7.2f}  memory run: {memory['failed']}")
@@ -212,6 +292,11 @@ def summarise(args: argparse.Namespace, runs: dict[str, list[dict]], peaks: dict
         print(f"{name:<24}{median:>11.3f}{step:>10.3f}{step / median:>7.2f}  {pairs}")
     figures(args, rows, runs["auto"])
     refit(runs)
+
+
+def _replicas(result: dict) -> int:
+    """D of a run's plan: the batches it trains per step."""
+    return result["plan"].get("data_parallel_size", 1)
 
 
 def figures(args: argparse.Namespace, rows: dict, auto_runs: list[dict]) -> None:
