@@ -448,7 +448,8 @@ class Shapes:
         Raises:
             RuntimeError: if ``predicted`` (what the step message announced) is not ``actual``, naming ``where``.
         """
-        if predicted is not None and _shapes(predicted) != _shapes(actual):  # a layout may change: sent as announced
+        # a layout may change (sent as announced): only the shapes and dtypes must follow
+        if predicted is not None and predicted != actual and _shapes(predicted) != _shapes(actual):
             raise RuntimeError(
                 f"The output of {where} has the shapes and dtypes {_shown(actual)}, but an earlier step made"
                 f" {_shown(predicted)} of an input of the same shapes. The pipeline tells the next stage each"

@@ -382,9 +382,9 @@ class Link:
                 self._turns[1].activations.append(microbatch.leaves(value, False, self.device))
                 return
             tensors = [tensor.detach() for tensor in microbatch.tensors(value)]
-            codes = [layout(tensor) for tensor in tensors]
             if not self.stepped or index >= len(self._headed) or self._headed[index]:
                 self._post_control(self._header(value), self._next)
+                codes = [layout(tensor) for tensor in tensors]
             else:  # in the layouts the step message announced, in which the receiver has allocated
                 codes = [code for _, _, code in cast(Signature, self._announced[index])[1]]
             wires = [_wire(tensor, code) for tensor, code in zip(tensors, codes)]
@@ -472,7 +472,8 @@ class Link:
         """
         if self._turns[1] is not None:  # the gradients are taken from the turn as they are
             return
-        codes = self._sent_codes.get(index, [0] * len(metas)) if index is not None else [0] * len(metas)
+        zeros = [0] * len(metas)
+        codes = zeros if index is None else self._sent_codes.get(index, zeros)
         with self._device.receiving():
             buffers = [self._device.empty(shape, dtype, code) for (shape, dtype), code in zip(metas, codes)]
         wires = [_wire(buffer, code) for buffer, code in zip(buffers, codes)]

@@ -168,7 +168,8 @@ def measured_split(
         layers = modelled_stage_costs(costs, [1] * len(costs), _AS_PROFILED, halves)
         return [layer.forward * (1 + share) + layer.backward for layer in layers]
 
-    whole, halves = busy(False), busy(split)
+    whole = busy(False)
+    halves = busy(True) if split else whole
     rows = [[ratio * t for t in (whole if k == 0 else halves)] for k, ratio in enumerate(ratios)]
     if memory_limit is None:
         return solve_by_stage(rows)
