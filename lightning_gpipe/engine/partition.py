@@ -231,9 +231,11 @@ class Split:
         """Put the original backbone and modules back in place.
 
         Args:
-            full_state: the whole model's state dict (the union of all stages'); when given, the
-                other stages' layers are materialised on the CPU and loaded from it, so the module is
-                whole again. Without it they stay on the meta device.
+            full_state: the whole model's state dict and its buffers that no state dict holds (the union of all
+                stages', by name); when given, each tensor of the other stages' layers becomes the one it names
+                there, and the module is loaded from it (strictly: a state-dict entry it lacks raises), so the module
+                is whole again. A tensor it does not name stays on the meta device, where using it raises. Without
+                it the other stages' tensors stay on the meta device.
         """
         setattr(self.module, self.backbone, self.sequential)
         for name, child in self.freed.items():
@@ -241,10 +243,9 @@ class Split:
         for reference in self.replaced:
             setattr(reference.parent, reference.name, reference.target)
         if full_state is not None:
-            for child in [*self.sequential, *self.freed.values()]:
-                if any(t.is_meta for t in [*child.parameters(), *child.buffers()]):
-                    child.to_empty(device=torch.device("cpu"))
-            self.module.load_state_dict(full_state)
+            _fill_meta(self.module, full_state)
+            saved = self.module.state_dict(keep_vars=True)
+            self.module.load_state_dict({key: value for key, value in full_state.items() if key in saved})
         # one parameter under several names again: this stage's copy, if it held one
         _retie(self.module, self._aliases, lambda copies: next((c for c in copies if not c.is_meta), copies[0]))
 
@@ -321,6 +322,21 @@ def materialize(module: nn.Module, device: torch.device) -> None:
         if reset is not None:
             with torch.no_grad():
                 reset()
+
+
+def _fill_meta(module: nn.Module, values: dict[str, Tensor]) -> None:
+    """Make each meta-device parameter and buffer of ``module`` that ``values`` names (by its name in ``module``)
+    that value, in the meta tensor's dtype (a parameter keeps its ``requires_grad``); the others stay on the meta
+    device."""
+    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    for name, tensor in tensors:
+        if not tensor.is_meta or name not in values:
+            continue
+        value = values[name].to(dtype=tensor.dtype)
+        owner, _, attr = name.rpartition(".")
+        if isinstance(tensor, nn.Parameter):
+            value = nn.Parameter(value, requires_grad=tensor.requires_grad)
+        setattr(module.get_submodule(owner), attr, value)
 
 
 def _own_tensors(module: nn.Module) -> list[Tensor]:

@@ -6,7 +6,8 @@ gets every stage's back when the module was whole, and every other tensor of a p
 with, the placeholder memory Lightning's teardown needs (``to_empty``), or the meta device. A later run with another
 split (another ``balance`` or number of stages, a V schedule's head on stage 0, the re-split of ``balance="time"``)
 hands a process tensors its stage did not hold before; computing with their stale values would be a silent wrong
-result. So :func:`mark_current` records, at the end of a run, which state-dict entries are current on this process;
+result. So :func:`mark_current` records, at the end of a run, which values (state-dict entries and the buffers no
+state dict holds, :func:`module_values`) are current on this process;
 at the start of the next, :func:`kept_values` keeps the current tensors before the split frees what the stage does not
 hold, and :func:`bring_current`, after it, sends each entry a stage holds but whose value is stale there from a process
 that kept it (a module never split has no record: everything is current, nothing is kept or sent).
@@ -24,21 +25,31 @@ if TYPE_CHECKING:
     from lightning_gpipe.faults import Job
 
 _RECORD = "_gpipe_current_values"
-"""Where a module keeps its record: the names of its current state-dict entries, or :data:`ALL` (absent: the module
-was never split, and every process holds the same values)."""
+"""Where a module keeps its record: the names of its current values (:func:`module_values`), or :data:`ALL` (absent:
+the module was never split, and every process holds the same values)."""
 
 ALL = "all"
 """The record of a process on which every entry of the module is current (global rank 0 after a whole module's run)."""
 
 
 def mark_current(module: nn.Module, names: set[str] | None) -> None:
-    """Record that ``module``'s state-dict entries ``names`` are current on this process (``None``: all of them)."""
+    """Record that ``module``'s values (:func:`module_values`) ``names`` are current on this process (``None``: all of
+    them)."""
     module.__dict__[_RECORD] = ALL if names is None else frozenset(names)
 
 
+def module_values(module: nn.Module) -> dict[str, Tensor]:
+    """``module``'s tensors whose values a run carries, by name: its state-dict entries (``keep_vars``) and the
+    buffers no state dict holds (``persistent=False``: a rotary embedding's frequencies, a causal mask), which a
+    stage computes with all the same."""
+    values = module.state_dict(keep_vars=True)
+    values.update((name, buffer) for name, buffer in module.named_buffers() if name not in values)
+    return values
+
+
 def held_names(module: nn.Module) -> set[str]:
-    """The names of ``module``'s state-dict entries that this process holds (not on the meta device)."""
-    return {name for name, value in module.state_dict(keep_vars=True).items() if not value.is_meta}
+    """The names of ``module``'s values (:func:`module_values`) that this process holds (not on the meta device)."""
+    return {name for name, value in module_values(module).items() if not value.is_meta}
 
 
 def kept_values(module: nn.Module) -> dict[str, Tensor]:
@@ -47,7 +58,7 @@ def kept_values(module: nn.Module) -> dict[str, Tensor]:
     record = module.__dict__.get(_RECORD)
     if record is None:
         return {}
-    state = module.state_dict(keep_vars=True)
+    state = module_values(module)
     current = state.keys() if record == ALL else record
     return {name: value.detach() for name, value in state.items() if name in current and not value.is_meta}
 
@@ -96,7 +107,7 @@ def _sources(every: list[tuple[list[str], list[str]]]) -> dict[str, tuple[int, s
 
 
 def _load(module: nn.Module, values: dict[str, Any]) -> None:
-    state = module.state_dict(keep_vars=True)
+    state = module_values(module)
     with torch.no_grad():
         for name, value in values.items():
             state[name].copy_(value)

@@ -72,7 +72,7 @@ from lightning_gpipe.lightning import state_dict
 from lightning_gpipe.lightning._lightning import backward_skipped, closure_result, logged_results
 from lightning_gpipe.lightning.agreement import RunAgreement
 from lightning_gpipe.lightning.contract import BackboneCall, StageRandomness
-from lightning_gpipe.lightning.current_values import bring_current, held_names, mark_current
+from lightning_gpipe.lightning.current_values import bring_current, held_names, mark_current, module_values
 from lightning_gpipe.lightning.data_parallel import FullyShardedStage, GradientSync
 from lightning_gpipe.lightning.relay import LogRelay, StepRelay, share_step_output
 from lightning_gpipe.lightning.tensor_parallel import TensorSplit
@@ -244,10 +244,13 @@ class StageRun:
             self.tensor_split = None
 
     def whole_state(self, module: "pl.LightningModule", pipeline: int, group: Any) -> dict | None:
-        """Every stage's part of ``module``'s state on the process of pipeline ``pipeline`` (the replica without
-        tensor parallelism) that gets the whole model back (see :func:`~lightning_gpipe.lightning.state_dict.
-        whole_on_rank_zero`; ``None`` elsewhere): a collective call over the pipeline's ``group``."""
-        return state_dict.whole_on_rank_zero(module.state_dict(), pipeline, group, self.job)
+        """Every stage's part of ``module``'s values, its state dict and the buffers no state dict holds
+        (:func:`~lightning_gpipe.lightning.current_values.module_values`), on the process of pipeline ``pipeline``
+        (the replica without tensor parallelism) that gets the whole model back (see
+        :func:`~lightning_gpipe.lightning.state_dict.whole_on_rank_zero`; ``None`` elsewhere): a collective call over
+        the pipeline's ``group``."""
+        values = {name: value.detach() for name, value in module_values(module).items() if not value.is_meta}
+        return state_dict.whole_on_rank_zero(values, pipeline, group, self.job)
 
     def close(self, module: "pl.LightningModule", whole: dict[str, Any] | None, release_groups: bool) -> None:
         """Undo the split (see :meth:`~lightning_gpipe.engine.StagePipeline.close`; ``whole``: every stage's state, on

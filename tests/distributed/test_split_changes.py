@@ -22,6 +22,15 @@ def test_a_run_with_another_split_predicts_with_the_trained_values(out):
         torch.testing.assert_close(got["predicted"][balance], got["own"], atol=0, rtol=0)
 
 
+def test_the_whole_module_after_fit_has_every_stages_buffers_that_no_state_dict_holds(out):
+    """A buffer registered with ``persistent=False`` in a layer stage 1 held comes back to global rank 0 with its value
+    (before the fix: uninitialised memory, ``to_empty``'s, e.g. 8.8e-29), and a stage that holds it in a later run
+    computes with it (before: with its reset value, 1.0)."""
+    got = torch.load(out / "whole.pt")
+    expected = [torch.full((8,), 0.5 + 0.25 * index) for index in range(4)]
+    torch.testing.assert_close(got["scales"], expected, atol=0, rtol=0)
+
+
 def test_a_module_created_on_the_meta_device_keeps_its_trained_values_across_splits(out):
     """No process holds the whole module after fit; the layers a stage newly holds come from the stage that trained
     them: the prediction split [1, 3] equals the one split as in training."""
