@@ -32,10 +32,11 @@ that failed stops the others even when it cannot exit) and asks the stall watchd
 NCCL's own watchdog and timeouts.
 
 The package's collectives (:func:`barrier`, :func:`all_reduce`, :func:`broadcast`, :func:`broadcast_object`,
-:func:`gather_object`, :func:`all_gather_object`) are posted with ``async_op=True`` and waited for the same way, so
-a stage waiting in a collective handles signals and names a failed or stalled stage (torch's
-``broadcast_object_list`` and ``gather_object`` block in C++ instead). Objects travel as pickled bytes in a uint8
-tensor after their sizes, as in torch's object collectives; a received size is read on the host only after that
+:func:`gather_object`, :func:`all_gather_object`, :func:`gather_tensors`) are posted with ``async_op=True`` (or as
+point-to-point works) and waited for the same way, so a stage waiting in a collective handles signals and names a
+failed or stalled stage (torch's ``broadcast_object_list`` and ``gather_object`` block in C++ instead). Objects travel
+as pickled bytes in a uint8 tensor after their sizes, as in torch's object collectives (tensors gathered whole, as
+their own bytes); a received size is read on the host only after that
 wait, so that on CUDA the read cannot block on another stage. Not covered: the collectives inside
 ``torch.distributed.checkpoint`` (sharded checkpoints), Lightning's own (its per-step SIGTERM broadcast) and those of
 DDP or FSDP between replicas; they block until the process group's ``timeout``.
@@ -423,18 +424,71 @@ def gather_object(job: WaitingJob, obj: Any, dst: int = 0, group: dist.ProcessGr
     return None if parts is None else _objects(parts, sizes)
 
 
-def all_gather_object(job: WaitingJob, obj: Any) -> list[Any]:
-    """The picklable objects of every process, in rank order, on every process.
+def all_gather_object(job: WaitingJob, obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """The picklable objects of every process of ``group`` (``None``: all), in rank order, on every one of them.
 
     Args are those of the torch.distributed collective, after ``job``: the run's job.
 
     Raises:
         PipelineFailure: if another process failed or stalled meanwhile.
     """
-    padded, sizes = _padded(job, obj)
+    padded, sizes = _padded(job, obj, group)
     parts = [torch.empty_like(padded) for _ in sizes]
-    _wait_collective(job, dist.all_gather(parts, padded, async_op=True), padded.device, None)
+    _wait_collective(job, dist.all_gather(parts, padded, group=group, async_op=True), padded.device, group)
     return _objects(parts, sizes)
+
+
+def gather_tensors(
+    job: WaitingJob, tensors: list[Tensor], dst: int = 0, group: dist.ProcessGroup | None = None
+) -> list[list[Tensor]] | None:
+    """Every process's ``tensors`` of ``group`` (``None``: all), in rank order, on global rank ``dst``, on the CPU;
+    ``None`` elsewhere.
+
+    Unlike :func:`gather_object`, nothing is pickled or padded: each tensor crosses as its own bytes, one
+    point-to-point transfer each (on the device the backend sends from), and ``dst`` receives one tensor at a time
+    into the memory it returns. So gathering a whole model on one process costs that process the model and no copy
+    of it, and the senders nothing (beyond a contiguous copy of a tensor that is not, and over NCCL a device copy of
+    a CPU one).
+
+    Args are those of :func:`gather_object`; ``tensors``: dense tensors of any shape, dtype and device (not
+    quantized, not sparse).
+
+    Raises:
+        PipelineFailure: if another process failed or stalled meanwhile.
+    """
+    device = _device()
+    specs = gather_object(job, [(tensor.shape, tensor.dtype) for tensor in tensors], dst, group)
+    if specs is None:
+        sends = [_as_bytes(tensor, device) for tensor in tensors]
+        posted = [dist.isend(data, dst, group=group, tag=tag) for tag, data in enumerate(sends) if data.numel()]
+        _wait_works(job, [work for work in posted if work is not None], device, group, job.watchdog.name_of(dst))
+        return None
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+    return [
+        [tensor.detach().cpu() for tensor in tensors] if rank == dst else _received(job, rank, shapes, device, group)
+        for rank, shapes in zip(ranks, specs)
+    ]
+
+
+def _received(
+    job: WaitingJob, src: int, specs: list[tuple[torch.Size, torch.dtype]], device: torch.device, group: Any
+) -> list[Tensor]:
+    """The tensors of shapes and dtypes ``specs`` that global rank ``src`` sends (:func:`gather_tensors`), on the
+    CPU."""
+    received = []
+    for tag, (shape, dtype) in enumerate(specs):
+        data = torch.empty(shape.numel() * dtype.itemsize, dtype=torch.uint8, device=device)
+        if data.numel():
+            work = dist.irecv(data, src, group=group, tag=tag)
+            assert work is not None  # this process is in ``group``
+            _wait_works(job, [work], device, group, job.watchdog.name_of(src))
+        received.append(data.cpu().view(dtype).reshape(shape))
+    return received
+
+
+def _as_bytes(tensor: Tensor, device: torch.device) -> Tensor:
+    """``tensor``'s elements in order, as bytes on ``device``."""
+    return tensor.detach().contiguous().view(-1).view(torch.uint8).to(device)
 
 
 def _padded(job: WaitingJob, obj: Any, group: dist.ProcessGroup | None = None) -> tuple[Tensor, list[int]]:
@@ -457,10 +511,17 @@ def _wait_collective(
     :func:`polls` chooses (:func:`wait` on gloo);
     ``peer`` names
     whom it waits for in the stall watchdog's messages."""
+    _wait_works(job, [work], device, group, peer)
+
+
+def _wait_works(
+    job: WaitingJob, works: list[dist.Work], device: torch.device, group: dist.ProcessGroup | None, peer: str
+) -> None:
+    """Wait for ``works`` on tensors of ``device`` over ``group`` with the wait :func:`polls` chooses."""
     if polls(device, group):
-        poll(job, [work], peer)
+        poll(job, works, peer)
     else:
-        wait(job, [work], peer)  # looked up at each call (benchmarks/waits.py puts a blocking wait there)
+        wait(job, works, peer)  # looked up at each call (benchmarks/waits.py puts a blocking wait there)
 
 
 def _objects(parts: list[Tensor], sizes: list[int]) -> list[Any]:

@@ -189,18 +189,41 @@ def gather_union(local: dict[str, Any], group: dist.ProcessGroup | None, job: "J
     elsewhere (a collective call of ``group``, which must hold global rank 0; ``job``: the run's
     :class:`~lightning_gpipe.faults.job.Job`, whose waits the gather uses).
 
-    Tensors are moved to the CPU first, so the result is device-independent.
+    An entry several processes hold (a tied parameter's copies) comes from the last of them, and crosses once; a dense
+    tensor crosses as its own bytes (:func:`~lightning_gpipe.faults.waiting.gather_tensors`), the other values
+    pickled. So global rank 0 holds, beside its own state, the union and no copy of it (a whole model gathered after
+    fit fits where the model did), and the others nothing more. The result's tensors are on the CPU, so it is
+    device-independent.
 
     Raises:
         PipelineFailure: if another stage failed while this one waited for it.
     """
-    local = {key: value.cpu() if isinstance(value, Tensor) else value for key, value in local.items()}
     if not dist.is_initialized():
-        return local
-    parts = waiting.gather_object(job, local, dst=0, group=group)
-    if parts is None:
+        return {key: _on_cpu(value) for key, value in local.items()}
+    every = waiting.all_gather_object(job, list(local), group)
+    giver = {key: index for index, keys in enumerate(every) for key in keys}  # the last process holding it
+    mine = [key for key in local if giver[key] == dist.get_rank(group)]
+    others = {key: _on_cpu(local[key]) for key in mine if not _dense(local[key])}
+    pickled = waiting.gather_object(job, others, 0, group)
+    tensors = waiting.gather_tensors(job, [local[key] for key in mine if key not in others], 0, group)
+    if pickled is None or tensors is None:
         return None
-    return {key: value for part in parts for key, value in part.items()}
+    union = dict.fromkeys(key for keys in every for key in keys)
+    for index, keys in enumerate(every):
+        received = iter(tensors[index])
+        for key in (key for key in keys if giver[key] == index):
+            union[key] = pickled[index][key] if key in pickled[index] else next(received)
+    return union
+
+
+def _dense(value: Any) -> bool:
+    """Whether ``value`` is a plain dense tensor, which crosses as its own bytes."""
+    plain = type(value) in (Tensor, nn.Parameter)
+    return plain and value.layout == torch.strided and not value.is_quantized and not value.is_meta
+
+
+def _on_cpu(value: Any) -> Any:
+    return value.cpu() if isinstance(value, Tensor) else value
 
 
 def whole_on_rank_zero(
