@@ -199,9 +199,10 @@ def main(argv: list[str] | None = None) -> None:
             ratio = f"{depth / plain:.2f}" if plain else "-"
             print(f"{side:<13}{depth:>14}{ratio:>9}{step:>8.2f}")
         torch_sides = {side: found[side] for side in found if side in TORCH}
-        if torch_sides:
+        our_sides = {side: found[side] for side in found if side not in TORCH and side != "plain"}
+        if torch_sides and our_sides:
             best = max(torch_sides, key=lambda side: torch_sides[side][0])
-            ours = max((side for side in found if side not in TORCH and side != "plain"), key=lambda s: found[s][0])
+            ours = max(our_sides, key=lambda side: our_sides[side][0])
             print(
                 f"best of ours: {ours} at depth {found[ours][0]}; best of torch's: {best} at depth"
                 f" {found[best][0]} ({found[ours][0] / max(found[best][0], 1):.2f}x)"

@@ -14,6 +14,7 @@ after fit, each stage writing its own shard.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from pathlib import Path
@@ -21,10 +22,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_gpipe.engine import Partition, materialize
+from lightning_gpipe.faults import Job, waiting
 from lightning_gpipe.hf import lora as peft_lora
 from lightning_gpipe.hf.adapter import Family, check_class, family_of, to_sequential
 from lightning_gpipe.hf.composite import unused_inputs
@@ -332,25 +333,7 @@ class HFModule(pl.LightningModule):
         if not isinstance(self.backbone, Partition):
             model.save_pretrained(directory)
             return directory
-        strategy = cast("GPipeStrategy", self.trainer.strategy)  # the backbone is split: a pipelined run
-        writes = getattr(strategy, "pipeline_index", 0) == 0  # replica 0's, tensor rank 0's stages
-        state = {hf_name(k): v for k, v in self.backbone.state_dict().items() if not v.is_meta}
-        state = whole_tensors(state)  # a sharded or split stage's DTensors gathered whole: a collective call
-        if writes:
-            save_stage_shards(
-                directory,
-                state,
-                strategy.stage_index,
-                strategy.topology.num_stages,
-                model.config,
-                skip=model.all_tied_weights_keys,
-                gather=_gather_over_world if strategy.topology.num_stages > 1 else None,
-                write_index=strategy.global_rank == 0,
-                model=model,
-            )
-        else:
-            _gather_over_world(None)
-        strategy.barrier("save_pretrained")
+        _save_stage_shards(self, cast("GPipeStrategy", self.trainer.strategy), directory)  # split: a pipelined run
         return directory
 
     def _save_adapters(self, directory: Path) -> Path:
@@ -362,13 +345,38 @@ class HFModule(pl.LightningModule):
         return directory
 
 
+def _save_stage_shards(module: HFModule, strategy: GPipeStrategy, directory: Path) -> None:
+    """:meth:`HFModule.save_pretrained` of a split model: each stage of the first pipeline (replica 0, tensor rank 0)
+    writes its shard, global rank 0 the index (of every shard's sizes, gathered) and the config."""
+    model = module.hf_model
+    state = {hf_name(k): v for k, v in module.backbone.state_dict().items() if not v.is_meta}
+    state = whole_tensors(state)  # a sharded or split stage's DTensors gathered whole: a collective call
+    stages = strategy.topology.num_stages
+    gather = functools.partial(_gather_over_world, strategy.job) if stages > 1 else None  # of the shards' sizes
+    if getattr(strategy, "pipeline_index", 0) == 0:  # replica 0's, tensor rank 0's stages write
+        save_stage_shards(
+            directory,
+            state,
+            strategy.stage_index,
+            stages,
+            model.config,
+            skip=model.all_tied_weights_keys,
+            gather=gather,
+            write_index=strategy.global_rank == 0,
+            model=model,
+        )
+    elif gather is not None:
+        gather(None)
+    strategy.barrier("save_pretrained")
+
+
 def _save_stage_adapters(module: HFModule, strategy: GPipeStrategy, directory: Path) -> None:
     """Every stage's trainable tensors (whole: a sharded stage's gathered over its replicas, a collective call) sent to
     global rank 0, which writes the adapter directory."""
     state = module.backbone.state_dict(keep_vars=True)
     local = {hf_name(k): v.detach() for k, v in state.items() if v.requires_grad and not v.is_meta}
     local = {k: v.cpu() for k, v in whole_tensors(local).items()}
-    everything = _gather_over_world(local if getattr(strategy, "pipeline_index", 0) == 0 else None)
+    everything = _gather_over_world(strategy.job, local if getattr(strategy, "pipeline_index", 0) == 0 else None)
     if strategy.global_rank == 0:
         peft_lora.save_adapters(module.peft_model, directory, {k: v for part in everything for k, v in part.items()})
     strategy.barrier("save_pretrained")
@@ -419,11 +427,10 @@ def _is_object(value: Any) -> bool:
     return value is not None and not isinstance(value, (bool, int, float, str, dict, list, tuple, os.PathLike))
 
 
-def _gather_over_world(obj: Any) -> list[Any]:
-    """Every process's ``obj`` (``None`` from processes that write nothing), skipping the ``None``s."""
-    everything: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everything, obj)
-    return [o for o in everything if o is not None]
+def _gather_over_world(job: Job, obj: Any) -> list[Any]:
+    """Every process's ``obj`` (``None`` from processes that write nothing), skipping the ``None``s (a collective
+    call whose wait a failed or stalled stage ends, :func:`~lightning_gpipe.faults.waiting.all_gather_object`)."""
+    return [o for o in waiting.all_gather_object(job, obj) if o is not None]
 
 
 def _local(pretrained: str) -> str:

@@ -43,7 +43,8 @@ def module_values(module: nn.Module) -> dict[str, Tensor]:
     buffers no state dict holds (``persistent=False``: a rotary embedding's frequencies, a causal mask), which a
     stage computes with all the same."""
     values = module.state_dict(keep_vars=True)
-    values.update((name, buffer) for name, buffer in module.named_buffers() if name not in values)
+    buffers = module.named_buffers(remove_duplicate=False)  # a buffer several modules share, under each name
+    values.update((name, buffer) for name, buffer in buffers if name not in values)
     return values
 
 
