@@ -296,9 +296,14 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     reset (e.g. ``nn.MultiheadAttention``'s) has the last word. A parameter used by several of
     its modules (weights tied on one stage) stays one parameter.
 
+    Each allocated tensor is first filled with a value no initialisation writes (:func:`_poison`): one the resets
+    leave unwritten holds NaN, not memory's leftovers, and a buffer no checkpoint can fill (``persistent=False``: a
+    positional table computed in ``__init__``) raises here.
+
     Raises:
         ValueError: if a meta tensor belongs to a module with no reset method, directly or
-            through an ancestor (its values could not be initialised).
+            through an ancestor (its values could not be initialised), or a buffer registered with
+            ``persistent=False`` is left unwritten by the resets, naming it.
     """
     meta = [sub for sub in module.modules() if any(t.is_meta for t in _own_tensors(sub))]
     if not meta:
@@ -316,12 +321,58 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     aliases = _aliases(module)
     for sub in meta:
         sub.to_empty(device=device, recurse=False)
+        _poison(sub)
     _retie(module, aliases, lambda copies: copies[0])  # each module got its own new tensor: one again
     for sub in reversed(resets):
         reset = next((getattr(sub, name) for name in RESET_METHODS if hasattr(sub, name)), None)
         if reset is not None:
             with torch.no_grad():
                 reset()
+    _check_unsaved_buffers_filled(module, meta)
+
+
+def _poison(module: nn.Module) -> None:
+    """Fill ``module``'s own tensors with a value no initialisation writes: NaN (floating point), the type's
+    smallest value (``int32``, ``int64``); other types as they are."""
+    with torch.no_grad():
+        for tensor in _own_tensors(module):
+            if tensor.is_floating_point() or tensor.is_complex():
+                tensor.fill_(float("nan"))
+            elif tensor.dtype in (torch.int32, torch.int64):
+                tensor.fill_(torch.iinfo(tensor.dtype).min)
+
+
+def _poisoned(tensor: Tensor) -> Tensor:
+    """Whether any element of ``tensor`` still holds :func:`_poison`'s value (a 0-d bool tensor)."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        return tensor.isnan().any()
+    if tensor.dtype in (torch.int32, torch.int64):
+        return (tensor == torch.iinfo(tensor.dtype).min).any()
+    return torch.zeros((), dtype=torch.bool, device=tensor.device)
+
+
+def _check_unsaved_buffers_filled(module: nn.Module, materialized: list[nn.Module]) -> None:
+    """Raise if a buffer registered with ``persistent=False`` of the ``materialized`` submodules of ``module`` is
+    still :func:`_poisoned` after the resets (one host read for all of them).
+
+    Raises:
+        ValueError: naming the first such buffer and the fix.
+    """
+    names = {sub: name for name, sub in module.named_modules()}
+    unsaved = []
+    for sub in materialized:
+        saved = sub.state_dict(keep_vars=True)
+        own = sub.named_buffers(recurse=False)
+        unsaved += [(f"{names[sub]}.{name}".lstrip("."), buffer) for name, buffer in own if name not in saved]
+    if not unsaved or not torch.stack([_poisoned(buffer) for _, buffer in unsaved]).any().item():
+        return
+    name = next(name for name, buffer in unsaved if _poisoned(buffer).item())
+    raise ValueError(
+        f"`{name}`, a buffer registered with persistent=False, was created on the meta device and its module's"
+        " `reset_parameters()` does not fill it, so its stage would compute with no values in it (no checkpoint"
+        " holds such a buffer either). Fill it in `reset_parameters()`, or create the module outside"
+        " `configure_model`."
+    )
 
 
 def _fill_meta(module: nn.Module, values: dict[str, Tensor]) -> None:

@@ -20,6 +20,8 @@ STAGES = {
     "manual_optimization": "RuntimeError: GPipeStrategy supports automatic optimization only",
     "impossible_memory_limit": "the smallest limit that fits is",
     "meta_layer_without_reset": "was created on the meta device but has no `reset_parameters()` to initialise it",
+    "meta_buffer_unfilled": "a buffer registered with persistent=False, was created on the meta device and its"
+    " module's `reset_parameters()` does not fill it",
     "training_batches_differ": "The stages have different numbers of training batches (stage 0: [3], stage 1: [2]);"
     " every stage runs every batch of the pipeline, so all stages need the same data loaders",
     "validation_batches_differ": "The stages have different numbers of validation batches (stage 0: [3], stage 1: [2])",

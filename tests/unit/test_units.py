@@ -200,6 +200,38 @@ def test_materialize_keeps_a_parameter_tied_on_one_stage_one_parameter():
     assert holder["head"].weight is holder["embedding"].weight and not holder["head"].weight.is_meta
 
 
+class _Table(nn.Linear):
+    """A Linear(2, 2) with a saved and an unsaved buffer computed in ``__init__``; its reset fills the weights, and
+    the buffers only with ``fills``."""
+
+    def __init__(self, fills: bool) -> None:
+        super().__init__(2, 2)
+        self.fills = fills
+        self.register_buffer("table", torch.arange(2.0) + 1, persistent=False)
+        self.register_buffer("steps", torch.arange(2) + 1)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if getattr(self, "fills", False):
+            self.table.copy_(torch.arange(2.0) + 1)
+            self.steps.copy_(torch.arange(2) + 1)
+
+
+def test_materialize_refuses_an_unsaved_buffer_its_reset_leaves_unwritten_and_poisons_the_rest():
+    """Before: each stage computed with `to_empty`'s memory in both buffers. An unsaved buffer can only come from the
+    reset, so one it does not write raises naming it; a saved one may still come from a checkpoint, so it holds a
+    value no initialisation writes (an int64's smallest; NaN for floating point) instead of leftovers."""
+    from lightning_gpipe.engine.partition import materialize
+
+    with torch.device("meta"):
+        filled, unfilled = nn.Sequential(_Table(fills=True)), nn.Sequential(_Table(fills=False))
+    materialize(filled, torch.device("cpu"))
+    assert filled[0].table.tolist() == [1.0, 2.0] and filled[0].steps.tolist() == [1, 2]
+    with pytest.raises(ValueError, match=r"`0\.table`, a buffer registered with persistent=False, .* Fill it in"):
+        materialize(unfilled, torch.device("cpu"))
+    assert unfilled[0].table.isnan().all() and unfilled[0].steps.tolist() == [torch.iinfo(torch.int64).min] * 2
+
+
 def test_the_strategy_takes_every_option_of_the_config_with_its_default():
     import dataclasses
     import inspect

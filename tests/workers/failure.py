@@ -292,6 +292,28 @@ class LazyWithoutReset(TupleNet):
         return F.cross_entropy(self.head(self.backbone(x)), y)
 
 
+class UnfilledTable(nn.Module):
+    """A layer whose ``reset_parameters()`` fills its weight but not the table it computes in ``__init__``."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(FEATURES))
+        self.register_buffer("table", torch.linspace(0.5, 1.5, FEATURES), persistent=False)
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
+    def forward(self, x):
+        return x * self.weight * self.table
+
+
+class LazyUnfilledTable(LazyWithoutReset):
+    def configure_model(self):
+        if self.backbone is None:
+            self.backbone = nn.Sequential(UnfilledTable(), UnfilledTable())
+            self.head = nn.Linear(FEATURES, 3)
+
+
 BAD_INPUTS = {
     "balance_sum": lambda: fit(strategy=strategy(balance=[1, 1]), devices=2),
     "balance_length": lambda: fit(strategy=strategy(balance=[3, 3, 2]), devices=2),
@@ -303,6 +325,7 @@ BAD_INPUTS = {
     "manual_optimization": lambda: fit(strategy=strategy(), devices=2, module=Manual()),
     "impossible_memory_limit": lambda: fit(strategy=strategy(balance="time", balance_memory_limit=1), devices=2),
     "meta_layer_without_reset": lambda: fit(strategy=strategy(), devices=2, module=LazyWithoutReset()),
+    "meta_buffer_unfilled": lambda: fit(strategy=strategy(), devices=2, module=LazyUnfilledTable()),
     "training_batches_differ": lambda: L.Trainer(
         strategy=strategy(), devices=2, max_steps=2, logger=False, enable_checkpointing=False
     ).fit(TupleNet(), loader(batch_size=20 + 6 * rank)),
