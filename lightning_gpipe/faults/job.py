@@ -21,7 +21,6 @@ interpreter exit, lets those waits end first: they do once the other stages' pro
 """
 
 import atexit
-import os
 import sys
 import threading
 import time
@@ -32,7 +31,7 @@ import torch.distributed as dist
 from lightning_gpipe.faults import waiting
 from lightning_gpipe.faults.failure import FailureBoard
 from lightning_gpipe.faults.waiting import Waiter
-from lightning_gpipe.faults.watchdog import Position, Watchdog
+from lightning_gpipe.faults.watchdog import Position, Watchdog, end_process
 
 EXIT_GRACE = 15.0
 """Seconds an exiting process gives its helper threads' waits to end (a failed stage's neighbours linger for 5 s
@@ -106,8 +105,8 @@ class Job:
 def end_waits_at_exit(grace: float = EXIT_GRACE) -> None:
     """End the :class:`~lightning_gpipe.faults.waiting.Waiter` helper threads before the interpreter finalizes (run at
     exit, see the module docstring): tell each to end after its current wait and wait ``grace`` seconds for them; if
-    one still waits then, flush the output and exit at once with code 1 (``os._exit``: a transfer still pending at
-    exit means the run failed)."""
+    one still waits then, flush the output and exit at once with code 1
+    (:func:`~lightning_gpipe.faults.watchdog.end_process`: a transfer still pending at exit means the run failed)."""
     threads = [thread for thread in threading.enumerate() if isinstance(thread, waiting._Thread)]
     for thread in threads:
         thread.batches.put(None)  # the end of its queue; a thread already told to end has left it
@@ -117,7 +116,7 @@ def end_waits_at_exit(grace: float = EXIT_GRACE) -> None:
     if any(thread.is_alive() for thread in threads):
         print(f"[lightning_gpipe] exiting with a transfer still pending after {grace:g} s", file=sys.stderr)
         sys.stdout.flush(), sys.stderr.flush()
-        os._exit(1)
+        end_process()
 
 
 atexit.register(end_waits_at_exit)

@@ -33,11 +33,12 @@ ends the processes it started itself (:meth:`lightning_gpipe.lightning.mesh.Mesh
 
 import json
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch.distributed as dist
 
@@ -351,7 +352,38 @@ class _Heartbeat(threading.Thread):
         if named or now - self.trouble_since > GRACE:
             left = "" if named else f" {now - self.trouble_since:.0f} s after the job failed"
             self.board.say(f"ending this process{left}: {cause}")
-            os._exit(1)
+            end_process()
+
+
+def end_process() -> NoReturn:
+    """End this process at once with exit code 1 (``os._exit``: its threads may be stuck where no exception reaches),
+    and first its child processes (``SIGKILL``): a data loader's worker ends by itself once it sees its parent gone,
+    but one stuck before its loop (a fork that hung in a library's at-fork handler) would outlive the stage, holding
+    the job's output pipes open, so that whatever reads them never ends."""
+    for child in _children(os.getpid()):
+        try:
+            os.kill(child, signal.SIGKILL)
+        except OSError:  # it has ended meanwhile
+            pass
+    os._exit(1)
+
+
+def _children(pid: int) -> list[int]:
+    """The ids of process ``pid``'s child processes, from ``/proc`` (none where there is no ``/proc``)."""
+    try:
+        entries = [entry for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:
+        return []
+    children = []
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[-1].split()[1])  # after the name: state, then parent id
+        except (OSError, ValueError, IndexError):  # it has ended meanwhile
+            continue
+        if parent == pid:
+            children.append(int(entry))
+    return children
 
 
 # ------------------------------------------------------------------------------------------ the launcher watch
@@ -398,7 +430,7 @@ class LauncherWatch(threading.Thread):
         elif self.stopped.is_set():  # the run ended (it stops the watch before it closes its job)
             return
         say(self.name, f"ending this process: {cause}")
-        os._exit(1)
+        end_process()
 
 
 def watch_launcher(name: str, board: Callable[[], FailureBoard]) -> LauncherWatch | None:

@@ -277,11 +277,11 @@ def test_a_failure_on_one_tensor_rank_ends_every_process_of_the_stage_and_its_ne
     names = {rank: topology.name(rank) for rank in range(4)}
     ended, partner_ended = [], threading.Event()
 
-    def exit_(code):  # the heartbeat's os._exit, recorded instead (every heartbeat of the job may call it)
-        ended.append((threading.current_thread().board.name, code))
+    def end_process():  # the heartbeat's exit (code 1), recorded instead (every heartbeat of the job may call it)
+        ended.append((threading.current_thread().board.name, 1))
         partner_ended.set() if threading.current_thread().board.name == names[0] else None
 
-    monkeypatch.setattr(watchdog, "os", SimpleNamespace(_exit=exit_))
+    monkeypatch.setattr(watchdog, "end_process", end_process)
     monkeypatch.setattr(watchdog, "INTERVAL", 0.05)
     monkeypatch.setattr(watchdog, "GRACE", 0.2)
     monkeypatch.setattr(waiting, "TICK", 0.05)
@@ -302,3 +302,28 @@ def test_a_failure_on_one_tensor_rank_ends_every_process_of_the_stage_and_its_ne
             work.done.set()
         for job in jobs:
             job.close()
+
+
+def test_a_process_the_watchdog_ends_ends_its_child_processes_first():
+    """A data loader's worker that hung in its fork (seen once: stuck in a library's at-fork handler) outlived the
+    stage the watchdog ended, holding the job's output pipes open: the harness reading them never ended. The stage
+    now kills its children before it exits."""
+    import subprocess
+    import sys
+
+    script = (
+        "import subprocess, sys\n"
+        "from lightning_gpipe.faults.watchdog import _children, end_process\n"
+        "quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], **quiet)\n"
+        "assert _children(__import__('os').getpid()) == [child.pid]\n"
+        "print(child.pid, flush=True)\n"
+        "end_process()\n"
+    )
+    ended = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert ended.returncode == 1, ended.stderr
+    child = int(ended.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while not watchdog._ended(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert watchdog._ended(child)
