@@ -19,6 +19,7 @@ Across stages each holding stage keeps its own copy (:mod:`lightning_gpipe.engin
 :meth:`Split.undo` ties the names together again.
 """
 
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -332,23 +333,27 @@ def materialize(module: nn.Module, device: torch.device) -> None:
 
 
 def _poison(module: nn.Module) -> None:
-    """Fill ``module``'s own tensors with a value no initialisation writes: NaN (floating point), the type's
-    smallest value (``int32``, ``int64``); other types as they are."""
+    """Fill ``module``'s own tensors with a value no initialisation writes (:func:`_poison_of`)."""
     with torch.no_grad():
         for tensor in _own_tensors(module):
-            if tensor.is_floating_point() or tensor.is_complex():
-                tensor.fill_(float("nan"))
-            elif tensor.dtype in (torch.int32, torch.int64):
-                tensor.fill_(torch.iinfo(tensor.dtype).min)
+            if (value := _poison_of(tensor)) is not None:
+                tensor.fill_(value)
+
+
+def _poison_of(tensor: Tensor) -> float | int | None:
+    """The value :func:`_poison` fills ``tensor`` with: NaN (floating point), the type's smallest value (``int32``,
+    ``int64``); ``None`` for other types, left as they are."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        return math.nan
+    return torch.iinfo(tensor.dtype).min if tensor.dtype in (torch.int32, torch.int64) else None
 
 
 def _poisoned(tensor: Tensor) -> Tensor:
     """Whether any element of ``tensor`` still holds :func:`_poison`'s value (a 0-d bool tensor)."""
-    if tensor.is_floating_point() or tensor.is_complex():
-        return tensor.isnan().any()
-    if tensor.dtype in (torch.int32, torch.int64):
-        return (tensor == torch.iinfo(tensor.dtype).min).any()
-    return torch.zeros((), dtype=torch.bool, device=tensor.device)
+    value = _poison_of(tensor)
+    if value is None:
+        return torch.zeros((), dtype=torch.bool, device=tensor.device)
+    return (tensor.isnan() if math.isnan(value) else tensor == value).any()
 
 
 def _check_unsaved_buffers_filled(module: nn.Module, materialized: list[nn.Module]) -> None:
@@ -364,9 +369,10 @@ def _check_unsaved_buffers_filled(module: nn.Module, materialized: list[nn.Modul
         saved = sub.state_dict(keep_vars=True)
         own = sub.named_buffers(recurse=False)
         unsaved += [(f"{names[sub]}.{name}".lstrip("."), buffer) for name, buffer in own if name not in saved]
-    if not unsaved or not torch.stack([_poisoned(buffer) for _, buffer in unsaved]).any().item():
+    poisoned = torch.stack([_poisoned(buffer) for _, buffer in unsaved]).tolist() if unsaved else []
+    name = next((name for (name, _), unfilled in zip(unsaved, poisoned) if unfilled), None)
+    if name is None:
         return
-    name = next(name for name, buffer in unsaved if _poisoned(buffer).item())
     raise ValueError(
         f"`{name}`, a buffer registered with persistent=False, was created on the meta device and its module's"
         " `reset_parameters()` does not fill it, so its stage would compute with no values in it (no checkpoint"

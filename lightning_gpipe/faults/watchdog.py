@@ -37,7 +37,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from typing import Any, NoReturn, cast
 
 import torch.distributed as dist
@@ -361,29 +361,28 @@ def end_process() -> NoReturn:
     but one stuck before its loop (a fork that hung in a library's at-fork handler) would outlive the stage, holding
     the job's output pipes open, so that whatever reads them never ends."""
     for child in _children(os.getpid()):
-        try:
+        with suppress(OSError):  # it has ended meanwhile
             os.kill(child, signal.SIGKILL)
-        except OSError:  # it has ended meanwhile
-            pass
     os._exit(1)
 
 
 def _children(pid: int) -> list[int]:
     """The ids of process ``pid``'s child processes, from ``/proc`` (none where there is no ``/proc``)."""
     try:
-        entries = [entry for entry in os.listdir("/proc") if entry.isdigit()]
+        entries = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
     except OSError:
         return []
-    children = []
-    for entry in entries:
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                parent = int(stat.read().rsplit(")", 1)[-1].split()[1])  # after the name: state, then parent id
-        except (OSError, ValueError, IndexError):  # it has ended meanwhile
-            continue
-        if parent == pid:
-            children.append(int(entry))
-    return children
+    return [entry for entry in entries if (fields := _stat(entry)) is not None and fields[1] == str(pid)]
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the process's name (its state, then its parent's id, ...); ``None``
+    where there is no such file (the process has ended, or no ``/proc``: not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[-1].split()
+    except OSError:
+        return None
 
 
 # ------------------------------------------------------------------------------------------ the launcher watch
@@ -456,8 +455,5 @@ def _ended(pid: int) -> bool:
         return True
     except PermissionError:
         return False
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[-1].split()[0] == "Z"
-    except OSError:  # no /proc (not Linux): it exists
-        return False
+    fields = _stat(pid)
+    return fields is not None and fields[0] == "Z"  # without /proc (not Linux): it exists
